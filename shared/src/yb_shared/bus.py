@@ -1,0 +1,420 @@
+"""The control plane: one NATS connection per process, JetStream for the event log.
+
+`Bus` wraps nats-py with what every service needs and nothing more:
+- connecting with exponential backoff (first connect and every reconnect) and a
+  deadline, so a service started before NATS waits for it and one whose NATS went
+  away comes back by itself;
+- setting up the `YB_EVENTS` stream with explicit, documented settings;
+- publishing typed events with a `Nats-Msg-Id` (JetStream de-duplicates retries) and
+  the current trace context in the headers;
+- ordered consumers (a private, gap-free, in-order view of the log from a sequence)
+  and durable pull consumers (a named position that survives restarts);
+- core request/reply and subscriptions for the ephemeral job and token subjects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext, api
+
+from yb_shared.config import NatsConfig
+from yb_shared.events import AnyEvent, decode_event, encode_event, message_id_for, subject_for
+from yb_shared.telemetry import get_logger, inject_headers
+
+log = get_logger(__name__)
+
+EVENT_SUBJECTS = "yb.ev.>"
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+
+class BusError(RuntimeError):
+    """The bus could not do what was asked within its deadline."""
+
+
+class BusUnavailable(BusError):
+    """NATS cannot be reached (down, or not yet up) — callers answer 503."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedEvent:
+    """An event read back from the log with its position."""
+
+    seq: int
+    subject: str
+    event: AnyEvent
+    headers: Mapping[str, str]
+
+
+def backoff_delays(base: float, cap: float) -> Callable[[int], float]:
+    """Full-jitter exponential backoff: attempt n waits up to min(cap, base * 2**n)."""
+
+    def delay(attempt: int) -> float:
+        return random.uniform(0.0, min(cap, base * (2 ** min(attempt, 16))))
+
+    return delay
+
+
+class Bus:
+    """A service's connection to NATS and JetStream.
+
+    Create with `await Bus.connect(cfg, name)`; `close()` is idempotent.
+    """
+
+    def __init__(self, nc: NatsClient, cfg: NatsConfig) -> None:
+        self._nc = nc
+        self._cfg = cfg
+        self._js: JetStreamContext = nc.jetstream(timeout=cfg.request_timeout_s)
+        self._closed = False
+
+    # --- connection -----------------------------------------------------------------
+
+    @classmethod
+    async def connect(
+        cls,
+        cfg: NatsConfig,
+        name: str,
+        *,
+        timeout_s: float | None = None,
+        on_state: Callable[[str], Awaitable[None]] | None = None,
+    ) -> Bus:
+        """Connect, retrying with backoff until `timeout_s` (None: forever).
+
+        Raises `BusUnavailable` at the deadline. After the first connection nats-py
+        reconnects by itself, with the same backoff, for as long as the process lives.
+        """
+        delay = backoff_delays(cfg.reconnect_wait_s, cfg.max_reconnect_wait_s)
+
+        def pick_server(servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
+            server = min(servers, key=lambda s: s.reconnects)
+            return server, delay(server.reconnects)
+
+        async def disconnected() -> None:
+            log.warning("nats_disconnected")
+            if on_state:
+                await on_state("disconnected")
+
+        async def reconnected() -> None:
+            log.info("nats_reconnected")
+            if on_state:
+                await on_state("connected")
+
+        async def error(exc: Exception) -> None:
+            log.debug("nats_error", error=repr(exc))
+
+        options: dict[str, Any] = {
+            "servers": [u.strip() for u in cfg.url.split(",") if u.strip()],
+            "name": name,
+            "connect_timeout": cfg.connect_timeout_s,
+            "allow_reconnect": True,
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": cfg.reconnect_wait_s,
+            "reconnect_to_server_handler": pick_server,
+            "disconnected_cb": disconnected,
+            "reconnected_cb": reconnected,
+            "error_cb": error,
+            # Bound the client's buffer while disconnected: publishes fail fast instead
+            # of piling up for minutes.
+            "pending_size": 8 * 1024 * 1024,
+        }
+        if cfg.user:
+            options["user"] = cfg.user
+            options["password"] = cfg.password
+        if cfg.creds_file:
+            options["user_credentials"] = cfg.creds_file
+
+        # nats-py retries the first connection itself (reconnect_time_wait apart, for
+        # ever with max_reconnect_attempts=-1); the deadline bounds that loop.
+        nc = NatsClient()
+        try:
+            await asyncio.wait_for(nc.connect(**options), timeout=timeout_s)
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            await nc.close()
+            raise BusUnavailable(f"cannot reach NATS at {cfg.url}: {exc!r}") from exc
+        return cls(nc, cfg)
+
+    @property
+    def connected(self) -> bool:
+        """True while the connection to NATS is up."""
+        return self._nc.is_connected
+
+    @property
+    def client(self) -> NatsClient:
+        """The raw nats-py client, for what this wrapper does not cover."""
+        return self._nc
+
+    @property
+    def jetstream(self) -> JetStreamContext:
+        """The raw JetStream context."""
+        return self._js
+
+    async def close(self) -> None:
+        """Drain subscriptions and close; safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._nc.is_connected:
+                await asyncio.wait_for(self._nc.drain(), timeout=2.0)
+        except (TimeoutError, nats.errors.Error, OSError):
+            pass
+        finally:
+            if not self._nc.is_closed:
+                await self._nc.close()
+
+    # --- the event stream -----------------------------------------------------------
+
+    async def ensure_stream(self) -> api.StreamInfo:
+        """Create the event stream, or update it to the configured settings."""
+        config = api.StreamConfig(
+            name=self._cfg.stream,
+            subjects=[EVENT_SUBJECTS],
+            storage=api.StorageType.FILE if self._cfg.storage == "file" else api.StorageType.MEMORY,
+            num_replicas=self._cfg.replicas,
+            duplicate_window=self._cfg.duplicate_window_s,
+            max_age=self._cfg.max_age_s,
+            retention=api.RetentionPolicy.LIMITS,
+            discard=api.DiscardPolicy.OLD,
+        )
+        try:
+            return await self._js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            # Exists with other settings: bring it to ours (only mutable fields change).
+            return await self._js.update_stream(config)
+
+    async def publish(
+        self,
+        event: AnyEvent,
+        *,
+        timeout_s: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> int:
+        """Append an event to the log and return its stream sequence.
+
+        Retries until `timeout_s` (default: the configured request timeout) with the
+        same `Nats-Msg-Id`, so a publish that reached the server but whose ack was
+        lost is not stored twice. Raises `BusUnavailable` when the deadline passes.
+        """
+        if not event.time:
+            event.time = time.time()
+        hdrs = inject_headers(dict(headers or {}))
+        hdrs[MSG_ID_HEADER] = message_id_for(event)
+        payload = encode_event(event)
+        subject = subject_for(event)
+        budget = self._cfg.request_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget
+        delay = backoff_delays(0.05, 1.0)
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BusUnavailable(f"publish of {subject} timed out after {budget:.1f}s")
+            try:
+                ack = await self._js.publish(
+                    subject, payload, timeout=min(remaining, 2.0), headers=dict(hdrs)
+                )
+                return int(ack.seq)
+            except (
+                TimeoutError,
+                nats.errors.TimeoutError,
+                nats.errors.ConnectionClosedError,
+                nats.errors.ConnectionReconnectingError,
+                nats.errors.OutboundBufferLimitError,
+                nats.errors.StaleConnectionError,
+                nats.js.errors.NoStreamResponseError,
+                nats.js.errors.ServiceUnavailableError,
+            ) as exc:
+                wait = min(delay(attempt), max(0.0, deadline - time.monotonic()))
+                attempt += 1
+                log.debug("publish_retry", subject=subject, error=repr(exc), wait_s=wait)
+                await asyncio.sleep(wait)
+
+    async def last_sequence(self) -> int:
+        """The sequence of the newest event in the log (0 when empty)."""
+        info = await self._js.stream_info(self._cfg.stream)
+        return int(info.state.last_seq)
+
+    async def read_ordered(
+        self,
+        subject: str = EVENT_SUBJECTS,
+        *,
+        start_seq: int = 1,
+        new_only: bool = False,
+    ) -> EventReader:
+        """An ordered consumer: every matching event from `start_seq` on, in order.
+
+        Ordered consumers are ephemeral and reset themselves on a gap, so the reader
+        never skips or repeats an event. `new_only` starts at the next event published.
+        """
+        if new_only:
+            policy = api.DeliverPolicy.NEW
+            config = api.ConsumerConfig(deliver_policy=policy)
+        elif start_seq <= 1:
+            config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL)
+        else:
+            config = api.ConsumerConfig(
+                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq
+            )
+        sub = await self._js.subscribe(
+            subject,
+            stream=self._cfg.stream,
+            ordered_consumer=True,
+            config=config,
+            idle_heartbeat=2.0,
+            pending_msgs_limit=1_000_000,
+        )
+        return EventReader(sub)
+
+    async def read_durable(self, durable: str, subject: str = EVENT_SUBJECTS) -> DurableReader:
+        """A named pull consumer: its position survives restarts; acked explicitly."""
+        sub = await self._js.pull_subscribe(
+            subject,
+            durable=durable,
+            stream=self._cfg.stream,
+            config=api.ConsumerConfig(ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=10_000),
+        )
+        return DurableReader(sub)
+
+    # --- ephemeral point-to-point ---------------------------------------------------
+
+    async def request(
+        self,
+        subject: str,
+        payload: bytes,
+        *,
+        timeout_s: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> Msg:
+        """Core NATS request/reply with a deadline.
+
+        Raises `BusUnavailable` when NATS is down or nobody answers in time (no
+        responders or a timeout): the caller decides whether to re-plan or fail.
+        """
+        if not self._nc.is_connected:
+            raise BusUnavailable("not connected to NATS")
+        try:
+            return await self._nc.request(
+                subject, payload, timeout=timeout_s, headers=dict(headers or {}) or None
+            )
+        except nats.errors.NoRespondersError as exc:
+            raise BusUnavailable(f"no responders on {subject}") from exc
+        except (TimeoutError, nats.errors.TimeoutError) as exc:
+            raise BusUnavailable(f"no reply on {subject} within {timeout_s:.1f}s") from exc
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as e:
+            raise BusUnavailable(f"NATS connection lost during request: {e!r}") from e
+
+    async def publish_core(
+        self, subject: str, payload: bytes, *, headers: Mapping[str, str] | None = None
+    ) -> None:
+        """Fire a core NATS message (token chunks); raises `BusUnavailable` when down."""
+        try:
+            await self._nc.publish(subject, payload, headers=dict(headers or {}) or None)
+        except (
+            nats.errors.ConnectionClosedError,
+            nats.errors.ConnectionReconnectingError,
+            nats.errors.OutboundBufferLimitError,
+        ) as exc:
+            raise BusUnavailable(f"cannot publish on {subject}: {exc!r}") from exc
+
+    async def subscribe(
+        self,
+        subject: str,
+        *,
+        queue: str = "",
+        cb: Callable[[Msg], Awaitable[None]] | None = None,
+        max_pending: int = 65536,
+    ) -> Subscription:
+        """A core NATS subscription (callback or iterate `sub.messages`)."""
+        return await self._nc.subscribe(subject, queue=queue, cb=cb, pending_msgs_limit=max_pending)
+
+    async def flush(self, timeout_s: float = 2.0) -> None:
+        """Wait until the server has seen everything sent so far."""
+        await self._nc.flush(timeout=timeout_s)
+
+
+class EventReader:
+    """Iterates the log through an ordered consumer; `close()` unsubscribes."""
+
+    def __init__(self, sub: JetStreamContext.PushSubscription) -> None:
+        self._sub = sub
+
+    async def next(self, timeout_s: float) -> LoggedEvent | None:
+        """The next event, or None if none arrives within `timeout_s`.
+
+        Messages that do not decode are logged and skipped: one bad publisher must
+        not stop every consumer of the log.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                msg = await self._sub.next_msg(timeout=remaining)
+            except (TimeoutError, nats.errors.TimeoutError):
+                return None
+            logged = _decode_logged(msg)
+            if logged is not None:
+                return logged
+
+    async def __aiter__(self) -> AsyncIterator[LoggedEvent]:
+        async for msg in self._sub.messages:
+            logged = _decode_logged(msg)
+            if logged is not None:
+                yield logged
+
+    async def close(self) -> None:
+        """Delete the ephemeral consumer; safe to call twice."""
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await self._sub.unsubscribe()
+
+
+class DurableReader:
+    """A durable pull consumer: `fetch` a batch, handle it, `ack` each message."""
+
+    def __init__(self, sub: JetStreamContext.PullSubscription) -> None:
+        self._sub = sub
+
+    async def fetch(self, batch: int, timeout_s: float) -> list[tuple[LoggedEvent, Msg]]:
+        """Up to `batch` events, waiting at most `timeout_s`; empty when none."""
+        try:
+            msgs = await self._sub.fetch(batch, timeout=timeout_s)
+        except (TimeoutError, nats.errors.TimeoutError):
+            return []
+        out: list[tuple[LoggedEvent, Msg]] = []
+        for msg in msgs:
+            logged = _decode_logged(msg)
+            if logged is None:
+                # A poison message would be redelivered forever: terminate it.
+                await msg.term()
+                continue
+            out.append((logged, msg))
+        return out
+
+    async def close(self) -> None:
+        """Stop pulling (the durable consumer and its position stay on the server)."""
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await self._sub.unsubscribe()
+
+
+def _decode_logged(msg: Msg) -> LoggedEvent | None:
+    try:
+        event = decode_event(msg.data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("undecodable_event", subject=msg.subject, error=str(exc))
+        return None
+    seq = int(msg.metadata.sequence.stream) if msg.reply else 0
+    return LoggedEvent(seq=seq, subject=msg.subject, event=event, headers=dict(msg.headers or {}))

@@ -1,0 +1,400 @@
+"""The scheduling log's vocabulary: every event on the `YB_EVENTS` stream.
+
+Each event is a `msgspec.Struct` encoded as msgpack, tagged so that one decoder reads
+them all (`decode_event`). Events are encoded as maps, not `array_like`: the log
+outlives every process that wrote it and services are upgraded one at a time, so a
+reader must accept payloads from older writers (missing fields take their defaults)
+and from newer ones (unknown fields are ignored). Schemas evolve only by adding
+fields with defaults, never by renaming or retyping, and `SCHEMA_VERSION` is bumped
+when that happens. Token ids and text never appear here:
+the log is durable and must not hold user content.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import msgspec
+
+SCHEMA_VERSION: Final = 1
+
+Role = Literal["prefill", "decode", "kvstore", "conductor", "gateway"]
+Tier = Literal["engine", "dram", "ssd"]
+
+
+class Event(
+    msgspec.Struct,
+    omit_defaults=True,
+    gc=False,
+    kw_only=True,
+    tag=True,
+    tag_field="type",
+):
+    """Base of every logged event.
+
+    `time` is the publisher's wall clock in seconds; the conductor uses it as its own
+    clock, so replaying the log reproduces every decision. `v` is the schema version
+    the publisher wrote.
+    """
+
+    v: int = SCHEMA_VERSION
+    time: float = 0.0
+
+
+# --- requests -----------------------------------------------------------------------
+
+
+class Slo(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
+    """Latency objectives of one request, in seconds."""
+
+    ttft_s: float = 10.0
+    tbt_s: float = 1.0
+
+
+class RequestAdmitted(Event, tag="request_admitted"):
+    """A gateway accepted a request and asks the conductor for a placement."""
+
+    request_id: str
+    gateway_id: str
+    model: str
+    block_size: int
+    block_hashes: list[int]
+    prompt_tokens: int
+    max_tokens: int
+    priority: int = 0
+    slo: Slo = msgspec.field(default_factory=Slo)
+    deadline: float = 0.0
+
+
+class ReusePlan(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
+    """Where a contiguous run of prefix blocks is loaded from.
+
+    Blocks `[first_block, first_block + num_blocks)` of the prompt are read from
+    `source_instance` in tier `tier`; `source_instance` may be the prefill instance
+    itself (its engine cache), its host's kvstore, or a remote kvstore.
+    """
+
+    source_instance: str
+    tier: Tier
+    first_block: int
+    num_blocks: int
+
+
+class Estimates(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
+    """The conductor's predictions behind a decision, kept so it can be explained."""
+
+    queue_s: float = 0.0
+    transfer_s: float = 0.0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    tbt_s: float = 0.0
+    decode_batch: int = 0
+
+
+class RequestScheduled(Event, tag="request_scheduled"):
+    """The conductor's placement decision for one admitted request."""
+
+    request_id: str
+    gateway_id: str
+    prefill_instance: str
+    decode_instance: str
+    reused_blocks: int = 0
+    reuse: list[ReusePlan] = msgspec.field(default_factory=list)
+    estimates: Estimates = msgspec.field(default_factory=Estimates)
+    policy: str = ""
+    admitted_seq: int = 0
+
+
+class RequestRejected(Event, tag="request_rejected"):
+    """The conductor refused a request, with the reason and the figures behind it."""
+
+    request_id: str
+    gateway_id: str
+    reason: str
+    retry_after_s: float = 1.0
+    estimates: Estimates = msgspec.field(default_factory=Estimates)
+    policy: str = ""
+    admitted_seq: int = 0
+
+
+ProgressStage = Literal[
+    "prefill_started",
+    "prefill_done",
+    "kv_committed",
+    "first_token",
+]
+
+
+class RequestProgress(Event, tag="request_progress"):
+    """A milestone of a request on an engine; lets the conductor track queues."""
+
+    request_id: str
+    instance_id: str
+    stage: ProgressStage
+    computed_tokens: int = 0
+    reused_tokens: int = 0
+
+
+RequestOutcome = Literal["completed", "failed", "cancelled", "rejected"]
+
+
+class RequestFinished(Event, tag="request_finished"):
+    """A request left the system; the outcome and the measured latencies."""
+
+    request_id: str
+    instance_id: str
+    outcome: RequestOutcome
+    reason: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    tbt_mean_s: float = 0.0
+
+
+class RequestCancelled(Event, tag="request_cancelled"):
+    """The client went away or the gateway gave up: every instance frees the request."""
+
+    request_id: str
+    reason: str = ""
+
+
+# --- prefix queries -----------------------------------------------------------------
+
+
+class PrefixMatchQuery(Event, tag="prefix_match_query"):
+    """Ask the conductor how much of a block chain the pool already holds."""
+
+    query_id: str
+    block_hashes: list[int]
+
+
+class PrefixMatch(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
+    """Longest cached prefix of a chain on one instance, in blocks."""
+
+    instance_id: str
+    tier: Tier
+    blocks: int
+
+
+class PrefixMatchAnswer(Event, tag="prefix_match_answer"):
+    """The conductor's answer to a `PrefixMatchQuery`."""
+
+    query_id: str
+    matches: list[PrefixMatch] = msgspec.field(default_factory=list)
+
+
+# --- KV block locations -------------------------------------------------------------
+
+
+class BlockEvent(Event):
+    """Base of per-instance block index updates.
+
+    `event_id` is monotonic per (instance, epoch); `epoch` changes when the instance
+    restarts. A consumer that sees a gap or a new epoch asks for a resync.
+    """
+
+    instance_id: str
+    epoch: int
+    event_id: int
+
+
+class BlockStored(BlockEvent, tag="block_stored"):
+    """Blocks became available on an instance in a tier."""
+
+    block_hashes: list[int]
+    tier: Tier
+    parent_hash: int = 0
+
+
+class BlockEvicted(BlockEvent, tag="block_evicted"):
+    """Blocks left an instance altogether."""
+
+    block_hashes: list[int]
+
+
+class BlockMoved(BlockEvent, tag="block_moved"):
+    """Blocks changed tier on the same instance (DRAM -> SSD, SSD -> DRAM)."""
+
+    block_hashes: list[int]
+    from_tier: Tier
+    to_tier: Tier
+
+
+class BlocksCleared(BlockEvent, tag="blocks_cleared"):
+    """Everything the instance held is gone (restart, reset)."""
+
+
+class ResyncRequested(Event, tag="resync_requested"):
+    """A consumer lost track of an instance's blocks and asks for its full inventory."""
+
+    instance_id: str
+    requester: str
+    reason: str = ""
+
+
+class BlockInventory(BlockEvent, tag="block_inventory"):
+    """Full block list of an instance at `event_id`; replaces what the index had."""
+
+    dram: list[int] = msgspec.field(default_factory=list)
+    ssd: list[int] = msgspec.field(default_factory=list)
+    engine: list[int] = msgspec.field(default_factory=list)
+
+
+# --- instances and load -------------------------------------------------------------
+
+
+class InstanceUp(Event, tag="instance_up"):
+    """An instance started and can be reached.
+
+    `ucx_address` is `host:port` of its UCX listener (empty for instances without a
+    data plane); `host` groups instances that share a kvstore.
+    """
+
+    instance_id: str
+    role: Role
+    host: str
+    model: str = ""
+    ucx_address: str = ""
+    block_size: int = 0
+    kv_capacity_blocks: int = 0
+    max_batch_size: int = 0
+    attention_backend: str = ""
+    epoch: int = 0
+    metrics_address: str = ""
+
+
+class InstanceDown(Event, tag="instance_down"):
+    """An instance stopped (announced) or was declared dead (heartbeat timeout)."""
+
+    instance_id: str
+    reason: str = ""
+
+
+class LoadReport(Event, tag="load_report"):
+    """Periodic load of one instance; also serves as its heartbeat."""
+
+    instance_id: str
+    role: Role
+    queued_requests: int = 0
+    queued_tokens: int = 0
+    running_requests: int = 0
+    kv_used_blocks: int = 0
+    kv_total_blocks: int = 0
+    last_step_s: float = 0.0
+    dram_blocks: int = 0
+    ssd_blocks: int = 0
+
+
+class LoadPrediction(Event, tag="load_prediction"):
+    """The conductor's prediction of a decode instance's batch at a future time."""
+
+    instance_id: str
+    at_time: float
+    predicted_batch: int
+    predicted_tbt_s: float
+
+
+# --- data plane ---------------------------------------------------------------------
+
+
+class TransferFailed(Event, tag="transfer_failed"):
+    """A KV transfer failed; the conductor re-plans around the peer."""
+
+    request_id: str
+    source_instance: str
+    target_instance: str
+    reason: str
+
+
+AnyEvent = (
+    RequestAdmitted
+    | RequestScheduled
+    | RequestRejected
+    | RequestProgress
+    | RequestFinished
+    | RequestCancelled
+    | PrefixMatchQuery
+    | PrefixMatchAnswer
+    | BlockStored
+    | BlockEvicted
+    | BlockMoved
+    | BlocksCleared
+    | ResyncRequested
+    | BlockInventory
+    | InstanceUp
+    | InstanceDown
+    | LoadReport
+    | LoadPrediction
+    | TransferFailed
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[AnyEvent] = msgspec.msgpack.Decoder(AnyEvent)
+
+
+def encode_event(event: AnyEvent) -> bytes:
+    """Serialize an event for the wire."""
+    return _encoder.encode(event)
+
+
+def decode_event(data: bytes) -> AnyEvent:
+    """Parse an event; raises `msgspec.ValidationError`/`DecodeError` on bad input."""
+    return _decoder.decode(data)
+
+
+def subject_for(event: AnyEvent) -> str:
+    """The stream subject an event is published on.
+
+    Subjects are `yb.ev.<group>.<type>[.<key>]`: consumers filter by group (a gateway
+    follows only `yb.ev.decision.<its id>.>`, an engine only `yb.ev.req.cancelled`),
+    and the stream captures them all with `yb.ev.>`.
+    """
+    tag = type(event).__struct_config__.tag
+    match event:
+        case RequestScheduled() | RequestRejected():
+            return f"yb.ev.decision.{_subject_token(event.gateway_id)}.{tag}"
+        case LoadPrediction():
+            return f"yb.ev.decision.prediction.{_subject_token(event.instance_id)}"
+        case BlockEvent():
+            return f"yb.ev.block.{tag}.{_subject_token(event.instance_id)}"
+        case ResyncRequested():
+            return f"yb.ev.block.{tag}.{_subject_token(event.instance_id)}"
+        case InstanceUp() | InstanceDown() | LoadReport():
+            return f"yb.ev.instance.{tag}.{_subject_token(event.instance_id)}"
+        case PrefixMatchQuery() | PrefixMatchAnswer():
+            return f"yb.ev.prefix.{tag}"
+        case TransferFailed():
+            return f"yb.ev.transfer.{tag}"
+        case _:
+            return f"yb.ev.req.{tag}"
+
+
+def message_id_for(event: AnyEvent) -> str:
+    """A de-duplication id: republishing the same event yields the same id.
+
+    JetStream drops a second publish with the same `Nats-Msg-Id` inside its duplicate
+    window, so a retried publish never appears twice in the log.
+    """
+    tag = type(event).__struct_config__.tag
+    match event:
+        case BlockEvent():
+            return f"{tag}:{event.instance_id}:{event.epoch}:{event.event_id}"
+        case (
+            RequestAdmitted()
+            | RequestScheduled()
+            | RequestRejected()
+            | RequestFinished()
+            | RequestCancelled()
+        ):
+            return f"{tag}:{event.request_id}"
+        case RequestProgress():
+            return f"{tag}:{event.request_id}:{event.instance_id}:{event.stage}"
+        case _:
+            # Periodic events are distinct occurrences; time makes them unique per
+            # publisher and stable across a retry of the same object.
+            return f"{tag}:{getattr(event, 'instance_id', '')}:{event.time!r}"
+
+
+def _subject_token(name: str) -> str:
+    # NATS subject tokens may not contain '.', '*', '>' or whitespace.
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name) or "_"

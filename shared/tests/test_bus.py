@@ -1,0 +1,94 @@
+"""The bus against a real nats-server: stream, de-duplication, ordering, outages."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from yb_shared import events as ev
+from yb_shared.bus import Bus, BusUnavailable
+from yb_shared.config import NatsConfig
+from yb_shared.natsserver import NatsServer, free_port
+
+
+async def test_publish_is_deduplicated_by_message_id(bus: Bus) -> None:
+    event = ev.RequestCancelled(request_id="r1", reason="client left")
+    first = await bus.publish(event)
+    again = await bus.publish(event)  # a retry of the same event
+    assert first == again == await bus.last_sequence()
+
+
+async def test_ordered_reader_sees_every_event_in_order(bus: Bus) -> None:
+    for i in range(20):
+        await bus.publish(ev.InstanceDown(instance_id=f"i{i}", time=float(i + 1)))
+    reader = await bus.read_ordered(start_seq=5)
+    seen = []
+    while (item := await reader.next(timeout_s=1.0)) is not None:
+        seen.append(item)
+    await reader.close()
+    assert [s.seq for s in seen] == list(range(5, 21))
+    assert [s.event.instance_id for s in seen] == [f"i{i}" for i in range(4, 20)]  # type: ignore[union-attr]
+
+
+async def test_durable_reader_resumes_after_ack(bus: Bus) -> None:
+    for i in range(3):
+        await bus.publish(ev.InstanceDown(instance_id=f"i{i}", time=float(i + 1)))
+    reader = await bus.read_durable("t1")
+    batch = await reader.fetch(2, timeout_s=1.0)
+    for _, msg in batch:
+        await msg.ack()
+    await reader.close()
+    reader = await bus.read_durable("t1")
+    rest = await reader.fetch(10, timeout_s=1.0)
+    assert [e.seq for e, _ in rest] == [3]
+
+
+async def test_garbage_on_the_stream_is_skipped(bus: Bus) -> None:
+    await bus.jetstream.publish("yb.ev.req.junk", b"\xc1not msgpack")
+    await bus.publish(ev.RequestCancelled(request_id="ok"))
+    reader = await bus.read_ordered()
+    item = await reader.next(timeout_s=2.0)
+    await reader.close()
+    assert item is not None
+    assert item.seq == 2
+
+
+async def test_connect_gives_up_at_its_deadline() -> None:
+    cfg = NatsConfig(
+        url=f"nats://127.0.0.1:{free_port()}",
+        connect_timeout_s=0.2,
+        reconnect_wait_s=0.05,
+        max_reconnect_wait_s=0.2,
+    )
+    started = time.monotonic()
+    with pytest.raises(BusUnavailable):
+        await Bus.connect(cfg, "t", timeout_s=1.0)
+    assert time.monotonic() - started < 3.0
+
+
+async def test_reconnects_after_server_restart(
+    nats_server: NatsServer, nats_config: NatsConfig
+) -> None:
+    bus = await Bus.connect(nats_config, "t", timeout_s=5)
+    await bus.ensure_stream()
+    await bus.publish(ev.RequestCancelled(request_id="before"))
+    nats_server.stop()
+    # While the server is down a publish fails within its deadline instead of hanging.
+    with pytest.raises(BusUnavailable):
+        await bus.publish(ev.RequestCancelled(request_id="during"), timeout_s=0.5)
+    nats_server.start()
+    deadline = time.monotonic() + 10
+    while not bus.connected and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert bus.connected
+    seq = await bus.publish(ev.RequestCancelled(request_id="after"), timeout_s=5)
+    assert seq == 2  # the log survived the restart (file storage)
+    await bus.close()
+    await bus.close()  # idempotent
+
+
+async def test_request_without_responder_is_unavailable(bus: Bus) -> None:
+    with pytest.raises(BusUnavailable):
+        await bus.request("yb.job.nobody", b"x", timeout_s=0.5)
