@@ -103,6 +103,8 @@ class RequestScheduled(Event, tag="request_scheduled"):
     estimates: Estimates = msgspec.field(default_factory=Estimates)
     policy: str = ""
     admitted_seq: int = 0
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
 
 
 class RequestRejected(Event, tag="request_rejected"):

@@ -1,0 +1,72 @@
+"""From a `ModelConfig` to what a service needs: a tokenizer, a model, an identity.
+
+The gateway needs only the tokenizer (and must not load weights); the engines need
+the model. Both go through here so that `source = default | tiny-random | PATH` means
+the same thing everywhere, and so that block keys use one model identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from yb_shared.config import ModelConfig
+from yb_shared.hashing import model_identity
+
+if TYPE_CHECKING:
+    from yb_shared.model.loader import LoadedModel
+
+TINY_RANDOM = "tiny-random"
+DEFAULT = "default"
+
+
+def resolve_model_dir(
+    model: ModelConfig, cache_dir: Path, progress: Callable[[str], None] | None = None
+) -> Path | None:
+    """The Hugging Face directory to load, converting the default model once.
+
+    Returns None for the tiny random model, which is built in memory.
+    """
+    if model.source == TINY_RANDOM:
+        return None
+    if model.source == DEFAULT:
+        from yb_shared.model.loader import ensure_default_model
+
+        return ensure_default_model(cache_dir, progress)
+    path = Path(model.source).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model directory {path} has no config.json")
+    return path
+
+
+def load_tokenizer(model: ModelConfig, cache_dir: Path) -> Any:
+    """The served model's tokenizer (a transformers tokenizer), without its weights."""
+    if model.source == TINY_RANDOM:
+        from yb_shared.model.loader import tiny_random_model
+
+        return tiny_random_model().tokenizer
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir(model, cache_dir)))
+
+
+def load_engine_model(
+    model: ModelConfig, cache_dir: Path, progress: Callable[[str], None] | None = None
+) -> LoadedModel:
+    """The model with weights, in the configured dtype, for an engine."""
+    import torch
+
+    from yb_shared.model.loader import load_model, tiny_random_model
+
+    dtype = getattr(torch, model.dtype)
+    if model.source == TINY_RANDOM:
+        return tiny_random_model()
+    path = resolve_model_dir(model, cache_dir, progress)
+    assert path is not None
+    return load_model(path, dtype=dtype)
+
+
+def identity_of(model: ModelConfig) -> bytes:
+    """The model identity that goes into every block key."""
+    return model_identity(model.name)
