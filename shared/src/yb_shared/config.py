@@ -158,12 +158,16 @@ class YbConfig(_Section):
         return Path.home() / ".local" / "share" / "yuebing"
 
     def model_cache_dir(self) -> Path:
-        """Where converted models are cached (shared by every process of a machine)."""
+        """Where converted models are cached: `model.cache_dir`, `$YB_MODEL_CACHE`,
+        `<data dir>/models` when a data directory is set, else `~/.cache/yuebing/models`
+        (where the setup script converts the default model once)."""
         if self.model.cache_dir:
             return Path(self.model.cache_dir).expanduser()
         env = os.environ.get("YB_MODEL_CACHE")
         if env:
             return Path(env).expanduser()
+        if self.data_dir:
+            return self.resolved_data_dir() / "models"
         return Path.home() / ".cache" / "yuebing" / "models"
 
 

@@ -7,6 +7,8 @@ reports it through a ports file, so parallel tests never collide.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -95,6 +97,7 @@ class NatsServer:
                 stdout=out,
                 stderr=out,
                 start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         finally:
             if out is not subprocess.DEVNULL:
@@ -161,6 +164,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` for children: the kernel sends them SIGTERM when their parent dies,
+    however it dies, so a killed launcher or test run leaves no server behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def env_without_proxies() -> dict[str, str]:

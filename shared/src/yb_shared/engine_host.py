@@ -1,0 +1,91 @@
+"""The model, its paged KV cache and the one thread that runs it, for an engine service.
+
+Torch work must not run on the event loop (it would stall heartbeats, NATS pings and
+UCX progress), and the runner's cache and allocator are not thread-safe, so every
+model call and every page allocation goes through `EngineHost.call`, which runs it on
+a single dedicated thread in submission order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from yb_shared.config import EngineConfig, YbConfig
+from yb_shared.models import load_engine_model
+from yb_shared.telemetry import get_logger
+
+if TYPE_CHECKING:
+    from yb_shared.model.kv_cache import PageAllocator, PagedKVCache
+    from yb_shared.model.loader import LoadedModel
+    from yb_shared.model.runner import ModelRunner
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
+
+class EngineHost:
+    """Loads the model once and runs every model/page operation on one thread."""
+
+    def __init__(self, cfg: YbConfig, engine: EngineConfig, name: str) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-engine")
+        self.model: LoadedModel | None = None
+        self.cache: PagedKVCache | None = None
+        self.allocator: PageAllocator | None = None
+        self.runner: ModelRunner | None = None
+        self.attention_backend = ""
+
+    async def load(self) -> None:
+        """Load weights and allocate the KV cache (on the engine thread)."""
+        await self.call(self._load)
+
+    def _load(self) -> None:
+        import torch
+
+        from yb_shared.model.attention import attention_backend_name
+        from yb_shared.model.kv_cache import PageAllocator, PagedKVCache
+        from yb_shared.model.runner import ModelRunner
+
+        threads = self.engine.threads or max(1, (os.cpu_count() or 1))
+        torch.set_num_threads(threads)
+        model = load_engine_model(
+            self.cfg.model,
+            self.cfg.model_cache_dir(),
+            progress=lambda msg: log.info("model_progress", message=msg),
+        )
+        cache = PagedKVCache(
+            model.config,
+            self.engine.num_kv_pages,
+            self.cfg.model.block_size,
+            dtype=model.dtype,
+            device=model.device,
+        )
+        self.model = model
+        self.cache = cache
+        self.allocator = PageAllocator(self.engine.num_kv_pages)
+        self.runner = ModelRunner(model, cache)
+        self.attention_backend = attention_backend_name(
+            cache.device, self.cfg.model.block_size, model.dtype
+        )
+        log.info(
+            "engine_loaded",
+            layers=model.config.num_layers,
+            pages=self.engine.num_kv_pages,
+            block_size=self.cfg.model.block_size,
+            attention=self.attention_backend,
+            threads=threads,
+        )
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the engine thread and await its result."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        """Stop the engine thread after the work already submitted."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
