@@ -149,7 +149,7 @@ class Bus:
     @property
     def connected(self) -> bool:
         """True while the connection to NATS is up."""
-        return self._nc.is_connected
+        return bool(self._nc.is_connected)
 
     @property
     def client(self) -> NatsClient:

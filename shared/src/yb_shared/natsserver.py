@@ -53,12 +53,20 @@ class NatsServer:
     routes: list[str] = field(default_factory=list)
     extra_config: str = ""
     log_file: Path | None = None
+    monitor_port: int = 0
     process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         """The client URL (valid once started)."""
         return f"nats://{self.host}:{self.port}"
+
+    def varz(self) -> dict[str, object]:
+        """The server's monitoring counters (needs `monitor_port`)."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{self.host}:{self.monitor_port}/varz", timeout=2) as r:
+            return dict(json.loads(r.read()))
 
     def config_text(self) -> str:
         """The server configuration this object stands for."""
@@ -69,6 +77,8 @@ class NatsServer:
             f'  store_dir: "{self.store_dir / "jetstream"}"',
             "}",
         ]
+        if self.monitor_port:
+            lines.append(f'http: "{self.host}:{self.monitor_port}"')
         if self.cluster_name:
             lines += [
                 "cluster {",

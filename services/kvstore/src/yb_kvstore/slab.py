@@ -92,7 +92,8 @@ class DramSlab:
     def view(self, key: int) -> np.ndarray:
         """The slot holding `key`, as a writable view (no copy)."""
         assert self._data is not None
-        return self._data[self._slot_of[key]]
+        view: np.ndarray = self._data[self._slot_of[key]]
+        return view
 
     def reserve(self, key: int) -> tuple[np.ndarray, list[int]]:
         """A slot for `key` (pinned), evicting if needed; returns (view, evicted keys).
@@ -111,7 +112,7 @@ class DramSlab:
         self._slot_of[key] = slot
         self.policy.touch(key)
         self.pin(key)
-        return self._data[slot], evicted
+        return self.view(key), evicted
 
     def pin(self, key: int) -> None:
         """Protect `key` from eviction (counted: pins nest)."""

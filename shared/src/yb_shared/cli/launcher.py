@@ -26,7 +26,7 @@ import httpx
 import msgspec
 
 from yb_shared.config import YbConfig, dump_env
-from yb_shared.natsserver import NatsServer, die_with_parent, env_without_proxies
+from yb_shared.natsserver import NatsServer, die_with_parent, env_without_proxies, free_port
 
 
 @dataclass(frozen=True)
@@ -67,9 +67,13 @@ class ClusterInfo(msgspec.Struct):
     """What `yb up` writes to `<data dir>/cluster.json` for `yb status` and tools."""
 
     nats_url: str
+    nats_monitor_url: str
     gateway_url: str
     pid: int
     started_at: float
+    # Every process of the cluster by instance id (nats-server included), so tools and
+    # tests can check that a stop leaves none behind.
+    pids: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 @dataclass
@@ -112,6 +116,7 @@ class Cluster:
             store_dir=self.data_dir / "nats",
             port=port,
             log_file=self.data_dir / "logs" / "nats-server.log",
+            monitor_port=free_port(),
         )
         self.nats.start()
         self.cfg.nats.url = self.nats.url
@@ -123,11 +128,17 @@ class Cluster:
         logs.mkdir(parents=True, exist_ok=True)
         for spec in self.topology.processes():
             self._spawn(spec, logs)
+        pids = {name: proc.pid for name, proc in self.children.items()}
+        if self.nats is not None and self.nats.process is not None:
+            pids["nats-server"] = self.nats.process.pid
+        monitor = self.nats.monitor_port if self.nats else 0
         info = ClusterInfo(
             nats_url=self.cfg.nats.url,
+            nats_monitor_url=f"http://127.0.0.1:{monitor}" if monitor else "",
             gateway_url=self.gateway_url,
             pid=os.getpid(),
             started_at=time.time(),
+            pids=pids,
         )
         (self.data_dir / "cluster.json").write_bytes(msgspec.json.encode(info))
 
