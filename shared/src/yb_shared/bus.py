@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,9 @@ class Bus:
         self._cfg = cfg
         self._js: JetStreamContext = nc.jetstream(timeout=cfg.request_timeout_s)
         self._closed = False
+        # Bumped at every reconnect: ordered consumers live in the server's memory and
+        # are gone after a server restart, so readers reopen when this changes.
+        self.generation = 0
 
     # --- connection -----------------------------------------------------------------
 
@@ -97,6 +100,7 @@ class Bus:
         reconnects by itself, with the same backoff, for as long as the process lives.
         """
         delay = backoff_delays(cfg.reconnect_wait_s, cfg.max_reconnect_wait_s)
+        holder: list[Bus] = []
 
         def pick_server(servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
             server = min(servers, key=lambda s: s.reconnects)
@@ -109,6 +113,8 @@ class Bus:
 
         async def reconnected() -> None:
             log.info("nats_reconnected")
+            if holder:
+                holder[0].generation += 1
             if on_state:
                 await on_state("connected")
 
@@ -144,12 +150,19 @@ class Bus:
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await nc.close()
             raise BusUnavailable(f"cannot reach NATS at {cfg.url}: {exc!r}") from exc
-        return cls(nc, cfg)
+        bus = cls(nc, cfg)
+        holder.append(bus)
+        return bus
 
     @property
     def connected(self) -> bool:
         """True while the connection to NATS is up."""
         return bool(self._nc.is_connected)
+
+    @property
+    def closed(self) -> bool:
+        """True once `close()` was called or the connection is closed for good."""
+        return self._closed or bool(self._nc.is_closed)
 
     @property
     def client(self) -> NatsClient:
@@ -249,26 +262,44 @@ class Bus:
 
     async def read_ordered(
         self,
-        subject: str = EVENT_SUBJECTS,
+        subject: str | list[str] = EVENT_SUBJECTS,
         *,
         start_seq: int = 1,
         new_only: bool = False,
+        last_per_subject: bool = False,
     ) -> EventReader:
         """An ordered consumer: every matching event from `start_seq` on, in order.
 
         Ordered consumers are ephemeral and reset themselves on a gap, so the reader
-        never skips or repeats an event. `new_only` starts at the next event published.
+        never skips or repeats an event; after a NATS restart the reader reopens from
+        the event after the last one it returned. `new_only` starts after the log's
+        current end; `last_per_subject` delivers only the newest event of each subject
+        (the current state of per-instance subjects without their whole history).
         """
+        subjects = [subject] if isinstance(subject, str) else list(subject)
         if new_only:
-            policy = api.DeliverPolicy.NEW
-            config = api.ConsumerConfig(deliver_policy=policy)
+            start_seq = await self.last_sequence() + 1
+        reader = EventReader(self, subjects, start_seq, last_per_subject)
+        await reader.open()
+        return reader
+
+    async def _ordered_subscription(
+        self, subjects: list[str], start_seq: int, last_per_subject: bool
+    ) -> JetStreamContext.PushSubscription:
+        if last_per_subject:
+            config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT)
         elif start_seq <= 1:
             config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL)
         else:
             config = api.ConsumerConfig(
                 deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq
             )
-        sub = await self._js.subscribe(
+        if len(subjects) == 1:
+            subject = subjects[0]
+        else:
+            subject = ""
+            config.filter_subjects = subjects
+        return await self._js.subscribe(
             subject,
             stream=self._cfg.stream,
             ordered_consumer=True,
@@ -276,7 +307,6 @@ class Bus:
             idle_heartbeat=2.0,
             pending_msgs_limit=1_000_000,
         )
-        return EventReader(sub)
 
     async def read_durable(self, durable: str, subject: str = EVENT_SUBJECTS) -> DurableReader:
         """A named pull consumer: its position survives restarts; acked explicitly."""
@@ -346,10 +376,33 @@ class Bus:
 
 
 class EventReader:
-    """Iterates the log through an ordered consumer; `close()` unsubscribes."""
+    """Iterates the log through an ordered consumer; `close()` unsubscribes.
 
-    def __init__(self, sub: JetStreamContext.PushSubscription) -> None:
-        self._sub = sub
+    It remembers the last sequence it returned, so when the bus reconnects (after a
+    NATS restart the server no longer knows the consumer) it reopens right after it.
+    """
+
+    def __init__(
+        self, bus: Bus, subjects: list[str], start_seq: int, last_per_subject: bool
+    ) -> None:
+        self._bus = bus
+        self._subjects = subjects
+        self._next_seq = start_seq
+        self._last_per_subject = last_per_subject
+        self._sub: JetStreamContext.PushSubscription | None = None
+        self._generation = -1
+
+    async def open(self) -> None:
+        """(Re)create the consumer from the next unseen sequence."""
+        if self._sub is not None:
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await self._sub.unsubscribe()
+        self._generation = self._bus.generation
+        self._sub = await self._bus._ordered_subscription(
+            self._subjects, self._next_seq, self._last_per_subject
+        )
+        # A reopened last-per-subject reader must not replay older states.
+        self._last_per_subject = False
 
     async def next(self, timeout_s: float) -> LoggedEvent | None:
         """The next event, or None if none arrives within `timeout_s`.
@@ -362,24 +415,57 @@ class EventReader:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            try:
-                msg = await self._sub.next_msg(timeout=remaining)
-            except (TimeoutError, nats.errors.TimeoutError):
+            if self._generation != self._bus.generation and self._bus.connected:
+                try:
+                    await self.open()
+                except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+                    log.debug("reader_reopen_failed", error=repr(exc))
+                    await asyncio.sleep(min(0.2, remaining))
+                    continue
+            if self._sub is None:
                 return None
+            try:
+                msg = await self._sub.next_msg(timeout=min(remaining, 1.0))
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except nats.errors.Error as exc:
+                # nats-py turns a cancellation during a closed connection into
+                # ConnectionClosedError: honour the cancellation, and end on close.
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError from exc
+                if self._bus.closed:
+                    self._sub = None
+                    return None
+                log.debug("reader_next_failed", error=repr(exc))
+                await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+                continue
             logged = _decode_logged(msg)
+            if logged is not None and logged.seq:
+                self._next_seq = logged.seq + 1
             if logged is not None:
                 return logged
 
-    async def __aiter__(self) -> AsyncIterator[LoggedEvent]:
-        async for msg in self._sub.messages:
-            logged = _decode_logged(msg)
+    def __aiter__(self) -> EventReader:
+        return self
+
+    async def __anext__(self) -> LoggedEvent:
+        """Wait for the next event, however long it takes (until cancelled or closed)."""
+        while True:
+            if self._bus.closed or (
+                self._sub is None and self._generation == self._bus.generation
+            ):
+                raise StopAsyncIteration
+            logged = await self.next(timeout_s=60.0)
             if logged is not None:
-                yield logged
+                return logged
 
     async def close(self) -> None:
         """Delete the ephemeral consumer; safe to call twice."""
-        with contextlib.suppress(nats.errors.Error, OSError):
-            await self._sub.unsubscribe()
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await sub.unsubscribe()
 
 
 class DurableReader:

@@ -354,21 +354,26 @@ def subject_for(event: AnyEvent) -> str:
     tag = type(event).__struct_config__.tag
     match event:
         case RequestScheduled() | RequestRejected():
-            return f"yb.ev.decision.{_subject_token(event.gateway_id)}.{tag}"
+            return f"yb.ev.decision.{subject_token(event.gateway_id)}.{tag}"
         case LoadPrediction():
-            return f"yb.ev.decision.prediction.{_subject_token(event.instance_id)}"
+            return f"yb.ev.decision.prediction.{subject_token(event.instance_id)}"
         case BlockEvent():
-            return f"yb.ev.block.{tag}.{_subject_token(event.instance_id)}"
+            return f"yb.ev.block.{tag}.{subject_token(event.instance_id)}"
         case ResyncRequested():
-            return f"yb.ev.block.{tag}.{_subject_token(event.instance_id)}"
+            return f"yb.ev.block.{tag}.{subject_token(event.instance_id)}"
         case InstanceUp() | InstanceDown() | LoadReport():
-            return f"yb.ev.instance.{tag}.{_subject_token(event.instance_id)}"
+            return f"yb.ev.instance.{tag}.{subject_token(event.instance_id)}"
         case PrefixMatchQuery() | PrefixMatchAnswer():
             return f"yb.ev.prefix.{tag}"
         case TransferFailed():
             return f"yb.ev.transfer.{tag}"
         case _:
             return f"yb.ev.req.{tag}"
+
+
+def decision_subjects(gateway_id: str) -> str:
+    """The filter that matches every decision addressed to one gateway."""
+    return f"yb.ev.decision.{subject_token(gateway_id)}.>"
 
 
 def message_id_for(event: AnyEvent) -> str:
@@ -397,6 +402,6 @@ def message_id_for(event: AnyEvent) -> str:
             return f"{tag}:{getattr(event, 'instance_id', '')}:{event.time!r}"
 
 
-def _subject_token(name: str) -> str:
-    # NATS subject tokens may not contain '.', '*', '>' or whitespace.
+def subject_token(name: str) -> str:
+    """`name` made safe as one NATS subject token ('.', '*', '>' and blanks replaced)."""
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name) or "_"

@@ -43,9 +43,9 @@ def resolve_model_dir(
 def load_tokenizer(model: ModelConfig, cache_dir: Path) -> Any:
     """The served model's tokenizer (a transformers tokenizer), without its weights."""
     if model.source == TINY_RANDOM:
-        from yb_shared.model.loader import tiny_random_model
+        from yb_shared.model.tiny_tokenizer import tiny_tokenizer
 
-        return tiny_random_model().tokenizer
+        return tiny_tokenizer()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(model, cache_dir)))

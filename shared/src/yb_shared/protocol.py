@@ -12,7 +12,7 @@ from typing import Final
 
 import msgspec
 
-from yb_shared.events import RequestScheduled
+from yb_shared.events import RequestScheduled, subject_token
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
@@ -174,17 +174,17 @@ TOKEN_SUBJECT_PREFIX: Final = "yb.tok"
 
 def prefill_job_subject(instance_id: str) -> str:
     """Where a prefill instance takes jobs."""
-    return f"{JOB_SUBJECT_PREFIX}.prefill.{instance_id}"
+    return f"{JOB_SUBJECT_PREFIX}.prefill.{subject_token(instance_id)}"
 
 
 def decode_control_subject(instance_id: str) -> str:
     """Where a decode instance takes reservations and start/abort messages."""
-    return f"{JOB_SUBJECT_PREFIX}.decode.{instance_id}"
+    return f"{JOB_SUBJECT_PREFIX}.decode.{subject_token(instance_id)}"
 
 
 def token_subject(gateway_id: str, request_id: str) -> str:
     """Where the tokens of one request are streamed to its gateway."""
-    return f"{TOKEN_SUBJECT_PREFIX}.{gateway_id}.{request_id}"
+    return f"{TOKEN_SUBJECT_PREFIX}.{subject_token(gateway_id)}.{subject_token(request_id)}"
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -112,6 +112,7 @@ class Cluster:
     def start_nats(self) -> None:
         """Start nats-server with JetStream, its store under the data directory."""
         port = _port_of(self.cfg.nats.url)
+        (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.nats = NatsServer(
             store_dir=self.data_dir / "nats",
             port=port,

@@ -30,7 +30,7 @@ async def collect(bus: Bus, timeout_s: float = 5.0) -> dict[str, InstanceRow]:
     rows: dict[str, InstanceRow] = {}
     if last == 0:
         return rows
-    reader = await bus.read_ordered("yb.ev.instance.>")
+    reader = await bus.read_ordered("yb.ev.instance.>", last_per_subject=True)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:

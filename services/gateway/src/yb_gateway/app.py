@@ -1,0 +1,211 @@
+"""The litestar application: routes, API-key guard, error translation, OpenAPI.
+
+Handlers are thin: they decode the body into its typed struct and hand over to
+`CompletionsEndpoint` or to the service's state. Bodies are decoded here with msgspec
+in strict mode rather than through litestar's `data` parameter, whose conversion is
+lax (`"10"` would pass as an int) and whose errors do not have OpenAI's shape; the
+OpenAPI document still shows the request schemas (`_operation_with_body`).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.connection import ASGIConnection
+from litestar.exceptions import HTTPException
+from litestar.handlers.base import BaseRouteHandler
+from litestar.openapi import OpenAPIConfig, ResponseSpec
+from litestar.openapi.spec import OpenAPIMediaType, Operation, RequestBody
+from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from yb_gateway import __version__
+from yb_gateway.errors import (
+    ApiError,
+    from_decode_error,
+    handle_api_error,
+    handle_unexpected,
+    make_http_exception_handler,
+    unauthorized,
+)
+from yb_gateway.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorBody,
+    ModelCard,
+    ModelList,
+)
+from yb_shared.telemetry import render_metrics
+
+if TYPE_CHECKING:
+    from yb_gateway.service import GatewayService
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+# Routes a load balancer or orchestrator probes without credentials.
+PUBLIC = {"public": True}
+
+_ERRORS = {
+    400: ResponseSpec(ErrorBody, description="Malformed body, bad field, or a limit exceeded"),
+    401: ResponseSpec(ErrorBody, description="Missing or wrong API key"),
+    404: ResponseSpec(ErrorBody, description="Unknown model"),
+    413: ResponseSpec(ErrorBody, description="Body larger than max_body_bytes"),
+    429: ResponseSpec(ErrorBody, description="Rejected by the conductor; see Retry-After"),
+    503: ResponseSpec(ErrorBody, description="Bus, scheduler or engines unavailable"),
+}
+
+
+def decode_body(raw: bytes, kind: type[S]) -> S:
+    """Strictly decode a JSON body into `kind`; 400 in OpenAI's format otherwise."""
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        raise from_decode_error(exc) from exc
+
+
+def api_key_guard(
+    keys: list[str],
+) -> Callable[[ASGIConnection[Any, Any, Any, Any], BaseRouteHandler], None]:
+    """401 unless the request carries one of `keys` as a Bearer token.
+
+    No keys configured means an open gateway. Routes marked `PUBLIC` (health probes)
+    are always open. Keys are compared in constant time.
+    """
+    encoded = [k.encode() for k in keys]
+
+    def guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+        if not encoded or handler.opt.get("public"):
+            return
+        scheme, _, token = connection.headers.get("authorization", "").partition(" ")
+        presented = token.strip().encode()
+        valid = scheme.lower() == "bearer" and any(
+            hmac.compare_digest(presented, key) for key in encoded
+        )
+        if not valid:
+            raise unauthorized()
+
+    return guard
+
+
+def _inline_schema(kind: type[msgspec.Struct]) -> dict[str, Any]:
+    """msgspec's JSON schema of `kind` with its `$defs` inlined.
+
+    litestar rebuilds `components.schemas` from its own registry, so references to
+    definitions of ours would dangle; the request structs are not recursive, so
+    inlining is exact.
+    """
+    schema = msgspec.json.schema(kind)
+    defs: dict[str, Any] = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            return {key: resolve(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [resolve(value) for value in node]
+        return node
+
+    resolved: dict[str, Any] = resolve(schema)
+    return resolved
+
+
+def _operation_with_body(kind: type[msgspec.Struct]) -> type[Operation]:
+    """An OpenAPI operation class that documents `kind` as the JSON request body."""
+    body = RequestBody(
+        content={"application/json": OpenAPIMediaType(schema=_inline_schema(kind))},  # type: ignore[arg-type]
+        required=True,
+    )
+
+    @dataclass
+    class WithBody(Operation):
+        def __post_init__(self) -> None:
+            self.request_body = body
+
+    return WithBody
+
+
+def create_app(gw: GatewayService) -> Litestar:
+    """The HTTP application of one gateway."""
+    cfg = gw.cfg
+
+    @get("/healthz", opt=PUBLIC, tags=["probes"])
+    async def healthz() -> dict[str, str]:
+        """200 for as long as the process lives."""
+        return {"status": "ok"}
+
+    @get("/readyz", opt=PUBLIC, tags=["probes"])
+    async def readyz() -> Response[dict[str, Any]]:
+        """200 once requests can be served; 503 with what is missing otherwise."""
+        report = gw.readiness()
+        status = HTTP_200_OK if report["ready"] else HTTP_503_SERVICE_UNAVAILABLE
+        return Response(report, status_code=status)
+
+    @get("/metrics", tags=["probes"])
+    async def metrics() -> Response[bytes]:
+        """Prometheus text exposition of the gateway's registry."""
+        return Response(render_metrics(gw.metrics), media_type=CONTENT_TYPE_LATEST)
+
+    @get("/v1/models", tags=["openai"])
+    async def models() -> ModelList:
+        """The one model this gateway serves."""
+        return ModelList(
+            data=[
+                ModelCard(
+                    id=cfg.model.name, created=gw.started_at, max_model_len=cfg.model.max_model_len
+                )
+            ]
+        )
+
+    @post(
+        "/v1/chat/completions",
+        status_code=HTTP_200_OK,
+        tags=["openai"],
+        operation_class=_operation_with_body(ChatCompletionRequest),
+        responses=_ERRORS,
+    )
+    async def chat_completions(request: Request[Any, Any, Any]) -> Response[ChatCompletion]:
+        """Chat completion; `stream: true` answers with server-sent events."""
+        body = decode_body(await request.body(), ChatCompletionRequest)
+        return await gw.completions.chat(request, body)
+
+    @post(
+        "/v1/completions",
+        status_code=HTTP_200_OK,
+        tags=["openai"],
+        operation_class=_operation_with_body(CompletionRequest),
+        responses=_ERRORS,
+    )
+    async def completions(request: Request[Any, Any, Any]) -> Response[Completion]:
+        """Text completion of a string or token-id prompt; `stream: true` for SSE."""
+        body = decode_body(await request.body(), CompletionRequest)
+        return await gw.completions.complete(request, body)
+
+    return Litestar(
+        route_handlers=[healthz, readyz, metrics, models, chat_completions, completions],
+        guards=[api_key_guard(cfg.gateway.api_keys)],
+        exception_handlers={
+            ApiError: handle_api_error,
+            HTTPException: make_http_exception_handler(cfg.gateway.max_body_bytes),
+            Exception: handle_unexpected,
+        },
+        request_max_body_size=cfg.gateway.max_body_bytes,
+        openapi_config=OpenAPIConfig(
+            title="Yuebing gateway",
+            version=__version__,
+            description="OpenAI-compatible front door of a Yuebing cluster.",
+            path="/schema",
+        ),
+        # Logging is structlog's (configured by the service); litestar must not
+        # reconfigure the stdlib root logger.
+        logging_config=None,
+        debug=False,
+    )

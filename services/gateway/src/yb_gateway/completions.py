@@ -1,0 +1,244 @@
+"""The two generation endpoints: validate, admit, then stream or collect the answer.
+
+A request's steps, and why they are ordered so:
+
+1. Parse and check everything that needs no cluster (model, `n`, limits after
+   tokenizing), so a bad request costs no event in the log.
+2. `RequestSession.start()` — admission, decision, hand-off — runs before any byte of
+   the response, so rejection and unavailability are real status codes even for
+   `stream: true`. The client may hang up meanwhile: the wait races the connection.
+3. Streaming: litestar's `Stream` iterates `_sse`; when the client disconnects it
+   cancels the iteration and `_sse`'s `finally` releases the session (which cancels
+   the request on the bus). Non-streaming: the collection races the connection too.
+
+In every case the session is released exactly once and the request is counted once
+in `yb_gateway_requests_total`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from litestar import Request, Response
+from litestar.background_tasks import BackgroundTask
+from litestar.response import Stream
+
+from yb_gateway.errors import ApiError, unavailable
+from yb_gateway.metrics import CLIENT_CLOSED
+from yb_gateway.prompt import check_common, prepare
+from yb_gateway.render import SSE_DONE, ChatFormat, ResponseFormat, TextFormat, sse_error
+from yb_gateway.schemas import ChatCompletionRequest, CompletionRequest
+from yb_gateway.session import RequestSession, StreamError
+from yb_shared.telemetry import bind_request, extract_context, get_logger
+
+if TYPE_CHECKING:
+    from yb_gateway.service import GatewayService
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its answer was ready."""
+
+
+async def _disconnected(request: Request[Any, Any, Any]) -> None:
+    # Once the body has been read, the ASGI server answers `receive()` only when the
+    # connection closes (uvicorn returns `http.disconnect`).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request[Any, Any, Any], work: Coroutine[Any, Any, T]) -> T:
+    """Run `work` unless the client disconnects first (then cancel it and raise)."""
+    work_task = asyncio.ensure_future(work)
+    gone_task = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work_task.done():
+            work_task.cancel()
+            await asyncio.gather(work_task, return_exceptions=True)
+        gone_task.cancel()
+        await asyncio.gather(gone_task, return_exceptions=True)
+    if work_task in done:
+        return work_task.result()
+    raise ClientDisconnected
+
+
+@dataclass(eq=False)
+class _Exchange:
+    """One request between admission and its last byte; settled exactly once."""
+
+    session: RequestSession
+    fmt: ResponseFormat
+    settled: bool = False
+
+
+class CompletionsEndpoint:
+    """Serves `/v1/chat/completions` and `/v1/completions` for one gateway."""
+
+    def __init__(self, gateway: GatewayService) -> None:
+        self._gw = gateway
+
+    async def chat(
+        self, request: Request[Any, Any, Any], body: ChatCompletionRequest
+    ) -> Response[Any]:
+        """A chat completion (streamed or not)."""
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        fmt = ChatFormat(request_id, self._gw.cfg.model.name)
+        return await self._serve(request, body, fmt, "chat.completions")
+
+    async def complete(
+        self, request: Request[Any, Any, Any], body: CompletionRequest
+    ) -> Response[Any]:
+        """A text completion (streamed or not)."""
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        fmt = TextFormat(request_id, self._gw.cfg.model.name)
+        return await self._serve(request, body, fmt, "completions")
+
+    async def _serve(
+        self,
+        request: Request[Any, Any, Any],
+        body: ChatCompletionRequest | CompletionRequest,
+        fmt: ResponseFormat,
+        endpoint: str,
+    ) -> Response[Any]:
+        gw = self._gw
+        arrived = time.monotonic()
+        request_id = fmt.request_id
+        request.state.request_id = request_id
+        gw.meters.in_flight.inc()
+        with bind_request(request_id):
+            try:
+                check_common(body, gw.cfg.model.name)
+                encoder = gw.encoder
+                if encoder is None:
+                    raise unavailable(
+                        f"The tokenizer is not loaded ({gw.encoder_state}).",
+                        code="tokenizer_not_ready",
+                    )
+                prepared = await prepare(body, encoder, gw.cfg.model, gw.cfg.gateway)
+                session = gw.open_session(
+                    request_id,
+                    endpoint,
+                    prepared,
+                    arrived,
+                    trace_parent=extract_context(dict(request.headers)),
+                )
+            except BaseException as exc:
+                # Nothing reached the bus: only the books need settling.
+                gw.meters.in_flight.dec()
+                gw.meters.finished(exc.status if isinstance(exc, ApiError) else 500)
+                _tag(exc, request_id)
+                raise
+            log.info(
+                "request_admitting",
+                endpoint=endpoint,
+                prompt_tokens=len(prepared.token_ids),
+                max_tokens=prepared.max_tokens,
+                stream=prepared.stream,
+                user=body.user,
+            )
+            exchange = _Exchange(session, fmt)
+            try:
+                await until_disconnect(request, session.start())
+                if prepared.stream:
+                    return Stream(
+                        self._sse(exchange),
+                        media_type="text/event-stream",
+                        headers={**SSE_HEADERS, "X-Request-Id": request_id},
+                        # Runs after the response even when the client left before the
+                        # body was iterated (then `_sse` never starts, so its `finally`
+                        # cannot be the only place that settles).
+                        background=BackgroundTask(
+                            self._settle, exchange, CLIENT_CLOSED, "client disconnected"
+                        ),
+                    )
+                text = await until_disconnect(request, _collect(session))
+            except ClientDisconnected:
+                await self._settle(exchange, CLIENT_CLOSED, "client disconnected")
+                return Response(b"", status_code=CLIENT_CLOSED)
+            except StreamError as exc:
+                await self._settle(exchange, exc.status, exc.message)
+                raise _tag(exc.api_error(), request_id) from exc
+            except ApiError as exc:
+                await self._settle(exchange, exc.status, exc.message)
+                _tag(exc, request_id)
+                raise
+            except BaseException as exc:
+                await self._settle(exchange, 500, f"gateway error: {exc!r}")
+                raise
+            await self._settle(exchange, 200, "")
+            return Response(
+                fmt.whole(text, session.finish_reason, session.usage()),
+                media_type="application/json",
+                headers={"X-Request-Id": request_id},
+            )
+
+    async def _settle(self, exchange: _Exchange, status: int, reason: str) -> None:
+        """Count the request once and release its session (cancelling it if unfinished)."""
+        if exchange.settled:
+            return
+        exchange.settled = True
+        self._gw.meters.in_flight.dec()
+        self._gw.meters.finished(status)
+        session = exchange.session
+        log.info(
+            "request_finished",
+            request_id=session.request_id,
+            status=status,
+            reason=reason or None,
+            prompt_tokens=session.prompt_tokens,
+            completion_tokens=session.completion_tokens,
+            cached_tokens=session.cached_tokens,
+        )
+        await self._gw.release(session, reason)
+
+    async def _sse(self, exchange: _Exchange) -> AsyncIterator[bytes]:
+        """The SSE body. Ends the exchange on every way out: completion, a broken
+        stream, or the client leaving (litestar cancels the iteration)."""
+        session, fmt = exchange.session, exchange.fmt
+        status, reason = CLIENT_CLOSED, "client disconnected"
+        try:
+            if (opening := fmt.opening()) is not None:
+                yield opening
+            async for chunk in session.chunks():
+                if chunk.text:
+                    yield fmt.delta(chunk.text)
+            # Generation is complete: a client leaving during the last frames is not
+            # a cancelled request.
+            status, reason = 200, ""
+            yield fmt.closing(session.finish_reason)
+            if session.prepared.include_usage:
+                yield fmt.usage_frame(session.usage())
+            yield SSE_DONE
+        except StreamError as exc:
+            # The 200 has gone out: the error travels in the stream, which still ends
+            # with [DONE] so that clients waiting for it stop reading.
+            log.warning("stream_failed", request_id=session.request_id, error=exc.message)
+            status, reason = exc.status, exc.message
+            yield sse_error(exc.body())
+            yield SSE_DONE
+        finally:
+            await self._settle(exchange, status, reason)
+
+
+def _tag(exc: BaseException, request_id: str) -> BaseException:
+    # Error answers carry the request id too, so a client can quote it.
+    if isinstance(exc, ApiError):
+        exc.headers.setdefault("X-Request-Id", request_id)
+    return exc
+
+
+async def _collect(session: RequestSession) -> str:
+    parts = [chunk.text async for chunk in session.chunks()]
+    return "".join(parts)

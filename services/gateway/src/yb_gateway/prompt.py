@@ -1,0 +1,196 @@
+"""From an OpenAI request to what the cluster runs: token ids, limits, sampling.
+
+All tokenizer work runs on one dedicated thread. Off the event loop, because a long
+prompt or a chat template takes milliseconds that every other stream would wait for;
+on a single thread, because a Hugging Face fast tokenizer is not safe to call from
+several threads at once (it mutates its truncation/padding state per call and fails
+with "Already borrowed").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from yb_gateway.errors import invalid_request, model_not_found
+from yb_gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from yb_shared.config import GatewayConfig, ModelConfig
+from yb_shared.models import load_tokenizer
+from yb_shared.protocol import SamplingParams
+
+T = TypeVar("T")
+
+
+class PromptEncoder:
+    """The served model's tokenizer, used from its own thread."""
+
+    def __init__(self, tokenizer: Any, executor: ThreadPoolExecutor) -> None:
+        self._tokenizer = tokenizer
+        self._executor = executor
+        self.vocab_size = len(tokenizer)
+
+    @classmethod
+    async def load(
+        cls, model: ModelConfig, cache_dir: Path, executor: ThreadPoolExecutor
+    ) -> PromptEncoder:
+        """Load the tokenizer (seconds: may import torch or convert the model once)."""
+        loop = asyncio.get_running_loop()
+        tokenizer = await loop.run_in_executor(executor, load_tokenizer, model, cache_dir)
+        return cls(tokenizer, executor)
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    async def chat(self, messages: list[ChatMessage]) -> list[int]:
+        """Render the chat template (with the assistant's turn opened) and tokenize it."""
+        conversation = [_template_message(i, m) for i, m in enumerate(messages)]
+        return await self._run(self._encode_chat, conversation)
+
+    async def text(self, prompt: str) -> list[int]:
+        """Tokenize a raw completion prompt (with the tokenizer's special tokens, as
+        `transformers` and vLLM do for `/v1/completions`)."""
+        return await self._run(self._tokenizer.encode, prompt, add_special_tokens=True)
+
+    def _encode_chat(self, conversation: list[dict[str, str]]) -> list[int]:
+        try:
+            text = self._tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # jinja2 raises its own types, templates `raise_exception`
+            raise invalid_request(
+                f"The chat template rejected the messages: {exc}", param="messages"
+            ) from exc
+        # The template already holds every special token (BOS included) it wants.
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
+        return ids
+
+
+def _template_message(index: int, message: ChatMessage) -> dict[str, str]:
+    content = message.content
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        parts = []
+        for part in content:
+            if part.type != "text":
+                raise invalid_request(
+                    f"Content parts of type `{part.type}` are not supported; only `text`.",
+                    param=f"messages[{index}].content",
+                )
+            parts.append(part.text)
+        text = "".join(parts)
+    out = {"role": message.role, "content": text}
+    if message.name:
+        out["name"] = message.name
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A validated request in the cluster's terms."""
+
+    token_ids: list[int]
+    sampling: SamplingParams
+    priority: int
+    stream: bool
+    include_usage: bool
+
+    @property
+    def max_tokens(self) -> int:
+        """How many tokens may be generated."""
+        return self.sampling.max_tokens
+
+
+def check_common(body: ChatCompletionRequest | CompletionRequest, served_model: str) -> None:
+    """Checks that need no tokenizer: the model and the number of choices."""
+    if body.model != served_model:
+        raise model_not_found(body.model, served_model)
+    if body.n != 1:
+        raise invalid_request(
+            f"Only n=1 is supported (got n={body.n}); send separate requests instead.",
+            param="n",
+            code="unsupported_value",
+        )
+
+
+async def prepare(
+    body: ChatCompletionRequest | CompletionRequest,
+    encoder: PromptEncoder,
+    model: ModelConfig,
+    gateway: GatewayConfig,
+) -> PreparedRequest:
+    """Tokenize and check `body` against the model's and the gateway's limits.
+
+    Raises `ApiError` (400) naming the limit a request goes past.
+    """
+    if isinstance(body, ChatCompletionRequest):
+        token_ids = await encoder.chat(body.messages)
+        requested = body.max_completion_tokens or body.max_tokens
+        limit_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    else:
+        token_ids = await _completion_prompt(body, encoder)
+        requested = body.max_tokens
+        limit_param = "max_tokens"
+    if not token_ids:
+        raise invalid_request("The prompt is empty.", param="prompt")
+
+    prompt_tokens = len(token_ids)
+    room = model.max_model_len - prompt_tokens
+    if requested is not None and requested > gateway.max_max_tokens:
+        raise invalid_request(
+            f"{limit_param}={requested} exceeds this server's limit of "
+            f"max_max_tokens={gateway.max_max_tokens}.",
+            param=limit_param,
+            code="max_tokens_exceeded",
+        )
+    # The default must leave room for the prompt; only a prompt that fills the whole
+    # context has no room at all.
+    max_tokens = min(gateway.default_max_tokens, room) if requested is None else requested
+    if max_tokens < 1 or prompt_tokens + max_tokens > model.max_model_len:
+        raise invalid_request(
+            f"This model's maximum context length is max_model_len={model.max_model_len} "
+            f"tokens; the prompt has {prompt_tokens} tokens and {limit_param} asks for "
+            f"{max_tokens if requested is not None else 'at least 1'} more.",
+            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if any(not s for s in stop):
+        raise invalid_request("Stop sequences must not be empty.", param="stop")
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(0, body.top_k or 0),
+        seed=body.seed,
+        stop=stop,
+    )
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    return PreparedRequest(
+        token_ids=token_ids,
+        sampling=sampling,
+        priority=body.priority,
+        stream=body.stream,
+        include_usage=include_usage,
+    )
+
+
+async def _completion_prompt(body: CompletionRequest, encoder: PromptEncoder) -> list[int]:
+    if isinstance(body.prompt, str):
+        return await encoder.text(body.prompt)
+    bad = next((t for t in body.prompt if not 0 <= t < encoder.vocab_size), None)
+    if bad is not None:
+        raise invalid_request(
+            f"Token id {bad} is outside the vocabulary (0..{encoder.vocab_size - 1}).",
+            param="prompt",
+        )
+    return list(body.prompt)

@@ -1,0 +1,343 @@
+"""The gateway process: HTTP at once, the bus and the tokenizer as they come.
+
+`start()` binds the HTTP socket itself (a port in use fails the start with a clear
+error, not a `sys.exit` inside uvicorn) and serves straight away, so `/healthz`
+answers while NATS is still down and the tokenizer still loading. The bus is
+connected by a task that retries for as long as the process lives; once connected it
+opens the decision consumer (before any request can be admitted) and follows the
+instance events for `/readyz`. Until then generation requests answer 503.
+
+`stop()` runs in named steps: stop accepting, end in-flight requests (each is
+cancelled on the bus), let uvicorn drain, cancel the owned tasks, close the bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+import uvicorn
+from opentelemetry.context import Context
+
+from yb_gateway.app import create_app
+from yb_gateway.completions import CompletionsEndpoint
+from yb_gateway.decisions import DecisionRouter
+from yb_gateway.errors import unavailable
+from yb_gateway.metrics import GatewayMetrics
+from yb_gateway.prompt import PreparedRequest, PromptEncoder
+from yb_gateway.readiness import INSTANCE_SUBJECTS, InstanceTracker
+from yb_gateway.session import RequestSession
+from yb_shared import events as ev
+from yb_shared.bus import Bus, BusError, BusUnavailable, backoff_delays
+from yb_shared.config import YbConfig
+from yb_shared.events import decision_subjects
+from yb_shared.service import Service
+from yb_shared.telemetry import get_logger
+
+log = get_logger(__name__)
+
+# How long uvicorn waits for open responses once told to stop.
+GRACEFUL_HTTP_S = 5
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: `run_service` owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class GatewayService(Service):
+    """The OpenAI-compatible front door of a Yuebing cluster."""
+
+    role = "gateway"
+
+    def __init__(self, cfg: YbConfig) -> None:
+        super().__init__(cfg)
+        # The gateway's series, registered on the registry `/metrics` serves.
+        self.meters = GatewayMetrics(self.metrics)
+        self.started_at = int(time.time())
+        self.decisions = DecisionRouter()
+        self.instances = InstanceTracker(cfg.model.name, cfg.conductor.heartbeat_timeout_s)
+        self.completions = CompletionsEndpoint(self)
+        self.encoder: PromptEncoder | None = None
+        self.encoder_state = "loading"
+        self.bus: Bus | None = None  # set while connected and following the log
+        self.port = cfg.gateway.port  # the bound port once started (config may say 0)
+        self._sessions: dict[str, RequestSession] = {}
+        # One thread for every tokenizer call (see `prompt`).
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="yb-tokenizer")
+        self._server: _Server | None = None
+        self._http_task: asyncio.Task[Any] | None = None
+        self._connection: Bus | None = None
+        self._stopping = False
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Serve HTTP now; connect the bus and load the tokenizer in the background."""
+        gcfg = self.cfg.gateway
+        sock = _listen(gcfg.host, gcfg.port)
+        self.port = int(sock.getsockname()[1])
+        config = uvicorn.Config(
+            create_app(self),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            server_header=False,
+            timeout_graceful_shutdown=GRACEFUL_HTTP_S,
+        )
+        self._server = _Server(config)
+        self._http_task = self.tasks.spawn("http", self._server.serve(sockets=[sock]))
+        await self._until_serving()
+        self.tasks.spawn("tokenizer", self._load_tokenizer())
+        self.tasks.spawn("bus", self._run_bus())
+        log.info("gateway_listening", host=gcfg.host, port=self.port, model=self.cfg.model.name)
+
+    async def _until_serving(self, timeout_s: float = 10.0) -> None:
+        assert self._server is not None and self._http_task is not None
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if self._http_task.done():
+                self._http_task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped while starting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server did not start within {timeout_s}s")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        """Stop accepting, cancel in-flight requests, drain, close; idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        log.info("gateway_stopping", in_flight=len(self._sessions))
+        # 1. Stop accepting: uvicorn closes its listener at its next tick.
+        if self._server is not None:
+            self._server.should_exit = True
+        # 2. End every in-flight request: its waits fail with 503 (or an SSE error
+        #    event) and it is cancelled on the bus so engines free it.
+        sessions = list(self._sessions.values())
+        for session in sessions:
+            session.abort("The gateway is shutting down.")
+        if sessions:
+            await asyncio.wait(
+                [asyncio.ensure_future(s.close("gateway shutting down")) for s in sessions],
+                timeout=self.cfg.nats.request_timeout_s,
+            )
+        # 3. Let uvicorn finish the responses that are ending now.
+        if self._http_task is not None and not self._http_task.done():
+            await asyncio.wait([self._http_task], timeout=GRACEFUL_HTTP_S + 1)
+        # 4. Say goodbye on the log, then cancel what is left (bus follower, tokenizer
+        #    load, stray closes).
+        await self._retire()
+        await self.tasks.shutdown()
+        # 5. Close the connection (the follower closes it too; both are idempotent).
+        if self._connection is not None:
+            await self._connection.close()
+        self.bus = None
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        log.info("gateway_stopped")
+
+    # --- background parts -----------------------------------------------------------
+
+    async def _load_tokenizer(self) -> None:
+        model = self.cfg.model
+        try:
+            self.encoder = await PromptEncoder.load(
+                model, self.cfg.model_cache_dir(), self._tokenizer_thread
+            )
+        except Exception as exc:
+            # Not fatal: the process keeps answering probes, and /readyz says why it
+            # will not serve.
+            self.encoder_state = f"failed: {exc!r}"
+            log.error("tokenizer_load_failed", source=model.source, error=repr(exc))
+            return
+        self.encoder_state = "loaded"
+        log.info("tokenizer_loaded", source=model.source, vocab=self.encoder.vocab_size)
+
+    async def _run_bus(self) -> None:
+        """Connect, follow the log, and start over whenever that breaks; never returns.
+
+        Once connected, nats-py rides out short outages by itself (and the ordered
+        consumers reset themselves); this loop only handles a connection that cannot
+        be made or set up.
+        """
+        ncfg = self.cfg.nats
+        delay = backoff_delays(ncfg.reconnect_wait_s, ncfg.max_reconnect_wait_s)
+        attempt = 0
+        while True:
+            try:
+                bus = await Bus.connect(
+                    ncfg,
+                    f"yb-gateway:{self.instance_id}",
+                    timeout_s=max(1.0, ncfg.connect_timeout_s),
+                )
+            except BusUnavailable as exc:
+                if attempt % 20 == 0:  # say so, but do not flood the log
+                    log.warning("nats_unreachable", url=ncfg.url, attempt=attempt, error=str(exc))
+                await asyncio.sleep(delay(attempt))
+                attempt += 1
+                continue
+            self._connection = bus
+            try:
+                await self._follow(bus)
+                attempt = 0
+            except (BusError, nats.errors.Error, OSError, TimeoutError) as exc:
+                log.warning("bus_follow_failed", error=repr(exc))
+            except Exception as exc:
+                # Whatever else breaks the connection's setup or its followers, the
+                # process must keep answering: log it loudly and start over.
+                log.exception("bus_follow_crashed", error=repr(exc))
+            finally:
+                self.decisions.ready = False
+                self.bus = None
+                await bus.close()
+            await asyncio.sleep(delay(attempt))
+            attempt += 1
+
+    async def _follow(self, bus: Bus) -> None:
+        try:
+            await bus.ensure_stream()
+        except nats.js.errors.Error as exc:
+            # Another service may own the stream with settings we may not change;
+            # reading it is all the gateway needs.
+            log.warning("ensure_stream_failed", error=repr(exc))
+        # The decision consumer exists before any request is admitted, so no
+        # decision can be published before someone listens for it.
+        decisions = await bus.read_ordered(decision_subjects(self.instance_id), new_only=True)
+        # Only the newest event per instance subject: the current state, not history.
+        instances = await bus.read_ordered(INSTANCE_SUBJECTS, last_per_subject=True)
+        self.bus = bus
+        self.decisions.ready = True
+        log.info("bus_ready", url=self.cfg.nats.url)
+        await self._announce(bus)
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self.decisions.follow(decisions))
+                group.create_task(self.instances.follow(instances))
+        finally:
+            await decisions.close()
+            await instances.close()
+
+    async def _announce(self, bus: Bus) -> None:
+        # The gateway takes no placement, but `yb status` lists what the log says is
+        # up; a gateway has no heartbeat, so its InstanceDown on stop says it left.
+        gcfg = self.cfg.gateway
+        try:
+            await bus.publish(
+                ev.InstanceUp(
+                    instance_id=self.instance_id,
+                    role="gateway",
+                    host=self.cfg.host,
+                    model=self.cfg.model.name,
+                    metrics_address=f"{gcfg.host}:{self.port}",
+                )
+            )
+        except BusError as exc:
+            log.warning("announce_failed", error=str(exc))
+
+    async def _retire(self) -> None:
+        bus = self.bus
+        if bus is None or not bus.connected:
+            return
+        with contextlib.suppress(BusError):
+            await bus.publish(
+                ev.InstanceDown(instance_id=self.instance_id, reason="stopped"),
+                timeout_s=min(2.0, self.cfg.nats.request_timeout_s),
+            )
+
+    # --- what the endpoints use -----------------------------------------------------
+
+    def open_session(
+        self,
+        request_id: str,
+        endpoint: str,
+        prepared: PreparedRequest,
+        arrived: float,
+        trace_parent: Context | None = None,
+    ) -> RequestSession:
+        """A session for an admitted request; 503 if the bus cannot take it now."""
+        if self._stopping:
+            raise unavailable("The gateway is shutting down.", code="shutting_down")
+        bus = self.bus
+        if bus is None or not bus.connected or not self.decisions.ready:
+            raise unavailable("The event bus (NATS) is not connected.", code="bus_unavailable")
+        session = RequestSession(
+            request_id=request_id,
+            endpoint=endpoint,
+            prepared=prepared,
+            bus=bus,
+            gateway_id=self.instance_id,
+            cfg=self.cfg,
+            router=self.decisions,
+            metrics=self.meters,
+            arrived=arrived,
+            trace_parent=trace_parent,
+        )
+        self._sessions[request_id] = session
+        return session
+
+    async def release(self, session: RequestSession, reason: str) -> None:
+        """Close a session (cancelling it on the bus if unfinished), even if the
+        caller is being cancelled: the close runs as an owned task of its own."""
+        self._sessions.pop(session.request_id, None)
+        try:
+            task = self.tasks.spawn(f"close:{session.request_id}", session.close(reason))
+        except RuntimeError:  # already shut down: close inline
+            await session.close(reason)
+            return
+        await asyncio.shield(task)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet released."""
+        return len(self._sessions)
+
+    def readiness(self) -> dict[str, Any]:
+        """What `/readyz` reports: ready, or what is missing."""
+        now = time.time()
+        model = self.cfg.model.name
+        bus = self.bus
+        bus_ok = bus is not None and bus.connected and self.decisions.ready
+        prefill = self.instances.alive("prefill", now)
+        decode = self.instances.alive("decode", now)
+        missing = []
+        if not bus_ok:
+            missing.append("event bus (NATS) connection")
+        if self.encoder is None:
+            missing.append(f"tokenizer ({self.encoder_state})")
+        if not prefill:
+            missing.append(f"a live prefill instance serving {model}")
+        if not decode:
+            missing.append(f"a live decode instance serving {model}")
+        return {
+            "ready": not missing,
+            "missing": missing,
+            "model": model,
+            "bus": "connected" if bus_ok else "disconnected",
+            "tokenizer": self.encoder_state,
+            "prefill_instances": prefill,
+            "decode_instances": decode,
+        }

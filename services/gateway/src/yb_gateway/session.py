@@ -1,0 +1,403 @@
+"""One request's life on the bus: admit, wait for the decision, hand off, relay tokens.
+
+`RequestSession` is the only place that talks to the cluster for a request:
+
+1. `start()` publishes `RequestAdmitted`, waits (bounded) for the conductor's
+   decision, subscribes to the request's token subject and hands the `PrefillJob` to
+   the chosen prefill instance. Everything that can fail here fails before the HTTP
+   response has started, so it becomes a proper status code (429, 503).
+2. `chunks()` yields the decode instance's `TokenChunk`s in order, each wait bounded
+   (first token, then between tokens, never past the request's deadline), and turns
+   a gap in `seq`, an engine error or a timeout into `StreamError`.
+3. `close()` always runs (the endpoint guarantees it even when the client vanished):
+   it unsubscribes and, when the request did not finish on its own, publishes
+   `RequestCancelled` so every engine frees it. It never raises.
+
+`abort()` is how a stopping gateway ends the session from outside: whatever the
+session waits for is interrupted with a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import nats.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Status, StatusCode
+
+from yb_gateway.decisions import Decision, DecisionRouter
+from yb_gateway.errors import ApiError, rejected, unavailable
+from yb_gateway.metrics import GatewayMetrics
+from yb_gateway.prompt import PreparedRequest
+from yb_gateway.schemas import ErrorBody, ErrorDetail, PromptTokensDetails, Usage
+from yb_shared import events as ev
+from yb_shared import protocol
+from yb_shared.bus import Bus, BusUnavailable
+from yb_shared.config import YbConfig
+from yb_shared.hashing import block_hashes
+from yb_shared.models import identity_of
+from yb_shared.telemetry import get_logger, inject_headers, tracer
+
+log = get_logger(__name__)
+_tracer = tracer(__name__)
+
+
+class StreamError(Exception):
+    """The token stream ended abnormally; `status` is what a client is told."""
+
+    def __init__(self, status: int, message: str, *, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+    def body(self) -> ErrorBody:
+        """The OpenAI error object for an SSE error event."""
+        kind = "service_unavailable_error" if self.status == 503 else "server_error"
+        return ErrorBody(
+            error=ErrorDetail(message=self.message, type=kind, param=None, code=self.code)
+        )
+
+    def api_error(self) -> ApiError:
+        """The same error as a plain HTTP answer (non-streaming requests)."""
+        kind = "service_unavailable_error" if self.status == 503 else "server_error"
+        return ApiError(self.status, self.message, type=kind, code=self.code)
+
+
+class _Abort:
+    """Queued to wake a session that the gateway ends from outside."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class RequestSession:
+    """One admitted request, from `RequestAdmitted` to its last token."""
+
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        endpoint: str,
+        prepared: PreparedRequest,
+        bus: Bus,
+        gateway_id: str,
+        cfg: YbConfig,
+        router: DecisionRouter,
+        metrics: GatewayMetrics,
+        arrived: float,
+        trace_parent: Context | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prepared = prepared
+        self._bus = bus
+        self._gateway_id = gateway_id
+        self._cfg = cfg
+        self._router = router
+        self._metrics = metrics
+        self._arrived = arrived  # monotonic
+        self._deadline = arrived + cfg.gateway.request_timeout_s
+        self._queue: asyncio.Queue[bytes | _Abort] = asyncio.Queue()
+        self._decision_future: asyncio.Future[Decision] | None = None
+        self._subscription: Subscription | None = None
+        self._aborted: str | None = None
+        self._admitted = False
+        self._ended = False  # finished on its own: nobody needs to be told to cancel
+        self._closed = False
+        self._last_token_at: float | None = None
+        self.decision: ev.RequestScheduled | None = None
+        # Computed once: the same keys go to the conductor and to the prefill engine.
+        self.block_hashes = block_hashes(
+            prepared.token_ids, cfg.model.block_size, identity_of(cfg.model)
+        )
+        self.prompt_tokens = len(prepared.token_ids)
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason = "stop"
+        # A client's own `traceparent` makes this span a child of the client's trace.
+        self.span = _tracer.start_span(
+            f"gateway {endpoint}",
+            context=trace_parent,
+            attributes={
+                "yb.request_id": request_id,
+                "yb.prompt_tokens": self.prompt_tokens,
+                "yb.max_tokens": prepared.max_tokens,
+            },
+        )
+
+    # --- admission and hand-off -----------------------------------------------------
+
+    async def start(self) -> None:
+        """Admit, wait for the decision, send the job; raises `ApiError` on failure."""
+        gcfg = self._cfg.gateway
+        with trace.use_span(self.span, end_on_exit=False):
+            decision = await self._decide(gcfg.decision_timeout_s)
+            match decision:
+                case ev.RequestRejected():
+                    # The conductor dropped it already: nothing to cancel.
+                    self._ended = True
+                    self.span.set_attribute("yb.rejected", decision.reason)
+                    raise rejected(decision.reason, decision.retry_after_s)
+                case ev.RequestScheduled():
+                    self.decision = decision
+                    self.span.set_attributes(
+                        {
+                            "yb.prefill_instance": decision.prefill_instance,
+                            "yb.decode_instance": decision.decode_instance,
+                            "yb.reused_blocks": decision.reused_blocks,
+                        }
+                    )
+            await self._hand_off(decision, gcfg.job_timeout_s)
+
+    async def _decide(self, timeout_s: float) -> Decision:
+        if self._aborted is not None:
+            raise unavailable(self._aborted, code="shutting_down")
+        cfg = self._cfg
+        prepared = self.prepared
+        admitted = ev.RequestAdmitted(
+            request_id=self.request_id,
+            gateway_id=self._gateway_id,
+            model=cfg.model.name,
+            block_size=cfg.model.block_size,
+            block_hashes=self.block_hashes,
+            prompt_tokens=len(prepared.token_ids),
+            max_tokens=prepared.max_tokens,
+            priority=prepared.priority,
+            slo=ev.Slo(ttft_s=cfg.gateway.ttft_slo_s, tbt_s=cfg.gateway.tbt_slo_s),
+            deadline=time.time() + cfg.gateway.request_timeout_s,
+        )
+        # Registered before publishing: a fast conductor may answer before `publish`
+        # returns.
+        self._decision_future = future = self._router.expect(self.request_id)
+        try:
+            try:
+                await self._bus.publish(
+                    admitted, timeout_s=min(cfg.nats.request_timeout_s, timeout_s)
+                )
+            except BusUnavailable as exc:
+                raise unavailable(
+                    f"The event bus is unavailable: {exc}", code="bus_unavailable"
+                ) from exc
+            self._admitted = True
+            try:
+                return await asyncio.wait_for(future, timeout=timeout_s)
+            except TimeoutError as exc:
+                raise unavailable(
+                    f"No scheduling decision within decision_timeout_s={timeout_s:g}s.",
+                    code="decision_timeout",
+                ) from exc
+        finally:
+            self._router.forget(self.request_id)
+            self._decision_future = None
+
+    async def _hand_off(self, decision: ev.RequestScheduled, timeout_s: float) -> None:
+        subject = protocol.token_subject(self._gateway_id, self.request_id)
+        try:
+            # Subscribed before the job leaves: NATS handles one connection's commands
+            # in order, so the server knows the subscription before any engine can
+            # publish a token to it.
+            self._subscription = await self._bus.subscribe(subject, cb=self._on_token_message)
+        except nats.errors.Error as exc:
+            raise unavailable(
+                f"Cannot subscribe to tokens: {exc!r}", code="bus_unavailable"
+            ) from exc
+        job = protocol.PrefillJob(
+            request_id=self.request_id,
+            token_ids=self.prepared.token_ids,
+            block_hashes=self.block_hashes,
+            sampling=self.prepared.sampling,
+            decision=decision,
+            token_subject=subject,
+            deadline=time.time() + max(0.0, self._deadline - time.monotonic()),
+            trace_headers=inject_headers(),
+        )
+        instance = decision.prefill_instance
+        try:
+            msg = await self._bus.request(
+                protocol.prefill_job_subject(instance), protocol.encode(job), timeout_s=timeout_s
+            )
+            reply = protocol.job_reply_decoder.decode(msg.data)
+        except BusUnavailable as exc:
+            reason, code = f"Prefill instance {instance} did not take the job: {exc}", "no_engine"
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            reason, code = (
+                f"Prefill instance {instance} sent an unreadable reply: {exc}",
+                "no_engine",
+            )
+        else:
+            match reply:
+                case protocol.JobAccepted():
+                    return
+                case protocol.JobRefused():
+                    reason = f"Prefill instance {instance} refused the job: {reply.reason}"
+                    code = "job_refused"
+                    # Nobody holds the request: the failure needs no cancel after it.
+                    self._ended = True
+        # Without a reply the job may still have arrived: `close()` will also publish
+        # a cancel, so a late-starting engine drops it.
+        await self._publish_failed(reason)
+        raise unavailable(reason, code=code)
+
+    async def _on_token_message(self, msg: Msg) -> None:
+        # nats-py runs this on the subscription's own task. Decoding is left to the
+        # consumer so that a bad payload surfaces as an error in stream order.
+        self._queue.put_nowait(msg.data)
+
+    # --- the token stream -----------------------------------------------------------
+
+    async def chunks(self) -> AsyncIterator[protocol.TokenChunk]:
+        """The request's token chunks in order, up to and including the finished one."""
+        gcfg = self._cfg.gateway
+        expected = 0
+        while True:
+            idle_s = gcfg.first_token_timeout_s if expected == 0 else gcfg.token_idle_timeout_s
+            left_s = self._deadline - time.monotonic()
+            try:
+                item = await asyncio.wait_for(
+                    self._queue.get(), timeout=max(0.0, min(idle_s, left_s))
+                )
+            except TimeoutError:
+                raise self._timeout_error(expected, idle_s, left_s) from None
+            if isinstance(item, _Abort):
+                raise StreamError(503, item.reason, code="shutting_down")
+            try:
+                chunk = protocol.token_decoder.decode(item)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise StreamError(502, f"Unreadable token chunk: {exc}", code="bad_chunk") from exc
+            if chunk.seq != expected:
+                raise StreamError(
+                    502,
+                    f"Token stream broken: expected chunk {expected}, got chunk {chunk.seq}.",
+                    code="token_stream_gap",
+                )
+            expected += 1
+            self._account(chunk)
+            if chunk.error:
+                raise StreamError(chunk.error_status or 502, chunk.error, code="engine_error")
+            if chunk.finished:
+                self._ended = True
+                self.finish_reason = chunk.finish_reason or "stop"
+            yield chunk
+            if chunk.finished:
+                return
+
+    def _account(self, chunk: protocol.TokenChunk) -> None:
+        now = time.monotonic()
+        if chunk.token_ids or chunk.text:
+            if self._last_token_at is None:
+                self._metrics.ttft.observe(now - self._arrived)
+                self.span.add_event("first_token")
+            else:
+                self._metrics.inter_token.observe(now - self._last_token_at)
+            self._last_token_at = now
+        self.completion_tokens += len(chunk.token_ids)
+        # The engine's own counts, when it sends them, are the authority.
+        if chunk.completion_tokens:
+            self.completion_tokens = chunk.completion_tokens
+        if chunk.prompt_tokens:
+            self.prompt_tokens = chunk.prompt_tokens
+        self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+
+    def _timeout_error(self, expected: int, idle_s: float, left_s: float) -> StreamError:
+        if left_s <= idle_s:
+            return StreamError(
+                504,
+                f"The request ran past request_timeout_s={self._cfg.gateway.request_timeout_s:g}s.",
+                code="request_timeout",
+            )
+        if expected == 0:
+            return StreamError(
+                504,
+                f"No first token within first_token_timeout_s={idle_s:g}s.",
+                code="first_token_timeout",
+            )
+        return StreamError(
+            504, f"No token for token_idle_timeout_s={idle_s:g}s.", code="token_timeout"
+        )
+
+    def usage(self) -> Usage:
+        """Token counts so far (final once the stream finished)."""
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
+
+    # --- ending ---------------------------------------------------------------------
+
+    def abort(self, reason: str) -> None:
+        """End the session from outside (gateway stopping); its waits fail with 503."""
+        if self._aborted is not None:
+            return
+        self._aborted = reason
+        future = self._decision_future
+        if future is not None and not future.done():
+            future.set_exception(unavailable(reason, code="shutting_down"))
+        self._queue.put_nowait(_Abort(reason))
+
+    async def close(self, reason: str) -> None:
+        """Unsubscribe and, if the request is still running somewhere, cancel it.
+
+        Idempotent and never raises: it runs on every path out of a request,
+        including a client that vanished and a gateway that is stopping.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._router.forget(self.request_id)
+            if self._subscription is not None:
+                with contextlib.suppress(nats.errors.Error, OSError):
+                    await self._subscription.unsubscribe()
+                self._subscription = None
+            if self._admitted and not self._ended:
+                await self._publish(ev.RequestCancelled(request_id=self.request_id, reason=reason))
+        except Exception as exc:  # a close that raises would leak the rest of the cleanup
+            log.error("session_close_failed", request_id=self.request_id, error=repr(exc))
+        finally:
+            if reason and not self._ended:
+                self.span.set_status(Status(StatusCode.ERROR, reason))
+            self.span.end()
+
+    async def _publish_failed(self, reason: str) -> None:
+        await self._publish(
+            ev.RequestFinished(
+                request_id=self.request_id,
+                instance_id=self._gateway_id,
+                outcome="failed",
+                reason=reason,
+                prompt_tokens=len(self.prepared.token_ids),
+            )
+        )
+
+    async def _publish(self, event: Any) -> None:
+        # Best effort with a short deadline: the request is over for the client either
+        # way, and the conductor's heartbeat bookkeeping covers a lost event.
+        if not self._bus.connected:
+            log.warning(
+                "event_not_published",
+                request_id=self.request_id,
+                event=type(event).__name__,
+                reason="bus disconnected",
+            )
+            return
+        try:
+            await self._bus.publish(event, timeout_s=self._cfg.nats.request_timeout_s)
+        except BusUnavailable as exc:
+            log.warning(
+                "event_not_published",
+                request_id=self.request_id,
+                event=type(event).__name__,
+                reason=str(exc),
+            )

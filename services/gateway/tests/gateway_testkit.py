@@ -1,0 +1,267 @@
+"""The rest of the cluster, played over the bus, and helpers for the gateway's tests.
+
+`Conductor` reads `RequestAdmitted` from the log and publishes decisions; `Engine`
+answers prefill jobs on core NATS, streams `TokenChunk`s to the token subject and
+announces a prefill and a decode instance. They are peers on the same nats-server the
+gateway uses, not mocks: the gateway cannot tell them from the real services.
+
+(Imported by name: `conftest.py` puts this folder on `sys.path`, because pytest's
+importlib mode does not let test modules import each other.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from yb_gateway.service import GatewayService
+from yb_shared import events as ev
+from yb_shared import protocol
+from yb_shared.bus import Bus, EventReader
+from yb_shared.config import GatewayConfig, ModelConfig, NatsConfig, YbConfig
+from yb_shared.natsserver import free_port
+
+MODEL = "tiny-test-model"
+PREFILL_ID = "prefill-t0"
+DECODE_ID = "decode-t0"
+WORDS = ["Hello", ",", " wor", "ld", "!"]
+
+# The `gateway_factory` fixture: starts a gateway with extra `GatewayConfig` settings.
+GatewayFactory = Callable[..., Awaitable[GatewayService]]
+
+
+def make_config(nats: NatsConfig, **gateway: Any) -> YbConfig:
+    """Gateway settings with short deadlines, so failure paths are quick to test."""
+    settings: dict[str, Any] = {
+        "port": free_port(),
+        "decision_timeout_s": 2.0,
+        "job_timeout_s": 1.0,
+        "first_token_timeout_s": 2.0,
+        "token_idle_timeout_s": 2.0,
+        "max_max_tokens": 512,
+        "max_body_bytes": 64 * 1024,
+        **gateway,
+    }
+    return YbConfig(
+        nats=nats,
+        model=ModelConfig(source="tiny-random", name=MODEL, block_size=4, max_model_len=256),
+        gateway=GatewayConfig(**settings),
+    )
+
+
+async def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `predicate` until true; fail the test with `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def start_gateway(cfg: YbConfig, *, wait_bus: bool = True) -> GatewayService:
+    """Start a gateway and wait until its tokenizer (and bus, if asked) are ready."""
+    gw = GatewayService(cfg)
+    await gw.start()
+    await wait_for(lambda: gw.encoder is not None, 60, "the tokenizer")
+    if wait_bus:
+        await wait_for(lambda: gw.readiness()["bus"] == "connected", 10, "the bus")
+    return gw
+
+
+def client_for(gw: GatewayService, **kwargs: Any) -> httpx.AsyncClient:
+    """An HTTP client for the gateway's real socket (no proxies: all is local)."""
+    return httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{gw.port}", trust_env=False, timeout=15.0, **kwargs
+    )
+
+
+# --- the rest of the cluster, played over the bus -------------------------------------
+
+
+@dataclass
+class Conductor:
+    """Decides every admission: schedule (default), reject, or stay silent."""
+
+    bus: Bus
+    mode: str = "schedule"
+    retry_after_s: float = 3.0
+    admitted: list[ev.RequestAdmitted] = field(default_factory=list)
+    _reader: EventReader | None = None
+    _task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._reader = await self.bus.read_ordered("yb.ev.req.request_admitted", new_only=True)
+        self._task = asyncio.create_task(self._run(self._reader))
+
+    async def _run(self, reader: EventReader) -> None:
+        async for logged in reader:
+            event = logged.event
+            if not isinstance(event, ev.RequestAdmitted):
+                continue
+            self.admitted.append(event)
+            decision: ev.RequestScheduled | ev.RequestRejected
+            if self.mode == "silent":
+                continue
+            if self.mode == "reject":
+                decision = ev.RequestRejected(
+                    request_id=event.request_id,
+                    gateway_id=event.gateway_id,
+                    reason="predicted TBT over SLO",
+                    retry_after_s=self.retry_after_s,
+                    admitted_seq=logged.seq,
+                )
+            else:
+                decision = ev.RequestScheduled(
+                    request_id=event.request_id,
+                    gateway_id=event.gateway_id,
+                    prefill_instance=PREFILL_ID,
+                    decode_instance=DECODE_ID,
+                    reused_blocks=1,
+                    policy="test",
+                    admitted_seq=logged.seq,
+                )
+            await self.bus.publish(decision)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._reader is not None:
+            await self._reader.close()
+
+
+Script = Callable[[protocol.PrefillJob], list[protocol.TokenChunk]]
+
+
+def words_script(words: list[str] = WORDS, *, cached: int = 4) -> Script:
+    """One chunk per word, the last one finished, with the engine's counts."""
+
+    def script(job: protocol.PrefillJob) -> list[protocol.TokenChunk]:
+        chunks = [
+            protocol.TokenChunk(
+                request_id=job.request_id,
+                seq=i,
+                token_ids=[100 + i],
+                text=word,
+                prompt_tokens=len(job.token_ids),
+                cached_tokens=cached,
+            )
+            for i, word in enumerate(words)
+        ]
+        chunks.append(
+            protocol.TokenChunk(
+                request_id=job.request_id,
+                seq=len(words),
+                finished=True,
+                finish_reason="stop",
+                prompt_tokens=len(job.token_ids),
+                completion_tokens=len(words),
+                cached_tokens=cached,
+            )
+        )
+        return chunks
+
+    return script
+
+
+@dataclass
+class Engine:
+    """A prefill instance that takes jobs, plus the decode instance that streams tokens."""
+
+    bus: Bus
+    reply: str = "accept"  # accept | refuse | silent
+    script: Script = field(default_factory=words_script)
+    delay_s: float = 0.0
+    jobs: list[protocol.PrefillJob] = field(default_factory=list)
+    _sub: Subscription | None = None
+    _streams: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def start(self, *, announce: bool = True) -> None:
+        self._sub = await self.bus.subscribe(
+            protocol.prefill_job_subject(PREFILL_ID), cb=self._on_job
+        )
+        await self.bus.flush()
+        if announce:
+            await self.announce()
+
+    async def announce(self) -> None:
+        for instance_id, role in ((PREFILL_ID, "prefill"), (DECODE_ID, "decode")):
+            await self.bus.publish(
+                ev.InstanceUp(instance_id=instance_id, role=role, host="h0", model=MODEL)  # type: ignore[arg-type]
+            )
+
+    async def _on_job(self, msg: Msg) -> None:
+        job = protocol.job_decoder.decode(msg.data)
+        self.jobs.append(job)
+        if self.reply == "silent":
+            return
+        if self.reply == "refuse":
+            await msg.respond(
+                protocol.encode(
+                    protocol.JobRefused(
+                        request_id=job.request_id, instance_id=PREFILL_ID, reason="no KV pages"
+                    )
+                )
+            )
+            return
+        await msg.respond(
+            protocol.encode(protocol.JobAccepted(request_id=job.request_id, instance_id=PREFILL_ID))
+        )
+        task = asyncio.create_task(self._stream(job))
+        self._streams.add(task)
+        task.add_done_callback(self._streams.discard)
+
+    async def _stream(self, job: protocol.PrefillJob) -> None:
+        for chunk in self.script(job):
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            await self.bus.publish_core(job.token_subject, protocol.encode(chunk))
+
+    async def stop(self) -> None:
+        for task in list(self._streams):
+            task.cancel()
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+
+@dataclass
+class Cluster:
+    """The conductor and engine peers of one test."""
+
+    conductor: Conductor
+    engine: Engine
+
+
+async def next_event(reader: EventReader, kind: type[Any], timeout_s: float = 5.0) -> Any:
+    """The next event of `kind` from `reader`, or fail."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        logged = await reader.next(timeout_s=left)
+        if logged is not None and isinstance(logged.event, kind):
+            return logged.event
+    pytest.fail(f"no {kind.__name__} within {timeout_s}s")
+
+
+async def poll_status(
+    client: httpx.AsyncClient, path: str, want: int, timeout_s: float = 5.0
+) -> httpx.Response:
+    """GET `path` until it answers `want`; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = await client.get(path)
+        if response.status_code == want:
+            return response
+        if time.monotonic() > deadline:
+            pytest.fail(f"{path} still answers {response.status_code}, not {want}: {response.text}")
+        await asyncio.sleep(0.05)

@@ -1,0 +1,197 @@
+"""Serving requests end to end: gateway <-> real NATS <-> conductor and engine peers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import msgspec
+from gateway_testkit import (
+    MODEL,
+    PREFILL_ID,
+    WORDS,
+    Cluster,
+    GatewayFactory,
+    next_event,
+    poll_status,
+)
+from httpx_sse import aconnect_sse
+
+from yb_gateway.schemas import ChatMessage
+from yb_gateway.service import GatewayService
+from yb_shared import events as ev
+from yb_shared.bus import Bus
+from yb_shared.hashing import block_hashes
+from yb_shared.models import identity_of
+from yb_shared.telemetry import trace_id_hex
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello to the world"}]}
+
+
+async def test_streaming_chat(
+    gateway: GatewayService, client: httpx.AsyncClient, cluster: Cluster
+) -> None:
+    body = {
+        **CHAT,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.5,
+        "top_k": 20,
+        "seed": 7,
+        "stop": "\n\n",
+        "max_tokens": 32,
+        "priority": 3,
+    }
+    events = []
+    async with aconnect_sse(client, "POST", "/v1/chat/completions", json=body) as source:
+        assert source.response.status_code == 200
+        assert source.response.headers["content-type"].startswith("text/event-stream")
+        async for sse in source.aiter_sse():
+            events.append(sse.data)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(data) for data in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "".join(WORDS)
+    finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [c["choices"][0]["finish_reason"] for c in finish] == ["stop"]
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == []
+    assert usage["completion_tokens"] == len(WORDS)
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 4}
+
+    # What reached the cluster: the admission carries hashes of the chat-templated
+    # prompt; the job carries its tokens, the sampling settings and the decision.
+    admitted = cluster.conductor.admitted[-1]
+    (job,) = cluster.engine.jobs
+    assert gateway.encoder is not None
+    expected_ids = await gateway.encoder.chat(msgspec.convert(CHAT["messages"], list[ChatMessage]))
+    assert job.token_ids == expected_ids
+    assert usage["prompt_tokens"] == len(expected_ids)
+    hashes = block_hashes(expected_ids, 4, identity_of(gateway.cfg.model))
+    assert admitted.block_hashes == job.block_hashes == hashes
+    assert admitted.prompt_tokens == len(expected_ids) and admitted.max_tokens == 32
+    assert admitted.priority == 3 and admitted.gateway_id == gateway.instance_id
+    assert admitted.model == MODEL and admitted.deadline > admitted.time
+    assert job.decision.prefill_instance == PREFILL_ID
+    assert job.sampling.temperature == 0.5 and job.sampling.top_k == 20
+    assert job.sampling.seed == 7 and job.sampling.stop == ["\n\n"]
+    assert "traceparent" in job.trace_headers
+    assert gateway.in_flight == 0 and gateway.decisions.waiting == 0
+
+
+async def test_non_streaming_completion_with_usage(
+    client: httpx.AsyncClient, cluster: Cluster
+) -> None:
+    response = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8}
+    )
+    assert response.status_code == 200, response.text
+    assert response.headers["x-request-id"].startswith("cmpl-")
+    body = response.json()
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert body["choices"] == [
+        {"index": 0, "text": "".join(WORDS), "finish_reason": "stop", "logprobs": None}
+    ]
+    prompt_tokens = len(cluster.engine.jobs[0].token_ids)
+    assert body["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(WORDS),
+        "total_tokens": prompt_tokens + len(WORDS),
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+
+
+async def test_completion_from_token_ids_and_streaming_text(
+    client: httpx.AsyncClient, cluster: Cluster
+) -> None:
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8, 9], "stream": True, "max_tokens": 4}
+    async with aconnect_sse(client, "POST", "/v1/completions", json=body) as source:
+        data = [sse.data async for sse in source.aiter_sse()]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "".join(WORDS)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert cluster.engine.jobs[0].token_ids == [5, 6, 7, 8, 9]
+    assert cluster.engine.jobs[0].sampling.max_tokens == 4
+
+
+async def test_non_streaming_chat(client: httpx.AsyncClient, cluster: Cluster) -> None:
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    response = await client.post(
+        "/v1/chat/completions",
+        json={**CHAT, "max_completion_tokens": 9},
+        headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "".join(WORDS)}
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert cluster.engine.jobs[0].sampling.max_tokens == 9
+    # The client's trace continues through the gateway to the engines.
+    assert trace_id_hex(cluster.engine.jobs[0].trace_headers) == trace_id
+
+
+async def test_models_health_and_metrics(client: httpx.AsyncClient, cluster: Cluster) -> None:
+    assert (await client.get("/healthz")).json() == {"status": "ok"}
+    models = (await client.get("/v1/models")).json()
+    assert models["object"] == "list"
+    assert [(m["id"], m["object"]) for m in models["data"]] == [(MODEL, "model")]
+    assert (await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})).is_success
+    await client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+    text = (await client.get("/metrics")).text
+    assert 'yb_gateway_requests_total{status="200"} 1.0' in text
+    assert 'yb_gateway_requests_total{status="404"} 1.0' in text
+    assert "yb_gateway_ttft_seconds_count 1.0" in text
+    assert "yb_gateway_inter_token_seconds_count" in text
+    assert "yb_gateway_in_flight_requests 0.0" in text
+    assert (await client.get("/schema/openapi.json")).json()["paths"]["/v1/chat/completions"]
+
+
+async def test_readyz_follows_engine_instances(
+    gateway: GatewayService, client: httpx.AsyncClient, bus: Bus
+) -> None:
+    response = await client.get("/readyz")
+    assert response.status_code == 503
+    report = response.json()
+    assert report["bus"] == "connected" and report["tokenizer"] == "loaded"
+    assert any("prefill" in m for m in report["missing"])
+    assert any("decode" in m for m in report["missing"])
+
+    await bus.publish(ev.InstanceUp(instance_id="p1", role="prefill", host="h", model=MODEL))
+    await bus.publish(ev.InstanceUp(instance_id="d1", role="decode", host="h", model=MODEL))
+    reader = await bus.read_ordered("yb.ev.instance.>")
+    await next_event(reader, ev.InstanceUp)
+    await reader.close()
+
+    ready = (await poll_status(client, "/readyz", 200)).json()
+    assert ready["prefill_instances"] == ["p1"] and ready["decode_instances"] == ["d1"]
+
+    await bus.publish(ev.InstanceDown(instance_id="d1", reason="stopped"))
+    assert (await poll_status(client, "/readyz", 503)).json()["decode_instances"] == []
+
+    # An instance whose heartbeat is older than the timeout is dead, announced or not.
+    await bus.publish(
+        ev.InstanceUp(instance_id="d2", role="decode", host="h", model=MODEL, time=1000.0)
+    )
+    await bus.publish(ev.InstanceUp(instance_id="d3", role="decode", host="h", model="other"))
+    await asyncio.sleep(0.3)
+    assert (await client.get("/readyz")).json()["decode_instances"] == []
+
+
+async def test_gateway_announces_itself_and_retires(
+    gateway_factory: GatewayFactory, bus: Bus
+) -> None:
+    reader = await bus.read_ordered("yb.ev.instance.>", new_only=True)
+    gw = await gateway_factory()
+    up = await next_event(reader, ev.InstanceUp)
+    assert (up.instance_id, up.role, up.model) == (gw.instance_id, "gateway", MODEL)
+    assert up.metrics_address.endswith(f":{gw.port}")
+    await gw.stop()
+    down = await next_event(reader, ev.InstanceDown)
+    assert down.instance_id == gw.instance_id
+    await reader.close()

@@ -1,0 +1,237 @@
+"""Outages, broken streams, clients that leave, and stopping with requests in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from gateway_testkit import (
+    MODEL,
+    Cluster,
+    GatewayFactory,
+    client_for,
+    next_event,
+    poll_status,
+    wait_for,
+)
+from httpx_sse import aconnect_sse
+
+from yb_gateway.service import GatewayService
+from yb_shared import events as ev
+from yb_shared import protocol
+from yb_shared.bus import Bus
+from yb_shared.config import NatsConfig
+from yb_shared.natsserver import NatsServer, free_port
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def sse_events(client: httpx.AsyncClient, body: dict[str, Any]) -> list[tuple[str, str]]:
+    """(event, data) of every SSE event of a streamed chat completion."""
+    async with aconnect_sse(client, "POST", "/v1/chat/completions", json=body) as source:
+        assert source.response.status_code == 200
+        return [(sse.event, sse.data) async for sse in source.aiter_sse()]
+
+
+async def test_gap_in_token_sequence_is_an_error_event(
+    client: httpx.AsyncClient, cluster: Cluster, bus: Bus
+) -> None:
+    def gappy(job: protocol.PrefillJob) -> list[protocol.TokenChunk]:
+        return [
+            protocol.TokenChunk(request_id=job.request_id, seq=0, token_ids=[1], text="a"),
+            protocol.TokenChunk(request_id=job.request_id, seq=2, token_ids=[2], text="c"),
+            protocol.TokenChunk(request_id=job.request_id, seq=3, finished=True),
+        ]
+
+    cluster.engine.script = gappy
+    cancelled = await bus.read_ordered("yb.ev.req.request_cancelled", new_only=True)
+    events = await sse_events(client, {**CHAT, "stream": True})
+    assert events[-1] == ("message", "[DONE]")
+    kind, data = events[-2]
+    assert kind == "error"
+    error = json.loads(data)["error"]
+    assert (
+        error["code"] == "token_stream_gap" and "expected chunk 1, got chunk 2" in error["message"]
+    )
+    # Text before the gap was relayed; nothing after it.
+    texts = [json.loads(d)["choices"][0]["delta"].get("content") for k, d in events[:-2]]
+    assert texts == ["", "a"]
+    # The stream ended early: the request is cancelled on the bus.
+    await next_event(cancelled, ev.RequestCancelled)
+    await cancelled.close()
+
+
+async def test_client_disconnect_cancels_the_request(
+    gateway: GatewayService, client: httpx.AsyncClient, cluster: Cluster, bus: Bus
+) -> None:
+    cluster.engine.delay_s = 0.05
+    cluster.engine.script = lambda job: [
+        protocol.TokenChunk(request_id=job.request_id, seq=i, token_ids=[i], text=f"t{i} ")
+        for i in range(200)
+    ]
+    cancelled = await bus.read_ordered("yb.ev.req.request_cancelled", new_only=True)
+    async with aconnect_sse(
+        client, "POST", "/v1/chat/completions", json={**CHAT, "stream": True}
+    ) as source:
+        request_id = source.response.headers["x-request-id"]
+        seen = 0
+        async for _sse in source.aiter_sse():
+            seen += 1
+            if seen == 3:
+                break  # leaving the block closes the connection mid-stream
+    event = await next_event(cancelled, ev.RequestCancelled)
+    assert event.request_id == request_id
+    assert event.reason == "client disconnected"
+    await cancelled.close()
+    await wait_for(lambda: gateway.in_flight == 0, 5, "the session to be released")
+    # The token subscription is gone too (nats-py keeps no public count of them).
+    assert gateway.bus is not None
+    subjects = [s.subject for s in gateway.bus.client._subs.values()]
+    assert not any(s.startswith("yb.tok.") for s in subjects)
+    metrics = (await client.get("/metrics")).text
+    assert 'yb_gateway_requests_total{status="499"} 1.0' in metrics
+    assert "yb_gateway_in_flight_requests 0.0" in metrics
+
+
+async def test_client_leaving_a_non_streaming_request_cancels_it(
+    gateway: GatewayService, client: httpx.AsyncClient, cluster: Cluster, bus: Bus
+) -> None:
+    cluster.engine.delay_s = 0.05
+    cluster.engine.script = lambda job: [
+        protocol.TokenChunk(request_id=job.request_id, seq=i, token_ids=[i], text="t")
+        for i in range(200)
+    ]
+    cancelled = await bus.read_ordered("yb.ev.req.request_cancelled", new_only=True)
+    with contextlib.suppress(TimeoutError):
+        # Cancelling the call drops its connection, as a client that gives up does.
+        await asyncio.wait_for(client.post("/v1/chat/completions", json=CHAT), timeout=0.5)
+    event = await next_event(cancelled, ev.RequestCancelled)
+    assert event.reason == "client disconnected"
+    assert event.request_id == cluster.engine.jobs[0].request_id
+    await cancelled.close()
+    await wait_for(lambda: gateway.in_flight == 0, 5, "the session to be released")
+
+
+async def test_concurrent_streams_do_not_mix(
+    gateway: GatewayService, client: httpx.AsyncClient, cluster: Cluster
+) -> None:
+    cluster.engine.delay_s = 0.01
+    cluster.engine.script = lambda job: (
+        [
+            protocol.TokenChunk(
+                request_id=job.request_id, seq=i, token_ids=[i], text=f"{job.request_id[-4:]}."
+            )
+            for i in range(10)
+        ]
+        + [
+            protocol.TokenChunk(
+                request_id=job.request_id, seq=10, finished=True, finish_reason="length"
+            )
+        ]
+    )
+
+    async def one() -> tuple[str, str]:
+        async with aconnect_sse(
+            client, "POST", "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True}
+        ) as source:
+            request_id = source.response.headers["x-request-id"]
+            data = [sse.data async for sse in source.aiter_sse()]
+        assert data[-1] == "[DONE]"
+        return request_id, "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1])
+
+    results = await asyncio.gather(*(one() for _ in range(16)))
+    for request_id, text in results:
+        assert text == f"{request_id[-4:]}." * 10
+    assert gateway.in_flight == 0 and gateway.decisions.waiting == 0
+    # Per-request close tasks leave the supervisor once done: only http and bus stay.
+    await wait_for(lambda: len(gateway.tasks._tasks) == 2, 2, "close tasks to finish")
+
+
+async def test_nats_down_then_back(
+    gateway_factory: GatewayFactory, cluster: Cluster, nats_server: NatsServer
+) -> None:
+    gw = await gateway_factory(decision_timeout_s=1.0)
+    async with client_for(gw) as client:
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+        nats_server.stop()
+        await wait_for(lambda: gw.readiness()["bus"] == "disconnected", 5, "the outage to show")
+        started = time.monotonic()
+        response = await client.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "bus_unavailable"
+        assert time.monotonic() - started < 1.0
+        assert (await client.get("/healthz")).status_code == 200
+        assert (await client.get("/readyz")).status_code == 503
+
+        nats_server.start()
+        # Every peer reconnects by itself; requests are served again.
+        deadline = time.monotonic() + 20
+        while True:
+            response = await client.post("/v1/chat/completions", json=CHAT)
+            if response.status_code == 200:
+                break
+            assert time.monotonic() < deadline, response.text
+            await asyncio.sleep(0.2)
+        assert response.json()["choices"][0]["message"]["content"] == "Hello, world!"
+
+
+async def test_starts_and_answers_without_nats(
+    gateway_factory: GatewayFactory, tmp_path: Path
+) -> None:
+    port = free_port()
+    nats = NatsConfig(
+        url=f"nats://127.0.0.1:{port}", reconnect_wait_s=0.05, max_reconnect_wait_s=0.3
+    )
+    gw = await gateway_factory(nats=nats, wait_bus=False)
+    async with client_for(gw) as client:
+        assert (await client.get("/healthz")).status_code == 200
+        ready = (await client.get("/readyz")).json()
+        assert ready["bus"] == "disconnected"
+        assert "event bus (NATS) connection" in ready["missing"]
+        started = time.monotonic()
+        response = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert response.status_code == 503 and time.monotonic() - started < 1.0
+
+        # NATS comes up later: the gateway connects by itself.
+        server = NatsServer(store_dir=tmp_path / "late-nats", port=port)
+        server.start()
+        try:
+            await wait_for(lambda: gw.readiness()["bus"] == "connected", 10, "the late NATS")
+            report = (await poll_status(client, "/readyz", 503)).json()
+            assert "event bus (NATS) connection" not in report["missing"]
+        finally:
+            await gw.stop()
+            server.stop()
+
+
+async def test_stop_cancels_in_flight_requests(
+    gateway: GatewayService, client: httpx.AsyncClient, cluster: Cluster, bus: Bus
+) -> None:
+    cluster.engine.delay_s = 0.05
+    cluster.engine.script = lambda job: [
+        protocol.TokenChunk(request_id=job.request_id, seq=i, token_ids=[i], text="x")
+        for i in range(200)
+    ]
+    cancelled = await bus.read_ordered("yb.ev.req.request_cancelled", new_only=True)
+    events: list[tuple[str, str]] = []
+    async with aconnect_sse(
+        client, "POST", "/v1/chat/completions", json={**CHAT, "stream": True}
+    ) as source:
+        async for sse in source.aiter_sse():
+            events.append((sse.event, sse.data))
+            if len(events) == 3:
+                stopping = asyncio.create_task(gateway.stop())
+    await stopping
+    await gateway.stop()  # idempotent
+    assert events[-1] == ("message", "[DONE]")
+    assert events[-2][0] == "error"
+    assert json.loads(events[-2][1])["error"]["code"] == "shutting_down"
+    await next_event(cancelled, ev.RequestCancelled)
+    await cancelled.close()
+    assert gateway.in_flight == 0

@@ -1,0 +1,100 @@
+"""The pure parts: body decoding, readiness folding, decision routing, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgspec
+import pytest
+
+from yb_gateway.app import decode_body
+from yb_gateway.decisions import DecisionRouter
+from yb_gateway.errors import ApiError
+from yb_gateway.readiness import InstanceTracker
+from yb_gateway.render import SSE_DONE, ChatFormat, TextFormat
+from yb_gateway.schemas import ChatCompletionRequest, CompletionRequest, Usage
+from yb_shared import events as ev
+from yb_shared.events import decision_subjects
+
+
+def test_decode_body_reports_the_field_path() -> None:
+    with pytest.raises(ApiError) as info:
+        decode_body(
+            b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', ChatCompletionRequest
+        )
+    assert info.value.status == 400 and info.value.param == "messages[0].content"
+    with pytest.raises(ApiError) as info:
+        decode_body(b'{"model": ', CompletionRequest)
+    assert info.value.code == "invalid_json"
+    request = decode_body(
+        b'{"model": "m", "prompt": [1, 2], "frequency_penalty": 0.5, "stop": "x"}',
+        CompletionRequest,
+    )
+    assert request.prompt == [1, 2] and request.stop == "x"  # unknown fields are ignored
+
+
+def test_tracker_folds_instance_events() -> None:
+    tracker = InstanceTracker("m", heartbeat_timeout_s=10.0)
+    tracker.apply(ev.InstanceUp(instance_id="p", role="prefill", host="h", model="m", time=100.0))
+    tracker.apply(ev.InstanceUp(instance_id="d", role="decode", host="h", model="", time=100.0))
+    tracker.apply(ev.InstanceUp(instance_id="x", role="decode", host="h", model="other", time=100))
+    tracker.apply(ev.InstanceUp(instance_id="k", role="kvstore", host="h", time=100.0))
+    assert tracker.alive("prefill", now=105.0) == ["p"]
+    assert tracker.alive("decode", now=105.0) == ["d"]
+    assert tracker.alive("decode", now=111.0) == []  # heartbeat timed out
+    tracker.apply(ev.LoadReport(instance_id="d", role="decode", time=110.0))
+    tracker.apply(ev.LoadReport(instance_id="unknown", role="decode", time=110.0))
+    assert tracker.alive("decode", now=111.0) == ["d"]
+    tracker.apply(ev.InstanceDown(instance_id="d", time=111.0))
+    assert tracker.alive("decode", now=111.0) == []
+
+
+async def test_router_delivers_by_request_id_and_drops_strangers() -> None:
+    router = DecisionRouter()
+    future = router.expect("r1")
+    rejected = ev.RequestRejected(request_id="r1", gateway_id="g", reason="busy")
+    assert not router.deliver(ev.RequestRejected(request_id="r9", gateway_id="g", reason="?"))
+    assert router.deliver(rejected)
+    assert await asyncio.wait_for(future, 1) is rejected
+    assert router.waiting == 0
+    assert not router.deliver(rejected)  # a redelivery finds nobody
+    router.expect("r2")
+    router.forget("r2")
+    assert router.waiting == 0
+
+
+def test_decision_subjects_match_where_decisions_are_published() -> None:
+    gateway_id = "gw.1 x"
+    pattern = decision_subjects(gateway_id)
+    for decision in (
+        ev.RequestRejected(request_id="r", gateway_id=gateway_id, reason="-"),
+        ev.RequestScheduled(
+            request_id="r", gateway_id=gateway_id, prefill_instance="p", decode_instance="d"
+        ),
+    ):
+        subject = ev.subject_for(decision)
+        assert subject.startswith(pattern[:-1]), (subject, pattern)
+
+
+def test_sse_frames_are_openai_shaped() -> None:
+    chat = ChatFormat("chatcmpl-1", "m")
+    opening = chat.opening()
+    assert opening.startswith(b"data: {") and opening.endswith(b"}\n\n")
+    first = json.loads(opening[len(b"data: ") :])
+    assert first["choices"] == [
+        {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "finish_reason": None,
+            "logprobs": None,
+        }
+    ]
+    closing = json.loads(chat.closing("length")[len(b"data: ") :])
+    assert (
+        closing["choices"][0]["delta"] == {} and closing["choices"][0]["finish_reason"] == "length"
+    )
+    usage = Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
+    whole = msgspec.json.decode(TextFormat("cmpl-1", "m").whole("ab", "stop", usage))
+    assert whole["object"] == "text_completion" and whole["usage"]["total_tokens"] == 5
+    assert SSE_DONE == b"data: [DONE]\n\n"
