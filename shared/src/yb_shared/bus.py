@@ -107,6 +107,8 @@ class Bus:
             return server, delay(server.reconnects)
 
         async def disconnected() -> None:
+            if holder and holder[0]._closed:
+                return  # our own close, not an outage
             log.warning("nats_disconnected")
             if on_state:
                 await on_state("disconnected")

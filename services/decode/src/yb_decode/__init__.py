@@ -1,0 +1,3 @@
+"""The decode engine service."""
+
+__version__ = "0.1.0"

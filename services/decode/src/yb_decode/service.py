@@ -1,0 +1,464 @@
+"""The decode engine service.
+
+Prefill instances talk to it on `yb.job.decode.<id>` (core NATS request/reply):
+`ReserveKV` sets aside pages and posts UCX receives into exactly those pages;
+`StartDecode` admits the request into the continuous batch once the UCX commit is
+verified; `AbortReservation` frees the pages. One engine loop steps the batch while
+it has work and streams each request's tokens, numbered, to its gateway's token
+subject. Cancellations from the log abort a request wherever it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+from nats.aio.msg import Msg
+from prometheus_client import Counter, Gauge, Histogram
+
+from yb_shared import events as ev
+from yb_shared import protocol as pr
+from yb_shared.bus import Bus, BusError
+from yb_shared.config import YbConfig
+from yb_shared.engine_host import EngineHost
+from yb_shared.instance import CancellationFollower, Presence
+from yb_shared.service import Service
+from yb_shared.telemetry import get_logger
+from yb_shared.transport import KVReceiver, Reservation, TransferError
+
+if TYPE_CHECKING:
+    from yb_shared.model.batcher import DecodeBatcher, TokenOutput
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Pending:
+    """A request between `ReserveKV` and `StartDecode`: pages reserved, KV arriving."""
+
+    reserve: pr.ReserveKV
+    pages: list[int]
+    reservation: Reservation
+    commit: asyncio.Task[bool]
+
+
+@dataclass
+class Stream:
+    """A request in the batch: where its tokens go and how many have gone."""
+
+    request_id: str
+    subject: str
+    prompt_tokens: int
+    reused_tokens: int
+    ttft_started: float
+    seq: int = 0
+    completion_tokens: int = 0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+
+
+class DecodeService(Service):
+    """Receives prompt KV over UCX and decodes with continuous batching."""
+
+    role = "decode"
+
+    def __init__(self, cfg: YbConfig) -> None:
+        super().__init__(cfg)
+        self.engine = EngineHost(cfg, cfg.decode, self.instance_id)
+        self.receiver = KVReceiver(cfg.decode.ucx_host, cfg.decode.ucx_port)
+        self.batcher: DecodeBatcher | None = None
+        self.bus: Bus | None = None
+        self.presence: Presence | None = None
+        self.cancellations: CancellationFollower | None = None
+        self.ucx_address = ""
+        self._pending: dict[str, Pending] = {}
+        self._streams: dict[str, Stream] = {}
+        self._work = asyncio.Event()
+        self._draining = False
+        self._m_batch = Gauge(
+            "yb_engine_batch_size", "Requests in the decode batch", registry=self.metrics
+        )
+        self._m_queue = Gauge(
+            "yb_engine_queue_requests",
+            "Requests holding KV, waiting for a batch slot",
+            registry=self.metrics,
+        )
+        self._m_kv = Gauge("yb_engine_kv_pages_used", "KV pages in use", registry=self.metrics)
+        self._m_kv_total = Gauge(
+            "yb_engine_kv_pages_total", "KV pages in the cache", registry=self.metrics
+        )
+        self._m_step = Histogram(
+            "yb_decode_step_seconds",
+            "Duration of one decode step (the TBT)",
+            registry=self.metrics,
+            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
+        )
+        self._m_requests = Counter(
+            "yb_decode_requests_total", "Requests by outcome", ["outcome"], registry=self.metrics
+        )
+        self._m_tokens = Counter(
+            "yb_decode_tokens_total", "Tokens generated", registry=self.metrics
+        )
+        self._m_kv_bytes = Counter(
+            "yb_decode_kv_bytes_received",
+            "Prompt KV bytes received over UCX into reserved pages (verified commits)",
+            registry=self.metrics,
+        )
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the model, open the UCX listener, subscribe, announce."""
+        from yb_shared.model.batcher import DecodeBatcher
+
+        self.serve_metrics()
+        self.bus = await Bus.connect(self.cfg.nats, self.instance_id)
+        await self.bus.ensure_stream()
+        await self.engine.load()
+        assert self.engine.runner is not None
+        assert self.engine.allocator is not None
+        assert self.engine.model is not None
+        assert self.engine.cache is not None
+        self.batcher = DecodeBatcher(
+            self.engine.runner,
+            self.engine.allocator,
+            self.engine.model.tokenizer,
+            self.cfg.decode.max_batch_size,
+        )
+        self._m_kv_total.set(self.engine.cache.num_pages)
+        address = await self.receiver.start()
+        self.ucx_address = str(address)
+        self.cancellations = CancellationFollower(self.bus, self._on_cancel)
+        await self.cancellations.start()
+        await self.bus.subscribe(pr.decode_control_subject(self.instance_id), cb=self._on_control)
+        self.presence = Presence(
+            self.bus,
+            ev.InstanceUp(
+                instance_id=self.instance_id,
+                role="decode",
+                host=self.cfg.host,
+                model=self.cfg.model.name,
+                ucx_address=self.ucx_address,
+                block_size=self.cfg.model.block_size,
+                kv_capacity_blocks=self.engine.cache.num_pages,
+                max_batch_size=self.cfg.decode.max_batch_size,
+                attention_backend=self.engine.attention_backend,
+                metrics_address=self.metrics_address,
+            ),
+            self._load_report,
+            self.cfg.decode.load_report_interval_s,
+        )
+        await self.presence.announce()
+        self.tasks.spawn("engine", self._engine_loop())
+        self.tasks.spawn("presence", self.presence.run())
+        self.tasks.spawn("cancellations", self.cancellations.run())
+
+    async def stop(self) -> None:
+        """Refuse new work, end running streams with an error, release; idempotent."""
+        self._draining = True
+        if self.presence is not None:
+            await self.presence.retire("stopped")
+            self.presence = None
+        await self.tasks.shutdown()
+        for request_id in list(self._pending):
+            await self._drop_pending(request_id, "decode instance shutting down")
+        for stream in list(self._streams.values()):
+            await self._end_stream(stream, error="decode instance shutting down", status=503)
+        if self.cancellations is not None:
+            await self.cancellations.close()
+        await self.receiver.close()
+        self.engine.close()
+        if self.bus is not None:
+            bus, self.bus = self.bus, None
+            await bus.close()
+
+    # --- control messages from prefill ---------------------------------------------
+
+    async def _on_control(self, msg: Msg) -> None:
+        try:
+            message = pr.decode_control_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("malformed_control", error=str(exc))
+            await self._respond(
+                msg, pr.DecodeAck(request_id="", ok=False, reason=f"malformed message: {exc}")
+            )
+            return
+        match message:
+            case pr.ReserveKV():
+                reply: pr.DecodeReply = await self._reserve(message)
+            case pr.StartDecode():
+                reply = await self._start(message)
+            case pr.AbortReservation():
+                await self._drop_pending(message.request_id, message.reason)
+                reply = pr.DecodeAck(request_id=message.request_id, ok=True)
+        await self._respond(msg, reply)
+
+    async def _respond(self, msg: Msg, reply: pr.DecodeReply) -> None:
+        with contextlib.suppress(Exception):
+            await msg.respond(pr.encode(reply))
+
+    async def _reserve(self, req: pr.ReserveKV) -> pr.ReserveReply:
+        cache = self.engine.cache
+        allocator = self.engine.allocator
+        assert cache is not None
+        assert allocator is not None
+        rid = req.request_id
+        if self._draining:
+            return pr.ReserveRefused(request_id=rid, reason="decode instance shutting down")
+        if rid in self._pending or rid in self._streams:
+            return pr.ReserveRefused(request_id=rid, reason="request already reserved here")
+        total = req.num_tokens + req.sampling.max_tokens
+        if total > self.cfg.model.max_model_len:
+            return pr.ReserveRefused(
+                request_id=rid,
+                reason=f"prompt plus max_tokens ({total}) exceeds {self.cfg.model.max_model_len}",
+            )
+        num_pages = cache.pages_for(req.num_tokens)
+        try:
+            pages = await self.engine.call(allocator.allocate, num_pages)
+        except Exception as exc:
+            return pr.ReserveRefused(request_id=rid, reason=f"out of KV pages: {exc}")
+        buffers = [
+            cache.page_view(layer, page) for layer in range(cache.num_layers) for page in pages
+        ]
+        deadline_s = self.cfg.decode.transfer_timeout_s
+        if req.deadline:
+            deadline_s = max(0.1, min(deadline_s, req.deadline - time.time()))
+        reservation = self.receiver.reserve(rid, buffers, deadline_s=deadline_s)
+        commit = self.tasks.spawn(f"commit:{rid}", self._await_commit(rid, reservation))
+        self._pending[rid] = Pending(req, pages, reservation, commit)
+        self._m_kv.set(allocator.num_used)
+        return pr.KVReserved(
+            request_id=rid,
+            ucx_address=self.ucx_address,
+            num_pages=num_pages,
+            num_layers=cache.num_layers,
+            page_nbytes=cache.page_nbytes,
+            block_size=cache.block_size,
+        )
+
+    async def _await_commit(self, request_id: str, reservation: Reservation) -> bool:
+        """True once the KV is committed; frees a reservation that never commits.
+
+        A failed transfer is the peer's problem, not this service's: it returns False
+        rather than raising, which the supervisor would take for a crash.
+        """
+        try:
+            await reservation.wait_committed()
+            return True
+        except TransferError as exc:
+            log.warning("kv_transfer_failed", request_id=request_id, error=str(exc))
+            # Not `_drop_pending`: that would cancel this very task.
+            pending = self._pending.pop(request_id, None)
+            if pending is not None:
+                self.receiver.cancel(request_id)
+                await self.engine.call(self._free, pending.pages)
+            return False
+
+    async def _start(self, start: pr.StartDecode) -> pr.DecodeAck:
+        rid = start.request_id
+        pending = self._pending.get(rid)
+        if pending is None:
+            return pr.DecodeAck(request_id=rid, ok=False, reason="no reservation for request")
+        try:
+            # The commit already happened on the sender's side; allow a moment for its
+            # verification here.
+            committed = await asyncio.wait_for(asyncio.shield(pending.commit), timeout=5.0)
+        except TimeoutError:
+            committed = False
+        if not committed:
+            await self._drop_pending(rid, "KV not committed")
+            return pr.DecodeAck(request_id=rid, ok=False, reason="KV not committed")
+        self._pending.pop(rid, None)
+        assert self.engine.cache is not None
+        self._m_kv_bytes.inc(
+            len(pending.pages) * self.engine.cache.num_layers * self.engine.cache.page_nbytes
+        )
+        assert self.batcher is not None
+        reserve = pending.reserve
+        try:
+            await self.engine.call(
+                self.batcher.add,
+                rid,
+                reserve.prompt_token_ids,
+                pending.pages,
+                start.first_token,
+                reserve.sampling,
+            )
+        except ValueError as exc:
+            await self.engine.call(self._free, pending.pages)
+            return pr.DecodeAck(request_id=rid, ok=False, reason=str(exc))
+        self._streams[rid] = Stream(
+            request_id=rid,
+            subject=reserve.token_subject,
+            prompt_tokens=start.prompt_tokens,
+            reused_tokens=start.reused_tokens,
+            ttft_started=reserve.ttft_started,
+        )
+        await self._publish(
+            ev.RequestProgress(
+                request_id=rid,
+                instance_id=self.instance_id,
+                stage="kv_committed",
+                computed_tokens=start.prompt_tokens,
+                reused_tokens=start.reused_tokens,
+            )
+        )
+        self._work.set()
+        return pr.DecodeAck(request_id=rid, ok=True)
+
+    async def _drop_pending(self, request_id: str, reason: str) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return
+        log.info("reservation_dropped", request_id=request_id, reason=reason)
+        self.receiver.cancel(request_id)
+        if not pending.commit.done():
+            pending.commit.cancel()
+        await self.engine.call(self._free, pending.pages)
+
+    def _free(self, pages: list[int]) -> None:
+        assert self.engine.allocator is not None
+        self.engine.allocator.free(pages)
+        self._m_kv.set(self.engine.allocator.num_used)
+
+    def _on_cancel(self, request_id: str, reason: str) -> None:
+        if request_id in self._pending:
+            self.tasks.spawn(
+                f"cancel:{request_id}", self._drop_pending(request_id, f"cancelled: {reason}")
+            )
+        elif request_id in self._streams and self.batcher is not None:
+            batcher = self.batcher
+            self.tasks.spawn(f"cancel:{request_id}", self.engine.call(batcher.abort, request_id))
+            self._work.set()
+
+    # --- the engine loop ------------------------------------------------------------
+
+    async def _engine_loop(self) -> None:
+        batcher = self.batcher
+        assert batcher is not None
+        while True:
+            await self._work.wait()
+            if not batcher.has_work():
+                self._work.clear()
+                continue
+            outputs = await self.engine.call(batcher.step)
+            self._m_step.observe(batcher.last_step_seconds)
+            self._m_batch.set(batcher.num_running)
+            self._m_queue.set(batcher.num_waiting)
+            self._m_kv.set(self.engine.allocator.num_used if self.engine.allocator else 0)
+            await self._deliver(outputs)
+
+    async def _deliver(self, outputs: list[TokenOutput]) -> None:
+        now = time.time()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.token_id is not None:
+                stream.completion_tokens += 1
+                self._m_tokens.inc()
+                if not stream.first_token_at:
+                    stream.first_token_at = now
+                else:
+                    stream.gaps.append(now - stream.last_token_at)
+                stream.last_token_at = now
+            if out.finished:
+                error = out.message or "" if out.finish_reason == "kv_exhausted" else ""
+                await self._send(stream, out, error=error)
+                await self._finish(stream, out.finish_reason or "stop", error)
+            else:
+                await self._send(stream, out)
+
+    async def _send(self, stream: Stream, out: TokenOutput, *, error: str = "") -> None:
+        chunk = pr.TokenChunk(
+            request_id=stream.request_id,
+            seq=stream.seq,
+            token_ids=[] if out.token_id is None else [out.token_id],
+            text=out.text_delta,
+            finished=out.finished,
+            finish_reason=_openai_reason(out.finish_reason) if out.finished else None,
+            error=error,
+            error_status=507 if error else 0,
+            prompt_tokens=stream.prompt_tokens,
+            completion_tokens=stream.completion_tokens,
+            cached_tokens=stream.reused_tokens,
+        )
+        stream.seq += 1
+        if self.bus is not None:
+            try:
+                await self.bus.publish_core(stream.subject, pr.encode(chunk))
+            except BusError as exc:
+                log.warning("token_publish_failed", request_id=stream.request_id, error=str(exc))
+
+    async def _end_stream(self, stream: Stream, *, error: str, status: int) -> None:
+        chunk = pr.TokenChunk(
+            request_id=stream.request_id,
+            seq=stream.seq,
+            finished=True,
+            finish_reason="error",
+            error=error,
+            error_status=status,
+        )
+        stream.seq += 1
+        if self.bus is not None:
+            with contextlib.suppress(BusError):
+                await self.bus.publish_core(stream.subject, pr.encode(chunk))
+        await self._finish(stream, "error", error)
+
+    async def _finish(self, stream: Stream, reason: str, error: str) -> None:
+        self._streams.pop(stream.request_id, None)
+        outcome: ev.RequestOutcome = (
+            "cancelled" if reason == "abort" else "failed" if error else "completed"
+        )
+        self._m_requests.labels(outcome).inc()
+        ttft = stream.first_token_at - stream.ttft_started if stream.ttft_started else 0.0
+        await self._publish(
+            ev.RequestFinished(
+                request_id=stream.request_id,
+                instance_id=self.instance_id,
+                outcome=outcome,
+                reason=error or reason,
+                prompt_tokens=stream.prompt_tokens,
+                output_tokens=stream.completion_tokens,
+                ttft_s=max(0.0, ttft),
+                tbt_mean_s=sum(stream.gaps) / len(stream.gaps) if stream.gaps else 0.0,
+            )
+        )
+
+    async def _publish(self, event: ev.AnyEvent) -> None:
+        if self.bus is None:
+            return
+        try:
+            await self.bus.publish(event)
+        except BusError as exc:
+            log.warning("event_publish_failed", type=type(event).__name__, error=str(exc))
+
+    def _load_report(self) -> ev.LoadReport:
+        batcher = self.batcher
+        allocator = self.engine.allocator
+        return ev.LoadReport(
+            instance_id=self.instance_id,
+            role="decode",
+            queued_requests=len(self._pending) + (batcher.num_waiting if batcher else 0),
+            running_requests=batcher.num_running if batcher else 0,
+            kv_used_blocks=allocator.num_used if allocator else 0,
+            kv_total_blocks=self.engine.cache.num_pages if self.engine.cache else 0,
+            last_step_s=batcher.last_step_seconds if batcher else 0.0,
+        )
+
+
+def _openai_reason(reason: str | None) -> str:
+    # OpenAI knows "stop" and "length"; a request cut for lack of KV ends by length.
+    match reason:
+        case "stop" | None:
+            return "stop"
+        case "length" | "kv_exhausted":
+            return "length"
+        case other:
+            return other

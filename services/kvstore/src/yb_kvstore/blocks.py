@@ -1,0 +1,64 @@
+"""How a KV block travels to and from a store: request ids that describe a put.
+
+A block is one page of every layer: `num_layers` chunks of `page_nbytes`, which in the
+engine's cache are not adjacent (`kv[layer, page]`). A put therefore sends
+`num_layers` buffers straight from the engine's pages, and the store lays them side by
+side in one slot. The transport's segment header carries indices and sizes but not
+block keys, so a put's request id names the block and its layout:
+`put.<key>.<num_layers>.<page_nbytes>.<nonce>`; the store refuses anything else.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+PUT_PREFIX = "put"
+
+
+@dataclass(frozen=True, slots=True)
+class PutId:
+    """A parsed put request id."""
+
+    key: int
+    num_layers: int
+    page_nbytes: int
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of the whole block."""
+        return self.num_layers * self.page_nbytes
+
+    def request_id(self) -> str:
+        """A fresh request id for one put of this block."""
+        return (
+            f"{PUT_PREFIX}.{self.key:x}.{self.num_layers}.{self.page_nbytes}.{uuid.uuid4().hex[:8]}"
+        )
+
+
+def parse_put_id(request_id: str) -> PutId | None:
+    """The put a request id describes, or None if it is not a well-formed put."""
+    parts = request_id.split(".")
+    if len(parts) != 5 or parts[0] != PUT_PREFIX:
+        return None
+    try:
+        put = PutId(int(parts[1], 16), int(parts[2]), int(parts[3]))
+    except ValueError:
+        return None
+    if put.num_layers <= 0 or put.page_nbytes <= 0 or put.key < 0:
+        return None
+    return put
+
+
+def key_text(key: int) -> str:
+    """A block key as the fetch protocol carries it."""
+    return f"{key:x}"
+
+
+def parse_key(text: str) -> int | None:
+    """The block key in a fetch, or None if malformed."""
+    try:
+        key = int(text, 16)
+    except ValueError:
+        return None
+    return key if key >= 0 else None

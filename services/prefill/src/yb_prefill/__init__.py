@@ -1,0 +1,3 @@
+"""The prefill engine service."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,445 @@
+"""The prefill engine service.
+
+It takes jobs from gateways (`yb.job.prefill.<id>`, core NATS request/reply), queues
+them, and runs them one at a time on its engine: reserve pages on the decode instance
+the conductor chose, compute the prompt's KV in chunks while streaming each finished
+layer to that instance over UCX, commit, and hand the request over with its first
+token. Every step has a deadline; a failure ends the request with an error on its
+token stream and a `RequestFinished(failed)` event, and frees what it held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.aio.msg import Msg
+from opentelemetry import trace
+from prometheus_client import Counter, Gauge, Histogram
+
+from yb_prefill.streaming import LayerStreamer
+from yb_shared import events as ev
+from yb_shared import protocol as pr
+from yb_shared.bus import Bus, BusError
+from yb_shared.config import YbConfig
+from yb_shared.engine_host import EngineHost
+from yb_shared.instance import CancellationFollower, Presence
+from yb_shared.service import Service
+from yb_shared.telemetry import bind_request, extract_context, get_logger, tracer
+from yb_shared.transport import KVSender, PeerAddress, TransferError
+
+log = get_logger(__name__)
+_tracer = tracer(__name__)
+
+MAX_QUEUE = 256
+
+
+class JobFailed(Exception):
+    """A job that cannot complete; `status` is the HTTP status the client should see."""
+
+    def __init__(self, reason: str, status: int = 503) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+@dataclass
+class QueuedJob:
+    """A job waiting for the engine."""
+
+    job: pr.PrefillJob
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+
+class PrefillService(Service):
+    """Runs prefill jobs on one engine and streams their KV to decode instances."""
+
+    role = "prefill"
+
+    def __init__(self, cfg: YbConfig) -> None:
+        super().__init__(cfg)
+        self.engine = EngineHost(cfg, cfg.prefill, self.instance_id)
+        self.sender = KVSender()
+        self.bus: Bus | None = None
+        self.presence: Presence | None = None
+        self.cancellations: CancellationFollower | None = None
+        self._queue: asyncio.Queue[QueuedJob] = asyncio.Queue(maxsize=MAX_QUEUE)
+        self._queued_tokens = 0
+        self._running: str | None = None
+        self._cancelled: dict[str, str] = {}
+        self._draining = False
+        self._subscription: object | None = None
+        self._m_queue = Gauge(
+            "yb_engine_queue_requests", "Requests waiting for the engine", registry=self.metrics
+        )
+        self._m_batch = Gauge(
+            "yb_engine_batch_size", "Requests the engine is running now", registry=self.metrics
+        )
+        self._m_kv = Gauge("yb_engine_kv_pages_used", "KV pages in use", registry=self.metrics)
+        self._m_kv_total = Gauge(
+            "yb_engine_kv_pages_total", "KV pages in the cache", registry=self.metrics
+        )
+        self._m_prefill = Histogram(
+            "yb_prefill_seconds",
+            "Prefill time per request (compute and KV streaming)",
+            registry=self.metrics,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+        )
+        self._m_jobs = Counter(
+            "yb_prefill_jobs_total", "Jobs by outcome", ["outcome"], registry=self.metrics
+        )
+        self._m_tokens = Counter(
+            "yb_prefill_tokens_total", "Prompt tokens computed", registry=self.metrics
+        )
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the model, subscribe to jobs and announce the instance."""
+        self.serve_metrics()
+        self.bus = await Bus.connect(self.cfg.nats, self.instance_id)
+        await self.bus.ensure_stream()
+        await self.engine.load()
+        assert self.engine.cache is not None
+        self._m_kv_total.set(self.engine.cache.num_pages)
+        self.cancellations = CancellationFollower(self.bus, self._on_cancel)
+        await self.cancellations.start()
+        self._subscription = await self.bus.subscribe(
+            pr.prefill_job_subject(self.instance_id), cb=self._on_job
+        )
+        self.presence = Presence(
+            self.bus,
+            ev.InstanceUp(
+                instance_id=self.instance_id,
+                role="prefill",
+                host=self.cfg.host,
+                model=self.cfg.model.name,
+                block_size=self.cfg.model.block_size,
+                kv_capacity_blocks=self.engine.cache.num_pages,
+                max_batch_size=1,
+                attention_backend=self.engine.attention_backend,
+                metrics_address=self.metrics_address,
+            ),
+            self._load_report,
+            self.cfg.prefill.load_report_interval_s,
+        )
+        await self.presence.announce()
+        self.tasks.spawn("worker", self._worker())
+        self.tasks.spawn("presence", self.presence.run())
+        self.tasks.spawn("cancellations", self.cancellations.run())
+
+    async def stop(self) -> None:
+        """Refuse new jobs, fail queued ones, stop the engine, retire; idempotent."""
+        self._draining = True
+        if self.presence is not None:
+            await self.presence.retire("stopped")
+            self.presence = None
+        await self.tasks.shutdown()
+        while not self._queue.empty():
+            queued = self._queue.get_nowait()
+            await self._fail(queued.job, JobFailed("prefill instance shutting down"))
+        if self.cancellations is not None:
+            await self.cancellations.close()
+        await self.sender.close()
+        self.engine.close()
+        if self.bus is not None:
+            bus, self.bus = self.bus, None
+            await bus.close()
+
+    # --- intake ---------------------------------------------------------------------
+
+    async def _on_job(self, msg: Msg) -> None:
+        try:
+            job = pr.job_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("malformed_job", error=str(exc))
+            await self._reply(
+                msg,
+                pr.JobRefused(
+                    request_id="",
+                    instance_id=self.instance_id,
+                    reason=f"malformed job: {exc}",
+                    retryable=False,
+                ),
+            )
+            return
+        reason = ""
+        if self._draining:
+            reason = "prefill instance shutting down"
+        elif self._queue.full():
+            reason = "prefill queue full"
+        elif job.decision.prefill_instance != self.instance_id:
+            reason = f"job is planned for {job.decision.prefill_instance}"
+        elif job.deadline and job.deadline < time.time():
+            reason = "deadline passed before the job arrived"
+        if reason:
+            self._m_jobs.labels("refused").inc()
+            await self._reply(
+                msg,
+                pr.JobRefused(
+                    request_id=job.request_id, instance_id=self.instance_id, reason=reason
+                ),
+            )
+            return
+        self._queued_tokens += len(job.token_ids)
+        self._queue.put_nowait(QueuedJob(job))
+        self._m_queue.set(self._queue.qsize())
+        await self._reply(
+            msg,
+            pr.JobAccepted(
+                request_id=job.request_id,
+                instance_id=self.instance_id,
+                queue_position=self._queue.qsize(),
+            ),
+        )
+
+    async def _reply(self, msg: Msg, reply: pr.JobReply) -> None:
+        with contextlib.suppress(Exception):
+            await msg.respond(pr.encode(reply))
+
+    def _on_cancel(self, request_id: str, reason: str) -> None:
+        self._cancelled[request_id] = reason or "cancelled"
+        # Bound the memory of cancellations for requests this instance never saw.
+        if len(self._cancelled) > 10_000:
+            for key in list(self._cancelled)[:5_000]:
+                del self._cancelled[key]
+
+    # --- the engine loop ------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        while True:
+            queued = await self._queue.get()
+            self._m_queue.set(self._queue.qsize())
+            job = queued.job
+            self._queued_tokens -= len(job.token_ids)
+            self._running = job.request_id
+            self._m_batch.set(1)
+            try:
+                with bind_request(job.request_id):
+                    await self._run(job)
+            except asyncio.CancelledError:
+                await self._fail(job, JobFailed("prefill instance shutting down"))
+                raise
+            finally:
+                self._running = None
+                self._m_batch.set(0)
+
+    async def _run(self, job: pr.PrefillJob) -> None:
+        ctx = extract_context(job.trace_headers)
+        with _tracer.start_as_current_span("prefill", context=ctx) as span:
+            span.set_attribute("yb.request_id", job.request_id)
+            span.set_attribute("yb.prompt_tokens", len(job.token_ids))
+            started = time.monotonic()
+            try:
+                await self._prefill(job, span)
+            except JobFailed as exc:
+                self._m_jobs.labels("failed").inc()
+                await self._fail(job, exc)
+                return
+            except TransferError as exc:
+                self._m_jobs.labels("failed").inc()
+                await self._publish(
+                    ev.TransferFailed(
+                        request_id=job.request_id,
+                        source_instance=self.instance_id,
+                        target_instance=job.decision.decode_instance,
+                        reason=str(exc),
+                    )
+                )
+                await self._fail(job, JobFailed(f"KV transfer to decode failed: {exc}"))
+                return
+            self._m_jobs.labels("completed").inc()
+            self._m_prefill.observe(time.monotonic() - started)
+
+    async def _prefill(self, job: pr.PrefillJob, span: trace.Span) -> None:
+        assert self.bus is not None
+        assert self.engine.cache is not None
+        assert self.engine.allocator is not None
+        assert self.engine.runner is not None
+        self._check_alive(job)
+        decode_id = job.decision.decode_instance
+        await self._publish(
+            ev.RequestProgress(
+                request_id=job.request_id, instance_id=self.instance_id, stage="prefill_started"
+            )
+        )
+        remaining = self._remaining(job)
+        transfer_deadline = min(remaining, self.cfg.prefill.transfer_timeout_s)
+        # 1. Room on the decode instance, before any compute is spent.
+        reserve = pr.ReserveKV(
+            request_id=job.request_id,
+            prefill_instance=self.instance_id,
+            num_tokens=len(job.token_ids),
+            sampling=job.sampling,
+            token_subject=job.token_subject,
+            deadline=job.deadline,
+            prompt_token_ids=job.token_ids,
+            trace_headers=job.trace_headers,
+            ttft_started=job.decision.time,
+        )
+        reply = await self._decode_request(decode_id, reserve, transfer_deadline)
+        if isinstance(reply, pr.ReserveRefused):
+            raise JobFailed(f"decode instance {decode_id} refused: {reply.reason}")
+        if not isinstance(reply, pr.KVReserved):
+            raise JobFailed(f"unexpected reply from decode instance: {type(reply).__name__}")
+        cache = self.engine.cache
+        num_pages = cache.pages_for(len(job.token_ids))
+        if (reply.num_pages, reply.num_layers, reply.page_nbytes, reply.block_size) != (
+            num_pages,
+            cache.num_layers,
+            cache.page_nbytes,
+            cache.block_size,
+        ):
+            await self._abort_reservation(decode_id, job.request_id, "layout mismatch")
+            raise JobFailed(
+                f"decode KV layout {reply.num_pages}x{reply.num_layers}x{reply.page_nbytes}B "
+                f"does not match prefill's {num_pages}x{cache.num_layers}x{cache.page_nbytes}B",
+                status=500,
+            )
+        # 2. Pages here, compute with layer-wise streaming, commit.
+        allocator = self.engine.allocator
+        try:
+            pages = await self.engine.call(allocator.allocate, num_pages)
+        except Exception as exc:
+            await self._abort_reservation(decode_id, job.request_id, "prefill out of pages")
+            raise JobFailed(f"prefill instance out of KV pages: {exc}") from exc
+        self._m_kv.set(allocator.num_used)
+        streamer = LayerStreamer(
+            asyncio.get_running_loop(),
+            self.sender,
+            PeerAddress.parse(reply.ucx_address),
+            job.request_id,
+            cache,
+            pages,
+            len(job.token_ids),
+            0,
+            transfer_deadline,
+        )
+        streamer.start()
+        try:
+            first_token = await self.engine.call(self._compute, job, pages, streamer)
+            self._check_alive(job)
+            await streamer.finish()
+        except BaseException:
+            await streamer.abort()
+            await self._abort_reservation(decode_id, job.request_id, "prefill failed")
+            raise
+        finally:
+            await self.engine.call(allocator.free, pages)
+            self._m_kv.set(allocator.num_used)
+        self._m_tokens.inc(len(job.token_ids))
+        span.set_attribute("yb.pages_sent", streamer.pages_sent)
+        # 3. Hand the request over; decode verifies the commit before admitting it.
+        start = pr.StartDecode(
+            request_id=job.request_id, first_token=first_token, prompt_tokens=len(job.token_ids)
+        )
+        ack = await self._decode_request(decode_id, start, transfer_deadline)
+        if not isinstance(ack, pr.DecodeAck) or not ack.ok:
+            reason = ack.reason if isinstance(ack, pr.DecodeAck) else type(ack).__name__
+            raise JobFailed(f"decode instance did not start the request: {reason}")
+        await self._publish(
+            ev.RequestProgress(
+                request_id=job.request_id,
+                instance_id=self.instance_id,
+                stage="prefill_done",
+                computed_tokens=len(job.token_ids),
+            )
+        )
+
+    def _compute(self, job: pr.PrefillJob, pages: list[int], streamer: LayerStreamer) -> int:
+        """Engine thread: run the prefill and sample the first token."""
+        from yb_shared.model.sampling import Sampler, new_generator
+
+        runner = self.engine.runner
+        assert runner is not None
+        logits = runner.prefill(
+            job.token_ids,
+            pages,
+            num_cached_tokens=0,
+            chunk_size=self.cfg.prefill.chunk_size,
+            layer_hook=streamer.on_layer,
+        )
+        (token,) = Sampler().sample(logits[None], [job.sampling], [new_generator(job.sampling)])
+        return int(token)
+
+    async def _decode_request(
+        self, decode_id: str, message: pr.DecodeControl, timeout_s: float
+    ) -> pr.DecodeReply:
+        assert self.bus is not None
+        try:
+            msg = await self.bus.request(
+                pr.decode_control_subject(decode_id), pr.encode(message), timeout_s=timeout_s
+            )
+        except BusError as exc:
+            raise JobFailed(f"decode instance {decode_id} unreachable: {exc}") from exc
+        try:
+            return pr.decode_reply_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise JobFailed(f"malformed reply from decode instance: {exc}", 502) from exc
+
+    async def _abort_reservation(self, decode_id: str, request_id: str, reason: str) -> None:
+        with contextlib.suppress(JobFailed):
+            await self._decode_request(
+                decode_id, pr.AbortReservation(request_id=request_id, reason=reason), 2.0
+            )
+
+    def _check_alive(self, job: pr.PrefillJob) -> None:
+        if job.request_id in self._cancelled:
+            raise JobFailed(f"cancelled: {self._cancelled[job.request_id]}", status=499)
+        if self._remaining(job) <= 0:
+            raise JobFailed("request deadline passed during prefill", status=504)
+
+    @staticmethod
+    def _remaining(job: pr.PrefillJob) -> float:
+        return job.deadline - time.time() if job.deadline else 600.0
+
+    async def _fail(self, job: pr.PrefillJob, exc: JobFailed) -> None:
+        """End a request that never reached decode: an error chunk and an event."""
+        log.warning("prefill_failed", request_id=job.request_id, reason=exc.reason)
+        if self.bus is None:
+            return
+        chunk = pr.TokenChunk(
+            request_id=job.request_id,
+            seq=0,
+            finished=True,
+            finish_reason="error",
+            error=exc.reason,
+            error_status=exc.status,
+            prompt_tokens=len(job.token_ids),
+        )
+        with contextlib.suppress(BusError):
+            await self.bus.publish_core(job.token_subject, pr.encode(chunk))
+        outcome: ev.RequestOutcome = "cancelled" if exc.status == 499 else "failed"
+        await self._publish(
+            ev.RequestFinished(
+                request_id=job.request_id,
+                instance_id=self.instance_id,
+                outcome=outcome,
+                reason=exc.reason,
+                prompt_tokens=len(job.token_ids),
+            )
+        )
+
+    async def _publish(self, event: ev.AnyEvent) -> None:
+        if self.bus is None:
+            return
+        try:
+            await self.bus.publish(event)
+        except BusError as exc:
+            log.warning("event_publish_failed", type=type(event).__name__, error=str(exc))
+
+    def _load_report(self) -> ev.LoadReport:
+        allocator = self.engine.allocator
+        cache = self.engine.cache
+        return ev.LoadReport(
+            instance_id=self.instance_id,
+            role="prefill",
+            queued_requests=self._queue.qsize(),
+            queued_tokens=self._queued_tokens,
+            running_requests=1 if self._running else 0,
+            kv_used_blocks=allocator.num_used if allocator else 0,
+            kv_total_blocks=cache.num_pages if cache else 0,
+        )

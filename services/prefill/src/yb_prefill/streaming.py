@@ -1,0 +1,112 @@
+"""Layer-wise streaming of a prompt's KV to the decode instance while prefill runs.
+
+The runner calls `on_layer(layer, start, end)` on the engine thread as soon as a layer
+has written the KV of tokens [start, end). Each page that became complete (or the last,
+partial page once the prompt is done) is queued for sending; a task on the event loop
+sends the queued pages in order over UCX, straight from the prefill cache's pages, so
+transfer overlaps the compute of later layers and chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from yb_shared.transport import KVSender, PeerAddress
+
+if TYPE_CHECKING:
+    import torch
+
+    from yb_shared.model.kv_cache import PagedKVCache
+
+# Buffer items of one segment: (index in the decode reservation, source page view).
+Segment = list[tuple[int, "torch.Tensor"]]
+
+
+class LayerStreamer:
+    """Ships each (layer, page) of one request to the decode reservation as it completes.
+
+    Index `layer * num_pages + i` of the reservation is page `i` of the request in
+    layer `layer` (the layout `KVReserved` announces).
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sender: KVSender,
+        peer: PeerAddress,
+        request_id: str,
+        cache: PagedKVCache,
+        block_table: Sequence[int],
+        num_tokens: int,
+        num_cached_tokens: int,
+        deadline_s: float,
+    ) -> None:
+        self._loop = loop
+        self._sender = sender
+        self._peer = peer
+        self._request_id = request_id
+        self._cache = cache
+        self._block_table = list(block_table)
+        self._num_tokens = num_tokens
+        self._deadline_s = deadline_s
+        self._block_size = cache.block_size
+        # Per layer, pages below this index are queued already. Pages wholly inside the
+        # cached prefix are not computed, so no hook queues them: `queue_prefix` does.
+        self._next_page = [num_cached_tokens // self._block_size] * cache.num_layers
+        self._queue: asyncio.Queue[Segment | None] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self.pages_sent = 0
+
+    def start(self) -> None:
+        """Start the sending task (on the event loop)."""
+        self._task = self._loop.create_task(self._send_all(), name=f"stream:{self._request_id}")
+
+    def on_layer(self, layer: int, start: int, end: int) -> None:
+        """Runner hook (engine thread): queue the pages of `layer` completed up to `end`."""
+        del start
+        done_pages = len(self._block_table) if end >= self._num_tokens else end // self._block_size
+        first = self._next_page[layer]
+        if done_pages <= first:
+            return
+        self._next_page[layer] = done_pages
+        num_pages = len(self._block_table)
+        segment: Segment = [
+            (layer * num_pages + i, self._cache.page_view(layer, self._block_table[i]))
+            for i in range(first, done_pages)
+        ]
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, segment)
+
+    def queue_prefix(self, cached_pages: int) -> None:
+        """Queue the cached prefix's pages of every layer (they need no compute)."""
+        num_pages = len(self._block_table)
+        for layer in range(self._cache.num_layers):
+            segment: Segment = [
+                (layer * num_pages + i, self._cache.page_view(layer, self._block_table[i]))
+                for i in range(cached_pages)
+            ]
+            if segment:
+                self._queue.put_nowait(segment)
+
+    async def finish(self) -> None:
+        """Wait until every queued page is sent, then commit; raises on any failure."""
+        assert self._task is not None, "start() first"
+        self._queue.put_nowait(None)
+        await self._task
+        await self._sender.commit(self._peer, self._request_id, deadline_s=self._deadline_s)
+
+    async def abort(self) -> None:
+        """Stop sending (prefill failed or was cancelled)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def _send_all(self) -> None:
+        while (segment := await self._queue.get()) is not None:
+            await self._sender.send(
+                self._peer, self._request_id, segment, deadline_s=self._deadline_s
+            )
+            self.pages_sent += len(segment)

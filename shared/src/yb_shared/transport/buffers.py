@@ -1,0 +1,123 @@
+"""Buffers the data plane moves: zero-copy views, sizes and checksums.
+
+A *buffer* is anything holding one C-contiguous block of bytes: a numpy array, a CPU
+torch tensor (any dtype, bfloat16 included), an object exposing the buffer protocol
+(bytes, bytearray, memoryview), or a device array exposing `__cuda_array_interface__`
+(a CUDA torch tensor, a CuPy array). Host buffers are handed to UCX as flat uint8
+numpy views of the same memory; device buffers are handed over as they are, since
+ucxx reads `__cuda_array_interface__` itself. Nothing here copies host memory.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TypeAlias
+
+import numpy as np
+import xxhash
+
+#: Anything `to_ucx` accepts (see the module docstring); typed loosely on purpose,
+#: since torch is optional here and device arrays come from several libraries.
+BufferLike: TypeAlias = Any
+
+
+def _torch_bytes(tensor: Any) -> Any:
+    """A flat uint8 tensor over the same memory as `tensor` (which must be contiguous)."""
+    torch = sys.modules["torch"]
+    if not tensor.is_contiguous():
+        raise ValueError("tensor is not contiguous; the data plane moves whole blocks")
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _is_torch(buf: object) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(buf, torch.Tensor)
+
+
+def is_device(buf: BufferLike) -> bool:
+    """True for device (GPU) memory, which the CPU must not read directly."""
+    if _is_torch(buf):
+        return bool(buf.device.type != "cpu")
+    return hasattr(buf, "__cuda_array_interface__")
+
+
+def host_array(buf: BufferLike) -> np.ndarray:
+    """A flat uint8 numpy view of a host buffer's memory (no copy).
+
+    Raises ValueError for non-contiguous memory, TypeError for device memory or
+    objects that are not buffers.
+    """
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ValueError("numpy array is not C-contiguous")
+        return buf.reshape(-1).view(np.uint8)
+    if _is_torch(buf):
+        if buf.device.type != "cpu":
+            raise TypeError("device tensor has no host view")
+        return np.asarray(_torch_bytes(buf).numpy())
+    if hasattr(buf, "__cuda_array_interface__"):
+        raise TypeError("device array has no host view")
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise TypeError(f"not a buffer: {type(buf).__name__}") from None
+    if not view.c_contiguous:
+        raise ValueError("buffer is not C-contiguous")
+    return np.frombuffer(view.cast("B"), dtype=np.uint8)
+
+
+def as_bytes_view(buf: BufferLike) -> memoryview:
+    """A flat, byte-format memoryview over a host buffer's memory (no copy)."""
+    arr = host_array(buf)
+    return memoryview(arr.data).cast("B")
+
+
+def nbytes(buf: BufferLike) -> int:
+    """Size of a buffer in bytes."""
+    if isinstance(buf, np.ndarray):
+        return int(buf.nbytes)
+    if _is_torch(buf):
+        return int(buf.numel() * buf.element_size())
+    cai = getattr(buf, "__cuda_array_interface__", None)
+    if cai is not None:
+        count = 1
+        for dim in cai["shape"]:
+            count *= int(dim)
+        return count * int(np.dtype(cai["typestr"]).itemsize)
+    return memoryview(buf).nbytes
+
+
+def to_ucx(buf: BufferLike, *, writable: bool) -> Any:
+    """What to hand to ucxx for `buf`: a uint8 host view, or the device array itself.
+
+    `writable=True` (receive destinations) also checks that the memory may be written.
+    """
+    if is_device(buf):
+        if _is_torch(buf):
+            return _torch_bytes(buf)
+        cai = buf.__cuda_array_interface__
+        if writable and cai.get("data", (0, False))[1]:
+            raise ValueError("device array is read-only")
+        if cai.get("strides") is not None:
+            # ucxx accepts explicit strides only when they describe C order; let it
+            # check, but fail here for the common case of a sliced view.
+            raise ValueError("device array is not C-contiguous")
+        return buf
+    arr = host_array(buf)
+    if writable and not arr.flags.writeable:
+        raise ValueError("destination buffer is read-only")
+    return arr
+
+
+def checksum(buf: BufferLike) -> int:
+    """xxh3-64 of a buffer's raw bytes.
+
+    Host memory is hashed in place (zero-copy; xxhash releases the GIL). Device memory
+    is copied to the host first, which only a torch tensor knows how to do: that slow
+    path exists for correctness, not speed.
+    """
+    if is_device(buf):
+        if not _is_torch(buf):
+            raise TypeError("checksum of a non-torch device array is not supported")
+        return xxhash.xxh3_64_intdigest(_torch_bytes(buf).cpu().numpy().data)
+    return xxhash.xxh3_64_intdigest(host_array(buf).data)

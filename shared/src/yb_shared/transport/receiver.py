@@ -1,0 +1,662 @@
+"""The receiving side: reservations, one UCX listener, verification, commit.
+
+A receiver accepts bytes only into memory it reserved for a request, only into indices
+of that reservation that are not written yet, and only of exactly the reserved size.
+Everything else is refused with a `Nack` naming the reason; the refused payloads are
+drained into a scratch sink (past `DRAIN_LIMIT` bytes the connection is closed
+instead), so the sender's stream stays in step and no UCX message is left unmatched.
+
+Accepted bytes land directly in the reserved buffers (the receive is posted into them
+as soon as the segment header is validated). Each buffer's xxh3-64 is checked against
+the header when it lands: a mismatch refuses that buffer (it is never counted as
+received, and a commit that misses it fails). `wait_committed()` resolves only when
+the sender commits and every index has been written and verified.
+
+Failure is bounded in time: each reservation has a deadline, and a sender connection
+that breaks (process killed, closed) fails every uncommitted reservation it was
+feeding. When a reservation ends while receives are still posted into it (deadline,
+cancel, close), the connection they were posted on is closed: that is the only way to
+make UCX let go of the buffers, and the caller may reuse them as soon as `cancel()`
+returns. Other requests streaming over that same connection then fail too, and their
+sender reconnects on its next call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from yb_shared.transport import ucx_env
+from yb_shared.transport.address import PeerAddress
+from yb_shared.transport.buffers import BufferLike, checksum, nbytes, to_ucx
+from yb_shared.transport.deadline import Deadline
+from yb_shared.transport.errors import (
+    ChecksumMismatch,
+    PeerUnreachable,
+    Reason,
+    ReservationRefused,
+    TransferCancelled,
+    TransferError,
+    TransferTimeout,
+    error_for,
+)
+from yb_shared.transport.link import Link, MessageTruncated, Posted
+from yb_shared.transport.wire import (
+    CTRL_TAG,
+    DRAIN_LIMIT,
+    MAX_SEGMENT_BUFFERS,
+    REPLY_TAG,
+    Ack,
+    Commit,
+    FetchRequest,
+    FrameError,
+    Message,
+    Nack,
+    SegmentHeader,
+    data_tag,
+)
+
+log = logging.getLogger(__name__)
+
+#: How long a reply or a drain may take before the connection is declared stuck.
+_REPLY_TIMEOUT_S: Final = 10.0
+_DRAIN_TIMEOUT_S: Final = 30.0
+#: How many ended request ids are remembered, to explain late segments for them.
+_TOMBSTONES: Final = 4096
+
+#: `set_reservation_factory`'s callable: buffers for an unknown request, or None.
+ReservationFactory = Callable[[str, SegmentHeader], Sequence[BufferLike] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class FetchOrder:
+    """A remote's request that this process send blocks `keys` into its reservation.
+
+    The handler looks the keys up, sends the blocks with its `KVSender` to `reply_to`
+    under `request_id` (indices in the order of `keys`, or as agreed by the caller),
+    commits, and returns; raising a `TransferError` refuses the fetch with its reason.
+    """
+
+    request_id: str
+    keys: tuple[str, ...]
+    reply_to: PeerAddress
+    deadline: Deadline
+
+    def remaining_s(self) -> float:
+        """Seconds left before the asker gives up; use it as the sends' `deadline_s`."""
+        return self.deadline.remaining()
+
+
+#: `set_fetch_handler`'s callable.
+FetchHandler = Callable[[FetchOrder], Awaitable[None]]
+
+
+class Reservation:
+    """Destination buffers reserved for one request, and the state of their filling.
+
+    Created by `KVReceiver.reserve` (or by a reservation factory). `received` holds the
+    indices written and verified so far; `wait_committed()` is the one thing to await.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        buffers: Sequence[BufferLike],
+        deadline_s: float,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.request_id = request_id
+        self._sources: list[BufferLike] = list(buffers)
+        # Validated up front: a buffer UCX cannot write into fails `reserve`, not a
+        # transfer half-way through.
+        self._targets: list[Any] = [to_ucx(b, writable=True) for b in self._sources]
+        self.sizes: tuple[int, ...] = tuple(nbytes(b) for b in self._sources)
+        #: Indices written and verified so far.
+        self.received: set[int] = set()
+        self.deadline_s = deadline_s
+        self._pending: set[int] = set()
+        self._corrupt: set[int] = set()
+        self._segments: set[asyncio.Future[None]] = set()
+        # Links with receives currently posted into these buffers, with their count.
+        self._posted: dict[Link, int] = {}
+        self._done: asyncio.Future[None] = loop.create_future()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def done(self) -> bool:
+        """True once committed or failed."""
+        return self._done.done()
+
+    @property
+    def nbytes(self) -> int:
+        """Total reserved bytes."""
+        return sum(self.sizes)
+
+    async def wait_committed(self) -> None:
+        """Return once the sender committed and every buffer was written and verified.
+
+        Raises TransferTimeout at the deadline, PeerUnreachable if the sender's
+        connection broke first, ChecksumMismatch or ReservationRefused if the commit was
+        refused, TransferCancelled after `cancel()` or `close()`. Bounded by the
+        reservation's deadline; cancelling this call does not cancel the reservation.
+        """
+        if not self._done.done():
+            # `wait` neither raises the stored error nor cancels the future when this
+            # call is cancelled.
+            await asyncio.wait([self._done])
+        error = self._error()
+        if error is not None:
+            # A copy per waiter: raising the stored object would pile every waiter's
+            # frames onto its traceback for as long as the reservation lives.
+            raise copy.copy(error)
+
+    def _finish(self, error: TransferError | None) -> bool:
+        """Resolve once; True if this call did."""
+        if self._done.done():
+            return False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if error is None:
+            self._done.set_result(None)
+        else:
+            self._done.set_exception(error)
+            # Nobody may be waiting (the owner cancelled it): do not log it as lost.
+            self._done.exception()
+        return True
+
+    def _error(self) -> TransferError | None:
+        if not self._done.done():
+            return None
+        exc = self._done.exception()
+        return exc if isinstance(exc, TransferError) else None
+
+
+class KVReceiver:
+    """One per process: a UCX listener that lands KV bytes in reserved buffers.
+
+    `start()` opens the listener and returns the address to announce. Senders connect
+    with `KVSender`; this class never connects out.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._host = host
+        self._port = port
+        self._listener: Any = None
+        self._address: PeerAddress | None = None
+        self._reservations: dict[str, Reservation] = {}
+        self._tombstones: OrderedDict[str, str] = OrderedDict()
+        self._links: set[Link] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._link_ids = itertools.count()
+        self._factory: ReservationFactory | None = None
+        self._factory_deadline_s = 30.0
+        self._on_reserved: Callable[[Reservation], None] | None = None
+        self._fetch_handler: FetchHandler | None = None
+        self._scratch = np.empty(0, dtype=np.uint8)
+        self._closing: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._acquired = False
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> PeerAddress:
+        """Open the listener; returns the address senders should use. Idempotent."""
+        if self._closing is not None:
+            raise RuntimeError("KVReceiver is closed")
+        if self._address is not None:
+            return self._address
+        ucx = ucx_env.acquire()
+        self._acquired = True
+        self._loop = asyncio.get_running_loop()
+        # ucxx listens on every interface; `host` is only what we announce.
+        self._listener = ucx.create_listener(
+            self._on_connect, port=self._port, endpoint_error_handling=True
+        )
+        host = self._host
+        if host in ("", "0.0.0.0", "::"):
+            host = ucx.get_address()
+        self._address = PeerAddress(host, int(self._listener.port))
+        return self._address
+
+    @property
+    def address(self) -> PeerAddress:
+        """The announced address (after `start()`)."""
+        if self._address is None:
+            raise RuntimeError("KVReceiver.start() first")
+        return self._address
+
+    async def close(self) -> None:
+        """Stop listening, fail every open reservation, close every connection.
+
+        Idempotent, and safe to call concurrently: later calls wait for the first.
+        """
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        # 1. Stop taking connections.
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        # 2. Fail what is open (this also closes links with receives posted into them).
+        for res in list(self._reservations.values()):
+            self._fail(res, TransferCancelled(f"receiver closed; {res.request_id} dropped"))
+        # 3. Close every connection, then wait for every task to finish.
+        for link in list(self._links):
+            link.abort()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(link.close() for link in list(self._links)))
+        self._links.clear()
+        if self._acquired:
+            self._acquired = False
+            ucx_env.release()
+
+    # -- reservations ----------------------------------------------------------------
+
+    def reserve(
+        self, request_id: str, buffers: Sequence[BufferLike], *, deadline_s: float
+    ) -> Reservation:
+        """Reserve `buffers` (index = position in the list) for `request_id`.
+
+        Bytes for the request are accepted from now until the commit or `deadline_s`
+        seconds from now, whichever comes first. Buffers must be writable and
+        C-contiguous (ValueError otherwise). Reserving an id that is open is an error.
+        Like every method here, call it on the event loop's thread.
+        """
+        if self._address is None or self._closing is not None:
+            raise RuntimeError("KVReceiver is not running (start() it, or it closed)")
+        if request_id in self._reservations:
+            raise ValueError(f"request {request_id!r} already has a reservation")
+        if not buffers:
+            raise ValueError("a reservation needs at least one buffer")
+        return self._open(request_id, buffers, deadline_s)
+
+    def _open(
+        self, request_id: str, buffers: Sequence[BufferLike], deadline_s: float
+    ) -> Reservation:
+        assert self._loop is not None
+        res = Reservation(request_id, buffers, deadline_s, self._loop)
+        res._timer = self._loop.call_later(max(0.0, deadline_s), self._expire, res)
+        self._reservations[request_id] = res
+        self._tombstones.pop(request_id, None)
+        return res
+
+    def reservation(self, request_id: str) -> Reservation | None:
+        """The open reservation for `request_id`, if any."""
+        return self._reservations.get(request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Free the reservation of `request_id` (no-op if none is open).
+
+        Its `wait_committed()` raises TransferCancelled. If receives are posted into
+        its buffers, their connection is closed before this returns, so UCX no longer
+        writes into them.
+        """
+        res = self._reservations.get(request_id)
+        if res is not None:
+            self._fail(res, TransferCancelled(f"reservation {request_id} cancelled"))
+
+    def set_reservation_factory(
+        self,
+        factory: ReservationFactory | None,
+        *,
+        deadline_s: float = 30.0,
+        on_reserved: Callable[[Reservation], None] | None = None,
+    ) -> None:
+        """Let segments for unknown requests create their reservation on arrival.
+
+        For a store: when the first segment of an unreserved `request_id` arrives,
+        `factory(request_id, header)` may return the destination buffers (the header
+        says which indices and sizes are coming) or None to refuse. The reservation
+        then behaves like a reserved one, with a deadline of `deadline_s`;
+        `on_reserved(reservation)` is called synchronously right after, so the owner
+        can watch `wait_committed()` (to index the block, or free the slots).
+        """
+        self._factory = factory
+        self._factory_deadline_s = deadline_s
+        self._on_reserved = on_reserved
+
+    def set_fetch_handler(self, handler: FetchHandler | None) -> None:
+        """Serve `KVSender.request_fetch`: see `FetchOrder`. None refuses fetches."""
+        self._fetch_handler = handler
+
+    def _expire(self, res: Reservation) -> None:
+        self._fail(
+            res,
+            TransferTimeout(f"reservation {res.request_id} not committed in {res.deadline_s}s"),
+        )
+
+    def _end(self, res: Reservation, why: str) -> None:
+        if self._reservations.get(res.request_id) is res:
+            del self._reservations[res.request_id]
+        self._tombstones[res.request_id] = why
+        while len(self._tombstones) > _TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def _fail(self, res: Reservation, error: TransferError) -> None:
+        if not res._finish(error):
+            return
+        self._end(res, f"{error.reason.value}: {error}")
+        # Receives still posted into the buffers: only closing their connection makes
+        # UCX let go before the owner reuses the memory.
+        for link, count in list(res._posted.items()):
+            if count > 0:
+                log.info("closing %s: it has receives posted into %s", link.name, res.request_id)
+                link.abort()
+
+    def _commit(self, res: Reservation) -> None:
+        if res._finish(None):
+            self._end(res, "committed")
+
+    # -- connections -------------------------------------------------------------------
+
+    def _on_connect(self, endpoint: Any) -> None:
+        # Called by ucxx on the event loop for each accepted connection.
+        if self._closing is not None:
+            endpoint.abort()
+            return
+        link = Link(endpoint, f"rx{next(self._link_ids)}")
+        self._links.add(link)
+        task = asyncio.get_running_loop().create_task(self._serve(link), name=link.name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, link: Link) -> None:
+        """Read control frames from one sender until its connection ends."""
+        request_ids: set[str] = set()
+        try:
+            while True:
+                message = await link.recv_frame(CTRL_TAG)
+                match message:
+                    case SegmentHeader():
+                        if self._on_segment(link, message):
+                            # Only admitted segments tie a reservation to this link:
+                            # refused junk must not fail someone else's transfer.
+                            request_ids.add(message.request_id)
+                    case Commit():
+                        link.spawn(self._on_commit(link, message), f"commit{message.seq}")
+                    case FetchRequest():
+                        link.spawn(self._on_fetch(link, message), f"fetch{message.seq}")
+                    case _:
+                        raise FrameError(f"{type(message).__name__} on the control tag")
+        except PeerUnreachable:
+            pass  # the sender closed or died: the normal end of a connection
+        except FrameError as exc:
+            log.warning("closing %s: protocol violation: %s", link.name, exc)
+        except Exception:
+            log.exception("closing %s: unexpected failure", link.name)
+        finally:
+            link.abort()
+            self._links.discard(link)
+            for request_id in request_ids:
+                res = self._reservations.get(request_id)
+                if res is not None and not res.done:
+                    self._fail(
+                        res,
+                        PeerUnreachable(f"sender connection lost before committing {request_id}"),
+                    )
+            await link.close()
+
+    async def _reply(self, link: Link, message: Message) -> None:
+        try:
+            await Deadline.after(_REPLY_TIMEOUT_S).run(link.send_frame(message, REPLY_TAG), "reply")
+        except TransferError as exc:
+            log.info("closing %s: reply failed: %s", link.name, exc)
+            link.abort()
+
+    # -- segments ----------------------------------------------------------------------
+
+    def _on_segment(self, link: Link, header: SegmentHeader) -> bool:
+        """Admit (True) or refuse a segment.
+
+        Synchronous and in header order, so admission decisions never race each other.
+        """
+        try:
+            res = self._admit(header)
+        except TransferError as exc:
+            link.spawn(self._refuse(link, header, exc), f"refuse{header.seq}")
+            return False
+        assert self._loop is not None
+        settled: asyncio.Future[None] = self._loop.create_future()
+        res._segments.add(settled)
+        res._posted[link] = res._posted.get(link, 0) + 1
+        link.spawn(self._receive(link, res, header, settled), f"seg{header.seq}")
+        return True
+
+    def _admit(self, header: SegmentHeader) -> Reservation:
+        """The reservation this segment may write into; raises a refusal otherwise."""
+        rid = header.request_id
+        count = len(header.indices)
+        if not 0 < count <= MAX_SEGMENT_BUFFERS or not (
+            len(header.sizes) == len(header.checksums) == count
+        ):
+            raise error_for(Reason.MALFORMED, f"segment {header.seq} of {rid}: bad lengths")
+        if min(header.sizes) < 0:
+            raise error_for(Reason.MALFORMED, f"segment {header.seq} of {rid}: negative size")
+        res = self._reservations.get(rid)
+        if res is None and self._factory is not None:
+            res = self._from_factory(header)
+        if res is None:
+            why = self._tombstones.get(rid, "never reserved")
+            raise error_for(Reason.UNKNOWN_REQUEST, f"no reservation for {rid} ({why})")
+        seen: set[int] = set()
+        for index, size in zip(header.indices, header.sizes, strict=True):
+            if not 0 <= index < len(res):
+                raise error_for(
+                    Reason.BAD_INDEX,
+                    f"{rid}: index {index} outside the reservation of {len(res)} buffers",
+                    (index,),
+                )
+            if index in seen or index in res.received or index in res._pending:
+                raise error_for(
+                    Reason.DUPLICATE,
+                    f"{rid}: index {index} already written or in flight",
+                    (index,),
+                )
+            if size != res.sizes[index]:
+                raise error_for(
+                    Reason.SIZE_MISMATCH,
+                    f"{rid}: index {index} is {size} bytes, reserved {res.sizes[index]}",
+                    (index,),
+                )
+            seen.add(index)
+        res._pending |= seen
+        return res
+
+    def _from_factory(self, header: SegmentHeader) -> Reservation | None:
+        assert self._factory is not None
+        try:
+            buffers = self._factory(header.request_id, header)
+        except Exception:
+            log.exception("reservation factory failed for %s", header.request_id)
+            return None
+        if not buffers:
+            return None
+        res = self._open(header.request_id, buffers, self._factory_deadline_s)
+        if self._on_reserved is not None:
+            self._on_reserved(res)
+        return res
+
+    async def _receive(
+        self,
+        link: Link,
+        res: Reservation,
+        header: SegmentHeader,
+        settled: asyncio.Future[None],
+    ) -> None:
+        """Land one admitted segment in its reserved buffers, verify, reply."""
+        seq = header.seq
+        corrupt: list[int] = []
+        oversized: list[int] = []
+        broken: BaseException | None = None
+        try:
+            # Post every receive now, straight into the reserved buffers: each rendezvous
+            # moves its bytes as soon as UCX matches it.
+            receives = [
+                link.post_recv(res._targets[index], data_tag(seq, pos))
+                for pos, index in enumerate(header.indices)
+            ]
+            for pos, (index, receive) in enumerate(zip(header.indices, receives, strict=True)):
+                try:
+                    await receive.wait()
+                except MessageTruncated:
+                    oversized.append(index)  # larger than announced; consumed, not kept
+                    continue
+                except PeerUnreachable as exc:
+                    broken = exc
+                    break
+                # Verify as each buffer lands, while later ones are still moving.
+                if checksum(res._sources[index]) != header.checksums[pos]:
+                    corrupt.append(index)
+                elif not res.done:
+                    res.received.add(index)
+        finally:
+            res._pending.difference_update(header.indices)
+            res._posted[link] -= 1
+            if not res.done:
+                res._corrupt.update(corrupt)
+            settled.set_result(None)
+            res._segments.discard(settled)
+        if broken is not None:
+            # The connection broke under this segment; `_serve` fails the reservation.
+            link.abort()
+            return
+        error = res._error()
+        if error is not None:
+            reply: Message = Nack(seq, error.reason, str(error), list(header.indices))
+        elif oversized:
+            reply = Nack(
+                seq,
+                Reason.SIZE_MISMATCH,
+                f"{res.request_id}: payload larger than announced",
+                oversized,
+            )
+        elif corrupt:
+            reply = Nack(
+                seq,
+                Reason.CHECKSUM,
+                f"{res.request_id}: checksum mismatch on {len(corrupt)} buffer(s)",
+                corrupt,
+            )
+        else:
+            reply = Ack(seq)
+        await self._reply(link, reply)
+
+    def _scratch_for(self, size: int) -> np.ndarray:
+        if self._scratch.nbytes < size:
+            self._scratch = np.empty(size, dtype=np.uint8)
+        return self._scratch
+
+    async def _refuse(self, link: Link, header: SegmentHeader, error: TransferError) -> None:
+        """Drain a refused segment's payloads into scratch, then nack it.
+
+        Concurrent drains share one scratch buffer: its content is garbage either way.
+        """
+        sizes = header.sizes
+        malformed = len(sizes) != len(header.indices) or any(s < 0 for s in sizes)
+        log.info("refusing segment %d of %s: %s", header.seq, header.request_id, error)
+        if malformed or sum(sizes) > DRAIN_LIMIT:
+            await self._reply(link, Nack(header.seq, error.reason, str(error), list(error.indices)))
+            log.warning("closing %s: refused segment too large or malformed to drain", link.name)
+            link.abort()
+            return
+        scratch = self._scratch_for(max(sizes, default=0))
+        try:
+            drains = [
+                link.post_recv(scratch[:size], data_tag(header.seq, pos))
+                for pos, size in enumerate(sizes)
+            ]
+            await Deadline.after(_DRAIN_TIMEOUT_S).run(self._drain(drains), "drain")
+        except TransferError:
+            link.abort()  # broken, or a sender that never sent what it announced
+            return
+        await self._reply(link, Nack(header.seq, error.reason, str(error), list(error.indices)))
+
+    @staticmethod
+    async def _drain(drains: list[Posted]) -> None:
+        for drain in drains:
+            with contextlib.suppress(MessageTruncated):  # longer than announced: consumed
+                await drain.wait()
+
+    # -- commit and fetch ----------------------------------------------------------------
+
+    async def _on_commit(self, link: Link, commit: Commit) -> None:
+        rid = commit.request_id
+        res = self._reservations.get(rid)
+        if res is None:
+            why = self._tombstones.get(rid, "never reserved")
+            await self._reply(
+                link, Nack(commit.seq, Reason.UNKNOWN_REQUEST, f"no reservation for {rid} ({why})")
+            )
+            return
+        if res._segments:
+            # Segments still landing (a sender may commit right after its last send
+            # returned on its side): judge once they settle. Bounded by the
+            # reservation's deadline, which closes their connection when it passes.
+            await asyncio.wait(list(res._segments))
+        error = res._error()
+        if error is None:
+            missing = [i for i in range(len(res)) if i not in res.received]
+            if not missing:
+                self._commit(res)
+                await self._reply(link, Ack(commit.seq))
+                return
+            corrupt = sorted(res._corrupt.intersection(missing))
+            if corrupt:
+                error = ChecksumMismatch(
+                    f"{rid}: {len(corrupt)} buffer(s) failed their checksum", indices=tuple(corrupt)
+                )
+            else:
+                error = ReservationRefused(
+                    f"{rid}: commit with {len(missing)} of {len(res)} buffers missing "
+                    f"(first: {missing[:8]})",
+                    reason=Reason.INCOMPLETE,
+                    indices=tuple(missing[:64]),
+                )
+            self._fail(res, error)
+        await self._reply(link, Nack(commit.seq, error.reason, str(error), list(error.indices)))
+
+    async def _on_fetch(self, link: Link, request: FetchRequest) -> None:
+        handler = self._fetch_handler
+        if handler is None:
+            await self._reply(
+                link, Nack(request.seq, Reason.FETCH_FAILED, "this process serves no fetches")
+            )
+            return
+        try:
+            reply_to = PeerAddress.parse(request.reply_to)
+        except ValueError as exc:
+            await self._reply(link, Nack(request.seq, Reason.MALFORMED, str(exc)))
+            return
+        order = FetchOrder(
+            request.request_id,
+            tuple(request.keys),
+            reply_to,
+            Deadline.after(request.deadline_ms / 1000),
+        )
+        reply: Message
+        try:
+            await order.deadline.run(handler(order), f"fetch {request.request_id}")
+            reply = Ack(request.seq)
+        except TransferError as exc:
+            reply = Nack(request.seq, exc.reason, str(exc), list(exc.indices))
+        except Exception as exc:
+            log.exception("fetch handler failed for %s", request.request_id)
+            reply = Nack(request.seq, Reason.FETCH_FAILED, f"{type(exc).__name__}: {exc}")
+        await self._reply(link, reply)

@@ -1,0 +1,361 @@
+"""The sending side: one endpoint per peer, segments, commits, fetch requests.
+
+`send()` checksums the buffers (xxh3-64, in place), posts the segment header and every
+buffer at once, and returns when the receiver has verified the segment (Ack) or raises
+the receiver's refusal as a typed error. Sends to one peer may run concurrently (a
+layer-wise streamer may keep several segments in flight): each buffer has its own UCX
+tag, so their messages never mix.
+
+A send that does not finish cleanly (deadline, cancellation, broken connection) closes
+its connection: UCX may still be reading the caller's buffers, and closing the endpoint
+is the only way to make it stop before `send()` returns and the caller reuses them.
+The next call to that peer reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Final
+
+from yb_shared.transport import ucx_env
+from yb_shared.transport.address import PeerAddress
+from yb_shared.transport.buffers import BufferLike, checksum, nbytes, to_ucx
+from yb_shared.transport.deadline import Deadline
+from yb_shared.transport.errors import PeerUnreachable, TransferError, error_for
+from yb_shared.transport.link import Link, Posted
+from yb_shared.transport.ucx_env import UCXError, forget_traceback
+from yb_shared.transport.wire import (
+    CTRL_TAG,
+    MAX_SEGMENT_BUFFERS,
+    REPLY_TAG,
+    Ack,
+    Commit,
+    FetchRequest,
+    FrameError,
+    Nack,
+    SegmentHeader,
+    data_tag,
+    encode_frame,
+)
+
+log = logging.getLogger(__name__)
+
+#: Segments at least this large are checksummed off the event loop.
+_HASH_OFFLOAD_BYTES: Final = 4 << 20
+#: Share of a fetch's deadline handed to the holder, so that its refusal still arrives
+#: before the asker's own deadline passes.
+_FETCH_DEADLINE_SHARE: Final = 0.9
+
+#: `after_checksum` hook: (request_id, items) after checksums, before bytes move.
+ChecksumHook = Callable[[str, Sequence[tuple[int, BufferLike]]], None]
+
+
+class _Peer:
+    """A connection to one receiver: its link, sequence numbers, awaited replies."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self._seqs = itertools.count()
+        self.replies: dict[int, asyncio.Future[Ack | Nack]] = {}
+
+    def expect(self) -> tuple[int, asyncio.Future[Ack | Nack]]:
+        """A fresh sequence number and the future its reply will resolve."""
+        seq = next(self._seqs)
+        future: asyncio.Future[Ack | Nack] = asyncio.get_running_loop().create_future()
+        self.replies[seq] = future
+        return seq, future
+
+    async def read_replies(self) -> None:
+        """Resolve reply futures until the connection ends; then fail the rest."""
+        why = "connection closed"
+        try:
+            while True:
+                message = await self.link.recv_frame(REPLY_TAG)
+                if not isinstance(message, Ack | Nack):
+                    raise FrameError(f"{type(message).__name__} on the reply tag")
+                future = self.replies.pop(message.seq, None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+        except (PeerUnreachable, FrameError) as exc:
+            why = str(exc)
+        except Exception as exc:
+            log.exception("reply reader of %s failed", self.link.name)
+            why = f"reply reader failed: {exc}"
+        finally:
+            # Also on cancellation (close): nobody may wait forever on this link.
+            self.link.abort()
+            for future in self.replies.values():
+                if not future.done():
+                    future.set_exception(PeerUnreachable(f"{self.link.name}: {why}"))
+                    future.exception()  # the waiter may be gone already
+            self.replies.clear()
+
+
+class KVSender:
+    """Sends KV buffers into reservations on remote `KVReceiver`s.
+
+    Keeps one UCX endpoint per peer and reconnects after an error. A peer that is not
+    listening is only noticed after `connect_timeout_s` (ucxx does not report a refused
+    connection sooner). `after_checksum` is a test hook, called after a segment's
+    checksums are computed and before its bytes move (tests use it to corrupt the
+    source and prove that the receiver notices).
+    """
+
+    def __init__(
+        self, *, connect_timeout_s: float = 3.0, after_checksum: ChecksumHook | None = None
+    ) -> None:
+        self._connect_timeout_s = connect_timeout_s
+        self._after_checksum = after_checksum
+        self._peers: dict[PeerAddress, _Peer] = {}
+        self._connecting: dict[PeerAddress, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._hasher: ThreadPoolExecutor | None = None
+        self._closing: asyncio.Task[None] | None = None
+        self._ucx: Any = None
+
+    # -- public API --------------------------------------------------------------------
+
+    async def send(
+        self,
+        peer: PeerAddress,
+        request_id: str,
+        items: Sequence[tuple[int, BufferLike]],
+        *,
+        deadline_s: float,
+    ) -> None:
+        """Send one segment: each (index, buffer) into the reservation's buffer `index`.
+
+        Bytes go from `buffer`'s memory straight into the receiver's reserved buffer (no
+        serialization or staging copy). Returns once the receiver verified every buffer
+        of the segment. Raises ReservationRefused / SizeMismatch / ChecksumMismatch when
+        the receiver refuses, PeerUnreachable, or TransferTimeout after `deadline_s`.
+        The buffers must not change until this returns.
+        """
+        if not items:
+            raise ValueError("a segment needs at least one buffer")
+        if len(items) > MAX_SEGMENT_BUFFERS:
+            raise ValueError(f"a segment holds at most {MAX_SEGMENT_BUFFERS} buffers")
+        deadline = Deadline.after(deadline_s)
+        self._check_open()
+        indices = [index for index, _ in items]
+        buffers = [buffer for _, buffer in items]
+        targets = [to_ucx(buffer, writable=False) for buffer in buffers]
+        sizes = [nbytes(buffer) for buffer in buffers]
+        checksums = await self._checksums(buffers, sum(sizes))
+        if self._after_checksum is not None:
+            self._after_checksum(request_id, items)
+        connection = await self._connect(peer, deadline)
+        link = connection.link
+        seq, reply = connection.expect()
+        try:
+            frame = encode_frame(SegmentHeader(seq, request_id, indices, sizes, checksums))
+        except ValueError:
+            connection.replies.pop(seq, None)
+            raise  # too many buffers for one header: split the segment
+        what = f"segment {seq} of {request_id} to {peer}"
+        # Header and payloads are posted together: the receiver posts its receives when
+        # the header lands, and each rendezvous completes as soon as it is matched.
+        answer = await self._exchange(
+            connection,
+            seq,
+            reply,
+            lambda: (
+                [link.post_send(frame, CTRL_TAG)]
+                + [link.post_send(target, data_tag(seq, pos)) for pos, target in enumerate(targets)]
+            ),
+            deadline,
+            what,
+        )
+        self._raise_for(answer, what)
+
+    async def commit(self, peer: PeerAddress, request_id: str, *, deadline_s: float) -> None:
+        """Tell the receiver `request_id` is complete; raises if it refuses.
+
+        Call it after every `send()` for the request has returned. The receiver refuses
+        (ReservationRefused, ChecksumMismatch) if an index is missing or corrupt, or
+        if it has no such reservation; either way the reservation is then over.
+        """
+        deadline = Deadline.after(deadline_s)
+        self._check_open()
+        connection = await self._connect(peer, deadline)
+        seq, reply = connection.expect()
+        what = f"commit of {request_id} to {peer}"
+        frame = encode_frame(Commit(seq, request_id))
+        answer = await self._exchange(
+            connection,
+            seq,
+            reply,
+            lambda: [connection.link.post_send(frame, CTRL_TAG)],
+            deadline,
+            what,
+        )
+        self._raise_for(answer, what)
+
+    async def request_fetch(
+        self,
+        holder: PeerAddress,
+        request_id: str,
+        keys: Sequence[str],
+        *,
+        reply_to: PeerAddress,
+        deadline_s: float,
+    ) -> None:
+        """Ask `holder` to send the blocks `keys` into reservation `request_id` at `reply_to`.
+
+        The fetch path of the block store: reserve on your own receiver first, then call
+        this with your receiver's address; the holder's fetch handler sends and commits
+        with its own `KVSender`. Returns once the holder reports the commit done, so
+        the reservation's `wait_committed()` has resolved by then; raises the holder's
+        refusal (e.g. ReservationRefused for unknown keys), PeerUnreachable or
+        TransferTimeout.
+        """
+        deadline = Deadline.after(deadline_s)
+        self._check_open()
+        connection = await self._connect(holder, deadline)
+        seq, reply = connection.expect()
+        budget_ms = int(deadline.remaining() * _FETCH_DEADLINE_SHARE * 1000)
+        message = FetchRequest(seq, request_id, list(keys), str(reply_to), budget_ms)
+        what = f"fetch of {request_id} from {holder}"
+        frame = encode_frame(message)
+        answer = await self._exchange(
+            connection,
+            seq,
+            reply,
+            lambda: [connection.link.post_send(frame, CTRL_TAG)],
+            deadline,
+            what,
+        )
+        self._raise_for(answer, what)
+
+    async def close(self) -> None:
+        """Close every connection and stop every task. Idempotent.
+
+        Calls in flight fail with PeerUnreachable.
+        """
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        peers = list(self._peers.values())
+        self._peers.clear()
+        for connection in peers:
+            connection.link.abort()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(connection.link.close() for connection in peers))
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=False, cancel_futures=True)
+            self._hasher = None
+        if self._ucx is not None:
+            self._ucx = None
+            ucx_env.release()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closing is not None:
+            raise PeerUnreachable("KVSender is closed")
+
+    async def _checksums(self, buffers: list[BufferLike], total: int) -> list[int]:
+        if total < _HASH_OFFLOAD_BYTES:
+            return [checksum(buffer) for buffer in buffers]
+        # xxhash releases the GIL: hashing a big segment on a thread keeps the event
+        # loop serving other segments' completions meanwhile.
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="yb-xxh3")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._hasher, lambda: [checksum(buffer) for buffer in buffers]
+        )
+
+    async def _connect(self, peer: PeerAddress, deadline: Deadline) -> _Peer:
+        connection = self._peers.get(peer)
+        if connection is not None and connection.link.alive:
+            return connection
+        lock = self._connecting.setdefault(peer, asyncio.Lock())
+        async with lock:
+            connection = self._peers.get(peer)
+            if connection is not None and connection.link.alive:
+                return connection
+            if connection is not None:
+                self._drop(connection)
+            if self._ucx is None:
+                self._ucx = ucx_env.acquire()  # held until close()
+            ucx = self._ucx
+            timeout = max(0.05, min(self._connect_timeout_s, deadline.remaining()))
+            try:
+                endpoint = await deadline.run(
+                    ucx.create_endpoint(
+                        peer.host, peer.port, endpoint_error_handling=True, connect_timeout=timeout
+                    ),
+                    f"connect to {peer}",
+                )
+            except TimeoutError as exc:
+                # ucxx's own connect timeout: it does not notice a refused connection,
+                # so an absent listener looks like this too.
+                forget_traceback(exc)
+                raise PeerUnreachable(f"cannot connect to {peer} within {timeout:.1f}s") from None
+            except (UCXError, OSError, RuntimeError) as exc:
+                forget_traceback(exc)
+                raise PeerUnreachable(f"cannot connect to {peer}: {exc}") from None
+            if self._closing is not None:
+                endpoint.abort()
+                raise PeerUnreachable("KVSender is closed")
+            connection = _Peer(Link(endpoint, f"tx:{peer}"))
+            self._peers[peer] = connection
+            reader = asyncio.get_running_loop().create_task(
+                connection.read_replies(), name=f"replies:{peer}"
+            )
+            self._tasks.add(reader)
+            reader.add_done_callback(self._tasks.discard)
+            return connection
+
+    def _drop(self, connection: _Peer) -> None:
+        """Close a connection (posted sends included) and forget it."""
+        connection.link.abort()
+        for peer, known in list(self._peers.items()):
+            if known is connection:
+                del self._peers[peer]
+
+    async def _exchange(
+        self,
+        connection: _Peer,
+        seq: int,
+        reply: asyncio.Future[Ack | Nack],
+        post: Callable[[], list[Posted]],
+        deadline: Deadline,
+        what: str,
+    ) -> Ack | Nack:
+        """Post the sends, wait for them, then the reply; close the link on any failure."""
+        try:
+            await deadline.run(self._sent(post()), what)
+            return await deadline.run(reply, what)
+        except asyncio.CancelledError:
+            self._drop(connection)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our caller cancelled us
+            raise PeerUnreachable(f"{what}: connection closed") from None
+        except TransferError:
+            self._drop(connection)
+            raise
+        finally:
+            connection.replies.pop(seq, None)
+
+    @staticmethod
+    async def _sent(sends: list[Posted]) -> None:
+        for send in sends:  # all posted already: waiting in order costs nothing
+            await send.wait()
+
+    @staticmethod
+    def _raise_for(answer: Ack | Nack, what: str) -> None:
+        if isinstance(answer, Nack):
+            raise error_for(
+                answer.reason, f"{what} refused: {answer.message}", tuple(answer.indices)
+            )

@@ -1,0 +1,194 @@
+"""The one place that configures and imports ucxx.
+
+UCX reads its configuration from the environment when the first context is created,
+and ucxx sets a few variables of its own at import time; so every module of this
+package imports ucxx through here, after `UCX_ENV_DEFAULTS` are in place. Each default
+is only a default (`os.environ.setdefault`): an operator can still override any of them.
+
+Why each setting:
+
+- `UCX_MM_ERROR_HANDLING=y`: the data plane needs peer-failure detection (a killed
+  sender must fail the transfer, not hang it), so every endpoint is created with error
+  handling. UCX then drops every transport that does not *claim* error-handling
+  support, and by default the shared-memory transports (posix, sysv) do not: all
+  intra-host traffic would fall back to TCP over loopback (measured: 0.6-0.9 GB/s).
+  Their failure detection works through the keepalive lane and the TCP connection
+  manager, which is what we rely on anyway.
+- `UCX_CMA_MEMORY_INVALIDATE=y`: with error handling, UCX only picks the zero-copy
+  rendezvous *get* (the receiver reads the sender's pages with one
+  `process_vm_readv`) if the memory domain can revoke remote access to memory whose
+  request failed. CMA cannot really revoke, and UCX asks us to promise. The promise is
+  safe here: CMA only ever *reads* the sender's pages (nothing remote writes our
+  memory), and a read of pages that changed after a failure is caught by the xxh3
+  checksum the receiver verifies on every buffer. Without it, intra-host rendezvous is
+  "fragmented copy-in copy-out" through a shared bounce buffer: two copies instead of
+  one.
+- `UCX_WARN_UNUSED_ENV_VARS=n`: ucxx itself sets `UCX_MEMTYPE_CACHE`, which UCX 1.21
+  no longer knows, and UCX prints a warning about it in every process.
+
+ucxx's context is process-global and bound to the event loop that created it (its
+progress thread and its notifier thread deliver completions to that loop). Services
+run one loop per process; tests run one loop per test. `acquire()` therefore
+initialises ucxx for the running loop, and the last `release()` shuts it down again.
+Completions are delivered through Python futures (`enable_python_future=True`):
+without them, every pending receive (such as the idle receive for the next control
+message) spins the event loop with `sleep(0)` and burns a whole core (measured: 98%
+CPU while idle, 1% with futures).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, Final
+
+UCX_ENV_DEFAULTS: Final[dict[str, str]] = {
+    "UCX_MM_ERROR_HANDLING": "y",
+    "UCX_CMA_MEMORY_INVALIDATE": "y",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
+
+for _key, _value in UCX_ENV_DEFAULTS.items():
+    os.environ.setdefault(_key, _value)
+
+import ucxx  # noqa: E402  (must follow the environment set-up above)
+import ucxx.core  # noqa: E402
+import ucxx.exceptions  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+#: Every error ucxx raises for a failed or cancelled operation derives from this.
+UCXError: Final[type[Exception]] = ucxx.exceptions.UCXError
+#: A message longer than the buffer posted for it (the receive consumed it anyway).
+UCXTruncated: Final[tuple[type[Exception], ...]] = (
+    ucxx.exceptions.UCXMessageTruncatedError,
+    ucxx.exceptions.UCXMsgTruncated,
+)
+
+
+def _raw_api() -> tuple[Any, Any, Any, Callable[..., int]] | None:
+    """ucxx's request-level building blocks, for `Link`'s posted operations (see there).
+
+    None if this ucxx version lays them out differently; `Link` then falls back to
+    ucxx's public coroutines.
+    """
+    try:
+        from ucxx._lib.arr import Array
+        from ucxx._lib_async.utils import hash64bits
+        from ucxx.types import Tag, TagMaskFull
+    except ImportError:
+        return None
+    return Array, Tag, TagMaskFull, hash64bits
+
+
+#: (Array, Tag, TagMaskFull, hash64bits), or None.
+RAW_API: Final = _raw_api()
+
+
+def forget_traceback(exc: BaseException) -> None:
+    """Strip the traceback frames off a caught ucxx exception and its whole chain.
+
+    ucxx completes requests through futures that its C++ worker keeps, and the
+    exception object set on such a future is the very one raised to us; Python appends
+    every frame it passes through to that object's traceback. Left alone, those frames
+    (with the buffers, endpoints and the ucxx context they reference) live as long as
+    ucxx keeps the future: KV memory stays pinned and `ucxx.reset()` refuses. So each
+    ucxx exception we catch is stripped here and replaced by one of our own.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+
+
+_bound_loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
+_users = 0
+_lock = threading.Lock()
+
+
+def acquire() -> Any:
+    """Return the ucxx module, initialised for the running event loop.
+
+    Every KVReceiver and KVSender holds one acquisition while it is open and gives it
+    back with `release()`; when the last one goes, ucxx's threads are stopped and its
+    context is reset, so a later user (a later test, on its own loop) starts afresh.
+    Raises RuntimeError while ucxx is held by users on another, still running loop.
+    """
+    global _bound_loop, _users
+    loop = asyncio.get_running_loop()
+    with _lock:
+        bound = _bound_loop() if _bound_loop is not None else None
+        if ucxx.core._ctx is not None and bound is not loop:
+            if _users > 0 and bound is not None and not bound.is_closed():
+                raise RuntimeError(
+                    "ucxx is in use from another event loop; a process uses UCX from one "
+                    "loop at a time (close every KVReceiver and KVSender first)"
+                )
+            _shutdown()
+            _users = 0  # whoever held it lived on a loop that is gone
+        if ucxx.core._ctx is None:
+            ucxx.init(progress_mode="thread", enable_python_future=True)
+            _bound_loop = weakref.ref(loop)
+        _users += 1
+        return ucxx
+
+
+def release() -> None:
+    """Give back one `acquire()`; the last one shuts ucxx down."""
+    global _users
+    with _lock:
+        _users = max(0, _users - 1)
+        if _users == 0:
+            _shutdown()
+
+
+def _shutdown() -> None:
+    global _bound_loop
+    if ucxx.core._ctx is None:
+        return
+    _stop_notifier()
+    try:
+        ucxx.reset()
+    except Exception:  # ucxx's UCXError, listing what still references the context
+        # reset() has dropped its reference already; the old context lives on until
+        # those references go, and the next acquire() creates a new one.
+        log.warning("ucxx context still referenced at shutdown", exc_info=True)
+    _bound_loop = None
+
+
+def _stop_notifier() -> None:
+    """Stop ucxx's notifier thread promptly.
+
+    The thread waits up to a second for request completions; waking the worker's
+    notifier first makes the stop immediate instead of costing that second.
+    """
+    ctx = ucxx.core._ctx
+    if ctx is None:
+        return
+    worker = getattr(ctx, "worker", None)
+    if worker is None or getattr(ctx, "notifier_thread", None) is None:
+        return
+    worker.stop_request_notifier_thread()
+    ucxx.stop_notifier_thread()
+    # The thread may have been between two waits when it was woken; stopping once more
+    # after it is gone leaves the worker's notifier marked stopped, so the worker's
+    # destructor does not warn that it had to stop it itself.
+    worker.stop_request_notifier_thread()
+
+
+def _at_exit() -> None:
+    # The notifier thread is not a daemon: without this, the interpreter waits for it
+    # forever at exit. `threading._register_atexit` hooks run before non-daemon threads
+    # are joined (concurrent.futures uses the same hook for the same reason).
+    with contextlib.suppress(Exception):  # best effort at interpreter exit
+        _stop_notifier()
+
+
+threading._register_atexit(_at_exit)  # type: ignore[attr-defined]

@@ -1,0 +1,134 @@
+"""The data plane's wire protocol, on one screen.
+
+One UCX endpoint joins a `KVSender` to a `KVReceiver`. Three kinds of UCX tag
+messages travel on it, each tag hashed by ucxx with the endpoint's private tag, so
+tags never collide across connections:
+
+    CTRL   sender -> receiver   a control frame: SegmentHeader | Commit | FetchRequest
+    REPLY  receiver -> sender   a control frame: Ack | Nack, matched to `seq`
+    DATA   sender -> receiver   raw bytes of one buffer; tag = data_tag(seq, position)
+
+A control frame is a 4-byte little-endian length and a msgpack body: one struct of
+the tagged union `Message` (array_like; the tag is the first element). The receiver
+keeps one receive posted for the next frame into a `MAX_FRAME`-byte buffer, so a frame
+is a single UCX message and needs no separate size message.
+
+A segment is a header followed, without waiting, by one DATA message per buffer.
+The receiver validates the header, then posts each receive straight into the
+reserved destination buffer (UCX rendezvous: the payload moves once, from the
+sender's memory into the destination, when the receive is posted). Every DATA message
+has its own tag, so the order in which segments' messages are posted does not matter
+and concurrent segments on one endpoint never mix. A refused segment's payloads are
+drained into a scratch sink (or, past `DRAIN_LIMIT`, the endpoint is closed), so no
+message is ever left unmatched and the stream stays usable.
+
+Evolution: fields are only ever appended, with defaults; never reordered (array_like).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Final
+
+import msgspec
+
+from yb_shared.transport.errors import Reason
+
+#: Largest control frame, bytes (a header costs ~25 bytes per buffer: ~40k buffers).
+MAX_FRAME: Final = 1 << 20
+#: Refused payload bytes one segment may drain into scratch before the link is closed.
+DRAIN_LIMIT: Final = 64 << 20
+
+CTRL_TAG: Final = 1
+REPLY_TAG: Final = 2
+_DATA_BASE: Final = 16
+_POSITION_BITS: Final = 20
+#: Most buffers in one segment (position field of the data tag).
+MAX_SEGMENT_BUFFERS: Final = 1 << _POSITION_BITS
+
+
+def data_tag(seq: int, position: int) -> int:
+    """The tag of the `position`-th buffer of segment `seq`.
+
+    Kept below 2**61 so that Python's `hash()` (which ucxx applies) is the identity.
+    """
+    return _DATA_BASE + (seq << _POSITION_BITS) + position
+
+
+class SegmentHeader(msgspec.Struct, tag="seg", array_like=True, frozen=True, gc=False):
+    """Announces one segment: which reserved indices, how many bytes, which checksums."""
+
+    seq: int
+    request_id: str
+    indices: list[int]
+    sizes: list[int]
+    checksums: list[int]
+
+
+class Commit(msgspec.Struct, tag="commit", array_like=True, frozen=True, gc=False):
+    """The sender is done with `request_id`: the receiver checks completeness."""
+
+    seq: int
+    request_id: str
+
+
+class FetchRequest(msgspec.Struct, tag="fetch", array_like=True, frozen=True, gc=False):
+    """Asks a holder to send the blocks `keys` into `reply_to`'s reservation `request_id`."""
+
+    seq: int
+    request_id: str
+    keys: list[str]
+    reply_to: str
+    deadline_ms: int
+
+
+class Ack(msgspec.Struct, tag="ack", array_like=True, frozen=True, gc=False):
+    """The segment, commit or fetch `seq` succeeded."""
+
+    seq: int
+
+
+class Nack(msgspec.Struct, tag="nack", array_like=True, frozen=True, gc=False):
+    """The segment, commit or fetch `seq` was refused, with why and which indices."""
+
+    seq: int
+    reason: Reason
+    message: str
+    indices: list[int] = []
+
+
+Message = SegmentHeader | Commit | FetchRequest | Ack | Nack
+
+_encoder: Final = msgspec.msgpack.Encoder()
+_decoder: Final = msgspec.msgpack.Decoder(Message)
+_LEN: Final = struct.Struct("<I")
+
+
+class FrameError(Exception):
+    """A control frame that cannot be decoded: the peer is not speaking this protocol."""
+
+
+def encode_frame(message: Message) -> bytearray:
+    """Length-prefixed msgpack frame for `message`; raises ValueError past MAX_FRAME."""
+    frame = bytearray(_LEN.size)
+    _encoder.encode_into(message, frame, _LEN.size)
+    body = len(frame) - _LEN.size
+    if len(frame) > MAX_FRAME:
+        raise ValueError(f"control frame of {len(frame)} bytes exceeds {MAX_FRAME}")
+    _LEN.pack_into(frame, 0, body)
+    return frame
+
+
+def decode_frame(buffer: bytearray | memoryview) -> Message:
+    """Decode the frame at the start of `buffer` (a receive buffer of MAX_FRAME bytes)."""
+    view = memoryview(buffer)
+    if len(view) < _LEN.size:
+        raise FrameError("short frame")
+    (body,) = _LEN.unpack_from(view, 0)
+    if body > len(view) - _LEN.size:
+        raise FrameError(f"frame length {body} exceeds the buffer")
+    try:
+        message: Message = _decoder.decode(view[_LEN.size : _LEN.size + body])
+    except msgspec.DecodeError as exc:
+        raise FrameError(str(exc)) from exc
+    return message

@@ -1,0 +1,129 @@
+"""The transport's pure parts: addresses, the wire format, buffers and checksums."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from yb_shared.transport import (
+    ChecksumMismatch,
+    PeerAddress,
+    Reason,
+    ReservationRefused,
+    SizeMismatch,
+    TransferError,
+    as_bytes_view,
+    checksum,
+    nbytes,
+)
+from yb_shared.transport.buffers import to_ucx
+from yb_shared.transport.errors import error_for
+from yb_shared.transport.wire import (
+    MAX_FRAME,
+    Ack,
+    Commit,
+    FetchRequest,
+    FrameError,
+    Message,
+    Nack,
+    SegmentHeader,
+    data_tag,
+    decode_frame,
+    encode_frame,
+)
+
+
+def test_peer_address_round_trips_as_host_port() -> None:
+    addr = PeerAddress("10.0.0.7", 4711)
+    assert str(addr) == "10.0.0.7:4711" == addr.to_wire()
+    assert PeerAddress.parse("10.0.0.7:4711") == addr == PeerAddress.from_wire("10.0.0.7:4711")
+    v6 = PeerAddress.parse("[::1]:5000")
+    assert v6 == PeerAddress("::1", 5000) and str(v6) == "[::1]:5000"
+    for bad in ("nohost", ":12", "host:", "host:0", "host:x"):
+        with pytest.raises(ValueError):
+            PeerAddress.parse(bad)
+
+
+def test_every_message_survives_a_frame() -> None:
+    messages: list[Message] = [
+        SegmentHeader(3, "req", [0, 5], [10, 1 << 40], [0, (1 << 64) - 1]),
+        Commit(4, "req"),
+        FetchRequest(5, "req", ["a", "b"], "127.0.0.1:9", 1500),
+        Ack(6),
+        Nack(7, Reason.CHECKSUM, "bad bytes", [2]),
+        Nack(8, Reason.DUPLICATE, "twice"),
+    ]
+    for message in messages:
+        frame = encode_frame(message)
+        buffer = bytearray(MAX_FRAME)
+        buffer[: len(frame)] = frame
+        assert decode_frame(buffer) == message
+    # array_like: the tag is the first element, fields follow in order.
+    body = bytes(encode_frame(Commit(4, "req")))[4:]
+    assert msgspec.msgpack.decode(body) == ["commit", 4, "req"]
+
+
+def test_bad_frames_are_rejected() -> None:
+    with pytest.raises(FrameError):
+        decode_frame(bytearray(2))
+    with pytest.raises(FrameError):
+        decode_frame(bytearray(b"\xff\xff\xff\x7f" + b"\0" * 8))
+    junk = bytearray(64)
+    junk[:4] = (5).to_bytes(4, "little")
+    junk[4:9] = msgspec.msgpack.encode(["nope", 1])[:5]
+    with pytest.raises(FrameError):
+        decode_frame(junk)
+    with pytest.raises(ValueError, match="exceeds"):
+        encode_frame(FetchRequest(1, "r", ["k" * 1000] * 2000, "h:1", 1))
+
+
+def test_data_tags_are_distinct_and_hash_to_themselves() -> None:
+    tags = {data_tag(seq, pos) for seq in range(50) for pos in range(50)}
+    assert len(tags) == 2500
+    big = data_tag((1 << 40) - 1, (1 << 20) - 1)
+    assert big < (1 << 61) - 1 and hash(big) == big
+
+
+def test_errors_map_reasons_to_types() -> None:
+    assert isinstance(error_for(Reason.SIZE_MISMATCH, "x"), SizeMismatch)
+    assert isinstance(error_for(Reason.SIZE_MISMATCH, "x"), ReservationRefused)
+    assert isinstance(error_for(Reason.CHECKSUM, "x"), ChecksumMismatch)
+    refused = error_for(Reason.BAD_INDEX, "x", (9,))
+    assert type(refused) is ReservationRefused
+    assert refused.reason is Reason.BAD_INDEX and refused.indices == (9,)
+    assert type(error_for(Reason.FETCH_FAILED, "x")) is TransferError
+
+
+def test_views_and_checksums_are_zero_copy_over_any_host_buffer() -> None:
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+    view = as_bytes_view(arr)
+    assert view.format == "B" and view.nbytes == 48 == nbytes(arr)
+    arr[0, 0] = 42.0
+    assert bytes(view[:4]) == np.float32(42.0).tobytes()  # same memory, not a copy
+    assert checksum(arr) == xxhash.xxh3_64_intdigest(arr.tobytes())
+
+    tensor = torch.arange(10, dtype=torch.float32).to(torch.bfloat16)
+    assert nbytes(tensor) == 20
+    assert checksum(tensor) == xxhash.xxh3_64_intdigest(tensor.view(torch.uint8).numpy().tobytes())
+    as_bytes_view(tensor)[0] = 0x7F
+    assert tensor.view(torch.uint8)[0].item() == 0x7F
+
+    raw = bytearray(b"hello")
+    assert checksum(raw) == checksum(b"hello") == xxhash.xxh3_64_intdigest(b"hello")
+    assert as_bytes_view(memoryview(raw)).tobytes() == b"hello"
+
+
+def test_destinations_must_be_writable_contiguous_buffers() -> None:
+    with pytest.raises(ValueError, match="contiguous"):
+        to_ucx(np.zeros((4, 4))[:, 0], writable=False)
+    with pytest.raises(ValueError, match="contiguous"):
+        to_ucx(torch.zeros(4, 4).t(), writable=True)
+    with pytest.raises(ValueError, match="read-only"):
+        to_ucx(b"abc", writable=True)
+    with pytest.raises(TypeError):
+        to_ucx(object(), writable=False)
+    out = to_ucx(torch.zeros(3, dtype=torch.float16), writable=True)
+    assert out.dtype == np.uint8 and out.nbytes == 6
