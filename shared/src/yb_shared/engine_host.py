@@ -72,6 +72,7 @@ class EngineHost:
         self.attention_backend = attention_backend_name(
             cache.device, self.cfg.model.block_size, model.dtype
         )
+        self._warm_up()
         log.info(
             "engine_loaded",
             layers=model.config.num_layers,
@@ -80,6 +81,22 @@ class EngineHost:
             attention=self.attention_backend,
             threads=threads,
         )
+
+    def _warm_up(self) -> None:
+        """Run one small prefill and decode step so the first request is not the one
+        that pays for first-touch allocations and kernel selection."""
+        from yb_shared.model.runner import DecodeSeq
+
+        assert self.runner is not None
+        assert self.allocator is not None
+        assert self.cache is not None
+        tokens = list(range(1, min(self.cache.block_size, 16) + 1))
+        pages = self.allocator.allocate(self.cache.pages_for(len(tokens) + 1))
+        try:
+            self.runner.prefill(tokens, pages)
+            self.runner.decode([DecodeSeq(pages, len(tokens), tokens[-1])])
+        finally:
+            self.allocator.free(pages)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the engine thread and await its result."""
