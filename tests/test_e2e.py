@@ -136,6 +136,33 @@ def test_tiny_cluster_decisions_are_events_and_status_shows_instances(
     assert "kv_transfer_failed" not in decode_log
 
 
+def test_tiny_cluster_one_trace_runs_from_gateway_to_decode(tiny_cluster: LocalCluster) -> None:
+    # A client's W3C traceparent is continued by the gateway; the context then rides
+    # in NATS headers to prefill and on to decode, which log the trace id they joined.
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    r = httpx.post(
+        f"{tiny_cluster.url}/v1/completions",
+        json={"model": "tiny", "prompt": "trace me", "max_tokens": 2, "temperature": 0},
+        headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    request_id = r.json()["id"]
+
+    def logged_trace(instance_prefix: str, event: str) -> set[str]:
+        found = set()
+        for name in ("prefill-0", "prefill-1", "decode-0"):
+            if not name.startswith(instance_prefix):
+                continue
+            for line in tiny_cluster.instance_log(name).splitlines():
+                if f'"{event}"' in line and request_id in line:
+                    found.add(json.loads(line)["trace_id"])
+        return found
+
+    assert logged_trace("prefill", "prefill_started") == {trace_id}
+    assert logged_trace("decode", "decode_started") == {trace_id}
+
+
 def test_tiny_cluster_stops_cleanly_on_ctrl_c(tiny_cluster: LocalCluster) -> None:
     _stop_and_check_no_orphans(tiny_cluster)
 

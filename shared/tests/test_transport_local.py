@@ -418,3 +418,26 @@ async def test_a_lying_or_malformed_peer_cannot_write_past_the_reservation(
         await link.close()
         ucx_env.release()
     receiver.cancel("victim")
+
+
+@pytest.mark.asyncio
+async def test_public_ucxx_coroutines_fallback_moves_the_same_bytes(
+    receiver: KVReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without ucxx's request-level internals, links fall back to its public coroutines.
+    from yb_shared.transport import link
+
+    monkeypatch.setattr(link, "RAW_API", None)
+    sender = KVSender()
+    try:
+        dest = [np.zeros(20_000, np.uint8) for _ in range(3)]
+        src = [data(20_000, i) for i in range(3)]
+        reservation = receiver.reserve("fallback", dest, deadline_s=10)
+        await sender.send(receiver.address, "fallback", list(enumerate(src)), deadline_s=5)
+        with pytest.raises(ReservationRefused):
+            await sender.send(receiver.address, "fallback", [(0, src[0])], deadline_s=5)
+        await sender.commit(receiver.address, "fallback", deadline_s=5)
+        await reservation.wait_committed()
+        assert all(np.array_equal(d, s) for d, s in zip(dest, src, strict=True))
+    finally:
+        await sender.close()

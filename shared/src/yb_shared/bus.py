@@ -330,17 +330,18 @@ class Bus:
         timeout_s: float,
         headers: Mapping[str, str] | None = None,
     ) -> Msg:
-        """Core NATS request/reply with a deadline.
+        """Core NATS request/reply with a deadline, carrying the trace context.
 
         Raises `BusUnavailable` when NATS is down or nobody answers in time (no
         responders or a timeout): the caller decides whether to re-plan or fail.
         """
         if not self._nc.is_connected:
             raise BusUnavailable("not connected to NATS")
+        # The current span's context rides in the headers, so the responder's spans
+        # join the caller's trace (gateway -> prefill -> decode).
+        hdrs = inject_headers(dict(headers or {}))
         try:
-            return await self._nc.request(
-                subject, payload, timeout=timeout_s, headers=dict(headers or {}) or None
-            )
+            return await self._nc.request(subject, payload, timeout=timeout_s, headers=hdrs or None)
         except nats.errors.NoRespondersError as exc:
             raise BusUnavailable(f"no responders on {subject}") from exc
         except (TimeoutError, nats.errors.TimeoutError) as exc:
@@ -454,9 +455,7 @@ class EventReader:
     async def __anext__(self) -> LoggedEvent:
         """Wait for the next event, however long it takes (until cancelled or closed)."""
         while True:
-            if self._bus.closed or (
-                self._sub is None and self._generation == self._bus.generation
-            ):
+            if self._bus.closed or (self._sub is None and self._generation == self._bus.generation):
                 raise StopAsyncIteration
             logged = await self.next(timeout_s=60.0)
             if logged is not None:

@@ -122,6 +122,11 @@ def extract_context(headers: Mapping[str, str] | None) -> otel_context.Context:
     return propagate.extract(dict(headers or {}))
 
 
+def trace_carrier(headers: Mapping[str, str] | None) -> dict[str, str]:
+    """Just the trace-context entries of a message's headers (to keep past the message)."""
+    return {k: v for k, v in (headers or {}).items() if k in ("traceparent", "tracestate")}
+
+
 def trace_id_hex(headers: Mapping[str, str] | None) -> str:
     """The trace id carried in headers, or '' (for logs and tests)."""
     span = trace.get_current_span(extract_context(headers))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 from nats.aio.msg import Msg
+from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
 from yb_shared import events as ev
@@ -27,13 +28,21 @@ from yb_shared.config import YbConfig
 from yb_shared.engine_host import EngineHost
 from yb_shared.instance import CancellationFollower, Presence
 from yb_shared.service import Service
-from yb_shared.telemetry import get_logger
+from yb_shared.telemetry import (
+    bind_request,
+    extract_context,
+    get_logger,
+    trace_carrier,
+    trace_id_hex,
+    tracer,
+)
 from yb_shared.transport import KVReceiver, Reservation, TransferError
 
 if TYPE_CHECKING:
     from yb_shared.model.batcher import DecodeBatcher, TokenOutput
 
 log = get_logger(__name__)
+_tracer = tracer(__name__)
 
 
 @dataclass
@@ -41,6 +50,7 @@ class Pending:
     """A request between `ReserveKV` and `StartDecode`: pages reserved, KV arriving."""
 
     reserve: pr.ReserveKV
+    trace_headers: dict[str, str]
     pages: list[int]
     reservation: Reservation
     commit: asyncio.Task[bool]
@@ -55,6 +65,7 @@ class Stream:
     prompt_tokens: int
     reused_tokens: int
     ttft_started: float
+    span: trace.Span
     seq: int = 0
     completion_tokens: int = 0
     first_token_at: float = 0.0
@@ -190,7 +201,7 @@ class DecodeService(Service):
             return
         match message:
             case pr.ReserveKV():
-                reply: pr.DecodeReply = await self._reserve(message)
+                reply: pr.DecodeReply = await self._reserve(message, trace_carrier(msg.headers))
             case pr.StartDecode():
                 reply = await self._start(message)
             case pr.AbortReservation():
@@ -202,7 +213,7 @@ class DecodeService(Service):
         with contextlib.suppress(Exception):
             await msg.respond(pr.encode(reply))
 
-    async def _reserve(self, req: pr.ReserveKV) -> pr.ReserveReply:
+    async def _reserve(self, req: pr.ReserveKV, trace_headers: dict[str, str]) -> pr.ReserveReply:
         cache = self.engine.cache
         allocator = self.engine.allocator
         assert cache is not None
@@ -231,7 +242,9 @@ class DecodeService(Service):
             deadline_s = max(0.1, min(deadline_s, req.deadline - time.time()))
         reservation = self.receiver.reserve(rid, buffers, deadline_s=deadline_s)
         commit = self.tasks.spawn(f"commit:{rid}", self._await_commit(rid, reservation))
-        self._pending[rid] = Pending(req, pages, reservation, commit)
+        self._pending[rid] = Pending(
+            req, trace_headers or req.trace_headers, pages, reservation, commit
+        )
         self._m_kv.set(allocator.num_used)
         return pr.KVReserved(
             request_id=rid,
@@ -293,13 +306,22 @@ class DecodeService(Service):
         except ValueError as exc:
             await self.engine.call(self._free, pending.pages)
             return pr.DecodeAck(request_id=rid, ok=False, reason=str(exc))
+        span = _tracer.start_span("decode", context=extract_context(pending.trace_headers))
+        span.set_attribute("yb.request_id", rid)
         self._streams[rid] = Stream(
             request_id=rid,
             subject=reserve.token_subject,
             prompt_tokens=start.prompt_tokens,
             reused_tokens=start.reused_tokens,
             ttft_started=reserve.ttft_started,
+            span=span,
         )
+        with bind_request(rid):
+            log.info(
+                "decode_started",
+                prompt_tokens=start.prompt_tokens,
+                trace_id=trace_id_hex(pending.trace_headers),
+            )
         await self._publish(
             ev.RequestProgress(
                 request_id=rid,
@@ -413,6 +435,9 @@ class DecodeService(Service):
 
     async def _finish(self, stream: Stream, reason: str, error: str) -> None:
         self._streams.pop(stream.request_id, None)
+        stream.span.set_attribute("yb.completion_tokens", stream.completion_tokens)
+        stream.span.set_attribute("yb.finish_reason", reason)
+        stream.span.end()
         outcome: ev.RequestOutcome = (
             "cancelled" if reason == "abort" else "failed" if error else "completed"
         )

@@ -28,7 +28,14 @@ from yb_shared.config import YbConfig
 from yb_shared.engine_host import EngineHost
 from yb_shared.instance import CancellationFollower, Presence
 from yb_shared.service import Service
-from yb_shared.telemetry import bind_request, extract_context, get_logger, tracer
+from yb_shared.telemetry import (
+    bind_request,
+    extract_context,
+    get_logger,
+    trace_carrier,
+    trace_id_hex,
+    tracer,
+)
 from yb_shared.transport import KVSender, PeerAddress, TransferError
 
 log = get_logger(__name__)
@@ -51,6 +58,7 @@ class QueuedJob:
     """A job waiting for the engine."""
 
     job: pr.PrefillJob
+    trace_headers: dict[str, str]
     enqueued_at: float = field(default_factory=time.monotonic)
 
 
@@ -185,7 +193,9 @@ class PrefillService(Service):
             )
             return
         self._queued_tokens += len(job.token_ids)
-        self._queue.put_nowait(QueuedJob(job))
+        # The trace context comes in the NATS headers (the job's copy is the fallback).
+        headers = trace_carrier(msg.headers) or dict(job.trace_headers)
+        self._queue.put_nowait(QueuedJob(job, headers))
         self._m_queue.set(self._queue.qsize())
         await self._reply(
             msg,
@@ -219,7 +229,7 @@ class PrefillService(Service):
             self._m_batch.set(1)
             try:
                 with bind_request(job.request_id):
-                    await self._run(job)
+                    await self._run(job, queued.trace_headers)
             except asyncio.CancelledError:
                 await self._fail(job, JobFailed("prefill instance shutting down"))
                 raise
@@ -227,8 +237,14 @@ class PrefillService(Service):
                 self._running = None
                 self._m_batch.set(0)
 
-    async def _run(self, job: pr.PrefillJob) -> None:
-        ctx = extract_context(job.trace_headers)
+    async def _run(self, job: pr.PrefillJob, trace_headers: dict[str, str]) -> None:
+        ctx = extract_context(trace_headers)
+        log.info(
+            "prefill_started",
+            prompt_tokens=len(job.token_ids),
+            decode=job.decision.decode_instance,
+            trace_id=trace_id_hex(trace_headers),
+        )
         with _tracer.start_as_current_span("prefill", context=ctx) as span:
             span.set_attribute("yb.request_id", job.request_id)
             span.set_attribute("yb.prompt_tokens", len(job.token_ids))

@@ -250,7 +250,8 @@ class KVSender:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(connection.link.close() for connection in peers))
         if self._hasher is not None:
-            self._hasher.shutdown(wait=False, cancel_futures=True)
+            # At most one segment's checksums (milliseconds) can still be running.
+            self._hasher.shutdown(wait=True, cancel_futures=True)
             self._hasher = None
         if self._ucx is not None:
             self._ucx = None
@@ -319,6 +320,10 @@ class KVSender:
     def _drop(self, connection: _Peer) -> None:
         """Close a connection (posted sends included) and forget it."""
         connection.link.abort()
+        # Reap the link's leftover tasks in the background; close() awaits the reaper.
+        reaper = asyncio.get_running_loop().create_task(connection.link.close())
+        self._tasks.add(reaper)
+        reaper.add_done_callback(self._tasks.discard)
         for peer, known in list(self._peers.items()):
             if known is connection:
                 del self._peers[peer]
