@@ -98,6 +98,9 @@ class LocalCluster:
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
         env = env_without_proxies()
+        # A fresh data dir would otherwise convert the model again (half a minute):
+        # tests share the machine's model cache unless told otherwise.
+        env.setdefault("YB_MODEL_CACHE", str(Path.home() / ".cache" / "yuebing" / "models"))
         env.update(self.env or {})
         with open(self.log_path, "ab") as out:
             self.process = subprocess.Popen(

@@ -219,12 +219,16 @@ class KVReceiver:
         if self._address is not None:
             return self._address
         ucx = ucx_env.acquire()
-        self._acquired = True
         self._loop = asyncio.get_running_loop()
-        # ucxx listens on every interface; `host` is only what we announce.
-        self._listener = ucx.create_listener(
-            self._on_connect, port=self._port, endpoint_error_handling=True
-        )
+        try:
+            # ucxx listens on every interface; `host` is only what we announce.
+            self._listener = ucx.create_listener(
+                self._on_connect, port=self._port, endpoint_error_handling=True
+            )
+        except BaseException:
+            ucx_env.release()
+            raise
+        self._acquired = True
         host = self._host
         if host in ("", "0.0.0.0", "::"):
             host = ucx.get_address()
