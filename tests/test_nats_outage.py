@@ -1,0 +1,113 @@
+"""A NATS outage: the gateway answers 503 meanwhile, and every service comes back.
+
+Real processes (conductor, prefill, decode, gateway, tiny model) against a real
+nats-server that is stopped and started again on the same port and store.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from yb_shared.config import YbConfig, dump_env, load_config
+from yb_shared.natsserver import NatsServer, die_with_parent, env_without_proxies, free_port
+
+ROLES = ("conductor", "prefill", "decode", "gateway")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[NatsServer, str, dict[str, subprocess.Popen[bytes]]]]:
+    server = NatsServer(
+        store_dir=tmp_path / "nats", port=free_port(), log_file=tmp_path / "nats.log"
+    )
+    server.start()
+    port = free_port()
+    cfg: YbConfig = load_config(
+        env={},
+        overrides={
+            "model": {"source": "tiny-random", "name": "tiny"},
+            "nats": {"url": server.url, "request_timeout_s": 2.0, "max_reconnect_wait_s": 0.5},
+            "gateway": {"port": port, "decision_timeout_s": 3.0, "job_timeout_s": 2.0},
+            "conductor": {"heartbeat_timeout_s": 5.0},
+            "prefill": {"num_kv_pages": 64, "load_report_interval_s": 0.5},
+            "decode": {"num_kv_pages": 64, "load_report_interval_s": 0.5},
+        },
+    )
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    for role in ROLES:
+        env = env_without_proxies()
+        env.update(dump_env(cfg))
+        env["YB_INSTANCE_ID"] = f"{role}-0"
+        with open(tmp_path / f"{role}.log", "ab") as out:
+            procs[role] = subprocess.Popen(
+                [sys.executable, "-m", f"yb_{role}"],
+                env=env,
+                stdout=out,
+                stderr=out,
+                preexec_fn=die_with_parent,
+            )
+    try:
+        yield server, f"http://127.0.0.1:{port}", procs
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        server.stop()
+
+
+def _wait_ready(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} not ready within {timeout_s}s")
+
+
+def _complete(url: str) -> httpx.Response:
+    return httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0},
+        timeout=30,
+    )
+
+
+def test_services_ride_out_a_nats_restart(
+    cluster: tuple[NatsServer, str, dict[str, subprocess.Popen[bytes]]],
+) -> None:
+    server, url, procs = cluster
+    _wait_ready(url, 120)
+    assert _complete(url).status_code == 200
+
+    server.stop()
+    started = time.monotonic()
+    r = _complete(url)
+    assert r.status_code == 503, r.text
+    assert time.monotonic() - started < 10  # within the gateway's deadlines, no hang
+    assert r.json()["error"]["message"]
+    assert httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+
+    server.start()
+    # Every service reconnects by itself: requests succeed again end to end.
+    deadline = time.monotonic() + 60
+    while True:
+        r = _complete(url)
+        if r.status_code == 200:
+            break
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.5)
+    assert r.json()["usage"]["completion_tokens"] >= 1
+    assert all(p.poll() is None for p in procs.values()), "a service died during the outage"
