@@ -391,9 +391,16 @@ class DecodeService(Service):
                     stream.gaps.append(now - stream.last_token_at)
                 stream.last_token_at = now
             if out.finished:
-                error = out.message or "" if out.finish_reason == "kv_exhausted" else ""
-                await self._send(stream, out, error=error)
-                await self._finish(stream, out.finish_reason or "stop", error)
+                if out.finish_reason == "kv_exhausted":
+                    # Cut short for lack of KV pages: the client sees a normal end by
+                    # length (what it got is valid); operators see why in the log.
+                    log.warning(
+                        "request_cut_short",
+                        request_id=out.request_id,
+                        reason=out.message or "kv_exhausted",
+                    )
+                await self._send(stream, out)
+                await self._finish(stream, out.finish_reason or "stop", "")
             else:
                 await self._send(stream, out)
 
