@@ -404,7 +404,7 @@ class DecodeService(Service):
             else:
                 await self._send(stream, out)
 
-    async def _send(self, stream: Stream, out: TokenOutput, *, error: str = "") -> None:
+    async def _send(self, stream: Stream, out: TokenOutput) -> None:
         chunk = pr.TokenChunk(
             request_id=stream.request_id,
             seq=stream.seq,
@@ -412,8 +412,6 @@ class DecodeService(Service):
             text=out.text_delta,
             finished=out.finished,
             finish_reason=_openai_reason(out.finish_reason) if out.finished else None,
-            error=error,
-            error_status=507 if error else 0,
             prompt_tokens=stream.prompt_tokens,
             completion_tokens=stream.completion_tokens,
             cached_tokens=stream.reused_tokens,
