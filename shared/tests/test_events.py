@@ -25,8 +25,19 @@ def _samples() -> list[ev.AnyEvent]:
             prefill_instance="p0",
             decode_instance="d0",
             reuse=[ev.ReusePlan(source_instance="kv0", tier="dram", first_block=0, num_blocks=2)],
+            explain=ev.Explanation(
+                branch="transfer",
+                best_blocks=2,
+                candidates=[ev.Candidate(instance_id="p0", option="transfer", ttft_s=0.5)],
+                decode_candidates=[ev.DecodeCandidate(instance_id="d0", batch=1, tbt_s=0.02)],
+            ),
         ),
-        ev.RequestRejected(request_id="r2", gateway_id="g", reason="overloaded"),
+        ev.RequestRejected(
+            request_id="r2",
+            gateway_id="g",
+            reason="overloaded",
+            explain=ev.Explanation(branch="reject", reason="tbt_slo: too slow"),
+        ),
         ev.RequestProgress(request_id="r1", instance_id="p0", stage="prefill_done"),
         ev.RequestFinished(request_id="r1", instance_id="d0", outcome="completed"),
         ev.RequestCancelled(request_id="r1"),
@@ -49,6 +60,10 @@ def _samples() -> list[ev.AnyEvent]:
         ev.InstanceDown(instance_id="p0"),
         ev.LoadReport(instance_id="p0", role="prefill"),
         ev.LoadPrediction(instance_id="d0", at_time=1.0, predicted_batch=3, predicted_tbt_s=0.1),
+        ev.ReplicationPlanned(
+            source_instance="kv0", target_instance="kv1", block_hashes=[1, 2], demand=9
+        ),
+        ev.ConductorConfigured(instance_id="c0", settings_json="{}", cost_model_json="{}"),
         ev.TransferFailed(request_id="r1", source_instance="p0", target_instance="d0", reason="x"),
     ]
 
@@ -91,3 +106,30 @@ def test_decisions_are_routed_to_their_gateway() -> None:
     assert ev.subject_for(scheduled) == "yb.ev.decision.g.request_scheduled"
     odd = ev.InstanceUp(instance_id="a.b*c", role="decode", host="h")
     assert ev.subject_for(odd) == "yb.ev.instance.instance_up.a_b_c"
+
+
+def test_load_predictions_are_deduplicated_per_request() -> None:
+    # Two predictions at the same event time for different requests must both be
+    # stored; a retried publish of one of them must not.
+    a = ev.LoadPrediction(
+        instance_id="d0", at_time=2.0, predicted_batch=3, predicted_tbt_s=0.1, request_id="a"
+    )
+    b = ev.LoadPrediction(
+        instance_id="d0", at_time=2.0, predicted_batch=4, predicted_tbt_s=0.1, request_id="b"
+    )
+    assert ev.message_id_for(a) != ev.message_id_for(b)
+    assert ev.message_id_for(a) == ev.message_id_for(ev.decode_event(ev.encode_event(a)))
+
+
+def test_decisions_written_before_explanations_existed_still_decode() -> None:
+    old = msgspec.msgpack.encode(
+        {
+            "type": "request_scheduled",
+            "request_id": "r",
+            "gateway_id": "g",
+            "prefill_instance": "p0",
+            "decode_instance": "d0",
+        }
+    )
+    decoded = ev.decode_event(old)
+    assert isinstance(decoded, ev.RequestScheduled) and decoded.explain is None

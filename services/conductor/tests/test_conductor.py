@@ -109,7 +109,7 @@ def test_block_gap_and_new_epoch_ask_for_resync() -> None:
     c.apply(
         seq + 2, ev.BlockEvicted(instance_id="kv0", epoch=1, event_id=3, block_hashes=[8], time=2.0)
     )
-    assert c.state.resync_wanted == {"kv0"}
+    assert list(c.state.resync_wanted) == ["kv0"]
     c.apply(seq + 3, ev.BlockInventory(instance_id="kv0", epoch=1, event_id=3, dram=[7], time=2.0))
     assert not c.state.resync_wanted
     assert c.state.prefix_blocks([7, 8], "kv0") == 1
@@ -120,5 +120,32 @@ def test_block_gap_and_new_epoch_ask_for_resync() -> None:
             instance_id="kv0", epoch=2, event_id=5, block_hashes=[9], tier="dram", time=2.0
         ),
     )
-    assert c.state.resync_wanted == {"kv0"}
+    assert list(c.state.resync_wanted) == ["kv0"]
     assert c.state.prefix_blocks([7], "kv0") == 0
+
+
+def test_settings_recorded_in_the_log_are_adopted_where_they_stand() -> None:
+    from yb_conductor.cost_model import load_cost_model
+    from yb_conductor.settings import configured_event
+    from yb_shared.config import ConductorConfig
+
+    c = Conductor()  # mooncake, predicted admission, built-in cost model
+    assert (c.policy.name, c.cfg.admission) == ("mooncake", "predicted")
+    paper = load_cost_model("llama2-70b-a800")
+    c.apply(1, configured_event(ConductorConfig(admission="early"), paper, "c0"))
+    assert c.cfg.admission == "early" and c.policy.cost == paper
+    # A what-if conductor lays its overrides over whatever the log says.
+    w = Conductor(overrides={"admission": "none"}, follow_recorded=False)
+    w.apply(1, configured_event(ConductorConfig(admission="early"), paper, "c0"))
+    assert w.cfg.admission == "none" and w.policy.cost == paper
+
+
+def test_one_decision_per_request_even_when_repeated() -> None:
+    c, seq = _cluster()
+    (first,) = c.apply(seq + 1, _admit("a"))
+    assert c.apply(seq + 2, first) == []  # the recorded copy
+    assert c.apply(seq + 3, _admit("a")) == []  # a retried admission: no new decision
+    assert c.apply(seq + 4, first) == []  # a second copy of the decision: no new load
+    assert c.divergences == []
+    assert c.state.instances[first.prefill_instance].prefill_requests_in_flight == 1
+    assert c.quality.decisions == 1

@@ -89,15 +89,65 @@ class GatewayConfig(_Section):
 
 
 class ConductorConfig(_Section):
-    """The global scheduler."""
+    """The global scheduler.
 
-    policy: str = "least-loaded"
+    `policy` names the placement policy (`mooncake`: KVCache-centric, Algorithm 1 of
+    the paper and more; `least-loaded`: the baseline). `admission` picks when load is
+    refused: `none` (only when nothing can take the request), `early` (on the load
+    now) or `predicted` (on the decode load predicted for the end of the request's
+    prefill, Mooncake §7). `cost_model` is a built-in name or a file written by
+    `yb profile` ("" = the built-in default).
+
+    `kvcache_balancing_threshold` is the paper's ratio: a remote prefix is considered
+    only when it is longer than the local one by more than this factor. With
+    `weigh_transfer` (the default) transfer, local reuse and recomputation are all
+    estimated and the fastest wins; without it the paper's rule applies (transfer
+    whenever the ratio passes). Priority classes: a request of priority p below
+    `priority_ceiling` is refused once its estimates pass
+    `max(shed_floor, 1 - shed_step * (priority_ceiling - p))` of its SLO, so lower
+    classes are shed first. `decode_time_s` seeds `t_d`, the expected decode
+    duration, which completions then teach (`decode_time_alpha`).
+
+    Hot prefixes: when `hot_replicas` > 0, a prefix wanted by `hot_demand` requests
+    within `hot_window_s` and held on fewer than `hot_replicas` hosts gets a
+    `ReplicationPlanned` decision (at most once per window per prefix). Snapshots
+    go to the `snapshot_bucket` object store every `snapshot_every_events` events;
+    the active conductor holds a lease of `lease_ttl_s` in `<snapshot_bucket>_lease`.
+    """
+
+    policy: str = "mooncake"
     heartbeat_timeout_s: float = 15.0
     seed: int = 0
+    admission: Literal["none", "early", "predicted"] = "predicted"
+    cost_model: str = ""
+    kvcache_balancing_threshold: float = 1.0
+    weigh_transfer: bool = True
+    shed_step: float = 0.1
+    shed_floor: float = 0.5
+    priority_ceiling: int = 0
+    decode_time_s: float = 10.0
+    decode_time_alpha: float = 0.1
+    explain_top_k: int = 8
+    request_timeout_s: float = 600.0
+    max_retry_after_s: float = 30.0
+    snapshot_every_events: int = 20000
+    snapshot_bucket: str = "yb_conductor"
+    lease_ttl_s: float = 5.0
+    hot_replicas: int = 0
+    hot_demand: int = 8
+    hot_window_s: float = 60.0
 
 
 class EngineConfig(_Section):
-    """A prefill or decode engine: KV pages, batching, threads and its UCX listener."""
+    """A prefill or decode engine: KV pages, batching, threads and its UCX listener.
+
+    Prefill only: `reuse` honours the decisions' reuse plans (off: every prompt is
+    computed whole, whatever the conductor planned; for baselines). Up to
+    `prefix_cache_pages` of the engine's pages keep full blocks of earlier prompts
+    (the "engine" tier; 0 turns it off). `store_blocks` puts newly computed blocks
+    into the host's kvstore; `fetch_timeout_s` bounds loading a planned prefix
+    before falling back to computing it.
+    """
 
     num_kv_pages: int = 1024
     max_batch_size: int = 32
@@ -107,10 +157,22 @@ class EngineConfig(_Section):
     ucx_port: int = 0
     transfer_timeout_s: float = 30.0
     load_report_interval_s: float = 1.0
+    reuse: bool = True
+    prefix_cache_pages: int = 256
+    store_blocks: bool = True
+    fetch_timeout_s: float = 10.0
 
 
 class KVStoreConfig(_Section):
-    """The host's KV block pool: a DRAM slab and an SSD tier."""
+    """The host's KV block pool: a DRAM slab and an SSD tier.
+
+    Capacities are in blocks. The SSD tier is off when `ssd_dir` is empty or
+    `ssd_blocks` is 0 (`yb up` puts it under the data directory). `eviction_policy`
+    orders both tiers (`lru` or `fifo`). DRAM keeps `dram_headroom_blocks` slots free
+    by writing its least recently used blocks to SSD in the background (-1: a
+    sixteenth of the slab, at least 1), so a put rarely waits for a file write.
+    `ssd_io_threads` run the file reads and writes.
+    """
 
     dram_blocks: int = 512
     ssd_blocks: int = 4096
@@ -118,6 +180,9 @@ class KVStoreConfig(_Section):
     ucx_host: str = "127.0.0.1"
     ucx_port: int = 0
     load_report_interval_s: float = 1.0
+    eviction_policy: str = "lru"
+    dram_headroom_blocks: int = -1
+    ssd_io_threads: int = 2
 
 
 class TelemetryConfig(_Section):

@@ -12,14 +12,15 @@ the log is durable and must not hold user content.
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Any, Final, Generic, Literal, TypeVar
 
 import msgspec
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 
 Role = Literal["prefill", "decode", "kvstore", "conductor", "gateway"]
 Tier = Literal["engine", "dram", "ssd"]
+T = TypeVar("T")
 
 
 class Event(
@@ -91,6 +92,56 @@ class Estimates(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
     decode_batch: int = 0
 
 
+class Candidate(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
+    """One prefill instance as the conductor weighed it for a request.
+
+    `local_blocks`: the prefix it (or its host's kvstore) holds; `best_blocks`: the
+    longest prefix anywhere; `option`: what the estimate assumes ("local": load the
+    local prefix, "transfer": also pull the rest of the best prefix from `source`,
+    "recompute": compute the whole prompt); `reuse_blocks`: the blocks that option
+    reuses.
+    """
+
+    instance_id: str
+    option: str
+    local_blocks: int = 0
+    best_blocks: int = 0
+    reuse_blocks: int = 0
+    source: str = ""
+    queue_s: float = 0.0
+    transfer_s: float = 0.0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+
+
+class DecodeCandidate(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
+    """One decode instance as the conductor weighed it: its batch and predicted TBT."""
+
+    instance_id: str
+    batch: int = 0
+    predicted_batch: int = 0
+    tbt_s: float = 0.0
+
+
+class Explanation(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
+    """Why a decision came out as it did; what `yb explain` prints.
+
+    `branch` is the path taken ("local", "transfer", "recompute", or "reject");
+    `candidates` the best prefill candidates by estimated TTFT (the chosen one
+    first), `decode_candidates` every decode instance considered.
+    """
+
+    branch: str = ""
+    reason: str = ""
+    admission: str = ""
+    best_blocks: int = 0
+    best_source: str = ""
+    ttft_limit_s: float = 0.0
+    tbt_limit_s: float = 0.0
+    candidates: list[Candidate] = msgspec.field(default_factory=list)
+    decode_candidates: list[DecodeCandidate] = msgspec.field(default_factory=list)
+
+
 class RequestScheduled(Event, tag="request_scheduled"):
     """The conductor's placement decision for one admitted request."""
 
@@ -105,6 +156,7 @@ class RequestScheduled(Event, tag="request_scheduled"):
     admitted_seq: int = 0
     prompt_tokens: int = 0
     computed_tokens: int = 0
+    explain: Explanation | None = None
 
 
 class RequestRejected(Event, tag="request_rejected"):
@@ -117,6 +169,7 @@ class RequestRejected(Event, tag="request_rejected"):
     estimates: Estimates = msgspec.field(default_factory=Estimates)
     policy: str = ""
     admitted_seq: int = 0
+    explain: Explanation | None = None
 
 
 ProgressStage = Literal[
@@ -288,12 +341,50 @@ class LoadReport(Event, tag="load_report"):
 
 
 class LoadPrediction(Event, tag="load_prediction"):
-    """The conductor's prediction of a decode instance's batch at a future time."""
+    """The conductor's prediction of a decode instance's batch at a future time.
+
+    Published with the decision for `request_id` under the `predicted` admission
+    policy: `at_time` is when that request's prefill is expected to end.
+    """
 
     instance_id: str
     at_time: float
     predicted_batch: int
     predicted_tbt_s: float
+    request_id: str = ""
+    current_batch: int = 0
+
+
+class ReplicationPlanned(Event, tag="replication_planned"):
+    """The conductor asks a kvstore to copy a hot prefix from another host's kvstore.
+
+    `block_hashes` is the prefix (in chain order) that `source_instance` holds and
+    `target_instance` should fetch and store; `demand` is the number of requests
+    that wanted it in the conductor's demand window. The target logs `BlockStored`
+    when it has the copy, which is how the index learns of it.
+    """
+
+    source_instance: str
+    target_instance: str
+    block_hashes: list[int]
+    demand: int = 0
+    reason: str = ""
+
+
+class ConductorConfigured(Event, tag="conductor_configured"):
+    """The settings the conductor decides with from this point of the log on.
+
+    Published by a conductor when it becomes the active one. The conductor's fold
+    adopts it where it stands in the log, so a replay anywhere decides with exactly
+    the settings and cost model the live conductor had, not with the replaying
+    operator's. Both are JSON text: readers of another version drop what they do
+    not know instead of failing on the whole event.
+    """
+
+    instance_id: str
+    settings_json: str
+    cost_model_json: str = ""
+    software: str = ""
 
 
 # --- data plane ---------------------------------------------------------------------
@@ -327,11 +418,33 @@ AnyEvent = (
     | InstanceDown
     | LoadReport
     | LoadPrediction
+    | ReplicationPlanned
+    | ConductorConfigured
     | TransferFailed
 )
 
+
+class StrictDecoder(Generic[T]):
+    """A msgpack decoder for one type whose only failures are msgspec's own errors.
+
+    msgspec lets a `UnicodeDecodeError` through when a tag or key holds invalid UTF-8;
+    a reader of the wire must see every malformed message as `msgspec.DecodeError`, so
+    that one `except` refuses it and the process lives.
+    """
+
+    def __init__(self, type_: Any) -> None:
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(type_)
+
+    def decode(self, data: bytes | bytearray | memoryview) -> T:
+        """Decode, or raise `msgspec.DecodeError` / `msgspec.ValidationError`."""
+        try:
+            return self._decoder.decode(data)
+        except UnicodeDecodeError as exc:
+            raise msgspec.DecodeError(f"invalid UTF-8 in message: {exc}") from exc
+
+
 _encoder = msgspec.msgpack.Encoder()
-_decoder: msgspec.msgpack.Decoder[AnyEvent] = msgspec.msgpack.Decoder(AnyEvent)
+_decoder: StrictDecoder[AnyEvent] = StrictDecoder(AnyEvent)
 
 
 def encode_event(event: AnyEvent) -> bytes:
@@ -357,6 +470,8 @@ def subject_for(event: AnyEvent) -> str:
             return f"yb.ev.decision.{subject_token(event.gateway_id)}.{tag}"
         case LoadPrediction():
             return f"yb.ev.decision.prediction.{subject_token(event.instance_id)}"
+        case ReplicationPlanned():
+            return f"yb.ev.decision.replication.{subject_token(event.target_instance)}"
         case BlockEvent():
             return f"yb.ev.block.{tag}.{subject_token(event.instance_id)}"
         case ResyncRequested():
@@ -367,6 +482,8 @@ def subject_for(event: AnyEvent) -> str:
             return f"yb.ev.prefix.{tag}"
         case TransferFailed():
             return f"yb.ev.transfer.{tag}"
+        case ConductorConfigured():
+            return f"yb.ev.conductor.{tag}.{subject_token(event.instance_id)}"
         case _:
             return f"yb.ev.req.{tag}"
 
@@ -396,6 +513,11 @@ def message_id_for(event: AnyEvent) -> str:
             return f"{tag}:{event.request_id}"
         case RequestProgress():
             return f"{tag}:{event.request_id}:{event.instance_id}:{event.stage}"
+        case LoadPrediction() if event.request_id:
+            return f"{tag}:{event.request_id}:{event.instance_id}"
+        case ReplicationPlanned():
+            last = event.block_hashes[-1] if event.block_hashes else 0
+            return f"{tag}:{event.target_instance}:{last}:{event.time!r}"
         case _:
             # Periodic events are distinct occurrences; time makes them unique per
             # publisher and stable across a retry of the same object.

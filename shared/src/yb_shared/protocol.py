@@ -12,7 +12,7 @@ from typing import Final
 
 import msgspec
 
-from yb_shared.events import RequestScheduled, subject_token
+from yb_shared.events import RequestScheduled, StrictDecoder, subject_token
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
@@ -188,13 +188,11 @@ def token_subject(gateway_id: str, request_id: str) -> str:
 
 
 _encoder = msgspec.msgpack.Encoder()
-job_decoder: msgspec.msgpack.Decoder[PrefillJob] = msgspec.msgpack.Decoder(PrefillJob)
-job_reply_decoder: msgspec.msgpack.Decoder[JobReply] = msgspec.msgpack.Decoder(JobReply)
-decode_control_decoder: msgspec.msgpack.Decoder[DecodeControl] = msgspec.msgpack.Decoder(
-    DecodeControl
-)
-decode_reply_decoder: msgspec.msgpack.Decoder[DecodeReply] = msgspec.msgpack.Decoder(DecodeReply)
-token_decoder: msgspec.msgpack.Decoder[TokenChunk] = msgspec.msgpack.Decoder(TokenChunk)
+job_decoder: StrictDecoder[PrefillJob] = StrictDecoder(PrefillJob)
+job_reply_decoder: StrictDecoder[JobReply] = StrictDecoder(JobReply)
+decode_control_decoder: StrictDecoder[DecodeControl] = StrictDecoder(DecodeControl)
+decode_reply_decoder: StrictDecoder[DecodeReply] = StrictDecoder(DecodeReply)
+token_decoder: StrictDecoder[TokenChunk] = StrictDecoder(TokenChunk)
 
 
 def encode(message: msgspec.Struct) -> bytes:

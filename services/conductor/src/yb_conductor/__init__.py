@@ -1,3 +1,3 @@
 """The conductor: Yuebing's global, event-sourced scheduler."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

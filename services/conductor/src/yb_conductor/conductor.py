@@ -1,45 +1,114 @@
-"""The conductor as a pure function of the ordered log: `apply(seq, event) -> decisions`.
+"""The conductor as a pure function of the ordered log: `apply(seq, event) -> outputs`.
 
 For an admission it decides on the spot, from the state folded so far, and accounts
 the decision's load at once, so the next admission sees it. When the recorded
 decision comes by later in the log, it is checked against the one computed here: in
 a live conductor they are the same object; in a replay a difference is a divergence,
 and the recorded decision wins (the log is the truth), so the state stays the one the
-live conductor had.
+live conductor had. A what-if run (`follow_recorded=False`) does the opposite: it
+ignores the recorded decisions and lives with its own.
+
+A request gets exactly one decision: a repeated admission (a retried publish that
+slipped past JetStream's duplicate window) is answered with nothing.
+
+Settings are part of the log too: at a `ConductorConfigured` event the fold adopts
+the settings and cost model it records (a what-if run layers its overrides on top),
+so a replay needs nothing but the log.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from yb_conductor.policy import Decision, Policy
-from yb_conductor.state import ClusterState
+import msgspec
+
+from yb_conductor.cost_model import CostModel
+from yb_conductor.hotness import HotPrefixes
+from yb_conductor.policy import Decision, Policy, make_policy
+from yb_conductor.quality import DecisionQuality
+from yb_conductor.settings import from_event, with_overrides
+from yb_conductor.state import ClusterState, Outcome, PendingAdmission
 from yb_shared import events as ev
+from yb_shared.config import ConductorConfig
+
+Companion = ev.LoadPrediction | ev.ReplicationPlanned
+Output = ev.RequestScheduled | ev.RequestRejected | Companion
+
+# Companions computed here and not yet seen in the log, at most (oldest dropped).
+_MAX_COMPANIONS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
 class Divergence:
-    """A recorded decision that this conductor would have made differently."""
+    """A recorded output that this conductor would have made differently.
+
+    `request_id` names the request (for a replication plan, its message id);
+    `recomputed` is None when this conductor made no such output.
+    """
 
     seq: int
     request_id: str
-    recorded: Decision
-    recomputed: Decision | None
+    recorded: Output
+    recomputed: Output | None
 
 
 class Conductor:
-    """Folds events and makes decisions; owns no I/O."""
+    """Folds events and makes decisions; owns no I/O.
 
-    def __init__(self, policy: Policy, *, heartbeat_timeout_s: float = 15.0) -> None:
-        self.policy = policy
-        self.state = ClusterState(heartbeat_timeout_s=heartbeat_timeout_s)
+    `policy` defaults to the one `cfg` names. `follow_recorded=False` makes a
+    what-if conductor (recorded decisions ignored); `overrides` are settings laid
+    over every configuration the log records; `adopt_logged_config=False` ignores
+    those records altogether (tests of one fixed policy); `ignore_explain` compares
+    recorded and recomputed decisions without their explanations (an explanation
+    recomputed with a longer candidate table is still the same decision).
+    """
+
+    def __init__(
+        self,
+        policy: Policy | None = None,
+        *,
+        cfg: ConductorConfig | None = None,
+        cost: CostModel | None = None,
+        heartbeat_timeout_s: float | None = None,
+        follow_recorded: bool = True,
+        adopt_logged_config: bool = True,
+        overrides: Mapping[str, Any] | None = None,
+        ignore_explain: bool = False,
+    ) -> None:
+        self.overrides = dict(overrides or {})
+        cfg = with_overrides(cfg or ConductorConfig(), self.overrides)
+        self.policy = policy if policy is not None else make_policy(cfg, cost)
+        self.cfg = cfg
+        self.follow_recorded = follow_recorded
+        self.adopt_logged_config = adopt_logged_config
+        self.ignore_explain = ignore_explain
+        self.state = ClusterState(
+            heartbeat_timeout_s=(
+                cfg.heartbeat_timeout_s if heartbeat_timeout_s is None else heartbeat_timeout_s
+            ),
+            request_timeout_s=cfg.request_timeout_s,
+            decode_time_s=cfg.decode_time_s,
+            decode_time_alpha=cfg.decode_time_alpha,
+        )
         self.last_seq = 0
         # Decisions computed here whose recorded copy has not been seen yet.
         self.unrecorded: dict[str, Decision] = {}
+        # What their admissions said, to re-place a recorded decision that differs.
+        self.admission_info: dict[str, PendingAdmission] = {}
+        # Load predictions and replication plans likewise, by message id.
+        self.unrecorded_companions: dict[str, Companion] = {}
         self.divergences: list[Divergence] = []
+        # Request id -> decision time, for de-duplication (pruned by event time).
+        self.decided: dict[str, float] = {}
+        self.quality = DecisionQuality()
+        self.hot = HotPrefixes()
+        # Completions not yet collected by the service's metrics (bounded).
+        self.outcomes: list[Outcome] = []
 
-    def apply(self, seq: int, event: ev.AnyEvent) -> list[Decision]:
-        """Fold the event at stream sequence `seq`; return the decisions it calls for.
+    def apply(self, seq: int, event: ev.AnyEvent) -> list[Output]:
+        """Fold the event at stream sequence `seq`; return what it calls for.
 
         Events at or below the last applied sequence are redeliveries and ignored.
         """
@@ -49,27 +118,120 @@ class Conductor:
             self.last_seq = seq
         match event:
             case ev.RequestAdmitted():
-                self.state.apply(event)
-                if event.request_id in self.state.placements:
-                    return []  # decided already (a retried admission)
-                decision = self.policy.decide(self.state, event, seq)
-                if isinstance(decision, ev.RequestScheduled):
-                    self.state.place(decision)
-                self.unrecorded[event.request_id] = decision
-                return [decision]
+                return self._admit(seq, event)
             case ev.RequestScheduled() | ev.RequestRejected():
-                self._recorded(seq, event)
+                if self.follow_recorded:
+                    self._recorded(seq, event)
+                return []
+            case ev.LoadPrediction() | ev.ReplicationPlanned():
+                if self.follow_recorded:
+                    self._recorded_companion(seq, event)
+                return []
+            case ev.ConductorConfigured():
+                if self.adopt_logged_config:
+                    cfg, cost = from_event(event)
+                    self.configure(with_overrides(cfg, self.overrides), cost)
+                return []
+            case ev.RequestFinished():
                 self.state.apply(event)
+                if self.state.outcomes:
+                    for outcome in self.state.outcomes:
+                        self.quality.record_outcome(outcome)
+                    if len(self.outcomes) < 10_000:
+                        self.outcomes.extend(self.state.outcomes)
+                    self.state.outcomes.clear()
                 return []
             case _:
                 self.state.apply(event)
                 return []
 
+    def configure(self, cfg: ConductorConfig, cost: CostModel | None = None) -> None:
+        """Decide with these settings from now on (the state and its history stay)."""
+        self.cfg = cfg
+        self.policy = make_policy(cfg, cost)
+        state = self.state
+        state.heartbeat_timeout_s = cfg.heartbeat_timeout_s
+        state.request_timeout_s = cfg.request_timeout_s
+        state.decode_time_alpha = cfg.decode_time_alpha
+
+    def _admit(self, seq: int, event: ev.RequestAdmitted) -> list[Output]:
+        state = self.state
+        state.apply(event)
+        rid = event.request_id
+        if rid in self.decided or rid in state.placements:
+            # Decided already (a retried admission): nothing new to account.
+            if rid not in self.unrecorded and rid not in state.placements:
+                state.admissions.pop(rid, None)
+            return []
+        info = state.admissions.get(rid)
+        decided = self.policy.decide(state, event, seq)
+        decision = decided.decision
+        if isinstance(decision, ev.RequestScheduled):
+            state.place(decision)
+        else:
+            state.admissions.pop(rid, None)
+        self._remember(rid, decision.time)
+        self.unrecorded[rid] = decision
+        if info is not None:
+            self.admission_info[rid] = info
+        self.quality.record(decision)
+        extra: list[Companion] = list(decided.predictions)
+        replica = self.hot.observe(self.cfg, state, event, decision)
+        if replica is not None:
+            extra.append(replica)
+        companions = self.unrecorded_companions
+        for out in extra:
+            companions[ev.message_id_for(out)] = out
+        while len(companions) > _MAX_COMPANIONS:
+            del companions[next(iter(companions))]
+        return [decision, *extra]
+
+    def _remember(self, request_id: str, at: float) -> None:
+        decided = self.decided
+        decided[request_id] = at
+        # Oldest first (insertion order): forget what is past any retry's reach.
+        horizon = self.state.now - self.cfg.request_timeout_s
+        while decided:
+            first = next(iter(decided))
+            if decided[first] >= horizon:
+                break
+            del decided[first]
+            self.unrecorded.pop(first, None)
+            self.admission_info.pop(first, None)
+
+    def _recorded_companion(self, seq: int, recorded: Companion) -> None:
+        key = ev.message_id_for(recorded)
+        mine = self.unrecorded_companions.pop(key, None)
+        if mine is not None and mine != recorded:
+            rid = getattr(recorded, "request_id", "") or key
+            self.divergences.append(Divergence(seq, rid, recorded, mine))
+
     def _recorded(self, seq: int, recorded: Decision) -> None:
-        mine = self.unrecorded.pop(recorded.request_id, None)
-        if mine == recorded:
+        rid = recorded.request_id
+        mine = self.unrecorded.pop(rid, None)
+        info = self.admission_info.pop(rid, None)
+        if self._same(mine, recorded):
             return
-        self.divergences.append(Divergence(seq, recorded.request_id, recorded, mine))
-        # The log is the truth: replace our accounting with the recorded decision's.
+        if mine is None:
+            if rid in self.decided:
+                return  # a second copy of a decision already seen: no new load
+            # Decided before our log began (a truncated log): adopt it.
+            self._remember(rid, recorded.time)
+        else:
+            self.divergences.append(Divergence(seq, rid, recorded, mine))
+        # The log is the truth: replace our accounting with the recorded decision's,
+        # placed with what its admission said.
         if isinstance(mine, ev.RequestScheduled):
-            self.state.unplace(recorded.request_id)
+            self.state.unplace(rid)
+        if info is not None:
+            self.state.admissions[rid] = info
+        self.state.apply(recorded)
+
+    def _same(self, mine: Decision | None, recorded: Decision) -> bool:
+        if mine == recorded:
+            return True
+        if not self.ignore_explain or mine is None:
+            return False
+        return msgspec.structs.replace(mine, explain=None) == msgspec.structs.replace(
+            recorded, explain=None
+        )

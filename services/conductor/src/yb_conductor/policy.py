@@ -1,8 +1,13 @@
 """Placement policies: given the folded state and an admitted request, decide.
 
 A policy is a pure function of its inputs: no clock, no I/O, ties broken by instance
-id, randomness (when a policy wants some) drawn from a generator seeded from the
-request itself. That is what lets a replay recompute every decision exactly.
+id, and no randomness (when a policy wants some, it must draw it from a generator
+seeded from the request). That is what lets a replay recompute every decision.
+
+- `mooncake`: KVCache-centric (prefill by Algorithm 1 and better, see
+  `prefill_placement`; decode by predicted TBT; refusals by `admission`);
+- `least-loaded`: the baseline — the prefill instance with the fewest queued tokens,
+  the decode instance with the fewest requests per batch slot.
 """
 
 from __future__ import annotations
@@ -10,41 +15,217 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from yb_conductor.admission import (
+    DECODE_KV_FULL,
+    NO_DECODE,
+    NO_PREFILL,
+    AdmissionPolicy,
+    Verdict,
+)
+from yb_conductor.cost_model import CostModel, load_cost_model
+from yb_conductor.decode_placement import DecodeEstimate, DecodePlanner
+from yb_conductor.prefill_placement import LOCAL, TRANSFER, Option, PoolView, PrefillPlanner
 from yb_conductor.state import ClusterState, InstanceState
 from yb_shared import events as ev
-
-
-@dataclass(frozen=True, slots=True)
-class CostModel:
-    """A first-order engine model: until `yb profile` fits one, rates are configured.
-
-    prefill time = tokens / prefill_tokens_per_s; TBT = base + per_request * batch.
-    """
-
-    prefill_tokens_per_s: float = 4000.0
-    tbt_base_s: float = 0.02
-    tbt_per_request_s: float = 0.002
-
-    def prefill_s(self, tokens: int) -> float:
-        """Seconds to prefill `tokens` new tokens."""
-        return tokens / self.prefill_tokens_per_s
-
-    def tbt_s(self, batch: int) -> float:
-        """Seconds per decode step at batch size `batch`."""
-        return self.tbt_base_s + self.tbt_per_request_s * batch
-
+from yb_shared.config import ConductorConfig
 
 Decision = ev.RequestScheduled | ev.RequestRejected
+
+
+@dataclass(slots=True)
+class Decided:
+    """A decision and the events published with it (load predictions)."""
+
+    decision: Decision
+    predictions: list[ev.LoadPrediction]
 
 
 class Policy(Protocol):
     """What the conductor asks of a placement policy."""
 
     name: str
+    cost: CostModel
 
-    def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decision:
+    def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decided:
         """The decision for `request`, admitted at stream sequence `seq`."""
         ...
+
+
+def reject(
+    request: ev.RequestAdmitted,
+    seq: int,
+    policy: str,
+    verdict: Verdict,
+    estimates: ev.Estimates | None = None,
+    explain: ev.Explanation | None = None,
+) -> ev.RequestRejected:
+    """A rejection carrying the verdict's reason and Retry-After."""
+    return ev.RequestRejected(
+        time=request.time,
+        request_id=request.request_id,
+        gateway_id=request.gateway_id,
+        reason=verdict.reason,
+        retry_after_s=verdict.retry_after_s,
+        estimates=estimates or ev.Estimates(),
+        policy=policy,
+        admitted_seq=seq,
+        explain=explain,
+    )
+
+
+class MooncakePolicy:
+    """KVCache-centric placement with SLO-aware, prediction-based admission."""
+
+    name = "mooncake"
+
+    def __init__(self, cfg: ConductorConfig | None = None, cost: CostModel | None = None) -> None:
+        cfg = cfg or ConductorConfig()
+        self.cfg = cfg
+        self.cost = cost or load_cost_model(cfg.cost_model)
+        self.prefill = PrefillPlanner(
+            self.cost,
+            balancing_threshold=cfg.kvcache_balancing_threshold,
+            weigh_transfer=cfg.weigh_transfer,
+        )
+        self.decode = DecodePlanner(self.cost)
+        self.admission = AdmissionPolicy(
+            cfg.admission,
+            shed_step=cfg.shed_step,
+            shed_floor=cfg.shed_floor,
+            priority_ceiling=cfg.priority_ceiling,
+            max_retry_after_s=cfg.max_retry_after_s,
+        )
+
+    def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decided:
+        """Place the request, or refuse it with the figures that led there."""
+        name = self.name
+        prefills = state.live("prefill", request.model)
+        decodes = state.live("decode", request.model)
+        if not prefills:
+            return Decided(
+                reject(request, seq, name, Verdict(NO_PREFILL, "no live prefill instance", 1.0)),
+                [],
+            )
+        if not decodes:
+            return Decided(
+                reject(request, seq, name, Verdict(NO_DECODE, "no live decode instance", 1.0)),
+                [],
+            )
+        view = self.prefill.view(state, request)
+        choice = self.prefill.options(state, request, view, prefills)
+        chosen = choice.chosen
+        est = chosen.est
+        bs = max(1, request.block_size)
+        dchoice = self.decode.choose(
+            state,
+            decodes,
+            prompt_tokens=request.prompt_tokens,
+            max_tokens=request.max_tokens,
+            block_size=bs,
+            at_time=state.now + chosen.ttft_s,
+        )
+        ttft_limit, tbt_limit = self.admission.limits(request)
+        explain = ev.Explanation(
+            admission=self.admission.name,
+            best_blocks=view.best_any_blocks,
+            best_source=view.best_any_source,
+            ttft_limit_s=ttft_limit,
+            tbt_limit_s=tbt_limit,
+            candidates=self.prefill.candidates(
+                choice, view.best_any_blocks, self.cfg.explain_top_k
+            ),
+            decode_candidates=[
+                ev.DecodeCandidate(
+                    instance_id=inst.instance_id,
+                    batch=inst.decoding_requests + 1,
+                    predicted_batch=dchoice.predicted_batches[i],
+                    tbt_s=dchoice.predicted_tbts[i],
+                )
+                for i, inst in enumerate(dchoice.instances)
+            ],
+        )
+        if dchoice.chosen_index < 0:
+            verdict = Verdict(
+                DECODE_KV_FULL, f"no decode instance has KV room for {request.prompt_tokens}", 1.0
+            )
+            explain.branch, explain.reason = "reject", verdict.reason
+            return Decided(reject(request, seq, name, verdict, explain=explain), [])
+        decode = self.decode.estimate(dchoice, dchoice.chosen_index)
+        estimates = ev.Estimates(
+            queue_s=chosen.queue_s,
+            transfer_s=est.transfer_s,
+            prefill_s=est.prefill_s,
+            ttft_s=chosen.ttft_s,
+            tbt_s=decode.predicted_tbt_s,
+            decode_batch=decode.predicted_batch,
+        )
+        predictions: list[ev.LoadPrediction] = []
+        if self.admission.name == "predicted":
+            predictions.append(
+                ev.LoadPrediction(
+                    time=request.time,
+                    instance_id=decode.instance.instance_id,
+                    at_time=decode.at_time,
+                    predicted_batch=decode.predicted_batch,
+                    predicted_tbt_s=decode.predicted_tbt_s,
+                    request_id=request.request_id,
+                    current_batch=decode.decoding_batch - 1,
+                )
+            )
+        verdict_or_none = self.admission.check(
+            request,
+            chosen.ttft_s,
+            decode,
+            lambda limit: self.decode.drain_time_s(state, decode, limit, dchoice.context),
+        )
+        if verdict_or_none is not None:
+            explain.branch, explain.reason = "reject", verdict_or_none.reason
+            return Decided(
+                reject(request, seq, name, verdict_or_none, estimates, explain), predictions
+            )
+        reuse = self.prefill.reuse_plan(state, view, chosen)
+        reused = sum(r.num_blocks for r in reuse)
+        explain.branch = est.option
+        explain.reason = self._why(chosen, decode, view)
+        decision = ev.RequestScheduled(
+            time=request.time,
+            request_id=request.request_id,
+            gateway_id=request.gateway_id,
+            prefill_instance=chosen.instance.instance_id,
+            decode_instance=decode.instance.instance_id,
+            reused_blocks=reused,
+            reuse=reuse,
+            estimates=estimates,
+            policy=name,
+            admitted_seq=seq,
+            prompt_tokens=request.prompt_tokens,
+            computed_tokens=request.prompt_tokens - reused * bs,
+            explain=explain,
+        )
+        return Decided(decision, predictions)
+
+    @staticmethod
+    def _why(chosen: Option, decode: DecodeEstimate, view: PoolView) -> str:
+        est = chosen.est
+        inst = chosen.instance.instance_id
+        if est.option == LOCAL:
+            what = f"reuses its local prefix of {est.reuse_blocks} blocks"
+        elif est.option == TRANSFER:
+            src = est.remote.instance.instance_id if est.remote else "?"
+            what = (
+                f"pulls blocks {est.local_blocks}..{est.reuse_blocks} from {src} "
+                f"(local prefix {est.local_blocks})"
+            )
+        elif view.best_any_blocks:
+            what = f"recomputes: faster than loading any of the {view.best_any_blocks} cached"
+        else:
+            what = "recomputes: no prefix cached anywhere"
+        return (
+            f"{inst} {what}; lowest TTFT {chosen.ttft_s:.3f}s = queue {chosen.queue_s:.3f} "
+            f"+ transfer {est.transfer_s:.3f} + prefill {est.prefill_s:.3f}; decode "
+            f"{decode.instance.instance_id}: predicted TBT {decode.predicted_tbt_s:.4f}s "
+            f"at batch {decode.predicted_batch}"
+        )
 
 
 class LeastLoadedPolicy:
@@ -56,85 +237,97 @@ class LeastLoadedPolicy:
 
     name = "least-loaded"
 
-    def __init__(self, cost: CostModel | None = None) -> None:
-        self.cost = cost or CostModel()
+    def __init__(self, cfg: ConductorConfig | None = None, cost: CostModel | None = None) -> None:
+        self.cfg = cfg or ConductorConfig()
+        self.cost = cost or load_cost_model(self.cfg.cost_model)
 
-    def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decision:
-        """Place on the least-loaded pair, or reject when a pool is empty or over SLO."""
+    def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decided:
+        """Place on the least-loaded pair, or reject when a pool is empty or saturated."""
         prefills = state.live("prefill", request.model)
         decodes = state.live("decode", request.model)
-        if not prefills or not decodes:
-            missing = "prefill" if not prefills else "decode"
-            return self._reject(request, seq, f"no live {missing} instance", ev.Estimates())
+        if not prefills:
+            verdict = Verdict(NO_PREFILL, "no live prefill instance", 1.0)
+            return Decided(reject(request, seq, self.name, verdict), [])
+        if not decodes:
+            verdict = Verdict(NO_DECODE, "no live decode instance", 1.0)
+            return Decided(reject(request, seq, self.name, verdict), [])
         prefill = min(prefills, key=lambda i: (i.prefill_tokens_in_flight, i.instance_id))
         decode = min(decodes, key=lambda i: (self._decode_load(i), i.instance_id))
         # The prefix an instance holds in its own engine cache is computed from there.
-        cached_blocks = state.prefix_blocks(request.block_hashes, prefill.instance_id)
-        computed = request.prompt_tokens - cached_blocks * request.block_size
+        usable = max(0, (request.prompt_tokens - 1) // max(1, request.block_size))
+        cached = state.prefix_blocks(request.block_hashes[:usable], prefill.instance_id)
+        computed = request.prompt_tokens - cached * request.block_size
         queue_s = self.cost.prefill_s(prefill.prefill_tokens_in_flight)
-        prefill_s = self.cost.prefill_s(computed)
+        prefill_s = self.cost.prefill_s(computed, cached * request.block_size)
         batch = decode.decode_requests + 1
+        context = decode.decode_context_tokens + request.prompt_tokens
         estimates = ev.Estimates(
             queue_s=queue_s,
             prefill_s=prefill_s,
             ttft_s=queue_s + prefill_s,
-            tbt_s=self.cost.tbt_s(batch),
+            tbt_s=self.cost.tbt_s(batch, context),
             decode_batch=batch,
         )
         if decode.max_batch_size and decode.decode_requests >= 4 * decode.max_batch_size:
-            return self._reject(request, seq, "decode pool saturated", estimates)
+            verdict = Verdict("decode_saturated", "decode pool saturated", 1.0)
+            return Decided(reject(request, seq, self.name, verdict, estimates), [])
         reuse = (
             [
                 ev.ReusePlan(
                     source_instance=prefill.instance_id,
                     tier="engine",
                     first_block=0,
-                    num_blocks=cached_blocks,
+                    num_blocks=cached,
                 )
             ]
-            if cached_blocks
+            if cached
             else []
         )
-        return ev.RequestScheduled(
+        # What a KVCache-aware policy could have reused, for the quality figures.
+        lengths = state.index.match(request.block_hashes[:usable]).lengths
+        best = max(lengths.values(), default=0)
+        explain = ev.Explanation(
+            branch="local" if cached else "recompute",
+            reason=f"{prefill.instance_id} has the fewest queued tokens; "
+            f"{decode.instance_id} the fewest requests per batch slot",
+            best_blocks=best,
+        )
+        decision = ev.RequestScheduled(
             time=request.time,
             request_id=request.request_id,
             gateway_id=request.gateway_id,
             prefill_instance=prefill.instance_id,
             decode_instance=decode.instance_id,
-            reused_blocks=cached_blocks,
+            reused_blocks=cached,
             reuse=reuse,
             estimates=estimates,
             policy=self.name,
             admitted_seq=seq,
             prompt_tokens=request.prompt_tokens,
             computed_tokens=computed,
+            explain=explain,
         )
+        return Decided(decision, [])
 
     @staticmethod
     def _decode_load(inst: InstanceState) -> float:
         return inst.decode_requests / max(1, inst.max_batch_size)
 
-    def _reject(
-        self, request: ev.RequestAdmitted, seq: int, reason: str, estimates: ev.Estimates
-    ) -> ev.RequestRejected:
-        return ev.RequestRejected(
-            time=request.time,
-            request_id=request.request_id,
-            gateway_id=request.gateway_id,
-            reason=reason,
-            retry_after_s=1.0,
-            estimates=estimates,
-            policy=self.name,
-            admitted_seq=seq,
-        )
+
+POLICIES: dict[str, type[MooncakePolicy] | type[LeastLoadedPolicy]] = {
+    MooncakePolicy.name: MooncakePolicy,
+    LeastLoadedPolicy.name: LeastLoadedPolicy,
+}
 
 
-POLICIES = {LeastLoadedPolicy.name: LeastLoadedPolicy}
-
-
-def make_policy(name: str) -> Policy:
-    """A policy by name; a clear error for an unknown one."""
+def make_policy(cfg: ConductorConfig | str | None = None, cost: CostModel | None = None) -> Policy:
+    """The configured policy (or one by name); a clear error for an unknown one."""
+    if isinstance(cfg, str):
+        cfg = ConductorConfig(policy=cfg)
+    cfg = cfg or ConductorConfig()
     try:
-        return POLICIES[name]()
+        factory = POLICIES[cfg.policy]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+        known = ", ".join(sorted(POLICIES))
+        raise ValueError(f"unknown policy {cfg.policy!r}; known: {known}") from None
+    return factory(cfg, cost)

@@ -1,10 +1,17 @@
 """The conductor process: reads the log in order, decides, records its decisions.
 
-On start it reads the whole log from the beginning (a snapshot will shorten that in
-a later step) to rebuild its state; decisions recomputed for admissions already
-decided are checked against the recorded ones instead of being published again. Once
-it has caught up with the log's end as it was at start, every new admission is
-decided and its decision published to the log, where the gateway picks it up.
+On start it restores the latest snapshot (if any) and reads the log from there to
+rebuild its state; decisions recomputed for admissions already decided are checked
+against the recorded ones instead of being published again.
+
+Every conductor folds the log; only the one holding the lease (`lease.Lease`)
+publishes. A standby keeps folding — its state, and the decisions it would make,
+are always those of the active one — and when the lease lapses it takes it, reads
+up to the log's end, and goes live: it records its settings in the log
+(`ConductorConfigured`, so that replays decide with them), publishes the decisions
+the old one had not (de-duplicated by request id if it had), and from then on
+decides every new admission. The active conductor snapshots its state every
+`snapshot_every_events` events into a JetStream object store.
 """
 
 from __future__ import annotations
@@ -13,10 +20,16 @@ import asyncio
 import contextlib
 import time
 
-from prometheus_client import Counter, Gauge, Histogram
+import nats.errors
+import nats.js.errors
+from nats.js.object_store import ObjectStore
 
-from yb_conductor.conductor import Conductor
-from yb_conductor.policy import make_policy
+from yb_conductor import snapshot
+from yb_conductor.conductor import Conductor, Output
+from yb_conductor.cost_model import CostModel, load_cost_model
+from yb_conductor.lease import Lease
+from yb_conductor.metrics import ConductorMetrics
+from yb_conductor.settings import configured_event
 from yb_shared import events as ev
 from yb_shared.bus import Bus, BusError, EventReader
 from yb_shared.config import YbConfig
@@ -28,6 +41,7 @@ log = get_logger(__name__)
 # A decision older than this when found unpublished after a restart is not sent: its
 # gateway has given up on it.
 STALE_DECISION_S = 30.0
+SNAPSHOT_OBJECT = "conductor-snapshot"
 
 
 class ConductorService(Service):
@@ -37,46 +51,39 @@ class ConductorService(Service):
 
     def __init__(self, cfg: YbConfig) -> None:
         super().__init__(cfg)
-        self.conductor = Conductor(
-            make_policy(cfg.conductor.policy),
-            heartbeat_timeout_s=cfg.conductor.heartbeat_timeout_s,
-        )
+        self.cost: CostModel = load_cost_model(cfg.conductor.cost_model)
+        self.conductor = Conductor(cfg=cfg.conductor, cost=self.cost)
         self.bus: Bus | None = None
+        self.lease: Lease | None = None
+        self._store: ObjectStore | None = None
         self._reader: EventReader | None = None
+        self._active = False
         self._live_from = 0
         self._live = False
-        self._decisions = Counter(
-            "yb_conductor_decisions_total",
-            "Decisions made, by outcome",
-            ["outcome"],
-            registry=self.metrics,
-        )
-        self._latency = Histogram(
-            "yb_conductor_decision_seconds",
-            "Time to fold an admission and decide",
-            registry=self.metrics,
-            buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1),
-        )
-        self._applied = Counter(
-            "yb_conductor_events_applied_total", "Events folded", registry=self.metrics
-        )
-        self._instances = Gauge(
-            "yb_conductor_live_instances", "Live instances by role", ["role"], registry=self.metrics
-        )
-        self._divergences = Counter(
-            "yb_conductor_divergences_total",
-            "Recorded decisions this conductor would have made differently",
-            registry=self.metrics,
-        )
+        self._since_snapshot = 0
+        self._snapshotting = False
+        self.restored_from_seq = 0
+        self.m = ConductorMetrics(self.metrics)
+
+    @property
+    def active(self) -> bool:
+        """Whether this conductor holds the lease and publishes decisions."""
+        return self._active and self._live
 
     async def start(self) -> None:
-        """Connect, set up the stream, and start following the log."""
+        """Connect, restore, take the lease if free, and start following the log."""
         self.serve_metrics()
         self.bus = await Bus.connect(self.cfg.nats, self.instance_id)
         await self.bus.ensure_stream()
-        self._live_from = await self.bus.last_sequence()
-        self._live = self._live_from == 0
-        self._reader = await self.bus.read_ordered()
+        ccfg = self.cfg.conductor
+        js = self.bus.jetstream
+        try:
+            self._store = await js.create_object_store(bucket=ccfg.snapshot_bucket)
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            log.warning("snapshot_store_unavailable", error=repr(exc))
+        await self._restore()
+        self.lease = Lease(js, f"{ccfg.snapshot_bucket}_lease", self.instance_id, ccfg.lease_ttl_s)
+        await self.lease.open()
         await self.bus.publish(
             ev.InstanceUp(
                 instance_id=self.instance_id,
@@ -85,43 +92,136 @@ class ConductorService(Service):
                 metrics_address=self.metrics_address,
             )
         )
+        await self._try_lead()
+        self._reader = await self.bus.read_ordered(start_seq=self.conductor.last_seq + 1)
         self.tasks.spawn("follow-log", self._follow())
-        log.info("conductor_following", live_from_seq=self._live_from)
+        self.tasks.spawn("lease", self._hold_lease())
+        log.info(
+            "conductor_following",
+            from_seq=self.conductor.last_seq + 1,
+            active=self._active,
+            live_from_seq=self._live_from,
+        )
+
+    async def _restore(self) -> None:
+        if self._store is None:
+            return
+        try:
+            result = await self._store.get(SNAPSHOT_OBJECT)
+        except nats.js.errors.ObjectNotFoundError:
+            return
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            log.warning("snapshot_read_failed", error=repr(exc))
+            return
+        try:
+            snap = snapshot.decode(result.data or b"")
+        except snapshot.SnapshotError as exc:
+            log.warning("snapshot_unusable", error=str(exc))
+            return
+        self.conductor = snapshot.restore(snap)
+        self.restored_from_seq = snap.last_seq
+        log.info("snapshot_restored", last_seq=snap.last_seq)
+
+    async def _try_lead(self) -> None:
+        assert self.bus is not None and self.lease is not None
+        if self._active or not await self.lease.acquire():
+            return
+        # Leading starts once the log is read up to its end as of now.
+        self._live_from = await self.bus.last_sequence()
+        self._active = True
+        log.info("conductor_leading", live_from_seq=self._live_from)
+
+    async def _hold_lease(self) -> None:
+        assert self.lease is not None
+        period = max(0.05, self.cfg.conductor.lease_ttl_s / 3)
+        while True:
+            await asyncio.sleep(period)
+            if self._active:
+                if not await self.lease.renew():
+                    log.warning("conductor_standing_down")
+                    self._active = False
+                    self._live = False
+                    self.m.active.set(0)
+            else:
+                await self._try_lead()
 
     async def _follow(self) -> None:
         assert self._reader is not None and self.bus is not None
         while True:
-            item = await self._reader.next(timeout_s=1.0)
+            item = await self._reader.next(timeout_s=0.25)
             if item is None:
-                if not self._live:
-                    # The log ended below `live_from` (a publish that failed): go live.
+                if (
+                    self._active
+                    and not self._live
+                    and self.conductor.last_seq
+                    >= min(self._live_from, await self.bus.last_sequence())
+                ):
+                    # Caught up (or the log ended below `live_from`: a failed publish).
                     await self._go_live()
                 continue
             started = time.perf_counter()
-            decisions = self.conductor.apply(item.seq, item.event)
-            self._applied.inc()
-            if decisions:
-                self._latency.observe(time.perf_counter() - started)
+            outputs = self.conductor.apply(item.seq, item.event)
+            self.m.applied.inc()
             if self._live:
-                for decision in decisions:
-                    await self._publish_decision(decision)
+                if outputs:
+                    self.m.decided(outputs, time.perf_counter() - started)
+                for out in outputs:
+                    await self._publish_output(out)
                 await self._request_resyncs()
-            elif item.seq >= self._live_from:
+            elif self._active and item.seq >= self._live_from:
                 await self._go_live()
-            if isinstance(item.event, ev.InstanceUp | ev.InstanceDown | ev.LoadReport):
-                for role in ("prefill", "decode", "kvstore"):
-                    self._instances.labels(role).set(len(self.conductor.state.live(role)))
+            match item.event:
+                case ev.InstanceUp() | ev.InstanceDown() | ev.LoadReport():
+                    self.m.instances_changed(self.conductor)
+                case ev.RequestFinished():
+                    self.m.collect_outcomes(self.conductor)
+                case _:
+                    pass
+            if self.conductor.divergences:
+                self._report_divergences()
+            self._since_snapshot += 1
+            if self._live and self._since_snapshot >= self.cfg.conductor.snapshot_every_events:
+                self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Take a snapshot now (consistent: the fold is not running) and upload it in
+        the background; one upload at a time."""
+        if self._store is None or self._snapshotting:
+            return
+        self._since_snapshot = 0
+        data = snapshot.encode(snapshot.take(self.conductor))
+        self._snapshotting = True
+        self.tasks.spawn("snapshot-upload", self._upload(data, self.conductor.last_seq))
+
+    async def _upload(self, data: bytes, seq: int) -> None:
+        assert self._store is not None
+        try:
+            await self._store.put(SNAPSHOT_OBJECT, data)
+            log.info("snapshot_saved", last_seq=seq, bytes=len(data))
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            log.warning("snapshot_save_failed", error=repr(exc))
+        finally:
+            self._snapshotting = False
 
     async def _go_live(self) -> None:
+        assert self.bus is not None
         self._live = True
+        self.m.active.set(1)
         now = self.conductor.state.now
         pending = list(self.conductor.unrecorded.values())
         log.info("conductor_live", last_seq=self.conductor.last_seq, unpublished=len(pending))
+        # Settings first: the fold adopts them where they land in the log.
+        await self._publish(
+            configured_event(self.cfg.conductor, self.cost, self.instance_id, time=now or 0.0)
+        )
         for decision in pending:
             if decision.time >= now - STALE_DECISION_S:
-                await self._publish_decision(decision)
+                await self._publish_output(decision)
+        await self._request_resyncs()
+
+    def _report_divergences(self) -> None:
         for divergence in self.conductor.divergences:
-            self._divergences.inc()
+            self.m.divergences.inc()
             log.warning(
                 "decision_divergence",
                 seq=divergence.seq,
@@ -131,22 +231,29 @@ class ConductorService(Service):
             )
         self.conductor.divergences.clear()
 
-    async def _publish_decision(self, decision: ev.RequestScheduled | ev.RequestRejected) -> None:
+    async def _publish_output(self, out: Output) -> None:
+        await self._publish(out)
+
+    async def _publish(self, event: ev.AnyEvent) -> None:
         assert self.bus is not None
-        outcome = "scheduled" if isinstance(decision, ev.RequestScheduled) else "rejected"
-        self._decisions.labels(outcome).inc()
         try:
-            await self.bus.publish(decision)
+            await self.bus.publish(event)
         except BusError as exc:
             # The gateway times out and answers 503; the admission stays in the log and
             # a conductor that catches up later publishes the decision if still fresh.
-            log.error("decision_publish_failed", request_id=decision.request_id, error=str(exc))
+            log.error(
+                "publish_failed",
+                type=type(event).__name__,
+                request_id=getattr(event, "request_id", ""),
+                error=str(exc),
+            )
 
     async def _request_resyncs(self) -> None:
         assert self.bus is not None
         wanted = self.conductor.state.resync_wanted
         while wanted:
-            instance_id = wanted.pop()
+            instance_id = next(iter(wanted))
+            del wanted[instance_id]
             try:
                 await self.bus.publish(
                     ev.ResyncRequested(
@@ -160,8 +267,12 @@ class ConductorService(Service):
                 log.warning("resync_request_failed", instance=instance_id, error=str(exc))
 
     async def stop(self) -> None:
-        """Stop following the log and close the bus; idempotent."""
+        """Stop following the log, hand the lease over, close the bus; idempotent."""
         await self.tasks.shutdown()
+        self._active = self._live = False
+        self.m.active.set(0)
+        if self.lease is not None:
+            await self.lease.release()
         if self._reader is not None:
             await self._reader.close()
             self._reader = None

@@ -2,20 +2,39 @@
 
 Nothing here reads a clock or a socket: `ClusterState.apply(event)` is the only way in,
 so the same log always yields the same state, which is what makes replay exact.
-Time is the event time (`event.time`).
+Time is the event time (the newest `event.time` seen). Nothing that decides iterates
+a `set` of strings (its order changes with the process's hash seed): ordered dicts
+and sorted lists only.
+
+What is tracked, and why:
+- instances, with liveness from heartbeats (`LoadReport`) measured in event time;
+- the global block index (`BlockIndex`), guarded per instance by (epoch, event_id):
+  a gap or a new epoch voids that instance's entries and asks for an inventory;
+- placements: every scheduled request until it finishes, with what the conductor
+  predicted for it. Per prefill instance a FIFO queue and the predicted time it
+  drains (`busy_until`), re-anchored whenever the engine reports progress, so
+  estimates do not drift; per decode instance the requests assigned to it, those
+  already decoding, and their context;
+- what completions teach: `t_d` (the expected decode duration) and the mean output
+  length, as moving averages, and each completion's estimate-vs-outcome.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+import heapq
+import math
+from collections.abc import Iterator
 
+import msgspec
+
+from yb_conductor.block_index import BlockIndex
 from yb_shared import events as ev
 
+BLOCK_HOLDER_ROLES: tuple[ev.Role, ...] = ("kvstore", "prefill")
 
-@dataclass(slots=True)
-class InstanceState:
-    """One instance as the log describes it."""
+
+class InstanceState(msgspec.Struct, kw_only=True):
+    """One instance as the log describes it, and the load the conductor sent it."""
 
     instance_id: str
     role: ev.Role
@@ -25,33 +44,59 @@ class InstanceState:
     block_size: int = 0
     kv_capacity_blocks: int = 0
     max_batch_size: int = 0
-    attention_backend: str = ""
     epoch: int = 0
     up_since: float = 0.0
     last_seen: float = 0.0
     alive: bool = True
     last_report: ev.LoadReport | None = None
-    # Requests the conductor sent here and that have not finished this stage.
+    # Prefill: requests sent here whose prefill has not finished, in order.
+    prefill_queue: dict[str, None] = msgspec.field(default_factory=dict)
     prefill_tokens_in_flight: int = 0
     prefill_requests_in_flight: int = 0
+    busy_until: float = 0.0
+    # Decode: every request assigned here (in prefill or decoding) and those decoding.
+    assigned: dict[str, None] = msgspec.field(default_factory=dict)
     decode_requests: int = 0
+    decode_context_tokens: int = 0
+    decoding_requests: int = 0
+    decoding_context_tokens: int = 0
+    decode_kv_blocks: int = 0
 
 
-@dataclass(slots=True)
-class Placement:
-    """A scheduled request, until it finishes."""
+class Placement(msgspec.Struct, kw_only=True):
+    """A scheduled request until it finishes, with the conductor's predictions."""
 
     request_id: str
     prefill_instance: str
     decode_instance: str
     prompt_tokens: int
     computed_tokens: int
-    scheduled_at: float
+    max_tokens: int = 0
+    priority: int = 0
+    scheduled_at: float = 0.0
+    deadline: float = 0.0
+    prefill_s: float = 0.0
+    prefill_end: float = 0.0
+    context_tokens: int = 0
+    kv_blocks: int = 0
+    est_ttft_s: float = 0.0
+    est_tbt_s: float = 0.0
+    # Its decode cannot last longer than max_tokens at the estimated TBT.
+    duration_cap: float = math.inf
     prefill_done: bool = False
+    decode_started: float = 0.0
 
 
-@dataclass(slots=True)
-class BlockTracker:
+class PendingAdmission(msgspec.Struct, kw_only=True, gc=False):
+    """What an admission says that its decision does not repeat."""
+
+    max_tokens: int
+    priority: int
+    deadline: float
+    block_size: int
+
+
+class BlockTracker(msgspec.Struct, kw_only=True, gc=False):
     """Where an instance's block event stream stands, to notice gaps and restarts."""
 
     epoch: int = -1
@@ -59,19 +104,55 @@ class BlockTracker:
     needs_resync: bool = False
 
 
-@dataclass
+class Outcome(msgspec.Struct, kw_only=True, gc=False):
+    """A completed request: what was estimated against what happened."""
+
+    request_id: str
+    est_ttft_s: float
+    ttft_s: float
+    est_tbt_s: float
+    tbt_s: float
+    decode_s: float
+
+
+class Learned(msgspec.Struct, kw_only=True, gc=False):
+    """Moving averages taught by completions."""
+
+    decode_time_s: float
+    output_tokens: float = 64.0
+    completions: int = 0
+
+
 class ClusterState:
     """Instances, their loads, scheduled requests and the global block index."""
 
-    heartbeat_timeout_s: float = 15.0
-    now: float = 0.0
-    instances: dict[str, InstanceState] = field(default_factory=dict)
-    placements: dict[str, Placement] = field(default_factory=dict)
-    # Global block index: key -> {instance_id: tier}.
-    blocks: dict[int, dict[str, ev.Tier]] = field(default_factory=dict)
-    block_trackers: dict[str, BlockTracker] = field(default_factory=dict)
-    # Instances whose block stream broke; the service asks them for an inventory.
-    resync_wanted: set[str] = field(default_factory=set)
+    def __init__(
+        self,
+        *,
+        heartbeat_timeout_s: float = 15.0,
+        request_timeout_s: float = 600.0,
+        decode_time_s: float = 10.0,
+        decode_time_alpha: float = 0.1,
+    ) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.decode_time_alpha = decode_time_alpha
+        self.now = 0.0
+        self.instances: dict[str, InstanceState] = {}
+        self.placements: dict[str, Placement] = {}
+        self.admissions: dict[str, PendingAdmission] = {}
+        self.index = BlockIndex()
+        self.block_trackers: dict[str, BlockTracker] = {}
+        # Instances whose block stream broke; the service asks them for an inventory.
+        self.resync_wanted: dict[str, None] = {}
+        self.learned = Learned(decode_time_s=decode_time_s)
+        # Completions not yet collected by whoever exports metrics (bounded).
+        self.outcomes: list[Outcome] = []
+        self.expired_placements = 0
+        self._deadlines: list[tuple[float, str]] = []
+        self._next_expiry = math.inf
+        self._live_cache: dict[tuple[ev.Role, str], list[InstanceState]] = {}
+        self._hosts_cache: dict[str, list[InstanceState]] | None = None
 
     # --- the fold ---------------------------------------------------------------------
 
@@ -80,56 +161,99 @@ class ClusterState:
         if event.time > self.now:
             self.now = event.time
         match event:
+            case ev.LoadReport():
+                self._load_report(event)
+            case ev.RequestProgress():
+                self._progress(event)
+            case ev.BlockStored() | ev.BlockEvicted() | ev.BlockMoved() | ev.BlocksCleared():
+                self._block_event(event)
+            case ev.RequestAdmitted():
+                self.admissions[event.request_id] = PendingAdmission(
+                    max_tokens=event.max_tokens,
+                    priority=event.priority,
+                    deadline=event.deadline,
+                    block_size=event.block_size,
+                )
+            case ev.RequestScheduled():
+                self.place(event)
+            case ev.RequestRejected():
+                self.admissions.pop(event.request_id, None)
+            case ev.RequestFinished():
+                self._finished(event)
+            case ev.RequestCancelled():
+                self._release(event.request_id)
             case ev.InstanceUp():
                 self._instance_up(event)
             case ev.InstanceDown():
                 self._instance_down(event.instance_id)
-            case ev.LoadReport():
-                inst = self.instances.get(event.instance_id)
-                if inst is not None:
-                    inst.last_report = event
-                    inst.last_seen = max(inst.last_seen, event.time)
-                    inst.alive = True
-            case ev.RequestScheduled():
-                self.place(event)
-            case ev.RequestProgress():
-                self._progress(event)
-            case ev.RequestFinished() | ev.RequestCancelled():
-                self._finish(event.request_id)
-            case ev.TransferFailed():
-                pass  # the request's own failure event releases it
             case ev.BlockInventory():
                 self._inventory(event)
-            case ev.BlockStored() | ev.BlockEvicted() | ev.BlockMoved() | ev.BlocksCleared():
-                self._block_event(event)
             case _:
                 pass
-        self._expire_silent_instances()
+        if self.now >= self._next_expiry:
+            self._expire_silent_instances()
+        if self._deadlines and self._deadlines[0][0] < self.now:
+            self._expire_placements()
 
     def place(self, decision: ev.RequestScheduled) -> None:
         """Account a decision's load; idempotent per request id."""
-        if decision.request_id in self.placements:
+        rid = decision.request_id
+        if rid in self.placements:
             return
+        pending = self.admissions.pop(rid, None)
+        max_tokens = pending.max_tokens if pending else 0
+        block_size = pending.block_size if pending and pending.block_size else 1
+        deadline = pending.deadline if pending and pending.deadline else 0.0
+        if not deadline or deadline > decision.time + self.request_timeout_s:
+            deadline = decision.time + self.request_timeout_s
+        est = decision.estimates
+        prefill_s = est.transfer_s + est.prefill_s
         prefill = self.instances.get(decision.prefill_instance)
-        decode = self.instances.get(decision.decode_instance)
-        computed = decision.computed_tokens
-        self.placements[decision.request_id] = Placement(
-            request_id=decision.request_id,
+        start = max(self.now, prefill.busy_until) if prefill is not None else self.now
+        out = self.expected_output(max_tokens)
+        context = decision.prompt_tokens + out // 2
+        placement = Placement(
+            request_id=rid,
             prefill_instance=decision.prefill_instance,
             decode_instance=decision.decode_instance,
             prompt_tokens=decision.prompt_tokens,
-            computed_tokens=computed,
+            computed_tokens=decision.computed_tokens,
+            max_tokens=max_tokens,
+            priority=pending.priority if pending else 0,
             scheduled_at=decision.time,
+            deadline=deadline,
+            prefill_s=prefill_s,
+            prefill_end=start + prefill_s,
+            context_tokens=context,
+            kv_blocks=-(-(decision.prompt_tokens + out) // block_size),
+            est_ttft_s=est.ttft_s,
+            est_tbt_s=est.tbt_s,
+            duration_cap=max_tokens * est.tbt_s if max_tokens and est.tbt_s else math.inf,
         )
+        self.placements[rid] = placement
+        heapq.heappush(self._deadlines, (deadline, rid))
         if prefill is not None:
-            prefill.prefill_tokens_in_flight += computed
+            prefill.prefill_queue[rid] = None
+            prefill.prefill_tokens_in_flight += decision.computed_tokens
             prefill.prefill_requests_in_flight += 1
+            prefill.busy_until = placement.prefill_end
+        decode = self.instances.get(decision.decode_instance)
         if decode is not None:
+            decode.assigned[rid] = None
             decode.decode_requests += 1
+            decode.decode_context_tokens += context
+            decode.decode_kv_blocks += placement.kv_blocks
 
     def unplace(self, request_id: str) -> None:
         """Undo `place` (a recomputed decision that the log overruled)."""
-        self._finish(request_id)
+        self._release(request_id)
+
+    def expected_output(self, max_tokens: int) -> int:
+        """Output tokens a request is expected to produce: the learned mean, capped."""
+        mean = int(self.learned.output_tokens)
+        return min(max_tokens, mean) if max_tokens > 0 else mean
+
+    # --- instances --------------------------------------------------------------------
 
     def _instance_up(self, event: ev.InstanceUp) -> None:
         old = self.instances.get(event.instance_id)
@@ -142,133 +266,286 @@ class ClusterState:
             block_size=event.block_size,
             kv_capacity_blocks=event.kv_capacity_blocks,
             max_batch_size=event.max_batch_size,
-            attention_backend=event.attention_backend,
             epoch=event.epoch,
             up_since=event.time,
             last_seen=event.time,
         )
-        if old is not None and old.epoch == event.epoch:
-            # A repeated announcement: keep the load we have been accounting.
-            inst.prefill_tokens_in_flight = old.prefill_tokens_in_flight
-            inst.prefill_requests_in_flight = old.prefill_requests_in_flight
-            inst.decode_requests = old.decode_requests
-            inst.last_report = old.last_report
+        if old is not None:
+            # Requests in flight there stay accounted until they finish or expire.
+            for name in (
+                "prefill_queue",
+                "prefill_tokens_in_flight",
+                "prefill_requests_in_flight",
+                "busy_until",
+                "assigned",
+                "decode_requests",
+                "decode_context_tokens",
+                "decoding_requests",
+                "decoding_context_tokens",
+                "decode_kv_blocks",
+            ):
+                setattr(inst, name, getattr(old, name))
+            if old.epoch == event.epoch:
+                inst.last_report = old.last_report
+            if not old.alive and event.role in BLOCK_HOLDER_ROLES:
+                self._forget_blocks(event.instance_id)
         self.instances[event.instance_id] = inst
+        self._topology_changed()
+        self._next_expiry = min(self._next_expiry, event.time + self.heartbeat_timeout_s)
+
+    def _load_report(self, event: ev.LoadReport) -> None:
+        inst = self.instances.get(event.instance_id)
+        if inst is None:
+            return
+        inst.last_report = event
+        if event.time > inst.last_seen:
+            inst.last_seen = event.time
+        if not inst.alive:
+            inst.alive = True
+            self._topology_changed()
+            if inst.instance_id in self.block_trackers:
+                # Back from the dead: what it holds now is unknown, so ask.
+                self.resync_wanted[inst.instance_id] = None
 
     def _instance_down(self, instance_id: str) -> None:
         inst = self.instances.get(instance_id)
-        if inst is None:
+        if inst is None or not inst.alive:
             return
         inst.alive = False
-        self._drop_blocks_of(instance_id)
+        self._forget_blocks(instance_id)
+        self._topology_changed()
 
     def _expire_silent_instances(self) -> None:
         limit = self.now - self.heartbeat_timeout_s
+        oldest = math.inf
         for inst in self.instances.values():
-            if inst.alive and inst.last_seen < limit:
+            if not inst.alive:
+                continue
+            if inst.last_seen < limit:
                 inst.alive = False
-                self._drop_blocks_of(inst.instance_id)
+                self._forget_blocks(inst.instance_id)
+                self._topology_changed()
+            elif inst.last_seen < oldest:
+                oldest = inst.last_seen
+        self._next_expiry = oldest + self.heartbeat_timeout_s
+
+    def _topology_changed(self) -> None:
+        self._live_cache.clear()
+        self._hosts_cache = None
+
+    # --- requests ---------------------------------------------------------------------
 
     def _progress(self, event: ev.RequestProgress) -> None:
         placement = self.placements.get(event.request_id)
-        if placement is None or placement.prefill_done:
+        if placement is None:
             return
-        if event.stage in ("prefill_done", "kv_committed", "first_token"):
-            placement.prefill_done = True
-            inst = self.instances.get(placement.prefill_instance)
-            if inst is not None:
-                inst.prefill_tokens_in_flight -= placement.computed_tokens
-                inst.prefill_requests_in_flight -= 1
+        if event.stage == "prefill_started":
+            if not placement.prefill_done:
+                self._reanchor(placement.prefill_instance, event.request_id, event.time)
+            return
+        if not placement.prefill_done:
+            self._prefill_finished(placement, event.time)
+        if event.stage == "kv_committed" and not placement.decode_started:
+            placement.decode_started = event.time
+            decode = self.instances.get(placement.decode_instance)
+            if decode is not None:
+                decode.decoding_requests += 1
+                decode.decoding_context_tokens += placement.context_tokens
 
-    def _finish(self, request_id: str) -> None:
+    def _prefill_finished(self, placement: Placement, at: float) -> None:
+        placement.prefill_done = True
+        inst = self.instances.get(placement.prefill_instance)
+        if inst is None:
+            return
+        inst.prefill_queue.pop(placement.request_id, None)
+        inst.prefill_tokens_in_flight -= placement.computed_tokens
+        inst.prefill_requests_in_flight -= 1
+        self._reanchor(placement.prefill_instance, None, at)
+
+    def _reanchor(self, instance_id: str, running: str | None, at: float) -> None:
+        """The queue drains from `at` on: `running` (if any) started then, the others
+        follow in order. Keeps the queue estimate honest when predictions were off."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return
+        t = at
+        started = running is None
+        for rid in inst.prefill_queue:
+            if not started:
+                if rid != running:
+                    continue  # ahead of the running one: must be done; its event is late
+                started = True
+            p = self.placements.get(rid)
+            if p is None:
+                continue
+            t += p.prefill_s
+            p.prefill_end = t
+        inst.busy_until = t if inst.prefill_queue else at
+
+    def _finished(self, event: ev.RequestFinished) -> None:
+        placement = self.placements.get(event.request_id)
+        if placement is not None and event.outcome == "completed":
+            started = placement.decode_started or placement.prefill_end
+            decode_s = max(0.0, event.time - started) if event.time and started else 0.0
+            if not decode_s:
+                decode_s = event.output_tokens * event.tbt_mean_s
+            learned = self.learned
+            a = self.decode_time_alpha
+            if decode_s > 0:
+                learned.decode_time_s += a * (decode_s - learned.decode_time_s)
+            if event.output_tokens > 0:
+                learned.output_tokens += a * (event.output_tokens - learned.output_tokens)
+            learned.completions += 1
+            if len(self.outcomes) < 10_000:
+                self.outcomes.append(
+                    Outcome(
+                        request_id=event.request_id,
+                        est_ttft_s=placement.est_ttft_s,
+                        ttft_s=event.ttft_s,
+                        est_tbt_s=placement.est_tbt_s,
+                        tbt_s=event.tbt_mean_s,
+                        decode_s=decode_s,
+                    )
+                )
+        self._release(event.request_id)
+
+    def _release(self, request_id: str) -> None:
+        self.admissions.pop(request_id, None)
         placement = self.placements.pop(request_id, None)
         if placement is None:
             return
         if not placement.prefill_done:
+            placement.prefill_done = True
             inst = self.instances.get(placement.prefill_instance)
-            if inst is not None:
+            if inst is not None and request_id in inst.prefill_queue:
+                head = next(iter(inst.prefill_queue))
+                inst.prefill_queue.pop(request_id)
                 inst.prefill_tokens_in_flight -= placement.computed_tokens
                 inst.prefill_requests_in_flight -= 1
+                if head == request_id:
+                    self._reanchor(inst.instance_id, None, self.now)
         decode = self.instances.get(placement.decode_instance)
-        if decode is not None:
+        if decode is not None and request_id in decode.assigned:
+            del decode.assigned[request_id]
             decode.decode_requests -= 1
+            decode.decode_context_tokens -= placement.context_tokens
+            decode.decode_kv_blocks -= placement.kv_blocks
+            if placement.decode_started:
+                decode.decoding_requests -= 1
+                decode.decoding_context_tokens -= placement.context_tokens
+
+    def _expire_placements(self) -> None:
+        # A request whose end never reached the log (a crashed engine) must not hold
+        # load for ever: past its deadline the gateway has given up on it anyway.
+        while self._deadlines and self._deadlines[0][0] < self.now:
+            deadline, rid = heapq.heappop(self._deadlines)
+            placement = self.placements.get(rid)
+            if placement is not None and placement.deadline == deadline:
+                self.expired_placements += 1
+                self._release(rid)
+        for rid in [r for r, a in self.admissions.items() if a.deadline < self.now]:
+            del self.admissions[rid]
 
     # --- block index --------------------------------------------------------------------
 
     def _block_event(self, event: ev.BlockEvent) -> None:
-        tracker = self.block_trackers.setdefault(event.instance_id, BlockTracker())
+        instance_id = event.instance_id
+        tracker = self.block_trackers.get(instance_id)
+        if tracker is None:
+            tracker = self.block_trackers[instance_id] = BlockTracker()
         if event.epoch != tracker.epoch:
             # A restart: what we knew of the instance is void until it tells us again.
-            self._drop_blocks_of(event.instance_id)
+            self.index.clear(instance_id)
             tracker.epoch = event.epoch
             tracker.last_event_id = 0
             if event.event_id != 1 and not isinstance(event, ev.BlocksCleared):
                 tracker.needs_resync = True
-                self.resync_wanted.add(event.instance_id)
+                self.resync_wanted[instance_id] = None
         elif event.event_id <= tracker.last_event_id:
             return  # a redelivery
         elif event.event_id != tracker.last_event_id + 1:
             tracker.needs_resync = True
-            self.resync_wanted.add(event.instance_id)
+            self.resync_wanted[instance_id] = None
         tracker.last_event_id = event.event_id
         match event:
             case ev.BlockStored():
-                for key in event.block_hashes:
-                    self.blocks.setdefault(key, {})[event.instance_id] = event.tier
+                self.index.store(instance_id, event.block_hashes, event.tier)
             case ev.BlockMoved():
-                for key in event.block_hashes:
-                    holders = self.blocks.get(key)
-                    if holders is not None and event.instance_id in holders:
-                        holders[event.instance_id] = event.to_tier
+                self.index.move(instance_id, event.block_hashes, event.to_tier)
             case ev.BlockEvicted():
-                self._remove_blocks(event.instance_id, event.block_hashes)
+                self.index.evict(instance_id, event.block_hashes)
             case ev.BlocksCleared():
-                self._drop_blocks_of(event.instance_id)
+                self.index.clear(instance_id)
 
     def _inventory(self, event: ev.BlockInventory) -> None:
-        self._drop_blocks_of(event.instance_id)
-        tracker = self.block_trackers.setdefault(event.instance_id, BlockTracker())
-        tracker.epoch = event.epoch
-        tracker.last_event_id = event.event_id
-        tracker.needs_resync = False
-        self.resync_wanted.discard(event.instance_id)
-        for tier, keys in (("engine", event.engine), ("ssd", event.ssd), ("dram", event.dram)):
-            for key in keys:
-                self.blocks.setdefault(key, {})[event.instance_id] = tier  # type: ignore[assignment]
+        tracker = self.block_trackers.get(event.instance_id)
+        if (
+            tracker is not None
+            and tracker.epoch == event.epoch
+            and event.event_id < tracker.last_event_id
+            and not tracker.needs_resync
+        ):
+            return  # an old answer: we are already past it
+        self.index.clear(event.instance_id)
+        tracker = self.block_trackers[event.instance_id] = BlockTracker(
+            epoch=event.epoch, last_event_id=event.event_id
+        )
+        self.resync_wanted.pop(event.instance_id, None)
+        self.index.store(event.instance_id, event.dram, "dram")
+        self.index.store(event.instance_id, event.ssd, "ssd")
+        self.index.store(event.instance_id, event.engine, "engine")
 
-    def _remove_blocks(self, instance_id: str, keys: Iterable[int]) -> None:
-        for key in keys:
-            holders = self.blocks.get(key)
-            if holders is not None:
-                holders.pop(instance_id, None)
-                if not holders:
-                    del self.blocks[key]
-
-    def _drop_blocks_of(self, instance_id: str) -> None:
-        empty = []
-        for key, holders in self.blocks.items():
-            if holders.pop(instance_id, None) is not None and not holders:
-                empty.append(key)
-        for key in empty:
-            del self.blocks[key]
+    def _forget_blocks(self, instance_id: str) -> None:
+        self.index.clear(instance_id)
+        tracker = self.block_trackers.get(instance_id)
+        if tracker is not None:
+            # Whatever comes next from it starts a fresh epoch as far as we know.
+            tracker.epoch = -1
+            tracker.last_event_id = 0
 
     # --- queries ------------------------------------------------------------------------
 
     def live(self, role: ev.Role, model: str = "") -> list[InstanceState]:
-        """Live instances of a role (serving `model`, when given), by id for determinism."""
-        found = [
-            i
-            for i in self.instances.values()
-            if i.alive and i.role == role and (not model or not i.model or i.model == model)
-        ]
-        return sorted(found, key=lambda i: i.instance_id)
+        """Live instances of a role (serving `model`, when given), by id for determinism.
+
+        Cached until the topology changes: the policy asks on every admission.
+        """
+        key = (role, model)
+        found = self._live_cache.get(key)
+        if found is None:
+            found = sorted(
+                (
+                    i
+                    for i in self.instances.values()
+                    if i.alive and i.role == role and (not model or not i.model or i.model == model)
+                ),
+                key=lambda i: i.instance_id,
+            )
+            self._live_cache[key] = found
+        return found
+
+    def live_by_host(self) -> dict[str, list[InstanceState]]:
+        """Live block holders (kvstores, engines) per host, by id."""
+        if self._hosts_cache is None:
+            hosts: dict[str, list[InstanceState]] = {}
+            for inst in sorted(self.instances.values(), key=lambda i: i.instance_id):
+                if inst.alive and inst.role in BLOCK_HOLDER_ROLES:
+                    hosts.setdefault(inst.host, []).append(inst)
+            self._hosts_cache = hosts
+        return self._hosts_cache
+
+    def queue_s(self, inst: InstanceState) -> float:
+        """Predicted seconds until the instance's prefill queue drains."""
+        return inst.busy_until - self.now if inst.busy_until > self.now else 0.0
+
+    def assigned_placements(self, inst: InstanceState) -> Iterator[Placement]:
+        """The placements assigned to a decode instance, in order."""
+        placements = self.placements
+        for rid in inst.assigned:
+            p = placements.get(rid)
+            if p is not None:
+                yield p
 
     def prefix_blocks(self, keys: list[int], instance_id: str) -> int:
         """How many leading blocks of `keys` the instance holds (any tier)."""
-        n = 0
-        for key in keys:
-            holders = self.blocks.get(key)
-            if holders is None or instance_id not in holders:
-                break
-            n += 1
-        return n
+        return self.index.prefix_length(keys, instance_id)

@@ -4,7 +4,11 @@
     yb status [--data-dir DIR | --nats URL]
     yb prepare [--model SOURCE]     convert and cache the model (setup.sh runs it)
 
-Later steps add `bench`, `sim`, `replay`, `explain` and `profile` here.
+    yb replay [--file LOG] [--export LOG] [--policy P --set k=v]   the conductor's decisions
+    yb explain REQUEST_ID [--file LOG] [--full]                   why one decision
+    yb profile [--quick] [--out FILE]                             fit the cost model here
+
+Later steps add `bench` and `sim` here.
 """
 
 from __future__ import annotations
@@ -46,6 +50,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepare.add_argument("--model", help="'default' or a local HF model directory")
     prepare.add_argument("--data-dir", help="cache the model under DIR/models")
 
+    # The conductor's tools: thin front ends, importing the conductor only when run.
+    from yb_shared.cli import explain, profile, replay
+
+    replay.add_parser(sub)
+    explain.add_parser(sub)
+    profile.add_parser(sub)
+
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, overrides=_overrides(args))
@@ -59,6 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _status(cfg, args)
         case "prepare":
             return _prepare(cfg)
+        case "replay":
+            return replay.run(cfg, args)
+        case "explain":
+            return explain.run(cfg, args)
+        case "profile":
+            return profile.run(cfg, args)
     return 2
 
 

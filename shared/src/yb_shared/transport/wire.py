@@ -129,6 +129,6 @@ def decode_frame(buffer: bytearray | memoryview) -> Message:
         raise FrameError(f"frame length {body} exceeds the buffer")
     try:
         message: Message = _decoder.decode(view[_LEN.size : _LEN.size + body])
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise FrameError(str(exc)) from exc
     return message

@@ -1,0 +1,174 @@
+"""Conductor benchmark: decision latency, decisions per second, replay speed.
+
+    python benchmarks/conductor.py --json PATH [--requests N] [--prefill 64] [--decode 16]
+
+The cluster is simulated around the real conductor (`yb_conductor.tracelog`): the
+trace's requests (Mooncake's synthetic trace, benchmarks/traces/, with its prefix
+structure: 512-token blocks whose ids chain) arrive at their timestamps on 64 prefill
+instances, each with its host's kvstore (an LRU pool that logs what it stores and
+evicts), and `--decode` decode instances; every instance heartbeats once a second;
+engines answer at the times the conductor's own estimates give, with seeded noise.
+The conductor decides every admission and its decisions are written into the log,
+as the live service does. Then, on one pinned core:
+
+- `decision_latency_p50_ms`, `decision_latency_p99_ms`: a fresh conductor replays the
+  log; each admission's `apply` (fold + Algorithm 1 over every instance + decode
+  prediction + admission + explanation) is timed;
+- `decisions_per_s`: admissions decided per second of time spent deciding;
+- `replay_events_per_s`: events per second of a verifying replay of the whole log
+  (every recorded decision recomputed and compared), from decoded events in memory
+  (reading the stream from NATS is not included).
+
+Before the trace starts, `--pool-blocks` (default a million) unrelated blocks are
+stored across the kvstores, so the index the decisions walk is production-sized.
+
+Figures are the median of `--repeats` runs (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Runs from a checkout without installing the packages.
+sys.path.insert(0, str(ROOT / "shared" / "src"))
+sys.path.insert(0, str(ROOT / "services" / "conductor" / "src"))
+
+from yb_conductor.conductor import Conductor  # noqa: E402
+from yb_conductor.replay import LogRecord, replay  # noqa: E402
+from yb_conductor.tracelog import Topology, TraceLog, read_trace  # noqa: E402
+from yb_shared import events as ev  # noqa: E402
+from yb_shared.config import ConductorConfig  # noqa: E402
+
+TRACE = ROOT / "benchmarks" / "traces" / "synthetic_trace.jsonl"
+
+
+def build_log(args: argparse.Namespace) -> tuple[list[LogRecord], TraceLog, float]:
+    started = time.perf_counter()
+    log = TraceLog(
+        cfg=ConductorConfig(cost_model=args.cost_model, admission=args.admission),
+        topology=Topology(
+            prefill=args.prefill,
+            decode=args.decode,
+            kvstore_blocks=args.pool_blocks // args.prefill + 20_000,
+        ),
+        speedup=args.speedup,
+        slo=ev.Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo),
+        seed=0,
+    )
+    if args.pool_blocks:
+        log.fill_pool(args.pool_blocks // args.prefill)
+    records = log.run(read_trace(args.trace, limit=args.requests))
+    return records, log, time.perf_counter() - started
+
+
+def time_decisions(records: list[LogRecord]) -> list[float]:
+    """Seconds spent in `apply` for each admission, replaying the whole log."""
+    c = Conductor()
+    clock = time.perf_counter
+    samples = []
+    for r in records:
+        if isinstance(r.event, ev.RequestAdmitted):
+            start = clock()
+            c.apply(r.seq, r.event)
+            samples.append(clock() - start)
+        else:
+            c.apply(r.seq, r.event)
+    assert not c.divergences, c.divergences[0]
+    return samples
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--trace", default=str(TRACE))
+    parser.add_argument("--requests", type=int, default=0, help="first N requests (0: all)")
+    parser.add_argument("--prefill", type=int, default=64)
+    parser.add_argument("--decode", type=int, default=16)
+    parser.add_argument("--speedup", type=float, default=1.0, help="compress the trace's time")
+    parser.add_argument("--cost-model", default="llama2-70b-a800")
+    parser.add_argument("--admission", default="predicted")
+    parser.add_argument("--ttft-slo", type=float, default=30.0)
+    parser.add_argument("--tbt-slo", type=float, default=0.2)
+    parser.add_argument(
+        "--pool-blocks",
+        type=int,
+        default=1_000_000,
+        help="unrelated blocks stored across the kvstores first (an index of production size)",
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-pin", action="store_true", help="do not pin to one core")
+    args = parser.parse_args()
+
+    if not args.no_pin and hasattr(os, "sched_setaffinity"):
+        core = max(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {core})
+    records, log, build_s = build_log(args)
+    kinds = Counter(type(r.event).__name__ for r in records)
+    quality = log.conductor.quality
+    index_blocks = len(log.conductor.state.index)
+    print(
+        f"log: {len(records)} events ({kinds['RequestAdmitted']} admissions, "
+        f"{kinds['LoadReport']} load reports, {kinds['BlockStored']} block stores, "
+        f"{kinds['BlockEvicted']} evictions) built in {build_s:.1f}s; "
+        f"{args.prefill} prefill + {args.prefill} kvstores + {args.decode} decode instances; "
+        f"{index_blocks} blocks indexed at the end"
+    )
+    print(f"decisions: {quality.summary()}")
+
+    p50s, p99s, rates, replay_rates = [], [], [], []
+    for _ in range(args.repeats):
+        gc.collect()
+        samples = time_decisions(records)
+        p50s.append(pct(samples, 0.5))
+        p99s.append(pct(samples, 0.99))
+        rates.append(len(samples) / sum(samples))
+        gc.collect()
+        result = replay(records)
+        assert not result.divergences
+        replay_rates.append(result.events_per_s)
+    figures = {
+        "decision_latency_p50_ms": round(statistics.median(p50s) * 1e3, 4),
+        "decision_latency_p99_ms": round(statistics.median(p99s) * 1e3, 4),
+        "decisions_per_s": round(statistics.median(rates), 1),
+        "replay_events_per_s": round(statistics.median(replay_rates), 1),
+        "prefill_instances": args.prefill,
+        "decode_instances": args.decode,
+        "log_events": len(records),
+        "decisions": kinds["RequestAdmitted"],
+        "index_blocks": index_blocks,
+    }
+    goals = {
+        "decision_latency_p99_ms": ("<", 1.0),
+        "decisions_per_s": (">=", 5000.0),
+        "replay_events_per_s": (">=", 50000.0),
+    }
+    print(f"\n{'figure':<28} {'value':>12}  goal")
+    for name, value in figures.items():
+        goal = goals.get(name)
+        note = ""
+        if goal:
+            op, target = goal
+            ok = value < target if op == "<" else value >= target
+            note = f"{op} {target:g}  {'met' if ok else 'NOT met'}"
+        print(f"{name:<28} {value:>12}  {note}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

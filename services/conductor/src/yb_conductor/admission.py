@@ -1,0 +1,127 @@
+"""Overload: when a request is refused, and which requests are refused first.
+
+Three policies, switchable (`ConductorConfig.admission`), as Mooncake §7 compares them:
+
+- `none`: never refuse on load. A request is refused only when nothing can take it
+  (no live instance, no decode instance with room for its KV) — the equivalent of
+  rejecting at decode admission, after the prefill was paid for;
+- `early`: refuse at arrival when the estimated TTFT, or the TBT of the decode batch
+  *as it is now* with this request added, exceeds the SLO. Cheap, but it ignores
+  the requests already in prefill that will join the batch, which makes load
+  oscillate (the paper's Figure 10);
+- `predicted`: as `early`, but the TBT is the one predicted for the moment this
+  request's prefill ends (see `decode_placement`).
+
+Priority classes: a request below `priority_ceiling` gets a tighter limit,
+`max(shed_floor, 1 - shed_step * (priority_ceiling - priority))` of its SLO, so as
+load rises the lowest class is refused first, then the next. Requests at or above
+the ceiling get their whole SLO.
+
+A refusal carries a code (the first word of `reason`, counted per code), a sentence
+with the figures, and a Retry-After: for TTFT the excess over the limit (the queue
+drains in real time), for TBT the time until enough of the batch has finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from yb_conductor.decode_placement import DecodeEstimate
+from yb_shared import events as ev
+
+AdmissionName = Literal["none", "early", "predicted"]
+ADMISSIONS: tuple[AdmissionName, ...] = ("none", "early", "predicted")
+
+# Refusal codes: the first word of `RequestRejected.reason`.
+NO_PREFILL = "no_prefill"
+NO_DECODE = "no_decode"
+DECODE_KV_FULL = "decode_kv_full"
+TTFT_SLO = "ttft_slo"
+TBT_SLO = "tbt_slo"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A refusal: its code, the sentence for the client, and when to retry."""
+
+    code: str
+    message: str
+    retry_after_s: float
+
+    @property
+    def reason(self) -> str:
+        """`code: message`, what `RequestRejected.reason` carries."""
+        return f"{self.code}: {self.message}"
+
+
+class AdmissionPolicy:
+    """Decides refusals on load, per the configured policy and priority classes."""
+
+    def __init__(
+        self,
+        name: AdmissionName = "predicted",
+        *,
+        shed_step: float = 0.1,
+        shed_floor: float = 0.5,
+        priority_ceiling: int = 0,
+        max_retry_after_s: float = 30.0,
+    ) -> None:
+        if name not in ADMISSIONS:
+            raise ValueError(f"unknown admission policy {name!r}; known: {', '.join(ADMISSIONS)}")
+        self.name = name
+        self.shed_step = shed_step
+        self.shed_floor = shed_floor
+        self.priority_ceiling = priority_ceiling
+        self.max_retry_after_s = max_retry_after_s
+
+    def factor(self, priority: int) -> float:
+        """The share of its SLO a request of this priority may use."""
+        if priority >= self.priority_ceiling:
+            return 1.0
+        return max(self.shed_floor, 1.0 - self.shed_step * (self.priority_ceiling - priority))
+
+    def limits(self, request: ev.RequestAdmitted) -> tuple[float, float]:
+        """(TTFT limit, TBT limit) in seconds for this request."""
+        f = self.factor(request.priority)
+        return request.slo.ttft_s * f, request.slo.tbt_s * f
+
+    def check(
+        self,
+        request: ev.RequestAdmitted,
+        ttft_s: float,
+        decode: DecodeEstimate,
+        drain_s: Callable[[float], float],
+    ) -> Verdict | None:
+        """A refusal, or None to admit. `drain_s(limit)` says how long until the
+        decode batch's TBT falls under `limit` (only asked when refusing on TBT)."""
+        if self.name == "none":
+            return None
+        ttft_limit, tbt_limit = self.limits(request)
+        shed = self._shed_note(request)
+        if ttft_s > ttft_limit:
+            return Verdict(
+                TTFT_SLO,
+                f"estimated TTFT {ttft_s:.3f}s exceeds {ttft_limit:.3f}s{shed}",
+                self._retry(ttft_s - ttft_limit),
+            )
+        if self.name == "early":
+            tbt, batch, horizon = decode.decoding_tbt_s, decode.decoding_batch, "now"
+        else:
+            tbt, batch, horizon = decode.predicted_tbt_s, decode.predicted_batch, "at prefill end"
+        if tbt > tbt_limit:
+            return Verdict(
+                TBT_SLO,
+                f"TBT {tbt:.4f}s with batch {batch} {horizon} on "
+                f"{decode.instance.instance_id} exceeds {tbt_limit:.4f}s{shed}",
+                self._retry(drain_s(tbt_limit)),
+            )
+        return None
+
+    def _shed_note(self, request: ev.RequestAdmitted) -> str:
+        f = self.factor(request.priority)
+        return f" (priority {request.priority}: {f:.0%} of SLO)" if f < 1.0 else ""
+
+    def _retry(self, seconds: float) -> float:
+        return float(min(self.max_retry_after_s, max(1.0, round(seconds, 3))))

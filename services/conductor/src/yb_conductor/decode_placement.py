@@ -1,0 +1,155 @@
+"""Decode placement: the decode instance whose predicted TBT is lowest.
+
+For each live decode instance three batches are estimated, because the three
+admission policies look at different ones:
+- `decoding`: what decodes there now (KV committed, not finished), plus this request
+  — the load an "early" rejection sees;
+- `predicted`: the batch at the moment this request's prefill is expected to end
+  (Mooncake §7): requests decoding now that will still be decoding then (a request
+  decodes for `t_d`, learned from completions, or less when its `max_tokens` at the
+  estimated TBT is shorter), plus requests still in prefill that will have finished
+  it by then, plus this one;
+- `assigned`: everything sent there and not finished, plus this one (an upper bound).
+
+The placement itself uses the predicted TBT in every admission policy, so that
+switching admission changes only who is refused, not where the others go. An
+instance without room for the request's KV (prompt plus expected output) is not a
+candidate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from yb_conductor.cost_model import CostModel
+from yb_conductor.state import ClusterState, InstanceState
+
+
+@dataclass(slots=True)
+class DecodeEstimate:
+    """One decode instance, with this request added, at the three horizons."""
+
+    instance: InstanceState
+    fits: bool
+    decoding_batch: int
+    decoding_tbt_s: float
+    predicted_batch: int
+    predicted_tbt_s: float
+    assigned_batch: int
+    assigned_tbt_s: float
+    at_time: float
+
+
+@dataclass(slots=True)
+class DecodeChoice:
+    """Every decode instance's predicted batch and TBT (parallel lists), and the pick
+    (`chosen_index` is -1 when no instance has room)."""
+
+    instances: list[InstanceState]
+    fits: list[bool]
+    predicted_batches: list[int]
+    predicted_tbts: list[float]
+    chosen_index: int
+    at_time: float
+    context: int
+
+
+class DecodePlanner:
+    """Estimates the decode instances for a request and picks the lowest TBT."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+
+    def choose(
+        self,
+        state: ClusterState,
+        decodes: list[InstanceState],
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        block_size: int,
+        at_time: float,
+    ) -> DecodeChoice:
+        """Predict every decode instance's batch at `at_time` (when this request's
+        prefill should end) with this request added, and pick the lowest TBT among
+        those with KV room (ties: the smaller assigned batch, then by id)."""
+        d = self.cost.decode
+        base, per_seq, per_ctx = d.base_s, d.per_seq_s, d.per_context_token_s
+        out_tokens = state.expected_output(max_tokens)
+        context = prompt_tokens + out_tokens // 2
+        need_blocks = -(-(prompt_tokens + out_tokens) // max(1, block_size))
+        t_d = state.learned.decode_time_s
+        placements = state.placements
+        n = len(decodes)
+        fits = [True] * n
+        batches = [1] * n
+        tbts = [0.0] * n
+        chosen = -1
+        chosen_key = (math.inf, 0)
+        for i, inst in enumerate(decodes):
+            cap = inst.kv_capacity_blocks
+            fit = not cap or inst.decode_kv_blocks + need_blocks <= cap
+            batch, ctx = 1, context
+            for rid in inst.assigned:
+                p = placements.get(rid)
+                if p is None:
+                    continue
+                start = p.decode_started or p.prefill_end
+                duration = p.duration_cap if p.duration_cap < t_d else t_d
+                if start <= at_time < start + duration:
+                    batch += 1
+                    ctx += p.context_tokens
+            tbt = base + per_seq * batch + per_ctx * ctx
+            fits[i] = fit
+            batches[i] = batch
+            tbts[i] = tbt
+            if fit:
+                key = (tbt, inst.decode_requests)
+                if key < chosen_key:
+                    chosen_key = key
+                    chosen = i
+        return DecodeChoice(decodes, fits, batches, tbts, chosen, at_time, context)
+
+    def estimate(self, choice: DecodeChoice, i: int) -> DecodeEstimate:
+        """Instance `i` of a choice at all three horizons."""
+        inst = choice.instances[i]
+        cost = self.cost
+        decoding_batch = inst.decoding_requests + 1
+        assigned_batch = inst.decode_requests + 1
+        return DecodeEstimate(
+            instance=inst,
+            fits=choice.fits[i],
+            decoding_batch=decoding_batch,
+            decoding_tbt_s=cost.tbt_s(
+                decoding_batch, inst.decoding_context_tokens + choice.context
+            ),
+            predicted_batch=choice.predicted_batches[i],
+            predicted_tbt_s=choice.predicted_tbts[i],
+            assigned_batch=assigned_batch,
+            assigned_tbt_s=cost.tbt_s(assigned_batch, inst.decode_context_tokens + choice.context),
+            at_time=choice.at_time,
+        )
+
+    def drain_time_s(
+        self, state: ClusterState, est: DecodeEstimate, limit_s: float, context: int
+    ) -> float:
+        """Seconds from now until the predicted batch's TBT falls under `limit_s`, as
+        its members finish (for a rejection's Retry-After)."""
+        t_d = state.learned.decode_time_s
+        members: list[tuple[float, int]] = []
+        for p in state.assigned_placements(est.instance):
+            duration = p.duration_cap if p.duration_cap < t_d else t_d
+            start = p.decode_started or p.prefill_end
+            members.append((start + duration, p.context_tokens))
+        members.sort()
+        batch = len(members) + 1
+        ctx = sum(c for _, c in members) + context
+        if self.cost.tbt_s(batch, ctx) <= limit_s:
+            return 0.0
+        for end, c in members:
+            batch -= 1
+            ctx -= c
+            if self.cost.tbt_s(batch, ctx) <= limit_s:
+                return max(0.0, end - state.now)
+        return t_d  # even alone it would be too slow: waiting helps little

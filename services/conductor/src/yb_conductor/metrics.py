@@ -1,0 +1,124 @@
+"""The conductor's Prometheus metrics, fed from the fold's own counters.
+
+The fold (`Conductor`) counts decisions and compares completions with estimates as
+pure data (`DecisionQuality`, `Conductor.outcomes`); this module only exports them, so
+a replay computes exactly the figures the live conductor exported.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from yb_conductor.conductor import Conductor, Output
+from yb_conductor.quality import reject_code
+from yb_shared import events as ev
+
+_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
+
+
+class ConductorMetrics:
+    """Counters and histograms of one conductor process."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.decisions = Counter(
+            "yb_conductor_decisions_total", "Decisions made, by outcome", ["outcome"],
+            registry=registry,
+        )  # fmt: skip
+        self.branches = Counter(
+            "yb_conductor_branch_total",
+            "Scheduled requests by placement branch (local, transfer, recompute)",
+            ["branch"],
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "yb_conductor_rejections_total", "Rejections by reason code", ["code"],
+            registry=registry,
+        )  # fmt: skip
+        self.reused_blocks = Counter(
+            "yb_conductor_reused_blocks_total", "Prefix blocks planned for reuse",
+            registry=registry,
+        )  # fmt: skip
+        self.best_blocks = Counter(
+            "yb_conductor_best_blocks_total",
+            "Longest prefix held anywhere, summed over scheduled requests (reuse ceiling)",
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "yb_conductor_decision_seconds",
+            "Time to fold an admission and decide",
+            registry=registry,
+            buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1),
+        )
+        self.applied = Counter(
+            "yb_conductor_events_applied_total", "Events folded", registry=registry
+        )
+        self.instances = Gauge(
+            "yb_conductor_live_instances", "Live instances by role", ["role"], registry=registry
+        )
+        self.divergences = Counter(
+            "yb_conductor_divergences_total",
+            "Recorded decisions this conductor would have made differently",
+            registry=registry,
+        )
+        self.ttft_ratio = Histogram(
+            "yb_conductor_ttft_actual_over_estimate",
+            "Measured TTFT over the decision's estimate, per completion",
+            registry=registry,
+            buckets=_RATIO_BUCKETS,
+        )
+        self.tbt_ratio = Histogram(
+            "yb_conductor_tbt_actual_over_estimate",
+            "Measured mean TBT over the decision's estimate, per completion",
+            registry=registry,
+            buckets=_RATIO_BUCKETS,
+        )
+        self.ttft_error = Histogram(
+            "yb_conductor_ttft_abs_error_seconds",
+            "|measured TTFT - estimate| per completion",
+            registry=registry,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+        )
+        self.decode_time = Gauge(
+            "yb_conductor_expected_decode_seconds",
+            "t_d: expected decode duration, learned from completions",
+            registry=registry,
+        )
+        self.active = Gauge(
+            "yb_conductor_active", "1 while this conductor holds the lease", registry=registry
+        )
+
+    def decided(self, outputs: list[Output], seconds: float) -> None:
+        """Count the decisions of one admission."""
+        self.latency.observe(seconds)
+        for out in outputs:
+            match out:
+                case ev.RequestScheduled():
+                    self.decisions.labels("scheduled").inc()
+                    branch = out.explain.branch if out.explain else "unexplained"
+                    self.branches.labels(branch or "unexplained").inc()
+                    self.reused_blocks.inc(out.reused_blocks)
+                    best = out.explain.best_blocks if out.explain else out.reused_blocks
+                    self.best_blocks.inc(max(best, out.reused_blocks))
+                case ev.RequestRejected():
+                    self.decisions.labels("rejected").inc()
+                    self.rejections.labels(reject_code(out.reason)).inc()
+                case _:
+                    pass
+
+    def collect_outcomes(self, conductor: Conductor) -> None:
+        """Export the completions the fold compared since the last call."""
+        if not conductor.outcomes:
+            return
+        for o in conductor.outcomes:
+            if o.est_ttft_s > 0 and o.ttft_s > 0:
+                self.ttft_ratio.observe(o.ttft_s / o.est_ttft_s)
+                self.ttft_error.observe(abs(o.ttft_s - o.est_ttft_s))
+            if o.est_tbt_s > 0 and o.tbt_s > 0:
+                self.tbt_ratio.observe(o.tbt_s / o.est_tbt_s)
+        conductor.outcomes.clear()
+        self.decode_time.set(conductor.state.learned.decode_time_s)
+
+    def instances_changed(self, conductor: Conductor) -> None:
+        """Refresh the live-instance gauges."""
+        for role in ("prefill", "decode", "kvstore"):
+            self.instances.labels(role).set(len(conductor.state.live(role)))

@@ -1,0 +1,377 @@
+"""Prefill placement: Mooncake's Algorithm 1, and where it is cheap, better.
+
+For every prefill instance the paper compares its local prefix with the best prefix
+anywhere; if the best beats the local one by `kvcache_balancing_threshold`, it plans a
+transfer of the missing blocks, otherwise it computes from the local prefix; TTFT is
+queue + transfer + prefill, and the minimum wins. What it never does (its authors say
+so, kvcache-ai/Mooncake#749) is ask whether the transfer is worth it once the ratio
+passes, nor whether even the local prefix is (an SSD far slower than recomputing a
+small model). Here every instance gets three options — recompute, load the local
+prefix, pull the rest of the best prefix — each estimated with the cost model, and
+the fastest is kept; the ratio stays as a guard on when a transfer is considered
+(`weigh_transfer=False` restores the paper's rule exactly, for what-if runs).
+
+What "local" means: the instance's own engine cache (tier "engine", free) and its
+host's kvstores (DRAM or SSD over the local path). A transfer pulls the missing
+blocks from a kvstore on another host. Engines do not serve other engines.
+
+Cost: the chain is walked once for all holders (`BlockIndex.match`). Instances with
+no local prefix, usually nearly all of them, share one "best option" cost, so each
+of them costs one subtraction; only the few on hosts that hold the prefix are
+estimated one by one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from yb_conductor.cost_model import CostModel
+from yb_conductor.state import ClusterState, InstanceState
+from yb_shared import events as ev
+
+RECOMPUTE = "recompute"
+LOCAL = "local"
+TRANSFER = "transfer"
+
+
+@dataclass(slots=True)
+class Source:
+    """A block holder's prefix of the request's chain."""
+
+    instance: InstanceState
+    blocks: int
+    ssd_blocks: int
+
+    def rank(self) -> tuple[int, int, str]:
+        """Longer first, then fewer SSD blocks, then by id: deterministic."""
+        return (-self.blocks, self.ssd_blocks, self.instance.instance_id)
+
+
+@dataclass(slots=True)
+class Estimate:
+    """One way to prefill the request, before any queue: what it reuses and costs."""
+
+    option: str
+    local_blocks: int
+    reuse_blocks: int
+    transfer_s: float
+    prefill_s: float
+    local: Source | None = None
+    engine: Source | None = None
+    remote: Source | None = None
+
+    @property
+    def work_s(self) -> float:
+        """Transfer plus prefill: what the option costs once the queue has drained."""
+        return self.transfer_s + self.prefill_s
+
+
+@dataclass(slots=True)
+class Option:
+    """An instance with its queue and the estimate it would take."""
+
+    instance: InstanceState
+    queue_s: float
+    est: Estimate
+    ttft_s: float
+
+
+@dataclass(slots=True)
+class PrefillChoice:
+    """Every instance's best option, as parallel lists (instance order), and the pick.
+
+    Lists of floats rather than an object per instance: this is the hot loop of
+    every decision, and 64+ small objects per admission cost more than the rest of
+    the decision together.
+    """
+
+    instances: list[InstanceState]
+    queues: list[float]
+    ttfts: list[float]
+    estimates: list[Estimate]
+    chosen_index: int
+
+    def option(self, i: int) -> Option:
+        """Instance `i`'s option as an object."""
+        return Option(self.instances[i], self.queues[i], self.estimates[i], self.ttfts[i])
+
+    @property
+    def chosen(self) -> Option:
+        """The option with the lowest TTFT (first by id on ties)."""
+        return self.option(self.chosen_index)
+
+
+@dataclass(slots=True)
+class PoolView:
+    """What the pool holds of one request's chain, resolved to live instances."""
+
+    keys: list[int]
+    best: Source | None
+    best_any_blocks: int
+    best_any_source: str
+    host_best: dict[str, Source]
+    engines: dict[str, Source]
+
+
+class PrefillPlanner:
+    """Estimates every prefill instance for a request and keeps the fastest option."""
+
+    def __init__(
+        self,
+        cost: CostModel,
+        *,
+        balancing_threshold: float = 1.0,
+        weigh_transfer: bool = True,
+    ) -> None:
+        self.cost = cost
+        self.threshold = balancing_threshold
+        self.weigh_transfer = weigh_transfer
+
+    def view(self, state: ClusterState, request: ev.RequestAdmitted) -> PoolView:
+        """Walk the chain once and resolve every holder's prefix."""
+        # At least the last prompt token must be computed (its logits are needed), so
+        # a prompt that is all full blocks can reuse all but its last block.
+        usable = max(0, (request.prompt_tokens - 1) // max(1, request.block_size))
+        keys = request.block_hashes[:usable]
+        if not keys or not len(state.index):
+            return PoolView(keys, None, 0, "", {}, {})
+        match = state.index.match(keys)
+        best: Source | None = None
+        best_any: Source | None = None
+        host_best: dict[str, Source] = {}
+        engines: dict[str, Source] = {}
+        instances = state.instances
+        index = state.index
+        for slot, blocks in match.lengths.items():
+            inst = instances.get(index.instance(slot))
+            if inst is None or not inst.alive:
+                continue
+            if inst.model and request.model and inst.model != request.model:
+                continue
+            src = Source(inst, blocks, match.ssd.get(slot, 0))
+            if best_any is None or src.rank() < best_any.rank():
+                best_any = src
+            if inst.role == "kvstore":
+                if best is None or src.rank() < best.rank():
+                    best = src
+                held = host_best.get(inst.host)
+                if held is None or src.rank() < held.rank():
+                    host_best[inst.host] = src
+            elif inst.role == "prefill":
+                engines[inst.instance_id] = src
+        return PoolView(
+            keys,
+            best,
+            best_any.blocks if best_any else 0,
+            best_any.instance.instance_id if best_any else "",
+            host_best,
+            engines,
+        )
+
+    # --- estimates -------------------------------------------------------------------
+
+    def _load_s(self, src: Source, blocks: int, block_size: int, remote: bool) -> float:
+        """Seconds to load `blocks` of a source's prefix (its SSD share pro rata)."""
+        if blocks <= 0 or src.instance.role != "kvstore":
+            return 0.0
+        ssd = round(blocks * src.ssd_blocks / src.blocks) if src.ssd_blocks else 0
+        dram = blocks - ssd
+        cost = self.cost
+        t = cost.load_s(dram, block_size, "dram", remote) if dram else 0.0
+        if ssd:
+            t += cost.load_s(ssd, block_size, "ssd", remote)
+        return t
+
+    def options(
+        self,
+        state: ClusterState,
+        request: ev.RequestAdmitted,
+        view: PoolView,
+        prefills: list[InstanceState],
+    ) -> PrefillChoice:
+        """Every instance's best option and the fastest of all.
+
+        Instances with no local prefix share one estimate (plus their own queue), so
+        the loop stays O(instances) with a tiny constant. Ties go to the first
+        instance by id.
+        """
+        bs = max(1, request.block_size)
+        prompt = request.prompt_tokens
+        cost = self.cost
+        memo: dict[int, float] = {}
+
+        def prefill_s(reuse_blocks: int) -> float:
+            t = memo.get(reuse_blocks)
+            if t is None:
+                cached = reuse_blocks * bs
+                t = memo[reuse_blocks] = cost.prefill_s(prompt - cached, cached)
+            return t
+
+        now = state.now
+        best = view.best
+        shared = self.estimate(0, None, None, best, prefill_s, bs)
+        shared_work = shared.work_s
+        host_best = view.host_best
+        engines = view.engines
+        any_local = bool(host_best or engines)
+        n = len(prefills)
+        queues = [0.0] * n
+        ttfts = [0.0] * n
+        estimates = [shared] * n
+        chosen = 0
+        chosen_t = math.inf
+        for i, inst in enumerate(prefills):
+            busy = inst.busy_until
+            queue = busy - now if busy > now else 0.0
+            work = shared_work
+            if any_local:
+                local = host_best.get(inst.host)
+                engine = engines.get(inst.instance_id)
+                if local is not None or engine is not None:
+                    held = max(local.blocks if local else 0, engine.blocks if engine else 0)
+                    est = self.estimate(held, local, engine, best, prefill_s, bs)
+                    estimates[i] = est
+                    work = est.transfer_s + est.prefill_s
+            t = queue + work
+            queues[i] = queue
+            ttfts[i] = t
+            if t < chosen_t:
+                chosen_t = t
+                chosen = i
+        return PrefillChoice(prefills, queues, ttfts, estimates, chosen)
+
+    def estimate(
+        self,
+        local_blocks: int,
+        local: Source | None,
+        engine: Source | None,
+        best: Source | None,
+        prefill_s: Callable[[int], float],
+        bs: int,
+    ) -> Estimate:
+        """The option an instance with this local prefix takes: the fastest of
+        recompute / local / transfer (or the paper's rule when `weigh_transfer` is off)."""
+        # The local load: engine blocks are free, the host's kvstore covers the rest.
+        engine_blocks = engine.blocks if engine else 0
+        local_load = 0.0
+        if local is not None and local.blocks > engine_blocks:
+            local_load = self._load_s(local, local.blocks - engine_blocks, bs, remote=False)
+        recompute = Estimate(RECOMPUTE, local_blocks, 0, 0.0, prefill_s(0))
+        local_est: Estimate | None = None
+        if local_blocks > 0:
+            local_est = Estimate(
+                LOCAL,
+                local_blocks,
+                local_blocks,
+                local_load,
+                prefill_s(local_blocks),
+                local=local,
+                engine=engine,
+            )
+        transfer_est: Estimate | None = None
+        # The guard: a remote prefix is considered only when it beats the local one
+        # by more than the balancing threshold (any local prefix of 0 is beaten).
+        if (
+            best is not None
+            and best.blocks > local_blocks
+            and (local_blocks == 0 or best.blocks / local_blocks > self.threshold)
+        ):
+            remote_load = self._load_s(best, best.blocks - local_blocks, bs, remote=True)
+            transfer_est = Estimate(
+                TRANSFER,
+                local_blocks,
+                best.blocks,
+                local_load + remote_load,
+                prefill_s(best.blocks),
+                local=local,
+                engine=engine,
+                remote=best,
+            )
+        if not self.weigh_transfer:
+            # The paper: transfer whenever the ratio passes, else the local prefix.
+            return transfer_est or local_est or recompute
+        chosen = recompute
+        for est in (local_est, transfer_est):
+            if est is not None and est.work_s < chosen.work_s:
+                chosen = est
+        return chosen
+
+    # --- the plan --------------------------------------------------------------------
+
+    def reuse_plan(self, state: ClusterState, view: PoolView, opt: Option) -> list[ev.ReusePlan]:
+        """Where each reused block comes from, as runs of one source and tier."""
+        est = opt.est
+        if est.reuse_blocks <= 0:
+            return []
+        keys = view.keys
+        index = state.index
+        plan: list[ev.ReusePlan] = []
+        done = 0
+        engine = est.engine
+        if engine is not None and engine.blocks > 0:
+            n = min(engine.blocks, est.reuse_blocks)
+            plan.append(
+                ev.ReusePlan(
+                    source_instance=opt.instance.instance_id,
+                    tier="engine",
+                    first_block=0,
+                    num_blocks=n,
+                )
+            )
+            done = n
+        for src in (est.local, est.remote):
+            if src is None or done >= est.reuse_blocks:
+                continue
+            end = min(src.blocks, est.reuse_blocks)
+            if end <= done:
+                continue
+            slot = index.slot_of(src.instance.instance_id)
+            assert slot is not None
+            for run in index.tier_runs(keys, done, end, slot):
+                plan.append(
+                    ev.ReusePlan(
+                        source_instance=src.instance.instance_id,
+                        tier=run.tier,
+                        first_block=run.first,
+                        num_blocks=run.count,
+                    )
+                )
+            done = end
+        return plan
+
+    def candidates(self, choice: PrefillChoice, best_blocks: int, top_k: int) -> list[ev.Candidate]:
+        """The chosen option first, then the next best by TTFT (`top_k` in all; 0: all)."""
+        ttfts = choice.ttfts
+        k = len(ttfts) if top_k <= 0 else top_k
+        # A stable sort of indices: ties stay in instance-id order.
+        order = sorted(range(len(ttfts)), key=ttfts.__getitem__)
+        picked = [choice.chosen_index]
+        picked.extend(i for i in order[: k + 1] if i != choice.chosen_index)
+        return [self._candidate(choice.option(i), best_blocks) for i in picked[:k]]
+
+    @staticmethod
+    def _candidate(opt: Option, best_blocks: int) -> ev.Candidate:
+        est = opt.est
+        source = ""
+        if est.option == TRANSFER and est.remote is not None:
+            source = est.remote.instance.instance_id
+        elif est.option == LOCAL:
+            # The plan takes what the engine holds first (free), the rest from the host.
+            if est.engine is not None and est.engine.blocks >= est.reuse_blocks:
+                source = opt.instance.instance_id
+            elif est.local is not None:
+                source = est.local.instance.instance_id
+        return ev.Candidate(
+            instance_id=opt.instance.instance_id,
+            option=est.option,
+            local_blocks=est.local_blocks,
+            best_blocks=best_blocks,
+            reuse_blocks=est.reuse_blocks,
+            source=source,
+            queue_s=opt.queue_s,
+            transfer_s=est.transfer_s,
+            prefill_s=est.prefill_s,
+            ttft_s=opt.ttft_s,
+        )

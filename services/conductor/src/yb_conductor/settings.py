@@ -1,0 +1,104 @@
+"""The conductor's settings as they travel: in the log, and as `--set key=value`.
+
+A conductor publishes its settings and cost model (`ConductorConfigured`) when it
+becomes active, and the fold adopts them where they stand in the log. They travel as
+JSON and are read leniently — fields this version does not know are dropped,
+missing ones take defaults — because the log outlives the software that wrote it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from yb_conductor import __version__
+from yb_conductor.cost_model import CostModel, CostModelError, load_cost_model
+from yb_shared import events as ev
+from yb_shared.config import ConductorConfig
+
+_FIELDS = frozenset(f.name for f in msgspec.structs.fields(ConductorConfig))
+
+
+class SettingsError(ValueError):
+    """A `--set` that names no setting or does not convert."""
+
+
+def with_overrides(cfg: ConductorConfig, overrides: Mapping[str, Any]) -> ConductorConfig:
+    """`cfg` with some fields replaced; string values are converted ("0.5", "false")."""
+    if not overrides:
+        return cfg
+    unknown = sorted(set(overrides) - _FIELDS)
+    if unknown:
+        known = ", ".join(sorted(_FIELDS))
+        raise SettingsError(f"unknown conductor setting(s) {', '.join(unknown)}; known: {known}")
+    raw = msgspec.to_builtins(cfg)
+    for key, value in overrides.items():
+        raw[key] = _parse_value(value)
+    try:
+        return msgspec.convert(raw, ConductorConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise SettingsError(f"invalid setting: {exc}") from exc
+
+
+def _parse_value(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    lowered = value.strip().lower()
+    if lowered in ("true", "yes", "on"):
+        return True
+    if lowered in ("false", "no", "off"):
+        return False
+    return value
+
+
+def parse_assignments(items: list[str]) -> dict[str, str]:
+    """`["a=1", "b=x"]` -> `{"a": "1", "b": "x"}`."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SettingsError(f"--set wants key=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def configured_event(
+    cfg: ConductorConfig, cost: CostModel, instance_id: str, time: float = 0.0
+) -> ev.ConductorConfigured:
+    """The event that records these settings in the log."""
+    return ev.ConductorConfigured(
+        time=time,
+        instance_id=instance_id,
+        settings_json=msgspec.json.encode(cfg).decode(),
+        cost_model_json=msgspec.json.encode(cost).decode(),
+        software=f"yuebing-conductor {__version__}",
+    )
+
+
+def from_event(
+    event: ev.ConductorConfigured, fallback_cost: CostModel | None = None
+) -> tuple[ConductorConfig, CostModel]:
+    """The settings and cost model an event recorded (lenient; see module doc)."""
+    try:
+        raw = msgspec.json.decode(event.settings_json.encode())
+    except msgspec.DecodeError:
+        raw = {}
+    known = {k: v for k, v in (raw.items() if isinstance(raw, dict) else ()) if k in _FIELDS}
+    try:
+        cfg = msgspec.convert(known, ConductorConfig, strict=False)
+    except msgspec.ValidationError:
+        cfg = ConductorConfig()
+    cost = fallback_cost
+    if event.cost_model_json:
+        try:
+            cost = msgspec.json.decode(event.cost_model_json.encode(), type=CostModel)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            cost = fallback_cost
+    if cost is None:
+        try:
+            cost = load_cost_model(cfg.cost_model)
+        except CostModelError:
+            cost = load_cost_model("")
+    return cfg, cost
