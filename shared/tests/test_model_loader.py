@@ -120,13 +120,14 @@ def test_load_model_reads_a_saved_hf_directory(tmp_path: Path) -> None:
     assert load_model(tmp_path / "other").config.model_id != model.config.model_id
 
 
-def test_tiny_model_is_fast_and_identical_across_processes() -> None:
+def test_tiny_model_is_identical_across_processes() -> None:
+    # (Its build time is a speed question for benchmarks, not a unit-test assertion.)
     script = (
-        "import time, torch\n"
+        "import torch\n"
         "from yb_shared.model import tiny_random_model\n"
-        "t = time.perf_counter(); m = tiny_random_model(3); dt = time.perf_counter() - t\n"
+        "m = tiny_random_model(3)\n"
         "w = torch.cat([m.weights.embed.flatten(), m.weights.layers[1].gate_up.flatten()])\n"
-        "print(repr(float(w.double().sum())), dt)\n"
+        "print(repr(float(w.double().sum())))\n"
     )
     src = str(Path(loader_module.__file__).parents[2])
     out = subprocess.run(
@@ -139,4 +140,3 @@ def test_tiny_model_is_fast_and_identical_across_processes() -> None:
     here = tiny_random_model(3)
     w = torch.cat([here.weights.embed.flatten(), here.weights.layers[1].gate_up.flatten()])
     assert out[0] == repr(float(w.double().sum()))
-    assert float(out[1]) < 1.0  # seconds, tokenizer included

@@ -165,7 +165,7 @@ async def test_nats_down_then_back(
         response = await client.post("/v1/chat/completions", json=CHAT)
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "bus_unavailable"
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 3.0  # at once, not after a deadline
         assert (await client.get("/healthz")).status_code == 200
         assert (await client.get("/readyz")).status_code == 503
 
