@@ -1,16 +1,26 @@
 """KV transfer throughput between two processes, against a plain memcpy of the same bytes.
 
     python benchmarks/transfer.py --json PATH [--sizes 1,16,64,256] [--repeat 7]
+                                  [--page-kib 2048] [--layouts scattered,contiguous]
 
 The parent process is the sender (`KVSender`); it starts a receiver process
 (`KVReceiver`, this same file with `--role receiver`) whose reservation factory hands
 out pre-faulted destination buffers. Each payload is cut into KV-page-sized buffers:
-2 MiB each (one 512-token block of one layer of a Llama-3-8B-shaped model: 8 KV heads x
-128 dims x bf16 x K and V = 2 MiB), or 8 buffers of size/8 for payloads under 16 MiB
-(1 MiB -> 8 x 128 KiB). Buffers are grouped into segments of at most 16 MiB, as a
-layer-wise streamer would send them, all posted at once, then committed. One timed
-transfer runs from the first `send()` to the end of `commit()`: it includes the
-sender's and the receiver's xxh3 checksums, the verification and the commit round trip.
+2 MiB each by default (one 512-token block of one layer of a Llama-3-8B-shaped model:
+8 KV heads x 128 dims x bf16 x K and V = 2 MiB), or 8 buffers of size/8 for payloads
+under 16 MiB (1 MiB -> 8 x 128 KiB); `--page-kib 96` gives the pages of the default
+model (SmolLM2-135M, fp32, 64-token blocks). Buffers are grouped into segments of at
+most 16 MiB, as a layer-wise streamer would send them, and sent with one
+`send_segments()` call: every segment posted at once (each hashed just before it is
+posted, while the previous one moves), the last one carrying the commit. One timed
+transfer runs from that call to its return: it includes the sender's and the
+receiver's xxh3 checksums, the verification and the commit.
+
+Two layouts: `scattered` (the headline figures): every page is its own allocation, on
+both sides, so every page is one UCX message. `contiguous` (`*_contiguous` keys): the
+pages are consecutive slices of one array on both sides, as consecutive pages of one
+layer are in an engine's KV cache, so the sender sends runs of them as one message
+(spans of up to 8 MiB).
 
 Figures are the median over `--repeat` runs (after one warm-up); `*_best` keys give
 the fastest run. `memcpy_gbps_*` is `numpy.copyto` of the same number of bytes into a
@@ -43,12 +53,12 @@ PAGE_BYTES = 2 * MIB
 SEGMENT_BYTES = 16 * MIB
 
 
-def layout(size_mb: int) -> list[int]:
+def layout(size_mb: int, page_bytes: int = PAGE_BYTES) -> list[int]:
     """Buffer sizes for a payload of `size_mb` MiB (see the module docstring)."""
     total = size_mb * MIB
-    if total < 16 * MIB:
+    if page_bytes == PAGE_BYTES and total < 16 * MIB:
         return [total // 8] * 8
-    return [PAGE_BYTES] * (total // PAGE_BYTES)
+    return [page_bytes] * (total // page_bytes)
 
 
 def segments(count: int, sizes: Sequence[int]) -> list[list[int]]:
@@ -70,16 +80,35 @@ def faulted(size: int, fill: int) -> np.ndarray:
     return buf
 
 
+def buffers(sizes: list[int], contiguous: bool, fill: int | None) -> list[np.ndarray]:
+    """Pre-faulted buffers of `sizes`: separate arrays, or slices of one array."""
+    if not contiguous:
+        return [faulted(size, (i % 251) if fill is None else fill) for i, size in enumerate(sizes)]
+    whole = faulted(sum(sizes), 0 if fill is not None else 7)
+    if fill is None:
+        whole[:] = np.arange(whole.nbytes, dtype=np.uint64).astype(np.uint8)
+    out = []
+    offset = 0
+    for size in sizes:
+        out.append(whole[offset : offset + size])
+        offset += size
+    return out
+
+
 # -- receiver process -------------------------------------------------------------------
 
 
-async def run_receiver(sizes_mb: list[int]) -> None:
-    destinations = {mb: [faulted(size, 0) for size in layout(mb)] for mb in sizes_mb}
+async def run_receiver(sizes_mb: list[int], page_bytes: int, layouts: list[str]) -> None:
+    destinations = {
+        (mb, name): buffers(layout(mb, page_bytes), name == "contiguous", 0)
+        for mb in sizes_mb
+        for name in layouts
+    }
 
     def factory(request_id: str, header: SegmentHeader) -> list[np.ndarray] | None:
         del header
-        mb = int(request_id.split("-")[0])
-        return destinations.get(mb)
+        mb, name, _rep = request_id.split("-")
+        return destinations.get((int(mb), name))
 
     receiver = KVReceiver()
     receiver.set_reservation_factory(factory, deadline_s=120.0)
@@ -98,13 +127,9 @@ async def timed_transfer(
 ) -> float:
     groups = segments(len(bufs), [b.nbytes for b in bufs])
     start = time.perf_counter()
-    await asyncio.gather(
-        *(
-            sender.send(peer, request_id, [(i, bufs[i]) for i in group], deadline_s=60.0)
-            for group in groups
-        )
+    await sender.send_segments(
+        peer, request_id, [[(i, bufs[i]) for i in group] for group in groups], deadline_s=60.0
     )
-    await sender.commit(peer, request_id, deadline_s=60.0)
     return time.perf_counter() - start
 
 
@@ -166,7 +191,9 @@ def best_of(fn: object, repeat: int) -> list[float]:
     return times
 
 
-async def run_sender(sizes_mb: list[int], repeat: int) -> dict[str, float]:
+async def run_sender(
+    sizes_mb: list[int], repeat: int, page_bytes: int, layouts: list[str], perftest: bool
+) -> dict[str, float]:
     receiver = await asyncio.create_subprocess_exec(
         sys.executable,
         __file__,
@@ -174,6 +201,10 @@ async def run_sender(sizes_mb: list[int], repeat: int) -> dict[str, float]:
         "receiver",
         "--sizes",
         ",".join(map(str, sizes_mb)),
+        "--page-kib",
+        str(page_bytes // 1024),
+        "--layouts",
+        ",".join(layouts),
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
     )
@@ -183,60 +214,69 @@ async def run_sender(sizes_mb: list[int], repeat: int) -> dict[str, float]:
     results: dict[str, float] = {}
     rows = []
     try:
-        for mb in sizes_mb:
-            total = mb * MIB
-            bufs = [faulted(size, i % 251) for i, size in enumerate(layout(mb))]
-            await timed_transfer(sender, peer, f"{mb}-warmup", bufs)
-            cpu_before = (cpu_seconds(), cpu_seconds(receiver.pid))
-            ucx = [await timed_transfer(sender, peer, f"{mb}-{rep}", bufs) for rep in range(repeat)]
-            moved_gb = total * repeat / 1e9
-            cpu_tx = (cpu_seconds() - cpu_before[0]) / moved_gb
-            cpu_rx = (cpu_seconds(receiver.pid) - cpu_before[1]) / moved_gb
-            src = faulted(total, 7)
-            dst = faulted(total, 0)
-            memcpy = best_of(lambda src=src, dst=dst: np.copyto(dst, src), repeat)
-            xxh3 = best_of(lambda src=src: checksum(src), repeat)
-            gbps = {
-                "ucx": total / statistics.median(ucx) / 1e9,
-                "ucx_best": total / min(ucx) / 1e9,
-                "memcpy": total / statistics.median(memcpy) / 1e9,
-                "memcpy_best": total / min(memcpy) / 1e9,
-                "xxh3": total / statistics.median(xxh3) / 1e9,
-            }
-            for key, value in gbps.items():
-                name = key.split("_")[0]
-                suffix = "_best" if key.endswith("_best") else ""
-                results[f"{name}_gbps_{mb}mb{suffix}"] = round(value, 3)
-            results[f"sender_cpu_s_per_gb_{mb}mb"] = round(cpu_tx, 4)
-            results[f"receiver_cpu_s_per_gb_{mb}mb"] = round(cpu_rx, 4)
-            rows.append((mb, len(bufs), gbps, cpu_tx, cpu_rx))
-            del src, dst, bufs
+        for name in layouts:
+            tag = "" if name == "scattered" else f"_{name}"
+            for mb in sizes_mb:
+                total = mb * MIB
+                bufs = buffers(layout(mb, page_bytes), name == "contiguous", None)
+                await timed_transfer(sender, peer, f"{mb}-{name}-warmup", bufs)
+                cpu_before = (cpu_seconds(), cpu_seconds(receiver.pid))
+                ucx = [
+                    await timed_transfer(sender, peer, f"{mb}-{name}-{rep}", bufs)
+                    for rep in range(repeat)
+                ]
+                moved_gb = total * repeat / 1e9
+                cpu_tx = (cpu_seconds() - cpu_before[0]) / moved_gb
+                cpu_rx = (cpu_seconds(receiver.pid) - cpu_before[1]) / moved_gb
+                src = faulted(total, 7)
+                dst = faulted(total, 0)
+                memcpy = best_of(lambda src=src, dst=dst: np.copyto(dst, src), repeat)
+                xxh3 = best_of(lambda src=src: checksum(src), repeat)
+                gbps = {
+                    "ucx": total / statistics.median(ucx) / 1e9,
+                    "ucx_best": total / min(ucx) / 1e9,
+                    "memcpy": total / statistics.median(memcpy) / 1e9,
+                    "memcpy_best": total / min(memcpy) / 1e9,
+                    "xxh3": total / statistics.median(xxh3) / 1e9,
+                }
+                for key, value in gbps.items():
+                    if tag and not key.startswith("ucx"):
+                        continue  # the baselines do not depend on the layout
+                    base = key.split("_")[0]
+                    suffix = "_best" if key.endswith("_best") else ""
+                    results[f"{base}_gbps_{mb}mb{tag}{suffix}"] = round(value, 3)
+                results[f"sender_cpu_s_per_gb_{mb}mb{tag}"] = round(cpu_tx, 4)
+                results[f"receiver_cpu_s_per_gb_{mb}mb{tag}"] = round(cpu_rx, 4)
+                rows.append((name, mb, len(bufs), gbps, cpu_tx, cpu_rx))
+                del src, dst, bufs
     finally:
         await sender.close()
         receiver.stdin.close()
         await asyncio.wait_for(receiver.wait(), 30)
 
     print(
-        f"{'payload':>8} {'buffers':>8} {'ucx GB/s':>9} {'(best)':>7} "
+        f"{'layout':<11} {'payload':>8} {'buffers':>8} {'ucx GB/s':>9} {'(best)':>7} "
         f"{'memcpy GB/s':>12} {'ucx/memcpy':>11} {'xxh3 GB/s':>10} {'CPU s/GB tx':>12} "
         f"{'rx':>6}"
     )
-    for mb, count, gbps, cpu_tx, cpu_rx in rows:
+    for name, mb, count, gbps, cpu_tx, cpu_rx in rows:
         print(
-            f"{mb:>6}MB {count:>8} {gbps['ucx']:>9.2f} {gbps['ucx_best']:>7.2f} "
+            f"{name:<11} {mb:>6}MB {count:>8} {gbps['ucx']:>9.2f} {gbps['ucx_best']:>7.2f} "
             f"{gbps['memcpy']:>12.2f} {gbps['ucx'] / gbps['memcpy']:>10.0%} {gbps['xxh3']:>10.2f} "
             f"{cpu_tx:>12.3f} {cpu_rx:>6.3f}"
         )
     tls = os.environ.get("UCX_TLS", "all")
-    print(f"UCX_TLS={tls}; buffers of 2 MiB (size/8 under 16 MiB), segments of <=16 MiB")
-    for label, size in (("2mib", PAGE_BYTES), ("64mib", 64 * MIB)):
-        ceiling = perftest_gbps(size, 512 * MIB)
-        if ceiling is not None:
-            results[f"ucx_perftest_gbps_{label}_messages"] = round(ceiling, 3)
-            print(
-                f"ucx_perftest tag_bw, one {label} buffer resent (C, no checksums, same UCX "
-                f"settings): {ceiling:.2f} GB/s"
-            )
+    pages = "2 MiB (size/8 under 16 MiB)" if page_bytes == PAGE_BYTES else f"{page_bytes} B"
+    print(f"UCX_TLS={tls}; pages of {pages}, segments of <=16 MiB")
+    if perftest:
+        for label, size in (("2mib", PAGE_BYTES), ("64mib", 64 * MIB)):
+            ceiling = perftest_gbps(size, 512 * MIB)
+            if ceiling is not None:
+                results[f"ucx_perftest_gbps_{label}_messages"] = round(ceiling, 3)
+                print(
+                    f"ucx_perftest tag_bw, one {label} buffer resent (C, no checksums, same UCX "
+                    f"settings): {ceiling:.2f} GB/s"
+                )
     return results
 
 
@@ -245,13 +285,22 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--sizes", default="1,16,64,256", help="payload sizes, MiB")
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--page-kib", type=int, default=PAGE_BYTES // 1024)
+    parser.add_argument("--layouts", default="scattered,contiguous")
+    parser.add_argument("--no-perftest", action="store_true", help="skip ucx_perftest")
     parser.add_argument("--role", choices=["sender", "receiver"], default="sender")
     args = parser.parse_args()
     sizes_mb = [int(s) for s in args.sizes.split(",")]
+    layouts = [name for name in args.layouts.split(",") if name]
+    if set(layouts) - {"scattered", "contiguous"}:
+        parser.error("--layouts takes scattered and/or contiguous")
+    page_bytes = args.page_kib * 1024
     if args.role == "receiver":
-        asyncio.run(run_receiver(sizes_mb))
+        asyncio.run(run_receiver(sizes_mb, page_bytes, layouts))
         return
-    results = asyncio.run(run_sender(sizes_mb, args.repeat))
+    results = asyncio.run(
+        run_sender(sizes_mb, args.repeat, page_bytes, layouts, not args.no_perftest)
+    )
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -441,3 +441,112 @@ async def test_public_ucxx_coroutines_fallback_moves_the_same_bytes(
         assert all(np.array_equal(d, s) for d, s in zip(dest, src, strict=True))
     finally:
         await sender.close()
+
+
+@pytest.mark.asyncio
+async def test_adjacent_pages_travel_as_spans_into_adjacent_or_scattered_pages(
+    receiver: KVReceiver, sender: KVSender
+) -> None:
+    # Consecutive pages of one layer of a KV cache: one tensor, sliced.
+    cache = torch.from_numpy(data(8 * 4096, 1)).view(8, 4096)
+    pages = [cache[i] for i in range(8)]
+    # Adjacent destinations (a fresh decode cache) and scattered ones (guard gaps).
+    adjacent = np.zeros((8, 4096), np.uint8)
+    arena, scattered = arena_views([4096] * 8)
+    for name, dest in (("adjacent", list(adjacent)), ("scattered", scattered)):
+        reservation = receiver.reserve(name, dest, deadline_s=10)
+        # Pages 0-3 and 5-7 are runs; 4 is sent on its own in between.
+        items = [(i, pages[i]) for i in (0, 1, 2, 3, 5, 6, 7)] + [(4, pages[4])]
+        await sender.send(receiver.address, name, items, deadline_s=5, commit=True)
+        await reservation.wait_committed()
+        assert reservation.checksums[3] != 0
+        for i in range(8):
+            assert np.array_equal(np.asarray(dest[i]), pages[i].numpy()), (name, i)
+    assert guards_intact(arena, scattered)
+
+
+@pytest.mark.asyncio
+async def test_a_corrupt_page_inside_a_span_is_named_and_may_be_resent(
+    receiver: KVReceiver,
+) -> None:
+    block = data(4 * 1000, 2)
+    sources = [block[i * 1000 : (i + 1) * 1000] for i in range(4)]
+
+    corrupted: list[int] = []
+
+    def corrupt_page_two(request_id: str, items: Sequence[tuple[int, Any]]) -> None:
+        for index, buf in items:
+            if index == 2 and not corrupted:  # after its checksum: the bytes sent differ
+                buf[0] ^= 0xFF
+                corrupted.append(index)
+
+    sender = KVSender(after_checksum=corrupt_page_two)
+    try:
+        dest = [np.zeros(1000, np.uint8) for _ in range(4)]
+        reservation = receiver.reserve("span-bad", dest, deadline_s=10)
+        with pytest.raises(ChecksumMismatch) as refused:
+            await sender.send(receiver.address, "span-bad", list(enumerate(sources)), deadline_s=5)
+        assert refused.value.indices == (2,)
+        assert reservation.received == {0, 1, 3} and not reservation.done
+        sources[2][0] ^= 0xFF  # repaired
+        await sender.send(receiver.address, "span-bad", [(2, sources[2])], deadline_s=5)
+        await sender.commit(receiver.address, "span-bad", deadline_s=5)
+        await reservation.wait_committed()
+        assert all(np.array_equal(d, s) for d, s in zip(dest, sources, strict=True))
+    finally:
+        await sender.close()
+
+
+@pytest.mark.asyncio
+async def test_send_segments_is_one_round_trip_with_its_commit(
+    receiver: KVReceiver, sender: KVSender
+) -> None:
+    src = [data(50_000, i) for i in range(6)]
+    dest = [np.zeros(50_000, np.uint8) for _ in range(6)]
+    reservation = receiver.reserve("batch", dest, deadline_s=10)
+    segments = [[(0, src[0]), (1, src[1])], [(2, src[2])], [(3, src[3]), (4, src[4]), (5, src[5])]]
+    await sender.send_segments(receiver.address, "batch", segments, deadline_s=5)
+    assert reservation.done  # committed by the time the call returns
+    await reservation.wait_committed()
+    assert all(np.array_equal(d, s) for d, s in zip(dest, src, strict=True))
+
+    # A batch that leaves an index out: the piggybacked commit fails the reservation.
+    short = receiver.reserve("short", [np.zeros(10, np.uint8) for _ in range(2)], deadline_s=10)
+    with pytest.raises(ReservationRefused) as refused:
+        await sender.send_segments(
+            receiver.address, "short", [[(0, np.ones(10, np.uint8))]], deadline_s=5
+        )
+    assert refused.value.reason is Reason.INCOMPLETE
+    with pytest.raises(ReservationRefused):
+        await short.wait_committed()
+
+
+@pytest.mark.asyncio
+async def test_spans_that_do_not_add_up_are_malformed(receiver: KVReceiver) -> None:
+    from yb_shared.transport import ucx_env
+    from yb_shared.transport.link import Link
+    from yb_shared.transport.wire import CTRL_TAG, REPLY_TAG, Nack
+
+    receiver.reserve("spans", [np.zeros(8, np.uint8), np.zeros(8, np.uint8)], deadline_s=10)
+    ucx = ucx_env.acquire()
+    link = Link(await ucx.create_endpoint("127.0.0.1", receiver.address.port), "raw")
+    try:
+        header = SegmentHeader(0, "spans", [0, 1], [8, 8], [1, 2], [3])
+        await link.send_frame(header, CTRL_TAG)
+        reply = await link.recv_frame(REPLY_TAG)
+        assert isinstance(reply, Nack) and reply.reason is Reason.MALFORMED
+    finally:
+        await link.close()
+        ucx_env.release()
+    receiver.cancel("spans")
+
+
+@pytest.mark.asyncio
+async def test_a_factory_refusal_carries_its_reason(receiver: KVReceiver, sender: KVSender) -> None:
+    def factory(request_id: str, header: SegmentHeader) -> list[np.ndarray] | None:
+        raise ReservationRefused("held already", reason=Reason.DUPLICATE)
+
+    receiver.set_reservation_factory(factory)
+    with pytest.raises(ReservationRefused, match="held already") as refused:
+        await sender.send(receiver.address, "put.x", [(0, data(100, 3))], deadline_s=5)
+    assert refused.value.reason is Reason.DUPLICATE

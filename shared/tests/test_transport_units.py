@@ -127,3 +127,19 @@ def test_destinations_must_be_writable_contiguous_buffers() -> None:
         to_ucx(object(), writable=False)
     out = to_ucx(torch.zeros(3, dtype=torch.float16), writable=True)
     assert out.dtype == np.uint8 and out.nbytes == 6
+
+
+def test_adjacent_buffers_group_into_spans() -> None:
+    from yb_shared.transport.buffers import joined
+    from yb_shared.transport.sender import _spans
+
+    cache = np.zeros((6, 100), np.uint8)
+    rows = [cache[i] for i in range(6)]
+    other = np.zeros(100, np.uint8)
+    spans, messages = _spans([rows[0], rows[1], rows[2], other, rows[4], rows[5]], [100] * 6)
+    assert spans == [3, 1, 2]
+    assert [m.nbytes for m in messages] == [300, 100, 200]
+    assert messages[0].__array_interface__["data"][0] == rows[0].__array_interface__["data"][0]
+    # Buffers that are not adjacent, or out of order, travel one by one (no spans).
+    assert _spans([rows[1], rows[0]], [100, 100]) == ([], [rows[1], rows[0]])
+    assert joined([rows[0], rows[2]]) is None

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from yb_kvstore.block_log import BlockLog
 from yb_kvstore.slab import DramSlab, SlabFull
+from yb_shared.block_events import BlockLog
 
 
 def _store(slab: DramSlab, key: int) -> list[int]:
@@ -56,5 +56,5 @@ def test_block_log_numbers_events_and_inventories() -> None:
     evicted = log.evicted([1])
     assert [e.event_id for e in (first, stored, evicted)] == [1, 2, 3]
     assert {e.epoch for e in (first, stored, evicted)} == {7}
-    inv = log.inventory([2], [])
+    inv = log.inventory(dram=[2], ssd=[])
     assert (inv.event_id, inv.dram) == (3, [2])

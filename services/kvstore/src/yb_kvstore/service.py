@@ -1,28 +1,31 @@
 """The kvstore service: one host's pool of KV blocks, put and fetched over UCX.
 
-Puts arrive as UCX transfers whose request id names the block (`blocks.PutId`): the
-first segment reserves a DRAM slot (evicting the least recently used unpinned block
-if the slab is full), the bytes land straight in the slot, and only a verified commit
-makes the block visible (`BlockStored`). Fetches pin the blocks and send them from
-their slots straight into the asker's reservation. Every change of the block set is
-an event with this store's epoch and a gap-free event id, published in order; a
-`ResyncRequested` for this store is answered with its whole inventory.
-
-This step keeps blocks in DRAM only; the SSD tier is configured but not yet used.
+Puts arrive as UCX transfers whose request id names the block
+(`yb_shared.transport.blocks`): the first segment reserves a DRAM slot (the pool
+makes room down its DRAM -> SSD -> dropped chain), the bytes land straight in the
+slot, and only a verified commit makes the block visible (`BlockStored`). Fetches pin
+the blocks in DRAM (bringing SSD blocks up first) and send them from their slots
+straight into the asker's reservation, with the checksums verified when they were
+put. The pool (`store.BlockStore`) announces every change as a block event with this
+store's epoch and a gap-free event id; `BlockEventPublisher` publishes them in order
+and answers resync requests with the inventory.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
-from yb_kvstore.block_log import BlockLog
-from yb_kvstore.blocks import parse_key, parse_put_id
+from yb_kvstore.policy import make_policy
 from yb_kvstore.slab import DramSlab, SlabFull
+from yb_kvstore.ssd import SsdTier
+from yb_kvstore.store import BlockStore, MissingBlocks
 from yb_shared import events as ev
-from yb_shared.bus import Bus, BusError, EventReader
+from yb_shared.block_events import AnyBlockEvent, BlockEventPublisher, BlockLog
+from yb_shared.bus import Bus
 from yb_shared.config import YbConfig
 from yb_shared.instance import Presence
 from yb_shared.service import Service
@@ -32,30 +35,46 @@ from yb_shared.transport import (
     FetchOrder,
     KVReceiver,
     KVSender,
+    Reason,
     Reservation,
     ReservationRefused,
     SegmentHeader,
     TransferError,
 )
+from yb_shared.transport.blocks import fetch_layers, parse_key, parse_put_id
 
 log = get_logger(__name__)
 
 
 class KVStoreService(Service):
-    """Serves one host's KV blocks from a DRAM slab."""
+    """Serves one host's KV blocks from a DRAM slab and an SSD tier."""
 
     role = "kvstore"
 
     def __init__(self, cfg: YbConfig) -> None:
         super().__init__(cfg)
-        self.slab = DramSlab(cfg.kvstore.dram_blocks)
+        kcfg = cfg.kvstore
         self.block_log = BlockLog(self.instance_id)
-        self.receiver = KVReceiver(cfg.kvstore.ucx_host, cfg.kvstore.ucx_port)
+        self._io = ThreadPoolExecutor(max(1, kcfg.ssd_io_threads), thread_name_prefix="yb-ssd")
+        ssd: SsdTier | None = None
+        if kcfg.ssd_dir and kcfg.ssd_blocks > 0:
+            ssd = SsdTier(
+                Path(kcfg.ssd_dir).expanduser(),
+                kcfg.ssd_blocks,
+                self._io,
+                make_policy(kcfg.eviction_policy),
+            )
+        dram = DramSlab(kcfg.dram_blocks, make_policy(kcfg.eviction_policy))
+        headroom = kcfg.dram_headroom_blocks
+        if headroom < 0:
+            headroom = max(1, kcfg.dram_blocks // 16)
+        self.receiver = KVReceiver(kcfg.ucx_host, kcfg.ucx_port)
         self.sender = KVSender()
         self.bus: Bus | None = None
         self.presence: Presence | None = None
+        self.publisher: BlockEventPublisher | None = None
+        self.store = BlockStore(dram, ssd, self.block_log, self._emit, headroom=headroom)
         self.ucx_address = ""
-        self._events: asyncio.Queue[ev.AnyEvent] = asyncio.Queue()
         self._m_blocks = Gauge(
             "yb_kvstore_blocks", "Blocks held, by tier", ["tier"], registry=self.metrics
         )
@@ -68,26 +87,37 @@ class KVStoreService(Service):
             ["outcome"],
             registry=self.metrics,
         )
-        self._m_evictions = Counter(
-            "yb_kvstore_evictions_total", "Blocks evicted from DRAM", registry=self.metrics
+        self._m_bytes = Counter(
+            "yb_kvstore_bytes_total",
+            "Block bytes by direction",
+            ["direction"],
+            registry=self.metrics,
         )
 
+    def _emit(self, event: AnyBlockEvent) -> None:
+        assert self.publisher is not None, "the pool changes only once the store runs"
+        self.publisher.emit(event)
+        dram = len(self.store.dram)
+        ssd = len(self.store.ssd) if self.store.ssd is not None else 0
+        self._m_blocks.labels("dram").set(dram)
+        self._m_blocks.labels("ssd").set(ssd)
+
     async def start(self) -> None:
-        """Open the UCX listener, announce, and start serving."""
+        """Open the UCX listener, recover the SSD tier, announce, and start serving."""
         self.serve_metrics()
         self.bus = await Bus.connect(self.cfg.nats, self.instance_id)
         await self.bus.ensure_stream()
+        self.publisher = BlockEventPublisher(self.bus, self.block_log, self.store.inventory)
+        await self.publisher.open()
+        # A new epoch starts with BlocksCleared, then what the SSD tier kept.
+        await self.store.open()
         address = await self.receiver.start()
         self.ucx_address = str(address)
         self.receiver.set_reservation_factory(
             self._reserve_put, deadline_s=30.0, on_reserved=self._watch_put
         )
         self.receiver.set_fetch_handler(self._serve_fetch)
-        resyncs = await self.bus.read_ordered(
-            f"yb.ev.block.resync_requested.{ev.subject_token(self.instance_id)}", new_only=True
-        )
-        # A new epoch starts empty: consumers drop whatever an earlier life announced.
-        self._events.put_nowait(self.block_log.cleared())
+        ssd = self.store.ssd
         self.presence = Presence(
             self.bus,
             ev.InstanceUp(
@@ -97,7 +127,7 @@ class KVStoreService(Service):
                 model=self.cfg.model.name,
                 ucx_address=self.ucx_address,
                 block_size=self.cfg.model.block_size,
-                kv_capacity_blocks=self.slab.num_slots,
+                kv_capacity_blocks=self.store.dram.num_slots + (ssd.capacity if ssd else 0),
                 epoch=self.block_log.epoch,
                 metrics_address=self.metrics_address,
             ),
@@ -105,18 +135,35 @@ class KVStoreService(Service):
             self.cfg.kvstore.load_report_interval_s,
         )
         await self.presence.announce()
-        self.tasks.spawn("events", self._publish_events())
-        self.tasks.spawn("resyncs", self._answer_resyncs(resyncs))
+        self.tasks.spawn("block-events", self.publisher.run_publisher())
+        self.tasks.spawn("resyncs", self.publisher.run_resyncs())
         self.tasks.spawn("presence", self.presence.run())
+        log.info(
+            "kvstore_ready",
+            ucx=self.ucx_address,
+            dram_blocks=self.store.dram.num_slots,
+            ssd_blocks=ssd.capacity if ssd else 0,
+            ssd_dir=str(ssd.directory) if ssd else "",
+            recovered=len(ssd) if ssd else 0,
+        )
 
     async def stop(self) -> None:
         """Stop serving and retire; idempotent."""
         if self.presence is not None:
             await self.presence.retire("stopped")
             self.presence = None
-        await self.tasks.shutdown()
         await self.receiver.close()
         await self.sender.close()
+        if self.publisher is not None:
+            # Best effort: what is announced should reach the log before we go.
+            try:
+                await asyncio.wait_for(self.publisher.drained(), 2.0)
+            except TimeoutError:
+                log.warning("block_events_unpublished", pending=self.publisher.pending)
+        await self.tasks.shutdown()
+        await self.store.close()
+        # File writes already running finish (a file is complete or absent, never torn).
+        await asyncio.get_running_loop().run_in_executor(None, self._io.shutdown, True)
         if self.bus is not None:
             bus, self.bus = self.bus, None
             await bus.close()
@@ -130,19 +177,16 @@ class KVStoreService(Service):
         if put is None:
             self._m_puts.labels("refused").inc()
             return None
-        if put.key in self.slab:
-            self._m_puts.labels("duplicate").inc()
-            return None  # already held: the sender need not send it again
         try:
-            self.slab.ensure_layout(put.block_nbytes)
-            slot, evicted = self.slab.reserve(put.key)
+            slot = self.store.reserve_put(put.key, put.block_nbytes)
         except (ValueError, SlabFull) as exc:
             log.warning("put_refused", request_id=request_id, reason=str(exc))
             self._m_puts.labels("refused").inc()
             return None
-        if evicted:
-            self._m_evictions.inc(len(evicted))
-            self._events.put_nowait(self.block_log.evicted(evicted))
+        if slot is None:
+            self._m_puts.labels("duplicate").inc()
+            # Already held: the sender learns it is there (and its bytes are drained).
+            raise ReservationRefused(f"block {put.key:x} is held already", reason=Reason.DUPLICATE)
         n = put.page_nbytes
         return [slot[i * n : (i + 1) * n] for i in range(put.num_layers)]
 
@@ -156,93 +200,75 @@ class KVStoreService(Service):
             await reservation.wait_committed()
         except TransferError as exc:
             # Half-written bytes are garbage: the slot goes back, nothing was announced.
-            self.slab.discard(key)
+            self.store.abort_put(key)
             self._m_puts.labels("failed").inc()
-            log.info("put_failed", key=key, reason=str(exc))
+            log.info("put_failed", key=f"{key:x}", reason=str(exc))
             return
-        self.slab.unpin(key)
+        self.store.commit_put(key, reservation.checksums)
         self._m_puts.labels("stored").inc()
-        self._events.put_nowait(self.block_log.stored([key], "dram"))
+        self._m_bytes.labels("in").inc(reservation.nbytes)
 
     # --- fetches --------------------------------------------------------------------
 
     async def _serve_fetch(self, order: FetchOrder) -> None:
-        """Send blocks `order.keys` into the asker's reservation, layer by layer."""
-        keys = [parse_key(k) for k in order.keys]
-        missing = [
-            k
-            for k, key in zip(order.keys, keys, strict=True)
-            if key is None or key not in self.slab
-        ]
-        if missing:
-            self._m_fetches.labels("missing").inc()
-            raise ReservationRefused(f"blocks not held here: {', '.join(missing[:4])}")
-        held = [k for k in keys if k is not None]
-        for key in held:
-            self.slab.pin(key)
-            self.slab.touch(key)
+        """Send blocks `order.keys` into the asker's reservation, layer chunk by chunk.
+
+        Index `i * layers + layer` of the reservation is chunk `layer` of block `i`.
+        """
+        keys: list[int] = []
+        for text in order.keys:
+            key = parse_key(text)
+            if key is None:
+                self._m_fetches.labels("refused").inc()
+                raise ReservationRefused(f"malformed block key {text!r}")
+            keys.append(key)
         try:
-            layers = max(1, order_layers(order.request_id))
+            slots = await self.store.acquire(keys)
+        except MissingBlocks as exc:
+            self._m_fetches.labels("missing").inc()
+            raise ReservationRefused(f"blocks not held here: {exc}") from None
+        try:
+            layers = max(1, fetch_layers(order.request_id))
             items: list[tuple[int, BufferLike]] = []
-            for i, key in enumerate(held):
-                block = self.slab.view(key)
+            checksums: list[int] | None = []
+            for i, (key, block) in enumerate(zip(keys, slots, strict=True)):
+                if block.nbytes % layers:
+                    raise ReservationRefused(f"block {key:x} does not split into {layers} layers")
                 n = block.nbytes // layers
                 items += [
                     (i * layers + layer, block[layer * n : (layer + 1) * n])
                     for layer in range(layers)
                 ]
+                meta = self.store.meta(key)
+                if checksums is not None and meta is not None and len(meta.checksums) == layers:
+                    checksums += meta.checksums
+                else:
+                    checksums = None  # another layout: the sender hashes
+            # One segment with its commit: a fetch is one round trip. Each block's
+            # layers lie side by side in its slot, so a block travels as one message.
             await self.sender.send(
-                order.reply_to, order.request_id, items, deadline_s=order.remaining_s()
-            )
-            await self.sender.commit(
-                order.reply_to, order.request_id, deadline_s=order.remaining_s()
+                order.reply_to,
+                order.request_id,
+                items,
+                deadline_s=order.remaining_s(),
+                checksums=checksums,
+                commit=True,
             )
             self._m_fetches.labels("served").inc()
+            self._m_bytes.labels("out").inc(sum(int(b.nbytes) for b in slots))
         finally:
-            for key in held:
-                self.slab.unpin(key)
+            self.store.release(keys)
 
-    # --- events ---------------------------------------------------------------------
-
-    async def _publish_events(self) -> None:
-        """Publish block events strictly in event-id order, retrying through outages."""
-        assert self.bus is not None
-        while True:
-            event = await self._events.get()
-            self._m_blocks.labels("dram").set(len(self.slab))
-            while True:
-                try:
-                    await self.bus.publish(event, timeout_s=5.0)
-                    break
-                except BusError as exc:
-                    # Skipping one would open a gap that forces every consumer to
-                    # resync: keep trying (the same message id de-duplicates).
-                    log.warning("block_event_publish_retry", error=str(exc))
-                    await asyncio.sleep(1.0)
-
-    async def _answer_resyncs(self, reader: EventReader) -> None:
-        try:
-            async for item in reader:
-                if isinstance(item.event, ev.ResyncRequested):
-                    log.info("resync_requested", requester=item.event.requester)
-                    self._events.put_nowait(self.block_log.inventory(self.slab.keys(), []))
-        finally:
-            with contextlib.suppress(Exception):
-                await reader.close()
+    # --- load -----------------------------------------------------------------------
 
     def _load_report(self) -> ev.LoadReport:
+        dram = self.store.dram
+        ssd = self.store.ssd
         return ev.LoadReport(
             instance_id=self.instance_id,
             role="kvstore",
-            kv_used_blocks=len(self.slab),
-            kv_total_blocks=self.slab.num_slots,
-            dram_blocks=len(self.slab),
+            kv_used_blocks=len(dram) + (len(ssd) if ssd else 0),
+            kv_total_blocks=dram.num_slots + (ssd.capacity if ssd else 0),
+            dram_blocks=len(dram),
+            ssd_blocks=len(ssd) if ssd else 0,
         )
-
-
-def order_layers(request_id: str) -> int:
-    """Layers per block a fetch asks for: its request id ends in `.L<layers>`."""
-    tail = request_id.rsplit(".", 1)[-1]
-    if tail.startswith("L") and tail[1:].isdigit():
-        return int(tail[1:])
-    return 1

@@ -3,54 +3,23 @@
 A block is every layer's keys and values for `block_size` tokens, so all blocks of a
 model have one size. The slab is allocated on the first put (the store learns the
 block size from its first writer, so it needs no model), and every later put must
-match it. Eviction is pluggable (`EvictionPolicy`, LRU by default) and never takes a
-slot pinned by an in-flight transfer.
+match it. Allocation is `np.zeros`: the kernel maps the pages lazily, so an idle
+store costs little resident memory however many slots it is configured with.
+Eviction order comes from a pluggable policy (`policy.EvictionPolicy`, LRU by
+default); a slot pinned by an in-flight transfer is never chosen.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator
-from typing import Protocol
-
 import numpy as np
+
+from yb_kvstore.policy import EvictionPolicy, LruPolicy
+
+__all__ = ["DramSlab", "EvictionPolicy", "LruPolicy", "SlabFull"]
 
 
 class SlabFull(RuntimeError):
     """Every slot is pinned: nothing can be evicted to make room."""
-
-
-class EvictionPolicy(Protocol):
-    """Chooses which unpinned block leaves the slab first."""
-
-    def touch(self, key: int) -> None:
-        """`key` was used (stored or read)."""
-
-    def forget(self, key: int) -> None:
-        """`key` left the slab."""
-
-    def victims(self) -> Iterator[int]:
-        """Candidate keys, best victim first."""
-
-
-class LruPolicy:
-    """Least recently used first."""
-
-    def __init__(self) -> None:
-        self._order: OrderedDict[int, None] = OrderedDict()
-
-    def touch(self, key: int) -> None:
-        """Move `key` to the most-recent end."""
-        self._order[key] = None
-        self._order.move_to_end(key)
-
-    def forget(self, key: int) -> None:
-        """Drop `key` from the order."""
-        self._order.pop(key, None)
-
-    def victims(self) -> Iterator[int]:
-        """Oldest first."""
-        return iter(list(self._order))
 
 
 class DramSlab:
@@ -77,6 +46,16 @@ class DramSlab:
         """Every block key in the slab."""
         return list(self._slot_of)
 
+    @property
+    def num_free(self) -> int:
+        """Slots holding nothing."""
+        return len(self._free)
+
+    @property
+    def allocated_nbytes(self) -> int:
+        """Bytes of the slab array (0 until the first put fixes the layout)."""
+        return 0 if self._data is None else int(self._data.nbytes)
+
     def ensure_layout(self, block_nbytes: int) -> None:
         """Allocate the slab for blocks of `block_nbytes`, or check they match."""
         if block_nbytes <= 0:
@@ -100,6 +79,7 @@ class DramSlab:
 
         The slot is pinned so that nothing evicts it while its bytes arrive; the caller
         `unpin`s it once the write is committed (or `discard`s it if the write failed).
+        Raises SlabFull if every slot is pinned.
         """
         assert self._data is not None, "ensure_layout first"
         if key in self._slot_of:
@@ -107,12 +87,23 @@ class DramSlab:
             return self.view(key), []
         evicted: list[int] = []
         if not self._free:
-            evicted.append(self._evict_one())
+            victim = self.victim()
+            if victim is None:
+                raise SlabFull(f"all {self.num_slots} DRAM slots are pinned by transfers")
+            self.discard(victim)
+            evicted.append(victim)
         slot = self._free.pop()
         self._slot_of[key] = slot
         self.policy.touch(key)
         self.pin(key)
         return self.view(key), evicted
+
+    def victim(self) -> int | None:
+        """The best unpinned block to evict, or None if every block is pinned."""
+        for key in self.policy.victims():
+            if key in self._slot_of and key not in self._pins:
+                return key
+        return None
 
     def pin(self, key: int) -> None:
         """Protect `key` from eviction (counted: pins nest)."""
@@ -130,31 +121,19 @@ class DramSlab:
         """Whether an in-flight transfer holds `key`."""
         return key in self._pins
 
+    def pins(self, key: int) -> int:
+        """How many pins hold `key`."""
+        return self._pins.get(key, 0)
+
     def touch(self, key: int) -> None:
         """Record a use of `key` for the eviction policy."""
         if key in self._slot_of:
             self.policy.touch(key)
 
     def discard(self, key: int) -> None:
-        """Remove `key` regardless of pins (its write failed: its bytes are garbage)."""
+        """Remove `key` regardless of pins (its write failed, or it moved out)."""
         slot = self._slot_of.pop(key, None)
         if slot is not None:
             self._free.append(slot)
             self._pins.pop(key, None)
             self.policy.forget(key)
-
-    def pop_victim(self) -> tuple[int, np.ndarray] | None:
-        """Remove the best unpinned victim and return (key, a copy of its bytes)."""
-        for key in self.policy.victims():
-            if key in self._slot_of and key not in self._pins:
-                data = self.view(key).copy()
-                self.discard(key)
-                return key, data
-        return None
-
-    def _evict_one(self) -> int:
-        for key in self.policy.victims():
-            if key in self._slot_of and key not in self._pins:
-                self.discard(key)
-                return key
-        raise SlabFull(f"all {self.num_slots} DRAM slots are pinned by transfers")

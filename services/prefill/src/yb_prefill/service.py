@@ -2,10 +2,16 @@
 
 It takes jobs from gateways (`yb.job.prefill.<id>`, core NATS request/reply), queues
 them, and runs them one at a time on its engine: reserve pages on the decode instance
-the conductor chose, compute the prompt's KV in chunks while streaming each finished
-layer to that instance over UCX, commit, and hand the request over with its first
-token. Every step has a deadline; a failure ends the request with an error on its
-token stream and a `RequestFinished(failed)` event, and frees what it held.
+the conductor chose, load the prefix the decision says to reuse (from this engine's
+own page cache, this host's kvstore or another host's, `reuse.PrefixLoader`), compute
+the rest of the prompt in chunks while streaming every page (the loaded prefix
+included) to that instance over UCX layer by layer, commit, and hand the request over
+with its first token. Then the prompt's full blocks stay in the engine's page cache
+(announced as tier "engine" block events) and the ones computed here are put into the
+host's kvstore in the background (`uploads.BlockUploader`). Every step has a
+deadline; a failure ends the request with an error on its token stream and a
+`RequestFinished(failed)` event, and frees what it held; a failed prefix fetch only
+costs its recompute (and a `TransferFailed` event).
 """
 
 from __future__ import annotations
@@ -20,13 +26,19 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
+from yb_prefill.peers import PeerDirectory
+from yb_prefill.prefix_cache import PrefixCache
+from yb_prefill.reuse import Prefix, PrefixLoader
 from yb_prefill.streaming import LayerStreamer
+from yb_prefill.uploads import BlockUploader
 from yb_shared import events as ev
 from yb_shared import protocol as pr
+from yb_shared.block_events import AnyBlockEvent, BlockEventPublisher, BlockLog
 from yb_shared.bus import Bus, BusError
 from yb_shared.config import YbConfig
 from yb_shared.engine_host import EngineHost
 from yb_shared.instance import CancellationFollower, Presence
+from yb_shared.model.kv_cache import OutOfPages
 from yb_shared.service import Service
 from yb_shared.telemetry import (
     bind_request,
@@ -36,7 +48,7 @@ from yb_shared.telemetry import (
     trace_id_hex,
     tracer,
 )
-from yb_shared.transport import KVSender, PeerAddress, TransferError
+from yb_shared.transport import KVReceiver, KVSender, PeerAddress, TransferError
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)
@@ -71,6 +83,13 @@ class PrefillService(Service):
         super().__init__(cfg)
         self.engine = EngineHost(cfg, cfg.prefill, self.instance_id)
         self.sender = KVSender()
+        self.receiver = KVReceiver(cfg.prefill.ucx_host, cfg.prefill.ucx_port)
+        self.block_log = BlockLog(self.instance_id)
+        self.publisher: BlockEventPublisher | None = None
+        self.peers: PeerDirectory | None = None
+        self.cache: PrefixCache | None = None
+        self.loader: PrefixLoader | None = None
+        self.uploader: BlockUploader | None = None
         self.bus: Bus | None = None
         self.presence: Presence | None = None
         self.cancellations: CancellationFollower | None = None
@@ -102,6 +121,34 @@ class PrefillService(Service):
         self._m_tokens = Counter(
             "yb_prefill_tokens_total", "Prompt tokens computed", registry=self.metrics
         )
+        self._m_reused = Counter(
+            "yb_prefill_reused_tokens_total",
+            "Prompt tokens whose KV was reused, by where it came from",
+            ["source"],
+            registry=self.metrics,
+        )
+        self._m_fetch = Histogram(
+            "yb_prefill_prefix_fetch_seconds",
+            "Time to pull a planned prefix from kvstores",
+            registry=self.metrics,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10),
+        )
+        self._m_fetch_failures = Counter(
+            "yb_prefill_prefix_fetch_failures_total",
+            "Planned prefix fetches that failed (recomputed instead)",
+            registry=self.metrics,
+        )
+        self._m_puts = Counter(
+            "yb_prefill_block_puts_total",
+            "Blocks put into the host's kvstore, by outcome",
+            ["outcome"],
+            registry=self.metrics,
+        )
+        self._m_cached = Gauge(
+            "yb_prefill_engine_cache_blocks",
+            "Blocks kept in the engine's own pages",
+            registry=self.metrics,
+        )
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -112,7 +159,27 @@ class PrefillService(Service):
         await self.bus.ensure_stream()
         await self.engine.load()
         assert self.engine.cache is not None
+        assert self.engine.allocator is not None
         self._m_kv_total.set(self.engine.cache.num_pages)
+        pcfg = self.cfg.prefill
+        self.cache = PrefixCache(
+            self.engine.allocator,
+            min(pcfg.prefix_cache_pages, self.engine.cache.num_pages),
+            self.block_log,
+            self._emit_block_event,
+        )
+        self.publisher = BlockEventPublisher(self.bus, self.block_log, self.cache.inventory)
+        await self.publisher.open()
+        self.cache.open()  # a new epoch: whatever an earlier life cached is gone
+        self.peers = PeerDirectory(self.bus)
+        await self.peers.open()
+        address = await self.receiver.start()
+        self.loader = PrefixLoader(
+            self.instance_id, self.cache, self.engine.cache, self.peers, self.receiver, self.sender
+        )
+        self.uploader = BlockUploader(
+            self.cache, self.engine.cache, self.sender, deadline_s=pcfg.transfer_timeout_s
+        )
         self.cancellations = CancellationFollower(self.bus, self._on_cancel)
         await self.cancellations.start()
         self._subscription = await self.bus.subscribe(
@@ -125,9 +192,11 @@ class PrefillService(Service):
                 role="prefill",
                 host=self.cfg.host,
                 model=self.cfg.model.name,
+                ucx_address=str(address),
                 block_size=self.cfg.model.block_size,
                 kv_capacity_blocks=self.engine.cache.num_pages,
                 max_batch_size=1,
+                epoch=self.block_log.epoch,
                 attention_backend=self.engine.attention_backend,
                 metrics_address=self.metrics_address,
             ),
@@ -135,6 +204,9 @@ class PrefillService(Service):
             self.cfg.prefill.load_report_interval_s,
         )
         await self.presence.announce()
+        self.tasks.spawn("block-events", self.publisher.run_publisher())
+        self.tasks.spawn("resyncs", self.publisher.run_resyncs())
+        self.tasks.spawn("peers", self.peers.run())
         self.tasks.spawn("worker", self._worker())
         self.tasks.spawn("presence", self.presence.run())
         self.tasks.spawn("cancellations", self.cancellations.run())
@@ -151,6 +223,7 @@ class PrefillService(Service):
             await self._fail(queued.job, JobFailed("prefill instance shutting down"))
         if self.cancellations is not None:
             await self.cancellations.close()
+        await self.receiver.close()
         await self.sender.close()
         self.engine.close()
         if self.bus is not None:
@@ -276,6 +349,7 @@ class PrefillService(Service):
         assert self.engine.allocator is not None
         assert self.engine.runner is not None
         self._check_alive(job)
+        t_start = time.monotonic()
         decode_id = job.decision.decode_instance
         await self._publish(
             ev.RequestProgress(
@@ -315,42 +389,69 @@ class PrefillService(Service):
                 f"does not match prefill's {num_pages}x{cache.num_layers}x{cache.page_nbytes}B",
                 status=500,
             )
-        # 2. Pages here, compute with layer-wise streaming, commit.
-        allocator = self.engine.allocator
+        # 2. Pages here, the planned prefix loaded into them.
+        assert self.loader is not None and self.cache is not None
+        n = len(job.token_ids)
+        plans = job.decision.reuse if self.cfg.prefill.reuse else []
         try:
-            pages = await self.engine.call(allocator.allocate, num_pages)
-        except Exception as exc:
+            prefix = await self.loader.load(
+                job.request_id,
+                n,
+                job.block_hashes,
+                plans,
+                min(transfer_deadline, self.cfg.prefill.fetch_timeout_s),
+            )
+        except OutOfPages as exc:
             await self._abort_reservation(decode_id, job.request_id, "prefill out of pages")
             raise JobFailed(f"prefill instance out of KV pages: {exc}") from exc
-        self._m_kv.set(allocator.num_used)
-        streamer = LayerStreamer(
-            asyncio.get_running_loop(),
-            self.sender,
-            PeerAddress.parse(reply.ucx_address),
-            job.request_id,
-            cache,
-            pages,
-            len(job.token_ids),
-            0,
-            transfer_deadline,
-        )
-        streamer.start()
-        try:
-            first_token = await self.engine.call(self._compute, job, pages, streamer)
-            self._check_alive(job)
-            await streamer.finish()
         except BaseException:
-            await streamer.abort()
+            await self._abort_reservation(decode_id, job.request_id, "prefill failed")
+            raise
+        self._m_kv.set(self.cache.allocator.num_used)
+        cached_tokens = prefix.reused_blocks * cache.block_size
+        t_loaded = time.monotonic()
+        computed = False
+        try:
+            await self._account_prefix(job, prefix, span)
+            # 3. Compute the rest with layer-wise streaming (the loaded prefix first),
+            # then commit.
+            streamer = LayerStreamer(
+                asyncio.get_running_loop(),
+                self.sender,
+                PeerAddress.parse(reply.ucx_address),
+                job.request_id,
+                cache,
+                prefix.block_table,
+                n,
+                cached_tokens,
+                transfer_deadline,
+            )
+            streamer.start()
+            streamer.queue_prefix(prefix.reused_blocks)
+            try:
+                first_token = await self.engine.call(
+                    self._compute, job, prefix.block_table, cached_tokens, streamer
+                )
+                computed = True
+                t_computed = time.monotonic()
+                self._check_alive(job)
+                await streamer.finish()
+            except BaseException:
+                await streamer.abort()
+                raise
+        except BaseException:
             await self._abort_reservation(decode_id, job.request_id, "prefill failed")
             raise
         finally:
-            await self.engine.call(allocator.free, pages)
-            self._m_kv.set(allocator.num_used)
-        self._m_tokens.inc(len(job.token_ids))
+            await self._keep_blocks(job, prefix, computed)
+        self._m_tokens.inc(n - cached_tokens)
         span.set_attribute("yb.pages_sent", streamer.pages_sent)
-        # 3. Hand the request over; decode verifies the commit before admitting it.
+        # 4. Hand the request over; decode verifies the commit before admitting it.
         start = pr.StartDecode(
-            request_id=job.request_id, first_token=first_token, prompt_tokens=len(job.token_ids)
+            request_id=job.request_id,
+            first_token=first_token,
+            prompt_tokens=n,
+            reused_tokens=cached_tokens,
         )
         ack = await self._decode_request(decode_id, start, transfer_deadline)
         if not isinstance(ack, pr.DecodeAck) or not ack.ok:
@@ -361,12 +462,112 @@ class PrefillService(Service):
                 request_id=job.request_id,
                 instance_id=self.instance_id,
                 stage="prefill_done",
-                computed_tokens=len(job.token_ids),
+                computed_tokens=n - cached_tokens,
+                reused_tokens=cached_tokens,
             )
         )
+        t_done = time.monotonic()
+        log.info(
+            "prefill_done",
+            prompt_tokens=n,
+            reused_tokens=cached_tokens,
+            fetch_s=round(prefix.fetch_s, 4),
+            # Where the time went: reserve on decode and load the prefix, compute (with
+            # streaming alongside), the streaming left after compute plus the hand-over.
+            load_s=round(t_loaded - t_start, 4),
+            compute_s=round(t_computed - t_loaded, 4),
+            tail_s=round(t_done - t_computed, 4),
+        )
 
-    def _compute(self, job: pr.PrefillJob, pages: list[int], streamer: LayerStreamer) -> int:
-        """Engine thread: run the prefill and sample the first token."""
+    async def _account_prefix(self, job: pr.PrefillJob, prefix: Prefix, span: trace.Span) -> None:
+        """Metrics, trace attributes and `TransferFailed` events for a loaded prefix."""
+        for tier, tokens in prefix.tokens_by_tier.items():
+            self._m_reused.labels(tier).inc(tokens)
+        if prefix.fetched_bytes:
+            self._m_fetch.observe(prefix.fetch_s)
+        span.set_attribute("yb.reused_blocks", prefix.reused_blocks)
+        span.set_attribute("yb.engine_blocks", prefix.engine_blocks)
+        for failure in prefix.failures:
+            self._m_fetch_failures.inc()
+            await self._publish(
+                ev.TransferFailed(
+                    request_id=job.request_id,
+                    source_instance=failure.source,
+                    target_instance=self.instance_id,
+                    reason=f"prefix blocks {failure.first}..{failure.first + failure.count - 1}: "
+                    f"{failure.reason}",
+                )
+            )
+
+    async def _keep_blocks(self, job: pr.PrefillJob, prefix: Prefix, computed: bool) -> None:
+        """After a prefill: cache its full blocks, upload the new ones, free the rest."""
+        assert self.cache is not None and self.uploader is not None and self.peers is not None
+        cache = self.cache
+        if not computed:
+            # The pages hold garbage or half a prompt: give them back, but only once the
+            # engine thread is done with them (a cancelled call may still be running;
+            # the engine runs its calls in order).
+            try:
+                await self.engine.call(_engine_barrier)
+            except RuntimeError:
+                return  # the engine is shut down: so is the process, pages and all
+            self._loader_release(prefix)
+            return
+        bs = self.engine.cache.block_size if self.engine.cache else 1
+        full = min(len(job.block_hashes), len(job.token_ids) // bs)
+        first = prefix.engine_blocks
+        keys = list(job.block_hashes[first:full])
+        spare = cache.adopt(keys, prefix.block_table[first:full])
+        cache.free(spare + prefix.block_table[max(full, first) :])
+        cache.release(prefix.engine_keys)
+        prefix.engine_keys = []
+        store = self.peers.kvstore_on(self.cfg.host)
+        if not self.cfg.prefill.store_blocks or store is None:
+            cache.release(keys)
+        else:
+            # Blocks this host's kvstore gave us are there already; the rest go there
+            # (those pulled from another host: a replica on this one).
+            upload = [
+                job.block_hashes[i]
+                for i in range(first, full)
+                if prefix.loaded_from.get(i) != store.instance_id
+            ]
+            uploading = set(upload)
+            cache.release([k for k in keys if k not in uploading])
+            if upload:
+                address = self.peers.address(store.instance_id)
+                self.tasks.spawn(f"upload:{job.request_id}", self._upload(address, upload))
+        self._m_kv.set(cache.allocator.num_used)
+        self._m_cached.set(len(cache))
+
+    def _loader_release(self, prefix: Prefix) -> None:
+        assert self.loader is not None and self.cache is not None
+        self.loader.release(prefix)
+        self._m_kv.set(self.cache.allocator.num_used)
+
+    async def _upload(self, address: PeerAddress | None, keys: list[int]) -> None:
+        """Owned background task: put blocks into the host's kvstore; never raises."""
+        assert self.uploader is not None
+        try:
+            result = await self.uploader.upload(address, keys)
+        except Exception as exc:  # a crash here must not take the service down
+            log.exception("block_upload_crashed", error=repr(exc))
+            return
+        for outcome in ("stored", "duplicate", "failed", "skipped"):
+            count = getattr(result, outcome)
+            if count:
+                self._m_puts.labels(outcome).inc(count)
+        if self.cache is not None:
+            self._m_cached.set(len(self.cache))
+
+    def _compute(
+        self,
+        job: pr.PrefillJob,
+        pages: list[int],
+        num_cached_tokens: int,
+        streamer: LayerStreamer,
+    ) -> int:
+        """Engine thread: run the prefill over the uncached suffix, sample the first token."""
         from yb_shared.model.sampling import Sampler, new_generator
 
         runner = self.engine.runner
@@ -374,12 +575,16 @@ class PrefillService(Service):
         logits = runner.prefill(
             job.token_ids,
             pages,
-            num_cached_tokens=0,
+            num_cached_tokens=num_cached_tokens,
             chunk_size=self.cfg.prefill.chunk_size,
             layer_hook=streamer.on_layer,
         )
         (token,) = Sampler().sample(logits[None], [job.sampling], [new_generator(job.sampling)])
         return int(token)
+
+    def _emit_block_event(self, event: AnyBlockEvent) -> None:
+        assert self.publisher is not None
+        self.publisher.emit(event)
 
     async def _decode_request(
         self, decode_id: str, message: pr.DecodeControl, timeout_s: float
@@ -459,3 +664,7 @@ class PrefillService(Service):
             kv_used_blocks=allocator.num_used if allocator else 0,
             kv_total_blocks=cache.num_pages if cache else 0,
         )
+
+
+def _engine_barrier() -> None:
+    """Runs on the engine thread after everything submitted before it."""

@@ -24,6 +24,12 @@ if TYPE_CHECKING:
 # Buffer items of one segment: (index in the decode reservation, source page view).
 Segment = list[tuple[int, "torch.Tensor"]]
 
+#: Segments in flight at once (each waits for the receiver's verification).
+WINDOW = 4
+#: Queued pages are merged into one segment up to this many bytes.
+MAX_SEGMENT_BYTES = 32 << 20
+MAX_SEGMENT_PAGES = 4096
+
 
 class LayerStreamer:
     """Ships each (layer, page) of one request to the decode reservation as it completes.
@@ -105,8 +111,52 @@ class LayerStreamer:
                 await self._task
 
     async def _send_all(self) -> None:
-        while (segment := await self._queue.get()) is not None:
-            await self._sender.send(
-                self._peer, self._request_id, segment, deadline_s=self._deadline_s
-            )
-            self.pages_sent += len(segment)
+        """Send queued pages, up to `WINDOW` segments in flight, in queue order.
+
+        Pages queued while earlier sends are in flight go out together in one segment
+        (up to `MAX_SEGMENT_BYTES`): the prefix of a reused prompt is queued all at
+        once, and one segment per layer would pay a round trip per layer.
+        """
+        in_flight: set[asyncio.Task[int]] = set()
+        ended = False
+        try:
+            while not ended:
+                first = await self._queue.get()
+                if first is None:
+                    break
+                segment = list(first)
+                nbytes = sum(_nbytes(page) for _, page in segment)
+                while (
+                    not self._queue.empty()
+                    and nbytes < MAX_SEGMENT_BYTES
+                    and len(segment) < MAX_SEGMENT_PAGES
+                ):
+                    more = self._queue.get_nowait()
+                    if more is None:
+                        ended = True
+                        break
+                    segment += more
+                    nbytes += sum(_nbytes(page) for _, page in more)
+                while len(in_flight) >= WINDOW:
+                    done, in_flight = await asyncio.wait(
+                        in_flight, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    for task in done:
+                        self.pages_sent += task.result()
+                in_flight.add(asyncio.ensure_future(self._send(segment)))
+            if in_flight:
+                done, in_flight = await asyncio.wait(in_flight)
+                for task in done:
+                    self.pages_sent += task.result()
+        finally:
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def _send(self, segment: Segment) -> int:
+        await self._sender.send(self._peer, self._request_id, segment, deadline_s=self._deadline_s)
+        return len(segment)
+
+
+def _nbytes(page: torch.Tensor) -> int:
+    return int(page.numel() * page.element_size())

@@ -11,6 +11,7 @@ ucxx reads `__cuda_array_interface__` itself. Nothing here copies host memory.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -121,3 +122,45 @@ def checksum(buf: BufferLike) -> int:
             raise TypeError("checksum of a non-torch device array is not supported")
         return xxhash.xxh3_64_intdigest(_torch_bytes(buf).cpu().numpy().data)
     return xxhash.xxh3_64_intdigest(host_array(buf).data)
+
+
+def address(arr: np.ndarray) -> int:
+    """The address of a host array's first byte."""
+    return int(arr.__array_interface__["data"][0])
+
+
+def joined(parts: Sequence[Any]) -> np.ndarray | None:
+    """One flat uint8 view over host arrays that lie back to back in memory, in order.
+
+    None if any part is not a host array or the parts are not adjacent. The view
+    covers exactly the parts' bytes (which are all valid memory, being adjacent), so
+    UCX can move a run of pages as one message; no byte is copied.
+    """
+    first = parts[0]
+    if not isinstance(first, np.ndarray):
+        return None
+    if len(parts) == 1:
+        return first
+    start = address(first)
+    end = start
+    for part in parts:
+        if not isinstance(part, np.ndarray) or part.dtype != np.uint8 or part.ndim != 1:
+            return None
+        if address(part) != end:
+            return None
+        end += part.nbytes
+    view: np.ndarray = np.lib.stride_tricks.as_strided(
+        first, shape=(end - start,), strides=(1,), writeable=bool(first.flags.writeable)
+    )
+    return view
+
+
+def copy_into(target: Any, source: np.ndarray) -> None:
+    """Copy host bytes into a destination as `to_ucx` returned it (host or torch device)."""
+    if isinstance(target, np.ndarray):
+        np.copyto(target, source)
+    elif _is_torch(target):
+        torch = sys.modules["torch"]
+        target.copy_(torch.from_numpy(source))
+    else:
+        raise TypeError(f"cannot copy into {type(target).__name__}")

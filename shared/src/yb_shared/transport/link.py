@@ -29,12 +29,21 @@ from typing import Any, TypeVar
 import numpy as np
 
 from yb_shared.transport.errors import PeerUnreachable
-from yb_shared.transport.ucx_env import RAW_API, UCXError, UCXTruncated, forget_traceback
+from yb_shared.transport.ucx_env import (
+    RAW_API,
+    UCXError,
+    UCXTruncated,
+    forget_traceback,
+    refill_futures,
+)
 from yb_shared.transport.wire import MAX_FRAME, Message, decode_frame, encode_frame
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Posts between two top-ups of ucxx's futures pool (it holds 100).
+_REFILL_EVERY = 32
 
 # How long `abort()` lets the progress thread finish closing the endpoint (ns). The
 # close is synchronous: when it returns, UCX has cancelled every request of the link.
@@ -100,6 +109,7 @@ class Link:
         self._frame = np.zeros(MAX_FRAME, dtype=np.uint8)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
+        self._posts = 0
         raw = getattr(endpoint, "_ep", None)
         tags = getattr(endpoint, "_tags", None)
         self._raw: Any = None
@@ -136,6 +146,9 @@ class Link:
             coro = self.send_bytes(buffer, tag) if send else self.recv_into(buffer, tag)
             return Posted(self, None, self.spawn(coro, "send" if send else "recv"), "")
         array_type, tag_type, tag_mask_full, hash64bits = RAW_API
+        self._posts += 1
+        if self._posts % _REFILL_EVERY == 0:
+            refill_futures()
         try:
             self._raw.raise_on_error()
             if send:

@@ -37,7 +37,7 @@ import numpy as np
 
 from yb_shared.transport import ucx_env
 from yb_shared.transport.address import PeerAddress
-from yb_shared.transport.buffers import BufferLike, checksum, nbytes, to_ucx
+from yb_shared.transport.buffers import BufferLike, checksum, copy_into, joined, nbytes, to_ucx
 from yb_shared.transport.deadline import Deadline
 from yb_shared.transport.errors import (
     ChecksumMismatch,
@@ -122,6 +122,8 @@ class Reservation:
         self.sizes: tuple[int, ...] = tuple(nbytes(b) for b in self._sources)
         #: Indices written and verified so far.
         self.received: set[int] = set()
+        #: The verified xxh3-64 of each received index (0 until it is received).
+        self.checksums: list[int] = [0] * len(self._sources)
         self.deadline_s = deadline_s
         self._pending: set[int] = set()
         self._corrupt: set[int] = set()
@@ -206,6 +208,7 @@ class KVReceiver:
         self._on_reserved: Callable[[Reservation], None] | None = None
         self._fetch_handler: FetchHandler | None = None
         self._scratch = np.empty(0, dtype=np.uint8)
+        self._staging = _StagingPool()
         self._closing: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._acquired = False
@@ -327,7 +330,9 @@ class KVReceiver:
 
         For a store: when the first segment of an unreserved `request_id` arrives,
         `factory(request_id, header)` may return the destination buffers (the header
-        says which indices and sizes are coming) or None to refuse. The reservation
+        says which indices and sizes are coming), or None to refuse (the sender sees
+        `unknown_request`), or raise a `TransferError` to refuse with its reason and
+        message (e.g. `duplicate` for a block held already). The reservation
         then behaves like a reserved one, with a deadline of `deadline_s`;
         `on_reserved(reservation)` is called synchronously right after, so the owner
         can watch `wait_committed()` (to index the block, or free the slots).
@@ -453,6 +458,8 @@ class KVReceiver:
             raise error_for(Reason.MALFORMED, f"segment {header.seq} of {rid}: bad lengths")
         if min(header.sizes) < 0:
             raise error_for(Reason.MALFORMED, f"segment {header.seq} of {rid}: negative size")
+        if not _spans_valid(header):
+            raise error_for(Reason.MALFORMED, f"segment {header.seq} of {rid}: bad spans")
         res = self._reservations.get(rid)
         if res is None and self._factory is not None:
             res = self._from_factory(header)
@@ -487,6 +494,8 @@ class KVReceiver:
         assert self._factory is not None
         try:
             buffers = self._factory(header.request_id, header)
+        except TransferError:
+            raise  # the factory's own refusal: its reason and message reach the sender
         except Exception:
             log.exception("reservation factory failed for %s", header.request_id)
             return None
@@ -511,25 +520,55 @@ class KVReceiver:
         broken: BaseException | None = None
         try:
             # Post every receive now, straight into the reserved buffers: each rendezvous
-            # moves its bytes as soon as UCX matches it.
-            receives = [
-                link.post_recv(res._targets[index], data_tag(seq, pos))
-                for pos, index in enumerate(header.indices)
-            ]
-            for pos, (index, receive) in enumerate(zip(header.indices, receives, strict=True)):
+            # moves its bytes as soon as UCX matches it. A span (adjacent buffers on the
+            # sender's side) lands in one message: straight into its destinations if
+            # they are adjacent here too, else into a staging buffer, copied out below.
+            receives: list[tuple[int, int, np.ndarray | None, Posted]] = []
+            first = 0
+            for message, count in enumerate(header.message_spans()):
+                targets = [res._targets[i] for i in header.indices[first : first + count]]
+                dest = joined(targets)
+                staged = None
+                if dest is None:
+                    staged = self._staging.take(sum(header.sizes[first : first + count]))
+                    dest = staged
+                receives.append(
+                    (first, count, staged, link.post_recv(dest, data_tag(seq, message)))
+                )
+                first += count
+            for first, count, staged, receive in receives:
+                positions = range(first, first + count)
                 try:
                     await receive.wait()
                 except MessageTruncated:
-                    oversized.append(index)  # larger than announced; consumed, not kept
+                    # Larger than announced; consumed, not kept.
+                    oversized += [header.indices[p] for p in positions]
                     continue
                 except PeerUnreachable as exc:
                     broken = exc
                     break
-                # Verify as each buffer lands, while later ones are still moving.
-                if checksum(res._sources[index]) != header.checksums[pos]:
-                    corrupt.append(index)
-                elif not res.done:
-                    res.received.add(index)
+                offset = 0
+                for pos in positions:
+                    index = header.indices[pos]
+                    size = header.sizes[pos]
+                    if res.done:
+                        break  # cancelled meanwhile: its buffers are the owner's again
+                    if staged is not None:
+                        try:
+                            copy_into(res._targets[index], staged[offset : offset + size])
+                        except TypeError:
+                            corrupt.append(index)
+                            continue
+                        finally:
+                            offset += size
+                    # Verify as each buffer lands, while later ones are still moving.
+                    if checksum(res._targets[index]) != header.checksums[pos]:
+                        corrupt.append(index)
+                    else:
+                        res.received.add(index)
+                        res.checksums[index] = header.checksums[pos]
+                if staged is not None:
+                    self._staging.give(staged)
         finally:
             res._pending.difference_update(header.indices)
             res._posted[link] -= 1
@@ -558,6 +597,8 @@ class KVReceiver:
                 f"{res.request_id}: checksum mismatch on {len(corrupt)} buffer(s)",
                 corrupt,
             )
+        elif header.commit:
+            reply = await self._commit_reply(res, seq)
         else:
             reply = Ack(seq)
         await self._reply(link, reply)
@@ -572,8 +613,17 @@ class KVReceiver:
 
         Concurrent drains share one scratch buffer: its content is garbage either way.
         """
-        sizes = header.sizes
-        malformed = len(sizes) != len(header.indices) or any(s < 0 for s in sizes)
+        malformed = (
+            len(header.sizes) != len(header.indices)
+            or any(s < 0 for s in header.sizes)
+            or not _spans_valid(header)
+        )
+        sizes: list[int] = []
+        if not malformed:
+            first = 0
+            for count in header.message_spans():
+                sizes.append(sum(header.sizes[first : first + count]))
+                first += count
         log.info("refusing segment %d of %s: %s", header.seq, header.request_id, error)
         if malformed or sum(sizes) > DRAIN_LIMIT:
             await self._reply(link, Nack(header.seq, error.reason, str(error), list(error.indices)))
@@ -609,6 +659,11 @@ class KVReceiver:
                 link, Nack(commit.seq, Reason.UNKNOWN_REQUEST, f"no reservation for {rid} ({why})")
             )
             return
+        await self._reply(link, await self._commit_reply(res, commit.seq))
+
+    async def _commit_reply(self, res: Reservation, seq: int) -> Message:
+        """Commit `res` if every buffer arrived verified; the reply to send either way."""
+        rid = res.request_id
         if res._segments:
             # Segments still landing (a sender may commit right after its last send
             # returned on its side): judge once they settle. Bounded by the
@@ -619,8 +674,7 @@ class KVReceiver:
             missing = [i for i in range(len(res)) if i not in res.received]
             if not missing:
                 self._commit(res)
-                await self._reply(link, Ack(commit.seq))
-                return
+                return Ack(seq)
             corrupt = sorted(res._corrupt.intersection(missing))
             if corrupt:
                 error = ChecksumMismatch(
@@ -634,7 +688,7 @@ class KVReceiver:
                     indices=tuple(missing[:64]),
                 )
             self._fail(res, error)
-        await self._reply(link, Nack(commit.seq, error.reason, str(error), list(error.indices)))
+        return Nack(seq, error.reason, str(error), list(error.indices))
 
     async def _on_fetch(self, link: Link, request: FetchRequest) -> None:
         handler = self._fetch_handler
@@ -664,3 +718,40 @@ class KVReceiver:
             log.exception("fetch handler failed for %s", request.request_id)
             reply = Nack(request.seq, Reason.FETCH_FAILED, f"{type(exc).__name__}: {exc}")
         await self._reply(link, reply)
+
+
+def _spans_valid(header: SegmentHeader) -> bool:
+    """Spans, if any, are positive and cover the segment's buffers exactly."""
+    spans = header.spans
+    if not spans:
+        return True
+    return (
+        len(spans) <= MAX_SEGMENT_BUFFERS and min(spans) > 0 and sum(spans) == len(header.indices)
+    )
+
+
+class _StagingPool:
+    """Reusable staging buffers for spans whose destinations are not adjacent.
+
+    A span lands in one of these and is copied out buffer by buffer: one extra copy
+    of the span instead of one UCX message per buffer (a kvstore block is one span
+    of all its layers, which land in an engine's pages one layer apart). Buffers are
+    reused, so a steady stream of spans costs no allocation or page faults. A buffer
+    whose receive was aborted is simply never given back.
+    """
+
+    def __init__(self, keep: int = 8) -> None:
+        self._keep = keep
+        self._free: list[np.ndarray] = []
+
+    def take(self, size: int) -> np.ndarray:
+        for i, buf in enumerate(self._free):
+            if buf.nbytes >= size:
+                del self._free[i]
+                return buf[:size]
+        return np.empty(size, dtype=np.uint8)
+
+    def give(self, view: np.ndarray) -> None:
+        buf = view.base if isinstance(view.base, np.ndarray) else view
+        if len(self._free) < self._keep:
+            self._free.append(buf)

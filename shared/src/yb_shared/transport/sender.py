@@ -17,15 +17,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
+import numpy as np
+
 from yb_shared.transport import ucx_env
 from yb_shared.transport.address import PeerAddress
-from yb_shared.transport.buffers import BufferLike, checksum, nbytes, to_ucx
+from yb_shared.transport.buffers import (
+    BufferLike,
+    address,
+    checksum,
+    joined,
+    nbytes,
+    to_ucx,
+)
 from yb_shared.transport.deadline import Deadline
-from yb_shared.transport.errors import PeerUnreachable, TransferError, error_for
+from yb_shared.transport.errors import PeerUnreachable, error_for
 from yb_shared.transport.link import Link, Posted
 from yb_shared.transport.ucx_env import UCXError, forget_traceback
 from yb_shared.transport.wire import (
@@ -46,12 +55,58 @@ log = logging.getLogger(__name__)
 
 #: Segments at least this large are checksummed off the event loop.
 _HASH_OFFLOAD_BYTES: Final = 4 << 20
+#: Largest span (adjacent buffers sent as one UCX message): big enough that per-message
+#: costs vanish, small enough that the receiver verifies while later spans still move.
+_SPAN_BYTES: Final = 8 << 20
 #: Share of a fetch's deadline handed to the holder, so that its refusal still arrives
 #: before the asker's own deadline passes.
 _FETCH_DEADLINE_SHARE: Final = 0.9
 
 #: `after_checksum` hook: (request_id, items) after checksums, before bytes move.
 ChecksumHook = Callable[[str, Sequence[tuple[int, BufferLike]]], None]
+
+
+def _poster(link: Link, frame: bytearray) -> Callable[[], Awaitable[list[Posted]]]:
+    """A `post` for `_exchange` that sends one control frame."""
+
+    async def post() -> list[Posted]:
+        return [link.post_send(frame, CTRL_TAG)]
+
+    return post
+
+
+def _spans(targets: list[Any], sizes: list[int]) -> tuple[list[int], list[Any]]:
+    """Group buffers adjacent in memory into DATA messages: (spans, message buffers).
+
+    `spans` is empty when every message is a single buffer (the common header).
+    """
+    spans: list[int] = []
+    messages: list[Any] = []
+    run: list[Any] = []
+    run_bytes = 0
+
+    def flush() -> None:
+        nonlocal run_bytes
+        if run:
+            view = joined(run) if len(run) > 1 else run[0]
+            assert view is not None
+            messages.append(view)
+            spans.append(len(run))
+            run.clear()
+            run_bytes = 0
+
+    previous_end = -1
+    for target, size in zip(targets, sizes, strict=True):
+        start = address(target) if isinstance(target, np.ndarray) else -2
+        if run and (run_bytes + size > _SPAN_BYTES or start != previous_end):
+            flush()
+        run.append(target)
+        run_bytes += size
+        previous_end = start + size if start >= 0 else -3
+    flush()
+    if all(count == 1 for count in spans):
+        spans = []
+    return spans, messages
 
 
 class _Peer:
@@ -126,6 +181,8 @@ class KVSender:
         items: Sequence[tuple[int, BufferLike]],
         *,
         deadline_s: float,
+        checksums: Sequence[int] | None = None,
+        commit: bool = False,
     ) -> None:
         """Send one segment: each (index, buffer) into the reservation's buffer `index`.
 
@@ -134,43 +191,103 @@ class KVSender:
         of the segment. Raises ReservationRefused / SizeMismatch / ChecksumMismatch when
         the receiver refuses, PeerUnreachable, or TransferTimeout after `deadline_s`.
         The buffers must not change until this returns.
+
+        `checksums` (one xxh3-64 per item) may be given when the caller knows them
+        already (a store that verified them when the bytes arrived); the receiver
+        verifies them all the same. Otherwise they are computed here.
+
+        Buffers that lie back to back in memory, in item order (consecutive pages of
+        one layer of a KV cache), travel as one UCX message (a *span*).
+
+        `commit=True` also commits the request once this segment is verified, in the
+        same round trip (then it must be the request's last send: every other send
+        for it must have returned). Raises what `commit()` raises if the commit fails.
         """
-        if not items:
-            raise ValueError("a segment needs at least one buffer")
-        if len(items) > MAX_SEGMENT_BUFFERS:
-            raise ValueError(f"a segment holds at most {MAX_SEGMENT_BUFFERS} buffers")
+        await self.send_segments(
+            peer,
+            request_id,
+            [items],
+            deadline_s=deadline_s,
+            checksums=None if checksums is None else [checksums],
+            commit=commit,
+        )
+
+    async def send_segments(
+        self,
+        peer: PeerAddress,
+        request_id: str,
+        segments: Sequence[Sequence[tuple[int, BufferLike]]],
+        *,
+        deadline_s: float,
+        checksums: Sequence[Sequence[int]] | None = None,
+        commit: bool = True,
+    ) -> None:
+        """Send several segments at once and (by default) commit, in one round trip.
+
+        Like concurrent `send()`s followed by `commit()`, but every header and
+        payload is posted in one go, in order, and the last header carries the commit
+        (the receiver admits headers in order, so it judges the commit after every
+        segment of the batch has landed): a whole transfer costs one round trip.
+        `checksums`, if given, has one list per segment. Returns once every segment is
+        verified (and the request committed); raises the first refusal otherwise.
+        """
+        if not segments:
+            raise ValueError("nothing to send")
+        if checksums is not None and len(checksums) != len(segments):
+            raise ValueError(f"{len(checksums)} checksum lists for {len(segments)} segments")
         deadline = Deadline.after(deadline_s)
         self._check_open()
-        indices = [index for index, _ in items]
-        buffers = [buffer for _, buffer in items]
-        targets = [to_ucx(buffer, writable=False) for buffer in buffers]
-        sizes = [nbytes(buffer) for buffer in buffers]
-        checksums = await self._checksums(buffers, sum(sizes))
-        if self._after_checksum is not None:
-            self._after_checksum(request_id, items)
+        prepared: list[tuple[list[int], list[int], list[Any]]] = []
+        for items in segments:
+            if not items:
+                raise ValueError("a segment needs at least one buffer")
+            if len(items) > MAX_SEGMENT_BUFFERS:
+                raise ValueError(f"a segment holds at most {MAX_SEGMENT_BUFFERS} buffers")
+            prepared.append(
+                (
+                    [index for index, _ in items],
+                    [nbytes(buffer) for _, buffer in items],
+                    [to_ucx(buffer, writable=False) for _, buffer in items],
+                )
+            )
+        given = None if checksums is None else [list(c) for c in checksums]
+        if given is not None:
+            for items, c in zip(segments, given, strict=True):
+                if len(c) != len(items):
+                    raise ValueError(f"{len(c)} checksums for {len(items)} buffers")
         connection = await self._connect(peer, deadline)
         link = connection.link
-        seq, reply = connection.expect()
-        try:
-            frame = encode_frame(SegmentHeader(seq, request_id, indices, sizes, checksums))
-        except ValueError:
-            connection.replies.pop(seq, None)
-            raise  # too many buffers for one header: split the segment
-        what = f"segment {seq} of {request_id} to {peer}"
-        # Header and payloads are posted together: the receiver posts its receives when
-        # the header lands, and each rendezvous completes as soon as it is matched.
-        answer = await self._exchange(
-            connection,
-            seq,
-            reply,
-            lambda: (
-                [link.post_send(frame, CTRL_TAG)]
-                + [link.post_send(target, data_tag(seq, pos)) for pos, target in enumerate(targets)]
-            ),
-            deadline,
-            what,
+        expected = [connection.expect() for _ in segments]
+        seqs = [seq for seq, _ in expected]
+
+        async def post() -> list[Posted]:
+            # Segment by segment, in order: hash (on a thread when large, so the
+            # previous segment's bytes move meanwhile), then post the header and the
+            # payloads together; the receiver posts its receives when the header lands
+            # and each rendezvous completes as soon as it is matched.
+            posted: list[Posted] = []
+            for n, (seq, (indices, sizes, targets)) in enumerate(zip(seqs, prepared, strict=True)):
+                # Hash the views already made for UCX (no second conversion per buffer).
+                sums = given[n] if given is not None else await self._checksums(targets, sum(sizes))
+                if self._after_checksum is not None:
+                    self._after_checksum(request_id, segments[n])
+                spans, messages = _spans(targets, sizes)
+                last = n == len(segments) - 1
+                header = SegmentHeader(
+                    seq, request_id, indices, sizes, sums, spans, commit and last
+                )
+                frame = encode_frame(header)  # ValueError: too many buffers for one header
+                posted.append(link.post_send(frame, CTRL_TAG))
+                posted += [link.post_send(m, data_tag(seq, pos)) for pos, m in enumerate(messages)]
+            return posted
+
+        what = f"segment {seqs[0]}" if len(seqs) == 1 else f"segments {seqs[0]}-{seqs[-1]}"
+        what += f" of {request_id} to {peer}" + (" (with its commit)" if commit else "")
+        answers = await self._exchange(
+            connection, seqs, [reply for _, reply in expected], post, deadline, what
         )
-        self._raise_for(answer, what)
+        for answer in answers:
+            self._raise_for(answer, what)
 
     async def commit(self, peer: PeerAddress, request_id: str, *, deadline_s: float) -> None:
         """Tell the receiver `request_id` is complete; raises if it refuses.
@@ -185,13 +302,8 @@ class KVSender:
         seq, reply = connection.expect()
         what = f"commit of {request_id} to {peer}"
         frame = encode_frame(Commit(seq, request_id))
-        answer = await self._exchange(
-            connection,
-            seq,
-            reply,
-            lambda: [connection.link.post_send(frame, CTRL_TAG)],
-            deadline,
-            what,
+        (answer,) = await self._exchange(
+            connection, [seq], [reply], _poster(connection.link, frame), deadline, what
         )
         self._raise_for(answer, what)
 
@@ -221,13 +333,8 @@ class KVSender:
         message = FetchRequest(seq, request_id, list(keys), str(reply_to), budget_ms)
         what = f"fetch of {request_id} from {holder}"
         frame = encode_frame(message)
-        answer = await self._exchange(
-            connection,
-            seq,
-            reply,
-            lambda: [connection.link.post_send(frame, CTRL_TAG)],
-            deadline,
-            what,
+        (answer,) = await self._exchange(
+            connection, [seq], [reply], _poster(connection.link, frame), deadline, what
         )
         self._raise_for(answer, what)
 
@@ -331,31 +438,32 @@ class KVSender:
     async def _exchange(
         self,
         connection: _Peer,
-        seq: int,
-        reply: asyncio.Future[Ack | Nack],
-        post: Callable[[], list[Posted]],
+        seqs: list[int],
+        replies: list[asyncio.Future[Ack | Nack]],
+        post: Callable[[], Awaitable[list[Posted]]],
         deadline: Deadline,
         what: str,
-    ) -> Ack | Nack:
-        """Post the sends, wait for them, then the reply; close the link on any failure."""
+    ) -> list[Ack | Nack]:
+        """Post the sends, wait for them, then the replies; close the link on any failure."""
         try:
-            await deadline.run(self._sent(post()), what)
-            return await deadline.run(reply, what)
+            await deadline.run(self._post_and_wait(post), what)
+            return [await deadline.run(reply, what) for reply in replies]
         except asyncio.CancelledError:
             self._drop(connection)
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # our caller cancelled us
             raise PeerUnreachable(f"{what}: connection closed") from None
-        except TransferError:
+        except Exception:  # a refusal, a broken link, or a header too large to post
             self._drop(connection)
             raise
         finally:
-            connection.replies.pop(seq, None)
+            for seq in seqs:
+                connection.replies.pop(seq, None)
 
     @staticmethod
-    async def _sent(sends: list[Posted]) -> None:
-        for send in sends:  # all posted already: waiting in order costs nothing
+    async def _post_and_wait(post: Callable[[], Awaitable[list[Posted]]]) -> None:
+        for send in await post():  # all posted already: waiting in order costs nothing
             await send.wait()
 
     @staticmethod

@@ -90,6 +90,21 @@ def _raw_api() -> tuple[Any, Any, Any, Callable[..., int]] | None:
 RAW_API: Final = _raw_api()
 
 
+def refill_futures() -> None:
+    """Top up ucxx's pool of Python futures (one is taken per posted request).
+
+    ucxx keeps at most 100 ready and refills them from its notifier thread; a segment
+    of hundreds of pages posted at once empties the pool, and ucxx then refills it
+    itself with a warning printed per request. Calling this every few dozen posts
+    keeps the pool full (it is cheap when it is).
+    """
+    ctx = ucxx.core._ctx
+    worker = getattr(ctx, "worker", None) if ctx is not None else None
+    populate = getattr(worker, "populate_python_futures_pool", None)
+    if populate is not None:
+        populate()
+
+
 def forget_traceback(exc: BaseException) -> None:
     """Strip the traceback frames off a caught ucxx exception and its whole chain.
 

@@ -13,12 +13,19 @@ the tagged union `Message` (array_like; the tag is the first element). The recei
 keeps one receive posted for the next frame into a `MAX_FRAME`-byte buffer, so a frame
 is a single UCX message and needs no separate size message.
 
-A segment is a header followed, without waiting, by one DATA message per buffer.
-The receiver validates the header, then posts each receive straight into the
-reserved destination buffer (UCX rendezvous: the payload moves once, from the
-sender's memory into the destination, when the receive is posted). Every DATA message
-has its own tag, so the order in which segments' messages are posted does not matter
-and concurrent segments on one endpoint never mix. A refused segment's payloads are
+A segment is a header followed, without waiting, by its DATA messages: one per
+buffer, or one per *span* of buffers that lie back to back in the sender's memory
+(consecutive pages of one layer of an engine's KV cache), so that a run of small
+pages costs one UCX message, not one each (`SegmentHeader.spans`). The receiver
+validates the header, then posts each receive straight into the reserved destination
+(UCX rendezvous: the payload moves once, from the sender's memory into the
+destination, when the receive is posted); a span whose destinations are not back to
+back in the receiver's memory lands in a staging buffer and is copied out. Checksums
+stay per buffer. Every DATA message has its own tag, so the order in which
+segments' messages are posted does not matter and concurrent segments on one
+endpoint never mix. A header with `commit` set also commits the request once the
+segment is verified: one round trip instead of two for a transfer sent as one
+segment. A refused segment's payloads are
 drained into a scratch sink (or, past `DRAIN_LIMIT`, the endpoint is closed), so no
 message is ever left unmatched and the stream stays usable.
 
@@ -48,7 +55,7 @@ MAX_SEGMENT_BUFFERS: Final = 1 << _POSITION_BITS
 
 
 def data_tag(seq: int, position: int) -> int:
-    """The tag of the `position`-th buffer of segment `seq`.
+    """The tag of the `position`-th DATA message (buffer or span) of segment `seq`.
 
     Kept below 2**61 so that Python's `hash()` (which ucxx applies) is the identity.
     """
@@ -56,13 +63,24 @@ def data_tag(seq: int, position: int) -> int:
 
 
 class SegmentHeader(msgspec.Struct, tag="seg", array_like=True, frozen=True, gc=False):
-    """Announces one segment: which reserved indices, how many bytes, which checksums."""
+    """Announces one segment: which reserved indices, how many bytes, which checksums.
+
+    `spans[m]` is how many consecutive buffers (in header order) DATA message `m`
+    carries; empty means one message per buffer. `commit`: commit the request once
+    this segment is verified (send it last).
+    """
 
     seq: int
     request_id: str
     indices: list[int]
     sizes: list[int]
     checksums: list[int]
+    spans: list[int] = []
+    commit: bool = False
+
+    def message_spans(self) -> list[int]:
+        """Buffers per DATA message (one each when `spans` is empty)."""
+        return list(self.spans) if self.spans else [1] * len(self.indices)
 
 
 class Commit(msgspec.Struct, tag="commit", array_like=True, frozen=True, gc=False):

@@ -1,11 +1,16 @@
-"""How a KV block travels to and from a store: request ids that describe a put.
+"""How KV blocks travel to and from a kvstore: the request ids of puts and fetches.
 
-A block is one page of every layer: `num_layers` chunks of `page_nbytes`, which in the
-engine's cache are not adjacent (`kv[layer, page]`). A put therefore sends
-`num_layers` buffers straight from the engine's pages, and the store lays them side by
-side in one slot. The transport's segment header carries indices and sizes but not
-block keys, so a put's request id names the block and its layout:
-`put.<key>.<num_layers>.<page_nbytes>.<nonce>`; the store refuses anything else.
+A block is one page of every layer: `num_layers` chunks of `page_nbytes`, which in an
+engine's cache are not adjacent (`kv[layer, page]`). A *put* therefore sends
+`num_layers` buffers straight from the engine's pages (one segment), and the store
+lays them side by side in one slot. The transport's segment header carries indices
+and sizes but not block keys, so a put's request id names the block and its layout:
+`put.<key hex>.<num_layers>.<page_nbytes>.<nonce>`; the store refuses anything else.
+
+A *fetch* (`KVSender.request_fetch`) names its keys (`key_text`) and asks for each
+block in `num_layers` chunks, so that each chunk lands in its own engine page: its
+request id ends in `.L<num_layers>`, and reservation index `i * num_layers + layer`
+is chunk `layer` of the `i`-th key.
 """
 
 from __future__ import annotations
@@ -62,3 +67,16 @@ def parse_key(text: str) -> int | None:
     except ValueError:
         return None
     return key if key >= 0 else None
+
+
+def fetch_request_id(base: str, num_layers: int) -> str:
+    """The request id of a fetch of blocks cut into `num_layers` chunks each."""
+    return f"{base}.L{num_layers}"
+
+
+def fetch_layers(request_id: str) -> int:
+    """Chunks per block a fetch asks for: its request id ends in `.L<layers>` (else 1)."""
+    tail = request_id.rsplit(".", 1)[-1]
+    if tail.startswith("L") and tail[1:].isdigit():
+        return int(tail[1:])
+    return 1

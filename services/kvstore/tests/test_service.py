@@ -1,0 +1,236 @@
+"""The kvstore service on a real bus with real UCX: puts, fetches, tiers, restarts, resync.
+
+The client side is the transport itself (what prefill uses): a `KVSender` puts blocks
+under put request ids and a `KVReceiver` reservation receives fetches. The block
+events are read back from the log and folded exactly as the conductor folds them
+(`yb_conductor.state.ClusterState`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from yb_conductor.state import ClusterState
+from yb_kvstore.service import KVStoreService
+from yb_shared import events as ev
+from yb_shared.bus import Bus, EventReader
+from yb_shared.config import KVStoreConfig, NatsConfig, TelemetryConfig, YbConfig
+from yb_shared.transport import KVReceiver, KVSender, PeerAddress, Reason, ReservationRefused
+from yb_shared.transport.blocks import PutId, fetch_request_id, key_text
+
+LAYERS = 3
+CHUNK = 4096
+BLOCK = LAYERS * CHUNK
+INSTANCE = "kvstore-t"
+
+
+def block_bytes(key: int) -> np.ndarray:
+    return np.random.default_rng(key).integers(0, 256, BLOCK, dtype=np.uint8)
+
+
+def config(nats: NatsConfig, ssd_dir: Path, **kvstore: object) -> YbConfig:
+    settings: dict[str, object] = {
+        "dram_blocks": 2,
+        "ssd_blocks": 2,
+        "ssd_dir": str(ssd_dir),
+        "dram_headroom_blocks": 0,
+        "load_report_interval_s": 0.2,
+    }
+    settings.update(kvstore)
+    return YbConfig(
+        instance_id=INSTANCE,
+        nats=nats,
+        kvstore=KVStoreConfig(**settings),  # type: ignore[arg-type]
+        telemetry=TelemetryConfig(log_json=False),
+    )
+
+
+class Client:
+    """Puts and fetches blocks like a prefill instance does."""
+
+    def __init__(self, sender: KVSender, receiver: KVReceiver) -> None:
+        self.sender = sender
+        self.receiver = receiver
+
+    async def put(self, store: PeerAddress, key: int) -> None:
+        data = block_bytes(key)
+        rid = PutId(key, LAYERS, CHUNK).request_id()
+        items = [(i, data[i * CHUNK : (i + 1) * CHUNK]) for i in range(LAYERS)]
+        await self.sender.send(store, rid, items, deadline_s=5)
+        await self.sender.commit(store, rid, deadline_s=5)
+
+    async def fetch(self, store: PeerAddress, keys: list[int]) -> np.ndarray:
+        dest = np.zeros((len(keys), BLOCK), dtype=np.uint8)
+        bufs = [
+            dest[i, layer * CHUNK : (layer + 1) * CHUNK]
+            for i in range(len(keys))
+            for layer in range(LAYERS)
+        ]
+        rid = fetch_request_id(f"fetch.{uuid.uuid4().hex[:8]}", LAYERS)
+        res = self.receiver.reserve(rid, bufs, deadline_s=5)
+        try:
+            await self.sender.request_fetch(
+                store,
+                rid,
+                [key_text(k) for k in keys],
+                reply_to=self.receiver.address,
+                deadline_s=5,
+            )
+            await res.wait_committed()
+        finally:
+            self.receiver.cancel(rid)
+        return dest
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[Client]:
+    receiver = KVReceiver()
+    await receiver.start()
+    sender = KVSender()
+    try:
+        yield Client(sender, receiver)
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+async def start_store(cfg: YbConfig) -> tuple[KVStoreService, PeerAddress]:
+    service = KVStoreService(cfg)
+    await service.start()
+    return service, PeerAddress.parse(service.ucx_address)
+
+
+async def block_events(
+    reader: EventReader, until: int, timeout_s: float = 10.0
+) -> list[ev.AnyEvent]:
+    """Block events from `reader` until one with event id `until` (inclusive)."""
+    out: list[ev.AnyEvent] = []
+    async with asyncio.timeout(timeout_s):
+        while True:
+            item = await reader.next(timeout_s)
+            if item is None:
+                continue
+            out.append(item.event)
+            if isinstance(item.event, ev.BlockEvent) and item.event.event_id >= until:
+                return out
+
+
+async def test_puts_fetches_and_the_tier_chain_over_ucx(
+    bus: Bus, nats_config: NatsConfig, client: Client, tmp_path: Path
+) -> None:
+    reader = await bus.read_ordered(f"yb.ev.block.*.{INSTANCE}")
+    service, store = await start_store(config(nats_config, tmp_path / "ssd"))
+    try:
+        for key in (11, 12, 13):  # 13 pushes 11 down to SSD
+            await client.put(store, key)
+        with pytest.raises(ReservationRefused, match="held already") as refused:
+            await client.put(store, 12)  # a duplicate put is refused as such
+        assert refused.value.reason == Reason.DUPLICATE
+        # 11 comes back up from SSD, 12 from DRAM: the bytes are the ones put.
+        got = await client.fetch(store, [11, 12])
+        assert np.array_equal(got[0], block_bytes(11))
+        assert np.array_equal(got[1], block_bytes(12))
+        with pytest.raises(ReservationRefused, match="not held"):
+            await client.fetch(store, [99])
+        await service.publisher.drained()  # type: ignore[union-attr]
+        last = service.block_log.event_id
+        events = await block_events(reader, until=last)
+    finally:
+        await service.stop()
+        await reader.close()
+    kinds = [type(e).__name__ for e in events]
+    assert kinds[0] == "BlocksCleared"
+    assert kinds.count("BlockStored") == 3
+    moves = [
+        (e.block_hashes, e.from_tier, e.to_tier) for e in events if isinstance(e, ev.BlockMoved)
+    ]
+    assert ([11], "dram", "ssd") in moves and ([11], "ssd", "dram") in moves
+    assert [e.event_id for e in events if isinstance(e, ev.BlockEvent)] == list(range(1, last + 1))
+    # The conductor's fold agrees with the store about every block and tier.
+    state = ClusterState()
+    for event in events:
+        state.apply(event)
+    assert sorted(state.index.keys_of(INSTANCE)) == sorted(service.store.announced)
+    for key, tier in service.store.announced.items():
+        assert state.index.tier_of(key, INSTANCE) == tier
+
+
+async def test_restart_new_epoch_clears_first_then_ssd_blocks_return(
+    bus: Bus, nats_config: NatsConfig, client: Client, tmp_path: Path
+) -> None:
+    cfg = config(nats_config, tmp_path / "ssd", dram_blocks=1, ssd_blocks=4)
+    service, store = await start_store(cfg)
+    first_epoch = service.block_log.epoch
+    try:
+        for key in (1, 2, 3):
+            await client.put(store, key)
+        await asyncio.sleep(0.2)  # let the copy-path SSD writes finish
+    finally:
+        await service.stop()
+    reader = await bus.read_ordered(f"yb.ev.block.*.{INSTANCE}", new_only=True)
+    await asyncio.sleep(0.01)
+    service, store = await start_store(cfg)
+    try:
+        assert service.block_log.epoch > first_epoch
+        events = await block_events(reader, until=2)
+        assert isinstance(events[0], ev.BlocksCleared) and events[0].event_id == 1
+        stored = events[1]
+        assert isinstance(stored, ev.BlockStored) and stored.tier == "ssd"
+        assert sorted(stored.block_hashes) == [1, 2]  # 3 was in DRAM: gone with the process
+        # One DRAM slot: each fetch brings its block up, pushing the other one down.
+        for key in (2, 1, 2):
+            (got,) = await client.fetch(store, [key])
+            assert np.array_equal(got, block_bytes(key))
+    finally:
+        await service.stop()
+        await reader.close()
+
+
+async def test_a_gap_is_noticed_by_the_conductor_fold_and_resync_repairs_it(
+    bus: Bus, nats_config: NatsConfig, client: Client, tmp_path: Path
+) -> None:
+    reader = await bus.read_ordered(f"yb.ev.block.*.{INSTANCE}")
+    service, store = await start_store(config(nats_config, tmp_path / "ssd", dram_blocks=4))
+    try:
+        for key in (21, 22, 23):
+            await client.put(store, key)
+        await service.publisher.drained()  # type: ignore[union-attr]
+        events = await block_events(reader, until=service.block_log.event_id)
+        state = ClusterState()
+        lost = events[2]  # the consumer misses one event (the store's 22)
+        for event in events:
+            if event is not lost:
+                state.apply(event)
+        assert INSTANCE in state.resync_wanted
+        # The conductor asks; the store answers with its inventory at its latest id.
+        await bus.publish(ev.ResyncRequested(instance_id=INSTANCE, requester="test"))
+        inventory = None
+        async with asyncio.timeout(10):
+            while inventory is None:
+                item = await reader.next(5)
+                if item is not None and isinstance(item.event, ev.BlockInventory):
+                    inventory = item.event
+        assert inventory.event_id == service.block_log.event_id
+        state.apply(inventory)
+        assert INSTANCE not in state.resync_wanted
+        assert sorted(state.index.keys_of(INSTANCE)) == [21, 22, 23]
+        # Events after the inventory continue the stream without another gap.
+        await client.put(store, 24)
+        await service.publisher.drained()  # type: ignore[union-attr]
+        (after,) = [
+            e
+            for e in await block_events(reader, until=service.block_log.event_id)
+            if isinstance(e, ev.BlockStored)
+        ]
+        state.apply(after)
+        assert INSTANCE not in state.resync_wanted
+        assert state.index.prefix_length([21, 22, 23, 24], INSTANCE) == 4
+    finally:
+        await service.stop()
+        await reader.close()

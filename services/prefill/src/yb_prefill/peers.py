@@ -1,0 +1,92 @@
+"""Who is up, and where their UCX listeners are: a view of `InstanceUp`/`InstanceDown`.
+
+Prefill needs two answers from it: the address of a kvstore that a decision names as
+a source, and which kvstore shares this instance's host (where new blocks are
+stored). Both come from the log: the newest announcement of every instance first
+(`last_per_subject`), then every change as it happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from yb_shared import events as ev
+from yb_shared.bus import Bus, EventReader
+from yb_shared.telemetry import get_logger
+from yb_shared.transport import PeerAddress
+
+log = get_logger(__name__)
+
+SUBJECTS = ["yb.ev.instance.instance_up.>", "yb.ev.instance.instance_down.>"]
+
+
+class PeerDirectory:
+    """The instances of the cluster as their announcements describe them."""
+
+    def __init__(self, bus: Bus) -> None:
+        self._bus = bus
+        self._reader: EventReader | None = None
+        self._up: dict[str, ev.InstanceUp] = {}
+        self._changed = asyncio.Event()
+
+    async def open(self) -> None:
+        """Subscribe (the current state is delivered first, then changes)."""
+        self._reader = await self._bus.read_ordered(SUBJECTS, last_per_subject=True)
+
+    async def run(self) -> None:
+        """Follow announcements until cancelled."""
+        assert self._reader is not None, "open() first"
+        reader = self._reader
+        try:
+            async for item in reader:
+                self.apply(item.event)
+        finally:
+            with contextlib.suppress(Exception):
+                await reader.close()
+
+    def apply(self, event: ev.AnyEvent) -> None:
+        """Fold one announcement."""
+        match event:
+            case ev.InstanceUp():
+                self._up[event.instance_id] = event
+            case ev.InstanceDown():
+                self._up.pop(event.instance_id, None)
+            case _:
+                return
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def get(self, instance_id: str) -> ev.InstanceUp | None:
+        """The announcement of an instance that is up."""
+        return self._up.get(instance_id)
+
+    def address(self, instance_id: str) -> PeerAddress | None:
+        """The UCX address of an instance that is up and has one."""
+        up = self._up.get(instance_id)
+        if up is None or not up.ucx_address:
+            return None
+        try:
+            return PeerAddress.parse(up.ucx_address)
+        except ValueError:
+            return None
+
+    def kvstore_on(self, host: str) -> ev.InstanceUp | None:
+        """The kvstore on `host` (the first by id if there are several), if one is up."""
+        stores = sorted(
+            (u for u in self._up.values() if u.role == "kvstore" and u.host == host),
+            key=lambda u: u.instance_id,
+        )
+        return stores[0] if stores else None
+
+    async def wait_for(self, instance_id: str, timeout_s: float) -> ev.InstanceUp | None:
+        """The announcement of `instance_id`, waiting up to `timeout_s` for it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (up := self._up.get(instance_id)) is None:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+        return up

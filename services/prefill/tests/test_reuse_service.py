@@ -1,0 +1,290 @@
+"""Prefill's reuse path through real services: two hosts, real bus, real UCX, tiny model.
+
+Host h0 runs prefill-0 and kvstore-0, host h1 prefill-1 and kvstore-1, plus one decode
+instance. The conductor's part is played by hand: each job carries a decision whose
+reuse plan the test writes, and is sent to the prefill instance over the bus as a
+gateway would. What is checked is what the cluster sees: the tokens on the request's
+token stream, `reused_tokens` in the progress events, the block events of the engine
+tier and of the kvstores, and `TransferFailed` when a planned fetch cannot happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from nats.aio.msg import Msg
+
+from yb_decode.service import DecodeService
+from yb_kvstore.service import KVStoreService
+from yb_prefill.service import PrefillService
+from yb_shared import events as ev
+from yb_shared import protocol as pr
+from yb_shared.bus import Bus
+from yb_shared.config import (
+    EngineConfig,
+    KVStoreConfig,
+    ModelConfig,
+    NatsConfig,
+    TelemetryConfig,
+    YbConfig,
+)
+from yb_shared.hashing import block_hashes, model_identity
+from yb_shared.service import Service
+
+BLOCK = 16
+MODEL = ModelConfig(source="tiny-random", name="tiny", block_size=BLOCK, max_model_len=1024)
+
+
+def cfg(nats: NatsConfig, instance: str, host: str, tmp: Path, **engine: object) -> YbConfig:
+    prefill = EngineConfig(
+        num_kv_pages=64, threads=1, chunk_size=32, load_report_interval_s=0.5, **engine
+    )  # type: ignore[arg-type]
+    return YbConfig(
+        instance_id=instance,
+        host=host,
+        nats=nats,
+        model=MODEL,
+        prefill=prefill,
+        decode=EngineConfig(num_kv_pages=128, threads=1, load_report_interval_s=0.5),
+        kvstore=KVStoreConfig(
+            dram_blocks=32, ssd_blocks=64, ssd_dir=str(tmp / instance), load_report_interval_s=0.5
+        ),
+        telemetry=TelemetryConfig(log_json=False),
+    )
+
+
+@dataclass
+class Cluster:
+    """Services in this process and everything the log says."""
+
+    bus: Bus
+    services: dict[str, Service]
+    events: list[ev.AnyEvent] = field(default_factory=list)
+
+    def prefill(self, name: str) -> PrefillService:
+        service = self.services[name]
+        assert isinstance(service, PrefillService)
+        return service
+
+    async def wait_for(
+        self, what: str, found: Callable[[ev.AnyEvent], bool], timeout_s: float = 10.0
+    ) -> ev.AnyEvent:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for event in self.events:
+                if found(event):
+                    return event
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no {what} in the log: {[type(e).__name__ for e in self.events]}")
+
+    async def run(
+        self,
+        prefill: str,
+        tokens: list[int],
+        reuse: list[ev.ReusePlan] | None = None,
+        max_tokens: int = 4,
+    ) -> tuple[list[int], ev.RequestProgress]:
+        """Send a job as a gateway would; the generated tokens and prefill's progress."""
+        rid = f"req-{uuid.uuid4().hex[:8]}"
+        subject = pr.token_subject("gw", rid)
+        chunks: asyncio.Queue[pr.TokenChunk] = asyncio.Queue()
+
+        async def on_chunk(msg: Msg) -> None:
+            chunks.put_nowait(pr.token_decoder.decode(msg.data))
+
+        sub = await self.bus.subscribe(subject, cb=on_chunk)
+        job = pr.PrefillJob(
+            request_id=rid,
+            token_ids=tokens,
+            block_hashes=block_hashes(tokens, BLOCK, model_identity(MODEL.name)),
+            sampling=pr.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            decision=ev.RequestScheduled(
+                request_id=rid,
+                gateway_id="gw",
+                prefill_instance=prefill,
+                decode_instance="decode-0",
+                reuse=reuse or [],
+                time=time.time(),
+            ),
+            token_subject=subject,
+            deadline=time.time() + 60,
+        )
+        try:
+            reply = await self.bus.request(
+                pr.prefill_job_subject(prefill), pr.encode(job), timeout_s=5
+            )
+            assert isinstance(pr.job_reply_decoder.decode(reply.data), pr.JobAccepted)
+            out: list[int] = []
+            async with asyncio.timeout(30):
+                while True:
+                    chunk = await chunks.get()
+                    assert not chunk.error, chunk.error
+                    out += chunk.token_ids
+                    if chunk.finished:
+                        break
+        finally:
+            await sub.unsubscribe()
+        done = await self.wait_for(
+            "prefill_done",
+            lambda e: (
+                isinstance(e, ev.RequestProgress)
+                and e.request_id == rid
+                and e.stage == "prefill_done"
+            ),
+        )
+        assert isinstance(done, ev.RequestProgress)
+        return out, done
+
+    def block_events(self, instance: str) -> list[ev.AnyEvent]:
+        return [
+            e for e in self.events if isinstance(e, ev.BlockEvent) and e.instance_id == instance
+        ]
+
+    def stored(self, instance: str, tier: ev.Tier) -> set[int]:
+        keys: set[int] = set()
+        for event in self.block_events(instance):
+            if isinstance(event, ev.BlockStored) and event.tier == tier:
+                keys.update(event.block_hashes)
+            elif isinstance(event, ev.BlockEvicted):
+                keys.difference_update(event.block_hashes)
+        return keys
+
+
+@pytest.fixture
+async def cluster(bus: Bus, nats_config: NatsConfig, tmp_path: Path) -> AsyncIterator[Cluster]:
+    reader = await bus.read_ordered()
+    state = Cluster(bus, {})
+
+    async def follow() -> None:
+        async for item in reader:
+            state.events.append(item.event)
+
+    follower = asyncio.get_running_loop().create_task(follow())
+    specs: list[tuple[type[Service], str, str, dict[str, object]]] = [
+        (KVStoreService, "kvstore-0", "h0", {}),
+        (KVStoreService, "kvstore-1", "h1", {}),
+        (DecodeService, "decode-0", "h0", {}),
+        (PrefillService, "prefill-0", "h0", {"prefix_cache_pages": 16}),
+        (PrefillService, "prefill-1", "h1", {"prefix_cache_pages": 16}),
+    ]
+    try:
+        for kind, name, host, engine in specs:
+            service = kind(cfg(nats_config, name, host, tmp_path, **engine))
+            state.services[name] = service
+            await service.start()
+        yield state
+    finally:
+        for service in reversed(list(state.services.values())):
+            with contextlib.suppress(Exception):
+                await service.stop()
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+        await reader.close()
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, 200) for _ in range(length)]
+
+
+def plan(source: str, tier: ev.Tier, first: int, count: int) -> ev.ReusePlan:
+    return ev.ReusePlan(source_instance=source, tier=tier, first_block=first, num_blocks=count)
+
+
+async def test_reuse_from_every_tier_gives_the_same_tokens(cluster: Cluster) -> None:
+    shared_prefix = prompt(1, 5 * BLOCK)
+    tokens = [*shared_prefix, *prompt(2, 7)]  # 5 full blocks and a partial one
+    keys = block_hashes(tokens, BLOCK, model_identity(MODEL.name))
+    assert len(keys) == 5
+
+    # 1. Computed from scratch on host h0: its blocks stay in prefill-0's pages and go
+    #    to h0's kvstore.
+    reference, done = await cluster.run("prefill-0", tokens)
+    assert (done.reused_tokens, done.computed_tokens) == (0, len(tokens))
+    await cluster.wait_for(
+        "engine blocks", lambda e: cluster.stored("prefill-0", "engine") >= set(keys)
+    )
+    await cluster.wait_for(
+        "kvstore-0 blocks", lambda e: cluster.stored("kvstore-0", "dram") >= set(keys)
+    )
+
+    # 2. The same prompt on the other host, pulled from h0's kvstore as planned: the
+    #    whole prefix is reused, the tokens are the same, and h1 keeps a replica.
+    out, done = await cluster.run("prefill-1", tokens, [plan("kvstore-0", "dram", 0, 5)])
+    assert out == reference
+    assert (done.reused_tokens, done.computed_tokens) == (5 * BLOCK, 7)
+    await cluster.wait_for(
+        "replica on kvstore-1", lambda e: cluster.stored("kvstore-1", "dram") >= set(keys)
+    )
+    assert cluster.stored("prefill-1", "engine") >= set(keys)
+
+    # 3. From prefill-0's own pages (no copy, no fetch), with a longer suffix.
+    longer = [*tokens, *prompt(3, 20)]
+    out_long, done = await cluster.run("prefill-0", longer, [plan("prefill-0", "engine", 0, 5)])
+    assert done.reused_tokens == 5 * BLOCK
+    assert cluster.prefill("prefill-0").cache.hits >= 5  # type: ignore[union-attr]
+    recomputed, done = await cluster.run("prefill-1", longer)  # prefill-1 ignores its cache
+    assert done.reused_tokens == 0 and out_long == recomputed
+
+    # 4. A plan that cannot be fetched (kvstore-1 does not hold the first blocks of this
+    #    new prompt): TransferFailed, recomputed, same answer.
+    other = prompt(4, 3 * BLOCK + 5)
+    expected, _ = await cluster.run("prefill-0", other)
+    out, done = await cluster.run("prefill-1", other, [plan("kvstore-1", "dram", 0, 3)])
+    assert out == expected and done.reused_tokens == 0
+    failed = await cluster.wait_for(
+        "TransferFailed",
+        lambda e: isinstance(e, ev.TransferFailed) and e.request_id == done.request_id,
+    )
+    assert isinstance(failed, ev.TransferFailed)
+    assert (failed.source_instance, failed.target_instance) == ("kvstore-1", "prefill-1")
+    assert "not held" in failed.reason
+
+
+async def test_reuse_switch_off_ignores_plans(
+    bus: Bus, nats_config: NatsConfig, tmp_path: Path
+) -> None:
+    # One prefill instance with reuse off, one kvstore holding nothing: the plan is not
+    # even tried (no TransferFailed), the prompt is computed whole.
+    services: list[Service] = []
+    try:
+        for service in (
+            KVStoreService(cfg(nats_config, "kvstore-0", "h0", tmp_path)),
+            DecodeService(cfg(nats_config, "decode-0", "h0", tmp_path)),
+            PrefillService(cfg(nats_config, "prefill-0", "h0", tmp_path, reuse=False)),
+        ):
+            services.append(service)
+            await service.start()
+        cluster = Cluster(bus, {})
+        reader = await bus.read_ordered("yb.ev.>")
+
+        async def follow() -> None:
+            async for item in reader:
+                cluster.events.append(item.event)
+
+        follower = asyncio.get_running_loop().create_task(follow())
+        try:
+            tokens = prompt(5, 2 * BLOCK + 3)
+            _out, done = await cluster.run("prefill-0", tokens, [plan("kvstore-0", "dram", 0, 2)])
+            assert done.reused_tokens == 0
+            await asyncio.sleep(0.2)
+            assert not [e for e in cluster.events if isinstance(e, ev.TransferFailed)]
+        finally:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
+            await reader.close()
+    finally:
+        for service in reversed(services):
+            with contextlib.suppress(Exception):
+                await service.stop()

@@ -1,0 +1,93 @@
+"""A prompt computed once is, the second time, served from the KV pool: the whole cluster.
+
+`yb up` with the tiny model (2 prefill instances on two logical hosts, each with its
+kvstore): a prompt computed once comes back with its prefix reused (the client sees
+it as `usage.prompt_tokens_details.cached_tokens`), from the computing instance's own
+pages; and once that instance cannot take work (SIGSTOPped until the conductor
+declares it dead), from its host's kvstore, pulled over UCX by the other instance.
+The answers are the same every time (greedy decoding).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from yb_shared.testing import LocalCluster
+
+BLOCK = 64  # the default block size
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(
+        tmp_path_factory.mktemp("kv-reuse"),
+        "--model",
+        "tiny-random",
+        "--model-name",
+        "tiny",
+        env={"YB_CONDUCTOR__HEARTBEAT_TIMEOUT_S": "2"},
+    )
+    cluster.start(timeout_s=300)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def complete(cluster: LocalCluster, tokens: list[int]) -> tuple[list[int], int, str]:
+    """(generated text as token-ish ids, cached tokens, request id) of one completion."""
+    r = httpx.post(
+        f"{cluster.url}/v1/completions",
+        json={"model": "tiny", "prompt": tokens, "max_tokens": 6, "temperature": 0},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    cached = body["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return body["choices"][0]["text"], cached, body["id"]
+
+
+def prefill_of(cluster: LocalCluster, request_id: str) -> str:
+    for name in ("prefill-0", "prefill-1"):
+        for line in cluster.instance_log(name).splitlines():
+            if '"prefill_done"' in line and request_id in line:
+                return name
+    raise AssertionError(f"no prefill instance logged {request_id}")
+
+
+def test_a_prompt_computed_once_is_served_from_the_pool(cluster: LocalCluster) -> None:
+    rng = random.Random(7)
+    prefix = [rng.randrange(10, 250) for _ in range(6 * BLOCK)]
+    first, cached, rid = complete(cluster, [*prefix, 1, 2, 3])
+    assert cached == 0
+    computed_on = prefill_of(cluster, rid)
+
+    # Again: the conductor plans the prefix from where it is (at least the engine's own
+    # pages), and the answer does not change.
+    again, cached, _ = complete(cluster, [*prefix, 1, 2, 3])
+    assert again == first
+    assert cached == 6 * BLOCK
+
+    # The instance that computed it stops taking work: the other one pulls the prefix
+    # from the first one's host kvstore.
+    time.sleep(1.0)  # the puts into the kvstore are off the request's path
+    pid = cluster.pids[computed_on]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(4.0)  # heartbeat timeout (2 s) and a report interval
+        remote, cached, rid = complete(cluster, [*prefix, 1, 2, 3])
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert remote == first
+    assert cached == 6 * BLOCK
+    other = "prefill-1" if computed_on == "prefill-0" else "prefill-0"
+    assert prefill_of(cluster, rid) == other
+    log = cluster.instance_log(other)
+    assert "prefix_fetch_failed" not in log
