@@ -234,3 +234,51 @@ async def test_a_gap_is_noticed_by_the_conductor_fold_and_resync_repairs_it(
     finally:
         await service.stop()
         await reader.close()
+
+
+async def test_a_replication_plan_copies_hot_blocks_to_the_target_store(
+    bus: Bus, nats_config: NatsConfig, client: Client, tmp_path: Path
+) -> None:
+    source_cfg = config(nats_config, tmp_path / "ssd-a")
+    target_cfg = config(nats_config, tmp_path / "ssd-b")
+    target_cfg.instance_id = "kvstore-target"
+    source, source_addr = await start_store(source_cfg)
+    target, target_addr = await start_store(target_cfg)
+    reader = await bus.read_ordered("yb.ev.block.block_stored.kvstore-target")
+    try:
+        for key in (21, 22):
+            await client.put(source_addr, key)
+        # The target learns the block layout from its first put (it needs no model).
+        await client.put(target_addr, 23)
+        await bus.publish(
+            ev.ReplicationPlanned(
+                source_instance=INSTANCE,
+                target_instance="kvstore-target",
+                block_hashes=[21, 22, 23],
+                demand=9,
+            )
+        )
+        stored: set[int] = set()
+        async with asyncio.timeout(15):
+            while not {21, 22} <= stored:
+                item = await reader.next(1.0)
+                if item is not None and isinstance(item.event, ev.BlockStored):
+                    stored.update(item.event.block_hashes)
+        # The copy holds the same bytes, served from the target itself.
+        got = await client.fetch(target_addr, [21, 22])
+        assert np.array_equal(got[0], block_bytes(21))
+        assert np.array_equal(got[1], block_bytes(22))
+        # A plan for another store, or for blocks held already, does nothing here.
+        assert target.replicator is not None
+        plan = ev.ReplicationPlanned(
+            source_instance=INSTANCE, target_instance="kvstore-target", block_hashes=[21]
+        )
+        assert await target.replicator.carry_out(plan) == 0
+        other = ev.ReplicationPlanned(
+            source_instance=INSTANCE, target_instance="elsewhere", block_hashes=[22]
+        )
+        assert await target.replicator.carry_out(other) == 0
+    finally:
+        await reader.close()
+        await target.stop()
+        await source.stop()

@@ -14,20 +14,23 @@ and answers resync requests with the inventory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
 from yb_kvstore.policy import make_policy
+from yb_kvstore.replication import Replicator
 from yb_kvstore.slab import DramSlab, SlabFull
 from yb_kvstore.ssd import SsdTier
 from yb_kvstore.store import BlockStore, MissingBlocks
 from yb_shared import events as ev
 from yb_shared.block_events import AnyBlockEvent, BlockEventPublisher, BlockLog
-from yb_shared.bus import Bus
+from yb_shared.bus import Bus, EventReader
 from yb_shared.config import YbConfig
 from yb_shared.instance import Presence
+from yb_shared.peers import PeerDirectory
 from yb_shared.service import Service
 from yb_shared.telemetry import get_logger
 from yb_shared.transport import (
@@ -93,6 +96,14 @@ class KVStoreService(Service):
             ["direction"],
             registry=self.metrics,
         )
+        self._m_replicated = Counter(
+            "yb_kvstore_replicated_blocks_total",
+            "Blocks of hot prefixes copied here on the conductor's plan, by outcome",
+            ["outcome"],
+            registry=self.metrics,
+        )
+        self.peers: PeerDirectory | None = None
+        self.replicator: Replicator | None = None
 
     def _emit(self, event: AnyBlockEvent) -> None:
         assert self.publisher is not None, "the pool changes only once the store runs"
@@ -135,6 +146,21 @@ class KVStoreService(Service):
             self.cfg.kvstore.load_report_interval_s,
         )
         await self.presence.announce()
+        self.peers = PeerDirectory(self.bus)
+        await self.peers.open()
+        self.replicator = Replicator(
+            self.instance_id,
+            self.store,
+            self.receiver,
+            self.sender,
+            self.peers,
+            on_outcome=lambda outcome, n: self._m_replicated.labels(outcome).inc(n),
+        )
+        plans = await self.bus.read_ordered(
+            f"yb.ev.decision.replication.{ev.subject_token(self.instance_id)}", new_only=True
+        )
+        self.tasks.spawn("peers", self.peers.run())
+        self.tasks.spawn("replication", self._follow_plans(plans))
         self.tasks.spawn("block-events", self.publisher.run_publisher())
         self.tasks.spawn("resyncs", self.publisher.run_resyncs())
         self.tasks.spawn("presence", self.presence.run())
@@ -167,6 +193,22 @@ class KVStoreService(Service):
         if self.bus is not None:
             bus, self.bus = self.bus, None
             await bus.close()
+
+    # --- replication ----------------------------------------------------------------
+
+    async def _follow_plans(self, reader: EventReader) -> None:
+        """Carry out the conductor's replication plans for this store, one at a time."""
+        assert self.replicator is not None
+        try:
+            async for item in reader:
+                if isinstance(item.event, ev.ReplicationPlanned):
+                    try:
+                        await self.replicator.carry_out(item.event)
+                    except Exception as exc:  # an optimisation must not stop the store
+                        log.exception("replication_error", error=repr(exc))
+        finally:
+            with contextlib.suppress(Exception):
+                await reader.close()
 
     # --- puts -----------------------------------------------------------------------
 

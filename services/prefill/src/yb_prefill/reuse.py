@@ -26,10 +26,10 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from yb_prefill.peers import PeerDirectory
 from yb_prefill.prefix_cache import PrefixCache
 from yb_shared import events as ev
 from yb_shared.model.kv_cache import PagedKVCache
+from yb_shared.peers import PeerDirectory
 from yb_shared.telemetry import get_logger
 from yb_shared.transport import (
     KVReceiver,

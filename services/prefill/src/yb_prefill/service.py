@@ -26,7 +26,6 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
-from yb_prefill.peers import PeerDirectory
 from yb_prefill.prefix_cache import PrefixCache
 from yb_prefill.reuse import Prefix, PrefixLoader
 from yb_prefill.streaming import LayerStreamer
@@ -39,6 +38,7 @@ from yb_shared.config import YbConfig
 from yb_shared.engine_host import EngineHost
 from yb_shared.instance import CancellationFollower, Presence
 from yb_shared.model.kv_cache import OutOfPages
+from yb_shared.peers import PeerDirectory
 from yb_shared.service import Service
 from yb_shared.telemetry import (
     bind_request,
