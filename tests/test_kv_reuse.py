@@ -10,11 +10,12 @@ The answers are the same every time (greedy decoding).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -32,7 +33,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         "tiny-random",
         "--model-name",
         "tiny",
-        env={"YB_CONDUCTOR__HEARTBEAT_TIMEOUT_S": "2"},
+        env={"YB_CONDUCTOR__HEARTBEAT_TIMEOUT_S": "3"},
     )
     cluster.start(timeout_s=300)
     try:
@@ -55,11 +56,44 @@ def complete(cluster: LocalCluster, tokens: list[int]) -> tuple[list[int], int, 
 
 
 def prefill_of(cluster: LocalCluster, request_id: str) -> str:
-    for name in ("prefill-0", "prefill-1"):
-        for line in cluster.instance_log(name).splitlines():
-            if '"prefill_done"' in line and request_id in line:
-                return name
+    # Prefill logs the request after handing it to decode, so the answer may reach
+    # the client first: look for a while.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for name in ("prefill-0", "prefill-1"):
+            for line in cluster.instance_log(name).splitlines():
+                if '"prefill_done"' in line and request_id in line:
+                    return name
+        time.sleep(0.1)
     raise AssertionError(f"no prefill instance logged {request_id}")
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def stored_blocks(cluster: LocalCluster, instance_id: str) -> float:
+    """Blocks the kvstore stored from puts, read from its /metrics."""
+    address = ""
+    for line in cluster.instance_log(instance_id).splitlines():
+        if '"metrics_listening"' in line:
+            record = json.loads(line)
+            address = f"{record['host']}:{record['port']}"
+    assert address, f"{instance_id} logged no metrics address"
+    text = httpx.get(f"http://{address}/metrics", timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith('yb_kvstore_puts_total{outcome="stored"}')
+    )
+
+
+def live_prefills(cluster: LocalCluster) -> list[str]:
+    body = httpx.get(f"{cluster.url}/readyz", timeout=5).json()
+    return list(body.get("prefill_instances", []))
 
 
 def test_a_prompt_computed_once_is_served_from_the_pool(cluster: LocalCluster) -> None:
@@ -77,11 +111,15 @@ def test_a_prompt_computed_once_is_served_from_the_pool(cluster: LocalCluster) -
 
     # The instance that computed it stops taking work: the other one pulls the prefix
     # from the first one's host kvstore.
-    time.sleep(1.0)  # the puts into the kvstore are off the request's path
+    host_store = "kvstore-" + computed_on.rsplit("-", 1)[1]
+    # The puts into the kvstore are off the request's path: wait until they landed.
+    wait_for(lambda: stored_blocks(cluster, host_store) >= 6, 30, "the blocks to be stored")
     pid = cluster.pids[computed_on]
     os.kill(pid, signal.SIGSTOP)
     try:
-        time.sleep(4.0)  # heartbeat timeout (2 s) and a report interval
+        # Until its heartbeat lapses (the gateway applies the conductor's timeout too).
+        wait_for(lambda: computed_on not in live_prefills(cluster), 30, "the heartbeat to lapse")
+        time.sleep(0.5)  # the conductor sees the same silence on its next event
         remote, cached, rid = complete(cluster, [*prefix, 1, 2, 3])
     finally:
         os.kill(pid, signal.SIGCONT)

@@ -7,7 +7,7 @@ rest of the cluster sees: the bytes a fetch gets back, and the block events.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -125,6 +125,13 @@ def assert_events_consistent(pool: Pool) -> None:
     assert actual == pool.store.announced
 
 
+async def wait_until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll `check` until true; what it waits for runs on I/O threads."""
+    async with asyncio.timeout(timeout_s):
+        while not check():
+            await asyncio.sleep(0.01)
+
+
 async def test_without_ssd_lru_blocks_are_dropped(io: ThreadPoolExecutor) -> None:
     pool = await make_pool(io, None, dram=2)
     pool.put(1)
@@ -159,7 +166,8 @@ async def test_chain_dram_to_ssd_to_dropped_and_back_up(
     assert np.array_equal(await pool.fetch(2), block_bytes(2))
     await pool.settle()
     assert pool.store.tier_of(2) == "dram"
-    assert not pool.store.ssd.path(2).exists()
+    # The promoted block's file is removed off the event loop: it goes soon after.
+    await wait_until(lambda: not pool.store.ssd.path(2).exists())  # type: ignore[union-attr]
     moved = [e for e in pool.events if isinstance(e, ev.BlockMoved)]
     assert (moved[-1].block_hashes, moved[-1].to_tier) in (([2], "dram"), ([4], "ssd"))
     assert ([2], "ssd", "dram") in [(m.block_hashes, m.from_tier, m.to_tier) for m in moved]
