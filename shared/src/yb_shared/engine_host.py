@@ -14,6 +14,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from prometheus_client import CollectorRegistry, Gauge
+
 from yb_shared.config import EngineConfig, YbConfig
 from yb_shared.models import load_engine_model
 from yb_shared.telemetry import get_logger
@@ -25,6 +27,25 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 T = TypeVar("T")
+
+
+class EngineGauges:
+    """The load gauges every engine exports, named alike so dashboards fit both roles."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.queue = Gauge(
+            "yb_engine_queue_requests",
+            "Requests waiting for the engine (prefill: queued jobs; decode: holding KV, "
+            "waiting for a batch slot)",
+            registry=registry,
+        )
+        self.batch = Gauge(
+            "yb_engine_batch_size", "Requests the engine is running now", registry=registry
+        )
+        self.kv_used = Gauge("yb_engine_kv_pages_used", "KV pages in use", registry=registry)
+        self.kv_total = Gauge(
+            "yb_engine_kv_pages_total", "KV pages in the cache", registry=registry
+        )
 
 
 class EngineHost:

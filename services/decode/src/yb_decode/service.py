@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 import msgspec
 from nats.aio.msg import Msg
 from opentelemetry import trace
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Histogram
 
 from yb_shared import events as ev
 from yb_shared import protocol as pr
 from yb_shared.bus import Bus, BusError
 from yb_shared.config import YbConfig
-from yb_shared.engine_host import EngineHost
+from yb_shared.engine_host import EngineGauges, EngineHost
 from yb_shared.instance import CancellationFollower, Presence
 from yb_shared.service import Service
 from yb_shared.telemetry import (
@@ -81,6 +81,7 @@ class DecodeService(Service):
     def __init__(self, cfg: YbConfig) -> None:
         super().__init__(cfg)
         self.engine = EngineHost(cfg, cfg.decode, self.instance_id)
+        self.gauges = EngineGauges(self.metrics)
         self.receiver = KVReceiver(cfg.decode.ucx_host, cfg.decode.ucx_port)
         self.batcher: DecodeBatcher | None = None
         self.bus: Bus | None = None
@@ -91,18 +92,6 @@ class DecodeService(Service):
         self._streams: dict[str, Stream] = {}
         self._work = asyncio.Event()
         self._draining = False
-        self._m_batch = Gauge(
-            "yb_engine_batch_size", "Requests in the decode batch", registry=self.metrics
-        )
-        self._m_queue = Gauge(
-            "yb_engine_queue_requests",
-            "Requests holding KV, waiting for a batch slot",
-            registry=self.metrics,
-        )
-        self._m_kv = Gauge("yb_engine_kv_pages_used", "KV pages in use", registry=self.metrics)
-        self._m_kv_total = Gauge(
-            "yb_engine_kv_pages_total", "KV pages in the cache", registry=self.metrics
-        )
         self._m_step = Histogram(
             "yb_decode_step_seconds",
             "Duration of one decode step (the TBT)",
@@ -141,7 +130,7 @@ class DecodeService(Service):
             self.engine.model.tokenizer,
             self.cfg.decode.max_batch_size,
         )
-        self._m_kv_total.set(self.engine.cache.num_pages)
+        self.gauges.kv_total.set(self.engine.cache.num_pages)
         address = await self.receiver.start()
         self.ucx_address = str(address)
         self.cancellations = CancellationFollower(self.bus, self._on_cancel)
@@ -245,7 +234,7 @@ class DecodeService(Service):
         self._pending[rid] = Pending(
             req, trace_headers or req.trace_headers, pages, reservation, commit
         )
-        self._m_kv.set(allocator.num_used)
+        self.gauges.kv_used.set(allocator.num_used)
         return pr.KVReserved(
             request_id=rid,
             ucx_address=self.ucx_address,
@@ -347,7 +336,7 @@ class DecodeService(Service):
     def _free(self, pages: list[int]) -> None:
         assert self.engine.allocator is not None
         self.engine.allocator.free(pages)
-        self._m_kv.set(self.engine.allocator.num_used)
+        self.gauges.kv_used.set(self.engine.allocator.num_used)
 
     def _on_cancel(self, request_id: str, reason: str) -> None:
         if request_id in self._pending:
@@ -371,9 +360,9 @@ class DecodeService(Service):
                 continue
             outputs = await self.engine.call(batcher.step)
             self._m_step.observe(batcher.last_step_seconds)
-            self._m_batch.set(batcher.num_running)
-            self._m_queue.set(batcher.num_waiting)
-            self._m_kv.set(self.engine.allocator.num_used if self.engine.allocator else 0)
+            self.gauges.batch.set(batcher.num_running)
+            self.gauges.queue.set(batcher.num_waiting)
+            self.gauges.kv_used.set(self.engine.allocator.num_used if self.engine.allocator else 0)
             await self._deliver(outputs)
 
     async def _deliver(self, outputs: list[TokenOutput]) -> None:

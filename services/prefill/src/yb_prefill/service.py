@@ -35,7 +35,7 @@ from yb_shared import protocol as pr
 from yb_shared.block_events import AnyBlockEvent, BlockEventPublisher, BlockLog
 from yb_shared.bus import Bus, BusError
 from yb_shared.config import YbConfig
-from yb_shared.engine_host import EngineHost
+from yb_shared.engine_host import EngineGauges, EngineHost
 from yb_shared.instance import CancellationFollower, Presence
 from yb_shared.model.kv_cache import OutOfPages
 from yb_shared.peers import PeerDirectory
@@ -82,6 +82,7 @@ class PrefillService(Service):
     def __init__(self, cfg: YbConfig) -> None:
         super().__init__(cfg)
         self.engine = EngineHost(cfg, cfg.prefill, self.instance_id)
+        self.gauges = EngineGauges(self.metrics)
         self.sender = KVSender()
         self.receiver = KVReceiver(cfg.prefill.ucx_host, cfg.prefill.ucx_port)
         self.block_log = BlockLog(self.instance_id)
@@ -99,16 +100,6 @@ class PrefillService(Service):
         self._cancelled: dict[str, str] = {}
         self._draining = False
         self._subscription: object | None = None
-        self._m_queue = Gauge(
-            "yb_engine_queue_requests", "Requests waiting for the engine", registry=self.metrics
-        )
-        self._m_batch = Gauge(
-            "yb_engine_batch_size", "Requests the engine is running now", registry=self.metrics
-        )
-        self._m_kv = Gauge("yb_engine_kv_pages_used", "KV pages in use", registry=self.metrics)
-        self._m_kv_total = Gauge(
-            "yb_engine_kv_pages_total", "KV pages in the cache", registry=self.metrics
-        )
         self._m_prefill = Histogram(
             "yb_prefill_seconds",
             "Prefill time per request (compute and KV streaming)",
@@ -160,7 +151,7 @@ class PrefillService(Service):
         await self.engine.load()
         assert self.engine.cache is not None
         assert self.engine.allocator is not None
-        self._m_kv_total.set(self.engine.cache.num_pages)
+        self.gauges.kv_total.set(self.engine.cache.num_pages)
         pcfg = self.cfg.prefill
         self.cache = PrefixCache(
             self.engine.allocator,
@@ -269,7 +260,7 @@ class PrefillService(Service):
         # The trace context comes in the NATS headers (the job's copy is the fallback).
         headers = trace_carrier(msg.headers) or dict(job.trace_headers)
         self._queue.put_nowait(QueuedJob(job, headers))
-        self._m_queue.set(self._queue.qsize())
+        self.gauges.queue.set(self._queue.qsize())
         await self._reply(
             msg,
             pr.JobAccepted(
@@ -295,11 +286,11 @@ class PrefillService(Service):
     async def _worker(self) -> None:
         while True:
             queued = await self._queue.get()
-            self._m_queue.set(self._queue.qsize())
+            self.gauges.queue.set(self._queue.qsize())
             job = queued.job
             self._queued_tokens -= len(job.token_ids)
             self._running = job.request_id
-            self._m_batch.set(1)
+            self.gauges.batch.set(1)
             try:
                 with bind_request(job.request_id):
                     await self._run(job, queued.trace_headers)
@@ -308,7 +299,7 @@ class PrefillService(Service):
                 raise
             finally:
                 self._running = None
-                self._m_batch.set(0)
+                self.gauges.batch.set(0)
 
     async def _run(self, job: pr.PrefillJob, trace_headers: dict[str, str]) -> None:
         ctx = extract_context(trace_headers)
@@ -407,7 +398,7 @@ class PrefillService(Service):
         except BaseException:
             await self._abort_reservation(decode_id, job.request_id, "prefill failed")
             raise
-        self._m_kv.set(self.cache.allocator.num_used)
+        self.gauges.kv_used.set(self.cache.allocator.num_used)
         cached_tokens = prefix.reused_blocks * cache.block_size
         t_loaded = time.monotonic()
         computed = False
@@ -537,13 +528,13 @@ class PrefillService(Service):
             if upload:
                 address = self.peers.address(store.instance_id)
                 self.tasks.spawn(f"upload:{job.request_id}", self._upload(address, upload))
-        self._m_kv.set(cache.allocator.num_used)
+        self.gauges.kv_used.set(cache.allocator.num_used)
         self._m_cached.set(len(cache))
 
     def _loader_release(self, prefix: Prefix) -> None:
         assert self.loader is not None and self.cache is not None
         self.loader.release(prefix)
-        self._m_kv.set(self.cache.allocator.num_used)
+        self.gauges.kv_used.set(self.cache.allocator.num_used)
 
     async def _upload(self, address: PeerAddress | None, keys: list[int]) -> None:
         """Owned background task: put blocks into the host's kvstore; never raises."""
