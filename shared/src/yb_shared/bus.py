@@ -257,6 +257,19 @@ class Bus:
                 log.debug("publish_retry", subject=subject, error=repr(exc), wait_s=wait)
                 await asyncio.sleep(wait)
 
+    async def try_publish(self, event: AnyEvent) -> bool:
+        """Publish, or log and return False when the bus is down past the deadline.
+
+        For events whose loss costs accuracy, not correctness (progress, completion
+        figures): the caller's request must not fail because NATS blinked.
+        """
+        try:
+            await self.publish(event)
+        except BusError as exc:
+            log.warning("event_publish_failed", type=type(event).__name__, error=str(exc))
+            return False
+        return True
+
     async def last_sequence(self) -> int:
         """The sequence of the newest event in the log (0 when empty)."""
         info = await self._js.stream_info(self._cfg.stream)

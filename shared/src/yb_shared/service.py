@@ -24,6 +24,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from yb_shared.bus import Bus
 from yb_shared.config import ConfigError, YbConfig, load_config
 from yb_shared.telemetry import (
     configure_logging,
@@ -115,6 +116,12 @@ class Service(abc.ABC):
     @abc.abstractmethod
     async def stop(self) -> None:
         """Stop taking work, drain, cancel leftovers, close connections."""
+
+    async def connect_bus(self) -> Bus:
+        """Connect to NATS (waiting as long as it takes) and make sure the log exists."""
+        bus = await Bus.connect(self.cfg.nats, self.instance_id)
+        await bus.ensure_stream()
+        return bus
 
     def serve_metrics(self) -> None:
         """Expose this process's registry at /metrics on the configured interface."""

@@ -73,8 +73,7 @@ class ConductorService(Service):
     async def start(self) -> None:
         """Connect, restore, take the lease if free, and start following the log."""
         self.serve_metrics()
-        self.bus = await Bus.connect(self.cfg.nats, self.instance_id)
-        await self.bus.ensure_stream()
+        self.bus = await self.connect_bus()
         ccfg = self.cfg.conductor
         js = self.bus.jetstream
         try:

@@ -117,8 +117,7 @@ class DecodeService(Service):
         from yb_shared.model.batcher import DecodeBatcher
 
         self.serve_metrics()
-        self.bus = await Bus.connect(self.cfg.nats, self.instance_id)
-        await self.bus.ensure_stream()
+        self.bus = await self.connect_bus()
         await self.engine.load()
         assert self.engine.runner is not None
         assert self.engine.allocator is not None
@@ -451,12 +450,8 @@ class DecodeService(Service):
         )
 
     async def _publish(self, event: ev.AnyEvent) -> None:
-        if self.bus is None:
-            return
-        try:
-            await self.bus.publish(event)
-        except BusError as exc:
-            log.warning("event_publish_failed", type=type(event).__name__, error=str(exc))
+        if self.bus is not None:
+            await self.bus.try_publish(event)
 
     def _load_report(self) -> ev.LoadReport:
         batcher = self.batcher

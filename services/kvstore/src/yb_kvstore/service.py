@@ -116,8 +116,7 @@ class KVStoreService(Service):
     async def start(self) -> None:
         """Open the UCX listener, recover the SSD tier, announce, and start serving."""
         self.serve_metrics()
-        self.bus = await Bus.connect(self.cfg.nats, self.instance_id)
-        await self.bus.ensure_stream()
+        self.bus = await self.connect_bus()
         self.publisher = BlockEventPublisher(self.bus, self.block_log, self.store.inventory)
         await self.publisher.open()
         # A new epoch starts with BlocksCleared, then what the SSD tier kept.

@@ -146,8 +146,7 @@ class PrefillService(Service):
     async def start(self) -> None:
         """Load the model, subscribe to jobs and announce the instance."""
         self.serve_metrics()
-        self.bus = await Bus.connect(self.cfg.nats, self.instance_id)
-        await self.bus.ensure_stream()
+        self.bus = await self.connect_bus()
         await self.engine.load()
         assert self.engine.cache is not None
         assert self.engine.allocator is not None
@@ -636,12 +635,8 @@ class PrefillService(Service):
         )
 
     async def _publish(self, event: ev.AnyEvent) -> None:
-        if self.bus is None:
-            return
-        try:
-            await self.bus.publish(event)
-        except BusError as exc:
-            log.warning("event_publish_failed", type=type(event).__name__, error=str(exc))
+        if self.bus is not None:
+            await self.bus.try_publish(event)
 
     def _load_report(self) -> ev.LoadReport:
         allocator = self.engine.allocator
