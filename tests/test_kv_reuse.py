@@ -75,8 +75,8 @@ def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def stored_blocks(cluster: LocalCluster, instance_id: str) -> float:
-    """Blocks the kvstore stored from puts, read from its /metrics."""
+def metric(cluster: LocalCluster, instance_id: str, prefix: str) -> float:
+    """The sum of an instance's samples whose line starts with `prefix`, from /metrics."""
     address = ""
     for line in cluster.instance_log(instance_id).splitlines():
         if '"metrics_listening"' in line:
@@ -84,11 +84,16 @@ def stored_blocks(cluster: LocalCluster, instance_id: str) -> float:
             address = f"{record['host']}:{record['port']}"
     assert address, f"{instance_id} logged no metrics address"
     text = httpx.get(f"http://{address}/metrics", timeout=5).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith('yb_kvstore_puts_total{outcome="stored"}')
-    )
+    samples = [
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
+    ]
+    assert samples, f"{instance_id} exports no {prefix}"
+    return sum(samples)
+
+
+def stored_blocks(cluster: LocalCluster, instance_id: str) -> float:
+    """Blocks the kvstore stored from puts."""
+    return metric(cluster, instance_id, 'yb_kvstore_puts_total{outcome="stored"}')
 
 
 def live_prefills(cluster: LocalCluster) -> list[str]:
@@ -129,3 +134,8 @@ def test_a_prompt_computed_once_is_served_from_the_pool(cluster: LocalCluster) -
     assert prefill_of(cluster, rid) == other
     log = cluster.instance_log(other)
     assert "prefix_fetch_failed" not in log
+    # Zero-copy all the way: the fetch into the other prefill's pages, the layer-wise
+    # stream into decode and the puts into the kvstores landed straight in place.
+    for instance in ("prefill-0", "prefill-1", "decode-0", "kvstore-0", "kvstore-1"):
+        if instance != computed_on:
+            assert metric(cluster, instance, "yb_kv_staged_bytes_total") == 0, instance

@@ -466,6 +466,86 @@ async def test_adjacent_pages_travel_as_spans_into_adjacent_or_scattered_pages(
 
 
 @pytest.mark.asyncio
+async def test_a_sender_told_the_receivers_layout_sends_nothing_to_stage(
+    receiver: KVReceiver, sender: KVSender
+) -> None:
+    cache = torch.from_numpy(data(8 * 4096, 3)).view(8, 4096)
+    pages = [cache[i] for i in range(8)]
+    adjacent = np.zeros((8, 4096), np.uint8)
+    arena, scattered = arena_views([4096] * 8)
+    # Destinations adjacent in runs: 0-2, 3 alone, 4-7.
+    runs = np.zeros((9, 4096), np.uint8)
+    mixed = [runs[0], runs[1], runs[2], scattered[3], runs[5], runs[6], runs[7], runs[8]]
+    expected_breaks = {"adjacent": [], "scattered": list(range(1, 8)), "mixed": [3, 4]}
+    for name, dest in (("adjacent", list(adjacent)), ("scattered", scattered), ("mixed", mixed)):
+        reservation = receiver.reserve(name, dest, deadline_s=10)
+        assert reservation.breaks() == expected_breaks[name]
+        before = receiver.staged_bytes
+        items = [(i, pages[i]) for i in range(8)]
+        await sender.send(
+            receiver.address,
+            name,
+            items,
+            deadline_s=5,
+            commit=True,
+            receiver_breaks=reservation.breaks(),
+        )
+        await reservation.wait_committed()
+        assert receiver.staged_bytes == before, name
+        for i in range(8):
+            assert np.array_equal(np.asarray(dest[i]), pages[i].numpy()), (name, i)
+    # A sender that does not know the layout still delivers, through a staging copy.
+    dest = arena_views([4096] * 8)[1]
+    reservation = receiver.reserve("unknown", dest, deadline_s=10)
+    await sender.send(
+        receiver.address, "unknown", [(i, pages[i]) for i in range(8)], deadline_s=5, commit=True
+    )
+    await reservation.wait_committed()
+    assert receiver.staged_bytes > 0
+    assert all(np.array_equal(np.asarray(dest[i]), pages[i].numpy()) for i in range(8))
+    assert guards_intact(arena, scattered)
+
+
+@pytest.mark.asyncio
+async def test_a_fetch_carries_the_askers_layout_to_the_holder() -> None:
+    slot = data(4 * 1000, 5)  # one stored block: four layer chunks side by side
+    holder_rx, holder_tx = KVReceiver(), KVSender()
+    asker_rx, asker_tx = KVReceiver(), KVSender()
+    seen: list[frozenset[int] | None] = []
+
+    async def serve(order: FetchOrder) -> None:
+        seen.append(order.breaks)
+        items = [(i, slot[i * 1000 : (i + 1) * 1000]) for i in range(4)]
+        await holder_tx.send(
+            order.reply_to,
+            order.request_id,
+            items,
+            deadline_s=order.remaining_s(),
+            commit=True,
+            receiver_breaks=order.breaks,
+        )
+
+    try:
+        holder = await holder_rx.start()
+        holder_rx.set_fetch_handler(serve)
+        me = await asker_rx.start()
+        # The chunks land a "layer" apart, as in an engine's cache.
+        layers = np.zeros((4, 3000), np.uint8)
+        dest = [layers[i, :1000] for i in range(4)]
+        reservation = asker_rx.reserve("f", dest, deadline_s=10)
+        await asker_tx.request_fetch(
+            holder, "f", ["b"], reply_to=me, deadline_s=5, breaks=reservation.breaks()
+        )
+        await reservation.wait_committed()
+        assert seen == [frozenset({1, 2, 3})]
+        assert asker_rx.staged_bytes == 0
+        assert all(np.array_equal(dest[i], slot[i * 1000 : (i + 1) * 1000]) for i in range(4))
+    finally:
+        for closable in (asker_tx, asker_rx, holder_tx, holder_rx):
+            await closable.close()
+
+
+@pytest.mark.asyncio
 async def test_a_corrupt_page_inside_a_span_is_named_and_may_be_resent(
     receiver: KVReceiver,
 ) -> None:

@@ -136,10 +136,16 @@ def test_adjacent_buffers_group_into_spans() -> None:
     cache = np.zeros((6, 100), np.uint8)
     rows = [cache[i] for i in range(6)]
     other = np.zeros(100, np.uint8)
-    spans, messages = _spans([rows[0], rows[1], rows[2], other, rows[4], rows[5]], [100] * 6)
+    sources = [rows[0], rows[1], rows[2], other, rows[4], rows[5]]
+    spans, messages = _spans(sources, [100] * 6, list(range(6)), None)
     assert spans == [3, 1, 2]
     assert [m.nbytes for m in messages] == [300, 100, 200]
     assert messages[0].__array_interface__["data"][0] == rows[0].__array_interface__["data"][0]
     # Buffers that are not adjacent, or out of order, travel one by one (no spans).
-    assert _spans([rows[1], rows[0]], [100, 100]) == ([], [rows[1], rows[0]])
+    assert _spans([rows[1], rows[0]], [100, 100], [0, 1], None) == ([], [rows[1], rows[0]])
     assert joined([rows[0], rows[2]]) is None
+    # The receiver's layout splits runs further: at its breaks, and wherever the
+    # reservation indices are not consecutive.
+    spans, _ = _spans(sources, [100] * 6, list(range(6)), {2})
+    assert spans == [2, 1, 1, 2]
+    assert _spans(sources, [100] * 6, [0, 1, 5, 6, 7, 9], set())[0] == [2, 1, 1, 1, 1]

@@ -104,6 +104,9 @@ class KVReserved(_Msg, tag="kv_reserved"):
     num_layers: int
     page_nbytes: int
     block_size: int
+    # The reservation's layout (`Reservation.breaks()`): buffer indices whose page does
+    # not follow the previous index's in memory. None from an older decode instance.
+    breaks: list[int] | None = None
 
 
 class ReserveRefused(_Msg, tag="reserve_refused"):

@@ -83,6 +83,7 @@ class DecodeService(Service):
         self.engine = EngineHost(cfg, cfg.decode, self.instance_id)
         self.gauges = EngineGauges(self.metrics)
         self.receiver = KVReceiver(cfg.decode.ucx_host, cfg.decode.ucx_port)
+        self.receiver.export_metrics(self.metrics)
         self.batcher: DecodeBatcher | None = None
         self.bus: Bus | None = None
         self.presence: Presence | None = None
@@ -241,6 +242,7 @@ class DecodeService(Service):
             num_layers=cache.num_layers,
             page_nbytes=cache.page_nbytes,
             block_size=cache.block_size,
+            breaks=reservation.breaks(),
         )
 
     async def _await_commit(self, request_id: str, reservation: Reservation) -> bool:

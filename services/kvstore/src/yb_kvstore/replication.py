@@ -82,6 +82,7 @@ class Replicator:
                 [key_text(k) for k in keys],
                 reply_to=self._receiver.address,
                 deadline_s=self._deadline_s,
+                breaks=reservation.breaks(),
             )
             await reservation.wait_committed()
         except TransferError as exc:

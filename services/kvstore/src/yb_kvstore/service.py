@@ -72,6 +72,7 @@ class KVStoreService(Service):
         if headroom < 0:
             headroom = max(1, kcfg.dram_blocks // 16)
         self.receiver = KVReceiver(kcfg.ucx_host, kcfg.ucx_port)
+        self.receiver.export_metrics(self.metrics)
         self.sender = KVSender()
         self.bus: Bus | None = None
         self.presence: Presence | None = None
@@ -286,7 +287,9 @@ class KVStoreService(Service):
                 else:
                     checksums = None  # another layout: the sender hashes
             # One segment with its commit: a fetch is one round trip. Each block's
-            # layers lie side by side in its slot, so a block travels as one message.
+            # layers lie side by side in its slot; they share a message only where
+            # the asker's destinations are adjacent too (`order.breaks`; an engine's
+            # pages of one block are a layer apart), so nothing is staged there.
             await self.sender.send(
                 order.reply_to,
                 order.request_id,
@@ -294,6 +297,7 @@ class KVStoreService(Service):
                 deadline_s=order.remaining_s(),
                 checksums=checksums,
                 commit=True,
+                receiver_breaks=order.breaks,
             )
             self._m_fetches.labels("served").inc()
             self._m_bytes.labels("out").inc(sum(int(b.nbytes) for b in slots))

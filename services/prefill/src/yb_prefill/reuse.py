@@ -238,6 +238,7 @@ class PrefixLoader:
                 [key_text(k) for k in keys[run.first : run.first + run.count]],
                 reply_to=self.receiver.address,
                 deadline_s=deadline_s,
+                breaks=reservation.breaks(),
             )
             await reservation.wait_committed()
         except BaseException as exc:

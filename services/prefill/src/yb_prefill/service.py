@@ -85,6 +85,7 @@ class PrefillService(Service):
         self.gauges = EngineGauges(self.metrics)
         self.sender = KVSender()
         self.receiver = KVReceiver(cfg.prefill.ucx_host, cfg.prefill.ucx_port)
+        self.receiver.export_metrics(self.metrics)
         self.block_log = BlockLog(self.instance_id)
         self.publisher: BlockEventPublisher | None = None
         self.peers: PeerDirectory | None = None
@@ -415,6 +416,7 @@ class PrefillService(Service):
                 n,
                 cached_tokens,
                 transfer_deadline,
+                reply.breaks,
             )
             streamer.start()
             streamer.queue_prefix(prefix.reused_blocks)

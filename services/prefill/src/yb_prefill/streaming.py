@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 from yb_shared.transport import KVSender, PeerAddress
@@ -49,6 +49,7 @@ class LayerStreamer:
         num_tokens: int,
         num_cached_tokens: int,
         deadline_s: float,
+        receiver_breaks: Collection[int] | None = None,
     ) -> None:
         self._loop = loop
         self._sender = sender
@@ -58,6 +59,9 @@ class LayerStreamer:
         self._block_table = list(block_table)
         self._num_tokens = num_tokens
         self._deadline_s = deadline_s
+        # The decode pages' layout: a run of pages shares a message only where the
+        # decode pages are adjacent too, so each lands there without staging.
+        self._receiver_breaks = receiver_breaks
         self._block_size = cache.block_size
         # Per layer, pages below this index are queued already. Pages wholly inside the
         # cached prefix are not computed, so no hook queues them: `queue_prefix` does.
@@ -154,7 +158,13 @@ class LayerStreamer:
             await asyncio.gather(*in_flight, return_exceptions=True)
 
     async def _send(self, segment: Segment) -> int:
-        await self._sender.send(self._peer, self._request_id, segment, deadline_s=self._deadline_s)
+        await self._sender.send(
+            self._peer,
+            self._request_id,
+            segment,
+            deadline_s=self._deadline_s,
+            receiver_breaks=self._receiver_breaks,
+        )
         return len(segment)
 
 

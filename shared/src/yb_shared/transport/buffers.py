@@ -155,6 +155,17 @@ def joined(parts: Sequence[Any]) -> np.ndarray | None:
     return view
 
 
+def breaks(parts: Sequence[Any]) -> list[int]:
+    """The indices `i > 0` whose buffer does not start where buffer `i - 1` ends.
+
+    A receiver hands these to its sender (in a fetch request or a reservation reply):
+    the sender then puts two buffers into one UCX message only where they are adjacent
+    on both ends, so every message lands straight in its destination and nothing is
+    staged. Device buffers are never merged, so each is a break.
+    """
+    return [i for i in range(1, len(parts)) if joined(parts[i - 1 : i + 1]) is None]
+
+
 def copy_into(target: Any, source: np.ndarray) -> None:
     """Copy host bytes into a destination as `to_ucx` returned it (host or torch device)."""
     if isinstance(target, np.ndarray):

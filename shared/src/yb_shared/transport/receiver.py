@@ -34,10 +34,19 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
+from prometheus_client import CollectorRegistry, Counter
 
 from yb_shared.transport import ucx_env
 from yb_shared.transport.address import PeerAddress
-from yb_shared.transport.buffers import BufferLike, checksum, copy_into, joined, nbytes, to_ucx
+from yb_shared.transport.buffers import (
+    BufferLike,
+    breaks,
+    checksum,
+    copy_into,
+    joined,
+    nbytes,
+    to_ucx,
+)
 from yb_shared.transport.deadline import Deadline
 from yb_shared.transport.errors import (
     ChecksumMismatch,
@@ -90,6 +99,9 @@ class FetchOrder:
     keys: tuple[str, ...]
     reply_to: PeerAddress
     deadline: Deadline
+    #: The asker's layout (None from an asker that did not send it): pass it to
+    #: `KVSender.send(receiver_breaks=...)`.
+    breaks: frozenset[int] | None = None
 
     def remaining_s(self) -> float:
         """Seconds left before the asker gives up; use it as the sends' `deadline_s`."""
@@ -145,6 +157,12 @@ class Reservation:
     def nbytes(self) -> int:
         """Total reserved bytes."""
         return sum(self.sizes)
+
+    def breaks(self) -> list[int]:
+        """This reservation's layout for its sender (see `buffers.breaks`): the indices
+        whose buffer does not follow the previous one in memory. A sender that knows
+        them sends nothing this side has to stage."""
+        return breaks(self._targets)
 
     async def wait_committed(self) -> None:
         """Return once the sender committed and every buffer was written and verified.
@@ -209,6 +227,10 @@ class KVReceiver:
         self._fetch_handler: FetchHandler | None = None
         self._scratch = np.empty(0, dtype=np.uint8)
         self._staging = _StagingPool()
+        #: Bytes that landed in a staging buffer and were copied out: zero as long as
+        #: every sender knows this side's layout (`Reservation.breaks()`).
+        self.staged_bytes = 0
+        self._m_staged: Counter | None = None
         self._closing: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._acquired = False
@@ -275,6 +297,16 @@ class KVReceiver:
             ucx_env.release()
 
     # -- reservations ----------------------------------------------------------------
+
+    def export_metrics(self, registry: CollectorRegistry) -> None:
+        """Count staged bytes on `registry` as `yb_kv_staged_bytes_total` (zero when
+        every sender knows this side's layout: the data plane's zero-copy check)."""
+        self._m_staged = Counter(
+            "yb_kv_staged_bytes",
+            "Received KV bytes that went through a staging buffer (one extra copy)",
+            registry=registry,
+        )
+        self._m_staged.inc(self.staged_bytes)
 
     def reserve(
         self, request_id: str, buffers: Sequence[BufferLike], *, deadline_s: float
@@ -522,7 +554,8 @@ class KVReceiver:
             # Post every receive now, straight into the reserved buffers: each rendezvous
             # moves its bytes as soon as UCX matches it. A span (adjacent buffers on the
             # sender's side) lands in one message: straight into its destinations if
-            # they are adjacent here too, else into a staging buffer, copied out below.
+            # they are adjacent here too (always, when the sender knew this side's
+            # layout), else into a staging buffer, copied out below.
             receives: list[tuple[int, int, np.ndarray | None, Posted]] = []
             first = 0
             for message, count in enumerate(header.message_spans()):
@@ -532,6 +565,9 @@ class KVReceiver:
                 if dest is None:
                     staged = self._staging.take(sum(header.sizes[first : first + count]))
                     dest = staged
+                    self.staged_bytes += staged.nbytes
+                    if self._m_staged is not None:
+                        self._m_staged.inc(staged.nbytes)
                 receives.append(
                     (first, count, staged, link.post_recv(dest, data_tag(seq, message)))
                 )
@@ -707,6 +743,7 @@ class KVReceiver:
             tuple(request.keys),
             reply_to,
             Deadline.after(request.deadline_ms / 1000),
+            None if request.breaks is None else frozenset(request.breaks),
         )
         reply: Message
         try:

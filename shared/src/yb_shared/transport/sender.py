@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
@@ -75,10 +75,21 @@ def _poster(link: Link, frame: bytearray) -> Callable[[], Awaitable[list[Posted]
     return post
 
 
-def _spans(targets: list[Any], sizes: list[int]) -> tuple[list[int], list[Any]]:
-    """Group buffers adjacent in memory into DATA messages: (spans, message buffers).
+def _spans(
+    targets: list[Any],
+    sizes: list[int],
+    indices: list[int],
+    receiver_breaks: Collection[int] | None,
+) -> tuple[list[int], list[Any]]:
+    """Group buffers into DATA messages: (spans, message buffers).
 
-    `spans` is empty when every message is a single buffer (the common header).
+    Consecutive items share a message when they lie back to back in memory here and,
+    if the receiver told us its layout (`receiver_breaks`, see `buffers.breaks`), land
+    back to back there too: consecutive reservation indices with no break between
+    them. Then every message lands straight in its destination. With no
+    `receiver_breaks`, only this side's adjacency counts and the receiver may have to
+    stage a span. `spans` is empty when every message is a single buffer (the common
+    header).
     """
     spans: list[int] = []
     messages: list[Any] = []
@@ -96,13 +107,18 @@ def _spans(targets: list[Any], sizes: list[int]) -> tuple[list[int], list[Any]]:
             run_bytes = 0
 
     previous_end = -1
-    for target, size in zip(targets, sizes, strict=True):
+    previous_index = -2
+    for target, size, index in zip(targets, sizes, indices, strict=True):
         start = address(target) if isinstance(target, np.ndarray) else -2
-        if run and (run_bytes + size > _SPAN_BYTES or start != previous_end):
+        apart_there = receiver_breaks is not None and (
+            index != previous_index + 1 or index in receiver_breaks
+        )
+        if run and (run_bytes + size > _SPAN_BYTES or start != previous_end or apart_there):
             flush()
         run.append(target)
         run_bytes += size
         previous_end = start + size if start >= 0 else -3
+        previous_index = index
     flush()
     if all(count == 1 for count in spans):
         spans = []
@@ -183,6 +199,7 @@ class KVSender:
         deadline_s: float,
         checksums: Sequence[int] | None = None,
         commit: bool = False,
+        receiver_breaks: Collection[int] | None = None,
     ) -> None:
         """Send one segment: each (index, buffer) into the reservation's buffer `index`.
 
@@ -197,7 +214,10 @@ class KVSender:
         verifies them all the same. Otherwise they are computed here.
 
         Buffers that lie back to back in memory, in item order (consecutive pages of
-        one layer of a KV cache), travel as one UCX message (a *span*).
+        one layer of a KV cache), travel as one UCX message (a *span*) when they land
+        back to back on the receiver too: `receiver_breaks` is the receiver's layout
+        (`Reservation.breaks()`, sent back in its reservation reply or fetch request).
+        Without it the receiver may have to stage a span (one extra copy there).
 
         `commit=True` also commits the request once this segment is verified, in the
         same round trip (then it must be the request's last send: every other send
@@ -210,6 +230,7 @@ class KVSender:
             deadline_s=deadline_s,
             checksums=None if checksums is None else [checksums],
             commit=commit,
+            receiver_breaks=receiver_breaks,
         )
 
     async def send_segments(
@@ -221,6 +242,7 @@ class KVSender:
         deadline_s: float,
         checksums: Sequence[Sequence[int]] | None = None,
         commit: bool = True,
+        receiver_breaks: Collection[int] | None = None,
     ) -> None:
         """Send several segments at once and (by default) commit, in one round trip.
 
@@ -228,7 +250,8 @@ class KVSender:
         payload is posted in one go, in order, and the last header carries the commit
         (the receiver admits headers in order, so it judges the commit after every
         segment of the batch has landed): a whole transfer costs one round trip.
-        `checksums`, if given, has one list per segment. Returns once every segment is
+        `checksums`, if given, has one list per segment; `receiver_breaks` as in
+        `send()`. Returns once every segment is
         verified (and the request committed); raises the first refusal otherwise.
         """
         if not segments:
@@ -237,6 +260,7 @@ class KVSender:
             raise ValueError(f"{len(checksums)} checksum lists for {len(segments)} segments")
         deadline = Deadline.after(deadline_s)
         self._check_open()
+        breaks = None if receiver_breaks is None else frozenset(receiver_breaks)
         prepared: list[tuple[list[int], list[int], list[Any]]] = []
         for items in segments:
             if not items:
@@ -271,7 +295,7 @@ class KVSender:
                 sums = given[n] if given is not None else await self._checksums(targets, sum(sizes))
                 if self._after_checksum is not None:
                     self._after_checksum(request_id, segments[n])
-                spans, messages = _spans(targets, sizes)
+                spans, messages = _spans(targets, sizes, indices, breaks)
                 last = n == len(segments) - 1
                 header = SegmentHeader(
                     seq, request_id, indices, sizes, sums, spans, commit and last
@@ -315,6 +339,7 @@ class KVSender:
         *,
         reply_to: PeerAddress,
         deadline_s: float,
+        breaks: Sequence[int] | None = None,
     ) -> None:
         """Ask `holder` to send the blocks `keys` into reservation `request_id` at `reply_to`.
 
@@ -323,14 +348,22 @@ class KVSender:
         with its own `KVSender`. Returns once the holder reports the commit done, so
         the reservation's `wait_committed()` has resolved by then; raises the holder's
         refusal (e.g. ReservationRefused for unknown keys), PeerUnreachable or
-        TransferTimeout.
+        TransferTimeout. `breaks` is the reservation's layout (`Reservation.breaks()`),
+        which the holder needs to send every message straight into its destination.
         """
         deadline = Deadline.after(deadline_s)
         self._check_open()
         connection = await self._connect(holder, deadline)
         seq, reply = connection.expect()
         budget_ms = int(deadline.remaining() * _FETCH_DEADLINE_SHARE * 1000)
-        message = FetchRequest(seq, request_id, list(keys), str(reply_to), budget_ms)
+        message = FetchRequest(
+            seq,
+            request_id,
+            list(keys),
+            str(reply_to),
+            budget_ms,
+            None if breaks is None else list(breaks),
+        )
         what = f"fetch of {request_id} from {holder}"
         frame = encode_frame(message)
         (answer,) = await self._exchange(

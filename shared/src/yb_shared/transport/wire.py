@@ -98,6 +98,10 @@ class FetchRequest(msgspec.Struct, tag="fetch", array_like=True, frozen=True, gc
     keys: list[str]
     reply_to: str
     deadline_ms: int
+    # The asker's reservation indices whose destination does not follow the previous
+    # index's in its memory (see `buffers.breaks`). Added last with a default, so an
+    # older asker's frame still decodes (None: it may get spans that it must stage).
+    breaks: list[int] | None = None
 
 
 class Ack(msgspec.Struct, tag="ack", array_like=True, frozen=True, gc=False):
