@@ -81,6 +81,7 @@ class Client:
                 [key_text(k) for k in keys],
                 reply_to=self.receiver.address,
                 deadline_s=5,
+                breaks=res.breaks(),
             )
             await res.wait_committed()
         finally:
@@ -190,6 +191,24 @@ async def test_restart_new_epoch_clears_first_then_ssd_blocks_return(
     finally:
         await service.stop()
         await reader.close()
+
+
+async def test_a_fetch_larger_than_dram_comes_up_from_ssd_batch_by_batch(
+    nats_config: NatsConfig, client: Client, tmp_path: Path
+) -> None:
+    cfg = config(nats_config, tmp_path / "ssd", dram_blocks=2, ssd_blocks=8)
+    service, store = await start_store(cfg)
+    try:
+        keys = list(range(31, 39))  # eight blocks: six end up on SSD
+        for key in keys:
+            await client.put(store, key)
+        got = await client.fetch(store, keys)
+        for row, key in zip(got, keys, strict=True):
+            assert np.array_equal(row, block_bytes(key))
+        assert client.receiver.staged_bytes == 0  # every chunk landed in place
+        assert len(service.store.dram) <= 2
+    finally:
+        await service.stop()
 
 
 async def test_a_gap_is_noticed_by_the_conductor_fold_and_resync_repairs_it(

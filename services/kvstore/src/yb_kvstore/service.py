@@ -18,6 +18,7 @@ import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 from prometheus_client import Counter, Gauge
 
 from yb_kvstore.policy import make_policy
@@ -256,6 +257,9 @@ class KVStoreService(Service):
         """Send blocks `order.keys` into the asker's reservation, layer chunk by chunk.
 
         Index `i * layers + layer` of the reservation is chunk `layer` of block `i`.
+        Blocks go in batches of at most half the DRAM slab, each pinned only while
+        its batch moves, so a fetch may be larger than DRAM (SSD blocks come up batch
+        by batch) and never pins the whole slab against other fetches.
         """
         keys: list[int] = []
         for text in order.keys:
@@ -264,45 +268,63 @@ class KVStoreService(Service):
                 self._m_fetches.labels("refused").inc()
                 raise ReservationRefused(f"malformed block key {text!r}")
             keys.append(key)
-        try:
-            slots = await self.store.acquire(keys)
-        except MissingBlocks as exc:
+        missing = [key for key in keys if key not in self.store]
+        if missing:
             self._m_fetches.labels("missing").inc()
-            raise ReservationRefused(f"blocks not held here: {exc}") from None
-        try:
-            layers = max(1, fetch_layers(order.request_id))
-            items: list[tuple[int, BufferLike]] = []
-            checksums: list[int] | None = []
-            for i, (key, block) in enumerate(zip(keys, slots, strict=True)):
-                if block.nbytes % layers:
-                    raise ReservationRefused(f"block {key:x} does not split into {layers} layers")
-                n = block.nbytes // layers
-                items += [
-                    (i * layers + layer, block[layer * n : (layer + 1) * n])
-                    for layer in range(layers)
-                ]
-                meta = self.store.meta(key)
-                if checksums is not None and meta is not None and len(meta.checksums) == layers:
-                    checksums += meta.checksums
-                else:
-                    checksums = None  # another layout: the sender hashes
-            # One segment with its commit: a fetch is one round trip. Each block's
-            # layers lie side by side in its slot; they share a message only where
-            # the asker's destinations are adjacent too (`order.breaks`; an engine's
-            # pages of one block are a layer apart), so nothing is staged there.
-            await self.sender.send(
-                order.reply_to,
-                order.request_id,
-                items,
-                deadline_s=order.remaining_s(),
-                checksums=checksums,
-                commit=True,
-                receiver_breaks=order.breaks,
-            )
-            self._m_fetches.labels("served").inc()
-            self._m_bytes.labels("out").inc(sum(int(b.nbytes) for b in slots))
-        finally:
-            self.store.release(keys)
+            raise ReservationRefused(f"blocks not held here: {MissingBlocks(missing)}")
+        layers = max(1, fetch_layers(order.request_id))
+        batch = max(1, self.store.dram.num_slots // 2)
+        sent = 0
+        for first in range(0, len(keys), batch):
+            part = keys[first : first + batch]
+            try:
+                slots = await self.store.acquire(part)
+            except MissingBlocks as exc:  # evicted from SSD since the check above
+                self._m_fetches.labels("missing").inc()
+                raise ReservationRefused(f"blocks not held here: {exc}") from None
+            try:
+                items, checksums = self._fetch_items(part, slots, first, layers)
+                # The last batch carries the commit: a small fetch is one round trip.
+                # Each block's layers lie side by side in its slot; they share a
+                # message only where the asker's destinations are adjacent too
+                # (`order.breaks`; an engine's pages of one block are a layer apart),
+                # so nothing is staged there.
+                await self.sender.send(
+                    order.reply_to,
+                    order.request_id,
+                    items,
+                    deadline_s=order.remaining_s(),
+                    checksums=checksums,
+                    commit=first + batch >= len(keys),
+                    receiver_breaks=order.breaks,
+                )
+                sent += sum(int(b.nbytes) for b in slots)
+            finally:
+                self.store.release(part)
+        self._m_fetches.labels("served").inc()
+        self._m_bytes.labels("out").inc(sent)
+
+    def _fetch_items(
+        self, keys: list[int], slots: list[np.ndarray], first: int, layers: int
+    ) -> tuple[list[tuple[int, BufferLike]], list[int] | None]:
+        """The (reservation index, chunk) pairs of blocks `keys` (the fetch's blocks
+        `first`, `first + 1`, ...), with their stored checksums when every block has
+        them in this layout (else None: the sender hashes)."""
+        items: list[tuple[int, BufferLike]] = []
+        checksums: list[int] | None = []
+        for i, (key, block) in enumerate(zip(keys, slots, strict=True), start=first):
+            if block.nbytes % layers:
+                raise ReservationRefused(f"block {key:x} does not split into {layers} layers")
+            n = block.nbytes // layers
+            items += [
+                (i * layers + layer, block[layer * n : (layer + 1) * n]) for layer in range(layers)
+            ]
+            meta = self.store.meta(key)
+            if checksums is not None and meta is not None and len(meta.checksums) == layers:
+                checksums += meta.checksums
+            else:
+                checksums = None
+        return items, checksums
 
     # --- load -----------------------------------------------------------------------
 
