@@ -14,14 +14,28 @@ real runner of the machine it runs on:
   remote: `setup + bytes / bandwidth`, with bytes from the model's KV size per token.
   Blocks already in the engine's own cache cost nothing.
 
-The file is JSON, versioned (`version`); a reader refuses a newer major version
-instead of guessing. `load_cost_model("")` is the built-in default (fitted on the
-development machine with the default model), and built-in names exist for the
-paper's setting, so the conductor always has a model.
+Version 2 adds what other engines' published models need, every new field defaulting
+to "absent" so that a version-1 file means exactly what it meant:
+
+- prefill in passes of at most `max_pass_tokens` tokens (0: one pass), each pass
+  paying `base` and a term quadratic in its own size, `per_token_sq * pass**2`
+  (engines whose fitted curve ignores the cached context, such as Dynamo's mocker);
+- decode as a function of KV utilisation `u = context / kv_capacity_tokens`:
+  `+ per_util * u + per_util_sq * u**2`, never below `floor_s`;
+- `block_size`: the engine's KV block size, when the model is tied to one.
+
+The file is JSON, versioned (`version`); a reader refuses a newer version instead
+of guessing, and a model is saved with the lowest version that expresses it, so a
+plain `yb profile` fit stays readable by version-1 conductors. `load_cost_model("")`
+is the built-in default (fitted on the development machine with the default model);
+named built-in profiles ship as JSON files beside this module (`profiles/`), each
+documenting in its `notes` how it was derived.
 """
 
 from __future__ import annotations
 
+import math
+from importlib import resources
 from pathlib import Path
 from typing import Final
 
@@ -29,23 +43,40 @@ import msgspec
 
 from yb_shared import events as ev
 
-COST_MODEL_VERSION: Final = 1
+# The newest file version this reader understands.
+COST_MODEL_VERSION: Final = 2
 
 
 class PrefillCost(msgspec.Struct, kw_only=True):
-    """Prefill seconds = base + per_token*new + per_pair*new*(cached + new/2)."""
+    """Prefill seconds = base + per_token*new + per_pair*new*(cached + new/2).
+
+    Version 2: with `max_pass_tokens` the prompt runs in passes of at most that many
+    tokens, each paying `base_s` and `per_token_sq_s * pass**2` (0 and 0 in version 1).
+    """
 
     base_s: float
     per_token_s: float
     per_pair_s: float
+    per_token_sq_s: float = 0.0
+    max_pass_tokens: int = 0
 
 
 class DecodeCost(msgspec.Struct, kw_only=True):
-    """Seconds per decode step = base + per_seq*batch + per_context_token*context."""
+    """Seconds per decode step = base + per_seq*batch + per_context_token*context.
+
+    Version 2: `+ per_util_s*u + per_util_sq_s*u**2` with `u = context /
+    kv_capacity_tokens` (the instance's KV utilisation), and at least `floor_s`.
+    `kv_capacity_tokens` is also the KV room of one decode instance when the model
+    knows it (0: unknown).
+    """
 
     base_s: float
     per_seq_s: float
     per_context_token_s: float
+    per_util_s: float = 0.0
+    per_util_sq_s: float = 0.0
+    floor_s: float = 0.0
+    kv_capacity_tokens: int = 0
 
 
 class TransferCost(msgspec.Struct, kw_only=True):
@@ -81,24 +112,99 @@ class CostModel(msgspec.Struct, kw_only=True):
     decode: DecodeCost
     transfer: TransferCost = msgspec.field(default_factory=TransferCost)
     fit: FitReport = msgspec.field(default_factory=FitReport)
+    block_size: int = 0
+    notes: list[str] = msgspec.field(default_factory=list)
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Seconds to prefill `new_tokens` on top of `cached_tokens` already in pages."""
         if new_tokens <= 0:
             return 0.0
         p = self.prefill
-        return (
+        # Evaluated exactly as version 1 did (a replay compares decisions bit for bit),
+        # version-2 terms only added on top. The attention term does not depend on
+        # how the prompt is cut into passes: summed over passes, pass * (cached before
+        # it + pass / 2) is always new * (cached + new / 2); only `base` and the
+        # squared term count passes.
+        t = (
             p.base_s
             + p.per_token_s * new_tokens
             + p.per_pair_s * new_tokens * (cached_tokens + new_tokens * 0.5)
         )
+        step = p.max_pass_tokens
+        if step <= 0 or new_tokens <= step:
+            if p.per_token_sq_s:
+                t += p.per_token_sq_s * new_tokens * new_tokens
+            return t
+        full, rest = divmod(new_tokens, step)
+        passes = full + (1 if rest else 0)
+        return t + (passes - 1) * p.base_s + p.per_token_sq_s * (full * step * step + rest * rest)
 
     def tbt_s(self, batch: int, context_tokens: int) -> float:
         """Seconds between tokens for a batch of `batch` sequences of `context_tokens`."""
         if batch <= 0:
             return 0.0
         d = self.decode
-        return d.base_s + d.per_seq_s * batch + d.per_context_token_s * context_tokens
+        t = d.base_s + d.per_seq_s * batch + d.per_context_token_s * context_tokens
+        if d.kv_capacity_tokens and (d.per_util_s or d.per_util_sq_s):
+            u = context_tokens / d.kv_capacity_tokens
+            t += d.per_util_s * u + d.per_util_sq_s * u * u
+        if d.floor_s and t < d.floor_s:
+            return d.floor_s
+        return t
+
+    def decode_steps_s(self, batch: int, context_tokens: int, steps: int) -> float:
+        """Seconds for `steps` decode steps of a fixed batch whose context grows by
+        `batch` tokens a step (the first step at `context_tokens`).
+
+        A closed form (the step time is a polynomial of degree <= 2 in the context),
+        so a simulator can jump over thousands of steps at once; summed step by step
+        only where `floor_s` may bind.
+        """
+        if steps <= 0 or batch <= 0:
+            return 0.0
+        d = self.decode
+        alpha = d.base_s + d.per_seq_s * batch
+        beta = d.per_context_token_s
+        gamma = 0.0
+        if d.kv_capacity_tokens and (d.per_util_s or d.per_util_sq_s):
+            beta += d.per_util_s / d.kv_capacity_tokens
+            gamma = d.per_util_sq_s / (d.kv_capacity_tokens * d.kv_capacity_tokens)
+        c0 = float(context_tokens)
+        last = c0 + batch * (steps - 1)
+        if d.floor_s > 0.0 and self._may_floor(alpha, beta, gamma, c0, last):
+            return math.fsum(self.tbt_s(batch, int(c0) + batch * i) for i in range(steps))
+        n = float(steps)
+        b = float(batch)
+        sum_i = n * (n - 1.0) * 0.5
+        sum_i2 = (n - 1.0) * n * (2.0 * n - 1.0) / 6.0
+        total = n * alpha + beta * (n * c0 + b * sum_i)
+        if gamma:
+            total += gamma * (n * c0 * c0 + 2.0 * c0 * b * sum_i + b * b * sum_i2)
+        return total
+
+    def _may_floor(self, alpha: float, beta: float, gamma: float, lo: float, hi: float) -> bool:
+        """Whether the step-time polynomial dips to the floor anywhere in [lo, hi]."""
+        floor = self.decode.floor_s
+        points = [lo, hi]
+        if gamma > 0.0:
+            vertex = -beta / (2.0 * gamma)
+            if lo < vertex < hi:
+                points.append(vertex)
+        return any(alpha + beta * c + gamma * c * c <= floor for c in points)
+
+    def min_version(self) -> int:
+        """The lowest file version that expresses this model."""
+        p, d = self.prefill, self.decode
+        v2 = (
+            p.per_token_sq_s
+            or p.max_pass_tokens
+            or d.per_util_s
+            or d.per_util_sq_s
+            or d.floor_s
+            or d.kv_capacity_tokens
+            or self.block_size
+        )
+        return 2 if v2 else 1
 
     def bandwidth_gbps(self, tier: ev.Tier, remote: bool) -> float:
         """GB/s of loading from `tier`; 0 for the engine's own cache (free)."""
@@ -145,26 +251,19 @@ DEFAULT = CostModel(
     ),
 )
 
-# The paper's setting, approximately: LLaMA2-70B (GQA, 8 KV heads, fp16) on A800
-# nodes with RDMA between hosts. Used by benchmarks and simulations of the traces.
-LLAMA2_70B_A800 = CostModel(
-    name="llama2-70b-a800",
-    model="LLaMA2-70B",
-    device="8xA800",
-    source="approximation of Mooncake (arXiv 2407.00079) figures",
-    kv_bytes_per_token=327680,
-    prefill=PrefillCost(base_s=0.02, per_token_s=1.0 / 12000.0, per_pair_s=1.5e-10),
-    decode=DecodeCost(base_s=0.025, per_seq_s=0.0004, per_context_token_s=5.0e-8),
-    transfer=TransferCost(
-        setup_s=0.0002,
-        dram_local_gbps=40.0,
-        dram_remote_gbps=20.0,
-        ssd_local_gbps=6.0,
-        ssd_remote_gbps=5.0,
-    ),
-)
+# Named profiles shipped as files beside this module (see `profiles/README.md`).
+PROFILE_NAMES: tuple[str, ...] = ("llama2-70b-a800", "dynamo-mocker")
 
-BUILTIN: dict[str, CostModel] = {m.name: m for m in (DEFAULT, LLAMA2_70B_A800)}
+
+def _profile(name: str) -> CostModel:
+    raw = resources.files("yb_conductor").joinpath("profiles", f"{name}.json").read_bytes()
+    return msgspec.json.decode(raw, type=CostModel)
+
+
+BUILTIN: dict[str, CostModel] = {DEFAULT.name: DEFAULT}
+BUILTIN.update((name, _profile(name)) for name in PROFILE_NAMES)
+LLAMA2_70B_A800 = BUILTIN["llama2-70b-a800"]
+DYNAMO_MOCKER = BUILTIN["dynamo-mocker"]
 
 
 def load_cost_model(spec: str | Path = "") -> CostModel:
@@ -197,8 +296,10 @@ def load_cost_model(spec: str | Path = "") -> CostModel:
 
 
 def save_cost_model(model: CostModel, path: str | Path) -> None:
-    """Write a cost model as indented JSON."""
-    Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(model), indent=2) + b"\n")
+    """Write a cost model as indented JSON, stamped with the lowest version that
+    expresses it (a version-1 reader can then still read a plain fit)."""
+    stamped = msgspec.structs.replace(model, version=model.min_version())
+    Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(stamped), indent=2) + b"\n")
 
 
 class _Versioned(msgspec.Struct):

@@ -7,13 +7,12 @@ seeded from the request). That is what lets a replay recompute every decision.
 - `mooncake`: KVCache-centric (prefill by Algorithm 1 and better, see
   `prefill_placement`; decode by predicted TBT; refusals by `admission`);
 - `least-loaded`: the baseline — the prefill instance with the fewest queued tokens,
-  the decode instance with the fewest requests per batch slot.
+  the decode instance with the fewest requests per batch slot;
+- the peers `yb sim` compares against (`random`, `round-robin`, `local-prefix`,
+  `sglang-cache-aware`, `dynamo-kv`), one module each under `peer_policies`.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Protocol
 
 from yb_conductor.admission import (
     DECODE_KV_FULL,
@@ -24,53 +23,23 @@ from yb_conductor.admission import (
 )
 from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.decode_placement import DecodeEstimate, DecodePlanner
+from yb_conductor.peer_policies import PEER_POLICIES
+from yb_conductor.policy_base import Decided, Decision, Policy, PolicyFactory, reject
 from yb_conductor.prefill_placement import LOCAL, TRANSFER, Option, PoolView, PrefillPlanner
 from yb_conductor.state import ClusterState, InstanceState
 from yb_shared import events as ev
 from yb_shared.config import ConductorConfig
 
-Decision = ev.RequestScheduled | ev.RequestRejected
-
-
-@dataclass(slots=True)
-class Decided:
-    """A decision and the events published with it (load predictions)."""
-
-    decision: Decision
-    predictions: list[ev.LoadPrediction]
-
-
-class Policy(Protocol):
-    """What the conductor asks of a placement policy."""
-
-    name: str
-    cost: CostModel
-
-    def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decided:
-        """The decision for `request`, admitted at stream sequence `seq`."""
-        ...
-
-
-def reject(
-    request: ev.RequestAdmitted,
-    seq: int,
-    policy: str,
-    verdict: Verdict,
-    estimates: ev.Estimates | None = None,
-    explain: ev.Explanation | None = None,
-) -> ev.RequestRejected:
-    """A rejection carrying the verdict's reason and Retry-After."""
-    return ev.RequestRejected(
-        time=request.time,
-        request_id=request.request_id,
-        gateway_id=request.gateway_id,
-        reason=verdict.reason,
-        retry_after_s=verdict.retry_after_s,
-        estimates=estimates or ev.Estimates(),
-        policy=policy,
-        admitted_seq=seq,
-        explain=explain,
-    )
+__all__ = [
+    "POLICIES",
+    "Decided",
+    "Decision",
+    "LeastLoadedPolicy",
+    "MooncakePolicy",
+    "Policy",
+    "make_policy",
+    "reject",
+]
 
 
 class MooncakePolicy:
@@ -314,9 +283,10 @@ class LeastLoadedPolicy:
         return inst.decode_requests / max(1, inst.max_batch_size)
 
 
-POLICIES: dict[str, type[MooncakePolicy] | type[LeastLoadedPolicy]] = {
+POLICIES: dict[str, PolicyFactory] = {
     MooncakePolicy.name: MooncakePolicy,
     LeastLoadedPolicy.name: LeastLoadedPolicy,
+    **PEER_POLICIES,
 }
 
 

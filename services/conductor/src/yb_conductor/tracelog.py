@@ -25,7 +25,6 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -37,6 +36,7 @@ from yb_conductor.conductor import Conductor
 from yb_conductor.cost_model import CostModel
 from yb_conductor.replay import LogRecord
 from yb_conductor.settings import configured_event
+from yb_conductor.sim.kvstore import SimKvstore
 from yb_shared import events as ev
 from yb_shared.config import ConductorConfig
 
@@ -76,66 +76,6 @@ class Topology:
     decode_kv_blocks: int = 400_000
 
 
-class _Kvstore:
-    """An LRU block pool that logs what it stores and evicts."""
-
-    def __init__(self, instance_id: str, capacity: int) -> None:
-        self.instance_id = instance_id
-        self.capacity = capacity
-        self.blocks: OrderedDict[int, None] = OrderedDict()
-        self.event_id = 0
-
-    def _next(self) -> int:
-        self.event_id += 1
-        return self.event_id
-
-    def cleared(self, t: float) -> ev.BlocksCleared:
-        return ev.BlocksCleared(
-            time=t, instance_id=self.instance_id, epoch=1, event_id=self._next()
-        )
-
-    def store(self, keys: Iterable[int], t: float) -> list[ev.AnyEvent]:
-        new = []
-        for key in keys:
-            if key in self.blocks:
-                self.blocks.move_to_end(key)
-            else:
-                self.blocks[key] = None
-                new.append(key)
-        out: list[ev.AnyEvent] = []
-        if new:
-            out.append(
-                ev.BlockStored(
-                    time=t,
-                    instance_id=self.instance_id,
-                    epoch=1,
-                    event_id=self._next(),
-                    block_hashes=new,
-                    tier="dram",
-                )
-            )
-        evicted = []
-        while len(self.blocks) > self.capacity:
-            key, _ = self.blocks.popitem(last=False)
-            evicted.append(key)
-        if evicted:
-            out.append(
-                ev.BlockEvicted(
-                    time=t,
-                    instance_id=self.instance_id,
-                    epoch=1,
-                    event_id=self._next(),
-                    block_hashes=evicted,
-                )
-            )
-        return out
-
-    def touch(self, keys: Iterable[int]) -> None:
-        for key in keys:
-            if key in self.blocks:
-                self.blocks.move_to_end(key)
-
-
 Action = Callable[[], None]
 
 
@@ -168,7 +108,7 @@ class TraceLog:
         self._counter = 0
         self._seq = 0
         self._engine_free: dict[str, float] = {}
-        self._kvstores: dict[str, _Kvstore] = {}
+        self._kvstores: dict[str, SimKvstore] = {}
         self._host_of: dict[str, str] = {}
         self._host_of_kvstore: dict[str, str] = {}
         self._requests: dict[str, TraceRequest] = {}
@@ -224,7 +164,7 @@ class TraceLog:
         self.emit(configured_event(self.cfg, self.cost, "conductor-0", time=t))
         for i in range(topo.prefill):
             host = f"host-{i}"
-            kv = _Kvstore(f"kvstore-{i}", topo.kvstore_blocks)
+            kv = SimKvstore(f"kvstore-{i}", f"host-{i}", topo.kvstore_blocks)
             self._kvstores[host] = kv
             self._host_of_kvstore[kv.instance_id] = host
             self._host_of[f"prefill-{i}"] = host
@@ -260,7 +200,7 @@ class TraceLog:
         for i, kv in enumerate(self._kvstores.values()):
             first = base + i * blocks_per_host
             for start in range(first, first + blocks_per_host, 10_000):
-                keys = range(start, min(start + 10_000, first + blocks_per_host))
+                keys = list(range(start, min(start + 10_000, first + blocks_per_host)))
                 for event in kv.store(keys, t):
                     self.emit(event)
 

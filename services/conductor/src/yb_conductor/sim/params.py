@@ -1,0 +1,55 @@
+"""What a simulation is run with: the cluster, the engines' limits, the SLOs."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+DecodeAdmission = Literal["reject", "queue"]
+EvictionName = Literal["lru", "fifo"]
+EVICTIONS: tuple[EvictionName, ...] = ("lru", "fifo")
+
+
+class SimParams(msgspec.Struct, kw_only=True, frozen=True):
+    """One simulated cluster and workload.
+
+    Host `i` runs prefill instance `prefill-i` and kvstore `kvstore-i` (a DRAM pool
+    of `pool_tokens`, evicting by `eviction`); decode instances run on hosts of their
+    own. `block_size` 0 takes the cost model's (or the trace's 512). `bandwidth_gbps`
+    0 keeps the cost model's host-to-host bandwidth; otherwise it replaces it for the
+    conductor's estimates and the simulated transfers alike. `decode_kv_tokens` 0 takes
+    the cost model's `decode.kv_capacity_tokens` (or 1M tokens).
+
+    A decode instance receiving a request's KV admits it only if it has KV room and
+    batch room, and (`decode_admission="reject"`, the paper's baseline) its step time
+    with the request stays within the TBT SLO; otherwise the request is rejected after
+    its prefill was paid for. With `"queue"` it waits for room instead. A request whose
+    prefill has not started `request_timeout_s` after arrival is cancelled.
+
+    `max_tokens` is what each request asks for (the client's cap, all the gateway and
+    conductor know); the trace's `output_length` is when the engine actually stops.
+    0 passes the trace's output length itself, which tells the conductor more than
+    production ever does.
+    """
+
+    prefill: int = 8
+    decode: int = 8
+    profile: str = "llama2-70b-a800"
+    block_size: int = 0
+    pool_tokens: int = 3_000_000
+    eviction: EvictionName = "lru"
+    bandwidth_gbps: float = 0.0
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    speedup: float = 1.0
+    decode_kv_tokens: int = 0
+    decode_max_batch: int = 256
+    max_tokens: int = 1024
+    decode_admission: DecodeAdmission = "reject"
+    request_timeout_s: float = 600.0
+    report_interval_s: float = 1.0
+    sample_interval_s: float = 5.0
+    jitter: float = 0.0
+    seed: int = 0
+    limit: int = 0
