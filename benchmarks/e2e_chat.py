@@ -25,7 +25,9 @@ from yb_shared.testing import LocalCluster
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def one_request(url: str, model: str, max_tokens: int) -> tuple[float, float, int, str]:
+def one_request(
+    url: str, model: str, max_tokens: int, headers: dict[str, str]
+) -> tuple[float, float, int, str]:
     """(ttft_s, decode tokens/s, tokens, text) of one streamed greedy request."""
     body = {
         "model": model,
@@ -39,7 +41,9 @@ def one_request(url: str, model: str, max_tokens: int) -> tuple[float, float, in
     first = 0.0
     text = ""
     tokens = 0
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=body, timeout=300, headers=headers
+    ) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: {"):
@@ -62,6 +66,11 @@ def main() -> int:
     """Run the benchmark and print/write its figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running gateway (default: start `yb up`)")
+    parser.add_argument(
+        "--api-key",
+        help="the gateway's API key, with --url (default: the configured key, else the "
+        "one `yb up` keeps in the data directory)",
+    )
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--runs", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -70,14 +79,22 @@ def main() -> int:
 
     cluster = None
     url = args.url
+    api_key = args.api_key or ""
+    if url and not api_key:
+        from yb_shared.config import load_config
+        from yb_shared.credentials import client_api_key
+
+        api_key = client_api_key(load_config())
     if not url:
         cluster = LocalCluster(Path(tempfile.mkdtemp(prefix="yb-bench-")))
         started = time.perf_counter()
         cluster.start()
         print(f"cluster ready in {time.perf_counter() - started:.1f}s", file=sys.stderr)
         url = cluster.url
+        api_key = cluster.api_key
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        results = [one_request(url, args.model, args.max_tokens) for _ in range(args.runs)]
+        results = [one_request(url, args.model, args.max_tokens, headers) for _ in range(args.runs)]
     finally:
         if cluster is not None:
             cluster.stop()

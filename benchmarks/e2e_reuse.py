@@ -43,7 +43,6 @@ import httpx
 from yb_shared import events as ev
 from yb_shared.bus import Bus, EventReader
 from yb_shared.cli.launcher import read_cluster_info
-from yb_shared.config import NatsConfig
 from yb_shared.testing import LocalCluster
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -167,7 +166,8 @@ async def run_rounds(
 ) -> tuple[list[Sample], list[Sample]]:
     info = read_cluster_info(cluster.data_dir)
     assert info is not None
-    bus = await Bus.connect(NatsConfig(url=info.nats_url), "bench-e2e-reuse")
+    # The operator's NATS user of the data dir: reading the whole log needs it.
+    bus = await Bus.connect(cluster.nats_config(), "bench-e2e-reuse")
     reader = await bus.read_ordered()
     log = Log(bus, reader)
     follower = asyncio.get_running_loop().create_task(log.follow())
@@ -175,7 +175,7 @@ async def run_rounds(
     reuse: list[Sample] = []
     rng = random.Random(20240707)
     try:
-        async with httpx.AsyncClient(timeout=300) as client:
+        async with httpx.AsyncClient(timeout=300, headers=cluster.headers) as client:
             # Warm-up: both prefill instances, the decode instance and the paths between.
             for _ in range(2):
                 await timed_request(

@@ -48,6 +48,7 @@ def complete(cluster: LocalCluster, tokens: list[int]) -> tuple[list[int], int, 
         f"{cluster.url}/v1/completions",
         json={"model": "tiny", "prompt": tokens, "max_tokens": 6, "temperature": 0},
         timeout=60,
+        headers=cluster.headers,
     )
     assert r.status_code == 200, r.text
     body = r.json()
@@ -83,7 +84,7 @@ def metric(cluster: LocalCluster, instance_id: str, prefix: str) -> float:
             record = json.loads(line)
             address = f"{record['host']}:{record['port']}"
     assert address, f"{instance_id} logged no metrics address"
-    text = httpx.get(f"http://{address}/metrics", timeout=5).text
+    text = httpx.get(f"http://{address}/metrics", timeout=5, headers=cluster.metrics_headers).text
     samples = [
         float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
     ]

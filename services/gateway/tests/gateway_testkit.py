@@ -27,21 +27,30 @@ from yb_gateway.service import GatewayService
 from yb_shared import events as ev
 from yb_shared import protocol
 from yb_shared.bus import Bus, EventReader
-from yb_shared.config import GatewayConfig, ModelConfig, NatsConfig, YbConfig
+from yb_shared.config import GatewayConfig, ModelConfig, NatsConfig, TelemetryConfig, YbConfig
 from yb_shared.natsserver import free_port
 
 MODEL = "tiny-test-model"
 PREFILL_ID = "prefill-t0"
 DECODE_ID = "decode-t0"
 WORDS = ["Hello", ",", " wor", "ld", "!"]
+# Every test gateway has an API key and a metrics token, as a real one must;
+# `client_for` sends the key unless told otherwise.
+API_KEY = "test-api-key"
+METRICS_TOKEN = "test-metrics-token"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+METRICS_AUTH = {"Authorization": f"Bearer {METRICS_TOKEN}"}
 
 # The `gateway_factory` fixture: starts a gateway with extra `GatewayConfig` settings.
 GatewayFactory = Callable[..., Awaitable[GatewayService]]
 
 
-def make_config(nats: NatsConfig, **gateway: Any) -> YbConfig:
+def make_config(
+    nats: NatsConfig, *, telemetry: TelemetryConfig | None = None, **gateway: Any
+) -> YbConfig:
     """Gateway settings with short deadlines, so failure paths are quick to test."""
     settings: dict[str, Any] = {
+        "api_keys": [API_KEY],
         "port": free_port(),
         "decision_timeout_s": 2.0,
         "job_timeout_s": 1.0,
@@ -55,6 +64,7 @@ def make_config(nats: NatsConfig, **gateway: Any) -> YbConfig:
         nats=nats,
         model=ModelConfig(source="tiny-random", name=MODEL, block_size=4, max_model_len=256),
         gateway=GatewayConfig(**settings),
+        telemetry=telemetry or TelemetryConfig(metrics_token=METRICS_TOKEN),
     )
 
 
@@ -77,10 +87,19 @@ async def start_gateway(cfg: YbConfig, *, wait_bus: bool = True) -> GatewayServi
     return gw
 
 
-def client_for(gw: GatewayService, **kwargs: Any) -> httpx.AsyncClient:
-    """An HTTP client for the gateway's real socket (no proxies: all is local)."""
+def client_for(
+    gw: GatewayService, *, key: str | None = API_KEY, **kwargs: Any
+) -> httpx.AsyncClient:
+    """An HTTP client for the gateway's real socket (no proxies: all is local),
+    sending `key` as its Bearer token (None: no credentials)."""
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    headers.update(kwargs.pop("headers", None) or {})
     return httpx.AsyncClient(
-        base_url=f"http://127.0.0.1:{gw.port}", trust_env=False, timeout=15.0, **kwargs
+        base_url=f"http://127.0.0.1:{gw.port}",
+        trust_env=False,
+        timeout=15.0,
+        headers=headers,
+        **kwargs,
     )
 
 

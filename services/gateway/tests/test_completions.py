@@ -8,13 +8,17 @@ import json
 import httpx
 import msgspec
 from gateway_testkit import (
+    METRICS_AUTH,
     MODEL,
     PREFILL_ID,
     WORDS,
     Cluster,
     GatewayFactory,
+    client_for,
+    make_config,
     next_event,
     poll_status,
+    start_gateway,
 )
 from httpx_sse import aconnect_sse
 
@@ -22,6 +26,7 @@ from yb_gateway.schemas import ChatMessage
 from yb_gateway.service import GatewayService
 from yb_shared import events as ev
 from yb_shared.bus import Bus
+from yb_shared.config import NatsConfig
 from yb_shared.hashing import block_hashes
 from yb_shared.models import identity_of
 from yb_shared.telemetry import trace_id_hex
@@ -117,6 +122,34 @@ async def test_completion_from_token_ids_and_streaming_text(
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert cluster.engine.jobs[0].token_ids == [5, 6, 7, 8, 9]
     assert cluster.engine.jobs[0].sampling.max_tokens == 4
+    assert not cluster.engine.jobs[0].sampling.ignore_eos
+
+
+async def test_ignore_eos_reaches_the_engines(client: httpx.AsyncClient, cluster: Cluster) -> None:
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
+    assert (await client.post("/v1/completions", json=body)).status_code == 200
+    assert cluster.engine.jobs[0].sampling.ignore_eos
+
+
+async def test_the_served_context_is_capped_at_the_models_own_limit(
+    nats_config: NatsConfig, cluster: Cluster
+) -> None:
+    del cluster
+    # The tiny model attends to 4096 positions; a configured 8192 is not served.
+    cfg = make_config(nats_config)
+    cfg.model.max_model_len = 8192
+    gw = await start_gateway(cfg)
+    try:
+        async with client_for(gw) as client:
+            (card,) = (await client.get("/v1/models")).json()["data"]
+            body = {"model": MODEL, "prompt": [5] * 4096, "max_tokens": 1}
+            response = await client.post("/v1/completions", json=body)
+    finally:
+        await gw.stop()
+    assert card["max_model_len"] == 4096
+    assert gw.encoder is not None and card["vocab_size"] == gw.encoder.vocab_size > 0
+    assert response.status_code == 400
+    assert "4096" in response.json()["error"]["message"]
 
 
 async def test_non_streaming_chat(client: httpx.AsyncClient, cluster: Cluster) -> None:
@@ -143,7 +176,7 @@ async def test_models_health_and_metrics(client: httpx.AsyncClient, cluster: Clu
     assert [(m["id"], m["object"]) for m in models["data"]] == [(MODEL, "model")]
     assert (await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})).is_success
     await client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
-    text = (await client.get("/metrics")).text
+    text = (await client.get("/metrics", headers=METRICS_AUTH)).text
     assert 'yb_gateway_requests_total{status="200"} 1.0' in text
     assert 'yb_gateway_requests_total{status="404"} 1.0' in text
     assert "yb_gateway_ttft_seconds_count 1.0" in text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from gateway_testkit import MODEL, WORDS, Cluster
+from gateway_testkit import API_KEY, MODEL, WORDS, Cluster
 
 from yb_gateway.service import GatewayService
 
@@ -13,7 +13,7 @@ from yb_gateway.service import GatewayService
 async def oai(gateway: GatewayService) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(
         base_url=f"http://127.0.0.1:{gateway.port}/v1",
-        api_key="unused",
+        api_key=API_KEY,
         max_retries=0,
         http_client=openai.DefaultAsyncHttpxClient(trust_env=False),
     )

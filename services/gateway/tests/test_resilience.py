@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 from gateway_testkit import (
+    METRICS_AUTH,
     MODEL,
     Cluster,
     GatewayFactory,
@@ -93,7 +94,7 @@ async def test_client_disconnect_cancels_the_request(
     assert gateway.bus is not None
     subjects = [s.subject for s in gateway.bus.client._subs.values()]
     assert not any(s.startswith("yb.tok.") for s in subjects)
-    metrics = (await client.get("/metrics")).text
+    metrics = (await client.get("/metrics", headers=METRICS_AUTH)).text
     assert 'yb_gateway_requests_total{status="499"} 1.0' in metrics
     assert "yb_gateway_in_flight_requests 0.0" in metrics
 

@@ -9,7 +9,11 @@
   the current trace context in the headers;
 - ordered consumers (a private, gap-free, in-order view of the log from a sequence)
   and durable pull consumers (a named position that survives restarts);
-- core request/reply and subscriptions for the ephemeral job and token subjects.
+- core request/reply and subscriptions for the ephemeral job and token subjects;
+- credentials: a user with a password (or password file) or a creds file, and reply
+  inboxes under `_INBOX.<user>.` so the server can keep each role's replies to itself
+  (`yb_shared.nats_auth` writes the matching permissions). A publish or subscription
+  the server refuses is logged and kept in `permission_errors`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import contextlib
 import random
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,12 +38,18 @@ from nats.js import JetStreamContext, api
 
 from yb_shared.config import NatsConfig
 from yb_shared.events import AnyEvent, decode_event, encode_event, message_id_for, subject_for
+from yb_shared.nats_auth import inbox_prefix
 from yb_shared.telemetry import get_logger, inject_headers
 
 log = get_logger(__name__)
 
 EVENT_SUBJECTS = "yb.ev.>"
 MSG_ID_HEADER = "Nats-Msg-Id"
+#: One try at reopening an ordered consumer (creating one takes milliseconds).
+REOPEN_ATTEMPT_S = 2.0
+#: JetStream's "duplicate message id is in process" (a replicated stream is still
+#: storing a message with the same `Nats-Msg-Id`).
+JS_DUPLICATE_IN_PROCESS = 10158
 
 
 class BusError(RuntimeError):
@@ -82,6 +93,9 @@ class Bus:
         # Bumped at every reconnect: ordered consumers live in the server's memory and
         # are gone after a server restart, so readers reopen when this changes.
         self.generation = 0
+        # The server's most recent refusals ("permissions violation for publish to
+        # ..."): a refused publish or subscription otherwise shows only as a timeout.
+        self.permission_errors: deque[str] = deque(maxlen=32)
 
     # --- connection -----------------------------------------------------------------
 
@@ -101,6 +115,7 @@ class Bus:
         """
         delay = backoff_delays(cfg.reconnect_wait_s, cfg.max_reconnect_wait_s)
         holder: list[Bus] = []
+        early_errors: list[str] = []
 
         def pick_server(servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
             server = min(servers, key=lambda s: s.reconnects)
@@ -121,10 +136,24 @@ class Bus:
                 await on_state("connected")
 
         async def error(exc: Exception) -> None:
+            text = str(exc)
+            if "permissions violation" in text.lower():
+                # A misconfigured permission must be loud: the operation it refused
+                # fails only by timing out.
+                log.warning("nats_permission_denied", user=cfg.user, error=text)
+                if holder:
+                    holder[0].permission_errors.append(text)
+                else:
+                    early_errors.append(text)
+                return
+            if "authorization violation" in text.lower() and not holder:
+                early_errors.append(text)  # wrong or missing credentials: say so below
             log.debug("nats_error", error=repr(exc))
 
         options: dict[str, Any] = {
-            "servers": [u.strip() for u in cfg.url.split(",") if u.strip()],
+            # Every node of a cluster: nats-py moves to another when one goes away
+            # (and learns the rest from the servers' gossip).
+            "servers": cfg.servers(),
             "name": name,
             "connect_timeout": cfg.connect_timeout_s,
             "allow_reconnect": True,
@@ -140,7 +169,10 @@ class Bus:
         }
         if cfg.user:
             options["user"] = cfg.user
-            options["password"] = cfg.password
+            options["password"] = cfg.resolved_password()
+            # Replies and JetStream deliveries come to this user's own inboxes, the
+            # only ones its permissions let it subscribe to.
+            options["inbox_prefix"] = inbox_prefix(cfg.user)
         if cfg.creds_file:
             options["user_credentials"] = cfg.creds_file
 
@@ -151,8 +183,17 @@ class Bus:
             await asyncio.wait_for(nc.connect(**options), timeout=timeout_s)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await nc.close()
+            refused = [e for e in early_errors if "authorization violation" in e.lower()]
+            if refused or "authorization violation" in str(exc).lower():
+                who = f"user {cfg.user!r}" if cfg.user else "a client without credentials"
+                raise BusUnavailable(
+                    f"NATS at {cfg.url} refused {who} (authorization violation): set "
+                    "nats.user and nats.password/password_file (yb up keeps them under "
+                    "<data dir>/secrets/nats/)"
+                ) from exc
             raise BusUnavailable(f"cannot reach NATS at {cfg.url}: {exc!r}") from exc
         bus = cls(nc, cfg)
+        bus.permission_errors.extend(e for e in early_errors if "permissions" in e.lower())
         holder.append(bus)
         return bus
 
@@ -256,6 +297,17 @@ class Bus:
                 attempt += 1
                 log.debug("publish_retry", subject=subject, error=repr(exc), wait_s=wait)
                 await asyncio.sleep(wait)
+            except nats.js.errors.APIError as exc:
+                if exc.err_code != JS_DUPLICATE_IN_PROCESS:
+                    raise
+                # The same event (our own retry, or the same verdict from another
+                # service: a cancellation's id is its request's) is being stored right
+                # now; a replicated stream says so until its replicas agree. Asked
+                # again, the server answers with that message's sequence.
+                wait = min(0.05 * (attempt + 1), max(0.0, deadline - time.monotonic()))
+                attempt += 1
+                log.debug("publish_in_process", subject=subject, wait_s=wait)
+                await asyncio.sleep(wait)
 
     async def try_publish(self, event: AnyEvent) -> bool:
         """Publish, or log and return False when the bus is down past the deadline.
@@ -270,10 +322,38 @@ class Bus:
             return False
         return True
 
-    async def last_sequence(self) -> int:
-        """The sequence of the newest event in the log (0 when empty)."""
-        info = await self._js.stream_info(self._cfg.stream)
-        return int(info.state.last_seq)
+    async def last_sequence(self, *, timeout_s: float | None = None) -> int:
+        """The sequence of the newest event in the log (0 when empty).
+
+        Tried again until `timeout_s` (default: the request timeout), each try bounded,
+        as a publish is: a cluster that is electing the stream's leader does not
+        answer for it meanwhile, and an answer from a later try is what the caller
+        waits for. Raises `BusUnavailable` when the deadline passes.
+        """
+        budget = self._cfg.request_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget
+        delay = backoff_delays(0.05, 1.0)
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BusUnavailable(f"no stream info for {self._cfg.stream} within {budget:.1f}s")
+            try:
+                info = await asyncio.wait_for(
+                    self._js.stream_info(self._cfg.stream), timeout=min(remaining, 2.0)
+                )
+                return int(info.state.last_seq)
+            except (
+                TimeoutError,
+                nats.errors.TimeoutError,
+                nats.errors.ConnectionReconnectingError,
+                nats.errors.StaleConnectionError,
+                nats.js.errors.ServiceUnavailableError,
+            ) as exc:
+                wait = min(delay(attempt), max(0.0, deadline - time.monotonic()))
+                attempt += 1
+                log.debug("stream_info_retry", error=repr(exc), wait_s=wait)
+                await asyncio.sleep(wait)
 
     async def read_ordered(
         self,
@@ -396,6 +476,11 @@ class EventReader:
 
     It remembers the last sequence it returned, so when the bus reconnects (after a
     NATS restart the server no longer knows the consumer) it reopens right after it.
+    Reopening runs as the reader's own task, retried until it works (a cluster that
+    lost the node holding the consumer, or electing a new leader, refuses JetStream
+    requests for several seconds): `next()` waits for it no longer than its own
+    timeout, so a caller that reads between other duties (a heartbeat) is never held
+    past its deadline, and a caller with a short timeout does not restart it.
     """
 
     def __init__(
@@ -407,18 +492,42 @@ class EventReader:
         self._last_per_subject = last_per_subject
         self._sub: JetStreamContext.PushSubscription | None = None
         self._generation = -1
+        self._stale = False  # the consumer is gone and must be opened again
+        self._closed = False
+        self._reopening: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
-        """(Re)create the consumer from the next unseen sequence."""
+        """(Re)create the consumer from the next unseen sequence.
+
+        On failure the reader has no consumer and is marked stale: `next()` opens it
+        again.
+        """
+        generation = self._bus.generation
+        self._stale = True
         if self._sub is not None:
+            sub, self._sub = self._sub, None
             with contextlib.suppress(nats.errors.Error, OSError):
-                await self._sub.unsubscribe()
-        self._generation = self._bus.generation
+                await sub.unsubscribe()
         self._sub = await self._bus._ordered_subscription(
             self._subjects, self._next_seq, self._last_per_subject
         )
+        self._generation = generation
+        self._stale = False
         # A reopened last-per-subject reader must not replay older states.
         self._last_per_subject = False
+
+    async def _reopen(self) -> None:
+        """Open again, retrying until it works (cancelled by `close()`)."""
+        while not (self._closed or self._bus.closed):
+            if self._bus.connected:
+                try:
+                    # Each try bounded: JetStream's API may not answer while the
+                    # cluster has no leader, and a later try may find one.
+                    await asyncio.wait_for(self.open(), timeout=REOPEN_ATTEMPT_S)
+                    return
+                except (TimeoutError, nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+                    log.debug("reader_reopen_failed", error=repr(exc))
+            await asyncio.sleep(0.2)
 
     async def next(self, timeout_s: float) -> LoggedEvent | None:
         """The next event, or None if none arrives within `timeout_s`.
@@ -429,16 +538,24 @@ class EventReader:
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or self._closed:
                 return None
-            if self._generation != self._bus.generation and self._bus.connected:
-                try:
-                    await self.open()
-                except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
-                    log.debug("reader_reopen_failed", error=repr(exc))
+            reopen = self._stale or self._generation != self._bus.generation
+            if reopen and self._bus.connected:
+                if self._reopening is None:
+                    self._reopening = asyncio.create_task(self._reopen(), name="reader-reopen")
+                reopening = self._reopening
+                await asyncio.wait({reopening}, timeout=remaining)
+                if not reopening.done():
+                    return None  # still reopening: the next call waits on
+                self._reopening = None
+                reopening.result()  # re-raises what no retry covers
+                continue
+            if self._sub is None:
+                if self._stale and not self._bus.closed:
+                    # Disconnected: wait for the bus to come back, then reopen.
                     await asyncio.sleep(min(0.2, remaining))
                     continue
-            if self._sub is None:
                 return None
             try:
                 msg = await self._sub.next_msg(timeout=min(remaining, 1.0))
@@ -468,7 +585,7 @@ class EventReader:
     async def __anext__(self) -> LoggedEvent:
         """Wait for the next event, however long it takes (until cancelled or closed)."""
         while True:
-            if self._bus.closed or (self._sub is None and self._generation == self._bus.generation):
+            if self._bus.closed or self._closed:
                 raise StopAsyncIteration
             logged = await self.next(timeout_s=60.0)
             if logged is not None:
@@ -476,6 +593,12 @@ class EventReader:
 
     async def close(self) -> None:
         """Delete the ephemeral consumer; safe to call twice."""
+        self._closed = True
+        if self._reopening is not None:
+            task, self._reopening = self._reopening, None
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self._sub is not None:
             sub, self._sub = self._sub, None
             with contextlib.suppress(nats.errors.Error, OSError):

@@ -16,7 +16,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import msgspec
 import yaml
@@ -33,10 +33,31 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class NatsConfig(_Section):
     """How services reach NATS and how the event stream is set up.
 
+    `url` is one server or a comma-separated list of the servers of a cluster
+    (`nats://n1:4222,nats://n2:4222,nats://n3:4222`): a client connects to one of
+    them and moves to another when that one goes away.
+
     The stream settings are explicit because they decide what survives a crash:
-    file storage, `sync_interval_s` between fsyncs (`always` is safest and slowest),
-    the replica count (1 locally, 3 on a three-node cluster) and the duplicate window
-    inside which a retried publish with the same `Nats-Msg-Id` is dropped.
+    `storage` (`file`: the log outlives every server restart), `replicas` (1 on one
+    server, 3 on a three-node cluster: an event is acknowledged once a majority of
+    the replicas holds it, so losing one node loses nothing), `duplicate_window_s`
+    (a retried publish with the same `Nats-Msg-Id` inside it is dropped; it covers a
+    client's whole retry budget across a reconnect to another node) and
+    `sync_interval_s`, how often the servers fsync their stores (0: `always`, after
+    every write, safest and slowest). The sync interval is a server setting: `yb up`
+    writes it into every node's config, and deploy/nats*.conf carry the same value.
+    It only matters when a whole machine loses power or its kernel: an acknowledged
+    event sits in the OS page cache, which survives a crash of nats-server itself.
+
+    On a cluster, losing the node that leads the stream stops the log until the other
+    nodes elect a leader (nats-server waits 4-9 s before it elects): a publish retries
+    for `request_timeout_s`, so `yb up --nats-cluster` and the compose cluster raise
+    it to 15 s, and `conductor.heartbeat_timeout_s` must stay above that stall.
+
+    Credentials: `user` with `password` (or `password_file`, a file holding it, so the
+    secret stays out of the environment), or a `creds_file` (JWT + nkey). With a user,
+    the client's reply inboxes live under `_INBOX.<user>.`, which the server's
+    permissions grant to that user alone (see `yb_shared.nats_auth`).
     """
 
     url: str = "nats://127.0.0.1:4222"
@@ -46,12 +67,24 @@ class NatsConfig(_Section):
     max_reconnect_wait_s: float = 4.0
     stream: str = "YB_EVENTS"
     storage: Literal["file", "memory"] = "file"
-    replicas: int = 1
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
     duplicate_window_s: float = 120.0
+    sync_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     max_age_s: float = 7 * 24 * 3600.0
     user: str = ""
     password: str = ""
+    password_file: str = ""
     creds_file: str = ""
+
+    def resolved_password(self) -> str:
+        """`password`, else the content of `password_file`, else ''."""
+        if self.password or not self.password_file:
+            return self.password
+        return read_secret_file(self.password_file, "nats.password_file")
+
+    def servers(self) -> list[str]:
+        """The server URLs of `url`, in order."""
+        return [u.strip() for u in self.url.split(",") if u.strip()]
 
 
 class ModelConfig(_Section):
@@ -71,7 +104,13 @@ class ModelConfig(_Section):
 
 
 class GatewayConfig(_Section):
-    """The OpenAI-compatible front door; every wait has a deadline."""
+    """The OpenAI-compatible front door; every wait has a deadline.
+
+    Authentication is on by default: every route but the health probes needs one of
+    `api_keys` (or of the keys in `api_keys_file`, one per line, `#` comments) as
+    `Authorization: Bearer <key>` or `x-api-key: <key>`. A gateway with no key refuses
+    to start unless `allow_unauthenticated` says that an open gateway is intended.
+    """
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -84,8 +123,21 @@ class GatewayConfig(_Section):
     max_max_tokens: int = 4096
     max_body_bytes: int = 4 * 1024 * 1024
     api_keys: list[str] = msgspec.field(default_factory=list)
+    api_keys_file: str = ""
+    allow_unauthenticated: bool = False
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 2.0
+
+    def resolved_api_keys(self) -> list[str]:
+        """`api_keys` and the keys listed in `api_keys_file`, without blanks."""
+        keys = [k.strip() for k in self.api_keys if k.strip()]
+        if self.api_keys_file:
+            text = read_secret_file(self.api_keys_file, "gateway.api_keys_file")
+            for line in text.splitlines():
+                key = line.split("#", 1)[0].strip()
+                if key:
+                    keys.append(key)
+        return keys
 
 
 class ConductorConfig(_Section):
@@ -146,7 +198,9 @@ class EngineConfig(_Section):
     `prefix_cache_pages` of the engine's pages keep full blocks of earlier prompts
     (the "engine" tier; 0 turns it off). `store_blocks` puts newly computed blocks
     into the host's kvstore; `fetch_timeout_s` bounds loading a planned prefix
-    before falling back to computing it.
+    before falling back to computing it. `transfer_timeout_s` bounds each KV send;
+    decode holds a reservation until the request's own deadline (the prefill may
+    compute for longer than one send takes), or this long when it has none.
     """
 
     num_kv_pages: int = 1024
@@ -186,7 +240,14 @@ class KVStoreConfig(_Section):
 
 
 class TelemetryConfig(_Section):
-    """Logs, traces and metrics."""
+    """Logs, traces and metrics.
+
+    Every `/metrics` endpoint (each service's own listener on `metrics_host`, and the
+    gateway's route) asks for `Authorization: Bearer <metrics_token>` when a token is
+    set (`metrics_token`, or the content of `metrics_token_file`). A metrics listener
+    on a non-loopback interface without a token refuses to start; the gateway's
+    route is closed without one.
+    """
 
     log_level: str = "info"
     log_json: bool = True
@@ -194,6 +255,14 @@ class TelemetryConfig(_Section):
     console_traces: bool = False
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
+    metrics_token: str = ""
+    metrics_token_file: str = ""
+
+    def resolved_metrics_token(self) -> str:
+        """`metrics_token`, else the content of `metrics_token_file`, else ''."""
+        if self.metrics_token or not self.metrics_token_file:
+            return self.metrics_token
+        return read_secret_file(self.metrics_token_file, "telemetry.metrics_token_file")
 
 
 class YbConfig(_Section):
@@ -262,6 +331,22 @@ def load_config(
         return msgspec.convert(raw, YbConfig, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid configuration: {exc}") from exc
+
+
+def read_secret_file(path: str | Path, setting: str) -> str:
+    """The secret held in a file, without surrounding whitespace.
+
+    Raises `ConfigError` naming the setting when the file cannot be read or is empty:
+    a missing key file must stop the process, not leave it open or locked out.
+    """
+    try:
+        text = Path(path).expanduser().read_text()
+    except OSError as exc:
+        raise ConfigError(f"{setting}: cannot read {path}: {exc.strerror or exc}") from exc
+    secret = text.strip()
+    if not secret:
+        raise ConfigError(f"{setting}: {path} is empty")
+    return secret
 
 
 def dump_env(config: YbConfig) -> dict[str, str]:

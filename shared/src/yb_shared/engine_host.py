@@ -47,6 +47,16 @@ class EngineGauges:
             "yb_engine_kv_pages_total", "KV pages in the cache", registry=registry
         )
 
+    def follow(self, allocator: PageAllocator, num_pages: int) -> None:
+        """Read the KV gauges from the allocator itself at every scrape.
+
+        Pages are the resource a fault must not leak, so what `/metrics` says about
+        them is the allocator's own count, never a copy that some path forgot to
+        update.
+        """
+        self.kv_total.set(num_pages)
+        self.kv_used.set_function(lambda: allocator.num_used)
+
 
 class EngineHost:
     """Loads the model once and runs every model/page operation on one thread."""

@@ -2,7 +2,10 @@
 
 - `Presence` announces the instance (`InstanceUp`), reports its load every interval
   (the `LoadReport` doubles as its heartbeat: the conductor declares it dead when
-  reports stop) and says goodbye (`InstanceDown`) on a clean stop.
+  reports stop, with an `InstanceDown` of its own) and says goodbye (`InstanceDown`)
+  on a clean stop. An instance that was declared dead while it was only paused
+  (SIGSTOP, a long GC, a partition) announces itself again when it sees that
+  verdict, or everyone who follows announcements would forget it for good.
 - `CancellationFollower` follows `RequestCancelled` events so an engine can drop a
   request whose client went away, wherever it is in its pipeline.
 """
@@ -13,8 +16,11 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
+import nats.errors
+
 from yb_shared import events as ev
 from yb_shared.bus import Bus, BusError, EventReader
+from yb_shared.events import subject_token
 from yb_shared.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -37,6 +43,8 @@ class Presence:
         self._report = report
         self._interval_s = interval_s
         self._was_connected = True
+        self._retired = False
+        self._verdicts: EventReader | None = None
 
     async def announce(self) -> None:
         """Publish `InstanceUp` (again: after a reconnect the log may have moved on)."""
@@ -45,21 +53,56 @@ class Presence:
 
     async def run(self) -> None:
         """Report load every interval until cancelled; survives NATS outages."""
-        while True:
-            await asyncio.sleep(self._interval_s)
-            if not self._bus.connected:
-                self._was_connected = False
-                continue
+        try:
+            while True:
+                await self._wait_interval()
+                if not self._bus.connected:
+                    self._was_connected = False
+                    continue
+                try:
+                    if not self._was_connected:
+                        await self.announce()
+                        self._was_connected = True
+                    await self._bus.publish(self._report(), timeout_s=self._interval_s * 2)
+                except BusError as exc:
+                    log.warning("load_report_failed", error=str(exc))
+        finally:
+            if self._verdicts is not None:
+                reader, self._verdicts = self._verdicts, None
+                with contextlib.suppress(Exception):
+                    await reader.close()
+
+    async def _wait_interval(self) -> None:
+        """Sleep one interval, meanwhile re-announcing if declared dead."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self._interval_s
+        if self._verdicts is None and self._bus.connected:
+            subject = f"yb.ev.instance.instance_down.{subject_token(self.instance_id)}"
             try:
-                if not self._was_connected:
-                    await self.announce()
-                    self._was_connected = True
-                await self._bus.publish(self._report(), timeout_s=self._interval_s * 2)
+                self._verdicts = await self._bus.read_ordered(subject, new_only=True)
+            except (BusError, nats.errors.Error, OSError) as exc:
+                log.debug("down_follow_failed", error=repr(exc))
+        while (left := until - loop.time()) > 0:
+            if self._verdicts is None:
+                await asyncio.sleep(left)
+                return
+            item = await self._verdicts.next(timeout_s=left)
+            if item is None or self._retired or not isinstance(item.event, ev.InstanceDown):
+                continue
+            log.warning("declared_down_while_alive", reason=item.event.reason)
+            try:
+                await self.announce()
             except BusError as exc:
-                log.warning("load_report_failed", error=str(exc))
+                log.warning("reannounce_failed", error=str(exc))
+
+    @property
+    def instance_id(self) -> str:
+        """The id this presence announces."""
+        return self.announcement.instance_id
 
     async def retire(self, reason: str) -> None:
         """Publish `InstanceDown` (best effort, bounded)."""
+        self._retired = True  # our own goodbye is not a verdict to dispute
         with contextlib.suppress(BusError, asyncio.TimeoutError):
             await asyncio.wait_for(
                 self._bus.publish(

@@ -7,6 +7,7 @@ the same thing everywhere, and so that block keys use one model identity.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
 
 TINY_RANDOM = "tiny-random"
 DEFAULT = "default"
+#: The tiny random model's position limit (its `max_position_embeddings`).
+TINY_MAX_POSITION = 4096
 
 
 def resolve_model_dir(
@@ -49,6 +52,18 @@ def load_tokenizer(model: ModelConfig, cache_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(model, cache_dir)))
+
+
+def context_limit(model: ModelConfig, cache_dir: Path) -> int | None:
+    """The most positions the model itself can attend to (`max_position_embeddings`),
+    or None when its config does not say. Reads only the config, never weights."""
+    if model.source == TINY_RANDOM:
+        return TINY_MAX_POSITION
+    path = resolve_model_dir(model, cache_dir)
+    assert path is not None
+    config = json.loads((path / "config.json").read_text())
+    limit = config.get("max_position_embeddings")
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
 def load_engine_model(

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,8 +41,14 @@ def nats_server_binary() -> str:
 class NatsServer:
     """One nats-server process.
 
-    `cluster_name`/`routes` make it a member of a cluster; `extra_config` is appended
-    to the generated config verbatim (accounts and permissions, for example).
+    `cluster_name`/`routes` make it a member of a cluster (`cluster_nodes` builds a
+    whole one); with `route_password`, routes must authenticate as `ROUTE_USER` (the
+    route URLs then carry it: `route_url`), so no one can join the cluster, and see
+    every subject past the users' permissions, without it. `sync_interval_s` is how
+    often JetStream fsyncs its store (0: after every write; None: the server's
+    default, 2 minutes). `extra_config` is appended to the generated config verbatim
+    (accounts and permissions, for example: see `yb_shared.nats_auth`). The config
+    file is written with mode 0600, since it may hold passwords.
     """
 
     store_dir: Path
@@ -51,6 +58,8 @@ class NatsServer:
     cluster_name: str = ""
     cluster_port: int = 0
     routes: list[str] = field(default_factory=list)
+    route_password: str = ""
+    sync_interval_s: float | None = None
     extra_config: str = ""
     log_file: Path | None = None
     monitor_port: int = 0
@@ -75,8 +84,10 @@ class NatsServer:
             f'listen: "{self.host}:{self.port if self.port else -1}"',
             "jetstream {",
             f'  store_dir: "{self.store_dir / "jetstream"}"',
-            "}",
         ]
+        if self.sync_interval_s is not None:
+            lines.append(f"  sync_interval: {sync_interval_value(self.sync_interval_s)}")
+        lines.append("}")
         if self.monitor_port:
             lines.append(f'http: "{self.host}:{self.monitor_port}"')
         if self.cluster_name:
@@ -84,7 +95,14 @@ class NatsServer:
                 "cluster {",
                 f'  name: "{self.cluster_name}"',
                 f'  listen: "{self.host}:{self.cluster_port}"',
-                "  routes: [" + ", ".join(f'"{r}"' for r in self.routes) + "]",
+            ]
+            if self.route_password:
+                lines.append(
+                    f"  authorization {{ user: {json.dumps(ROUTE_USER)}, "
+                    f"password: {json.dumps(self.route_password)} }}"
+                )
+            lines += [
+                "  routes: [" + ", ".join(json.dumps(r) for r in self.routes) + "]",
                 "}",
             ]
         if self.extra_config:
@@ -95,7 +113,7 @@ class NatsServer:
         """Start the server and wait until it accepts connections."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / f"{self.server_name}.conf"
-        conf.write_text(self.config_text())
+        _write_private(conf, self.config_text())
         ports_dir = self.store_dir / "ports"
         ports_dir.mkdir(exist_ok=True)
         for stale in ports_dir.glob("*.ports"):
@@ -148,6 +166,86 @@ class NatsServer:
         """Stop and start again on the same port with the same store."""
         self.stop()
         self.start(timeout_s)
+
+
+#: The user that cluster routes authenticate as (not a client user: no permissions).
+ROUTE_USER = "route"
+
+#: How long a JetStream cluster can take to replace a lost stream leader: followers
+#: wait 4-9 s without its heartbeats before they campaign (nats-server's raft election
+#: timeout), then vote. No event is stored meanwhile, so every wait on a clustered log
+#: must outlast this, and an instance's heartbeat timeout too.
+CLUSTER_FAILOVER_S = 10.0
+#: The least `nats.request_timeout_s` (a publish's retry budget) on a cluster.
+CLUSTER_REQUEST_TIMEOUT_S = 15.0
+#: The least `gateway.decision_timeout_s` on a cluster (it also caps the admission's
+#: publish budget).
+CLUSTER_DECISION_TIMEOUT_S = 20.0
+
+
+def sync_interval_value(seconds: float) -> str:
+    """nats-server's `sync_interval` for a number of seconds (0: `always`)."""
+    if seconds <= 0:
+        return "always"
+    if float(seconds).is_integer():
+        return f'"{int(seconds)}s"'
+    return f'"{round(seconds * 1000)}ms"'
+
+
+def route_url(host: str, port: int, password: str = "") -> str:
+    """The URL one node dials to route to another (with the route credentials)."""
+    auth = f"{ROUTE_USER}:{urllib.parse.quote(password, safe='')}@" if password else ""
+    return f"nats-route://{auth}{host}:{port}"
+
+
+def cluster_nodes(
+    store_root: Path,
+    count: int,
+    *,
+    host: str = "127.0.0.1",
+    ports: list[int] | None = None,
+    cluster_name: str = "yb",
+    route_password: str = "",
+    sync_interval_s: float | None = None,
+    extra_config: str = "",
+    log_dir: Path | None = None,
+    monitor: bool = True,
+) -> list[NatsServer]:
+    """`count` servers that form one JetStream cluster (not started yet).
+
+    Each has its own name (`yb-nats-<i>`), store directory, client port (`ports[i]`,
+    or any free one), route port and monitor port, and routes to all the others;
+    JetStream elects its leaders once a majority of the nodes is up, so start them
+    all before waiting on JetStream.
+    """
+    route_ports = [free_port(host) for _ in range(count)]
+    routes = [route_url(host, p, route_password) for p in route_ports]
+    return [
+        NatsServer(
+            store_dir=store_root / f"yb-nats-{i}",
+            port=ports[i] if ports else 0,
+            host=host,
+            server_name=f"yb-nats-{i}",
+            cluster_name=cluster_name,
+            cluster_port=route_ports[i],
+            # Its own route is left out: a node never dials itself.
+            routes=[r for j, r in enumerate(routes) if j != i],
+            route_password=route_password,
+            sync_interval_s=sync_interval_s,
+            extra_config=extra_config,
+            log_file=log_dir / f"yb-nats-{i}.log" if log_dir else None,
+            monitor_port=free_port(host) if monitor else 0,
+        )
+        for i in range(count)
+    ]
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read: the config may hold user passwords."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file may have been created with wider bits
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def _read_port(ports_dir: Path, pid: int) -> int:

@@ -126,7 +126,9 @@ class Service(abc.ABC):
     def serve_metrics(self) -> None:
         """Expose this process's registry at /metrics on the configured interface."""
         tcfg = self.cfg.telemetry
-        self.metrics_port = start_metrics_server(self.metrics, tcfg.metrics_host, tcfg.metrics_port)
+        self.metrics_port = start_metrics_server(
+            self.metrics, tcfg.metrics_host, tcfg.metrics_port, tcfg.resolved_metrics_token()
+        )
         log.info("metrics_listening", host=tcfg.metrics_host, port=self.metrics_port)
 
     @property

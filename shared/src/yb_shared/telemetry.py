@@ -7,16 +7,21 @@
   trace runs gateway -> prefill -> decode. Spans go to an OTLP collector when one is
   configured, else to stderr when asked, else nowhere (the context still travels).
 - Metrics are Prometheus collectors on a per-process registry served at `/metrics`
-  by `start_metrics_server` (the gateway also mounts them on its own HTTP app).
+  by `start_metrics_server` (the gateway also mounts them on its own HTTP app). The
+  listener binds to the configured interface only and asks for the metrics token
+  when one is configured; it refuses to start on a non-loopback interface without
+  one, because label values and instance names are not for the whole network.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import structlog
@@ -25,10 +30,12 @@ from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
-from yb_shared.config import TelemetryConfig
+from yb_shared.auth import bearer_token, matches_any
+from yb_shared.config import ConfigError, TelemetryConfig
+from yb_shared.netaddr import is_loopback
 
 _configured = threading.Lock()
 _done = False
@@ -134,13 +141,94 @@ def trace_id_hex(headers: Mapping[str, str] | None) -> str:
     return format(ctx.trace_id, "032x") if ctx.is_valid else ""
 
 
-def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> int:
+class MetricsServer:
+    """`GET /metrics` of one registry on its own socket, served by a daemon thread.
+
+    With a `token`, a request without `Authorization: Bearer <token>` gets 401 and no
+    data. Without one, the listener must be on loopback: a service told to expose
+    unauthenticated metrics to the network refuses to start (`ConfigError`) rather
+    than do it quietly.
+    """
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int, token: str = "") -> None:
+        if not token and not is_loopback(host):
+            raise ConfigError(
+                f"telemetry.metrics_host={host!r} is not a loopback address and no "
+                "telemetry.metrics_token is set: refusing to serve /metrics to the "
+                "network without authentication. Set YB_TELEMETRY__METRICS_TOKEN (or "
+                "metrics_token_file), or bind metrics_host to 127.0.0.1."
+            )
+        handler = _metrics_handler(registry, [token.encode()] if token else None)
+        server_class = _V6MetricsHTTPServer if ":" in host else _MetricsHTTPServer
+        self._httpd = server_class((host, port), handler)
+        self.host = host
+        self.port = int(self._httpd.server_address[1])
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="yb-metrics", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving and close the socket; idempotent."""
+        if self._thread.is_alive():
+            self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+class _MetricsHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+
+class _V6MetricsHTTPServer(_MetricsHTTPServer):
+    address_family = socket.AF_INET6
+
+
+def _metrics_handler(
+    registry: CollectorRegistry, accepted: list[bytes] | None
+) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            # Authentication first: an unauthenticated caller learns nothing, not
+            # even which paths exist.
+            if accepted is not None:
+                presented = bearer_token(self.headers.get("Authorization", ""))
+                if not matches_any(presented, accepted):
+                    self._answer(
+                        401,
+                        b"metrics need Authorization: Bearer <telemetry.metrics_token>\n",
+                        "text/plain; charset=utf-8",
+                        {"WWW-Authenticate": 'Bearer realm="metrics"'},
+                    )
+                    return
+            if self.path.split("?", 1)[0] not in ("/metrics", "/metrics/"):
+                self._answer(404, b"not found; metrics are at /metrics\n", "text/plain")
+                return
+            self._answer(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+
+        def _answer(
+            self, status: int, body: bytes, media: str, headers: dict[str, str] | None = None
+        ) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", media)
+            self.send_header("Content-Length", str(len(body)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            """Scrapes are not worth a log line each."""
+
+    return Handler
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int, token: str = "") -> int:
     """Serve `registry` at http://host:port/metrics in a daemon thread; returns the port.
 
     Port 0 picks a free port, which is announced in the instance's `InstanceUp`.
+    `token` (the resolved `telemetry.metrics_token`) protects it; see `MetricsServer`.
     """
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return int(server.server_port)
+    return MetricsServer(registry, host, port, token).port
 
 
 def render_metrics(registry: CollectorRegistry) -> bytes:

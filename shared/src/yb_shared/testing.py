@@ -3,6 +3,12 @@
 Loaded as a plugin (`-p yb_shared.testing` in the workspace's pytest settings), like
 nats.py's own test helpers: each test gets a fresh nats-server on a free port with a
 temporary JetStream store, and a connected `Bus` with the event stream set up.
+
+`nats_server` accepts anyone (unit tests of one service need no credentials);
+`auth_nats_server` runs the same server with the users and permissions `yb up`
+generates (`yb_shared.nats_auth`), for tests of what each role may do.
+`LocalCluster` runs `yb up` and exposes the secrets it generated (API key, metrics
+token, the NATS `admin` user), as a client on this machine would read them.
 """
 
 from __future__ import annotations
@@ -11,13 +17,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from yb_shared.bus import Bus
 from yb_shared.config import NatsConfig, TelemetryConfig
+from yb_shared.credentials import LocalSecrets, generate_secret, load_local_secrets
+from yb_shared.nats_auth import (
+    ADMIN_USER,
+    USERS,
+    cluster_users,
+    literal_passwords,
+    render_authorization,
+)
 from yb_shared.natsserver import NatsServer
 from yb_shared.telemetry import configure_logging
 
@@ -36,6 +51,63 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
         yield server
     finally:
         server.stop()
+
+
+#: The instances an `auth_nats_server` grants, one per role.
+TEST_INSTANCES: Mapping[str, Sequence[str]] = {
+    "conductor": ["conductor-0"],
+    "gateway": ["gateway-0"],
+    "prefill": ["prefill-0"],
+    "decode": ["decode-0"],
+    "kvstore": ["kvstore-0"],
+}
+
+
+@dataclass
+class AuthNats:
+    """A nats-server that knows one user per role (and `admin`), with the
+    permissions of `yb_shared.nats_auth` for `instances`."""
+
+    server: NatsServer
+    passwords: dict[str, str]
+    instances: Mapping[str, Sequence[str]] = field(default_factory=lambda: dict(TEST_INSTANCES))
+
+    def config(self, user: str, *, password: str | None = None) -> NatsConfig:
+        """Client settings for `user` ('' connects without credentials)."""
+        return NatsConfig(
+            url=self.server.url,
+            user=user,
+            password=self.passwords.get(user, "") if password is None else password,
+            request_timeout_s=2.0,
+            reconnect_wait_s=0.05,
+            max_reconnect_wait_s=0.5,
+            duplicate_window_s=60.0,
+        )
+
+
+def start_auth_nats(
+    store_dir: Path, instances: Mapping[str, Sequence[str]] = TEST_INSTANCES
+) -> AuthNats:
+    """Start a nats-server with generated passwords and per-role permissions."""
+    passwords = {user: generate_secret() for user in USERS}
+    server = NatsServer(
+        store_dir=store_dir,
+        log_file=store_dir.parent / f"{store_dir.name}.log",
+        extra_config=render_authorization(cluster_users(instances), literal_passwords(passwords)),
+    )
+    server.start()
+    return AuthNats(server=server, passwords=passwords, instances=instances)
+
+
+@pytest.fixture
+def auth_nats_server(tmp_path: Path) -> Iterator[AuthNats]:
+    """A running nats-server that requires credentials and enforces each role's
+    permissions (`AuthNats.config(role)` connects as that role)."""
+    auth = start_auth_nats(tmp_path / "nats-auth")
+    try:
+        yield auth
+    finally:
+        auth.server.stop()
 
 
 @pytest.fixture
@@ -66,6 +138,9 @@ class LocalCluster:
 
     `start()` returns once `/readyz` answers; `stop()` sends SIGINT (Ctrl-C) and
     returns the launcher's exit code. `pids` lists every process of the cluster.
+    `api_key`/`headers` authenticate to the gateway, `metrics_headers` to any
+    `/metrics`, and `nats_config()` connects to its NATS as `admin`, all read from the
+    secrets `yb up` keeps in the data directory.
     """
 
     def __init__(self, data_dir: Path, *extra_args: str, env: dict[str, str] | None = None):
@@ -88,6 +163,40 @@ class LocalCluster:
         self.process: subprocess.Popen[bytes] | None = None
         self.pids: dict[str, int] = {}
         self.log_path = data_dir / "yb-up.log"
+        self._secrets: LocalSecrets | None = None
+
+    @property
+    def secrets(self) -> LocalSecrets:
+        """What `yb up` generated in the data dir (there once the cluster started)."""
+        if self._secrets is None:
+            self._secrets = load_local_secrets(self.data_dir)
+            if self._secrets is None:
+                raise RuntimeError(f"no secrets under {self.data_dir}: start the cluster first")
+        return self._secrets
+
+    @property
+    def api_key(self) -> str:
+        """The gateway's API key."""
+        return self.secrets.api_key
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Headers that authenticate a request to the gateway's API."""
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    @property
+    def metrics_headers(self) -> dict[str, str]:
+        """Headers that authenticate a scrape of any instance's `/metrics`."""
+        return {"Authorization": f"Bearer {self.secrets.metrics_token}"}
+
+    def nats_config(self, user: str = ADMIN_USER) -> NatsConfig:
+        """Client settings for the cluster's NATS, as `user` (default: the operator)."""
+        from yb_shared.cli.launcher import read_cluster_info
+
+        info = read_cluster_info(self.data_dir)
+        if info is None:
+            raise RuntimeError("the cluster is not running")
+        return NatsConfig(url=info.nats_url, user=user, password=self.secrets.nats_passwords[user])
 
     def start(self, timeout_s: float = 600.0) -> None:
         """Launch and wait for readiness; raises with the launcher's output on failure."""

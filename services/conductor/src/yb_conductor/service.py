@@ -12,17 +12,26 @@ up to the log's end, and goes live: it records its settings in the log
 the old one had not (de-duplicated by request id if it had), and from then on
 decides every new admission. The active conductor snapshots its state every
 `snapshot_every_events` events into a JetStream object store.
+
+The active conductor also says what the fold concluded about failures: an instance
+silent past the heartbeat timeout is declared dead (`InstanceDown`), and the
+requests it orphaned — and those of a gateway that died or restarted — are
+cancelled (`RequestCancelled`), which every engine obeys by freeing them. Both are
+de-duplicated by message id, so a standby that takes over and says it again is
+harmless.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 
 import nats.errors
 import nats.js.errors
 from nats.js.object_store import ObjectStore
+from prometheus_client import Gauge
 
 from yb_conductor import snapshot
 from yb_conductor.conductor import Conductor, Output
@@ -41,6 +50,8 @@ log = get_logger(__name__)
 # A decision older than this when found unpublished after a restart is not sent: its
 # gateway has given up on it.
 STALE_DECISION_S = 30.0
+#: Decisions whose publish may be in flight at once (see `_publish_output`).
+_PUBLISH_WINDOW = 256
 SNAPSHOT_OBJECT = "conductor-snapshot"
 
 
@@ -62,8 +73,24 @@ class ConductorService(Service):
         self._live = False
         self._since_snapshot = 0
         self._snapshotting = False
+        # Decisions on their way to the log, oldest first (see `_publish_output`).
+        self._publishing: collections.deque[asyncio.Task[None]] = collections.deque()
         self.restored_from_seq = 0
         self.m = ConductorMetrics(self.metrics)
+        # What the fold believes about each instance, for operators and fault tests
+        # (a dead kvstore's blocks must leave the index): refreshed on a timer.
+        self._m_alive = Gauge(
+            "yb_conductor_instance_alive",
+            "1 while the conductor counts the instance as alive",
+            ["instance"],
+            registry=self.metrics,
+        )
+        self._m_index = Gauge(
+            "yb_conductor_index_blocks",
+            "Blocks the global index places on the instance",
+            ["instance"],
+            registry=self.metrics,
+        )
 
     @property
     def active(self) -> bool:
@@ -95,6 +122,7 @@ class ConductorService(Service):
         self._reader = await self.bus.read_ordered(start_seq=self.conductor.last_seq + 1)
         self.tasks.spawn("follow-log", self._follow())
         self.tasks.spawn("lease", self._hold_lease())
+        self.tasks.spawn("instance-gauges", self._export_instances())
         log.info(
             "conductor_following",
             from_seq=self.conductor.last_seq + 1,
@@ -166,7 +194,7 @@ class ConductorService(Service):
                     self.m.decided(outputs, time.perf_counter() - started)
                 for out in outputs:
                     await self._publish_output(out)
-                await self._request_resyncs()
+                await self._publish_wants()
             elif self._active and item.seq >= self._live_from:
                 await self._go_live()
             match item.event:
@@ -216,7 +244,7 @@ class ConductorService(Service):
         for decision in pending:
             if decision.time >= now - STALE_DECISION_S:
                 await self._publish_output(decision)
-        await self._request_resyncs()
+        await self._publish_wants()
 
     def _report_divergences(self) -> None:
         for divergence in self.conductor.divergences:
@@ -231,7 +259,22 @@ class ConductorService(Service):
         self.conductor.divergences.clear()
 
     async def _publish_output(self, out: Output) -> None:
-        await self._publish(out)
+        """Publish a decision without waiting for its ack before the next event.
+
+        A burst of admissions would otherwise be decided one JetStream round trip
+        apart, and a request refused late is not refused "at once". The fold has
+        already counted the decision, so only the I/O is in flight, for up to
+        `_PUBLISH_WINDOW` decisions. They normally reach the log in the order made (a
+        task writes its message before it waits); a retried one may land later, which
+        is harmless: every consumer, replay included, matches a decision to its
+        request by id.
+        """
+        while len(self._publishing) >= _PUBLISH_WINDOW:
+            await self._publishing.popleft()
+        while self._publishing and self._publishing[0].done():
+            self._publishing.popleft()
+        name = f"publish:{getattr(out, 'request_id', type(out).__name__)}"
+        self._publishing.append(self.tasks.spawn(name, self._publish(out)))
 
     async def _publish(self, event: ev.AnyEvent) -> None:
         assert self.bus is not None
@@ -246,6 +289,60 @@ class ConductorService(Service):
                 request_id=getattr(event, "request_id", ""),
                 error=str(exc),
             )
+
+    async def _publish_wants(self) -> None:
+        """Publish what the fold wants the log to say: resync requests, instances
+        found dead, orphaned requests to cancel (in that order: a request is
+        cancelled after the instance it waited for is declared down)."""
+        await self._request_resyncs()
+        await self._declare_dead()
+        await self._cancel_orphans()
+
+    async def _declare_dead(self) -> None:
+        assert self.bus is not None
+        state = self.conductor.state
+        dead = state.declared_dead
+        while dead:
+            instance_id = next(iter(dead))
+            reason = dead.pop(instance_id)
+            inst = state.instances.get(instance_id)
+            if inst is None or inst.alive:
+                continue  # back meanwhile (a standby's backlog)
+            log.warning("instance_declared_dead", instance=instance_id, reason=reason)
+            try:
+                await self.bus.publish(
+                    ev.InstanceDown(instance_id=instance_id, reason=reason, time=state.now)
+                )
+            except BusError as exc:
+                log.warning("instance_down_publish_failed", instance=instance_id, error=str(exc))
+
+    async def _cancel_orphans(self) -> None:
+        assert self.bus is not None
+        state = self.conductor.state
+        wanted = state.cancel_wanted
+        while wanted:
+            request_id = next(iter(wanted))
+            reason = wanted.pop(request_id)
+            if request_id not in state.placements:
+                continue  # finished meanwhile
+            log.warning("request_orphaned", request_id=request_id, reason=reason)
+            try:
+                await self.bus.publish(
+                    ev.RequestCancelled(request_id=request_id, reason=reason, time=state.now)
+                )
+            except BusError as exc:
+                log.warning("cancel_publish_failed", request_id=request_id, error=str(exc))
+
+    async def _export_instances(self) -> None:
+        """Refresh the per-instance gauges from the fold, twice a second."""
+        while True:
+            state = self.conductor.state
+            for inst in list(state.instances.values()):
+                self._m_alive.labels(inst.instance_id).set(1 if inst.alive else 0)
+                self._m_index.labels(inst.instance_id).set(
+                    state.index.blocks_held(inst.instance_id)
+                )
+            await asyncio.sleep(0.5)
 
     async def _request_resyncs(self) -> None:
         assert self.bus is not None
@@ -267,6 +364,10 @@ class ConductorService(Service):
 
     async def stop(self) -> None:
         """Stop following the log, hand the lease over, close the bus; idempotent."""
+        if self._publishing:
+            # Decisions already made still reach the log (each publish has its deadline).
+            await asyncio.gather(*self._publishing, return_exceptions=True)
+            self._publishing.clear()
         await self.tasks.shutdown()
         self._active = self._live = False
         self.m.active.set(0)

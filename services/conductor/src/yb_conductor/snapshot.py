@@ -68,6 +68,8 @@ class Snapshot(msgspec.Struct, kw_only=True):
         default_factory=list
     )
     admission_info: dict[str, PendingAdmission] = msgspec.field(default_factory=dict)
+    declared_dead: dict[str, str] = msgspec.field(default_factory=dict)
+    cancel_wanted: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -102,6 +104,8 @@ def take(c: Conductor) -> Snapshot:
         hot=c.hot,
         companions=list(c.unrecorded_companions.values()),
         admission_info=c.admission_info,
+        declared_dead=s.declared_dead,
+        cancel_wanted=s.cancel_wanted,
     )
     # Round-trip through bytes: the snapshot must not alias the live state.
     return _decoder.decode(_encoder.encode(snap))
@@ -139,6 +143,8 @@ def restore(snap: Snapshot, *, follow_recorded: bool = True) -> Conductor:
     s.index = BlockIndex.restore(snap.index)
     s.block_trackers = dict(snap.trackers)
     s.resync_wanted = dict.fromkeys(snap.resync_wanted)
+    s.declared_dead = dict(snap.declared_dead)
+    s.cancel_wanted = dict(snap.cancel_wanted)
     s.learned = snap.learned
     s.expired_placements = snap.expired_placements
     s._deadlines = list(snap.deadlines)

@@ -16,7 +16,14 @@ What is tracked, and why:
   estimates do not drift; per decode instance the requests assigned to it, those
   already decoding, and their context;
 - what completions teach: `t_d` (the expected decode duration) and the mean output
-  length, as moving averages, and each completion's estimate-vs-outcome.
+  length, as moving averages, and each completion's estimate-vs-outcome;
+- what the log should be told: instances found dead by their silence
+  (`declared_dead`, published as `InstanceDown` so that everyone who follows
+  announcements forgets them) and requests left without an owner (`cancel_wanted`,
+  published as `RequestCancelled` so that every engine frees them): those queued on
+  or prefilling at a prefill instance that died, those assigned to a decode instance
+  that died, and those of a gateway that died or restarted (nobody will read their
+  tokens). Only the active conductor publishes them; a replay computes the same.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ from yb_conductor.block_index import BlockIndex
 from yb_shared import events as ev
 
 BLOCK_HOLDER_ROLES: tuple[ev.Role, ...] = ("kvstore", "prefill")
+# Roles whose silence is a death: they heartbeat from their first moment. Others
+# (gateways, conductors) count only once they have sent a load report.
+HEARTBEAT_ROLES: tuple[ev.Role, ...] = ("kvstore", "prefill", "decode")
 
 
 class InstanceState(msgspec.Struct, kw_only=True):
@@ -71,6 +81,7 @@ class Placement(msgspec.Struct, kw_only=True):
     decode_instance: str
     prompt_tokens: int
     computed_tokens: int
+    gateway_id: str = ""
     max_tokens: int = 0
     priority: int = 0
     scheduled_at: float = 0.0
@@ -145,6 +156,10 @@ class ClusterState:
         self.block_trackers: dict[str, BlockTracker] = {}
         # Instances whose block stream broke; the service asks them for an inventory.
         self.resync_wanted: dict[str, None] = {}
+        # Instances found silent (id -> reason) and orphaned requests (id -> reason)
+        # that the service announces (see the module docstring).
+        self.declared_dead: dict[str, str] = {}
+        self.cancel_wanted: dict[str, str] = {}
         self.learned = Learned(decode_time_s=decode_time_s)
         # Completions not yet collected by whoever exports metrics (bounded).
         self.outcomes: list[Outcome] = []
@@ -185,7 +200,7 @@ class ClusterState:
             case ev.InstanceUp():
                 self._instance_up(event)
             case ev.InstanceDown():
-                self._instance_down(event.instance_id)
+                self._instance_down(event)
             case ev.BlockInventory():
                 self._inventory(event)
             case _:
@@ -218,6 +233,7 @@ class ClusterState:
             decode_instance=decision.decode_instance,
             prompt_tokens=decision.prompt_tokens,
             computed_tokens=decision.computed_tokens,
+            gateway_id=decision.gateway_id,
             max_tokens=max_tokens,
             priority=pending.priority if pending else 0,
             scheduled_at=decision.time,
@@ -257,6 +273,9 @@ class ClusterState:
 
     def _instance_up(self, event: ev.InstanceUp) -> None:
         old = self.instances.get(event.instance_id)
+        if old is not None and old.role == "gateway" and old.epoch != event.epoch:
+            # A new incarnation of the gateway: the old one's clients are gone.
+            self._orphan(old, f"gateway {event.instance_id} restarted")
         inst = InstanceState(
             instance_id=event.instance_id,
             role=event.role,
@@ -302,18 +321,22 @@ class ClusterState:
             inst.last_seen = event.time
         if not inst.alive:
             inst.alive = True
+            self.declared_dead.pop(inst.instance_id, None)
             self._topology_changed()
             if inst.instance_id in self.block_trackers:
                 # Back from the dead: what it holds now is unknown, so ask.
                 self.resync_wanted[inst.instance_id] = None
 
-    def _instance_down(self, instance_id: str) -> None:
-        inst = self.instances.get(instance_id)
+    def _instance_down(self, event: ev.InstanceDown) -> None:
+        # The log says it now: a standby must not say it again when it takes over.
+        self.declared_dead.pop(event.instance_id, None)
+        inst = self.instances.get(event.instance_id)
         if inst is None or not inst.alive:
-            return
+            return  # unknown, or declared dead already (our own verdict read back)
         inst.alive = False
-        self._forget_blocks(instance_id)
+        self._forget_blocks(inst.instance_id)
         self._topology_changed()
+        self._orphan(inst, f"{inst.role} instance {inst.instance_id} went down: {event.reason}")
 
     def _expire_silent_instances(self) -> None:
         limit = self.now - self.heartbeat_timeout_s
@@ -325,9 +348,30 @@ class ClusterState:
                 inst.alive = False
                 self._forget_blocks(inst.instance_id)
                 self._topology_changed()
+                if inst.role in HEARTBEAT_ROLES or inst.last_report is not None:
+                    reason = f"no heartbeat for {self.heartbeat_timeout_s:g}s"
+                    self.declared_dead[inst.instance_id] = reason
+                    self._orphan(inst, f"{inst.role} instance {inst.instance_id}: {reason}")
             elif inst.last_seen < oldest:
                 oldest = inst.last_seen
         self._next_expiry = oldest + self.heartbeat_timeout_s
+
+    def _orphan(self, inst: InstanceState, reason: str) -> None:
+        """Mark for cancellation the requests that `inst` was needed to finish."""
+        match inst.role:
+            case "prefill":
+                # Those whose prefill had not ended there; the others are in decode.
+                orphans = list(inst.prefill_queue)
+            case "decode":
+                orphans = list(inst.assigned)
+            case "gateway":
+                iid = inst.instance_id
+                orphans = [r for r, p in self.placements.items() if p.gateway_id == iid]
+            case _:
+                return
+        for request_id in orphans:
+            if request_id in self.placements:
+                self.cancel_wanted.setdefault(request_id, reason)
 
     def _topology_changed(self) -> None:
         self._live_cache.clear()
@@ -411,6 +455,7 @@ class ClusterState:
 
     def _release(self, request_id: str) -> None:
         self.admissions.pop(request_id, None)
+        self.cancel_wanted.pop(request_id, None)
         placement = self.placements.pop(request_id, None)
         if placement is None:
             return

@@ -6,6 +6,12 @@ Prefill instances talk to it on `yb.job.decode.<id>` (core NATS request/reply):
 verified; `AbortReservation` frees the pages. One engine loop steps the batch while
 it has work and streams each request's tokens, numbered, to its gateway's token
 subject. Cancellations from the log abort a request wherever it is.
+
+Nothing is held for a request that nobody will finish: a reservation whose KV stops
+arriving (the prefill instance died: its UCX connection broke, or the deadline
+passed) is freed and its gateway told at once with an error chunk, and a request
+still decoding at its deadline is ended there (its gateway gave up on it then), so
+even a request whose gateway vanished without a word frees its pages.
 """
 
 from __future__ import annotations
@@ -56,6 +62,16 @@ class Pending:
     commit: asyncio.Task[bool]
 
 
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    """Why a running request is aborted: what its client is told, and how it ends
+    (`abort`: cancelled; `error`: failed)."""
+
+    message: str
+    status: int
+    finish: str
+
+
 @dataclass
 class Stream:
     """A request in the batch: where its tokens go and how many have gone."""
@@ -66,6 +82,7 @@ class Stream:
     reused_tokens: int
     ttft_started: float
     span: trace.Span
+    deadline: float = 0.0  # wall clock; 0: none
     seq: int = 0
     completion_tokens: int = 0
     first_token_at: float = 0.0
@@ -91,6 +108,8 @@ class DecodeService(Service):
         self.ucx_address = ""
         self._pending: dict[str, Pending] = {}
         self._streams: dict[str, Stream] = {}
+        # Why a stream is being aborted: a cancel, or its deadline.
+        self._aborts: dict[str, _Abort] = {}
         self._work = asyncio.Event()
         self._draining = False
         self._m_step = Histogram(
@@ -130,7 +149,7 @@ class DecodeService(Service):
             self.engine.model.tokenizer,
             self.cfg.decode.max_batch_size,
         )
-        self.gauges.kv_total.set(self.engine.cache.num_pages)
+        self.gauges.follow(self.engine.allocator, self.engine.cache.num_pages)
         address = await self.receiver.start()
         self.ucx_address = str(address)
         self.cancellations = CancellationFollower(self.bus, self._on_cancel)
@@ -226,15 +245,18 @@ class DecodeService(Service):
         buffers = [
             cache.page_view(layer, page) for layer in range(cache.num_layers) for page in pages
         ]
+        # The reservation lasts until the request's deadline: the prefill computes
+        # while it streams, and a long prompt on a busy engine takes longer than any
+        # one transfer. A prefill that dies meanwhile is the conductor's to declare,
+        # and its cancellation frees the pages at once.
         deadline_s = self.cfg.decode.transfer_timeout_s
         if req.deadline:
-            deadline_s = max(0.1, min(deadline_s, req.deadline - time.time()))
+            deadline_s = max(0.1, req.deadline - time.time())
         reservation = self.receiver.reserve(rid, buffers, deadline_s=deadline_s)
         commit = self.tasks.spawn(f"commit:{rid}", self._await_commit(rid, reservation))
         self._pending[rid] = Pending(
             req, trace_headers or req.trace_headers, pages, reservation, commit
         )
-        self.gauges.kv_used.set(allocator.num_used)
         return pr.KVReserved(
             request_id=rid,
             ucx_address=self.ucx_address,
@@ -261,7 +283,41 @@ class DecodeService(Service):
             if pending is not None:
                 self.receiver.cancel(request_id)
                 await self.engine.call(self._free, pending.pages)
+                await self._fail_reservation(pending, exc)
             return False
+
+    async def _fail_reservation(self, pending: Pending, exc: TransferError) -> None:
+        """Tell the gateway now that its request's KV will not come.
+
+        The prefill instance may be dead (which is why its KV stopped), so nobody
+        else would: the client would wait for a first token until its timeout.
+        If the prefill lives it reports the failure too; the gateway reads the
+        first report and the log de-duplicates the second.
+        """
+        reserve = pending.reserve
+        reason = f"KV transfer from prefill instance {reserve.prefill_instance} failed: {exc}"
+        chunk = pr.TokenChunk(
+            request_id=reserve.request_id,
+            seq=0,
+            finished=True,
+            finish_reason="error",
+            error=reason,
+            error_status=503,
+            prompt_tokens=reserve.num_tokens,
+        )
+        if self.bus is not None:
+            with contextlib.suppress(BusError):
+                await self.bus.publish_core(reserve.token_subject, pr.encode(chunk))
+        self._m_requests.labels("failed").inc()
+        await self._publish(
+            ev.RequestFinished(
+                request_id=reserve.request_id,
+                instance_id=self.instance_id,
+                outcome="failed",
+                reason=reason,
+                prompt_tokens=reserve.num_tokens,
+            )
+        )
 
     async def _start(self, start: pr.StartDecode) -> pr.DecodeAck:
         rid = start.request_id
@@ -305,6 +361,7 @@ class DecodeService(Service):
             reused_tokens=start.reused_tokens,
             ttft_started=reserve.ttft_started,
             span=span,
+            deadline=reserve.deadline,
         )
         with bind_request(rid):
             log.info(
@@ -337,17 +394,35 @@ class DecodeService(Service):
     def _free(self, pages: list[int]) -> None:
         assert self.engine.allocator is not None
         self.engine.allocator.free(pages)
-        self.gauges.kv_used.set(self.engine.allocator.num_used)
 
     def _on_cancel(self, request_id: str, reason: str) -> None:
         if request_id in self._pending:
             self.tasks.spawn(
                 f"cancel:{request_id}", self._drop_pending(request_id, f"cancelled: {reason}")
             )
-        elif request_id in self._streams and self.batcher is not None:
-            batcher = self.batcher
-            self.tasks.spawn(f"cancel:{request_id}", self.engine.call(batcher.abort, request_id))
-            self._work.set()
+        elif request_id in self._streams:
+            self._abort(request_id, _Abort(f"The request was cancelled: {reason}", 503, "abort"))
+
+    def _abort(self, request_id: str, why: _Abort) -> None:
+        """Stop decoding a request; the batcher frees its pages and the next step
+        reports it, which ends its stream with `why`."""
+        if self.batcher is None or request_id in self._aborts:
+            return
+        self._aborts[request_id] = why
+        self.tasks.spawn(f"abort:{request_id}", self._run_abort(self.batcher, request_id))
+
+    async def _run_abort(self, batcher: DecodeBatcher, request_id: str) -> None:
+        if not await self.engine.call(batcher.abort, request_id):
+            self._aborts.pop(request_id, None)  # it finished on its own meanwhile
+        self._work.set()
+
+    def _expire_streams(self) -> None:
+        """Abort the requests whose deadline passed: their gateway gave up on them."""
+        now = time.time()
+        for stream in list(self._streams.values()):
+            if stream.deadline and stream.deadline < now:
+                why = _Abort("The request ran past its deadline.", 504, "error")
+                self._abort(stream.request_id, why)
 
     # --- the engine loop ------------------------------------------------------------
 
@@ -359,11 +434,11 @@ class DecodeService(Service):
             if not batcher.has_work():
                 self._work.clear()
                 continue
+            self._expire_streams()
             outputs = await self.engine.call(batcher.step)
             self._m_step.observe(batcher.last_step_seconds)
             self.gauges.batch.set(batcher.num_running)
             self.gauges.queue.set(batcher.num_waiting)
-            self.gauges.kv_used.set(self.engine.allocator.num_used if self.engine.allocator else 0)
             await self._deliver(outputs)
 
     async def _deliver(self, outputs: list[TokenOutput]) -> None:
@@ -380,7 +455,13 @@ class DecodeService(Service):
                 else:
                     stream.gaps.append(now - stream.last_token_at)
                 stream.last_token_at = now
-            if out.finished:
+            if out.finished and out.finish_reason == "abort":
+                # An abort carries no token: the stream ends with why it was aborted.
+                why = self._aborts.pop(out.request_id, _Abort("cancelled", 503, "abort"))
+                await self._end_stream(
+                    stream, error=why.message, status=why.status, reason=why.finish
+                )
+            elif out.finished:
                 if out.finish_reason == "kv_exhausted":
                     # Cut short for lack of KV pages: the client sees a normal end by
                     # length (what it got is valid); operators see why in the log.
@@ -413,7 +494,9 @@ class DecodeService(Service):
             except BusError as exc:
                 log.warning("token_publish_failed", request_id=stream.request_id, error=str(exc))
 
-    async def _end_stream(self, stream: Stream, *, error: str, status: int) -> None:
+    async def _end_stream(
+        self, stream: Stream, *, error: str, status: int, reason: str = "error"
+    ) -> None:
         chunk = pr.TokenChunk(
             request_id=stream.request_id,
             seq=stream.seq,
@@ -426,7 +509,7 @@ class DecodeService(Service):
         if self.bus is not None:
             with contextlib.suppress(BusError):
                 await self.bus.publish_core(stream.subject, pr.encode(chunk))
-        await self._finish(stream, "error", error)
+        await self._finish(stream, reason, error)
 
     async def _finish(self, stream: Stream, reason: str, error: str) -> None:
         self._streams.pop(stream.request_id, None)

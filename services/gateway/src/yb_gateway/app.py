@@ -1,37 +1,50 @@
-"""The litestar application: routes, API-key guard, error translation, OpenAPI.
+"""The litestar application: routes, access guard, error translation, OpenAPI.
 
 Handlers are thin: they decode the body into its typed struct and hand over to
 `CompletionsEndpoint` or to the service's state. Bodies are decoded here with msgspec
 in strict mode rather than through litestar's `data` parameter, whose conversion is
 lax (`"10"` would pass as an int) and whose errors do not have OpenAI's shape; the
 OpenAPI document still shows the request schemas (`_operation_with_body`).
+
+Who may call what is `auth.AccessPolicy`: health probes are public, `/metrics` needs
+the metrics token, everything else (the OpenAI routes, the OpenAPI document, and any
+route added later unless marked) an API key. The document declares the schemes.
 """
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
-from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException
-from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig, ResponseSpec
-from litestar.openapi.spec import OpenAPIMediaType, Operation, RequestBody
+from litestar.openapi.spec import (
+    Example,
+    OpenAPIMediaType,
+    OpenAPIType,
+    Operation,
+    RequestBody,
+    Schema,
+)
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from yb_gateway import __version__
+from yb_gateway.auth import (
+    OPERATOR,
+    OPERATOR_SECURITY,
+    PUBLIC,
+    SECURITY_COMPONENTS,
+    AccessPolicy,
+)
 from yb_gateway.errors import (
     ApiError,
     from_decode_error,
     handle_api_error,
     handle_unexpected,
     make_http_exception_handler,
-    unauthorized,
 )
 from yb_gateway.schemas import (
     ChatCompletion,
@@ -49,9 +62,6 @@ if TYPE_CHECKING:
 
 S = TypeVar("S", bound=msgspec.Struct)
 
-# Routes a load balancer or orchestrator probes without credentials.
-PUBLIC = {"public": True}
-
 _ERRORS = {
     400: ResponseSpec(ErrorBody, description="Malformed body, bad field, or a limit exceeded"),
     401: ResponseSpec(ErrorBody, description="Missing or wrong API key"),
@@ -59,7 +69,26 @@ _ERRORS = {
     413: ResponseSpec(ErrorBody, description="Body larger than max_body_bytes"),
     429: ResponseSpec(ErrorBody, description="Rejected by the conductor; see Retry-After"),
     503: ResponseSpec(ErrorBody, description="Bus, scheduler or engines unavailable"),
+    504: ResponseSpec(ErrorBody, description="The engines did not answer within the deadline"),
 }
+
+# A streamed completion answers 200 with server-sent events instead of one JSON body.
+# The schema is one parsed event's (as OpenAPI 3.2's `itemSchema`, which tools read
+# from `schema` on 3.1): `data` is a chunk's JSON, or `[DONE]` last; an `error` event
+# carries an OpenAI error object.
+_SSE = OpenAPIMediaType(
+    schema=Schema(
+        type=OpenAPIType.OBJECT,
+        required=["data"],
+        properties={
+            "data": Schema(
+                type=OpenAPIType.STRING,
+                description="a completion chunk as JSON, an error object, or `[DONE]`",
+            ),
+            "event": Schema(type=OpenAPIType.STRING, enum=["message", "error"]),
+        },
+    )
+)
 
 
 def decode_body(raw: bytes, kind: type[S]) -> S:
@@ -68,30 +97,6 @@ def decode_body(raw: bytes, kind: type[S]) -> S:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
         raise from_decode_error(exc) from exc
-
-
-def api_key_guard(
-    keys: list[str],
-) -> Callable[[ASGIConnection[Any, Any, Any, Any], BaseRouteHandler], None]:
-    """401 unless the request carries one of `keys` as a Bearer token.
-
-    No keys configured means an open gateway. Routes marked `PUBLIC` (health probes)
-    are always open. Keys are compared in constant time.
-    """
-    encoded = [k.encode() for k in keys]
-
-    def guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
-        if not encoded or handler.opt.get("public"):
-            return
-        scheme, _, token = connection.headers.get("authorization", "").partition(" ")
-        presented = token.strip().encode()
-        valid = scheme.lower() == "bearer" and any(
-            hmac.compare_digest(presented, key) for key in encoded
-        )
-        if not valid:
-            raise unauthorized()
-
-    return guard
 
 
 def _inline_schema(kind: type[msgspec.Struct]) -> dict[str, Any]:
@@ -118,10 +123,16 @@ def _inline_schema(kind: type[msgspec.Struct]) -> dict[str, Any]:
     return resolved
 
 
-def _operation_with_body(kind: type[msgspec.Struct]) -> type[Operation]:
-    """An OpenAPI operation class that documents `kind` as the JSON request body."""
+def _operation_with_body(kind: type[msgspec.Struct], example: dict[str, Any]) -> type[Operation]:
+    """An OpenAPI operation class that documents `kind` as the JSON request body, with
+    a working `example` (for the served model), and a 200 that may also be SSE."""
     body = RequestBody(
-        content={"application/json": OpenAPIMediaType(schema=_inline_schema(kind))},  # type: ignore[arg-type]
+        content={
+            "application/json": OpenAPIMediaType(
+                schema=_inline_schema(kind),  # type: ignore[arg-type]
+                examples={"served model": Example(value=example)},
+            )
+        },
         required=True,
     )
 
@@ -129,38 +140,66 @@ def _operation_with_body(kind: type[msgspec.Struct]) -> type[Operation]:
     class WithBody(Operation):
         def __post_init__(self) -> None:
             self.request_body = body
+            ok = (self.responses or {}).get("200")
+            content = getattr(ok, "content", None)
+            if content is not None:
+                content["text/event-stream"] = _SSE
 
     return WithBody
 
 
 def create_app(gw: GatewayService) -> Litestar:
-    """The HTTP application of one gateway."""
+    """The HTTP application of one gateway.
+
+    Raises `ConfigError` when the gateway has no API key and an open API was not
+    asked for (`gateway.allow_unauthenticated`): the process must not start open.
+    """
     cfg = gw.cfg
+    policy = AccessPolicy.from_config(cfg)
+    api_security = policy.api_security()
 
     @get("/healthz", opt=PUBLIC, tags=["probes"])
     async def healthz() -> dict[str, str]:
         """200 for as long as the process lives."""
         return {"status": "ok"}
 
-    @get("/readyz", opt=PUBLIC, tags=["probes"])
+    @get(
+        "/readyz",
+        opt=PUBLIC,
+        tags=["probes"],
+        responses={
+            503: ResponseSpec(
+                dict[str, Any], description="Not ready: the report says what is missing"
+            )
+        },
+    )
     async def readyz() -> Response[dict[str, Any]]:
         """200 once requests can be served; 503 with what is missing otherwise."""
         report = gw.readiness()
         status = HTTP_200_OK if report["ready"] else HTTP_503_SERVICE_UNAVAILABLE
         return Response(report, status_code=status)
 
-    @get("/metrics", tags=["probes"])
+    @get(
+        "/metrics",
+        opt=OPERATOR,
+        security=OPERATOR_SECURITY,
+        tags=["probes"],
+        responses={401: ResponseSpec(ErrorBody, description="Missing or wrong metrics token")},
+    )
     async def metrics() -> Response[bytes]:
-        """Prometheus text exposition of the gateway's registry."""
+        """Prometheus text exposition of the gateway's registry (needs the metrics token)."""
         return Response(render_metrics(gw.metrics), media_type=CONTENT_TYPE_LATEST)
 
-    @get("/v1/models", tags=["openai"])
+    @get("/v1/models", tags=["openai"], security=api_security, responses={401: _ERRORS[401]})
     async def models() -> ModelList:
         """The one model this gateway serves."""
         return ModelList(
             data=[
                 ModelCard(
-                    id=cfg.model.name, created=gw.started_at, max_model_len=cfg.model.max_model_len
+                    id=cfg.model.name,
+                    created=gw.started_at,
+                    max_model_len=cfg.model.max_model_len,
+                    vocab_size=gw.encoder.vocab_size if gw.encoder is not None else 0,
                 )
             ]
         )
@@ -169,8 +208,16 @@ def create_app(gw: GatewayService) -> Litestar:
         "/v1/chat/completions",
         status_code=HTTP_200_OK,
         tags=["openai"],
-        operation_class=_operation_with_body(ChatCompletionRequest),
+        operation_class=_operation_with_body(
+            ChatCompletionRequest,
+            {
+                "model": cfg.model.name,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 16,
+            },
+        ),
         responses=_ERRORS,
+        security=api_security,
     )
     async def chat_completions(request: Request[Any, Any, Any]) -> Response[ChatCompletion]:
         """Chat completion; `stream: true` answers with server-sent events."""
@@ -181,8 +228,12 @@ def create_app(gw: GatewayService) -> Litestar:
         "/v1/completions",
         status_code=HTTP_200_OK,
         tags=["openai"],
-        operation_class=_operation_with_body(CompletionRequest),
+        operation_class=_operation_with_body(
+            CompletionRequest,
+            {"model": cfg.model.name, "prompt": "The capital of France is", "max_tokens": 8},
+        ),
         responses=_ERRORS,
+        security=api_security,
     )
     async def completions(request: Request[Any, Any, Any]) -> Response[Completion]:
         """Text completion of a string or token-id prompt; `stream: true` for SSE."""
@@ -191,7 +242,7 @@ def create_app(gw: GatewayService) -> Litestar:
 
     return Litestar(
         route_handlers=[healthz, readyz, metrics, models, chat_completions, completions],
-        guards=[api_key_guard(cfg.gateway.api_keys)],
+        guards=[policy.guard],
         exception_handlers={
             ApiError: handle_api_error,
             HTTPException: make_http_exception_handler(cfg.gateway.max_body_bytes),
@@ -203,6 +254,7 @@ def create_app(gw: GatewayService) -> Litestar:
             version=__version__,
             description="OpenAI-compatible front door of a Yuebing cluster.",
             path="/schema",
+            components=SECURITY_COMPONENTS,
         ),
         # Logging is structlog's (configured by the service); litestar must not
         # reconfigure the stdlib root logger.

@@ -89,16 +89,6 @@ def model_not_found(model: str, served: str) -> ApiError:
     )
 
 
-def unauthorized() -> ApiError:
-    """401: no API key, or not one of the configured ones."""
-    return ApiError(
-        HTTP_401_UNAUTHORIZED,
-        "Missing or invalid API key: send `Authorization: Bearer <key>`.",
-        code="invalid_api_key",
-        headers={"WWW-Authenticate": "Bearer"},
-    )
-
-
 def unavailable(message: str, *, code: str) -> ApiError:
     """503: the cluster cannot take the request now (bus down, no decision, no engine)."""
     return ApiError(

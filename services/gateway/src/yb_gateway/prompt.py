@@ -173,6 +173,7 @@ async def prepare(
         top_k=max(0, body.top_k or 0),
         seed=body.seed,
         stop=stop,
+        ignore_eos=body.ignore_eos,
     )
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     return PreparedRequest(

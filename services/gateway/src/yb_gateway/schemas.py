@@ -65,6 +65,9 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     # Extension: larger runs earlier when the conductor has to choose.
     priority: int = 0
+    # Extension (vLLM's spelling): keep generating past end-of-sequence, up to
+    # `max_tokens` (load generators need outputs of a known length).
+    ignore_eos: bool = False
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
@@ -180,6 +183,8 @@ class ModelCard(msgspec.Struct, kw_only=True):
     created: int
     owned_by: str = "yuebing"
     max_model_len: int = 0
+    # Extension: token ids in 0..vocab_size-1 are valid in a token-id prompt.
+    vocab_size: int = 0
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -9,6 +9,14 @@ instance events for `/readyz`. Until then generation requests answer 503.
 
 `stop()` runs in named steps: stop accepting, end in-flight requests (each is
 cancelled on the bus), let uvicorn drain, cancel the owned tasks, close the bus.
+
+While connected the gateway heartbeats like an engine (`LoadReport`s), and its
+`InstanceUp` carries an epoch that is new in every process: the conductor cancels the
+requests of a gateway that fell silent or came back as a new process (their clients
+are gone), so no engine keeps working for nobody. The other way round, the gateway
+follows `InstanceDown`: a request whose decode instance, or whose prefill instance
+before its first token, is declared dead ends at once with a 503 instead of waiting
+for a token that will never come.
 """
 
 from __future__ import annotations
@@ -35,9 +43,11 @@ from yb_gateway.prompt import PreparedRequest, PromptEncoder
 from yb_gateway.readiness import INSTANCE_SUBJECTS, InstanceTracker
 from yb_gateway.session import RequestSession
 from yb_shared import events as ev
-from yb_shared.bus import Bus, BusError, BusUnavailable, backoff_delays
+from yb_shared.bus import Bus, BusError, BusUnavailable, EventReader, backoff_delays
 from yb_shared.config import YbConfig
 from yb_shared.events import decision_subjects
+from yb_shared.instance import Presence
+from yb_shared.models import context_limit
 from yb_shared.service import Service
 from yb_shared.telemetry import get_logger
 
@@ -92,7 +102,11 @@ class GatewayService(Service):
         self._server: _Server | None = None
         self._http_task: asyncio.Task[Any] | None = None
         self._connection: Bus | None = None
+        self._presence: Presence | None = None
         self._stopping = False
+        # This process's incarnation: a restart under the same id is a new epoch, so
+        # the conductor knows the requests of the old one are orphans.
+        self.epoch = time.time_ns()
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -176,6 +190,19 @@ class GatewayService(Service):
             return
         self.encoder_state = "loaded"
         log.info("tokenizer_loaded", source=model.source, vocab=self.encoder.vocab_size)
+        # The served context is the smaller of the configured one and what the model
+        # can attend to: a longer prompt is the client's error (400), refused here,
+        # not a job that fails in the engine.
+        try:
+            limit = await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_thread, context_limit, model, self.cfg.model_cache_dir()
+            )
+        except (OSError, ValueError) as exc:
+            log.warning("model_context_limit_unknown", error=repr(exc))
+            limit = None
+        if limit is not None and limit < model.max_model_len:
+            log.info("max_model_len_capped", configured=model.max_model_len, model_limit=limit)
+            model.max_model_len = limit
 
     async def _run_bus(self) -> None:
         """Connect, follow the log, and start over whenever that breaks; never returns.
@@ -232,41 +259,66 @@ class GatewayService(Service):
         self.bus = bus
         self.decisions.ready = True
         log.info("bus_ready", url=self.cfg.nats.url)
-        await self._announce(bus)
+        presence = self._presence = self._new_presence(bus)
+        try:
+            await presence.announce()
+        except BusError as exc:
+            log.warning("announce_failed", error=str(exc))
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self.decisions.follow(decisions))
-                group.create_task(self.instances.follow(instances))
+                group.create_task(self._follow_instances(instances))
+                group.create_task(presence.run())
         finally:
+            if self._presence is presence:
+                self._presence = None
             await decisions.close()
             await instances.close()
 
-    async def _announce(self, bus: Bus) -> None:
+    def _new_presence(self, bus: Bus) -> Presence:
         # The gateway takes no placement, but `yb status` lists what the log says is
-        # up; a gateway has no heartbeat, so its InstanceDown on stop says it left.
+        # up, and its heartbeat lets the conductor cancel the requests of a gateway
+        # that died; the reports' interval leaves a few inside the timeout.
         gcfg = self.cfg.gateway
-        try:
-            await bus.publish(
-                ev.InstanceUp(
-                    instance_id=self.instance_id,
-                    role="gateway",
-                    host=self.cfg.host,
-                    model=self.cfg.model.name,
-                    metrics_address=f"{gcfg.host}:{self.port}",
-                )
-            )
-        except BusError as exc:
-            log.warning("announce_failed", error=str(exc))
+        return Presence(
+            bus,
+            ev.InstanceUp(
+                instance_id=self.instance_id,
+                role="gateway",
+                host=self.cfg.host,
+                model=self.cfg.model.name,
+                metrics_address=f"{gcfg.host}:{self.port}",
+                epoch=self.epoch,
+            ),
+            self._load_report,
+            min(1.0, self.cfg.conductor.heartbeat_timeout_s / 4),
+        )
+
+    def _load_report(self) -> ev.LoadReport:
+        return ev.LoadReport(
+            instance_id=self.instance_id,
+            role="gateway",
+            queued_requests=self.decisions.waiting,
+            running_requests=len(self._sessions),
+        )
+
+    async def _follow_instances(self, reader: EventReader) -> None:
+        """Fold instance events for `/readyz`, and end the requests that depended on
+        an instance declared down."""
+        async for logged in reader:
+            event = logged.event
+            self.instances.apply(event)
+            if isinstance(event, ev.InstanceDown):
+                for session in list(self._sessions.values()):
+                    session.instance_down(event.instance_id, event.reason)
 
     async def _retire(self) -> None:
         bus = self.bus
-        if bus is None or not bus.connected:
+        presence = self._presence
+        if bus is None or not bus.connected or presence is None:
             return
-        with contextlib.suppress(BusError):
-            await bus.publish(
-                ev.InstanceDown(instance_id=self.instance_id, reason="stopped"),
-                timeout_s=min(2.0, self.cfg.nats.request_timeout_s),
-            )
+        # Through the presence: it must not take our own goodbye for a verdict.
+        await presence.retire("stopped")
 
     # --- what the endpoints use -----------------------------------------------------
 

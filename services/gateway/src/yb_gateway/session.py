@@ -14,7 +14,10 @@
    `RequestCancelled` so every engine frees it. It never raises.
 
 `abort()` is how a stopping gateway ends the session from outside: whatever the
-session waits for is interrupted with a 503.
+session waits for is interrupted with a 503. `instance_down()` is how it learns that
+an engine the request depends on was declared dead (the decode instance, or the
+prefill instance while no token has come yet): the stream ends with a 503 at once
+rather than at the token timeout, and `close()` cancels it everywhere.
 """
 
 from __future__ import annotations
@@ -81,6 +84,16 @@ class _Abort:
         self.reason = reason
 
 
+class _EngineLost:
+    """Queued when an engine the request depends on is declared dead."""
+
+    __slots__ = ("message", "role")
+
+    def __init__(self, role: str, message: str) -> None:
+        self.role = role
+        self.message = message
+
+
 class RequestSession:
     """One admitted request, from `RequestAdmitted` to its last token."""
 
@@ -107,7 +120,7 @@ class RequestSession:
         self._metrics = metrics
         self._arrived = arrived  # monotonic
         self._deadline = arrived + cfg.gateway.request_timeout_s
-        self._queue: asyncio.Queue[bytes | _Abort] = asyncio.Queue()
+        self._queue: asyncio.Queue[bytes | _Abort | _EngineLost] = asyncio.Queue()
         self._decision_future: asyncio.Future[Decision] | None = None
         self._subscription: Subscription | None = None
         self._aborted: str | None = None
@@ -270,6 +283,10 @@ class RequestSession:
                 raise self._timeout_error(expected, idle_s, left_s) from None
             if isinstance(item, _Abort):
                 raise StreamError(503, item.reason, code="shutting_down")
+            if isinstance(item, _EngineLost):
+                if item.role == "prefill" and expected > 0:
+                    continue  # its work was done: decode has the request
+                raise StreamError(503, item.message, code="engine_failed")
             try:
                 chunk = protocol.token_decoder.decode(item)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -335,6 +352,26 @@ class RequestSession:
         )
 
     # --- ending ---------------------------------------------------------------------
+
+    def instance_down(self, instance_id: str, reason: str) -> None:
+        """An instance was declared dead: end the stream if it needed that one."""
+        decision = self.decision
+        if decision is None or self._ended or self._aborted is not None:
+            return
+        if instance_id == decision.decode_instance:
+            role = "decode"
+        elif instance_id == decision.prefill_instance and self._last_token_at is None:
+            role = "prefill"
+        else:
+            return
+        self.span.add_event("engine_lost", {"instance": instance_id, "reason": reason})
+        self._queue.put_nowait(
+            _EngineLost(
+                role,
+                f"The {role} instance {instance_id} serving this request failed "
+                f"({reason or 'down'}); the request was cancelled, retry it.",
+            )
+        )
 
     def abort(self, reason: str) -> None:
         """End the session from outside (gateway stopping); its waits fail with 503."""

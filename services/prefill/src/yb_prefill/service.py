@@ -151,7 +151,7 @@ class PrefillService(Service):
         await self.engine.load()
         assert self.engine.cache is not None
         assert self.engine.allocator is not None
-        self.gauges.kv_total.set(self.engine.cache.num_pages)
+        self.gauges.follow(self.engine.allocator, self.engine.cache.num_pages)
         pcfg = self.cfg.prefill
         self.cache = PrefixCache(
             self.engine.allocator,
@@ -159,6 +159,10 @@ class PrefillService(Service):
             self.block_log,
             self._emit_block_event,
         )
+        # Idle, the engine holds exactly its cached blocks: any page used beyond them
+        # is held for a request (which is how a leak shows).
+        cache = self.cache
+        self._m_cached.set_function(lambda: len(cache))
         self.publisher = BlockEventPublisher(self.bus, self.block_log, self.cache.inventory)
         await self.publisher.open()
         self.cache.open()  # a new epoch: whatever an earlier life cached is gone
@@ -331,6 +335,15 @@ class PrefillService(Service):
                 )
                 await self._fail(job, JobFailed(f"KV transfer to decode failed: {exc}"))
                 return
+            except Exception as exc:
+                # One job's bug or bad input (the engine refusing a prompt, say) ends
+                # that job, not the worker: a crashed worker takes every queued job
+                # and the whole instance with it. Its pages were given back on the
+                # way out of `_prefill`.
+                log.exception("prefill_crashed", error=repr(exc))
+                self._m_jobs.labels("failed").inc()
+                await self._fail(job, JobFailed(f"prefill failed: {exc}", status=500))
+                return
             self._m_jobs.labels("completed").inc()
             self._m_prefill.observe(time.monotonic() - started)
 
@@ -398,7 +411,6 @@ class PrefillService(Service):
         except BaseException:
             await self._abort_reservation(decode_id, job.request_id, "prefill failed")
             raise
-        self.gauges.kv_used.set(self.cache.allocator.num_used)
         cached_tokens = prefix.reused_blocks * cache.block_size
         t_loaded = time.monotonic()
         computed = False
@@ -529,13 +541,10 @@ class PrefillService(Service):
             if upload:
                 address = self.peers.address(store.instance_id)
                 self.tasks.spawn(f"upload:{job.request_id}", self._upload(address, upload))
-        self.gauges.kv_used.set(cache.allocator.num_used)
-        self._m_cached.set(len(cache))
 
     def _loader_release(self, prefix: Prefix) -> None:
         assert self.loader is not None and self.cache is not None
         self.loader.release(prefix)
-        self.gauges.kv_used.set(self.cache.allocator.num_used)
 
     async def _upload(self, address: PeerAddress | None, keys: list[int]) -> None:
         """Owned background task: put blocks into the host's kvstore; never raises."""
@@ -549,8 +558,6 @@ class PrefillService(Service):
             count = getattr(result, outcome)
             if count:
                 self._m_puts.labels(outcome).inc(count)
-        if self.cache is not None:
-            self._m_cached.set(len(self.cache))
 
     def _compute(
         self,

@@ -1,6 +1,8 @@
 """`yb`: the one command people use to run and inspect Yuebing.
 
     yb up [--port N] [--data-dir DIR] [--model SOURCE] [--prefill N --decode N --kvstore N]
+          [--conductors N] [--keep-going]   standbys; stay up when an instance dies
+          [--nats-cluster 3]                three NATS nodes, the event stream at R3
     yb status [--data-dir DIR | --nats URL]
     yb prepare [--model SOURCE]     convert and cache the model (setup.sh runs it)
 
@@ -8,7 +10,10 @@
     yb explain REQUEST_ID [--file LOG] [--full]                   why one decision
     yb profile [--quick] [--out FILE]                             fit the cost model here
 
-Later steps add `bench` and `sim` here.
+    yb sim --trace FILE --policy P[,P...] [--admission A[,A...]] --json OUT   simulate
+    yb bench trace|shared-prefix [--json PATH] [--plot PATH]   real load via the gateway
+
+Each command's `--help` says more.
 """
 
 from __future__ import annotations
@@ -39,7 +44,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--prefill", type=int, default=2, help="prefill instances (default 2)")
     up.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
     up.add_argument("--kvstore", type=int, default=2, help="kvstore instances (default 2)")
+    up.add_argument(
+        "--conductors", type=int, default=1, help="conductors: one active, the rest standby"
+    )
+    up.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="keep the cluster up when an instance exits (fault tests kill some on purpose)",
+    )
     up.add_argument("--nats-port", type=int, help="NATS client port (default 4222; 0: any free)")
+    up.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N nats-server nodes in one JetStream cluster (3: the event stream at R3); "
+        "node i listens on the NATS port + i",
+    )
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait")
 
     status = sub.add_parser("status", help="instances, roles, loads and cache use")
@@ -51,11 +72,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepare.add_argument("--data-dir", help="cache the model under DIR/models")
 
     # The conductor's tools: thin front ends, importing the conductor only when run.
-    from yb_shared.cli import explain, profile, replay
+    from yb_shared.cli import bench, explain, profile, replay, sim
 
     replay.add_parser(sub)
     explain.add_parser(sub)
     profile.add_parser(sub)
+    sim.add_parser(sub)
+    bench.add_parser(sub)
 
     args = parser.parse_args(argv)
     try:
@@ -76,6 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return explain.run(cfg, args)
         case "profile":
             return profile.run(cfg, args)
+        case "sim":
+            return sim.run(cfg, args)
+        case "bench":
+            return bench.run(cfg, args)
     return 2
 
 
@@ -119,7 +146,10 @@ def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
     def say(line: str) -> None:
         print(f"[yb] {line}", flush=True)
 
-    cluster = Cluster(cfg, Topology(args.prefill, args.decode, args.kvstore), say)
+    topology = Topology(
+        args.prefill, args.decode, args.kvstore, args.conductors, nats=args.nats_cluster
+    )
+    cluster = Cluster(cfg, topology, say)
     stopping = False
 
     def request_stop(signum: int, _frame: object) -> None:
@@ -145,13 +175,18 @@ def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
                 code = 1
         else:
             say(f"ready: {cluster.gateway_url}/v1  (OpenAI-compatible; Ctrl-C stops)")
-            say(f"try: curl {cluster.gateway_url}/v1/models")
+            for line in cluster.access_hint():
+                say(line)
+            reported: set[str] = set()
             while not stopping:
                 dead = cluster.dead_children()
-                if dead:
+                if dead and not args.keep_going:
                     say(f"instance(s) exited: {', '.join(dead)}; stopping the cluster")
                     code = 1
                     break
+                if fresh := [name for name in dead if name not in reported]:
+                    say(f"instance(s) exited: {', '.join(fresh)}; keeping the rest up")
+                    reported.update(fresh)
                 time.sleep(0.5)
     finally:
         cluster.stop()
@@ -163,12 +198,13 @@ def _status(cfg: YbConfig, args: argparse.Namespace) -> int:
     from yb_shared.bus import Bus, BusUnavailable
     from yb_shared.cli.launcher import read_cluster_info
     from yb_shared.cli.status import collect, render
+    from yb_shared.credentials import cli_nats_config
 
     url = args.nats
     if not url:
         info = read_cluster_info(cfg.resolved_data_dir())
         url = info.nats_url if info else cfg.nats.url
-    cfg.nats.url = url
+    cfg.nats = cli_nats_config(cfg, url)
 
     async def run() -> str:
         bus = await Bus.connect(cfg.nats, "yb-status", timeout_s=3.0)

@@ -67,12 +67,14 @@ async def _read_stream(cfg: YbConfig, args: argparse.Namespace) -> list[LogRecor
     from yb_conductor.replay import LogRecord
     from yb_shared.bus import Bus
     from yb_shared.cli.launcher import read_cluster_info
+    from yb_shared.credentials import cli_nats_config
 
     url = args.nats
     if not url:
         info = read_cluster_info(cfg.resolved_data_dir())
         url = info.nats_url if info else cfg.nats.url
-    cfg.nats.url = url
+    # The data dir of a `yb up` lends its `admin` NATS user unless one is configured.
+    cfg.nats = cli_nats_config(cfg, url)
     bus = await Bus.connect(cfg.nats, "yb-replay", timeout_s=5.0)
     records: list[LogRecord] = []
     try:

@@ -315,6 +315,7 @@ def tiny_random_model(
     without `rope_theta`) tests scaled RoPE.
     """
     from yb_shared.model.tiny_tokenizer import tiny_tokenizer
+    from yb_shared.models import TINY_MAX_POSITION
 
     tokenizer = tiny_tokenizer()
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
@@ -328,7 +329,7 @@ def tiny_random_model(
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 16,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": TINY_MAX_POSITION,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True,
         "rope_parameters": rope,
