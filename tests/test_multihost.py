@@ -455,14 +455,19 @@ def test_yb_up_starts_a_three_node_nats_cluster(tmp_path: Path) -> None:
             bus = await Bus.connect(cfg, "multihost-test", timeout_s=10)
             try:
                 out = {}
-                for stream in ("YB_EVENTS", "KV_yb_conductor_lease"):
+                for stream in ("YB_EVENTS", "KV_yb_conductor_lease", "OBJ_yb_conductor"):
                     info = await bus.jetstream.stream_info(stream)
                     out[stream] = info.config.num_replicas
                 return out
             finally:
                 await bus.close()
 
-        assert asyncio.run(replicas()) == {"YB_EVENTS": 3, "KV_yb_conductor_lease": 3}
+        # The conductor's snapshot store too: losing a node must not stop snapshots.
+        assert asyncio.run(replicas()) == {
+            "YB_EVENTS": 3,
+            "KV_yb_conductor_lease": 3,
+            "OBJ_yb_conductor": 3,
+        }
         env = Path(f"/proc/{cluster.pids['gateway-0']}/environ").read_bytes().split(b"\0")
         url = next(e for e in env if e.startswith(b"YB_NATS__URL=")).decode().split("=", 1)[1]
         assert url.split(",") == cfg.servers()

@@ -33,11 +33,16 @@ LEASE_KEY = "active"
 class Lease:
     """The conductor lease held (or wanted) by one conductor instance."""
 
-    def __init__(self, js: JetStreamContext, bucket: str, holder: str, ttl_s: float) -> None:
+    def __init__(
+        self, js: JetStreamContext, bucket: str, holder: str, ttl_s: float, replicas: int = 1
+    ) -> None:
         self._js = js
         self.bucket = bucket
         self.holder = holder
         self.ttl_s = ttl_s
+        # As many copies as the event stream: on a three-node NATS cluster the lease
+        # must survive the loss of a node too.
+        self.replicas = replicas
         self._kv: KeyValue | None = None
         self._revision = 0
 
@@ -50,7 +55,7 @@ class Lease:
         """Create (or bind to) the lease bucket."""
         try:
             self._kv = await self._js.create_key_value(
-                bucket=self.bucket, ttl=self.ttl_s, history=1
+                bucket=self.bucket, ttl=self.ttl_s, history=1, replicas=self.replicas
             )
         except nats.js.errors.BadRequestError:
             # Exists with other settings (another ttl): use it as it is.
@@ -71,7 +76,8 @@ class Lease:
             log.warning("lease_acquire_failed", error=repr(exc))
             return False
         # Someone holds it; if that someone is us (a restart within the ttl), resume.
-        with contextlib.suppress(nats.js.errors.KeyNotFoundError, nats.js.errors.Error):
+        # A failed read (a timeout during a leader election) is "not ours now".
+        with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, OSError, TimeoutError):
             entry = await self._kv.get(LEASE_KEY)
             if entry.value == self.holder.encode() and entry.revision:
                 self._revision = entry.revision

@@ -104,11 +104,19 @@ class ConductorService(Service):
         ccfg = self.cfg.conductor
         js = self.bus.jetstream
         try:
-            self._store = await js.create_object_store(bucket=ccfg.snapshot_bucket)
+            self._store = await js.create_object_store(
+                bucket=ccfg.snapshot_bucket, replicas=self.cfg.nats.replicas
+            )
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             log.warning("snapshot_store_unavailable", error=repr(exc))
         await self._restore()
-        self.lease = Lease(js, f"{ccfg.snapshot_bucket}_lease", self.instance_id, ccfg.lease_ttl_s)
+        self.lease = Lease(
+            js,
+            f"{ccfg.snapshot_bucket}_lease",
+            self.instance_id,
+            ccfg.lease_ttl_s,
+            replicas=self.cfg.nats.replicas,
+        )
         await self.lease.open()
         await self.bus.publish(
             ev.InstanceUp(
