@@ -182,6 +182,25 @@ async def test_nats_down_then_back(
         assert response.json()["choices"][0]["message"]["content"] == "Hello, world!"
 
 
+async def test_a_request_rides_out_a_brief_nats_outage(
+    gateway_factory: GatewayFactory, cluster: Cluster, nats_server: NatsServer
+) -> None:
+    # A request that arrives while the connection is being re-established (a client
+    # moving to another NATS node) waits for it, within `bus_grace_s`, instead of
+    # failing.
+    gw = await gateway_factory(bus_grace_s=20.0, decision_timeout_s=10.0)
+    async with client_for(gw) as client:
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        nats_server.stop()
+        await wait_for(lambda: gw.readiness()["bus"] == "disconnected", 5, "the outage to show")
+        pending = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
+        await asyncio.sleep(0.5)
+        assert not pending.done()  # waiting for the bus, not refused
+        nats_server.start()
+        response = await asyncio.wait_for(pending, 30)
+    assert response.status_code == 200, response.text
+
+
 async def test_starts_and_answers_without_nats(
     gateway_factory: GatewayFactory, tmp_path: Path
 ) -> None:
@@ -189,7 +208,7 @@ async def test_starts_and_answers_without_nats(
     nats = NatsConfig(
         url=f"nats://127.0.0.1:{port}", reconnect_wait_s=0.05, max_reconnect_wait_s=0.3
     )
-    gw = await gateway_factory(nats=nats, wait_bus=False)
+    gw = await gateway_factory(nats=nats, wait_bus=False, bus_grace_s=0.2)
     async with client_for(gw) as client:
         assert (await client.get("/healthz")).status_code == 200
         ready = (await client.get("/readyz")).json()

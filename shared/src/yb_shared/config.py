@@ -115,6 +115,9 @@ class GatewayConfig(_Section):
     host: str = "127.0.0.1"
     port: int = 8000
     decision_timeout_s: float = 10.0
+    # How long a request waits for a NATS connection that is being re-established
+    # (a client moving to another node of a cluster) before it is answered 503.
+    bus_grace_s: float = 1.0
     job_timeout_s: float = 5.0
     first_token_timeout_s: float = 120.0
     token_idle_timeout_s: float = 60.0

@@ -127,6 +127,7 @@ class CompletionsEndpoint:
                         code="tokenizer_not_ready",
                     )
                 prepared = await prepare(body, encoder, gw.cfg.model, gw.cfg.gateway)
+                await gw.wait_for_bus()
                 session = gw.open_session(
                     request_id,
                     endpoint,

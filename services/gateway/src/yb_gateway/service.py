@@ -322,6 +322,18 @@ class GatewayService(Service):
 
     # --- what the endpoints use -----------------------------------------------------
 
+    async def wait_for_bus(self) -> None:
+        """Wait up to `gateway.bus_grace_s` for the bus to be usable, so a request
+        that arrives while the client moves to another NATS node waits for it
+        rather than failing; `open_session` answers 503 if it is still down."""
+        deadline = time.monotonic() + self.cfg.gateway.bus_grace_s
+        while not self._bus_usable() and not self._stopping and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    def _bus_usable(self) -> bool:
+        bus = self.bus
+        return bus is not None and bus.connected and self.decisions.ready
+
     def open_session(
         self,
         request_id: str,
@@ -334,7 +346,7 @@ class GatewayService(Service):
         if self._stopping:
             raise unavailable("The gateway is shutting down.", code="shutting_down")
         bus = self.bus
-        if bus is None or not bus.connected or not self.decisions.ready:
+        if bus is None or not self._bus_usable():
             raise unavailable("The event bus (NATS) is not connected.", code="bus_unavailable")
         session = RequestSession(
             request_id=request_id,
