@@ -40,3 +40,17 @@ async def test_tasks_that_end_normally_are_not_failures() -> None:
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(sup.wait_failure(), timeout=0.5)
     await sup.shutdown()
+
+
+async def test_finished_and_cancelled_tasks_leave_the_table() -> None:
+    sup = Supervisor("t")
+    done = sup.spawn("quick", asyncio.sleep(0))
+    given_up = sup.spawn("slow", asyncio.sleep(60))
+    await done
+    given_up.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await given_up
+    assert sup._tasks == {}
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(sup.wait_failure(), timeout=0.3)  # cancelling is no failure
+    await sup.shutdown()

@@ -55,8 +55,10 @@ class Supervisor:
         return task
 
     def _forget_if_clean(self, task: asyncio.Task[Any]) -> None:
-        # Tasks that end normally leave; a failed one stays so `wait_failure` sees it.
-        if not task.cancelled() and task.exception() is None:
+        # Tasks that end normally or are cancelled (a request given up) leave; a failed
+        # one stays so `wait_failure` sees it. Keeping cancelled ones would grow the
+        # table by one entry per cancelled request for the life of the process.
+        if task.cancelled() or task.exception() is None:
             self._tasks.pop(task, None)
 
     async def wait_failure(self) -> None:
