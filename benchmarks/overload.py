@@ -38,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared" / "src"))
 
 from yb_shared.bench.client import BenchClient, RequestResult
+from yb_shared.bench.report import percentile, request_tbt
 from yb_shared.bench.workloads import Limits, SharedPrefix, shared_prefix_requests
 from yb_shared.testing import LocalCluster, pid_alive
 
@@ -78,14 +79,12 @@ class MemorySampler:
 
 
 def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+    """`percentile`, or None for no values (no refusal, no acceptance)."""
+    return percentile(values, q) if values else None
 
 
 def p90_gap(result: RequestResult) -> float | None:
-    return pct(result.gaps(), 90)
+    return request_tbt(result, 90)
 
 
 async def burst(args: argparse.Namespace, cluster: LocalCluster) -> dict[str, Any]:

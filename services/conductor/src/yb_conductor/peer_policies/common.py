@@ -12,10 +12,11 @@ import hashlib
 from dataclasses import dataclass
 
 from yb_conductor.admission import NO_DECODE, NO_PREFILL, Verdict
-from yb_conductor.cost_model import CostModel
+from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.policy_base import Decided, reject
 from yb_conductor.state import ClusterState, InstanceState
 from yb_shared import events as ev
+from yb_shared.config import ConductorConfig
 
 
 @dataclass(slots=True)
@@ -101,6 +102,27 @@ def missing_pool(
         verdict = Verdict(NO_DECODE, "no live decode instance", 1.0)
         return Decided(reject(request, seq, name, verdict), [])
     return None
+
+
+class PeerPolicy:
+    """What every peer policy has: its settings, its cost model (for the estimates
+    a decision carries) and the live pools of a request, or the rejection when one
+    is empty."""
+
+    name = "peer"
+
+    def __init__(self, cfg: ConductorConfig | None = None, cost: CostModel | None = None) -> None:
+        self.cfg = cfg or ConductorConfig()
+        self.cost = cost or load_cost_model(self.cfg.cost_model)
+
+    def live_pools(
+        self, state: ClusterState, request: ev.RequestAdmitted, seq: int
+    ) -> tuple[list[InstanceState], list[InstanceState], Decided | None]:
+        """The live prefill and decode instances serving the request's model, and
+        the rejection to return instead when either pool is empty."""
+        prefills = state.live("prefill", request.model)
+        decodes = state.live("decode", request.model)
+        return prefills, decodes, missing_pool(request, seq, self.name, prefills, decodes)
 
 
 def least_busy_decode(decodes: list[InstanceState]) -> InstanceState:

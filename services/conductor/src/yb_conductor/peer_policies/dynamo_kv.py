@@ -13,8 +13,8 @@ drawn (seeded by the request), as Dynamo samples among equal costs.
 
 from __future__ import annotations
 
-from yb_conductor.cost_model import CostModel, load_cost_model
-from yb_conductor.peer_policies.common import draw, local_view, missing_pool, scheduled
+from yb_conductor.cost_model import CostModel
+from yb_conductor.peer_policies.common import PeerPolicy, draw, local_view, scheduled
 from yb_conductor.policy_base import Decided
 from yb_conductor.state import ClusterState
 from yb_shared import events as ev
@@ -23,7 +23,7 @@ from yb_shared.config import ConductorConfig
 OVERLAP_SCORE_WEIGHT = 1.0
 
 
-class DynamoKvPolicy:
+class DynamoKvPolicy(PeerPolicy):
     """Lowest `weight * prefill_blocks` prefill, lowest `decode_blocks` decode."""
 
     name = "dynamo-kv"
@@ -35,15 +35,12 @@ class DynamoKvPolicy:
         *,
         overlap_score_weight: float = OVERLAP_SCORE_WEIGHT,
     ) -> None:
-        self.cfg = cfg or ConductorConfig()
-        self.cost = cost or load_cost_model(self.cfg.cost_model)
+        super().__init__(cfg, cost)
         self.overlap_score_weight = overlap_score_weight
 
     def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decided:
         """Score both pools and take the cheapest worker of each."""
-        prefills = state.live("prefill", request.model)
-        decodes = state.live("decode", request.model)
-        missing = missing_pool(request, seq, self.name, prefills, decodes)
+        prefills, decodes, missing = self.live_pools(state, request, seq)
         if missing is not None:
             return missing
         bs = max(1, request.block_size)

@@ -11,33 +11,25 @@ from __future__ import annotations
 
 import math
 
-from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.peer_policies.common import (
+    PeerPolicy,
     least_busy_decode,
     local_view,
-    missing_pool,
     scheduled,
 )
 from yb_conductor.policy_base import Decided
 from yb_conductor.state import ClusterState
 from yb_shared import events as ev
-from yb_shared.config import ConductorConfig
 
 
-class LocalPrefixPolicy:
+class LocalPrefixPolicy(PeerPolicy):
     """Shortest estimated TTFT using each instance's local prefix only."""
 
     name = "local-prefix"
 
-    def __init__(self, cfg: ConductorConfig | None = None, cost: CostModel | None = None) -> None:
-        self.cfg = cfg or ConductorConfig()
-        self.cost = cost or load_cost_model(self.cfg.cost_model)
-
     def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decided:
         """The instance whose local prefix gives the earliest first token."""
-        prefills = state.live("prefill", request.model)
-        decodes = state.live("decode", request.model)
-        missing = missing_pool(request, seq, self.name, prefills, decodes)
+        prefills, decodes, missing = self.live_pools(state, request, seq)
         if missing is not None:
             return missing
         view = local_view(state, request, prefills)

@@ -7,29 +7,26 @@ turns.
 
 from __future__ import annotations
 
-from yb_conductor.cost_model import CostModel, load_cost_model
-from yb_conductor.peer_policies.common import local_view, missing_pool, scheduled
+from yb_conductor.cost_model import CostModel
+from yb_conductor.peer_policies.common import PeerPolicy, local_view, scheduled
 from yb_conductor.policy_base import Decided
 from yb_conductor.state import ClusterState
 from yb_shared import events as ev
 from yb_shared.config import ConductorConfig
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(PeerPolicy):
     """The next prefill and the next decode instance, by id, cyclically."""
 
     name = "round-robin"
 
     def __init__(self, cfg: ConductorConfig | None = None, cost: CostModel | None = None) -> None:
-        self.cfg = cfg or ConductorConfig()
-        self.cost = cost or load_cost_model(self.cfg.cost_model)
+        super().__init__(cfg, cost)
         self.turn = 0
 
     def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decided:
         """Take the next turn on both pools."""
-        prefills = state.live("prefill", request.model)
-        decodes = state.live("decode", request.model)
-        missing = missing_pool(request, seq, self.name, prefills, decodes)
+        prefills, decodes, missing = self.live_pools(state, request, seq)
         if missing is not None:
             return missing
         turn = self.turn

@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from yb_conductor.block_index import BlockIndex
-from yb_conductor.cost_model import CostModel, load_cost_model
-from yb_conductor.peer_policies.common import local_view, missing_pool, scheduled
+from yb_conductor.cost_model import CostModel
+from yb_conductor.peer_policies.common import PeerPolicy, local_view, scheduled
 from yb_conductor.policy_base import Decided
 from yb_conductor.state import ClusterState
 from yb_shared import events as ev
@@ -71,7 +71,7 @@ class ApproximateTree:
         return len(order) if order is not None else 0
 
 
-class SglangCacheAwarePolicy:
+class SglangCacheAwarePolicy(PeerPolicy):
     """Cache affinity while the pool is balanced, shortest queue when it is not."""
 
     name = "sglang-cache-aware"
@@ -86,8 +86,7 @@ class SglangCacheAwarePolicy:
         balance_rel_threshold: float = BALANCE_REL_THRESHOLD,
         max_tree_tokens: int = MAX_TREE_TOKENS,
     ) -> None:
-        self.cfg = cfg or ConductorConfig()
-        self.cost = cost or load_cost_model(self.cfg.cost_model)
+        super().__init__(cfg, cost)
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
@@ -96,9 +95,7 @@ class SglangCacheAwarePolicy:
 
     def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decided:
         """Route as the SGLang router would; reuse what the chosen host really holds."""
-        prefills = state.live("prefill", request.model)
-        decodes = state.live("decode", request.model)
-        missing = missing_pool(request, seq, self.name, prefills, decodes)
+        prefills, decodes, missing = self.live_pools(state, request, seq)
         if missing is not None:
             return missing
         bs = max(1, request.block_size)
