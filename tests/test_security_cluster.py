@@ -25,7 +25,8 @@ from openai import OpenAI
 from yb_shared import events as ev
 from yb_shared.bus import Bus, BusUnavailable
 from yb_shared.netaddr import is_loopback
-from yb_shared.testing import LocalCluster
+from yb_shared.testing import LocalCluster, pid_alive
+from yb_shared.transport import PeerAddress
 
 MODEL = "tiny"
 # Distinctive enough that any appearance in the log is a leak, not a coincidence.
@@ -146,48 +147,70 @@ def listeners(pid: int) -> list[tuple[str, int]]:
     )
 
 
-def ucx_ports(cluster: LocalCluster) -> dict[str, int]:
-    """The UCX listener port each engine and kvstore announced."""
+def ucx_addresses(cluster: LocalCluster) -> dict[str, PeerAddress]:
+    """The UCX receiver address each engine and kvstore announced."""
     return {
-        name: int(up.ucx_address.rsplit(":", 1)[1])
+        name: PeerAddress.parse(up.ucx_address)
         for name, up in instance_ups(cluster).items()
         if up.ucx_address
     }
 
 
 def test_every_listener_is_on_loopback(cluster: LocalCluster) -> None:
-    ucx = ucx_ports(cluster)
+    ucx = ucx_addresses(cluster)
     assert set(ucx) == {"prefill-0", "prefill-1", "decode-0", "kvstore-0", "kvstore-1"}
+    assert {address.host for address in ucx.values()} == {"127.0.0.1"}
     checked = 0
     exposed = []
     for name, pid in cluster.pids.items():
         for address, port in listeners(pid):
             checked += 1
-            if port == ucx.get(name):
-                continue  # ucxx's own listener: see the test below
             if not is_loopback(address):
                 exposed.append((name, address, port))
     assert exposed == []
-    # nats-server (client + monitor), gateway, metrics of 6 services, UCX data
-    # listeners: the scan really saw the cluster's sockets.
-    assert checked >= 12, checked
+    # The scan really saw the cluster's sockets: nats-server (client + monitor), the
+    # gateway, the metrics of 6 services, and UCX's TCP transport, which listens
+    # (on loopback) in each of the 5 processes that use UCX.
+    for name in ucx:
+        assert len(listeners(cluster.pids[name])) >= 2, (name, listeners(cluster.pids[name]))
+    assert checked >= 14, checked
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ucxx's create_listener takes no address: its connection manager binds "
-    "0.0.0.0 whatever ucx_host says (transport/receiver.py; needs ucxx support)",
-)
-def test_the_ucx_connection_listener_is_on_loopback(cluster: LocalCluster) -> None:
-    ucx = ucx_ports(cluster)
-    bound = {
-        name: address
-        for name, pid in cluster.pids.items()
-        for address, port in listeners(pid)
-        if port == ucx.get(name)
-    }
-    assert set(bound) == set(ucx)
-    assert all(is_loopback(address) for address in bound.values()), bound
+def test_a_forged_hello_is_ignored_and_harms_nothing(cluster: LocalCluster) -> None:
+    # A hello names the worker address to connect back to, and UCX aborts the
+    # process on a malformed one: a receiver answers only the cluster's own workers.
+    decode = ucx_addresses(cluster)["decode-0"]
+    pid = cluster.pids["decode-0"]
+
+    async def forge() -> None:
+        from yb_shared.transport import ucx_env
+        from yb_shared.transport.handshake import frame_array
+        from yb_shared.transport.wire import Hello, encode_frame
+
+        ucx = ucx_env.acquire()
+        try:
+            endpoint = await ucx.create_endpoint_from_worker_address(
+                ucx_env.address_from(decode.worker), endpoint_error_handling=True
+            )
+            for junk in (b"\x01" * 40, decode.worker[:-8] + b"\xff" * 8, b"\x00"):
+                hello = Hello(1, junk, 12345, "forger")
+                await endpoint.send(
+                    frame_array(encode_frame(hello)), tag=decode.hello_tag, force_tag=True
+                )
+            # Past the receiver's wait for the forger to be announced.
+            await asyncio.sleep(3)
+            endpoint.abort()
+        finally:
+            ucx_env.release()
+
+    asyncio.run(forge())
+    assert pid_alive(pid)
+    log = (cluster.data_dir / "logs" / "decode-0.log").read_text(errors="replace")
+    assert "ignored a hello from 'forger'" in log
+    with httpx.Client(base_url=cluster.url, headers=cluster.headers, timeout=120) as client:
+        body = {"model": MODEL, "prompt": "still serving", "max_tokens": 2}
+        assert client.post("/v1/completions", json=body).status_code == 200
+    assert pid_alive(pid)
 
 
 # --- NATS -----------------------------------------------------------------------------

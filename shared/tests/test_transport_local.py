@@ -7,6 +7,7 @@ deadlines, close, and the block-store paths (dynamic reservations, fetch).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -363,9 +364,12 @@ async def test_cancel_mid_segment_stops_writes_and_the_sender_recovers(
     if send.done():
         pytest.skip("the segment landed before the test could cancel it")
     receiver.cancel("big")
+    cancelled_at = time.monotonic()
     snapshot = [d.copy() for d in dest]
     with pytest.raises(TransferError):
         await send
+    # The receiver's goodbye ends the send, not its 30 s deadline.
+    assert time.monotonic() - cancelled_at < 5
     await asyncio.sleep(0.2)
     # cancel() returned with UCX's hold on the buffers released: nothing changed after.
     assert all(np.array_equal(a, b) for a, b in zip(dest, snapshot, strict=True))
@@ -386,26 +390,24 @@ async def test_a_lying_or_malformed_peer_cannot_write_past_the_reservation(
 ) -> None:
     # A raw client, below KVSender, that violates the protocol on purpose.
     from yb_shared.transport import checksum, ucx_env
-    from yb_shared.transport.link import Link
-    from yb_shared.transport.wire import CTRL_TAG, REPLY_TAG, Nack, data_tag
+    from yb_shared.transport.handshake import connect
+    from yb_shared.transport.wire import CTRL_TAG, REPLY_TAG, Bye, Nack, data_tag
 
     arena, views = arena_views([8])
     reservation = receiver.reserve("victim", views, deadline_s=20)
     ucx = ucx_env.acquire()
-    port = receiver.address.port
-    link = Link(await ucx.create_endpoint("127.0.0.1", port), "raw")
+    link = await connect(ucx, receiver.address, name="raw", timeout_s=5)
     try:
         # Inconsistent lengths: refused, and the connection closed (the receiver cannot
-        # know how many payloads follow).
+        # know how many payloads follow), which it says.
         await link.send_frame(SegmentHeader(0, "victim", [0], [8, 8], [1]), CTRL_TAG)
         malformed = await link.recv_frame(REPLY_TAG)
         assert isinstance(malformed, Nack) and malformed.reason is Reason.MALFORMED
-        with pytest.raises(PeerUnreachable):
-            await link.recv_frame(REPLY_TAG)
+        assert isinstance(await link.recv_frame(REPLY_TAG), Bye)
         await link.close()
 
         # The header announces 8 bytes with the right checksum, the payload has 4096.
-        link = Link(await ucx.create_endpoint("127.0.0.1", port), "raw2")
+        link = await connect(ucx, receiver.address, name="raw2", timeout_s=5)
         payload = np.arange(4096, dtype=np.uint8)
         header = SegmentHeader(1, "victim", [0], [8], [checksum(payload[:8])])
         await link.send_frame(header, CTRL_TAG)
@@ -604,12 +606,12 @@ async def test_send_segments_is_one_round_trip_with_its_commit(
 @pytest.mark.asyncio
 async def test_spans_that_do_not_add_up_are_malformed(receiver: KVReceiver) -> None:
     from yb_shared.transport import ucx_env
-    from yb_shared.transport.link import Link
+    from yb_shared.transport.handshake import connect
     from yb_shared.transport.wire import CTRL_TAG, REPLY_TAG, Nack
 
     receiver.reserve("spans", [np.zeros(8, np.uint8), np.zeros(8, np.uint8)], deadline_s=10)
     ucx = ucx_env.acquire()
-    link = Link(await ucx.create_endpoint("127.0.0.1", receiver.address.port), "raw")
+    link = await connect(ucx, receiver.address, name="raw", timeout_s=5)
     try:
         header = SegmentHeader(0, "spans", [0, 1], [8, 8], [1, 2], [3])
         await link.send_frame(header, CTRL_TAG)
@@ -630,3 +632,76 @@ async def test_a_factory_refusal_carries_its_reason(receiver: KVReceiver, sender
     with pytest.raises(ReservationRefused, match="held already") as refused:
         await sender.send(receiver.address, "put.x", [(0, data(100, 3))], deadline_s=5)
     assert refused.value.reason is Reason.DUPLICATE
+
+
+@pytest.mark.asyncio
+async def test_a_sender_that_drops_its_connection_says_goodbye(receiver: KVReceiver) -> None:
+    sender = KVSender()
+    receiver.reserve("hi", [np.zeros(64, np.uint8)], deadline_s=10)
+    await sender.send(receiver.address, "hi", [(0, data(64, 1))], deadline_s=5, commit=True)
+    assert receiver.connections == 1
+    await sender.close()
+    # Nothing else would tell the receiver: the sender's process lives on (it is this one).
+    async with asyncio.timeout(3):
+        while receiver.connections:
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.asyncio
+async def test_a_hello_in_another_protocol_version_is_refused_with_the_reason(
+    receiver: KVReceiver,
+) -> None:
+    from yb_shared.transport import ucx_env
+    from yb_shared.transport.handshake import frame_array, new_tag_base
+    from yb_shared.transport.link import Link
+    from yb_shared.transport.wire import REPLY_TAG, Hello, Welcome, encode_frame
+
+    ucx = ucx_env.acquire()
+    endpoint = await ucx.create_endpoint_from_worker_address(
+        ucx_env.address_from(receiver.address.worker), endpoint_error_handling=True
+    )
+    link = Link(endpoint, "old", recv_base=new_tag_base())
+    try:
+        hello = Hello(99, ucx_env.worker_address(), link.recv_base, "old")
+        await endpoint.send(
+            frame_array(encode_frame(hello)), tag=receiver.address.hello_tag, force_tag=True
+        )
+        async with asyncio.timeout(5):
+            answer = await link.recv_frame(REPLY_TAG)
+        assert isinstance(answer, Welcome) and answer.recv_base == 0
+        assert "protocol version 99" in answer.reason
+    finally:
+        await link.close()
+        ucx_env.release()
+    assert receiver.connections == 0
+
+
+@pytest.mark.asyncio
+async def test_a_receiver_answers_only_the_peers_its_check_vouches_for(
+    receiver: KVReceiver,
+) -> None:
+    vouched: list[bytes] = []
+
+    async def nobody(worker: bytes) -> bool:
+        vouched.append(worker)
+        return False
+
+    receiver.set_peer_check(nobody)
+    receiver.reserve("stranger", [np.zeros(64, np.uint8)], deadline_s=10)
+    sender = KVSender(connect_timeout_s=1.0)
+    try:
+        with pytest.raises(PeerUnreachable, match="did not answer"):
+            await sender.send(receiver.address, "stranger", [(0, data(64, 2))], deadline_s=5)
+        assert receiver.connections == 0
+        # The check saw the sender's own worker address (this process's).
+        assert vouched and vouched[0] == receiver.address.worker
+
+        async def everybody(worker: bytes) -> bool:
+            return True
+
+        receiver.set_peer_check(everybody)
+        await sender.send(
+            receiver.address, "stranger", [(0, data(64, 2))], deadline_s=5, commit=True
+        )
+    finally:
+        await sender.close()

@@ -184,7 +184,9 @@ async def test_sender_killed_mid_transfer_fails_fast_and_receiver_carries_on(
 async def test_silent_sender_hits_the_deadline(receiver: KVReceiver) -> None:
     sizes = [4096] * 4
     dest = [np.zeros(4096, dtype=np.uint8) for _ in sizes]
-    deadline_s = 2.0
+    # Long enough for the helper process to start and send its first segment on a
+    # busy machine; the silence that follows is what must hit it.
+    deadline_s = 8.0
     reservation = receiver.reserve("silent", dest, deadline_s=deadline_s)
     reserved_at = time.monotonic()
     spec = {

@@ -36,15 +36,31 @@ from yb_shared.transport.wire import (
 )
 
 
-def test_peer_address_round_trips_as_host_port() -> None:
-    addr = PeerAddress("10.0.0.7", 4711)
-    assert str(addr) == "10.0.0.7:4711" == addr.to_wire()
-    assert PeerAddress.parse("10.0.0.7:4711") == addr == PeerAddress.from_wire("10.0.0.7:4711")
-    v6 = PeerAddress.parse("[::1]:5000")
-    assert v6 == PeerAddress("::1", 5000) and str(v6) == "[::1]:5000"
-    for bad in ("nohost", ":12", "host:", "host:0", "host:x"):
+def test_peer_address_round_trips_through_its_wire_string() -> None:
+    worker = bytes(range(256)) + b"\x00\xff" * 3
+    addr = PeerAddress("10.0.0.7", 0xDEADBEEF12345678, worker)
+    wire = addr.to_wire()
+    assert wire == str(addr) and wire.startswith("ucx://10.0.0.7/deadbeef12345678/")
+    assert PeerAddress.parse(wire) == addr == PeerAddress.from_wire(wire)
+    v6 = PeerAddress("::1", 7, b"w")
+    assert PeerAddress.parse(v6.to_wire()) == v6
+    # The log label is short and tells different receivers apart.
+    assert len(addr.label) < 40 and addr.label != PeerAddress("10.0.0.7", 8, worker).label
+    for bad in (
+        "10.0.0.7:4711",  # the old host:port form
+        "ucx://host/12",
+        "ucx:///12/d29ya2Vy",
+        "ucx://host/zz/d29ya2Vy",
+        "ucx://host/0/d29ya2Vy",
+        "ucx://host/12/",
+        "ucx://host/12/not*base64",
+        "ucx://host/12/d29y*2Vy",
+        "ucx://a/b/12/d29ya2Vy",
+    ):
         with pytest.raises(ValueError):
             PeerAddress.parse(bad)
+    with pytest.raises(ValueError):
+        PeerAddress("h", 1, b"x" * (17 << 10))
 
 
 def test_every_message_survives_a_frame() -> None:
@@ -149,3 +165,24 @@ def test_adjacent_buffers_group_into_spans() -> None:
     spans, _ = _spans(sources, [100] * 6, list(range(6)), {2})
     assert spans == [2, 1, 1, 2]
     assert _spans(sources, [100] * 6, [0, 1, 5, 6, 7, 9], set())[0] == [2, 1, 1, 1, 1]
+
+
+def test_a_binding_holds_ucx_to_the_interface_of_its_host() -> None:
+    from yb_shared.transport.ucx_env import Binding
+
+    assert Binding.for_host("127.0.0.1") == Binding("lo", 0)
+    assert Binding.for_host("::1", 4800).options() == {
+        "NET_DEVICES": "lo",
+        "TCP_PORT_RANGE": "4800-4800",
+    }
+    assert Binding.for_host("0.0.0.0").options() == {}
+    with pytest.raises(ValueError, match="not an address of any interface"):
+        Binding.for_host("192.0.2.254" if not _local("192.0.2.254") else "198.51.100.254")
+    with pytest.raises(ValueError, match="ucx_port"):
+        Binding.for_host("127.0.0.1", 70000)
+
+
+def _local(host: str) -> bool:
+    from yb_shared.netaddr import interface_of
+
+    return interface_of(host) is not None

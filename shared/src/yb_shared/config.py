@@ -194,7 +194,11 @@ class ConductorConfig(_Section):
 
 
 class EngineConfig(_Section):
-    """A prefill or decode engine: KV pages, batching, threads and its UCX listener.
+    """A prefill or decode engine: KV pages, batching, threads and where UCX reaches it.
+
+    `ucx_host` is the address of the interface UCX's network transports may use (the
+    only one they listen on; 0.0.0.0 means every interface), and what the instance
+    announces; `ucx_port` fixes the port of UCX's TCP transport (0: any free one).
 
     Prefill only: `reuse` honours the decisions' reuse plans (off: every prompt is
     computed whole, whatever the conductor planned; for baselines). Up to
@@ -228,7 +232,8 @@ class KVStoreConfig(_Section):
     orders both tiers (`lru` or `fifo`). DRAM keeps `dram_headroom_blocks` slots free
     by writing its least recently used blocks to SSD in the background (-1: a
     sixteenth of the slab, at least 1), so a put rarely waits for a file write.
-    `ssd_io_threads` run the file reads and writes.
+    `ssd_io_threads` run the file reads and writes. `ucx_host` and `ucx_port` as for
+    an engine.
     """
 
     dram_blocks: int = 512

@@ -301,8 +301,9 @@ class BlockInventory(BlockEvent, tag="block_inventory"):
 class InstanceUp(Event, tag="instance_up"):
     """An instance started and can be reached.
 
-    `ucx_address` is `host:port` of its UCX listener (empty for instances without a
-    data plane); `host` groups instances that share a kvstore.
+    `ucx_address` is its KV receiver's `PeerAddress` (`"ucx://host/tag/worker"`;
+    empty for instances without a data plane); `host` groups instances that share a
+    kvstore.
     """
 
     instance_id: str

@@ -1,9 +1,11 @@
-"""Who is up, and where their UCX listeners are: a view of `InstanceUp`/`InstanceDown`.
+"""Who is up, and where their UCX receivers are: a view of `InstanceUp`/`InstanceDown`.
 
 Prefill needs two answers from it: the address of a kvstore that a decision names as
 a source, and which kvstore shares this instance's host (where new blocks are
-stored). Both come from the log: the newest announcement of every instance first
-(`last_per_subject`), then every change as it happens.
+stored). Every receiver asks it whether a hello comes from one of the cluster's
+processes (`knows_worker`, see `KVReceiver.set_peer_check`). All of it comes from the
+log: the newest announcement of every instance first (`last_per_subject`), then
+every change as it happens.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class PeerDirectory:
         self._bus = bus
         self._reader: EventReader | None = None
         self._up: dict[str, ev.InstanceUp] = {}
+        # The UCX worker address each instance announced (instances that share a
+        # process share one).
+        self._workers: dict[str, bytes] = {}
         self._changed = asyncio.Event()
 
     async def open(self) -> None:
@@ -50,12 +55,34 @@ class PeerDirectory:
         match event:
             case ev.InstanceUp():
                 self._up[event.instance_id] = event
+                address = self.address(event.instance_id)
+                if address is not None:
+                    self._workers[event.instance_id] = address.worker
+                else:
+                    self._workers.pop(event.instance_id, None)
             case ev.InstanceDown():
+                self._workers.pop(event.instance_id, None)
                 self._up.pop(event.instance_id, None)
             case _:
                 return
         self._changed.set()
         self._changed = asyncio.Event()
+
+    async def knows_worker(self, worker: bytes, timeout_s: float = 2.0) -> bool:
+        """Whether an instance that is up announced this UCX worker address.
+
+        Waits up to `timeout_s` for it: a peer's first hello can overtake its
+        announcement on the way here.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while worker not in self._workers.values():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+        return True
 
     def get(self, instance_id: str) -> ev.InstanceUp | None:
         """The announcement of an instance that is up."""

@@ -33,6 +33,7 @@ from yb_shared.bus import Bus, BusError
 from yb_shared.config import YbConfig
 from yb_shared.engine_host import EngineGauges, EngineHost
 from yb_shared.instance import CancellationFollower, Presence
+from yb_shared.peers import PeerDirectory
 from yb_shared.service import Service
 from yb_shared.telemetry import (
     bind_request,
@@ -105,6 +106,7 @@ class DecodeService(Service):
         self.bus: Bus | None = None
         self.presence: Presence | None = None
         self.cancellations: CancellationFollower | None = None
+        self.peers: PeerDirectory | None = None
         self.ucx_address = ""
         self._pending: dict[str, Pending] = {}
         self._streams: dict[str, Stream] = {}
@@ -150,6 +152,10 @@ class DecodeService(Service):
             self.cfg.decode.max_batch_size,
         )
         self.gauges.follow(self.engine.allocator, self.engine.cache.num_pages)
+        # Only the cluster's own processes may connect (see `set_peer_check`).
+        self.peers = PeerDirectory(self.bus)
+        await self.peers.open()
+        self.receiver.set_peer_check(self.peers.knows_worker)
         address = await self.receiver.start()
         self.ucx_address = str(address)
         self.cancellations = CancellationFollower(self.bus, self._on_cancel)
@@ -175,6 +181,7 @@ class DecodeService(Service):
         await self.presence.announce()
         self.tasks.spawn("engine", self._engine_loop())
         self.tasks.spawn("presence", self.presence.run())
+        self.tasks.spawn("peers", self.peers.run())
         self.tasks.spawn("cancellations", self.cancellations.run())
 
     async def stop(self) -> None:

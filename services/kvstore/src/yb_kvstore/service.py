@@ -123,8 +123,11 @@ class KVStoreService(Service):
         await self.publisher.open()
         # A new epoch starts with BlocksCleared, then what the SSD tier kept.
         await self.store.open()
+        self.peers = PeerDirectory(self.bus)
+        await self.peers.open()
+        self.receiver.set_peer_check(self.peers.knows_worker)
         address = await self.receiver.start()
-        self.ucx_address = str(address)
+        self.ucx_address = address.to_wire()
         self.receiver.set_reservation_factory(
             self._reserve_put, deadline_s=30.0, on_reserved=self._watch_put
         )
@@ -147,8 +150,6 @@ class KVStoreService(Service):
             self.cfg.kvstore.load_report_interval_s,
         )
         await self.presence.announce()
-        self.peers = PeerDirectory(self.bus)
-        await self.peers.open()
         self.replicator = Replicator(
             self.instance_id,
             self.store,

@@ -168,6 +168,7 @@ class PrefillService(Service):
         self.cache.open()  # a new epoch: whatever an earlier life cached is gone
         self.peers = PeerDirectory(self.bus)
         await self.peers.open()
+        self.receiver.set_peer_check(self.peers.knows_worker)
         address = await self.receiver.start()
         self.loader = PrefixLoader(
             self.instance_id, self.cache, self.engine.cache, self.peers, self.receiver, self.sender
@@ -187,7 +188,7 @@ class PrefillService(Service):
                 role="prefill",
                 host=self.cfg.host,
                 model=self.cfg.model.name,
-                ucx_address=str(address),
+                ucx_address=address.to_wire(),
                 block_size=self.cfg.model.block_size,
                 kv_capacity_blocks=self.engine.cache.num_pages,
                 max_batch_size=1,

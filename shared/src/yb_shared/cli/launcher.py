@@ -59,7 +59,6 @@ from yb_shared.natsserver import (
     env_without_proxies,
     free_port,
 )
-from yb_shared.netaddr import is_loopback
 
 
 @dataclass(frozen=True)
@@ -384,10 +383,6 @@ class Cluster:
         else:  # API keys are the gateway's business alone
             env["YB_GATEWAY__API_KEYS"] = "[]"
             env["YB_GATEWAY__API_KEYS_FILE"] = ""
-        if _ucx_on_loopback(self.cfg):
-            # UCX's TCP transport otherwise listens on every network device as well;
-            # with loopback-only peers the `lo` device is all it needs.
-            env.setdefault("UCX_NET_DEVICES", "lo")
         if spec.role == "kvstore" and not self.cfg.kvstore.ssd_dir:
             env["YB_KVSTORE__SSD_DIR"] = str(self.data_dir / "ssd" / spec.instance_id)
         # Two cores: give each engine a thread and let the OS share them.
@@ -478,12 +473,6 @@ def _port_of(url: str) -> int:
         return int(url.split(",")[0].rsplit(":", 1)[1])
     except (IndexError, ValueError):
         return 0
-
-
-def _ucx_on_loopback(cfg: YbConfig) -> bool:
-    return all(
-        is_loopback(h) for h in (cfg.prefill.ucx_host, cfg.decode.ucx_host, cfg.kvstore.ucx_host)
-    )
 
 
 def _tail(path: Path, lines: int = 20) -> str:

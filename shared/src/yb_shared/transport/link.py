@@ -8,23 +8,36 @@ cancels all of its requests. So after `abort()` returns, UCX no longer reads or 
 any buffer that was posted on this link; that is what makes it safe for `cancel()` and
 deadlines to hand buffers back to their owners.
 
+Receives are posted *through* the link's endpoint although UCX matches tags across
+the whole worker: that is what ties them to the endpoint, so that closing it takes
+them back, and what fails them when UCX declares the peer process dead.
+
+Each side of a connection owns a tag space (`wire`): a link sends with tags derived
+from the peer's base (`send_base`) and receives with tags derived from its own
+(`recv_base`), so messages of different connections never match each other.
+
+Closing an endpoint is not seen by the peer (only a dead process is), so `abort()`
+calls the owner's `on_abort` hook, which sends the peer a `Bye` when it is still
+worth telling (see `handshake.say_bye`).
+
 Payloads are *posted* (`post_send`, `post_recv`) and awaited later (`Posted.wait`), so
 that all the buffers of a segment are in UCX's hands at once. Posting goes straight to
-the ucxx endpoint's request API (`tag_send`/`tag_recv` on the endpoint ucxx wraps,
-with the tag hashed exactly as ucxx's `Endpoint.send/recv` do) instead of starting one
-asyncio task per buffer around `Endpoint.send/recv`: measured with 32 pages of 12 KiB
-per segment, that halves the per-message cost (3.4-4.2 ms down to 1.7-1.9 ms per
-segment). If a ucxx version lacks those internals, `Link` falls back to one task per
-buffer around the public coroutines.
+the ucxx endpoint's request API (`tag_send`/`tag_recv` on the endpoint ucxx wraps)
+instead of starting one asyncio task per buffer around `Endpoint.send/recv`: measured
+with 32 pages of 12 KiB per segment, that halves the per-message cost (3.4-4.2 ms down
+to 1.7-1.9 ms per segment). If a ucxx version lacks those internals, `Link` falls back
+to one task per buffer around the public coroutines.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+import struct
+from collections.abc import Callable, Coroutine
+from typing import Any, Final, TypeVar
 
 import numpy as np
 
@@ -48,6 +61,14 @@ _REFILL_EVERY = 32
 # How long `abort()` lets the progress thread finish closing the endpoint (ns). The
 # close is synchronous: when it returns, UCX has cancelled every request of the link.
 _CLOSE_PERIOD_NS = 1_000_000_000
+
+
+_PAIR: Final = struct.Struct("<QQ")
+
+
+def full_tag(base: int, tag: int) -> int:
+    """The UCX tag of message kind `tag` in the tag space starting at `base`."""
+    return int.from_bytes(hashlib.blake2b(_PAIR.pack(base, tag), digest_size=8).digest(), "little")
 
 
 def _size(buffer: Any) -> str:
@@ -97,13 +118,29 @@ class Posted:
 class Link:
     """A ucxx endpoint plus what is posted and running on it.
 
-    `name` is for logs. Tasks started with `spawn` are owned: `abort()` cancels them,
+    `name` is for logs. `send_base` is the peer's tag space (0 until the handshake
+    says it), `recv_base` this side's. `peer_worker` is the peer's worker address,
+    kept so that the owner can say goodbye; `on_abort(link, notify)` is called once,
+    from `abort()`. Tasks started with `spawn` are owned: `abort()` cancels them,
     `close()` also awaits them.
     """
 
-    def __init__(self, endpoint: Any, name: str) -> None:
+    def __init__(
+        self,
+        endpoint: Any,
+        name: str,
+        *,
+        recv_base: int,
+        send_base: int = 0,
+        peer_worker: bytes = b"",
+        on_abort: Callable[[Link, bool], None] | None = None,
+    ) -> None:
         self._ep: Any = endpoint
         self.name = name
+        self.send_base = send_base
+        self.recv_base = recv_base
+        self.peer_worker = peer_worker
+        self._on_abort = on_abort
         # calloc'd: only the pages a frame actually touches become resident, so a
         # receiver with many senders does not pay MAX_FRAME of memory per connection.
         self._frame = np.zeros(MAX_FRAME, dtype=np.uint8)
@@ -111,12 +148,7 @@ class Link:
         self._closed = False
         self._posts = 0
         raw = getattr(endpoint, "_ep", None)
-        tags = getattr(endpoint, "_tags", None)
-        self._raw: Any = None
-        self._send_tag = self._recv_tag = 0
-        if RAW_API is not None and isinstance(tags, dict) and hasattr(raw, "tag_recv"):
-            self._raw = raw
-            self._send_tag, self._recv_tag = tags["msg_send"], tags["msg_recv"]
+        self._raw: Any = raw if RAW_API is not None and hasattr(raw, "tag_recv") else None
 
     @property
     def alive(self) -> bool:
@@ -145,18 +177,18 @@ class Link:
         if self._raw is None or RAW_API is None:
             coro = self.send_bytes(buffer, tag) if send else self.recv_into(buffer, tag)
             return Posted(self, None, self.spawn(coro, "send" if send else "recv"), "")
-        array_type, tag_type, tag_mask_full, hash64bits = RAW_API
+        array_type, tag_type, tag_mask_full = RAW_API
         self._posts += 1
         if self._posts % _REFILL_EVERY == 0:
             refill_futures()
         try:
             self._raw.raise_on_error()
             if send:
-                full_tag = tag_type(hash64bits(self._send_tag, tag))
-                request = self._raw.tag_send(array_type(buffer), full_tag)
+                ucx_tag = tag_type(full_tag(self.send_base, tag))
+                request = self._raw.tag_send(array_type(buffer), ucx_tag)
             else:
-                full_tag = tag_type(hash64bits(self._recv_tag, tag))
-                request = self._raw.tag_recv(array_type(buffer), full_tag, tag_mask_full)
+                ucx_tag = tag_type(full_tag(self.recv_base, tag))
+                request = self._raw.tag_recv(array_type(buffer), ucx_tag, tag_mask_full)
         except UCXError as exc:
             forget_traceback(exc)
             raise PeerUnreachable(f"{self.name}: cannot post: {exc}") from None
@@ -186,7 +218,7 @@ class Link:
         """
         ep = self._checked()
         try:
-            await ep.send(buffer, tag=tag)
+            await ep.send(buffer, tag=full_tag(self.send_base, tag), force_tag=True)
         except UCXError as exc:
             forget_traceback(exc)
             raise PeerUnreachable(f"{self.name}: send failed: {exc}") from None
@@ -199,7 +231,7 @@ class Link:
         """
         ep = self._checked()
         try:
-            await ep.recv(buffer, tag=tag)
+            await ep.recv(buffer, tag=full_tag(self.recv_base, tag), force_tag=True)
         except UCXTruncated as exc:
             forget_traceback(exc)
             raise MessageTruncated(f"{self.name}: message larger than {_size(buffer)}") from None
@@ -214,17 +246,21 @@ class Link:
 
     # -- teardown ----------------------------------------------------------------------
 
-    def abort(self) -> None:
+    def abort(self, *, notify: bool = True) -> None:
         """Close the endpoint now, cancelling its UCX requests and this link's tasks.
 
         Synchronous on purpose: callers rely on UCX having let go of every posted
-        buffer when it returns. Idempotent.
+        buffer when it returns. `notify=False` when the peer is known to be gone or
+        to have dropped the connection itself (no `Bye` is then worth sending).
+        Idempotent.
         """
         if self._closed:
             return
         self._closed = True
         ep, self._ep = self._ep, None
         self._raw = None
+        if ep is not None and not ep.alive:
+            notify = False  # UCX declared the peer dead: nobody to tell
         if ep is not None:
             try:
                 ep.abort(period=_CLOSE_PERIOD_NS, max_attempts=1)
@@ -234,6 +270,9 @@ class Link:
         for task in list(self._tasks):
             if task is not current:
                 task.cancel()
+        if self._on_abort is not None:
+            hook, self._on_abort = self._on_abort, None
+            hook(self, notify)
 
     async def close(self) -> None:
         """Abort, then wait for every task of this link to finish."""

@@ -1,4 +1,10 @@
-"""The receiving side: reservations, one UCX listener, verification, commit.
+"""The receiving side: reservations, connections offered by hello, verification, commit.
+
+A receiver does not listen on a socket. It announces its UCX worker address and a
+hello tag (`PeerAddress`); a sender's `Hello` arrives in the worker's tag matching,
+and the receiver connects back to the worker address the hello carries (`wire`).
+What can reach it is what UCX's transports expose on the interface the receiver was
+bound to (`ucx_env.Binding`, from the service's `ucx_host`).
 
 A receiver accepts bytes only into memory it reserved for a request, only into indices
 of that reservation that are not written yet, and only of exactly the reserved size.
@@ -58,20 +64,29 @@ from yb_shared.transport.errors import (
     TransferTimeout,
     error_for,
 )
-from yb_shared.transport.link import Link, MessageTruncated, Posted
+from yb_shared.transport.handshake import Goodbyes, frame_array, new_tag_base
+from yb_shared.transport.link import Link, MessageTruncated, Posted, full_tag
+from yb_shared.transport.ucx_env import UCXError, UCXTruncated, forget_traceback
 from yb_shared.transport.wire import (
     CTRL_TAG,
     DRAIN_LIMIT,
+    MAX_HELLO,
     MAX_SEGMENT_BUFFERS,
+    PROTOCOL_VERSION,
     REPLY_TAG,
     Ack,
+    Bye,
     Commit,
     FetchRequest,
     FrameError,
+    Hello,
     Message,
     Nack,
     SegmentHeader,
+    Welcome,
     data_tag,
+    decode_frame,
+    encode_frame,
 )
 
 log = logging.getLogger(__name__)
@@ -81,6 +96,12 @@ _REPLY_TIMEOUT_S: Final = 10.0
 _DRAIN_TIMEOUT_S: Final = 30.0
 #: How many ended request ids are remembered, to explain late segments for them.
 _TOMBSTONES: Final = 4096
+
+#: How long a hello may wait for `set_peer_check`'s verdict.
+_PEER_CHECK_TIMEOUT_S: Final = 2.0
+
+#: `set_peer_check`'s callable: is this worker address one the cluster announced?
+PeerCheck = Callable[[bytes], Awaitable[bool]]
 
 #: `set_reservation_factory`'s callable: buffers for an unknown request, or None.
 ReservationFactory = Callable[[str, SegmentHeader], Sequence[BufferLike] | None]
@@ -205,16 +226,20 @@ class Reservation:
 
 
 class KVReceiver:
-    """One per process: a UCX listener that lands KV bytes in reserved buffers.
+    """Lands KV bytes in reserved buffers, from any `KVSender` that says hello.
 
-    `start()` opens the listener and returns the address to announce. Senders connect
-    with `KVSender`; this class never connects out.
+    `start()` binds UCX to `host`'s interface (and `port`, if not 0, for its TCP
+    transport; see `ucx_env.Binding`) and returns the address to announce. It only
+    connects out to answer a hello, to the address that hello names.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._host = host
         self._port = port
-        self._listener: Any = None
+        self._inbox: Any = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._goodbyes = Goodbyes(REPLY_TAG)
+        self._peer_check: PeerCheck | None = None
         self._address: PeerAddress | None = None
         self._reservations: dict[str, Reservation] = {}
         self._tombstones: OrderedDict[str, str] = OrderedDict()
@@ -238,17 +263,23 @@ class KVReceiver:
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> PeerAddress:
-        """Open the listener; returns the address senders should use. Idempotent."""
+        """Start taking connections; returns the address senders should use. Idempotent.
+
+        Raises ValueError when `host` is not an address of this machine.
+        """
         if self._closing is not None:
             raise RuntimeError("KVReceiver is closed")
         if self._address is not None:
             return self._address
-        ucx = ucx_env.acquire()
+        binding = ucx_env.Binding.for_host(self._host, self._port)
+        ucx = ucx_env.acquire(binding)
         self._loop = asyncio.get_running_loop()
         try:
-            # ucxx listens on every interface; `host` is only what we announce.
-            self._listener = ucx.create_listener(
-                self._on_connect, port=self._port, endpoint_error_handling=True
+            worker = ucx_env.worker_address()
+            # Hellos match in the worker, from any endpoint; posting their receive
+            # through an endpoint to ourselves is what lets `close()` take it back.
+            self._inbox = await ucx.create_endpoint_from_worker_address(
+                ucx_env.address_from(worker), endpoint_error_handling=True
             )
         except BaseException:
             ucx_env.release()
@@ -257,7 +288,8 @@ class KVReceiver:
         host = self._host
         if host in ("", "0.0.0.0", "::"):
             host = ucx.get_address()
-        self._address = PeerAddress(host, int(self._listener.port))
+        self._address = PeerAddress(host, new_tag_base(), worker)
+        self._accepting = self._loop.create_task(self._accept(), name="kv-accept")
         return self._address
 
     @property
@@ -278,9 +310,12 @@ class KVReceiver:
 
     async def _close(self) -> None:
         # 1. Stop taking connections.
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            listener.close()
+        inbox, self._inbox = self._inbox, None
+        if inbox is not None:
+            inbox.abort()  # takes back the posted hello receive
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
         # 2. Fail what is open (this also closes links with receives posted into them).
         for res in list(self._reservations.values()):
             self._fail(res, TransferCancelled(f"receiver closed; {res.request_id} dropped"))
@@ -292,11 +327,17 @@ class KVReceiver:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(link.close() for link in list(self._links)))
         self._links.clear()
+        await self._goodbyes.close()
         if self._acquired:
             self._acquired = False
             ucx_env.release()
 
     # -- reservations ----------------------------------------------------------------
+
+    @property
+    def connections(self) -> int:
+        """Senders connected now."""
+        return len(self._links)
 
     def export_metrics(self, registry: CollectorRegistry) -> None:
         """Count staged bytes on `registry` as `yb_kv_staged_bytes_total` (zero when
@@ -373,6 +414,18 @@ class KVReceiver:
         self._factory_deadline_s = deadline_s
         self._on_reserved = on_reserved
 
+    def set_peer_check(self, check: PeerCheck | None) -> None:
+        """Answer only hellos whose sender's worker address `check` vouches for.
+
+        A hello names the address to connect back to, and UCX unpacks a worker
+        address with assertions, not errors: a forged one would abort this process.
+        So a service passes its directory of announced instances (who announced
+        through the authenticated bus), and a hello from anyone else goes unanswered
+        (the sender sees its connect time out). Without a check every hello is
+        answered: for tests and tools whose peers are their own.
+        """
+        self._peer_check = check
+
     def set_fetch_handler(self, handler: FetchHandler | None) -> None:
         """Serve `KVSender.request_fetch`: see `FetchOrder`. None refuses fetches."""
         self._fetch_handler = handler
@@ -407,16 +460,94 @@ class KVReceiver:
 
     # -- connections -------------------------------------------------------------------
 
-    def _on_connect(self, endpoint: Any) -> None:
-        # Called by ucxx on the event loop for each accepted connection.
+    async def _accept(self) -> None:
+        """Take hellos until closed; each one is answered on its own task."""
+        hello = np.zeros(MAX_HELLO, dtype=np.uint8)
+        assert self._address is not None
+        tag = self._address.hello_tag
+        while self._closing is None and self._inbox is not None:
+            hello[:4] = 0
+            try:
+                await self._inbox.recv(hello, tag=tag, force_tag=True)
+            except UCXTruncated as exc:
+                forget_traceback(exc)
+                log.warning("refused a hello larger than %d bytes", MAX_HELLO)
+                continue
+            except UCXError as exc:
+                forget_traceback(exc)
+                if self._closing is None:
+                    log.error("the hello receive failed; no new connections: %s", exc)
+                return
+            try:
+                message = decode_frame(hello.data)
+            except FrameError as exc:
+                log.warning("refused an unreadable hello: %s", exc)
+                continue
+            if not isinstance(message, Hello):
+                log.warning("refused a %s sent as a hello", type(message).__name__)
+                continue
+            task = asyncio.get_running_loop().create_task(
+                self._welcome(message), name=f"welcome:{message.name}"
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _welcome(self, hello: Hello) -> None:
+        """Connect back to a hello's sender and answer it; then serve the connection."""
+        assert self._loop is not None
+        if self._peer_check is not None:
+            try:
+                vouched = await asyncio.wait_for(
+                    self._peer_check(hello.worker), _PEER_CHECK_TIMEOUT_S
+                )
+            except TimeoutError:
+                vouched = False
+            if not vouched:
+                log.warning(
+                    "ignored a hello from %r: its worker address is not one that an "
+                    "announced instance of the cluster has",
+                    hello.name,
+                )
+                return
+        ucx = ucx_env.held()
+        try:
+            endpoint = await ucx.create_endpoint_from_worker_address(
+                ucx_env.address_from(hello.worker), endpoint_error_handling=True
+            )
+        except (UCXError, RuntimeError, ValueError) as exc:
+            forget_traceback(exc)
+            log.warning("cannot connect back to %r: %s", hello.name, exc)
+            return
+        if hello.version != PROTOCOL_VERSION or not hello.recv_base:
+            why = f"protocol version {hello.version}; this receiver speaks {PROTOCOL_VERSION}"
+            log.warning("refused a hello from %r: %s", hello.name, why)
+            with contextlib.suppress(UCXError, TimeoutError):
+                async with asyncio.timeout(_REPLY_TIMEOUT_S):
+                    await endpoint.send(
+                        frame_array(encode_frame(Welcome(0, why))),
+                        tag=full_tag(hello.recv_base, REPLY_TAG),
+                        force_tag=True,
+                    )
+            endpoint.abort()
+            return
         if self._closing is not None:
             endpoint.abort()
             return
-        link = Link(endpoint, f"rx{next(self._link_ids)}")
+        link = Link(
+            endpoint,
+            f"rx{next(self._link_ids)}:{hello.name}",
+            recv_base=new_tag_base(),
+            send_base=hello.recv_base,
+            peer_worker=hello.worker,
+            on_abort=self._goodbyes.on_abort,
+        )
         self._links.add(link)
-        task = asyncio.get_running_loop().create_task(self._serve(link), name=link.name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        # Serving first posts the receive for the first control frame before the
+        # sender, told it may start, sends one.
+        serving = self._loop.create_task(self._serve(link), name=link.name)
+        self._tasks.add(serving)
+        serving.add_done_callback(self._tasks.discard)
+        await self._reply(link, Welcome(link.recv_base))
 
     async def _serve(self, link: Link) -> None:
         """Read control frames from one sender until its connection ends."""
@@ -434,6 +565,10 @@ class KVReceiver:
                         link.spawn(self._on_commit(link, message), f"commit{message.seq}")
                     case FetchRequest():
                         link.spawn(self._on_fetch(link, message), f"fetch{message.seq}")
+                    case Bye():
+                        log.info("%s: the sender dropped it (%s)", link.name, message.reason)
+                        link.abort(notify=False)
+                        break
                     case _:
                         raise FrameError(f"{type(message).__name__} on the control tag")
         except PeerUnreachable:

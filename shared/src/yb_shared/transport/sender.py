@@ -35,13 +35,14 @@ from yb_shared.transport.buffers import (
 )
 from yb_shared.transport.deadline import Deadline
 from yb_shared.transport.errors import PeerUnreachable, error_for
+from yb_shared.transport.handshake import Goodbyes, connect
 from yb_shared.transport.link import Link, Posted
-from yb_shared.transport.ucx_env import UCXError, forget_traceback
 from yb_shared.transport.wire import (
     CTRL_TAG,
     MAX_SEGMENT_BUFFERS,
     REPLY_TAG,
     Ack,
+    Bye,
     Commit,
     FetchRequest,
     FrameError,
@@ -146,6 +147,10 @@ class _Peer:
         try:
             while True:
                 message = await self.link.recv_frame(REPLY_TAG)
+                if isinstance(message, Bye):
+                    why = f"the receiver dropped the connection ({message.reason})"
+                    self.link.abort(notify=False)
+                    break
                 if not isinstance(message, Ack | Nack):
                     raise FrameError(f"{type(message).__name__} on the reply tag")
                 future = self.replies.pop(message.seq, None)
@@ -169,9 +174,9 @@ class _Peer:
 class KVSender:
     """Sends KV buffers into reservations on remote `KVReceiver`s.
 
-    Keeps one UCX endpoint per peer and reconnects after an error. A peer that is not
-    listening is only noticed after `connect_timeout_s` (ucxx does not report a refused
-    connection sooner). `after_checksum` is a test hook, called after a segment's
+    Keeps one UCX endpoint per peer and reconnects after an error. A peer that does
+    not answer the handshake is reported after `connect_timeout_s`. `after_checksum`
+    is a test hook, called after a segment's
     checksums are computed and before its bytes move (tests use it to corrupt the
     source and prove that the receiver notices).
     """
@@ -187,6 +192,8 @@ class KVSender:
         self._hasher: ThreadPoolExecutor | None = None
         self._closing: asyncio.Task[None] | None = None
         self._ucx: Any = None
+        self._goodbyes = Goodbyes(CTRL_TAG)
+        self._link_ids = itertools.count()
 
     # -- public API --------------------------------------------------------------------
 
@@ -306,7 +313,7 @@ class KVSender:
             return posted
 
         what = f"segment {seqs[0]}" if len(seqs) == 1 else f"segments {seqs[0]}-{seqs[-1]}"
-        what += f" of {request_id} to {peer}" + (" (with its commit)" if commit else "")
+        what += f" of {request_id} to {peer.label}" + (" (with its commit)" if commit else "")
         answers = await self._exchange(
             connection, seqs, [reply for _, reply in expected], post, deadline, what
         )
@@ -324,7 +331,7 @@ class KVSender:
         self._check_open()
         connection = await self._connect(peer, deadline)
         seq, reply = connection.expect()
-        what = f"commit of {request_id} to {peer}"
+        what = f"commit of {request_id} to {peer.label}"
         frame = encode_frame(Commit(seq, request_id))
         (answer,) = await self._exchange(
             connection, [seq], [reply], _poster(connection.link, frame), deadline, what
@@ -360,11 +367,11 @@ class KVSender:
             seq,
             request_id,
             list(keys),
-            str(reply_to),
+            reply_to.to_wire(),
             budget_ms,
             None if breaks is None else list(breaks),
         )
-        what = f"fetch of {request_id} from {holder}"
+        what = f"fetch of {request_id} from {holder.label}"
         frame = encode_frame(message)
         (answer,) = await self._exchange(
             connection, [seq], [reply], _poster(connection.link, frame), deadline, what
@@ -389,6 +396,7 @@ class KVSender:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(connection.link.close() for connection in peers))
+        await self._goodbyes.close()
         if self._hasher is not None:
             # At most one segment's checksums (milliseconds) can still be running.
             self._hasher.shutdown(wait=True, cancel_futures=True)
@@ -428,30 +436,24 @@ class KVSender:
                 self._drop(connection)
             if self._ucx is None:
                 self._ucx = ucx_env.acquire()  # held until close()
-            ucx = self._ucx
             timeout = max(0.05, min(self._connect_timeout_s, deadline.remaining()))
-            try:
-                endpoint = await deadline.run(
-                    ucx.create_endpoint(
-                        peer.host, peer.port, endpoint_error_handling=True, connect_timeout=timeout
-                    ),
-                    f"connect to {peer}",
-                )
-            except TimeoutError as exc:
-                # ucxx's own connect timeout: it does not notice a refused connection,
-                # so an absent listener looks like this too.
-                forget_traceback(exc)
-                raise PeerUnreachable(f"cannot connect to {peer} within {timeout:.1f}s") from None
-            except (UCXError, OSError, RuntimeError) as exc:
-                forget_traceback(exc)
-                raise PeerUnreachable(f"cannot connect to {peer}: {exc}") from None
+            link = await deadline.run(
+                connect(
+                    self._ucx,
+                    peer,
+                    name=f"tx{next(self._link_ids)}:{peer.label}",
+                    timeout_s=timeout,
+                    on_abort=self._goodbyes.on_abort,
+                ),
+                f"connect to {peer.label}",
+            )
             if self._closing is not None:
-                endpoint.abort()
+                link.abort()
                 raise PeerUnreachable("KVSender is closed")
-            connection = _Peer(Link(endpoint, f"tx:{peer}"))
+            connection = _Peer(link)
             self._peers[peer] = connection
             reader = asyncio.get_running_loop().create_task(
-                connection.read_replies(), name=f"replies:{peer}"
+                connection.read_replies(), name=f"replies:{link.name}"
             )
             self._tasks.add(reader)
             reader.add_done_callback(self._tasks.discard)

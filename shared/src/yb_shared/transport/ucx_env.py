@@ -25,6 +25,17 @@ Why each setting:
   one.
 - `UCX_WARN_UNUSED_ENV_VARS=n`: ucxx itself sets `UCX_MEMTYPE_CACHE`, which UCX 1.21
   no longer knows, and UCX prints a warning about it in every process.
+- `UCX_KEEPALIVE_INTERVAL=1s`: connections are made by worker address (no connection
+  manager socket whose closing would tell us), so a dead peer process is noticed by
+  UCX's keepalive round, by default every 20 s. Within one host a round only checks
+  that the peer's process still exists; across hosts it is one small message per
+  endpoint: a second is cheap and bounds how long a transfer waits on a dead peer.
+
+Where UCX listens is set per process by `Binding` (the `ucx_host` / `ucx_port` of a
+service's config): its network transports use only the interface that holds
+`ucx_host` (`NET_DEVICES`) and, when `ucx_port` is set, listen on that TCP port.
+Passed to `ucxx.init` as options, so an operator's `UCX_NET_DEVICES` or
+`UCX_TCP_PORT_RANGE` in the environment still wins.
 
 ucxx's context is process-global and bound to the event loop that created it (its
 progress thread and its notifier thread deliver completions to that loop). Services
@@ -44,13 +55,14 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
 UCX_ENV_DEFAULTS: Final[dict[str, str]] = {
     "UCX_MM_ERROR_HANDLING": "y",
     "UCX_CMA_MEMORY_INVALIDATE": "y",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
+    "UCX_KEEPALIVE_INTERVAL": "1s",
 }
 
 for _key, _value in UCX_ENV_DEFAULTS.items():
@@ -60,7 +72,49 @@ import ucxx  # noqa: E402  (must follow the environment set-up above)
 import ucxx.core  # noqa: E402
 import ucxx.exceptions  # noqa: E402
 
+from yb_shared.netaddr import interface_of, is_wildcard  # noqa: E402
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """Where this process's UCX transports may be reached.
+
+    `devices`: the network devices UCX may use (`""`: all of them); `tcp_port`: the
+    port its TCP transport listens on (0: any free one).
+    """
+
+    devices: str = ""
+    tcp_port: int = 0
+
+    @classmethod
+    def for_host(cls, host: str, port: int = 0) -> Binding:
+        """The binding for a service's `ucx_host` and `ucx_port`.
+
+        A wildcard host means every device. Any other host must be an address of this
+        machine (ValueError otherwise, naming it): UCX then uses its interface only.
+        """
+        if not 0 <= port < 65536:
+            raise ValueError(f"ucx_port out of range: {port}")
+        if is_wildcard(host):
+            return cls("", port)
+        device = interface_of(host)
+        if device is None:
+            raise ValueError(
+                f"ucx_host {host!r} is not an address of any interface of this machine"
+            )
+        return cls(device, port)
+
+    def options(self) -> dict[str, str]:
+        """`ucxx.init` options for this binding."""
+        options: dict[str, str] = {}
+        if self.devices:
+            options["NET_DEVICES"] = self.devices
+        if self.tcp_port:
+            options["TCP_PORT_RANGE"] = f"{self.tcp_port}-{self.tcp_port}"
+        return options
+
 
 #: Every error ucxx raises for a failed or cancelled operation derives from this.
 UCXError: Final[type[Exception]] = ucxx.exceptions.UCXError
@@ -71,7 +125,7 @@ UCXTruncated: Final[tuple[type[Exception], ...]] = (
 )
 
 
-def _raw_api() -> tuple[Any, Any, Any, Callable[..., int]] | None:
+def _raw_api() -> tuple[Any, Any, Any] | None:
     """ucxx's request-level building blocks, for `Link`'s posted operations (see there).
 
     None if this ucxx version lays them out differently; `Link` then falls back to
@@ -79,14 +133,13 @@ def _raw_api() -> tuple[Any, Any, Any, Callable[..., int]] | None:
     """
     try:
         from ucxx._lib.arr import Array
-        from ucxx._lib_async.utils import hash64bits
         from ucxx.types import Tag, TagMaskFull
     except ImportError:
         return None
-    return Array, Tag, TagMaskFull, hash64bits
+    return Array, Tag, TagMaskFull
 
 
-#: (Array, Tag, TagMaskFull, hash64bits), or None.
+#: (Array, Tag, TagMaskFull), or None.
 RAW_API: Final = _raw_api()
 
 
@@ -124,19 +177,25 @@ def forget_traceback(exc: BaseException) -> None:
 
 
 _bound_loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
+_binding: Binding | None = None
 _users = 0
 _lock = threading.Lock()
 
 
-def acquire() -> Any:
+def acquire(binding: Binding | None = None) -> Any:
     """Return the ucxx module, initialised for the running event loop.
 
     Every KVReceiver and KVSender holds one acquisition while it is open and gives it
     back with `release()`; when the last one goes, ucxx's threads are stopped and its
     context is reset, so a later user (a later test, on its own loop) starts afresh.
     Raises RuntimeError while ucxx is held by users on another, still running loop.
+
+    `binding` applies when this call creates the context (a receiver passes its own;
+    a sender, which only connects out, passes none). A context made already with a
+    different binding keeps it, with a warning: UCX's transports are fixed per
+    context.
     """
-    global _bound_loop, _users
+    global _bound_loop, _users, _binding
     loop = asyncio.get_running_loop()
     with _lock:
         bound = _bound_loop() if _bound_loop is not None else None
@@ -149,10 +208,39 @@ def acquire() -> Any:
             _shutdown()
             _users = 0  # whoever held it lived on a loop that is gone
         if ucxx.core._ctx is None:
-            ucxx.init(progress_mode="thread", enable_python_future=True)
+            ucxx.init(
+                options=(binding or Binding()).options(),
+                env_takes_precedence=True,
+                progress_mode="thread",
+                enable_python_future=True,
+            )
             _bound_loop = weakref.ref(loop)
+            _binding = binding
+        elif binding is not None and binding != _binding:
+            log.warning(
+                "UCX was initialised with %s already; %s cannot apply to this process",
+                _binding,
+                binding,
+            )
         _users += 1
         return ucxx
+
+
+def held() -> Any:
+    """The ucxx module, for code that runs while its owner holds an `acquire()`."""
+    return ucxx
+
+
+def worker_address() -> bytes:
+    """This process's UCX worker address (after `acquire()`)."""
+    return bytes(ucxx.get_worker_address().tobytes())
+
+
+def address_from(worker: bytes) -> Any:
+    """A peer's worker address as ucxx takes it (`create_endpoint_from_worker_address`)."""
+    from ucxx._lib.libucxx import UCXAddress
+
+    return UCXAddress.create_from_buffer(worker)
 
 
 def release() -> None:
@@ -165,9 +253,10 @@ def release() -> None:
 
 
 def _shutdown() -> None:
-    global _bound_loop
+    global _bound_loop, _binding
     if ucxx.core._ctx is None:
         return
+    _binding = None
     _stop_notifier()
     try:
         ucxx.reset()

@@ -1,12 +1,22 @@
 """The data plane's wire protocol, on one screen.
 
-One UCX endpoint joins a `KVSender` to a `KVReceiver`. Three kinds of UCX tag
-messages travel on it, each tag hashed by ucxx with the endpoint's private tag, so
-tags never collide across connections:
+A connection joins a `KVSender` to a `KVReceiver`. It is made without any listening
+socket (see `address`): the sender creates a UCX endpoint from the receiver's worker
+address and sends a `Hello` with the receiver's hello tag, carrying its own worker
+address and the base of its private tag space; the receiver creates an endpoint back
+from that address and answers `Welcome` with the base of its own tag space. From
+then on each side sends on its endpoint with tags hashed from the *other* side's
+base and posts its receives with tags hashed from its own, so tags never collide
+across connections. Three kinds of messages travel:
 
     CTRL   sender -> receiver   a control frame: SegmentHeader | Commit | FetchRequest
     REPLY  receiver -> sender   a control frame: Ack | Nack, matched to `seq`
     DATA   sender -> receiver   raw bytes of one buffer; tag = data_tag(seq, position)
+
+Closing an endpoint tells the peer nothing (UCX only notices a dead *process*), so a
+side that drops a connection while the peer lives sends it a `Bye` (on CTRL or
+REPLY, from a short-lived endpoint of its own, since the dropped one can no longer
+send); the peer then drops its half too and nothing waits on a dead connection.
 
 A control frame is a 4-byte little-endian length and a msgpack body: one struct of
 the tagged union `Message` (array_like; the tag is the first element). The receiver
@@ -45,6 +55,11 @@ from yb_shared.transport.errors import Reason
 MAX_FRAME: Final = 1 << 20
 #: Refused payload bytes one segment may drain into scratch before the link is closed.
 DRAIN_LIMIT: Final = 64 << 20
+
+#: Version of this protocol, sent in `Hello`; a receiver refuses any other.
+PROTOCOL_VERSION: Final = 1
+#: Largest `Hello` frame (a worker address is a few hundred bytes).
+MAX_HELLO: Final = 64 << 10
 
 CTRL_TAG: Final = 1
 REPLY_TAG: Final = 2
@@ -119,7 +134,29 @@ class Nack(msgspec.Struct, tag="nack", array_like=True, frozen=True, gc=False):
     indices: list[int] = []
 
 
-Message = SegmentHeader | Commit | FetchRequest | Ack | Nack
+class Hello(msgspec.Struct, tag="hello", array_like=True, frozen=True, gc=False):
+    """A sender's offer of a connection: how to reach it and where its tags start."""
+
+    version: int
+    worker: bytes
+    recv_base: int
+    name: str = ""
+
+
+class Welcome(msgspec.Struct, tag="welcome", array_like=True, frozen=True, gc=False):
+    """The receiver's acceptance: the base of its tag space (0: refused, see `reason`)."""
+
+    recv_base: int
+    reason: str = ""
+
+
+class Bye(msgspec.Struct, tag="bye", array_like=True, frozen=True, gc=False):
+    """The other side dropped this connection; drop your half too."""
+
+    reason: str = ""
+
+
+Message = SegmentHeader | Commit | FetchRequest | Ack | Nack | Hello | Welcome | Bye
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _decoder: Final = msgspec.msgpack.Decoder(Message)
