@@ -21,10 +21,12 @@ What is checked, with real processes and a real client (first, without namespace
     request in flight and the requests after it are all answered, no instance is
     declared down and no request cancelled, and the log stays whole (every admitted
     request has exactly one decision); the node then restarts and catches up. Then
-    the same with the node the gateway is connected to: the requests are answered
-    (after a refusal while the gateway reconnects, at most RECONNECT_S), and the
-    stream in flight may end with a `token_stream_gap` error (its chunks are core
-    NATS messages; some are lost while the gateway re-subscribes), never a hang;
+    the same with the node the gateway is connected to, with several greedy streams
+    in flight: the requests are answered (after a refusal while the gateway
+    reconnects, at most RECONNECT_S), and every stream completes with all its tokens
+    and the same text as the same streams without the fault (token chunks are core
+    NATS messages; those lost while the gateway moved to another node are sent again
+    by their decode instance); how long the streams stalled is recorded;
 (c) the link of the host decoding a long stream is cut: that stream ends with an
     error (no hang), the conductor declares the silent decode down and places the
     next requests on the other decode host; then the link comes back.
@@ -34,6 +36,7 @@ The recovery times are written to /tmp/notes/multihost.json (`$YB_MULTIHOST_NOTE
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -174,6 +177,9 @@ class Stream:
         self.frames: list[str] = []
         self.errors: list[str] = []
         self.text_frames = 0
+        self.text = ""
+        self.usage: dict[str, Any] = {}
+        self.arrivals: list[float] = []  # monotonic, one per data frame
         self.failure: BaseException | None = None
         self.ended_at = 0.0
         self.done = threading.Event()
@@ -194,11 +200,15 @@ class Stream:
                     if line.startswith("event: "):
                         event = line[7:]
                     elif line.startswith("data: "):
+                        self.arrivals.append(time.monotonic())
                         self.frames.append(line[6:])
                         if event == "error":
                             self.errors.append(line[6:])
                         elif line[6:] != "[DONE]":
                             self.text_frames += 1
+                            frame = json.loads(line[6:])
+                            self.text += "".join(c.get("text") or "" for c in frame["choices"])
+                            self.usage = frame.get("usage") or self.usage
                     elif not line:
                         event = ""
         except BaseException as exc:  # what the client saw is the evidence
@@ -217,6 +227,27 @@ class Stream:
             f"failure={self.failure!r} last={self.frames[-2:]}"
         )
 
+    def completed(self, max_tokens: int) -> bool:
+        """Ended as a client wants: 200, no error event, every token, then [DONE]."""
+        return (
+            self.failure is None
+            and self.status == 200
+            and not self.errors
+            and self.frames[-1:] == ["[DONE]"]
+            and self.usage.get("completion_tokens") == max_tokens
+        )
+
+    def stall_after(self, at: float) -> float:
+        """The longest wait for a frame after `at` (from `at` for the first one)."""
+        times = [at, *(t for t in self.arrivals if t > at)]
+        return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+
+    def usual_gap(self, before: float) -> float:
+        """The median wait between frames before `before`."""
+        times = [t for t in self.arrivals if t < before]
+        gaps = sorted(b - a for a, b in itertools.pairwise(times))
+        return gaps[len(gaps) // 2] if gaps else 0.0
+
 
 def _prompt(n: int, seed: int) -> list[int]:
     """`n` token ids of the tiny tokenizer's ordinary range, the same for a seed."""
@@ -233,6 +264,7 @@ def _stream_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
 
 
@@ -525,33 +557,45 @@ def test_kv_crosses_the_network_from_prefill_host_to_decode_host(mh: MultiHost) 
 # --- (b) ------------------------------------------------------------------------------
 
 
+#: The streams in flight when the gateway's own NATS node dies: prompts shorter than a
+#: KV block (nothing is reused from the cache, so a run computes exactly what the run
+#: before it did), and few enough tokens that all of them fit one decode's 96 pages.
+GATEWAY_LOSS_STREAMS = 4
+GATEWAY_LOSS_PROMPT = 40
+GATEWAY_LOSS_TOKENS = 1200
+
+
 @dataclass
 class NodeLoss:
     """What the clients saw when one NATS node was killed."""
 
     node: NatsServer
     clients: list[str]
-    in_flight: Stream
+    streams: list[Stream]  # in flight when it was killed
+    killed_at: float  # monotonic
     refused_at_s: list[float]
     latencies_s: list[float]
     answered_s: float
     verdicts: list[tuple[str, str]]  # (event type, request or instance id)
 
 
-def _lose_node(mh: MultiHost, node: NatsServer, *, tolerate_refusals: bool) -> NodeLoss:
-    """Make `node` lead the event stream and the conductor's lease, start a long
-    stream, SIGKILL the node, then send six requests; wait for the stream to end. The
-    log must stay whole."""
+def _lose_node(
+    mh: MultiHost, node: NatsServer, bodies: list[dict[str, Any]], *, tolerate_refusals: bool
+) -> NodeLoss:
+    """Make `node` lead the event stream and the conductor's lease, start the streams
+    of `bodies`, SIGKILL the node once each has sent tokens, then send six requests;
+    wait for the streams to end. The log must stay whole."""
     # Both at once: the log stalls until its new leader is elected, and the conductor
     # loses its lease meanwhile (it stands down, then leads again).
     _move_stream_leader(mh, node)
     _move_stream_leader(mh, node, _lease_stream(mh))
     log_end = mh.log()[-1].seq
-    # Long enough to outlast the election (~200 tokens/s here).
-    in_flight = Stream(mh, _stream_body(_prompt(64, seed=2), 2500))
-    in_flight.wait_text(2, 60)
+    streams = [Stream(mh, body) for body in bodies]
+    for stream in streams:
+        stream.wait_text(2, 60)
     clients = _clients_of(node)
-    assert not in_flight.done.is_set(), in_flight.describe()
+    for stream in streams:
+        assert not stream.done.is_set(), stream.describe()
     node.kill()
     killed = time.monotonic()
     served: list[str] = []
@@ -575,18 +619,19 @@ def _lose_node(mh: MultiHost, node: NatsServer, *, tolerate_refusals: bool) -> N
         latencies.append(round(time.monotonic() - killed - sent, 3))
         served.append(r.json()["id"])
     answered_s = time.monotonic() - killed
-    # The stream in flight ends by itself, whatever happened to it: never a hang.
-    assert in_flight.done.wait(90), in_flight.describe()
-    assert in_flight.failure is None and in_flight.status == 200, in_flight.describe()
-    assert in_flight.frames[-1] == "[DONE]", in_flight.describe()
-    _admissions_have_one_decision(mh, [*served, in_flight.request_id])
+    # Every stream in flight ends by itself, whatever happened to it: never a hang.
+    for stream in streams:
+        assert stream.done.wait(90), stream.describe()
+        assert stream.failure is None and stream.status == 200, stream.describe()
+        assert stream.frames[-1] == "[DONE]", stream.describe()
+    _admissions_have_one_decision(mh, [*served, *(s.request_id for s in streams)])
     verdicts = [
         (type(i.event).__name__, getattr(i.event, "request_id", "") or i.event.instance_id)
         for i in mh.log()
         if i.seq > log_end and isinstance(i.event, ev.InstanceDown | ev.RequestCancelled)
     ]
     assert _stream_leader(mh) is not node
-    return NodeLoss(node, clients, in_flight, refused, latencies, answered_s, verdicts)
+    return NodeLoss(node, clients, streams, killed, refused, latencies, answered_s, verdicts)
 
 
 def _bring_back(mh: MultiHost, node: NatsServer) -> float:
@@ -597,8 +642,12 @@ def _bring_back(mh: MultiHost, node: NatsServer) -> float:
 
 
 def _figures(loss: NodeLoss, back_s: float) -> dict[str, Any]:
-    stream = loss.in_flight
-    outcome = "completed" if not stream.errors else f"ended with {stream.errors[0]}"
+    outcomes = [
+        f"completed after {s.text_frames} chunks"
+        if not s.errors
+        else f"ended with {s.errors[0]} after {s.text_frames} chunks"
+        for s in loss.streams
+    ]
     return {
         "killed": f"{loss.node.server_name} (SIGKILL), leader of the event stream and of "
         "the conductor's lease bucket (both R3)",
@@ -606,9 +655,25 @@ def _figures(loss: NodeLoss, back_s: float) -> dict[str, Any]:
         "refused_at_s": loss.refused_at_s,
         "latencies_s": loss.latencies_s,
         "six_requests_answered_s": round(loss.answered_s, 3),
-        "stream_in_flight": f"{outcome} after {stream.text_frames} chunks",
+        "streams_in_flight": outcomes,
+        # The longest wait for a frame from the kill on, against the usual wait before.
+        "stream_stall_after_kill_s": [
+            round(s.stall_after(loss.killed_at), 3) for s in loss.streams
+        ],
+        "stream_usual_gap_s": [round(s.usual_gap(loss.killed_at), 4) for s in loss.streams],
         "verdicts_in_the_log": loss.verdicts,
         "restarted_node_current_after_s": round(back_s, 3),
+    }
+
+
+def _scrape(url: str, headers: dict[str, str], prefix: str) -> dict[str, float]:
+    """Every sample of a /metrics page whose name starts with `prefix`."""
+    r = httpx.get(url, headers=headers, timeout=5)
+    r.raise_for_status()
+    return {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in r.text.splitlines()
+        if line.startswith(prefix)
     }
 
 
@@ -619,32 +684,65 @@ def test_losing_the_stream_leader_changes_nothing_for_clients(mh: MultiHost) -> 
         for n in mh.cluster.nats_nodes
         if not any(c.split(":")[-1] == "gateway-0" for c in _clients_of(n))
     )
-    loss = _lose_node(mh, node, tolerate_refusals=False)
+    # Long enough to outlast the election (~200 tokens/s here).
+    body = _stream_body(_prompt(64, seed=2), 2500)
+    loss = _lose_node(mh, node, [body], tolerate_refusals=False)
     # Nothing changed: no refusal, the stream in flight completed, no verdict on any
     # instance and no request cancelled.
-    assert not loss.in_flight.errors, loss.in_flight.describe()
+    assert loss.streams[0].completed(2500), loss.streams[0].describe()
     assert not loss.verdicts, f"losing a NATS node changed the cluster: {loss.verdicts}"
     mh.record("nats_node_loss", _figures(loss, _bring_back(mh, node)))
 
 
-def test_losing_the_gateways_nats_server_costs_only_its_streams_in_flight(
-    mh: MultiHost,
-) -> None:
+def test_losing_the_gateways_nats_server_changes_nothing_for_clients(mh: MultiHost) -> None:
+    bodies = [
+        _stream_body(_prompt(GATEWAY_LOSS_PROMPT, seed=40 + i), GATEWAY_LOSS_TOKENS)
+        for i in range(GATEWAY_LOSS_STREAMS)
+    ]
+    # The same streams without a fault, at the same time: greedy, so the text is the
+    # model's alone.
+    undisturbed = [Stream(mh, body) for body in bodies]
+    for stream in undisturbed:
+        assert stream.done.wait(120), stream.describe()
+        assert stream.completed(GATEWAY_LOSS_TOKENS), stream.describe()
+    gateway_metrics = f"{mh.url}/metrics"
+    metrics_headers = {"Authorization": f"Bearer {mh.secrets.metrics_token}"}
+    asked_before = _scrape(gateway_metrics, metrics_headers, "yb_gateway_token_resends_total")
+    resent_before = {
+        d: mh.metric(d, "yb_decode_resent_chunks_total") for d in ("decode-0", "decode-1")
+    }
+
     node = next(
         n
         for n in mh.cluster.nats_nodes
         if any(c.split(":")[-1] == "gateway-0" for c in _clients_of(n))
     )
-    loss = _lose_node(mh, node, tolerate_refusals=True)
-    # Token chunks are core NATS messages: those sent while the gateway re-subscribes
-    # on another node are lost, and the gateway ends such a stream with an error
-    # event (then [DONE]) instead of a gap in the text. Nothing else may change.
-    for error in loss.in_flight.errors:
-        assert json.loads(error)["error"]["code"] == "token_stream_gap", loss.in_flight.describe()
-    cancelled_by_gateway = {("RequestCancelled", loss.in_flight.request_id)}
-    others = [v for v in loss.verdicts if not (loss.in_flight.errors and v in cancelled_by_gateway)]
-    assert not others, f"losing the gateway's NATS server changed the cluster: {others}"
-    mh.record("nats_node_loss_gateway_server", _figures(loss, _bring_back(mh, node)))
+    loss = _lose_node(mh, node, bodies, tolerate_refusals=True)
+    # Chunks published while the gateway moved to another node were lost on the way;
+    # the decode instances sent them again. Clients see nothing of it: every stream
+    # ends normally with all its tokens, and the same text as without the fault.
+    for stream, reference in zip(loss.streams, undisturbed, strict=True):
+        assert stream.completed(GATEWAY_LOSS_TOKENS), stream.describe()
+        assert stream.text == reference.text, stream.describe()
+    assert not loss.verdicts, (
+        f"losing the gateway's NATS server changed the cluster: {loss.verdicts}"
+    )
+    asked = _scrape(gateway_metrics, metrics_headers, "yb_gateway_token_resends_total")
+    asked = {k: v - asked_before.get(k, 0.0) for k, v in asked.items()}
+    # The reconnect made every stream ask (on the reconnect itself, or on the gap it
+    # saw first): the recovery ran, whether or not chunks were lost this time.
+    assert sum(asked.values()) >= len(bodies), asked
+    resent = {
+        d: mh.metric(d, "yb_decode_resent_chunks_total") - resent_before[d]
+        for d in ("decode-0", "decode-1")
+    }
+    figures = _figures(loss, _bring_back(mh, node))
+    figures["resends_asked"] = {k.split('"')[1]: v for k, v in asked.items() if v}
+    figures["chunks_resent_by_decode"] = resent
+    figures["reference_stream_s"] = [
+        round(s.ended_at - s.arrivals[0], 3) if s.arrivals else 0.0 for s in undisturbed
+    ]
+    mh.record("nats_node_loss_gateway_server", figures)
 
 
 # --- (c) ------------------------------------------------------------------------------

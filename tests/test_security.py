@@ -195,6 +195,7 @@ async def test_subscriptions_are_confined_to_each_roles_own_subjects(
             "gateway": [
                 protocol.prefill_job_subject("prefill-0"),
                 protocol.decode_control_subject("decode-0"),
+                protocol.resend_subject("decode-0"),  # it asks, decode answers
                 "yb.tok.>",  # every gateway's tokens
                 protocol.token_subject("gateway-1", "r1"),
                 "_INBOX.>",
@@ -203,11 +204,16 @@ async def test_subscriptions_are_confined_to_each_roles_own_subjects(
             ],
             "prefill": [
                 protocol.decode_control_subject("decode-0"),
+                protocol.resend_subject("decode-0"),
                 protocol.prefill_job_subject("prefill-1"),  # another prefill's jobs
                 protocol.token_subject("gateway-0", "r1"),
                 f"{inbox_prefix('gateway')}.>",
             ],
-            "decode": [protocol.prefill_job_subject("prefill-0"), "yb.tok.gateway-0.*"],
+            "decode": [
+                protocol.prefill_job_subject("prefill-0"),
+                "yb.tok.gateway-0.*",
+                protocol.resend_subject("decode-1"),  # another decode's resend requests
+            ],
             "kvstore": [protocol.prefill_job_subject("prefill-0"), "yb.tok.>", "_INBOX.>"],
             "conductor": [protocol.prefill_job_subject("prefill-0"), "yb.tok.>", ">"],
         }
@@ -222,7 +228,10 @@ async def test_subscriptions_are_confined_to_each_roles_own_subjects(
         allowed = {
             "gateway": [protocol.token_subject("gateway-0", "r1")],
             "prefill": [protocol.prefill_job_subject("prefill-0")],
-            "decode": [protocol.decode_control_subject("decode-0")],
+            "decode": [
+                protocol.decode_control_subject("decode-0"),
+                protocol.resend_subject("decode-0"),
+            ],
         }
         for role, subjects in allowed.items():
             for subject in subjects:
@@ -255,8 +264,14 @@ async def test_the_job_and_token_flow_works_and_nobody_else_can_inject_tokens(
         async def answer_control(msg: Msg) -> None:
             await msg.respond(b"reserved")
 
+        async def answer_resend(msg: Msg) -> None:
+            # As decode does: the lost chunk again on the token subject, then the answer.
+            await decode.publish_core(protocol.token_subject("gateway-0", "r1"), b"first")
+            await msg.respond(b"resent")
+
         await prefill.subscribe(protocol.prefill_job_subject("prefill-0"), cb=answer_job)
         await decode.subscribe(protocol.decode_control_subject("decode-0"), cb=answer_control)
+        await decode.subscribe(protocol.resend_subject("decode-0"), cb=answer_resend)
         await prefill.flush()
         await decode.flush()
         reply = await gateway.request(
@@ -272,11 +287,14 @@ async def test_the_job_and_token_flow_works_and_nobody_else_can_inject_tokens(
         with pytest.raises(BusUnavailable):
             await gateway.request(protocol.decode_control_subject("decode-0"), b"x", timeout_s=0.5)
         await decode.publish_core(protocol.token_subject("gateway-0", "r1"), b"last")
+        # A gateway that lost a chunk asks the decode instance to send it again.
+        resent = await gateway.request(protocol.resend_subject("decode-0"), b"r1", timeout_s=5)
+        assert resent.data == b"resent"
         received = []
-        while len(received) < 3:
+        while len(received) < 4:
             msg = await tokens.next_msg(timeout=5)
             received.append(msg.data)
-        assert received == [b"first", b"second", b"last"]
+        assert received == [b"first", b"second", b"last", b"first"]
         await eventually(lambda: refused(gateway, "yb.job.decode.decode-0"), "gateway refused")
         assert len(gateway.permission_errors) == 1
         assert not prefill.permission_errors and not decode.permission_errors
@@ -341,6 +359,12 @@ def test_permission_table_is_derived_from_the_subjects_in_use() -> None:
     conductor = role_permissions("conductor", ["conductor-0"])
     assert "yb.ev.decision.>" in conductor.publish
     assert "yb.tok.>" not in conductor.publish
+    # Only a gateway asks for resends, and a decode instance hears only its own.
+    resend = protocol.resend_subject("decode-0")
+    assert [r for r in ROLES if "yb.resend.*" in role_permissions(r, [f"{r}-0"]).publish] == [
+        "gateway"
+    ]
+    assert [r for r in ROLES if resend in role_permissions(r, [f"{r}-0"]).subscribe] == ["decode"]
     for role in ROLES:
         perms = role_permissions(role, [f"{role}-0"])
         assert perms.subscribe[0] == f"_INBOX.{role}.>"

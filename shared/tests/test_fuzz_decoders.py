@@ -30,6 +30,8 @@ DECODERS: dict[str, tuple[Callable[[bytes], Any], tuple[type[Exception], ...]]] 
     "decode_control": (pr.decode_control_decoder.decode, MSGPACK_ERRORS),
     "decode_reply": (pr.decode_reply_decoder.decode, MSGPACK_ERRORS),
     "token_chunk": (pr.token_decoder.decode, MSGPACK_ERRORS),
+    "resend": (pr.resend_decoder.decode, MSGPACK_ERRORS),
+    "resend_reply": (pr.resend_reply_decoder.decode, MSGPACK_ERRORS),
     "ucx_frame": (lambda b: wire.decode_frame(bytearray(b)), (wire.FrameError,)),
 }
 
@@ -62,6 +64,10 @@ VALID: dict[str, bytes] = {
     "decode_control": pr.encode(pr.StartDecode(request_id="r", first_token=1, prompt_tokens=3)),
     "decode_reply": pr.encode(pr.DecodeAck(request_id="r", ok=True)),
     "token_chunk": pr.encode(pr.TokenChunk(request_id="r", seq=0, token_ids=[5], text="x")),
+    "resend": pr.encode(pr.ResendTokens(request_id="r", from_seq=3)),
+    "resend_reply": pr.encode(
+        pr.TokensResent(request_id="r", state="streaming", first_seq=0, next_seq=9, resent=6)
+    ),
     "ucx_frame": bytes(wire.encode_frame(wire.Commit(1, "r"))),
 }
 

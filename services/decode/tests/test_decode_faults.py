@@ -1,9 +1,11 @@
-"""Decode frees what nobody will finish: a real decode service, bus, UCX and tiny model.
+"""Decode frees what nobody will finish, and sends again what a gateway lost: a real
+decode service, bus, UCX and tiny model.
 
 The test plays the prefill instance by hand (`ReserveKV`, the KV pages over UCX with
-a `KVSender`, `StartDecode`), so it can break off where a dying prefill would. What
-is checked is what the rest of the cluster sees: the request's token stream, the
-`RequestFinished` in the log, and the engine's own page count.
+a `KVSender`, `StartDecode`), so it can break off where a dying prefill would, and the
+gateway (`ResendTokens` on the decode's resend subject). What is checked is what the
+rest of the cluster sees: the request's token stream, the `RequestFinished` in the
+log, and the engine's own page count.
 """
 
 from __future__ import annotations
@@ -121,6 +123,13 @@ async def start(bus: Bus, played: Played) -> None:
     assert isinstance(ack, pr.DecodeAck) and ack.ok, ack
 
 
+async def resend(bus: Bus, request_id: str, from_seq: int) -> pr.TokensResent:
+    """Ask as a gateway that lost chunks does."""
+    ask = pr.ResendTokens(request_id=request_id, from_seq=from_seq)
+    reply = await bus.request(pr.resend_subject("decode-0"), pr.encode(ask), timeout_s=5)
+    return pr.resend_reply_decoder.decode(reply.data)
+
+
 async def finish_of(reader: EventReader, request_id: str) -> ev.RequestFinished:
     async with asyncio.timeout(10):
         while True:
@@ -155,6 +164,10 @@ async def test_a_prefill_that_dies_mid_transfer_frees_the_reservation_and_tells_
     chunk = await played.next_chunk()
     assert chunk.finished and chunk.error_status == 503, chunk
     assert "prefill-x" in chunk.error, chunk.error
+    # A gateway that lost that one chunk gets it again.
+    answer = await resend(bus, played.request_id, 0)
+    assert (answer.state, answer.first_seq, answer.next_seq, answer.resent) == ("finished", 0, 1, 1)
+    assert await played.next_chunk() == chunk
     await pages_back(decode)
     end = await finish_of(finished, played.request_id)
     assert end.outcome == "failed" and end.instance_id == "decode-0"
@@ -192,3 +205,63 @@ async def test_a_request_past_its_deadline_is_ended_and_freed(
     await pages_back(decode)
     end = await finish_of(finished, played.request_id)
     assert end.outcome == "failed" and 0 < end.output_tokens < 3000
+
+
+# --- resends ------------------------------------------------------------------------
+
+
+async def test_a_live_stream_is_sent_again_from_the_asked_chunk(
+    decode: DecodeService, bus: Bus
+) -> None:
+    played = await reserve(bus, max_tokens=3000)
+    await start(bus, played)
+    first = [await played.next_chunk() for _ in range(4)]
+    assert [c.seq for c in first] == [0, 1, 2, 3]
+    asked = time.monotonic()
+    answer = await resend(bus, played.request_id, 1)
+    # From the event loop, while the engine keeps stepping the batch.
+    answered_s = time.monotonic() - asked
+    assert answer.state == "streaming" and answer.first_seq == 0, answer
+    assert answer.next_seq >= 4 and answer.resent == answer.next_seq - 1, answer
+    assert answered_s < 2.0
+    # Chunks 1.. come again on the stream's own subject, the same as the first time,
+    # among the ones the batch keeps producing.
+    again: dict[int, pr.TokenChunk] = {}
+    async with asyncio.timeout(10):
+        while len(again) < 3:
+            chunk = await played.next_chunk()
+            if chunk.seq in (1, 2, 3):
+                again[chunk.seq] = chunk
+    assert [again[seq] for seq in (1, 2, 3)] == first[1:]
+    await bus.publish(ev.RequestCancelled(request_id=played.request_id, reason="test over"))
+    await pages_back(decode)
+
+
+async def test_a_finished_stream_is_kept_for_a_resend(decode: DecodeService, bus: Bus) -> None:
+    played = await reserve(bus, max_tokens=6)
+    await start(bus, played)
+    chunks = [await played.next_chunk()]
+    while not chunks[-1].finished:
+        chunks.append(await played.next_chunk())
+    answer = await resend(bus, played.request_id, 2)
+    assert answer.state == "finished", answer
+    assert (answer.first_seq, answer.next_seq, answer.resent) == (0, len(chunks), len(chunks) - 2)
+    assert [await played.next_chunk() for _ in chunks[2:]] == chunks[2:]
+    # Asked from past its end: nothing to send, and it says how far the stream went.
+    answer = await resend(bus, played.request_id, len(chunks))
+    assert (answer.state, answer.next_seq, answer.resent) == ("finished", len(chunks), 0)
+    assert played.chunks.empty()
+
+
+async def test_a_resend_of_an_unknown_or_not_yet_started_request_says_so(
+    decode: DecodeService, bus: Bus
+) -> None:
+    answer = await resend(bus, "req-never-seen", 0)
+    assert (answer.request_id, answer.state, answer.resent) == ("req-never-seen", "unknown", 0)
+    # KV reserved, no token yet: "nothing yet", not "lost".
+    played = await reserve(bus)
+    answer = await resend(bus, played.request_id, 0)
+    assert (answer.state, answer.resent) == ("pending", 0)
+    await control(bus, pr.AbortReservation(request_id=played.request_id, reason="test over"))
+    await pages_back(decode)
+    assert (await resend(bus, played.request_id, 0)).state == "unknown"

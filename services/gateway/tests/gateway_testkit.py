@@ -1,8 +1,11 @@
 """The rest of the cluster, played over the bus, and helpers for the gateway's tests.
 
 `Conductor` reads `RequestAdmitted` from the log and publishes decisions; `Engine`
-answers prefill jobs on core NATS, streams `TokenChunk`s to the token subject and
-announces a prefill and a decode instance. They are peers on the same nats-server the
+answers prefill jobs on core NATS, streams `TokenChunk`s to the token subject,
+answers `ResendTokens` as a decode instance does (publishing again what it streamed)
+and announces a prefill and a decode instance. It can lose chunks on purpose (`lose`:
+kept, as decode keeps them, but not published), which is what core NATS does to a
+gateway that moves to another node. They are peers on the same nats-server the
 gateway uses, not mocks: the gateway cannot tell them from the real services.
 
 (Imported by name: `conftest.py` puts this folder on `sys.path`, because pytest's
@@ -195,20 +198,40 @@ def words_script(words: list[str] = WORDS, *, cached: int = 4) -> Script:
 
 @dataclass
 class Engine:
-    """A prefill instance that takes jobs, plus the decode instance that streams tokens."""
+    """A prefill instance that takes jobs, plus the decode instance that streams tokens.
+
+    Resends (`resend`): `answer` publishes again what was streamed from the asked
+    chunk on, as decode does; `forget` answers that it holds nothing; `silent` does
+    not listen (nobody answers). `lose` names chunks streamed but never published;
+    `pause_before` holds the stream before that chunk until `resume` is set.
+    """
 
     bus: Bus
     reply: str = "accept"  # accept | refuse | silent
     script: Script = field(default_factory=words_script)
     delay_s: float = 0.0
+    resend: str = "answer"  # answer | forget | silent
+    lose: set[int] = field(default_factory=set)
+    pause_before: int = -1
+    resume: asyncio.Event = field(default_factory=asyncio.Event)
     jobs: list[protocol.PrefillJob] = field(default_factory=list)
+    asked: list[protocol.ResendTokens] = field(default_factory=list)
+    # Request id -> (token subject, chunks streamed so far, finished).
+    streamed: dict[str, tuple[str, list[protocol.TokenChunk], list[bool]]] = field(
+        default_factory=dict
+    )
     _sub: Subscription | None = None
+    _resend_sub: Subscription | None = None
     _streams: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def start(self, *, announce: bool = True) -> None:
         self._sub = await self.bus.subscribe(
             protocol.prefill_job_subject(PREFILL_ID), cb=self._on_job
         )
+        if self.resend != "silent":
+            self._resend_sub = await self.bus.subscribe(
+                protocol.resend_subject(DECODE_ID), cb=self._on_resend
+            )
         await self.bus.flush()
         if announce:
             await self.announce()
@@ -241,17 +264,46 @@ class Engine:
         task.add_done_callback(self._streams.discard)
 
     async def _stream(self, job: protocol.PrefillJob) -> None:
+        sent: list[protocol.TokenChunk] = []
+        done = [False]
+        self.streamed[job.request_id] = (job.token_subject, sent, done)
         for chunk in self.script(job):
+            if chunk.seq == self.pause_before:
+                await self.resume.wait()
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
-            await self.bus.publish_core(job.token_subject, protocol.encode(chunk))
+            sent.append(chunk)
+            if chunk.seq not in self.lose:
+                await self.bus.publish_core(job.token_subject, protocol.encode(chunk))
+        done[0] = True
+
+    async def _on_resend(self, msg: Msg) -> None:
+        ask = protocol.resend_decoder.decode(msg.data)
+        self.asked.append(ask)
+        kept = self.streamed.get(ask.request_id)
+        if self.resend == "forget" or kept is None:
+            reply = protocol.TokensResent(request_id=ask.request_id, state="unknown")
+        else:
+            subject, sent, done = kept
+            again = [c for c in sent if c.seq >= ask.from_seq]
+            for chunk in again:
+                await self.bus.publish_core(subject, protocol.encode(chunk))
+            reply = protocol.TokensResent(
+                request_id=ask.request_id,
+                state="finished" if done[0] else "streaming",
+                first_seq=0,
+                next_seq=len(sent),
+                resent=len(again),
+            )
+        await msg.respond(protocol.encode(reply))
 
     async def stop(self) -> None:
         for task in list(self._streams):
             task.cancel()
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+        for sub in (self._sub, self._resend_sub):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
 
 
 @dataclass

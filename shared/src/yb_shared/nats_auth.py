@@ -12,11 +12,14 @@ snapshot buckets), so that a role cannot speak for another:
   buckets; it also declares silent instances down (`InstanceDown` for any id) and
   cancels the requests they orphaned;
 - the gateway publishes admissions, cancellations and the outcome of requests it
-  ended itself, sends jobs to prefill instances, and receives tokens addressed to
-  it (`yb.tok.<its id>.*`) and nothing else;
+  ended itself, sends jobs to prefill instances, asks decode instances to resend
+  lost token chunks (`yb.resend.*`), and receives tokens addressed to it
+  (`yb.tok.<its id>.*`) and nothing else;
 - prefill and decode publish progress and completion, stream tokens and answer the
   requests sent to their own job subject (`allow_responses`); prefill alone sends
-  decode control messages;
+  decode control messages; decode also takes resend requests on its own
+  `yb.resend.<its id>` (the chunks go again to the stream's token subject, so a
+  gateway that asks for another gateway's request still cannot read its tokens);
 - prefill and kvstore instances publish block events for their own instance id;
 - every instance announces only itself (`yb.ev.instance.*.<its id>`).
 
@@ -178,6 +181,7 @@ def role_permissions(
                 f"{req}.{_tag(ev.RequestCancelled)}",
                 f"{req}.{_tag(ev.RequestFinished)}",
                 "yb.job.prefill.*",
+                "yb.resend.*",
             ]
             subscribe += [f"yb.tok.{i}.*" for i in ids]
         case "prefill":
@@ -187,6 +191,7 @@ def role_permissions(
         case "decode":
             publish += [*progress, transfer_failed, "yb.tok.>"]
             subscribe += [f"yb.job.decode.{i}" for i in ids]
+            subscribe += [f"yb.resend.{i}" for i in ids]
             responds = True
         case "kvstore":
             publish += [transfer_failed, *blocks]

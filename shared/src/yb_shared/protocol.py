@@ -1,14 +1,19 @@
 """Point-to-point messages: job hand-offs, KV reservations and token streams.
 
-These travel on core NATS subjects outside the event stream (`yb.job.>`, `yb.tok.>`):
-they carry token ids and text, which must never reach the durable log, and they are
-worth nothing once their request is over. Like events they are msgspec structs in
-msgpack, one tagged union per conversation, one typed decoder each.
+These travel on core NATS subjects outside the event stream (`yb.job.>`, `yb.tok.>`,
+`yb.resend.>`): they carry token ids and text, which must never reach the durable log,
+and they are worth nothing once their request is over. Like events they are msgspec
+structs in msgpack, one tagged union per conversation, one typed decoder each.
+
+Core NATS delivers at most once: token chunks published while a gateway moves to
+another NATS node are lost. Chunks are numbered, the decode instance keeps what it
+streamed for a while, and a gateway that sees a gap (or reconnected, or heard nothing
+for a while) asks for it again with `ResendTokens`.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Literal
 
 import msgspec
 
@@ -171,8 +176,45 @@ class TokenChunk(_Msg, tag="token_chunk"):
     cached_tokens: int = 0
 
 
+# --- gateway -> decode --------------------------------------------------------------
+
+
+class ResendTokens(_Msg, tag="resend_tokens"):
+    """A gateway missed chunks of a stream: publish them again from `from_seq` on.
+
+    The decode instance publishes what it still holds on the stream's own token
+    subject, which only the gateway it is addressed to may read, and answers with
+    `TokensResent`; the answer itself carries no text, because any gateway may ask
+    (request ids are in the log) while only the addressed one may read the tokens.
+    """
+
+    request_id: str
+    from_seq: int
+
+
+#: What a decode instance knows of a stream: `unknown` (never there, or its retention
+#: ran out), `pending` (KV reserved, no token yet), `streaming` or `finished`.
+StreamState = Literal["unknown", "pending", "streaming", "finished"]
+
+
+class TokensResent(_Msg, tag="tokens_resent"):
+    """Reply to `ResendTokens`: the stream's state and the chunks it still holds.
+
+    Chunks `first_seq` to `next_seq - 1` are held; those from `max(from_seq,
+    first_seq)` on were published again before this reply (`resent` of them). A
+    `first_seq` above the asked `from_seq` means the chunks in between are gone.
+    """
+
+    request_id: str
+    state: StreamState
+    first_seq: int = 0
+    next_seq: int = 0
+    resent: int = 0
+
+
 JOB_SUBJECT_PREFIX: Final = "yb.job"
 TOKEN_SUBJECT_PREFIX: Final = "yb.tok"
+RESEND_SUBJECT_PREFIX: Final = "yb.resend"
 
 
 def prefill_job_subject(instance_id: str) -> str:
@@ -190,12 +232,23 @@ def token_subject(gateway_id: str, request_id: str) -> str:
     return f"{TOKEN_SUBJECT_PREFIX}.{subject_token(gateway_id)}.{subject_token(request_id)}"
 
 
+def resend_subject(decode_instance: str) -> str:
+    """Where a decode instance takes `ResendTokens` from gateways.
+
+    Its own prefix, not the decode's job subject: gateways may ask for resends, but
+    must not send the reservations and starts that only prefill may send.
+    """
+    return f"{RESEND_SUBJECT_PREFIX}.{subject_token(decode_instance)}"
+
+
 _encoder = msgspec.msgpack.Encoder()
 job_decoder: StrictDecoder[PrefillJob] = StrictDecoder(PrefillJob)
 job_reply_decoder: StrictDecoder[JobReply] = StrictDecoder(JobReply)
 decode_control_decoder: StrictDecoder[DecodeControl] = StrictDecoder(DecodeControl)
 decode_reply_decoder: StrictDecoder[DecodeReply] = StrictDecoder(DecodeReply)
 token_decoder: StrictDecoder[TokenChunk] = StrictDecoder(TokenChunk)
+resend_decoder: StrictDecoder[ResendTokens] = StrictDecoder(ResendTokens)
+resend_reply_decoder: StrictDecoder[TokensResent] = StrictDecoder(TokensResent)
 
 
 def encode(message: msgspec.Struct) -> bytes:

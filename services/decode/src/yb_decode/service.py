@@ -7,6 +7,12 @@ verified; `AbortReservation` frees the pages. One engine loop steps the batch wh
 it has work and streams each request's tokens, numbered, to its gateway's token
 subject. Cancellations from the log abort a request wherever it is.
 
+Token chunks are core NATS messages, so a gateway that moves to another NATS node
+loses those sent meanwhile. Every chunk published is kept (`TokenHistory`, for a
+while after its stream ends too), and a gateway that missed some asks on
+`yb.resend.<id>` (`ResendTokens`): they are published again on the stream's token
+subject, answered from the event loop, never behind the engine.
+
 Nothing is held for a request that nobody will finish: a reservation whose KV stops
 arriving (the prefill instance died: its UCX connection broke, or the deadline
 passed) is freed and its gateway told at once with an error chunk, and a request
@@ -27,6 +33,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
+from yb_decode.history import TokenHistory
 from yb_shared import events as ev
 from yb_shared import protocol as pr
 from yb_shared.bus import Bus, BusError
@@ -114,6 +121,8 @@ class DecodeService(Service):
         self._aborts: dict[str, _Abort] = {}
         self._work = asyncio.Event()
         self._draining = False
+        # What was streamed, for gateways that lost chunks on the way.
+        self.history = TokenHistory()
         self._m_step = Histogram(
             "yb_decode_step_seconds",
             "Duration of one decode step (the TBT)",
@@ -125,6 +134,11 @@ class DecodeService(Service):
         )
         self._m_tokens = Counter(
             "yb_decode_tokens_total", "Tokens generated", registry=self.metrics
+        )
+        self._m_resent = Counter(
+            "yb_decode_resent_chunks",
+            "Token chunks published again because a gateway asked (it lost them)",
+            registry=self.metrics,
         )
         self._m_kv_bytes = Counter(
             "yb_decode_kv_bytes_received",
@@ -161,6 +175,9 @@ class DecodeService(Service):
         self.cancellations = CancellationFollower(self.bus, self._on_cancel)
         await self.cancellations.start()
         await self.bus.subscribe(pr.decode_control_subject(self.instance_id), cb=self._on_control)
+        # Its own subscription, so its callback task never waits behind a control
+        # message (a reservation waits for the engine thread).
+        await self.bus.subscribe(pr.resend_subject(self.instance_id), cb=self._on_resend)
         self.presence = Presence(
             self.bus,
             ev.InstanceUp(
@@ -224,9 +241,70 @@ class DecodeService(Service):
                 reply = pr.DecodeAck(request_id=message.request_id, ok=True)
         await self._respond(msg, reply)
 
-    async def _respond(self, msg: Msg, reply: pr.DecodeReply) -> None:
+    async def _respond(self, msg: Msg, reply: pr.DecodeReply | pr.TokensResent) -> None:
         with contextlib.suppress(Exception):
             await msg.respond(pr.encode(reply))
+
+    # --- resends to gateways that lost chunks ---------------------------------------
+
+    async def _on_resend(self, msg: Msg) -> None:
+        """Publish a stream's chunks again from the asked one on, then answer.
+
+        Only history and the request tables are read, so the answer never waits for
+        the engine. The chunks go to the stream's own token subject, not into the
+        reply: only the gateway the stream is addressed to may read them.
+        """
+        try:
+            ask = pr.resend_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("malformed_resend", error=str(exc))
+            await self._respond(msg, pr.TokensResent(request_id="", state="unknown"))
+            return
+        rid = ask.request_id
+        kept = self.history.get(rid)
+        if kept is None:
+            # Nothing published yet: before its first token, or never here.
+            state: pr.StreamState = "unknown"
+            if rid in self._streams:
+                state = "streaming"
+            elif rid in self._pending:
+                state = "pending"
+            await self._respond(msg, pr.TokensResent(request_id=rid, state=state))
+            return
+        # Taken before publishing: chunks of a live stream published meanwhile reach
+        # the gateway by themselves.
+        first_seq, next_seq = kept.first_seq, kept.next_seq
+        payloads = kept.since(ask.from_seq)
+        resent = 0
+        if self.bus is not None:
+            try:
+                for payload in payloads:
+                    await self.bus.publish_core(kept.subject, payload)
+                    resent += 1
+            except BusError as exc:
+                log.warning("resend_failed", request_id=rid, error=str(exc))
+        if resent:
+            self._m_resent.inc(resent)
+            log.info("tokens_resent", request_id=rid, from_seq=ask.from_seq, resent=resent)
+        reply = pr.TokensResent(
+            request_id=rid,
+            state="finished" if kept.finished else "streaming",
+            first_seq=first_seq,
+            next_seq=next_seq,
+            resent=resent,
+        )
+        await self._respond(msg, reply)
+
+    async def _emit(self, request_id: str, subject: str, chunk: pr.TokenChunk) -> None:
+        """Publish a chunk to its gateway, and keep it for a resend."""
+        payload = pr.encode(chunk)
+        self.history.record(request_id, subject, chunk.seq, payload)
+        if self.bus is not None:
+            try:
+                await self.bus.publish_core(subject, payload)
+            except BusError as exc:
+                # Kept all the same: the gateway asks for it once it misses it.
+                log.warning("token_publish_failed", request_id=request_id, error=str(exc))
 
     async def _reserve(self, req: pr.ReserveKV, trace_headers: dict[str, str]) -> pr.ReserveReply:
         cache = self.engine.cache
@@ -312,9 +390,8 @@ class DecodeService(Service):
             error_status=503,
             prompt_tokens=reserve.num_tokens,
         )
-        if self.bus is not None:
-            with contextlib.suppress(BusError):
-                await self.bus.publish_core(reserve.token_subject, pr.encode(chunk))
+        await self._emit(reserve.request_id, reserve.token_subject, chunk)
+        self.history.finish(reserve.request_id)
         self._m_requests.labels("failed").inc()
         await self._publish(
             ev.RequestFinished(
@@ -495,11 +572,7 @@ class DecodeService(Service):
             cached_tokens=stream.reused_tokens,
         )
         stream.seq += 1
-        if self.bus is not None:
-            try:
-                await self.bus.publish_core(stream.subject, pr.encode(chunk))
-            except BusError as exc:
-                log.warning("token_publish_failed", request_id=stream.request_id, error=str(exc))
+        await self._emit(stream.request_id, stream.subject, chunk)
 
     async def _end_stream(
         self, stream: Stream, *, error: str, status: int, reason: str = "error"
@@ -513,13 +586,12 @@ class DecodeService(Service):
             error_status=status,
         )
         stream.seq += 1
-        if self.bus is not None:
-            with contextlib.suppress(BusError):
-                await self.bus.publish_core(stream.subject, pr.encode(chunk))
+        await self._emit(stream.request_id, stream.subject, chunk)
         await self._finish(stream, reason, error)
 
     async def _finish(self, stream: Stream, reason: str, error: str) -> None:
         self._streams.pop(stream.request_id, None)
+        self.history.finish(stream.request_id)
         stream.span.set_attribute("yb.completion_tokens", stream.completion_tokens)
         stream.span.set_attribute("yb.finish_reason", reason)
         stream.span.end()

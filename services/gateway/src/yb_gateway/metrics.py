@@ -5,6 +5,8 @@ request arrived to the first generated token relayed, inter-token time between
 consecutive token chunks. `status` on the request counter is the HTTP status the
 request ended with; for a stream that breaks after its 200 went out it is the status
 of the error event (502, 504...), and 499 when the client went away first.
+`yb_gateway_token_resends_total` counts the times a stream asked its decode instance
+to publish lost chunks again, by what made it ask (`gap`, `reconnect`, `quiet`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 
 
 class GatewayMetrics:
-    """The four series the gateway exports."""
+    """The series the gateway exports."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.ttft = Histogram(
@@ -39,6 +41,12 @@ class GatewayMetrics:
             "yb_gateway_requests",
             "Completion requests by final HTTP status",
             ["status"],
+            registry=registry,
+        )
+        self.resends = Counter(
+            "yb_gateway_token_resends",
+            "Requests to a decode instance to publish lost token chunks again, by trigger",
+            ["trigger"],
             registry=registry,
         )
         self.in_flight = Gauge(

@@ -16,7 +16,8 @@ requests of a gateway that fell silent or came back as a new process (their clie
 are gone), so no engine keeps working for nobody. The other way round, the gateway
 follows `InstanceDown`: a request whose decode instance, or whose prefill instance
 before its first token, is declared dead ends at once with a 503 instead of waiting
-for a token that will never come.
+for a token that will never come. When the connection moves to another NATS node,
+every stream in flight asks its decode instance for the chunks lost meanwhile.
 """
 
 from __future__ import annotations
@@ -220,6 +221,7 @@ class GatewayService(Service):
                     ncfg,
                     f"yb-gateway:{self.instance_id}",
                     timeout_s=max(1.0, ncfg.connect_timeout_s),
+                    on_state=self._on_bus_state,
                 )
             except BusUnavailable as exc:
                 if attempt % 20 == 0:  # say so, but do not flood the log
@@ -243,6 +245,14 @@ class GatewayService(Service):
                 await bus.close()
             await asyncio.sleep(delay(attempt))
             attempt += 1
+
+    async def _on_bus_state(self, state: str) -> None:
+        # Token chunks are core NATS messages: those published while the connection
+        # moved to another node are lost. Every stream asks its decode instance for
+        # them again (nats-py calls this once its subscriptions are back).
+        if state == "connected":
+            for session in list(self._sessions.values()):
+                session.bus_reconnected()
 
     async def _follow(self, bus: Bus) -> None:
         try:

@@ -8,7 +8,11 @@
    response has started, so it becomes a proper status code (429, 503).
 2. `chunks()` yields the decode instance's `TokenChunk`s in order, each wait bounded
    (first token, then between tokens, never past the request's deadline), and turns
-   a gap in `seq`, an engine error or a timeout into `StreamError`.
+   an engine error or a timeout into `StreamError`. Chunks are core NATS messages and
+   may be lost (while this gateway moves to another NATS node): on a gap in `seq`,
+   after a reconnect (`bus_reconnected()`) and when the stream goes quiet, the
+   session asks the decode instance to publish them again (`yb_gateway.recovery`),
+   and only a gap that cannot be filled ends the stream with `token_stream_gap`.
 3. `close()` always runs (the endpoint guarantees it even when the client vanished):
    it unsubscribes and, when the request did not finish on its own, publishes
    `RequestCancelled` so every engine frees it. It never raises.
@@ -40,6 +44,7 @@ from yb_gateway.decisions import Decision, DecisionRouter
 from yb_gateway.errors import ApiError, rejected, unavailable
 from yb_gateway.metrics import GatewayMetrics
 from yb_gateway.prompt import PreparedRequest
+from yb_gateway.recovery import RESEND_TIMEOUT_S, StreamRecovery
 from yb_gateway.schemas import ErrorBody, ErrorDetail, PromptTokensDetails, Usage
 from yb_shared import events as ev
 from yb_shared import protocol
@@ -94,6 +99,27 @@ class _EngineLost:
         self.message = message
 
 
+class _Reconnected:
+    """Queued when the bus reconnected: chunks sent meanwhile may be lost."""
+
+    __slots__ = ()
+
+
+class _ResendAnswer:
+    """Queued when resend request number `ask` is over: the decode instance's answer
+    (None when it did not answer) and why not."""
+
+    __slots__ = ("ask", "error", "reply")
+
+    def __init__(self, ask: int, reply: protocol.TokensResent | None, error: str) -> None:
+        self.ask = ask
+        self.reply = reply
+        self.error = error
+
+
+_Item = bytes | _Abort | _EngineLost | _Reconnected | _ResendAnswer
+
+
 class RequestSession:
     """One admitted request, from `RequestAdmitted` to its last token."""
 
@@ -120,7 +146,12 @@ class RequestSession:
         self._metrics = metrics
         self._arrived = arrived  # monotonic
         self._deadline = arrived + cfg.gateway.request_timeout_s
-        self._queue: asyncio.Queue[bytes | _Abort | _EngineLost] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        # The one resend request in flight, and those let go (cancelled by a
+        # reconnect) that have not ended yet: owned here, awaited by `close()`.
+        self._resend: asyncio.Task[None] | None = None
+        self._ending_resends: set[asyncio.Task[None]] = set()
+        self._asks = 0  # numbers resend requests: a superseded one's answer is ignored
         self._decision_future: asyncio.Future[Decision] | None = None
         self._subscription: Subscription | None = None
         self._aborted: str | None = None
@@ -269,44 +300,147 @@ class RequestSession:
     # --- the token stream -----------------------------------------------------------
 
     async def chunks(self) -> AsyncIterator[protocol.TokenChunk]:
-        """The request's token chunks in order, up to and including the finished one."""
+        """The request's token chunks in order, up to and including the finished one.
+
+        Chunks that arrive ahead of a missing one are held, duplicates dropped, and
+        the decode instance is asked for what is missing (see `yb_gateway.recovery`)
+        while the first-token or between-token timeout and the deadline run.
+        """
         gcfg = self._cfg.gateway
-        expected = 0
-        while True:
-            idle_s = gcfg.first_token_timeout_s if expected == 0 else gcfg.token_idle_timeout_s
-            left_s = self._deadline - time.monotonic()
-            try:
-                item = await asyncio.wait_for(
-                    self._queue.get(), timeout=max(0.0, min(idle_s, left_s))
+        delivered_at = time.monotonic()  # the idle timeouts run from the last chunk out
+        order = StreamRecovery(delivered_at)
+        try:
+            while True:
+                now = time.monotonic()
+                while (chunk := order.next_ready(now)) is not None:
+                    delivered_at = now
+                    self._account(chunk)
+                    if chunk.error:
+                        raise StreamError(
+                            chunk.error_status or 502, chunk.error, code="engine_error"
+                        )
+                    if chunk.finished:
+                        self._ended = True
+                        self.finish_reason = chunk.finish_reason or "stop"
+                    yield chunk
+                    if chunk.finished:
+                        return
+                    now = time.monotonic()
+                if order.given_up(now):
+                    raise self._gap_error(order, "no resend filled it in time")
+                if self._resend is None and (trigger := order.due(now)) is not None:
+                    self._ask_resend(order.asking(now), trigger)
+                idle_s = (
+                    gcfg.first_token_timeout_s if order.expected == 0 else gcfg.token_idle_timeout_s
                 )
-            except TimeoutError:
-                raise self._timeout_error(expected, idle_s, left_s) from None
-            if isinstance(item, _Abort):
-                raise StreamError(503, item.reason, code="shutting_down")
-            if isinstance(item, _EngineLost):
-                if item.role == "prefill" and expected > 0:
-                    continue  # its work was done: decode has the request
-                raise StreamError(503, item.message, code="engine_failed")
-            try:
-                chunk = protocol.token_decoder.decode(item)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise StreamError(502, f"Unreadable token chunk: {exc}", code="bad_chunk") from exc
-            if chunk.seq != expected:
-                raise StreamError(
-                    502,
-                    f"Token stream broken: expected chunk {expected}, got chunk {chunk.seq}.",
-                    code="token_stream_gap",
+                idle_left = delivered_at + idle_s - now
+                left_s = self._deadline - now
+                if idle_left <= 0 or left_s <= 0:
+                    if order.gap:
+                        raise self._gap_error(order, "no resend filled it in time")
+                    raise self._timeout_error(order.expected, idle_s, idle_left, left_s)
+                wait_s = min(
+                    idle_left, left_s, order.seconds_to_next(now, asking=self._resend is not None)
                 )
-            expected += 1
-            self._account(chunk)
-            if chunk.error:
-                raise StreamError(chunk.error_status or 502, chunk.error, code="engine_error")
-            if chunk.finished:
-                self._ended = True
-                self.finish_reason = chunk.finish_reason or "stop"
-            yield chunk
-            if chunk.finished:
-                return
+                try:
+                    # Never 0: `wait_for` would not even look at a waiting item then.
+                    item = await asyncio.wait_for(self._queue.get(), timeout=max(wait_s, 0.001))
+                except TimeoutError:
+                    continue  # something is due: the loop's top decides what
+                now = time.monotonic()
+                match item:
+                    case bytes():
+                        try:
+                            chunk = protocol.token_decoder.decode(item)
+                        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                            raise StreamError(
+                                502, f"Unreadable token chunk: {exc}", code="bad_chunk"
+                            ) from exc
+                        order.add(chunk, now)
+                    case _ResendAnswer() if item.ask == self._asks:
+                        self._resend_over()
+                        if item.reply is None:
+                            log.info(
+                                "resend_unanswered", request_id=self.request_id, error=item.error
+                            )
+                        if why := order.answered(item.reply, now):
+                            raise self._gap_error(order, why)
+                    case _ResendAnswer():
+                        pass  # asked before a reconnect, and asked again since
+                    case _Reconnected():
+                        # A request sent before the reconnect may be lost with it.
+                        self._cancel_resend()
+                        order.reconnected(now)
+                    case _Abort():
+                        raise StreamError(503, item.reason, code="shutting_down")
+                    case _EngineLost():
+                        if item.role == "prefill" and order.expected > 0:
+                            continue  # its work was done: decode has the request
+                        raise StreamError(503, item.message, code="engine_failed")
+        finally:
+            self._cancel_resend()
+
+    def bus_reconnected(self) -> None:
+        """The bus moved to another NATS node: chunks published meanwhile are lost,
+        so the stream asks its decode instance for them."""
+        if not self._ended and self._aborted is None:
+            self._queue.put_nowait(_Reconnected())
+
+    def _ask_resend(self, from_seq: int, trigger: str) -> None:
+        decision = self.decision
+        if decision is None:  # not handed off: nobody streams yet
+            return
+        self._metrics.resends.labels(trigger).inc()
+        self._asks += 1
+        self._resend = asyncio.create_task(
+            self._request_resend(self._asks, decision.decode_instance, from_seq),
+            name=f"resend:{self.request_id}",
+        )
+
+    async def _request_resend(self, ask_no: int, decode_instance: str, from_seq: int) -> None:
+        ask = protocol.ResendTokens(request_id=self.request_id, from_seq=from_seq)
+        timeout_s = max(0.05, min(RESEND_TIMEOUT_S, self._deadline - time.monotonic()))
+        reply: protocol.TokensResent | None = None
+        error = ""
+        try:
+            msg = await self._bus.request(
+                protocol.resend_subject(decode_instance), protocol.encode(ask), timeout_s=timeout_s
+            )
+            reply = protocol.resend_reply_decoder.decode(msg.data)
+        except BusUnavailable as exc:
+            error = str(exc)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            error = f"unreadable answer from {decode_instance}: {exc}"
+        self._queue.put_nowait(_ResendAnswer(ask_no, reply, error))
+
+    def _resend_over(self) -> None:
+        task, self._resend = self._resend, None
+        if task is None:
+            return
+        if task.done():
+            task.result()  # re-raises what the request did not expect
+        else:
+            self._let_end(task)  # its answer is queued: it ends in a moment
+
+    def _cancel_resend(self) -> None:
+        task, self._resend = self._resend, None
+        if task is not None and not task.done():
+            task.cancel()
+            self._let_end(task)
+
+    def _let_end(self, task: asyncio.Task[None]) -> None:
+        # Awaited by `close()`, not here: an async generator's `finally` may run where
+        # it cannot await (a client that vanished).
+        self._ending_resends.add(task)
+        task.add_done_callback(self._ending_resends.discard)
+
+    def _gap_error(self, order: StreamRecovery, why: str) -> StreamError:
+        got = f"got chunk {order.first_held}" if order.gap else "the stream went quiet"
+        return StreamError(
+            502,
+            f"Token stream broken: expected chunk {order.expected}, {got}; {why}.",
+            code="token_stream_gap",
+        )
 
     def _account(self, chunk: protocol.TokenChunk) -> None:
         now = time.monotonic()
@@ -325,8 +459,10 @@ class RequestSession:
             self.prompt_tokens = chunk.prompt_tokens
         self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
 
-    def _timeout_error(self, expected: int, idle_s: float, left_s: float) -> StreamError:
-        if left_s <= idle_s:
+    def _timeout_error(
+        self, expected: int, idle_s: float, idle_left: float, left_s: float
+    ) -> StreamError:
+        if left_s <= idle_left:
             return StreamError(
                 504,
                 f"The request ran past request_timeout_s={self._cfg.gateway.request_timeout_s:g}s.",
@@ -394,6 +530,9 @@ class RequestSession:
         self._closed = True
         try:
             self._router.forget(self.request_id)
+            self._cancel_resend()
+            if self._ending_resends:
+                await asyncio.gather(*self._ending_resends, return_exceptions=True)
             if self._subscription is not None:
                 with contextlib.suppress(nats.errors.Error, OSError):
                     await self._subscription.unsubscribe()
