@@ -36,6 +36,8 @@ The recovery times are written to /tmp/notes/multihost.json (`$YB_MULTIHOST_NOTE
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import itertools
 import json
 import os
@@ -277,7 +279,8 @@ def _placement(hosts: dict[str, Host]) -> tuple[list[ProcessSpec], dict[str, str
             # shm, sysv and cma work across network namespaces of one machine (they
             # never touch the network): only tcp makes UCX use the host's link.
             "UCX_TLS": "tcp",
-            "UCX_NET_DEVICES": host.device,
+            # No UCX_NET_DEVICES: `ucx_host` alone must hold UCX to the host's eth0
+            # (checked: `test_kv_crosses...` reads every engine's listening sockets).
             f"YB_{role.upper()}__UCX_HOST": host.address,
             # Scraped from the root namespace (with the metrics token).
             "YB_TELEMETRY__METRICS_HOST": host.address,
@@ -541,6 +544,14 @@ def test_kv_crosses_the_network_from_prefill_host_to_decode_host(mh: MultiHost) 
     # ... and it crossed both hosts' links: out of host-0, into the decode's host.
     assert moved[source.name].sent_bytes >= kv_bytes, (moved, kv_bytes)
     assert moved[target.name].received_bytes >= kv_bytes, (moved, kv_bytes)
+    # Each engine and kvstore listens (UCX's TCP transport, its metrics) only on its
+    # host's address: nothing on the wildcard, nothing on the namespace's loopback.
+    listening = {}
+    for instance, host_name in mh.placement.items():
+        bound = _listening_addresses(mh.cluster.children[instance].pid)
+        listening[instance] = sorted(f"{a}:{p}" for a, p in bound)
+        assert {a for a, _ in bound} == {mh.hosts[host_name].address}, (instance, bound)
+        assert len(bound) >= 2, (instance, bound)  # its metrics, and UCX's TCP transport
     mh.record(
         "kv_over_the_network",
         {
@@ -550,8 +561,32 @@ def test_kv_crosses_the_network_from_prefill_host_to_decode_host(mh: MultiHost) 
             "bytes_out_of_prefill_host": moved[source.name].sent_bytes,
             "bytes_into_decode_host": moved[target.name].received_bytes,
             "request_s": round(latency_s, 3),
+            "listening_on": listening,
         },
     )
+
+
+def _listening_addresses(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on, read in its own
+    network namespace (`/proc/PID/net`; psutil reads the caller's)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            # The kernel prints each 32-bit word in host (little-endian) order.
+            words = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
+            found.add((str(ipaddress.ip_address(words)), int(port, 16)))
+    return found
 
 
 # --- (b) ------------------------------------------------------------------------------
