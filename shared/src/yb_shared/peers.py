@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 from yb_shared import events as ev
 from yb_shared.bus import Bus, EventReader
@@ -74,15 +75,7 @@ class PeerDirectory:
         Waits up to `timeout_s` for it: a peer's first hello can overtake its
         announcement on the way here.
         """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while worker not in self._workers.values():
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return False
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), remaining)
-        return True
+        return await self._until(lambda: worker in self._workers.values(), timeout_s)
 
     def get(self, instance_id: str) -> ev.InstanceUp | None:
         """The announcement of an instance that is up."""
@@ -108,12 +101,17 @@ class PeerDirectory:
 
     async def wait_for(self, instance_id: str, timeout_s: float) -> ev.InstanceUp | None:
         """The announcement of `instance_id`, waiting up to `timeout_s` for it."""
+        await self._until(lambda: instance_id in self._up, timeout_s)
+        return self._up.get(instance_id)
+
+    async def _until(self, holds: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait, up to `timeout_s`, for an announcement after which `holds()`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while (up := self._up.get(instance_id)) is None:
+        while not holds():
             remaining = deadline - loop.time()
             if remaining <= 0:
-                return None
+                return False
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
-        return up
+        return True
