@@ -3,9 +3,12 @@
     python benchmarks/overload.py --json PATH [--model tiny-random|default]
                                   [--factor 10] [--ttft-slo 4] [--tbt-slo 1]
                                   [--prompt-tokens 256] [--output-tokens 16]
+                                  [--bursts 1] [--export-log LOG.jsonl] [--keep DIR]
+                                  [--set KEY=VALUE ...]
 
 It starts a cluster (`yb up` in a subprocess; the SLOs the gateway asks of each
-request set by `--ttft-slo` and `--tbt-slo`; admission `predicted`), measures what one
+request set by `--ttft-slo` and `--tbt-slo`; admission `predicted`; the conductor
+told that every engine shares this machine, `compute_sharing=all`), measures what one
 request costs, sizes the cluster's capacity from that, sends `factor` times that many
 requests at the same instant through the OpenAI API, and reports:
 
@@ -20,14 +23,27 @@ Capacity is how many requests the cluster can start within the TTFT SLO at once:
 `prefill instances x floor(TTFT SLO / TTFT of one request alone)` (at least 1): a
 prefill instance computes one prompt at a time, so more than that cannot all meet
 the SLO whatever the scheduler does.
+
+`--bursts N` sends N such bursts, each once the last has drained (`--burst-gap`
+seconds later), and reports the later ones under `later_bursts`: the first burst
+meets a conductor that has only seen requests one at a time, the next one what it
+learned from the first. `--set` passes conductor settings (as `yb replay --set`).
+
+`--export-log` writes the cluster's event log (`yb replay --export`) before the
+cluster stops, so that where the accepted requests' time went can be read against
+what the conductor predicted (printed as a table, one row per accepted request);
+`--keep DIR` runs the cluster in DIR and leaves it there (its `yb-up.log` has every
+service's log lines).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -40,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared" / "src"))
 from yb_shared.bench.client import BenchClient, RequestResult
 from yb_shared.bench.report import percentile, request_tbt
 from yb_shared.bench.workloads import Limits, SharedPrefix, shared_prefix_requests
+from yb_shared.natsserver import env_without_proxies
 from yb_shared.testing import LocalCluster, pid_alive
 
 
@@ -87,6 +104,42 @@ def p90_gap(result: RequestResult) -> float | None:
     return request_tbt(result, 90)
 
 
+def outcome(args: argparse.Namespace, results: list[RequestResult]) -> dict[str, Any]:
+    """How one burst's requests ended, against the SLOs."""
+    accepted = [r for r in results if r.ok]
+    refused = [r for r in results if r.status == 429]
+    other = [r for r in results if not r.ok and r.status != 429]
+    ttfts = [r.ttft_s for r in accepted if r.ttft_s is not None]
+    gaps = [g for r in accepted if (g := p90_gap(r)) is not None]
+    within = [
+        r
+        for r in accepted
+        if r.ttft_s is not None
+        and r.ttft_s <= args.ttft_slo
+        and (p90_gap(r) or 0.0) <= args.tbt_slo
+    ]
+    answered = [r.answered_s for r in refused if r.answered_s is not None]
+    retry_after = [r.retry_after_s for r in refused if r.retry_after_s is not None]
+    return {
+        "accepted": len(accepted),
+        "rejected_429": len(refused),
+        "other_errors": len(other),
+        "other_error_kinds": sorted({r.error for r in other}),
+        "rejected_with_retry_after": len(retry_after),
+        "retry_after_min_s": min(retry_after, default=None),
+        "retry_after_max_s": max(retry_after, default=None),
+        "reject_answer_p50_s": pct(answered, 50),
+        "reject_answer_p99_s": pct(answered, 99),
+        "reject_answer_max_s": max(answered, default=None),
+        "accepted_ttft_p50_s": pct(ttfts, 50),
+        "accepted_ttft_p99_s": pct(ttfts, 99),
+        "accepted_tbt_p90_p50_s": pct(gaps, 50),
+        "accepted_tbt_p90_p99_s": pct(gaps, 99),
+        "accepted_within_slo": len(within),
+        "accepted_slo_attainment": len(within) / len(accepted) if accepted else None,
+    }
+
+
 async def burst(args: argparse.Namespace, cluster: LocalCluster) -> dict[str, Any]:
     probe = BenchClient(cluster.url, concurrency=4, api_key=cluster.api_key)
     info = await probe.server_info()
@@ -115,28 +168,36 @@ async def burst(args: argparse.Namespace, cluster: LocalCluster) -> dict[str, An
     capacity = args.prefill * max(1, int(args.ttft_slo // max(ttft_alone, 1e-3)))
     count = args.factor * capacity
 
-    specs = shared_prefix_requests(
-        SharedPrefix(
-            groups=count,
-            prefix_tokens=args.prompt_tokens,
-            users=1,
-            question_tokens=8,
-            output_tokens=args.output_tokens,
-        ),
-        limits,
-        seed=2,
-    )
     client = BenchClient(cluster.url, concurrency=count, api_key=cluster.api_key)
     before = {name: rss_mb(pid) for name, pid in cluster.pids.items()}
+    bursts: list[dict[str, Any]] = []
     with MemorySampler(cluster.pids) as memory:
-        started = time.perf_counter()
-        results = await asyncio.gather(
-            *(
-                client.send(spec, model=info.model, deadline_s=args.deadline, t0=started)
-                for spec in specs
+        for i in range(max(1, args.bursts)):
+            if i:
+                # The next wave comes once the last has drained: what the conductor
+                # learned from it prices this one.
+                await asyncio.sleep(args.burst_gap)
+            specs = shared_prefix_requests(
+                SharedPrefix(
+                    groups=count,
+                    prefix_tokens=args.prompt_tokens,
+                    users=1,
+                    question_tokens=8,
+                    output_tokens=args.output_tokens,
+                ),
+                limits,
+                seed=2 + i,
             )
-        )
-        burst_s = time.perf_counter() - started
+            started = time.perf_counter()
+            results = await asyncio.gather(
+                *(
+                    client.send(spec, model=info.model, deadline_s=args.deadline, t0=started)
+                    for spec in specs
+                )
+            )
+            figures = {"burst_wall_s": time.perf_counter() - started}
+            figures.update(outcome(args, list(results)))
+            bursts.append(figures)
     await asyncio.sleep(2.0)  # let freed memory show
     after = {name: rss_mb(pid) for name, pid in cluster.pids.items()}
     dead = [name for name, pid in cluster.pids.items() if not pid_alive(pid)]
@@ -144,20 +205,6 @@ async def burst(args: argparse.Namespace, cluster: LocalCluster) -> dict[str, An
     check = await client.send(alone[0], model=info.model, deadline_s=120, t0=time.perf_counter())
     await client.close()
 
-    accepted = [r for r in results if r.ok]
-    refused = [r for r in results if r.status == 429]
-    other = [r for r in results if not r.ok and r.status != 429]
-    ttfts = [r.ttft_s for r in accepted if r.ttft_s is not None]
-    gaps = [g for r in accepted if (g := p90_gap(r)) is not None]
-    within = [
-        r
-        for r in accepted
-        if r.ttft_s is not None
-        and r.ttft_s <= args.ttft_slo
-        and (p90_gap(r) or 0.0) <= args.tbt_slo
-    ]
-    answered = [r.answered_s for r in refused if r.answered_s is not None]
-    retry_after = [r.retry_after_s for r in refused if r.retry_after_s is not None]
     by_role: dict[str, dict[str, float]] = {}
     for name in cluster.pids:
         role = name.rsplit("-", 1)[0]
@@ -170,29 +217,91 @@ async def burst(args: argparse.Namespace, cluster: LocalCluster) -> dict[str, An
         "ttft_alone_s": ttft_alone,
         "capacity_requests": capacity,
         "burst_requests": count,
-        "burst_wall_s": burst_s,
-        "accepted": len(accepted),
-        "rejected_429": len(refused),
-        "other_errors": len(other),
-        "other_error_kinds": sorted({r.error for r in other}),
-        "rejected_with_retry_after": len(retry_after),
-        "retry_after_min_s": min(retry_after, default=None),
-        "retry_after_max_s": max(retry_after, default=None),
-        "reject_answer_p50_s": pct(answered, 50),
-        "reject_answer_p99_s": pct(answered, 99),
-        "reject_answer_max_s": max(answered, default=None),
-        "accepted_ttft_p50_s": pct(ttfts, 50),
-        "accepted_ttft_p99_s": pct(ttfts, 99),
-        "accepted_tbt_p90_p50_s": pct(gaps, 50),
-        "accepted_tbt_p90_p99_s": pct(gaps, 99),
-        "accepted_within_slo": len(within),
-        "accepted_slo_attainment": len(within) / len(accepted) if accepted else None,
+        **bursts[0],
         "ttft_slo_s": args.ttft_slo,
         "tbt_slo_s": args.tbt_slo,
         "memory_mb": by_role,
         "processes_dead": dead,
         "serves_after": check.ok,
+        "later_bursts": bursts[1:],
     }
+
+
+def export_log(cluster: LocalCluster, path: Path) -> None:
+    """The running cluster's event log to `path`, as `yb replay --export` writes it."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "yb_shared.cli",
+            "replay",
+            "--data-dir",
+            str(cluster.data_dir),
+            "--export",
+            str(path),
+        ],
+        env=env_without_proxies(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    print((done.stdout or done.stderr).strip(), file=sys.stderr)
+
+
+def timeline(path: Path) -> list[dict[str, Any]]:
+    """Per accepted request of an exported log: what the conductor predicted against
+    what happened, in seconds from its admission (the time its decision carries).
+
+    `wait` is admission to `prefill_started` (the predicted part is `est_queue`),
+    `prefill` is `prefill_started` to `prefill_done` (predicted `est_prefill`; it
+    includes the reservation on decode and the hand-over), `commit` is admission to
+    `kv_committed`, `ttft` the first token as decode measured it.
+    """
+    from yb_conductor.replay import read_log
+    from yb_shared import events as ev
+
+    admitted: dict[str, float] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    for record in read_log(path):
+        e = record.event
+        match e:
+            case ev.RequestAdmitted():
+                admitted[e.request_id] = e.time
+            case ev.RequestScheduled():
+                t0 = admitted.get(e.request_id, e.time)
+                rows[e.request_id] = {
+                    "request_id": e.request_id,
+                    "at": t0,
+                    "prefill_instance": e.prefill_instance,
+                    "est_queue": e.estimates.queue_s,
+                    "est_prefill": e.estimates.transfer_s + e.estimates.prefill_s,
+                    "est_ttft": e.estimates.ttft_s,
+                }
+            case ev.RequestProgress() if e.request_id in rows:
+                row = rows[e.request_id]
+                row[e.stage] = e.time - row["at"]
+            case ev.RequestFinished() if e.request_id in rows and e.ttft_s:
+                rows[e.request_id]["ttft"] = e.ttft_s
+    out = []
+    for row in sorted(rows.values(), key=lambda r: r["at"]):
+        started, done = row.get("prefill_started"), row.get("prefill_done")
+        row["wait"] = started
+        row["prefill"] = done - started if started is not None and done is not None else None
+        row["commit"] = row.get("kv_committed")
+        out.append(row)
+    return out
+
+
+def print_timeline(rows: list[dict[str, Any]]) -> None:
+    """The timeline as a table on stderr."""
+    first = rows[0]["at"] if rows else 0.0
+    cols = ("est_queue", "wait", "est_prefill", "prefill", "commit", "est_ttft", "ttft")
+    print(f"{'at':>7} {'prefill':<10} " + " ".join(f"{c:>11}" for c in cols), file=sys.stderr)
+    for r in rows:
+        cells = " ".join(
+            f"{r[c]:>11.3f}" if isinstance(r.get(c), float) else f"{'-':>11}" for c in cols
+        )
+        print(f"{r['at'] - first:>7.3f} {r['prefill_instance']:<10} {cells}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,6 +317,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--deadline", type=float, default=300.0, help="per request, seconds")
     parser.add_argument("--kv-pages", type=int, default=256, help="KV pages per engine")
+    parser.add_argument("--bursts", type=int, default=1, help="bursts, one after another")
+    parser.add_argument("--burst-gap", type=float, default=5.0, help="seconds between bursts")
+    parser.add_argument("--export-log", type=Path, help="write the event log here (.jsonl)")
+    parser.add_argument("--keep", type=Path, help="run the cluster in this dir and keep it")
+    parser.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a conductor setting (repeatable), e.g. admission=early",
+    )
     args = parser.parse_args(argv)
 
     env = {
@@ -218,10 +339,19 @@ def main(argv: list[str] | None = None) -> int:
         "YB_GATEWAY__TTFT_SLO_S": str(args.ttft_slo),
         "YB_GATEWAY__TBT_SLO_S": str(args.tbt_slo),
         "YB_CONDUCTOR__ADMISSION": "predicted",
+        # `yb up` runs every engine on this machine: they share its cores.
+        "YB_CONDUCTOR__COMPUTE_SHARING": "all",
     }
-    with tempfile.TemporaryDirectory(prefix="yb-overload-") as tmp:
+    for item in args.settings:
+        key, _, value = item.partition("=")
+        env[f"YB_CONDUCTOR__{key.strip().upper()}"] = value.strip()
+    with contextlib.ExitStack() as stack:
+        if args.keep:
+            data_dir = args.keep
+        else:
+            data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="yb-overload-")))
         cluster = LocalCluster(
-            Path(tmp),
+            data_dir,
             "--model",
             args.model,
             "--prefill",
@@ -233,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start()
         try:
             figures = asyncio.run(burst(args, cluster))
+            if args.export_log:
+                export_log(cluster, args.export_log)
+                print_timeline(timeline(args.export_log))
         finally:
             cluster.stop()
 

@@ -68,6 +68,7 @@ class Down:
 @dataclass(frozen=True)
 class Configure:
     admission: str
+    sharing: str
 
 
 @dataclass(frozen=True)
@@ -98,18 +99,23 @@ steps: st.SearchStrategy[Step] = st.one_of(
     st.builds(Finish, st.integers(0, 30), st.booleans()),
     st.builds(Tick, st.floats(0.0, 20.0), st.booleans()),
     st.builds(Down, st.sampled_from(EVERYONE)),
-    st.builds(Configure, st.sampled_from(["none", "early", "predicted"])),
+    st.builds(
+        Configure,
+        st.sampled_from(["none", "early", "predicted"]),
+        st.sampled_from(["none", "host", "all"]),
+    ),
     st.builds(Flush, st.integers(0, 3)),
 )
 
 
-# Hot-prefix replication on, with a low bar, so that it is exercised too.
+# Hot-prefix replication on, with a low bar, so that it is exercised too; engines
+# that share a host's compute (p1 and p2 on h1) price each other in.
 HOT = {"hot_replicas": 2, "hot_demand": 2, "hot_window_s": 30.0}
 
 
 def live_log(plan: list[Step]) -> list[LogRecord]:
     """Run a live conductor over the plan and return the log it leaves."""
-    live = Conductor(cfg=ConductorConfig(**HOT))  # type: ignore[arg-type]
+    live = Conductor(cfg=ConductorConfig(compute_sharing="host", **HOT))  # type: ignore[arg-type]
     log: list[LogRecord] = []
     pending: list[ev.AnyEvent] = []
     clock = [1.0]
@@ -194,8 +200,12 @@ def live_log(plan: list[Step]) -> list[LogRecord]:
                     emit(ev.LoadReport(instance_id=name, role=role))
             case Down(instance):
                 emit(ev.InstanceDown(instance_id=instance))
-            case Configure(admission):
-                cfg = ConductorConfig(admission=admission, **HOT)  # type: ignore[arg-type]
+            case Configure(admission, sharing):
+                cfg = ConductorConfig(
+                    admission=admission,  # type: ignore[arg-type]
+                    compute_sharing=sharing,  # type: ignore[arg-type]
+                    **HOT,  # type: ignore[arg-type]
+                )
                 emit(configured_event(cfg, live.policy.cost, "c", time=clock[0]))
             case Flush(n):
                 flush(n)

@@ -163,6 +163,18 @@ class ConductorConfig(_Section):
     classes are shed first. `decode_time_s` seeds `t_d`, the expected decode
     duration, which completions then teach (`decode_time_alpha`).
 
+    Learned speed (`learn_speed`): each prefill instance's estimates are scaled by
+    what its completed prefills took against the cost model, and each decode
+    instance's first token is expected the learned lag after its prefill ends
+    (moving averages, weight `speed_alpha`). `compute_sharing` says which engines
+    share compute, so that one runs slower while the others are busy: `none` (each
+    has its own accelerator, as the cost model assumes), `host` (engines with the
+    same `host`), `all` (one machine: `yb up` sets it when this says `none`, since
+    it starts every engine on this machine). Each other busy engine
+    of the group adds `sharing_prior` times an engine's time alone until contended
+    prefills teach the real figure (1.0: they share fairly a machine each of them
+    fills alone). A log recorded before these settings existed replays without them.
+
     Hot prefixes: when `hot_replicas` > 0, a prefix wanted by `hot_demand` requests
     within `hot_window_s` and held on fewer than `hot_replicas` hosts gets a
     `ReplicationPlanned` decision (at most once per window per prefix). Snapshots
@@ -191,6 +203,10 @@ class ConductorConfig(_Section):
     hot_replicas: int = 0
     hot_demand: int = 8
     hot_window_s: float = 60.0
+    learn_speed: bool = True
+    speed_alpha: float = 0.3
+    compute_sharing: Literal["none", "host", "all"] = "none"
+    sharing_prior: float = 1.0
 
 
 class EngineConfig(_Section):
@@ -199,6 +215,10 @@ class EngineConfig(_Section):
     `ucx_host` is the address of the interface UCX's network transports may use (the
     only one they listen on; 0.0.0.0 means every interface), and what the instance
     announces; `ucx_port` fixes the port of UCX's TCP transport (0: any free one).
+
+    `threads` is the engine's torch threads; 0 is torch's default: `OMP_NUM_THREADS`
+    when set (`yb up` sets 1 per engine, since its engines share the machine), else
+    every core.
 
     Prefill only: `reuse` honours the decisions' reuse plans (off: every prompt is
     computed whole, whatever the conductor planned; for baselines). Up to

@@ -9,7 +9,6 @@ a single dedicated thread in submission order.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -82,7 +81,9 @@ class EngineHost:
         from yb_shared.model.kv_cache import PageAllocator, PagedKVCache
         from yb_shared.model.runner import ModelRunner
 
-        threads = self.engine.threads or max(1, (os.cpu_count() or 1))
+        # 0: torch's own default, which honours OMP_NUM_THREADS (`yb up` sets 1: its
+        # engines share the machine, and more threads than cores only contend).
+        threads = self.engine.threads or torch.get_num_threads()
         torch.set_num_threads(threads)
         model = load_engine_model(
             self.cfg.model,

@@ -91,6 +91,10 @@ class Conductor:
             request_timeout_s=cfg.request_timeout_s,
             decode_time_s=cfg.decode_time_s,
             decode_time_alpha=cfg.decode_time_alpha,
+            learn_speed=cfg.learn_speed,
+            speed_alpha=cfg.speed_alpha,
+            compute_sharing=cfg.compute_sharing,
+            sharing_prior=cfg.sharing_prior,
         )
         self.last_seq = 0
         # Decisions computed here whose recorded copy has not been seen yet.
@@ -153,6 +157,11 @@ class Conductor:
         state.heartbeat_timeout_s = cfg.heartbeat_timeout_s
         state.request_timeout_s = cfg.request_timeout_s
         state.decode_time_alpha = cfg.decode_time_alpha
+        # What was learned stays; turned off, it is no longer applied.
+        state.learn_speed = cfg.learn_speed
+        state.speed_alpha = cfg.speed_alpha
+        state.compute_sharing = cfg.compute_sharing
+        state.sharing_prior = cfg.sharing_prior
 
     def _admit(self, seq: int, event: ev.RequestAdmitted) -> list[Output]:
         state = self.state

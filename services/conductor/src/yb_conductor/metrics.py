@@ -83,6 +83,14 @@ class ConductorMetrics:
             "t_d: expected decode duration, learned from completions",
             registry=registry,
         )
+        self.speed = Gauge(
+            "yb_conductor_learned_speed",
+            "What completions taught: per engine, solo (prefill time over the cost "
+            "model's, alone) and first_token_s (lag from prefill end to first token); "
+            "per group of engines sharing compute, per_busy (added per other busy one)",
+            ["instance", "term"],
+            registry=registry,
+        )
         self.active = Gauge(
             "yb_conductor_active", "1 while this conductor holds the lease", registry=registry
         )
@@ -116,7 +124,15 @@ class ConductorMetrics:
             if o.est_tbt_s > 0 and o.tbt_s > 0:
                 self.tbt_ratio.observe(o.tbt_s / o.est_tbt_s)
         conductor.outcomes.clear()
-        self.decode_time.set(conductor.state.learned.decode_time_s)
+        state = conductor.state
+        self.decode_time.set(state.learned.decode_time_s)
+        for instance_id, speed in state.speeds.items():
+            if speed.solo_samples:
+                self.speed.labels(instance_id, "solo").set(speed.solo)
+            if speed.first_token_samples:
+                self.speed.labels(instance_id, "first_token_s").set(speed.first_token_s)
+        for group, shared in state.shared_speeds.items():
+            self.speed.labels(group or "all", "per_busy").set(shared.per_busy)
 
     def instances_changed(self, conductor: Conductor) -> None:
         """Refresh the live-instance gauges."""

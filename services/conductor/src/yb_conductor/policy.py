@@ -120,11 +120,15 @@ class MooncakePolicy:
             explain.branch, explain.reason = "reject", verdict.reason
             return Decided(reject(request, seq, name, verdict, explain=explain), [])
         decode = self.decode.estimate(dchoice, dchoice.chosen_index)
+        # The first token follows the prefill's end by the decode instance's learned
+        # lag (0 without `learn_speed`); the decode batch is predicted at the end.
+        lag = state.first_token_lag_s(decode.instance.instance_id)
+        ttft = chosen.ttft_s + lag if lag else chosen.ttft_s
         estimates = ev.Estimates(
             queue_s=chosen.queue_s,
-            transfer_s=est.transfer_s,
-            prefill_s=est.prefill_s,
-            ttft_s=chosen.ttft_s,
+            transfer_s=chosen.transfer_s,
+            prefill_s=chosen.prefill_s,
+            ttft_s=ttft,
             tbt_s=decode.predicted_tbt_s,
             decode_batch=decode.predicted_batch,
         )
@@ -143,7 +147,7 @@ class MooncakePolicy:
             )
         verdict_or_none = self.admission.check(
             request,
-            chosen.ttft_s,
+            ttft,
             decode,
             lambda limit: self.decode.drain_time_s(state, decode, limit, dchoice.context),
         )
@@ -155,7 +159,7 @@ class MooncakePolicy:
         reuse = self.prefill.reuse_plan(state, view, chosen)
         reused = sum(r.num_blocks for r in reuse)
         explain.branch = est.option
-        explain.reason = self._why(chosen, decode, view)
+        explain.reason = self._why(chosen, decode, view, lag)
         decision = ev.RequestScheduled(
             time=request.time,
             request_id=request.request_id,
@@ -174,7 +178,7 @@ class MooncakePolicy:
         return Decided(decision, predictions)
 
     @staticmethod
-    def _why(chosen: Option, decode: DecodeEstimate, view: PoolView) -> str:
+    def _why(chosen: Option, decode: DecodeEstimate, view: PoolView, lag: float = 0.0) -> str:
         est = chosen.est
         inst = chosen.instance.instance_id
         if est.option == LOCAL:
@@ -189,9 +193,19 @@ class MooncakePolicy:
             what = f"recomputes: faster than loading any of the {view.best_any_blocks} cached"
         else:
             what = "recomputes: no prefix cached anywhere"
+        ttft = (
+            f"lowest TTFT {chosen.ttft_s:.3f}s = queue {chosen.queue_s:.3f} "
+            f"+ transfer {chosen.transfer_s:.3f} + prefill {chosen.prefill_s:.3f}"
+        )
+        if chosen.factor != 1.0 or lag:
+            # Only with learned speed, so that older logs explain as they always did.
+            ttft = (
+                f"lowest TTFT {chosen.ttft_s + lag:.3f}s = queue {chosen.queue_s:.3f} "
+                f"+ transfer {chosen.transfer_s:.3f} + prefill {chosen.prefill_s:.3f} "
+                f"(x{chosen.factor:.2f} the cost model) + first token {lag:.3f}"
+            )
         return (
-            f"{inst} {what}; lowest TTFT {chosen.ttft_s:.3f}s = queue {chosen.queue_s:.3f} "
-            f"+ transfer {est.transfer_s:.3f} + prefill {est.prefill_s:.3f}; decode "
+            f"{inst} {what}; {ttft}; decode "
             f"{decode.instance.instance_id}: predicted TBT {decode.predicted_tbt_s:.4f}s "
             f"at batch {decode.predicted_batch}"
         )

@@ -19,6 +19,12 @@ Cost: the chain is walked once for all holders (`BlockIndex.match`). Instances w
 no local prefix, usually nearly all of them, share one "best option" cost, so each
 of them costs one subtraction; only the few on hosts that hold the prefix are
 estimated one by one.
+
+Speed: with `learn_speed` an instance's work (transfer and prefill) is its
+estimate times the slowdown the log taught it (`speed`), beside the engines of its
+compute group that are busy now, and its queue is priced at that same speed. The
+options compare at the cost model's speed; the slowdown then multiplies the
+winner's work, so what is reused and from where stays the cost model's call.
 """
 
 from __future__ import annotations
@@ -76,6 +82,17 @@ class Option:
     queue_s: float
     est: Estimate
     ttft_s: float
+    factor: float = 1.0
+
+    @property
+    def transfer_s(self) -> float:
+        """The estimate's transfer at the instance's expected speed."""
+        return self.est.transfer_s * self.factor
+
+    @property
+    def prefill_s(self) -> float:
+        """The estimate's prefill at the instance's expected speed."""
+        return self.est.prefill_s * self.factor
 
 
 @dataclass(slots=True)
@@ -92,10 +109,13 @@ class PrefillChoice:
     ttfts: list[float]
     estimates: list[Estimate]
     chosen_index: int
+    # Each instance's slowdown on its estimate's work (1.0 without `learn_speed`).
+    factors: list[float] | None = None
 
     def option(self, i: int) -> Option:
         """Instance `i`'s option as an object."""
-        return Option(self.instances[i], self.queues[i], self.estimates[i], self.ttfts[i])
+        factor = self.factors[i] if self.factors is not None else 1.0
+        return Option(self.instances[i], self.queues[i], self.estimates[i], self.ttfts[i], factor)
 
     @property
     def chosen(self) -> Option:
@@ -220,11 +240,23 @@ class PrefillPlanner:
         queues = [0.0] * n
         ttfts = [0.0] * n
         estimates = [shared] * n
+        factors: list[float] | None = None
+        counts: dict[str, tuple[int, int]] = {}
+        if state.learn_speed:
+            factors = [1.0] * n
+            counts = state.busy_by_group()
         chosen = 0
         chosen_t = math.inf
         for i, inst in enumerate(prefills):
-            busy = inst.busy_until
-            queue = busy - now if busy > now else 0.0
+            factor = 1.0
+            if factors is not None:
+                factor = factors[i] = state.prefill_slowdown(
+                    inst, state.busy_others(inst, counts=counts)
+                )
+                queue = state.speed_queue_s(inst, factor)
+            else:
+                busy = inst.busy_until
+                queue = busy - now if busy > now else 0.0
             work = shared_work
             if any_local:
                 local = host_best.get(inst.host)
@@ -234,13 +266,13 @@ class PrefillPlanner:
                     est = self.estimate(held, local, engine, best, prefill_s, bs)
                     estimates[i] = est
                     work = est.transfer_s + est.prefill_s
-            t = queue + work
+            t = queue + work * factor if factors is not None else queue + work
             queues[i] = queue
             ttfts[i] = t
             if t < chosen_t:
                 chosen_t = t
                 chosen = i
-        return PrefillChoice(prefills, queues, ttfts, estimates, chosen)
+        return PrefillChoice(prefills, queues, ttfts, estimates, chosen, factors)
 
     def estimate(
         self,
@@ -371,7 +403,7 @@ class PrefillPlanner:
             reuse_blocks=est.reuse_blocks,
             source=source,
             queue_s=opt.queue_s,
-            transfer_s=est.transfer_s,
-            prefill_s=est.prefill_s,
+            transfer_s=opt.transfer_s,
+            prefill_s=opt.prefill_s,
             ttft_s=opt.ttft_s,
         )

@@ -19,6 +19,9 @@ from yb_shared import events as ev
 from yb_shared.config import ConductorConfig
 
 _FIELDS = frozenset(f.name for f in msgspec.structs.fields(ConductorConfig))
+# Settings added after logs were first recorded. Absent from an older record, they
+# take the value that reproduces how that conductor decided, not today's default.
+_ABSENT_MEANS: dict[str, Any] = {"learn_speed": False}
 
 
 class SettingsError(ValueError):
@@ -77,19 +80,27 @@ def configured_event(
     )
 
 
+def recorded_settings(settings_json: str) -> ConductorConfig:
+    """Settings as recorded (in the log or a snapshot), read leniently: unknown
+    fields dropped, missing ones as the recording conductor had them."""
+    try:
+        raw = msgspec.json.decode(settings_json.encode())
+    except msgspec.DecodeError:
+        raw = {}
+    known = {k: v for k, v in (raw.items() if isinstance(raw, dict) else ()) if k in _FIELDS}
+    for key, value in _ABSENT_MEANS.items():
+        known.setdefault(key, value)
+    try:
+        return msgspec.convert(known, ConductorConfig, strict=False)
+    except msgspec.ValidationError:
+        return ConductorConfig(**_ABSENT_MEANS)
+
+
 def from_event(
     event: ev.ConductorConfigured, fallback_cost: CostModel | None = None
 ) -> tuple[ConductorConfig, CostModel]:
     """The settings and cost model an event recorded (lenient; see module doc)."""
-    try:
-        raw = msgspec.json.decode(event.settings_json.encode())
-    except msgspec.DecodeError:
-        raw = {}
-    known = {k: v for k, v in (raw.items() if isinstance(raw, dict) else ()) if k in _FIELDS}
-    try:
-        cfg = msgspec.convert(known, ConductorConfig, strict=False)
-    except msgspec.ValidationError:
-        cfg = ConductorConfig()
+    cfg = recorded_settings(event.settings_json)
     cost = fallback_cost
     if event.cost_model_json:
         try:

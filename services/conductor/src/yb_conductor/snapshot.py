@@ -25,6 +25,8 @@ from yb_conductor.conductor import Conductor
 from yb_conductor.cost_model import CostModel
 from yb_conductor.hotness import HotPrefixes
 from yb_conductor.quality import DecisionQuality
+from yb_conductor.settings import recorded_settings
+from yb_conductor.speed import InstanceSpeed, SharedSpeed
 from yb_conductor.state import (
     BlockTracker,
     InstanceState,
@@ -33,7 +35,6 @@ from yb_conductor.state import (
     Placement,
 )
 from yb_shared import events as ev
-from yb_shared.config import ConductorConfig
 
 SNAPSHOT_VERSION: Final = 1
 
@@ -70,6 +71,8 @@ class Snapshot(msgspec.Struct, kw_only=True):
     admission_info: dict[str, PendingAdmission] = msgspec.field(default_factory=dict)
     declared_dead: dict[str, str] = msgspec.field(default_factory=dict)
     cancel_wanted: dict[str, str] = msgspec.field(default_factory=dict)
+    speeds: dict[str, InstanceSpeed] = msgspec.field(default_factory=dict)
+    shared_speeds: dict[str, SharedSpeed] = msgspec.field(default_factory=dict)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -106,6 +109,8 @@ def take(c: Conductor) -> Snapshot:
         admission_info=c.admission_info,
         declared_dead=s.declared_dead,
         cancel_wanted=s.cancel_wanted,
+        speeds=s.speeds,
+        shared_speeds=s.shared_speeds,
     )
     # Round-trip through bytes: the snapshot must not alias the live state.
     return _decoder.decode(_encoder.encode(snap))
@@ -132,7 +137,7 @@ def decode(data: bytes) -> Snapshot:
 
 def restore(snap: Snapshot, *, follow_recorded: bool = True) -> Conductor:
     """A conductor in exactly the state the snapshot recorded."""
-    cfg = msgspec.json.decode(snap.settings_json.encode(), type=ConductorConfig, strict=False)
+    cfg = recorded_settings(snap.settings_json)
     cost = msgspec.json.decode(snap.cost_model_json.encode(), type=CostModel)
     c = Conductor(cfg=cfg, cost=cost, follow_recorded=follow_recorded)
     s = c.state
@@ -146,6 +151,8 @@ def restore(snap: Snapshot, *, follow_recorded: bool = True) -> Conductor:
     s.declared_dead = dict(snap.declared_dead)
     s.cancel_wanted = dict(snap.cancel_wanted)
     s.learned = snap.learned
+    s.speeds = dict(snap.speeds)
+    s.shared_speeds = dict(snap.shared_speeds)
     s.expired_placements = snap.expired_placements
     s._deadlines = list(snap.deadlines)
     s._next_expiry = snap.next_expiry if not math.isnan(snap.next_expiry) else math.inf

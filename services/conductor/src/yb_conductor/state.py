@@ -16,7 +16,10 @@ What is tracked, and why:
   estimates do not drift; per decode instance the requests assigned to it, those
   already decoding, and their context;
 - what completions teach: `t_d` (the expected decode duration) and the mean output
-  length, as moving averages, and each completion's estimate-vs-outcome;
+  length, as moving averages, and each completion's estimate-vs-outcome; with
+  `learn_speed`, each engine's speed against the cost model (`speed`), alone and
+  beside the other busy engines it shares compute with, and each decode
+  instance's lag to the first token;
 - what the log should be told: instances found dead by their silence
   (`declared_dead`, published as `InstanceDown` so that everyone who follows
   announcements forgets them) and requests left without an owner (`cancel_wanted`,
@@ -35,12 +38,22 @@ from collections.abc import Iterator
 import msgspec
 
 from yb_conductor.block_index import BlockIndex
+from yb_conductor.speed import (
+    InstanceSpeed,
+    SharedSpeed,
+    learn_first_token,
+    learn_prefill,
+    slowdown,
+)
 from yb_shared import events as ev
 
 BLOCK_HOLDER_ROLES: tuple[ev.Role, ...] = ("kvstore", "prefill")
 # Roles whose silence is a death: they heartbeat from their first moment. Others
 # (gateways, conductors) count only once they have sent a load report.
 HEARTBEAT_ROLES: tuple[ev.Role, ...] = ("kvstore", "prefill", "decode")
+# Policies whose estimates carry the learned slowdown (the others price with the
+# cost model alone, so their estimates are the work itself).
+SPEED_AWARE: tuple[str, ...] = ("mooncake",)
 
 
 class InstanceState(msgspec.Struct, kw_only=True):
@@ -64,6 +77,10 @@ class InstanceState(msgspec.Struct, kw_only=True):
     prefill_tokens_in_flight: int = 0
     prefill_requests_in_flight: int = 0
     busy_until: float = 0.0
+    # The queue's work at the cost model's speed, and since when its head has run:
+    # with `learn_speed` the queue is priced at the speed expected now.
+    prefill_work_s: float = 0.0
+    running_since: float = 0.0
     # Decode: every request assigned here (in prefill or decoding) and those decoding.
     assigned: dict[str, None] = msgspec.field(default_factory=dict)
     decode_requests: int = 0
@@ -96,6 +113,12 @@ class Placement(msgspec.Struct, kw_only=True):
     duration_cap: float = math.inf
     prefill_done: bool = False
     decode_started: float = 0.0
+    # What learning needs: its prefill's work at the cost model's speed, when it
+    # started and beside how many busy engines, and when it ended.
+    work_s: float = 0.0
+    started_at: float = 0.0
+    others_at_start: float = 0.0
+    prefill_done_at: float = 0.0
 
 
 class PendingAdmission(msgspec.Struct, kw_only=True, gc=False):
@@ -144,10 +167,22 @@ class ClusterState:
         request_timeout_s: float = 600.0,
         decode_time_s: float = 10.0,
         decode_time_alpha: float = 0.1,
+        learn_speed: bool = False,
+        speed_alpha: float = 0.3,
+        compute_sharing: str = "none",
+        sharing_prior: float = 1.0,
     ) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.request_timeout_s = request_timeout_s
         self.decode_time_alpha = decode_time_alpha
+        self.learn_speed = learn_speed
+        self.speed_alpha = speed_alpha
+        self.compute_sharing = compute_sharing
+        self.sharing_prior = sharing_prior
+        # Per engine (by id, kept across restarts: the hardware stays), and per group
+        # of engines sharing compute (by group, see `_group`).
+        self.speeds: dict[str, InstanceSpeed] = {}
+        self.shared_speeds: dict[str, SharedSpeed] = {}
         self.now = 0.0
         self.instances: dict[str, InstanceState] = {}
         self.placements: dict[str, Placement] = {}
@@ -225,6 +260,13 @@ class ClusterState:
         prefill_s = est.transfer_s + est.prefill_s
         prefill = self.instances.get(decision.prefill_instance)
         start = max(self.now, prefill.busy_until) if prefill is not None else self.now
+        work_s = prefill_s
+        if self.learn_speed and prefill is not None and decision.policy in SPEED_AWARE:
+            # The estimate was priced at the slowdown expected now (the same state
+            # the policy saw); the queue keeps its work at the cost model's speed.
+            factor = self.prefill_slowdown(prefill, self.busy_others(prefill))
+            if factor > 0.0:
+                work_s = prefill_s / factor
         out = self.expected_output(max_tokens)
         context = decision.prompt_tokens + out // 2
         placement = Placement(
@@ -245,10 +287,14 @@ class ClusterState:
             est_ttft_s=est.ttft_s,
             est_tbt_s=est.tbt_s,
             duration_cap=max_tokens * est.tbt_s if max_tokens and est.tbt_s else math.inf,
+            work_s=work_s,
         )
         self.placements[rid] = placement
         heapq.heappush(self._deadlines, (deadline, rid))
         if prefill is not None:
+            if not prefill.prefill_queue:
+                prefill.running_since = self.now
+            prefill.prefill_work_s += work_s
             prefill.prefill_queue[rid] = None
             prefill.prefill_tokens_in_flight += decision.computed_tokens
             prefill.prefill_requests_in_flight += 1
@@ -296,6 +342,8 @@ class ClusterState:
                 "prefill_tokens_in_flight",
                 "prefill_requests_in_flight",
                 "busy_until",
+                "prefill_work_s",
+                "running_since",
                 "assigned",
                 "decode_requests",
                 "decode_context_tokens",
@@ -386,6 +434,12 @@ class ClusterState:
         if event.stage == "prefill_started":
             if not placement.prefill_done:
                 self._reanchor(placement.prefill_instance, event.request_id, event.time)
+                inst = self.instances.get(placement.prefill_instance)
+                if inst is not None:
+                    inst.running_since = event.time
+                    if self.learn_speed and not placement.started_at:
+                        placement.started_at = event.time
+                        placement.others_at_start = self.busy_others(inst, forward=False)
             return
         if not placement.prefill_done:
             self._prefill_finished(placement, event.time)
@@ -398,13 +452,34 @@ class ClusterState:
 
     def _prefill_finished(self, placement: Placement, at: float) -> None:
         placement.prefill_done = True
+        placement.prefill_done_at = at
         inst = self.instances.get(placement.prefill_instance)
         if inst is None:
             return
+        if self.learn_speed and placement.started_at:
+            others = (placement.others_at_start + self.busy_others(inst, forward=False)) / 2
+            group = self._group(inst)
+            shared = self.shared_speeds.get(group) or SharedSpeed(per_busy=self.sharing_prior)
+            learn_prefill(
+                self.speed_of(inst.instance_id),
+                shared,
+                at - placement.started_at,
+                placement.work_s,
+                others,
+                alpha=self.speed_alpha,
+            )
+            if shared.samples:
+                self.shared_speeds[group] = shared
+        self._dequeue(inst, placement)
+        inst.running_since = at
+        self._reanchor(placement.prefill_instance, None, at)
+
+    def _dequeue(self, inst: InstanceState, placement: Placement) -> None:
         inst.prefill_queue.pop(placement.request_id, None)
         inst.prefill_tokens_in_flight -= placement.computed_tokens
         inst.prefill_requests_in_flight -= 1
-        self._reanchor(placement.prefill_instance, None, at)
+        # Exactly nothing once empty: a running sum of floats drifts.
+        inst.prefill_work_s = inst.prefill_work_s - placement.work_s if inst.prefill_queue else 0.0
 
     def _reanchor(self, instance_id: str, running: str | None, at: float) -> None:
         """The queue drains from `at` on: `running` (if any) started then, the others
@@ -440,6 +515,13 @@ class ClusterState:
             if event.output_tokens > 0:
                 learned.output_tokens += a * (event.output_tokens - learned.output_tokens)
             learned.completions += 1
+            if self.learn_speed and placement.prefill_done_at and event.ttft_s > 0:
+                # TTFT runs from the decision; what follows the prefill's end is the lag.
+                learn_first_token(
+                    self.speed_of(placement.decode_instance),
+                    event.ttft_s - (placement.prefill_done_at - placement.scheduled_at),
+                    alpha=self.speed_alpha,
+                )
             if len(self.outcomes) < 10_000:
                 self.outcomes.append(
                     Outcome(
@@ -464,10 +546,9 @@ class ClusterState:
             inst = self.instances.get(placement.prefill_instance)
             if inst is not None and request_id in inst.prefill_queue:
                 head = next(iter(inst.prefill_queue))
-                inst.prefill_queue.pop(request_id)
-                inst.prefill_tokens_in_flight -= placement.computed_tokens
-                inst.prefill_requests_in_flight -= 1
+                self._dequeue(inst, placement)
                 if head == request_id:
+                    inst.running_since = self.now
                     self._reanchor(inst.instance_id, None, self.now)
         decode = self.instances.get(placement.decode_instance)
         if decode is not None and request_id in decode.assigned:
@@ -582,6 +663,108 @@ class ClusterState:
     def queue_s(self, inst: InstanceState) -> float:
         """Predicted seconds until the instance's prefill queue drains."""
         return inst.busy_until - self.now if inst.busy_until > self.now else 0.0
+
+    # --- learned speed (see `speed`) -------------------------------------------------
+
+    def speed_of(self, instance_id: str) -> InstanceSpeed:
+        """The instance's learned speed (created on first use)."""
+        speed = self.speeds.get(instance_id)
+        if speed is None:
+            speed = self.speeds[instance_id] = InstanceSpeed()
+        return speed
+
+    def _group(self, inst: InstanceState) -> str:
+        match self.compute_sharing:
+            case "all":
+                return ""
+            case "host":
+                return inst.host
+        return inst.instance_id
+
+    @staticmethod
+    def _busy(inst: InstanceState) -> int:
+        """1: busy now (a prefill engine with requests in flight, a decode engine
+        decoding); 2: a decode engine that will be, once prefills it waits for end;
+        0: idle."""
+        if not inst.alive:
+            return 0
+        match inst.role:
+            case "prefill":
+                return 1 if inst.prefill_requests_in_flight > 0 else 0
+            case "decode":
+                if inst.decoding_requests > 0:
+                    return 1
+                return 2 if inst.decode_requests > 0 else 0
+        return 0
+
+    def busy_by_group(self) -> dict[str, tuple[int, int]]:
+        """Per compute group: engines busy now, and decode engines busy soon."""
+        counts: dict[str, tuple[int, int]] = {}
+        if self.compute_sharing == "none":
+            return counts
+        for inst in self.instances.values():
+            busy = self._busy(inst)
+            if busy:
+                group = self._group(inst)
+                now, soon = counts.get(group, (0, 0))
+                counts[group] = (now + 1, soon) if busy == 1 else (now, soon + 1)
+        return counts
+
+    def busy_others(
+        self,
+        inst: InstanceState,
+        forward: bool = True,
+        counts: dict[str, tuple[int, int]] | None = None,
+    ) -> int:
+        """Busy engines that share `inst`'s compute, `inst` itself left out.
+
+        `forward`: during a prefill queued on `inst` now. A decode engine waiting for
+        prefills counts only when `inst` has a queue: the requests ahead of this one
+        will be decoding while it runs; an idle engine starts it at once, before any
+        other prefill ends (most often).
+        """
+        if self.compute_sharing == "none":
+            return 0
+        if counts is None:
+            counts = self.busy_by_group()
+        now, soon = counts.get(self._group(inst), (0, 0))
+        n = now - 1 if self._busy(inst) == 1 else now
+        if forward and inst.prefill_requests_in_flight > 0:
+            n += soon
+        return n
+
+    def prefill_slowdown(self, inst: InstanceState, others: int) -> float:
+        """The factor on the cost model's prefill time on `inst` beside `others`
+        busy engines (1.0 without `learn_speed`)."""
+        if not self.learn_speed:
+            return 1.0
+        per_busy = self.sharing_prior
+        if others:
+            shared = self.shared_speeds.get(self._group(inst))
+            if shared is not None:
+                per_busy = shared.per_busy
+        return slowdown(self.speeds.get(inst.instance_id), per_busy, others)
+
+    def speed_queue_s(self, inst: InstanceState, factor: float) -> float:
+        """Predicted seconds until the prefill queue drains with every prefill in it
+        `factor` times the cost model's time: what the head has left, then the rest.
+        A head already past its estimate is taken to be ending now."""
+        if not inst.prefill_queue:
+            return 0.0
+        head = self.placements.get(next(iter(inst.prefill_queue)))
+        head_work = head.work_s if head is not None else 0.0
+        rest = inst.prefill_work_s - head_work
+        elapsed = self.now - inst.running_since if inst.running_since else 0.0
+        left = head_work * factor - elapsed
+        return (left if left > 0.0 else 0.0) + (rest * factor if rest > 0.0 else 0.0)
+
+    def first_token_lag_s(self, decode_instance: str) -> float:
+        """Learned seconds from a prefill's end to the first token on that decode
+        instance (0.0 without `learn_speed`)."""
+        if not self.learn_speed:
+            return 0.0
+        speed = self.speeds.get(decode_instance)
+        return speed.first_token_s if speed is not None else 0.0
 
     def assigned_placements(self, inst: InstanceState) -> Iterator[Placement]:
         """The placements assigned to a decode instance, in order."""

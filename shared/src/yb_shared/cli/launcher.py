@@ -385,8 +385,12 @@ class Cluster:
             env["YB_GATEWAY__API_KEYS_FILE"] = ""
         if spec.role == "kvstore" and not self.cfg.kvstore.ssd_dir:
             env["YB_KVSTORE__SSD_DIR"] = str(self.data_dir / "ssd" / spec.instance_id)
-        # Two cores: give each engine a thread and let the OS share them.
+        # Every engine `yb up` starts shares this machine's cores: one thread each
+        # (more only contend), and a conductor that knows they share (it would
+        # otherwise price each as if it ran alone and admit what they cannot serve).
         env.setdefault("OMP_NUM_THREADS", "1")
+        if spec.role == "conductor" and self.cfg.conductor.compute_sharing == "none":
+            env["YB_CONDUCTOR__COMPUTE_SHARING"] = "all"
         env.update(spec.env)
         return env
 

@@ -77,7 +77,12 @@ class Simulation:
         self.label = label or policy
         self.admission = admission
         self.bs = bs = block_size_for(params, cost)
-        base = ConductorConfig(seed=params.seed, request_timeout_s=params.request_timeout_s)
+        # Simulated engines run exactly at the cost model's speed, each on its own
+        # hardware: nothing to learn (`learn_speed` would only add rounding noise to
+        # the published figures); `settings` may still turn it on.
+        base = ConductorConfig(
+            seed=params.seed, request_timeout_s=params.request_timeout_s, learn_speed=False
+        )
         self.cfg = with_overrides(
             base, {**(settings or {}), "policy": policy, "admission": admission}
         )
