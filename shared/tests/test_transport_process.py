@@ -174,7 +174,9 @@ async def test_sender_killed_mid_transfer_fails_fast_and_receiver_carries_on(
     }
     peer2 = await Peer.start("sender", spec2)
     try:
-        await asyncio.wait_for(second.wait_committed(), 20)
+        # Its own report first: a failure on its side then says what it was.
+        await peer2.expect("committed", timeout=20)
+        await asyncio.wait_for(second.wait_committed(), 5)
     finally:
         await peer2.stop()
     assert all(np.array_equal(dest2[i], payload(5, i, 4096)) for i in range(10))

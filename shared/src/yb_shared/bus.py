@@ -47,6 +47,8 @@ EVENT_SUBJECTS = "yb.ev.>"
 MSG_ID_HEADER = "Nats-Msg-Id"
 #: One try at reopening an ordered consumer (creating one takes milliseconds).
 REOPEN_ATTEMPT_S = 2.0
+#: How long closing a client may take before it is abandoned.
+_CLOSE_TIMEOUT_S = 5.0
 #: JetStream's "duplicate message id is in process" (a replicated stream is still
 #: storing a message with the same `Nats-Msg-Id`).
 JS_DUPLICATE_IN_PROCESS = 10158
@@ -182,7 +184,10 @@ class Bus:
         try:
             await asyncio.wait_for(nc.connect(**options), timeout=timeout_s)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
-            await nc.close()
+            # Bounded too: the close of a client cancelled half-way through
+            # connecting hung once in a full test run (refused credentials).
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), timeout=_CLOSE_TIMEOUT_S)
             refused = [e for e in early_errors if "authorization violation" in e.lower()]
             if refused or "authorization violation" in str(exc).lower():
                 who = f"user {cfg.user!r}" if cfg.user else "a client without credentials"
@@ -229,7 +234,8 @@ class Bus:
             pass
         finally:
             if not self._nc.is_closed:
-                await self._nc.close()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._nc.close(), timeout=_CLOSE_TIMEOUT_S)
 
     # --- the event stream -----------------------------------------------------------
 
