@@ -47,6 +47,9 @@ EVENT_SUBJECTS = "yb.ev.>"
 MSG_ID_HEADER = "Nats-Msg-Id"
 #: One try at reopening an ordered consumer (creating one takes milliseconds).
 REOPEN_ATTEMPT_S = 2.0
+#: Opening a reader: one try, and all tries (a JetStream leader election takes seconds).
+OPEN_ATTEMPT_S = 5.0
+OPEN_TIMEOUT_S = 20.0
 #: How long closing a client may take before it is abandoned.
 _CLOSE_TIMEOUT_S = 5.0
 #: JetStream's "duplicate message id is in process" (a replicated stream is still
@@ -381,8 +384,19 @@ class Bus:
         if new_only:
             start_seq = await self.last_sequence() + 1
         reader = EventReader(self, subjects, start_seq, last_per_subject)
-        await reader.open()
-        return reader
+        # Opening creates a consumer through the JetStream API, which does not answer
+        # while a replicated stream elects a new leader: try again until then.
+        deadline = time.monotonic() + OPEN_TIMEOUT_S
+        while True:
+            attempt_s = max(0.1, min(OPEN_ATTEMPT_S, deadline - time.monotonic()))
+            try:
+                await asyncio.wait_for(reader.open(), timeout=attempt_s)
+                return reader
+            except (TimeoutError, nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+                if time.monotonic() + 0.2 >= deadline:
+                    raise
+                log.debug("reader_open_retry", error=repr(exc))
+                await asyncio.sleep(0.2)
 
     async def _ordered_subscription(
         self, subjects: list[str], start_seq: int, last_per_subject: bool

@@ -2,7 +2,8 @@
 
 Listeners that carry no authentication of their own (metrics, the NATS monitor) are
 safe on loopback and nowhere else; `is_loopback` is the one test every listener uses
-to decide whether it must insist on a token.
+to decide whether it must insist on a token. UCX takes a device, not an address:
+`interface_of` names the one that holds a configured address.
 """
 
 from __future__ import annotations
