@@ -100,6 +100,10 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faulty]:
             # No engine tier: reuse comes from the kvstores (the kvstore scenario needs
             # it), and an idle prefill instance holds no page at all.
             "YB_PREFILL__PREFIX_CACHE_PAGES": "0",
+            # Small chunks: the tiny model computes a 3,000-token prompt in 512-token
+            # chunks in about 0.1 s, quicker than a test can see decode reserve its
+            # pages and kill the prefill mid-request (a run lost that race).
+            "YB_PREFILL__CHUNK_SIZE": "16",
         },
     )
     cluster.start(timeout_s=300)
