@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +93,23 @@ async def test_reconnects_after_server_restart(
 async def test_request_without_responder_is_unavailable(bus: Bus) -> None:
     with pytest.raises(BusUnavailable):
         await bus.request("yb.job.nobody", b"x", timeout_s=0.5)
+
+
+def test_a_server_whose_monitor_port_was_taken_starts_on_another(tmp_path: Path) -> None:
+    import socket
+
+    # Another process took the port between `free_port` and the server's bind.
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        server = NatsServer(
+            store_dir=tmp_path / "nats", log_file=tmp_path / "nats.log", monitor_port=taken
+        )
+        server.start()
+        try:
+            assert server.monitor_port not in (0, taken)
+            assert server.varz()["server_name"] == server.server_name
+            assert "address already in use" in (tmp_path / "nats.log").read_text()
+        finally:
+            server.stop()

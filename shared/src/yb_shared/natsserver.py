@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,6 +25,14 @@ from pathlib import Path
 
 class NatsServerError(RuntimeError):
     """The server binary is missing or did not come up."""
+
+
+class _PortTaken(NatsServerError):
+    """The server exited because another process held one of its ports."""
+
+    def __init__(self, port: int, message: str) -> None:
+        super().__init__(message)
+        self.port = port
 
 
 def nats_server_binary() -> str:
@@ -64,6 +73,7 @@ class NatsServer:
     log_file: Path | None = None
     monitor_port: int = 0
     process: subprocess.Popen[bytes] | None = None
+    _log_start: int = 0
 
     @property
     def url(self) -> str:
@@ -110,7 +120,27 @@ class NatsServer:
         return "\n".join(lines) + "\n"
 
     def start(self, timeout_s: float = 10.0) -> None:
-        """Start the server and wait until it accepts connections."""
+        """Start the server and wait until it accepts connections.
+
+        The monitor and cluster ports are picked free just before (`free_port`), and
+        another process can take one in between: a server that could not bind one of
+        them is started again on a fresh one (its peers' routes to an old cluster
+        port fail, but its own routes to them connect, which is all a route needs).
+        """
+        for _ in range(3):
+            try:
+                self._start_once(timeout_s)
+                return
+            except _PortTaken as taken:
+                if taken.port == self.monitor_port:
+                    self.monitor_port = free_port(self.host)
+                elif taken.port == self.cluster_port:
+                    self.cluster_port = free_port(self.host)
+                else:
+                    raise
+        self._start_once(timeout_s)
+
+    def _start_once(self, timeout_s: float) -> None:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / f"{self.server_name}.conf"
         _write_private(conf, self.config_text())
@@ -118,6 +148,9 @@ class NatsServer:
         ports_dir.mkdir(exist_ok=True)
         for stale in ports_dir.glob("*.ports"):
             stale.unlink()
+        self._log_start = (
+            self.log_file.stat().st_size if self.log_file and self.log_file.exists() else 0
+        )
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         try:
             self.process = subprocess.Popen(
@@ -133,6 +166,9 @@ class NatsServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                taken = self._port_taken()
+                if taken:
+                    raise _PortTaken(taken, f"nats-server could not bind port {taken}")
                 raise NatsServerError(
                     f"nats-server exited with {self.process.returncode}; config:\n"
                     + conf.read_text()
@@ -144,6 +180,19 @@ class NatsServer:
             time.sleep(0.05)
         self.stop()
         raise NatsServerError(f"nats-server did not come up within {timeout_s}s")
+
+    def _port_taken(self) -> int:
+        """The port the server's log says it could not bind (0: none, or no log)."""
+        if self.log_file is None:
+            return 0
+        try:
+            with self.log_file.open("rb") as log:
+                log.seek(self._log_start)  # this start's lines only
+                tail = log.read().decode(errors="replace")[-4000:]
+        except OSError:
+            return 0
+        found = re.findall(r"listen tcp \S*:(\d+): bind: address already in use", tail)
+        return int(found[-1]) if found else 0
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the server (SIGTERM, then SIGKILL after `timeout_s`)."""
