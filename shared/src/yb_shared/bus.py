@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import nats
@@ -47,6 +47,8 @@ EVENT_SUBJECTS = "yb.ev.>"
 MSG_ID_HEADER = "Nats-Msg-Id"
 #: One try at reopening an ordered consumer (creating one takes milliseconds).
 REOPEN_ATTEMPT_S = 2.0
+T = TypeVar("T")
+
 #: Opening a reader: one try, and all tries (a JetStream leader election takes seconds).
 OPEN_ATTEMPT_S = 5.0
 OPEN_TIMEOUT_S = 20.0
@@ -340,18 +342,30 @@ class Bus:
         waits for. Raises `BusUnavailable` when the deadline passes.
         """
         budget = self._cfg.request_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + budget
+        info = await self._retried(
+            lambda: self._js.stream_info(self._cfg.stream),
+            budget_s=budget,
+            attempt_s=2.0,
+            what=f"stream info for {self._cfg.stream}",
+        )
+        return int(info.state.last_seq)
+
+    async def _retried(
+        self, call: Callable[[], Awaitable[T]], *, budget_s: float, attempt_s: float, what: str
+    ) -> T:
+        """`call()` again, each try bounded by `attempt_s`, until one answers or
+        `budget_s` has passed (then `BusUnavailable`): the JetStream API does not
+        answer for a stream while its cluster elects the stream's leader, and a later
+        try does once it has one."""
+        deadline = time.monotonic() + budget_s
         delay = backoff_delays(0.05, 1.0)
         attempt = 0
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise BusUnavailable(f"no stream info for {self._cfg.stream} within {budget:.1f}s")
+                raise BusUnavailable(f"no answer for {what} within {budget_s:.1f}s")
             try:
-                info = await asyncio.wait_for(
-                    self._js.stream_info(self._cfg.stream), timeout=min(remaining, 2.0)
-                )
-                return int(info.state.last_seq)
+                return await asyncio.wait_for(call(), timeout=min(remaining, attempt_s))
             except (
                 TimeoutError,
                 nats.errors.TimeoutError,
@@ -361,7 +375,7 @@ class Bus:
             ) as exc:
                 wait = min(delay(attempt), max(0.0, deadline - time.monotonic()))
                 attempt += 1
-                log.debug("stream_info_retry", error=repr(exc), wait_s=wait)
+                log.debug("bus_retry", what=what, error=repr(exc), wait_s=wait)
                 await asyncio.sleep(wait)
 
     async def read_ordered(
@@ -384,19 +398,11 @@ class Bus:
         if new_only:
             start_seq = await self.last_sequence() + 1
         reader = EventReader(self, subjects, start_seq, last_per_subject)
-        # Opening creates a consumer through the JetStream API, which does not answer
-        # while a replicated stream elects a new leader: try again until then.
-        deadline = time.monotonic() + OPEN_TIMEOUT_S
-        while True:
-            attempt_s = max(0.1, min(OPEN_ATTEMPT_S, deadline - time.monotonic()))
-            try:
-                await asyncio.wait_for(reader.open(), timeout=attempt_s)
-                return reader
-            except (TimeoutError, nats.errors.Error, nats.js.errors.Error, OSError) as exc:
-                if time.monotonic() + 0.2 >= deadline:
-                    raise
-                log.debug("reader_open_retry", error=repr(exc))
-                await asyncio.sleep(0.2)
+        # Opening creates a consumer through the JetStream API (see `_retried`).
+        await self._retried(
+            reader.open, budget_s=OPEN_TIMEOUT_S, attempt_s=OPEN_ATTEMPT_S, what="a reader"
+        )
+        return reader
 
     async def _ordered_subscription(
         self, subjects: list[str], start_seq: int, last_per_subject: bool

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
@@ -57,7 +58,7 @@ async def connect(
     *,
     name: str,
     timeout_s: float,
-    on_abort: Any = None,
+    on_abort: Callable[[Link, bool], None] | None = None,
 ) -> Link:
     """The sender's half of the handshake: a ready `Link` to `peer`, or PeerUnreachable.
 

@@ -42,6 +42,7 @@ from typing import Any, Final
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter
 
+from yb_shared.netaddr import is_wildcard
 from yb_shared.transport import ucx_env
 from yb_shared.transport.address import PeerAddress
 from yb_shared.transport.buffers import (
@@ -286,7 +287,7 @@ class KVReceiver:
             raise
         self._acquired = True
         host = self._host
-        if host in ("", "0.0.0.0", "::"):
+        if is_wildcard(host):
             host = ucx.get_address()
         self._address = PeerAddress(host, new_tag_base(), worker)
         self._accepting = self._loop.create_task(self._accept(), name="kv-accept")
