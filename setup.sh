@@ -11,6 +11,25 @@ VENV=${YB_VENV:-.venv}
 started=$(date +%s)
 say() { printf '[setup] %s\n' "$*"; }
 
+# System tools some tests need, from Debian's packages: `ip` and iptables/nftables for the
+# network-namespace hosts of the multi-host and blackhole tests, stress-ng for the
+# stability runs (.ci/stability). Installed only when missing, and only where this user
+# may (root with apt-get); elsewhere the tests that need them skip and say why.
+SYSTEM_PACKAGES=(iproute2 iptables nftables stress-ng)
+missing=()
+for package in "${SYSTEM_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "ok installed" || missing+=("$package")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing system packages: ${missing[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    say "not installed (needs root and apt-get; the tests that use them will skip): ${missing[*]}"
+  fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   say "creating virtual environment $VENV ($($PYTHON --version))"
   "$PYTHON" -m venv "$VENV"
