@@ -8,6 +8,12 @@ across restarts) and an `event_id` that grows by one per event, gap-free. A cons
 `ResyncRequested`; the holder answers with a `BlockInventory` valid as of its latest
 `event_id`, and the consumer carries on from there.
 
+Every answer reaches the log: an inventory's own fields repeat when no block event
+came between two requests (same epoch, same `event_id`), so its `Nats-Msg-Id` also
+names the stream sequence of the request it answers. JetStream then drops only a
+retried publish of the same answer, never a second answer to a second request (which
+it used to, leaving the index stale when it had been voided in between).
+
 `BlockLog` numbers and builds the events; `BlockEventPublisher` publishes them
 strictly in `event_id` order (retrying through NATS outages, since a skipped event is
 a gap every consumer would have to resync over) and answers resync requests.
@@ -95,6 +101,11 @@ class BlockLog:
         )
 
 
+def inventory_message_id(inventory: ev.BlockInventory, request_seq: int) -> str:
+    """The `Nats-Msg-Id` of the inventory answering the request at `request_seq`."""
+    return f"{ev.message_id_for(inventory)}:answers:{request_seq}"
+
+
 #: Builds the holder's current inventory (called on the event loop, between events).
 InventorySource = Callable[[], ev.BlockInventory]
 
@@ -114,7 +125,9 @@ class BlockEventPublisher:
         self._bus = bus
         self.block_log = block_log
         self._inventory = inventory
-        self._queue: asyncio.Queue[AnyBlockEvent] = asyncio.Queue()
+        # Each event with the `Nats-Msg-Id` it keeps across retries ('' for the
+        # event's own, see `message_id_for`).
+        self._queue: asyncio.Queue[tuple[AnyBlockEvent, str]] = asyncio.Queue()
         self._resyncs: EventReader | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -125,10 +138,11 @@ class BlockEventPublisher:
         subject = f"yb.ev.block.resync_requested.{ev.subject_token(self.block_log.instance_id)}"
         self._resyncs = await self._bus.read_ordered(subject, new_only=True)
 
-    def emit(self, event: AnyBlockEvent) -> None:
-        """Queue an event built by `block_log` (call in `event_id` order)."""
+    def emit(self, event: AnyBlockEvent, *, msg_id: str = "") -> None:
+        """Queue an event built by `block_log` (call in `event_id` order); `msg_id`
+        overrides its de-duplication id (see the module docstring)."""
         self._idle.clear()
-        self._queue.put_nowait(event)
+        self._queue.put_nowait((event, msg_id))
 
     @property
     def pending(self) -> int:
@@ -145,11 +159,11 @@ class BlockEventPublisher:
         while True:
             if self._queue.empty():
                 self._idle.set()
-            event = await self._queue.get()
+            event, msg_id = await self._queue.get()
             self._idle.clear()
             while True:
                 try:
-                    await self._bus.publish(event, timeout_s=5.0)
+                    await self._bus.publish(event, timeout_s=5.0, msg_id=msg_id)
                     self.published += 1
                     break
                 except BusError as exc:
@@ -158,6 +172,16 @@ class BlockEventPublisher:
                     log.warning("block_event_publish_retry", error=str(exc))
                     await asyncio.sleep(1.0)
 
+    def emit_inventory(self, *, request_seq: int) -> ev.BlockInventory:
+        """Queue the inventory that answers the resync request at `request_seq`.
+
+        Its message id is unique per request (see the module docstring), and the
+        same for every retry of this answer.
+        """
+        inventory = self._inventory()
+        self.emit(inventory, msg_id=inventory_message_id(inventory, request_seq))
+        return inventory
+
     async def run_resyncs(self) -> None:
         """Answer every resync request for this instance with its inventory."""
         assert self._resyncs is not None, "open() first"
@@ -165,8 +189,8 @@ class BlockEventPublisher:
         try:
             async for item in reader:
                 if isinstance(item.event, ev.ResyncRequested):
-                    log.info("resync_requested", requester=item.event.requester)
-                    self.emit(self._inventory())
+                    log.info("resync_requested", requester=item.event.requester, seq=item.seq)
+                    self.emit_inventory(request_seq=item.seq)
         finally:
             with contextlib.suppress(Exception):
                 await reader.close()

@@ -268,17 +268,21 @@ class Bus:
         *,
         timeout_s: float | None = None,
         headers: Mapping[str, str] | None = None,
+        msg_id: str = "",
     ) -> int:
         """Append an event to the log and return its stream sequence.
 
         Retries until `timeout_s` (default: the configured request timeout) with the
         same `Nats-Msg-Id`, so a publish that reached the server but whose ack was
         lost is not stored twice. Raises `BusUnavailable` when the deadline passes.
+        `msg_id` replaces `message_id_for(event)` where the event's fields alone do
+        not tell two occurrences apart (a second inventory answering a second resync
+        request): the caller keeps it for every retry of the same occurrence.
         """
         if not event.time:
             event.time = time.time()
         hdrs = inject_headers(dict(headers or {}))
-        hdrs[MSG_ID_HEADER] = message_id_for(event)
+        hdrs[MSG_ID_HEADER] = msg_id or message_id_for(event)
         payload = encode_event(event)
         subject = subject_for(event)
         budget = self._cfg.request_timeout_s if timeout_s is None else timeout_s

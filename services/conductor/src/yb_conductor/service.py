@@ -352,20 +352,24 @@ class ConductorService(Service):
                 )
             await asyncio.sleep(0.5)
 
-    async def _request_resyncs(self) -> None:
+    async def _request_resyncs(self, reason: str = "gap or new epoch in block events") -> None:
         assert self.bus is not None
         wanted = self.conductor.state.resync_wanted
         while wanted:
             instance_id = next(iter(wanted))
             del wanted[instance_id]
+            request = ev.ResyncRequested(
+                instance_id=instance_id,
+                requester=self.instance_id,
+                reason=reason,
+                time=self.conductor.state.now,
+            )
             try:
+                # Unique per occurrence: the event time alone repeats when the event
+                # that voided the index again carried no newer time (a second gap
+                # from a host whose clock is behind), and JetStream would drop it.
                 await self.bus.publish(
-                    ev.ResyncRequested(
-                        instance_id=instance_id,
-                        requester=self.instance_id,
-                        reason="gap or new epoch in block events",
-                        time=self.conductor.state.now,
-                    )
+                    request, msg_id=f"{ev.message_id_for(request)}:at:{self.conductor.last_seq}"
                 )
             except BusError as exc:
                 log.warning("resync_request_failed", instance=instance_id, error=str(exc))
