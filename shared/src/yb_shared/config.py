@@ -312,6 +312,15 @@ class YbConfig(_Section):
     decode: EngineConfig = msgspec.field(default_factory=EngineConfig)
     kvstore: KVStoreConfig = msgspec.field(default_factory=KVStoreConfig)
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
+    # Test-only fault injection (`yb_shared.failpoints`, `YB_FAILPOINTS`); '' = inert.
+    failpoints: str = ""
+
+    def __post_init__(self) -> None:
+        if self.failpoints:
+            # Checked here so that a typo stops every process at start, never ignored.
+            from yb_shared.failpoints import parse
+
+            parse(self.failpoints)
 
     def resolved_data_dir(self) -> Path:
         """The data directory: the configured one or `~/.local/share/yuebing`."""
