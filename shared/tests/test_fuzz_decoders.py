@@ -35,41 +35,50 @@ DECODERS: dict[str, tuple[Callable[[bytes], Any], tuple[type[Exception], ...]]] 
     "ucx_frame": (lambda b: wire.decode_frame(bytearray(b)), (wire.FrameError,)),
 }
 
-VALID: dict[str, bytes] = {
-    "event": ev.encode_event(
-        ev.RequestAdmitted(
-            request_id="r",
-            gateway_id="g",
-            model="m",
-            block_size=16,
-            block_hashes=[1, 2],
-            prompt_tokens=40,
-            max_tokens=8,
-        )
+# One well-formed message per wire, as its sender builds it.
+ORIGINALS: dict[str, Any] = {
+    "event": ev.RequestAdmitted(
+        request_id="r",
+        gateway_id="g",
+        model="m",
+        block_size=16,
+        block_hashes=[1, 2],
+        prompt_tokens=40,
+        max_tokens=8,
+        time=1.5,
     ),
-    "prefill_job": pr.encode(
-        pr.PrefillJob(
-            request_id="r",
-            token_ids=[1, 2, 3],
-            block_hashes=[],
-            sampling=pr.SamplingParams(),
-            decision=ev.RequestScheduled(
-                request_id="r", gateway_id="g", prefill_instance="p", decode_instance="d"
-            ),
-            token_subject="yb.tok.g.r",
-            deadline=1.0,
-        )
+    "prefill_job": pr.PrefillJob(
+        request_id="r",
+        token_ids=[1, 2, 3],
+        block_hashes=[],
+        sampling=pr.SamplingParams(),
+        decision=ev.RequestScheduled(
+            request_id="r", gateway_id="g", prefill_instance="p", decode_instance="d", time=2.5
+        ),
+        token_subject="yb.tok.g.r",
+        deadline=1.0,
     ),
-    "job_reply": pr.encode(pr.JobAccepted(request_id="r", instance_id="p")),
-    "decode_control": pr.encode(pr.StartDecode(request_id="r", first_token=1, prompt_tokens=3)),
-    "decode_reply": pr.encode(pr.DecodeAck(request_id="r", ok=True)),
-    "token_chunk": pr.encode(pr.TokenChunk(request_id="r", seq=0, token_ids=[5], text="x")),
-    "resend": pr.encode(pr.ResendTokens(request_id="r", from_seq=3)),
-    "resend_reply": pr.encode(
-        pr.TokensResent(request_id="r", state="streaming", first_seq=0, next_seq=9, resent=6)
+    "job_reply": pr.JobAccepted(request_id="r", instance_id="p"),
+    "decode_control": pr.StartDecode(request_id="r", first_token=1, prompt_tokens=3),
+    "decode_reply": pr.DecodeAck(request_id="r", ok=True),
+    "token_chunk": pr.TokenChunk(request_id="r", seq=0, token_ids=[5], text="x"),
+    "resend": pr.ResendTokens(request_id="r", from_seq=3),
+    "resend_reply": pr.TokensResent(
+        request_id="r", state="streaming", first_seq=0, next_seq=9, resent=6
     ),
-    "ucx_frame": bytes(wire.encode_frame(wire.Commit(1, "r"))),
+    "ucx_frame": wire.Commit(1, "r"),
 }
+
+
+def _encode(name: str, message: Any) -> bytes:
+    if name == "event":
+        return ev.encode_event(message)
+    if name == "ucx_frame":
+        return bytes(wire.encode_frame(message))
+    return pr.encode(message)
+
+
+VALID: dict[str, bytes] = {name: _encode(name, m) for name, m in ORIGINALS.items()}
 
 msgpack_values = st.recursive(
     st.none()
@@ -93,9 +102,11 @@ def _refused_or_accepted(name: str, data: bytes) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(DECODERS))
-def test_valid_messages_decode(name: str) -> None:
+def test_valid_messages_decode_to_the_originals(name: str) -> None:
     decode, _ = DECODERS[name]
-    decode(VALID[name])
+    decoded = decode(VALID[name])
+    assert type(decoded) is type(ORIGINALS[name])
+    assert decoded == ORIGINALS[name]
 
 
 @pytest.mark.parametrize("name", sorted(DECODERS))
