@@ -77,6 +77,31 @@ class LoggedEvent:
     headers: Mapping[str, str]
 
 
+@dataclass(frozen=True, slots=True)
+class LogExtent:
+    """The retained part of the log: sequences `first_seq..last_seq`, `bytes` in all.
+
+    Events below `first_seq` were trimmed by the stream's limits (`max_bytes`, -1 for
+    none, and `max_age_s`, 0 for none). A log emptied by its limits has `last_seq ==
+    first_seq - 1`; a new one reports 0 for both.
+    """
+
+    first_seq: int
+    last_seq: int
+    bytes: int
+    max_bytes: int
+    max_age_s: float
+
+    @property
+    def trimmed(self) -> bool:
+        """Whether events from the log's beginning are gone."""
+        return self.first_seq > 1
+
+    def reaches(self, seq: int) -> bool:
+        """Whether reading from `seq` misses nothing that was ever logged."""
+        return seq >= self.first_seq
+
+
 def backoff_delays(base: float, cap: float) -> Callable[[int], float]:
     """Full-jitter exponential backoff: attempt n waits up to min(cap, base * 2**n)."""
 
@@ -245,7 +270,15 @@ class Bus:
     # --- the event stream -----------------------------------------------------------
 
     async def ensure_stream(self) -> api.StreamInfo:
-        """Create the event stream, or update it to the configured settings."""
+        """Create the event stream, or update it to the configured settings.
+
+        The log is bounded by age and by bytes, discarding its oldest events, so a
+        write never fails because it is full (see `NatsConfig`). A stream that exists
+        with other limits is brought to these, and the change is logged (every
+        service of one cluster runs with the same settings, so it happens once, when
+        an operator changed them); settings that cannot change in place (storage)
+        raise `BusError` naming both values.
+        """
         config = api.StreamConfig(
             name=self._cfg.stream,
             subjects=[EVENT_SUBJECTS],
@@ -253,14 +286,51 @@ class Bus:
             num_replicas=self._cfg.replicas,
             duplicate_window=self._cfg.duplicate_window_s,
             max_age=self._cfg.max_age_s,
+            max_bytes=self._cfg.event_log_bytes(),
             retention=api.RetentionPolicy.LIMITS,
             discard=api.DiscardPolicy.OLD,
         )
         try:
             return await self._js.add_stream(config)
         except nats.js.errors.BadRequestError:
-            # Exists with other settings: bring it to ours (only mutable fields change).
-            return await self._js.update_stream(config)
+            pass
+        # Exists with other settings: bring it to ours (only mutable fields change).
+        old = (await self._js.stream_info(self._cfg.stream)).config
+        changed = {
+            name: (getattr(old, name), getattr(config, name))
+            for name in ("max_bytes", "max_age", "duplicate_window", "num_replicas", "discard")
+            if getattr(old, name) != getattr(config, name)
+        }
+        try:
+            info = await self._js.update_stream(config)
+        except nats.js.errors.BadRequestError as exc:
+            raise BusError(
+                f"stream {self._cfg.stream} exists with settings that cannot change in place "
+                f"(storage {old.storage} vs {config.storage}): {exc.description}"
+            ) from exc
+        log.warning(
+            "event_stream_limits_changed",
+            stream=self._cfg.stream,
+            **{name: f"{a} -> {b}" for name, (a, b) in changed.items()},
+        )
+        return info
+
+    async def log_extent(self, *, timeout_s: float | None = None) -> LogExtent:
+        """Where the log starts and ends now, and its limits (see `LogExtent`)."""
+        budget = self._cfg.request_timeout_s if timeout_s is None else timeout_s
+        info = await self._retried(
+            lambda: self._js.stream_info(self._cfg.stream),
+            budget_s=budget,
+            attempt_s=2.0,
+            what=f"stream info for {self._cfg.stream}",
+        )
+        return LogExtent(
+            first_seq=int(info.state.first_seq),
+            last_seq=int(info.state.last_seq),
+            bytes=int(info.state.bytes),
+            max_bytes=int(info.config.max_bytes or -1),
+            max_age_s=float(info.config.max_age or 0.0),
+        )
 
     async def publish(
         self,

@@ -30,6 +30,13 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
 
 
+#: The event log's byte limit when `nats.max_bytes` is 0 (see `NatsConfig`).
+DEFAULT_EVENT_LOG_BYTES = 4 * 1024**3
+#: The smallest byte limit a stream accepts: below it a snapshot interval holds only
+#: a handful of events.
+MIN_EVENT_LOG_BYTES = 64 * 1024
+
+
 class NatsConfig(_Section):
     """How services reach NATS and how the event stream is set up.
 
@@ -48,6 +55,17 @@ class NatsConfig(_Section):
     writes it into every node's config, and deploy/nats*.conf carry the same value.
     It only matters when a whole machine loses power or its kernel: an acknowledged
     event sits in the OS page cache, which survives a crash of nats-server itself.
+
+    The log is bounded by age (`max_age_s`) and by size (`max_bytes`), whichever
+    comes first; the oldest events go (discard old), so a full log never refuses a
+    write. `max_bytes` 0 means the default, `DEFAULT_EVENT_LOG_BYTES` (4 GiB: at
+    about 2 KB of events per request, two million requests, half an hour at 1,000
+    requests/s and days for a small cluster); `yb up` lowers that default to a
+    quarter of the free space of its data dir's disk, which the model cache and the
+    kvstore's SSD tier share. Services that find the stream with other limits bring
+    it to theirs and log the change. What a trimmed head costs: the conductor's
+    snapshots (taken at least every eighth of `max_bytes`) stand in for it, for a
+    restarted conductor, a standby and `yb replay`.
 
     On a cluster, losing the node that leads the stream stops the log until the other
     nodes elect a leader (nats-server waits 4-9 s before it elects): a publish retries
@@ -71,6 +89,7 @@ class NatsConfig(_Section):
     duplicate_window_s: float = 120.0
     sync_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     max_age_s: float = 7 * 24 * 3600.0
+    max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     user: str = ""
     password: str = ""
     password_file: str = ""
@@ -81,6 +100,17 @@ class NatsConfig(_Section):
         if self.password or not self.password_file:
             return self.password
         return read_secret_file(self.password_file, "nats.password_file")
+
+    def __post_init__(self) -> None:
+        if 0 < self.max_bytes < MIN_EVENT_LOG_BYTES:
+            raise ValueError(
+                f"nats.max_bytes {self.max_bytes} is below {MIN_EVENT_LOG_BYTES} "
+                "(0 for the default)"
+            )
+
+    def event_log_bytes(self) -> int:
+        """The stream's byte limit: `max_bytes`, or the default when 0."""
+        return self.max_bytes or DEFAULT_EVENT_LOG_BYTES
 
     def servers(self) -> list[str]:
         """The server URLs of `url`, in order."""

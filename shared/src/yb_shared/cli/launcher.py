@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,7 +42,12 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
-from yb_shared.config import YbConfig, dump_env
+from yb_shared.config import (
+    DEFAULT_EVENT_LOG_BYTES,
+    MIN_EVENT_LOG_BYTES,
+    YbConfig,
+    dump_env,
+)
 from yb_shared.credentials import LocalSecrets, ensure_local_secrets, ensure_secret_file
 from yb_shared.nats_auth import (
     ADMIN_USER,
@@ -210,6 +216,7 @@ class Cluster:
         port = _port_of(self.cfg.nats.url)
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        self._size_event_log()
         secrets = self.ensure_secrets()
         instances: dict[str, list[str]] = {}
         for spec in self.process_specs():
@@ -257,6 +264,30 @@ class Cluster:
             )
         else:
             self.say(f"nats-server with JetStream at {self.nats.url}")
+
+    def _size_event_log(self) -> None:
+        """Resolve `nats.max_bytes` 0 to a limit this machine's disk can hold.
+
+        The NATS store shares the data dir's disk with the model cache and the
+        kvstore's SSD tier: the log gets the default (`DEFAULT_EVENT_LOG_BYTES`) or a
+        quarter of the space free there now, whichever is smaller (never below
+        `MIN_EVENT_LOG_BYTES`), so a busy cluster trims its oldest events instead of
+        filling the disk. Every service then gets the resolved value (in its `YB_*`
+        variables), so none brings the stream back to another limit. An explicit
+        value is kept as given.
+        """
+        if self.cfg.nats.max_bytes:
+            return
+        free = shutil.disk_usage(self.data_dir).free
+        chosen = max(MIN_EVENT_LOG_BYTES, min(DEFAULT_EVENT_LOG_BYTES, free // 4))
+        self.cfg.nats.max_bytes = chosen
+        self.say(
+            f"event log bounded at {chosen / 2**30:.2f} GiB "
+            f"(a quarter of the {free / 2**30:.1f} GiB free here, at most "
+            f"{DEFAULT_EVENT_LOG_BYTES / 2**30:.0f} GiB; set YB_NATS__MAX_BYTES to choose)"
+            if chosen < DEFAULT_EVENT_LOG_BYTES
+            else f"event log bounded at {chosen / 2**30:.0f} GiB (YB_NATS__MAX_BYTES)"
+        )
 
     def _settle_for_failover(self, nodes: int) -> None:
         """Settings a cluster needs so that losing a node changes nothing for clients.
