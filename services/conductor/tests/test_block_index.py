@@ -93,9 +93,10 @@ def test_slots_are_reused_after_an_instance_is_emptied() -> None:
     assert len(index) == 2
 
 
-def test_a_million_blocks_match_fast() -> None:
-    import time
-
+def test_a_million_blocks_match_correctly() -> None:
+    # How fast a match is on a production-sized index is measured, not asserted here:
+    # benchmarks/conductor.py stores a million blocks (`--pool-blocks`) before timing
+    # every decision (`decision_latency_p50_ms`, `decision_latency_p99_ms`).
     index = BlockIndex()
     # 64 instances, 16k blocks each of distinct chains, plus one shared hot chain.
     hot = list(range(10_000_000, 10_000_100))
@@ -103,13 +104,13 @@ def test_a_million_blocks_match_fast() -> None:
         index.store(f"kv-{i}", range(i * 16_000, (i + 1) * 16_000), "dram")
         index.store(f"kv-{i}", hot[: 10 + i], "dram")
     assert len(index) >= 1_024_000
-    started = time.perf_counter()
-    for _ in range(200):
-        match = index.match(hot)
-    per_match = (time.perf_counter() - started) / 200
+    match = index.match(hot)
     assert len(match.lengths) == 64
-    assert match.lengths[index.slot_of("kv-63") or 0] == 73
-    assert per_match < 0.002  # ~30 µs on a laptop; generous for a loaded CI machine
+    for i in range(64):
+        assert match.lengths[index.slot_of(f"kv-{i}") or 0] == 10 + i
+    # A chain that starts with blocks of one instance's own range matches only there.
+    own = index.match([5 * 16_000, 5 * 16_000 + 1, 6 * 16_000])
+    assert own.lengths == {index.slot_of("kv-5"): 2}
 
 
 def test_gaps_and_new_epochs_void_the_instance_and_ask_for_an_inventory() -> None:
