@@ -151,3 +151,53 @@ async def test_once_holds_only_the_request_that_claims_the_arm_file(tmp_path: Pa
     assert not (tmp_path / "decode.token.arm").exists()
     (tmp_path / f"decode.token.{rid}.release").touch()
     assert await asyncio.wait_for(waiting[0], 30) == "released"
+
+
+# --- the decode batcher's parking (what `decode.token` holds with) ----------------------
+
+
+def test_a_parked_request_keeps_its_pages_while_the_batch_goes_on() -> None:
+    from yb_shared.model import (
+        DecodeBatcher,
+        ModelRunner,
+        PageAllocator,
+        PagedKVCache,
+        Sampler,
+        new_generator,
+        tiny_random_model,
+    )
+    from yb_shared.protocol import SamplingParams
+
+    model = tiny_random_model(0)
+    cache = PagedKVCache(model.config, 64, 4)
+    alloc = PageAllocator(64)
+    runner = ModelRunner(model, cache)
+    batcher = DecodeBatcher(runner, alloc, model.tokenizer, 8)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for rid in ("held", "free"):
+        ids = [5, 6, 7, 8, 9]
+        pages = alloc.allocate(cache.pages_for(len(ids)))
+        logits = runner.prefill(ids, pages)
+        first = Sampler().sample(logits[None], [params], [new_generator(params)])[0]
+        batcher.add(rid, ids, pages, first, params)
+    batcher.step()  # first tokens of both, and one decode step
+    assert batcher.park("held") and not batcher.park("unknown")
+    counts = {"held": 0, "free": 0}
+    while batcher.has_work():  # ends: a parked request is no work
+        for out in batcher.step():
+            counts[out.request_id] += 1
+    assert counts == {"held": 0, "free": 4}
+    assert batcher.kv_pages_used > 0 and batcher.num_running == 1  # kept, pages and all
+    batcher.unpark("held")
+    assert batcher.has_work()
+    while batcher.has_work():
+        for out in batcher.step():
+            counts[out.request_id] += 1
+    assert counts == {"held": 4, "free": 4}
+    assert alloc.num_used == 0
+    # An abort ends a parked request too, and frees its pages.
+    batcher.add("again", [5, 6], alloc.allocate(1), 7, params)
+    batcher.step()
+    assert batcher.park("again") and batcher.abort("again")
+    assert [o.finish_reason for o in batcher.step()] == ["abort"]
+    assert not batcher.has_work() and alloc.num_used == 0

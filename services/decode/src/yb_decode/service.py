@@ -39,6 +39,7 @@ from yb_shared import protocol as pr
 from yb_shared.bus import Bus, BusError
 from yb_shared.config import YbConfig
 from yb_shared.engine_host import EngineGauges, EngineHost
+from yb_shared.failpoints import Failpoints
 from yb_shared.instance import CancellationFollower, Presence
 from yb_shared.peers import PeerDirectory
 from yb_shared.service import Service
@@ -121,6 +122,9 @@ class DecodeService(Service):
         self._aborts: dict[str, _Abort] = {}
         self._work = asyncio.Event()
         self._draining = False
+        # Test-only fault injection: inert (None) unless YB_FAILPOINTS arms it.
+        self.failpoints = Failpoints.from_text(cfg.failpoints, self.instance_id)
+        self._hold_at_token = self.failpoints.count("decode.token")
         # What was streamed, for gateways that lost chunks on the way.
         self.history = TokenHistory()
         self._m_step = Histogram(
@@ -558,6 +562,34 @@ class DecodeService(Service):
                 await self._finish(stream, out.finish_reason or "stop", "")
             else:
                 await self._send(stream, out)
+                if (
+                    self._hold_at_token is not None
+                    and out.token_id is not None
+                    and stream.completion_tokens == self._hold_at_token
+                ):
+                    await self._park(stream.request_id)
+
+    async def _park(self, request_id: str) -> None:
+        """Failpoint `decode.token`: hold this request, and only it, where it is.
+
+        Parked before the next step (this runs between steps), so the client has
+        exactly N tokens and the request keeps its pages until the test lets it go
+        or cancels it; the rest of the batch goes on stepping.
+        """
+        batcher = self.batcher
+        assert batcher is not None
+        if await self.engine.call(batcher.park, request_id):
+            self.tasks.spawn(f"hold:{request_id}", self._hold(batcher, request_id))
+
+    async def _hold(self, batcher: DecodeBatcher, request_id: str) -> None:
+        outcome = await self.failpoints.hold(
+            "decode.token",
+            request_id,
+            cancelled=lambda: request_id not in self._streams or request_id in self._aborts,
+        )
+        if outcome != "cancelled":  # a cancelled one is the abort's to end
+            await self.engine.call(batcher.unpark, request_id)
+            self._work.set()
 
     async def _send(self, stream: Stream, out: TokenOutput) -> None:
         chunk = pr.TokenChunk(

@@ -36,6 +36,7 @@ from yb_shared.block_events import AnyBlockEvent, BlockEventPublisher, BlockLog
 from yb_shared.bus import Bus, BusError
 from yb_shared.config import YbConfig
 from yb_shared.engine_host import EngineGauges, EngineHost
+from yb_shared.failpoints import Failpoints
 from yb_shared.instance import CancellationFollower, Presence
 from yb_shared.model.kv_cache import OutOfPages
 from yb_shared.peers import PeerDirectory
@@ -101,6 +102,8 @@ class PrefillService(Service):
         self._cancelled: dict[str, str] = {}
         self._draining = False
         self._subscription: object | None = None
+        # Test-only fault injection: inert unless YB_FAILPOINTS arms it.
+        self.failpoints = Failpoints.from_text(cfg.failpoints, self.instance_id)
         self._m_prefill = Histogram(
             "yb_prefill_seconds",
             "Prefill time per request (compute and KV streaming)",
@@ -399,6 +402,8 @@ class PrefillService(Service):
         n = len(job.token_ids)
         plans = job.decision.reuse if self.cfg.prefill.reuse else []
         try:
+            await self._failpoint(job, "prefill.load")
+            self._check_alive(job)
             prefix = await self.loader.load(
                 job.request_id,
                 n,
@@ -434,11 +439,12 @@ class PrefillService(Service):
             streamer.start()
             streamer.queue_prefix(prefix.reused_blocks)
             try:
-                first_token = await self.engine.call(
-                    self._compute, job, prefix.block_table, cached_tokens, streamer
+                first_token = await self._compute_with_holds(
+                    job, prefix.block_table, cached_tokens, streamer
                 )
                 computed = True
                 t_computed = time.monotonic()
+                await self._failpoint(job, "prefill.commit")
                 self._check_alive(job)
                 await streamer.finish()
             except BaseException:
@@ -559,6 +565,51 @@ class PrefillService(Service):
             count = getattr(result, outcome)
             if count:
                 self._m_puts.labels(outcome).inc(count)
+
+    async def _compute_with_holds(
+        self, job: pr.PrefillJob, pages: list[int], cached: int, streamer: LayerStreamer
+    ) -> int:
+        """`_compute` on the engine thread; with failpoint `prefill.chunk` armed at k,
+        in two calls (chunks before k, then the rest: the same chunk boundaries) with
+        the hold between them, so the engine thread is never the one that waits."""
+        k = self.failpoints.count("prefill.chunk")
+        split = cached + k * self.cfg.prefill.chunk_size if k is not None else len(job.token_ids)
+        if split < len(job.token_ids):
+            if split > cached:
+                await self.engine.call(self._compute_part, job, pages, cached, split, streamer)
+                cached = split
+            await self._failpoint(job, "prefill.chunk")
+            self._check_alive(job)
+        return await self.engine.call(self._compute, job, pages, cached, streamer)
+
+    async def _failpoint(self, job: pr.PrefillJob, point: str) -> None:
+        """Hold the job at `point` if a test armed it; a cancel or the request's
+        deadline ends the hold (the caller's `_check_alive` then fails the job)."""
+        if self.failpoints.count(point) is None:
+            return
+        rid = job.request_id
+        await self.failpoints.hold(
+            point, rid, cancelled=lambda: rid in self._cancelled or self._remaining(job) <= 0
+        )
+
+    def _compute_part(
+        self,
+        job: pr.PrefillJob,
+        pages: list[int],
+        num_cached_tokens: int,
+        end: int,
+        streamer: LayerStreamer,
+    ) -> None:
+        """Engine thread: compute the KV of tokens [num_cached_tokens, end) only."""
+        runner = self.engine.runner
+        assert runner is not None
+        runner.prefill(
+            job.token_ids[:end],
+            pages,
+            num_cached_tokens=num_cached_tokens,
+            chunk_size=self.cfg.prefill.chunk_size,
+            layer_hook=streamer.on_layer,
+        )
 
     def _compute(
         self,

@@ -109,6 +109,8 @@ class DecodeBatcher:
         self._running: list[_Request] = []
         self._waiting: deque[_Request] = deque()
         self._pending: list[TokenOutput] = []
+        # Requests left out of the steps, pages kept (a test's failpoint holds them).
+        self._parked: set[str] = set()
         self._order = itertools.count()
         self.last_step_seconds = 0.0
 
@@ -130,8 +132,8 @@ class DecodeBatcher:
         return sum(len(r.block_table) for r in self._requests.values())
 
     def has_work(self) -> bool:
-        """Whether `step` would do or report anything."""
-        return bool(self._requests or self._pending)
+        """Whether `step` would do or report anything (a parked request does not)."""
+        return bool(self._pending) or len(self._requests) > len(self._parked)
 
     # -- requests ---------------------------------------------------------------------
 
@@ -187,6 +189,18 @@ class DecodeBatcher:
         self._pending.append(TokenOutput(request_id, None, "", True, "abort"))
         return True
 
+    def park(self, request_id: str) -> bool:
+        """Leave a running request out of the steps until `unpark`; it keeps its pages,
+        its KV and its batch slot, and `abort` still ends it. False if unknown."""
+        if request_id not in self._requests:
+            return False
+        self._parked.add(request_id)
+        return True
+
+    def unpark(self, request_id: str) -> None:
+        """Let a parked request step again (nothing if it is not parked)."""
+        self._parked.discard(request_id)
+
     # -- the loop ---------------------------------------------------------------------
 
     def step(self) -> list[TokenOutput]:
@@ -216,8 +230,8 @@ class DecodeBatcher:
         """Give every running request a page for its next position, oldest first."""
         batch: list[_Request] = []
         for req in list(self._running):
-            if req.request_id not in self._requests:
-                continue  # finished as a victim earlier in this loop
+            if req.request_id not in self._requests or req.request_id in self._parked:
+                continue  # finished as a victim earlier in this loop, or parked
             need = req.next_position // self.block_size + 1
             while len(req.block_table) < need:
                 try:
@@ -269,6 +283,7 @@ class DecodeBatcher:
 
     def _finish(self, req: _Request) -> None:
         del self._requests[req.request_id]
+        self._parked.discard(req.request_id)
         if req in self._running:
             self._running.remove(req)
         else:
