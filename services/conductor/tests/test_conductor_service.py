@@ -6,17 +6,29 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
+import nats.js.errors
+
 from yb_conductor.replay import LogRecord, replay
-from yb_conductor.service import ConductorService
+from yb_conductor.service import SNAPSHOT_OBJECT, ConductorService
 from yb_shared import events as ev
 from yb_shared.bus import Bus
 from yb_shared.config import ConductorConfig, NatsConfig, YbConfig
 
+#: How long any wait below may take before the test fails. Generous on purpose: each
+#: wait ends as soon as its condition holds, so a fast machine never waits it out.
+DEADLINE_S = 60.0
+
 
 def _config(name: str, nats_config: NatsConfig, **conductor: Any) -> YbConfig:
-    conductor.setdefault("lease_ttl_s", 1.0)
+    # The instances here never send a load report: a heartbeat timeout far past any
+    # test's length keeps them alive in event time however slowly the test runs. The
+    # lease outlives any stall of the event loop on a loaded machine, so a lone
+    # conductor never loses it (and goes live twice) mid-test.
+    conductor.setdefault("heartbeat_timeout_s", 1e6)
+    conductor.setdefault("lease_ttl_s", 30.0)
     return YbConfig(instance_id=name, nats=nats_config, conductor=ConductorConfig(**conductor))
 
 
@@ -41,33 +53,68 @@ async def _cluster(bus: Bus) -> None:
         await bus.publish(e)
 
 
-async def _read_log(bus: Bus, until: int | None = None) -> list[LogRecord]:
-    last = until or await bus.last_sequence()
+async def _read_log(bus: Bus) -> list[LogRecord]:
+    """The whole log up to its end as of now (every event of it, or the test fails)."""
+    last = await bus.last_sequence()
     reader = await bus.read_ordered()
     records: list[LogRecord] = []
     try:
-        while records[-1:] == [] or records[-1].seq < last:
-            item = await reader.next(timeout_s=2.0)
-            if item is None:
-                break
+        while not records or records[-1].seq < last:
+            item = await reader.next(timeout_s=DEADLINE_S)
+            assert item is not None, f"the log ends at {records[-1:]}, not at {last}"
             records.append(LogRecord(seq=item.seq, event=item.event, subject=item.subject))
     finally:
         await reader.close()
     return records
 
 
-async def _decisions(bus: Bus, want: int, timeout_s: float = 10.0) -> list[ev.AnyEvent]:
+def _is_decision(event: ev.AnyEvent) -> bool:
+    # Load predictions share the decision subjects; only decisions count here.
+    return isinstance(event, ev.RequestScheduled | ev.RequestRejected)
+
+
+async def _decisions(bus: Bus, want: int) -> list[ev.AnyEvent]:
+    """The first `want` decisions in the log, waiting for them; fails at the deadline."""
     reader = await bus.read_ordered("yb.ev.decision.>")
     found: list[ev.AnyEvent] = []
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while len(found) < want and loop.time() < deadline:
-        item = await reader.next(timeout_s=0.5)
-        # Load predictions share the decision subjects; only decisions count here.
-        if item is not None and isinstance(item.event, ev.RequestScheduled | ev.RequestRejected):
-            found.append(item.event)
-    await reader.close()
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            while len(found) < want:
+                item = await reader.next(timeout_s=DEADLINE_S)
+                if item is not None and _is_decision(item.event):
+                    found.append(item.event)
+    except TimeoutError:
+        ids = [d.request_id for d in found]  # type: ignore[union-attr]
+        raise AssertionError(f"{want} decisions wanted, the log has {ids}") from None
+    finally:
+        await reader.close()
     return found
+
+
+async def _every_decision(bus: Bus) -> list[str]:
+    """The request id of every decision in the whole log. Called once every conductor
+    is stopped (`stop` waits for the publishes in flight) or crashed, so nothing can
+    follow: the log is complete, with no "nothing more came for a while" guess."""
+    return [
+        r.event.request_id  # type: ignore[union-attr]
+        for r in await _read_log(bus)
+        if _is_decision(r.event)
+    ]
+
+
+async def _eventually(check: Callable[[], bool], what: str) -> None:
+    """Wait until `check()` holds; fail naming `what` at the deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE_S
+    while not check():
+        assert loop.time() < deadline, f"never happened: {what}"
+        await asyncio.sleep(0.02)
+
+
+def _divergences(service: ConductorService) -> float:
+    """Every divergence the service found (the fold's own list is cleared once logged)."""
+    value = service.metrics.get_sample_value("yb_conductor_divergences_total")
+    return (value or 0.0) + len(service.conductor.divergences)
 
 
 async def _crash(service: ConductorService) -> None:
@@ -104,11 +151,12 @@ async def test_decides_from_the_log_and_does_not_redecide_after_restart(
     await again.start()
     try:
         await bus.publish(_admitted("r2"))
-        found = await _decisions(bus, 3, timeout_s=3.0)
-        assert [d.request_id for d in found] == ["r1", "r2"]  # type: ignore[union-attr]
-        assert again.conductor.divergences == []
+        await _decisions(bus, 2)
+        assert _divergences(again) == 0
     finally:
         await again.stop()
+    # Both conductors are stopped: the log holds every decision either ever made.
+    assert await _every_decision(bus) == ["r1", "r2"]
 
 
 async def test_the_live_log_replays_and_carries_settings_and_predictions(
@@ -120,6 +168,7 @@ async def test_the_live_log_replays_and_carries_settings_and_predictions(
     )
     service = ConductorService(_config("cond-1", nats_config, admission="predicted"))
     await service.start()
+    metric = service.metrics.get_sample_value
     try:
         await bus.publish(_admitted("r1", [1, 2, 3, 4]))
         # A gap in kv0's block events: the conductor asks for its inventory.
@@ -143,15 +192,17 @@ async def test_the_live_log_replays_and_carries_settings_and_predictions(
                 tbt_mean_s=first.estimates.tbt_s,
             )
         )
-        await asyncio.sleep(0.5)
-        records = await _read_log(bus)
-        metric = service.metrics.get_sample_value
-        assert metric("yb_conductor_ttft_actual_over_estimate_count") == 1
+        await _eventually(
+            lambda: metric("yb_conductor_ttft_actual_over_estimate_count") == 1,
+            "the completion folded",
+        )
         assert metric("yb_conductor_ttft_actual_over_estimate_sum") == 2.0
         assert metric("yb_conductor_branch_total", {"branch": "local"}) == 1
         assert metric("yb_conductor_reused_blocks_total") == 3
     finally:
         await service.stop()
+    # Read once the conductor is stopped: everything it published is in the log.
+    records = await _read_log(bus)
     kinds = Counter(type(r.event).__name__ for r in records)
     assert kinds["ConductorConfigured"] == 1
     assert kinds["LoadPrediction"] == 2
@@ -164,9 +215,11 @@ async def test_standby_takes_over_a_crashed_leader_without_losing_or_doubling(
     bus: Bus, nats_config: NatsConfig
 ) -> None:
     await _cluster(bus)
-    leader = ConductorService(_config("cond-a", nats_config))
+    # A short lease, so the standby's wait for the crashed leader's to expire is short;
+    # still long past an event-loop stall (it is renewed every third of it).
+    leader = ConductorService(_config("cond-a", nats_config, lease_ttl_s=5.0))
     await leader.start()
-    standby = ConductorService(_config("cond-b", nats_config))
+    standby = ConductorService(_config("cond-b", nats_config, lease_ttl_s=5.0))
     await standby.start()
     try:
         assert leader._active and not standby._active
@@ -177,24 +230,23 @@ async def test_standby_takes_over_a_crashed_leader_without_losing_or_doubling(
         # Admissions while nobody leads: decided by the standby once it takes over.
         for i in range(3):
             await bus.publish(_admitted(f"during-{i}"))
-        found = await _decisions(bus, 6, timeout_s=15.0)
+        await _decisions(bus, 6)
         assert standby.active
         for i in range(2):
             await bus.publish(_admitted(f"after-{i}"))
-        found = await _decisions(bus, 8, timeout_s=10.0)
-        await asyncio.sleep(0.5)
-        found = await _decisions(bus, 100, timeout_s=1.0)
-        ids = [d.request_id for d in found]  # type: ignore[union-attr]
-        assert sorted(ids) == sorted(
-            [f"before-{i}" for i in range(3)]
-            + [f"during-{i}" for i in range(3)]
-            + [f"after-{i}" for i in range(2)]
-        )
-        assert standby.conductor.divergences == []
+        await _decisions(bus, 8)
+        assert _divergences(standby) == 0
     finally:
         await standby.stop()
         if leader.bus is not None:
             await leader.stop()
+    # The leader crashed and the standby stopped (its publishes awaited): a decision
+    # made twice would be in the log by now.
+    assert sorted(await _every_decision(bus)) == sorted(
+        [f"before-{i}" for i in range(3)]
+        + [f"during-{i}" for i in range(3)]
+        + [f"after-{i}" for i in range(2)]
+    )
 
 
 async def test_a_restart_resumes_from_the_snapshot(bus: Bus, nats_config: NatsConfig) -> None:
@@ -205,7 +257,18 @@ async def test_a_restart_resumes_from_the_snapshot(bus: Bus, nats_config: NatsCo
         for i in range(4):
             await bus.publish(_admitted(f"r{i}"))
         assert len(await _decisions(bus, 4)) == 4
-        await asyncio.sleep(0.5)  # let the upload finish
+        # Stopping cancels an upload in flight (the object store then keeps the
+        # previous one): wait until one snapshot is stored whole.
+        store = await bus.jetstream.object_store(ConductorConfig().snapshot_bucket)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DEADLINE_S
+        while True:
+            try:
+                await store.get(SNAPSHOT_OBJECT)
+                break
+            except nats.js.errors.ObjectNotFoundError:
+                assert loop.time() < deadline, "no snapshot was stored"
+                await asyncio.sleep(0.05)
     finally:
         await first.stop()
     second = ConductorService(_config("cond-2", nats_config))
@@ -215,7 +278,7 @@ async def test_a_restart_resumes_from_the_snapshot(bus: Bus, nats_config: NatsCo
         await bus.publish(_admitted("r4"))
         ids = [d.request_id for d in await _decisions(bus, 5)]  # type: ignore[union-attr]
         assert ids == [f"r{i}" for i in range(5)]
-        assert second.conductor.divergences == []
+        assert _divergences(second) == 0
         assert second.conductor.quality.decisions >= 1
     finally:
         await second.stop()
