@@ -18,6 +18,7 @@ import pytest
 
 from yb_conductor.state import ClusterState
 from yb_kvstore.service import KVStoreService
+from yb_kvstore.ssd import State
 from yb_shared import events as ev
 from yb_shared.bus import Bus, EventReader
 from yb_shared.config import KVStoreConfig, NatsConfig, TelemetryConfig, YbConfig
@@ -107,8 +108,13 @@ async def start_store(cfg: YbConfig) -> tuple[KVStoreService, PeerAddress]:
     return service, PeerAddress.parse(service.ucx_address)
 
 
+#: How long any wait below may take before the test fails; each ends as soon as its
+#: condition holds, so it is generous for a loaded machine, not a speed requirement.
+DEADLINE_S = 60.0
+
+
 async def block_events(
-    reader: EventReader, until: int, timeout_s: float = 10.0
+    reader: EventReader, until: int, timeout_s: float = DEADLINE_S
 ) -> list[ev.AnyEvent]:
     """Block events from `reader` until one with event id `until` (inclusive)."""
     out: list[ev.AnyEvent] = []
@@ -171,11 +177,21 @@ async def test_restart_new_epoch_clears_first_then_ssd_blocks_return(
     try:
         for key in (1, 2, 3):
             await client.put(store, key)
-        await asyncio.sleep(0.2)  # let the copy-path SSD writes finish
+        # Stopping cancels SSD writes in flight (their files are removed): wait until
+        # the copy-path writes of 1 and 2 are complete on disk.
+        ssd = service.store.ssd
+        assert ssd is not None
+
+        def written() -> bool:
+            entries = [ssd.entry(k) for k in (1, 2)]
+            return all(e is not None and e.state is State.READY for e in entries)
+
+        async with asyncio.timeout(DEADLINE_S):
+            while not written():
+                await asyncio.sleep(0.01)
     finally:
         await service.stop()
     reader = await bus.read_ordered(f"yb.ev.block.*.{INSTANCE}", new_only=True)
-    await asyncio.sleep(0.01)
     service, store = await start_store(cfg)
     try:
         assert service.block_log.epoch > first_epoch
@@ -230,9 +246,9 @@ async def test_a_gap_is_noticed_by_the_conductor_fold_and_resync_repairs_it(
         # The conductor asks; the store answers with its inventory at its latest id.
         await bus.publish(ev.ResyncRequested(instance_id=INSTANCE, requester="test"))
         inventory = None
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(DEADLINE_S):
             while inventory is None:
-                item = await reader.next(5)
+                item = await reader.next(DEADLINE_S)
                 if item is not None and isinstance(item.event, ev.BlockInventory):
                     inventory = item.event
         assert inventory.event_id == service.block_log.event_id
@@ -278,9 +294,9 @@ async def test_a_replication_plan_copies_hot_blocks_to_the_target_store(
             )
         )
         stored: set[int] = set()
-        async with asyncio.timeout(15):
+        async with asyncio.timeout(DEADLINE_S):
             while not {21, 22} <= stored:
-                item = await reader.next(1.0)
+                item = await reader.next(DEADLINE_S)
                 if item is not None and isinstance(item.event, ev.BlockStored):
                     stored.update(item.event.block_hashes)
         # The copy holds the same bytes, served from the target itself.

@@ -7,6 +7,7 @@ rest of the cluster sees: the bytes a fetch gets back, and the block events.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 
 from yb_kvstore.policy import FifoPolicy, make_policy
 from yb_kvstore.slab import DramSlab, SlabFull
-from yb_kvstore.ssd import SsdTier, chunk_checksums
+from yb_kvstore.ssd import SsdTier, State, chunk_checksums
 from yb_kvstore.store import BlockStore, MissingBlocks
 from yb_shared import events as ev
 from yb_shared.block_events import AnyBlockEvent, BlockLog
@@ -52,12 +53,8 @@ class Pool:
             self.store.release([key])
 
     async def settle(self) -> None:
-        """Let background moves finish."""
-        for _ in range(500):
-            if not self.store._tasks:
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("background moves did not finish")
+        """Let background moves finish (they run on I/O threads)."""
+        await wait_until(lambda: not self.store._tasks, "background moves finished")
 
     def kinds(self) -> list[str]:
         return [type(e).__name__ for e in self.events]
@@ -125,11 +122,15 @@ def assert_events_consistent(pool: Pool) -> None:
     assert actual == pool.store.announced
 
 
-async def wait_until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Poll `check` until true; what it waits for runs on I/O threads."""
-    async with asyncio.timeout(timeout_s):
-        while not check():
-            await asyncio.sleep(0.01)
+async def wait_until(check: Callable[[], bool], what: str = "the condition") -> None:
+    """Poll `check` until true; what it waits for runs on I/O threads. The deadline
+    is generous (a loaded machine), since the wait ends as soon as `check` holds."""
+    try:
+        async with asyncio.timeout(60):
+            while not check():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"never happened: {what}") from None
 
 
 async def test_without_ssd_lru_blocks_are_dropped(io: ThreadPoolExecutor) -> None:
@@ -213,19 +214,41 @@ async def test_headroom_moves_blocks_down_in_the_background(
 
 
 async def test_fetch_during_the_copy_path_reads_the_staged_bytes(
-    io: ThreadPoolExecutor, tmp_path: Path
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pool = await make_pool(io, tmp_path, dram=1, ssd=4)
-    pool.put(1)
-    pool.put(2)  # 1 leaves DRAM through a copy; its file is still being written
-    assert pool.store.stats.demoted_by_copy == 1
-    assert pool.store.tier_of(1) == "ssd"
-    # Bringing 1 up needs 2's slot: 2 goes down by copy too. Both stay intact.
-    assert np.array_equal(await pool.fetch(1), block_bytes(1))
-    assert np.array_equal(await pool.fetch(2), block_bytes(2))
-    await pool.settle()
-    assert_events_consistent(pool)
-    await pool.store.close()
+    # Every SSD file write is held at a gate the test opens, so the fetches below
+    # happen while the files are still being written, by construction.
+    gate = threading.Event()
+    real_write = SsdTier._write_file
+
+    def gated_write(path: Path, header: bytes, data: np.ndarray) -> None:
+        assert gate.wait(timeout=60), "the test never opened the gate"
+        real_write(path, header, data)
+
+    monkeypatch.setattr(SsdTier, "_write_file", staticmethod(gated_write))
+    # Threads for two held writes and the staged copies beside them.
+    io = ThreadPoolExecutor(4, thread_name_prefix="test-ssd")
+    try:
+        pool = await make_pool(io, tmp_path, dram=1, ssd=4)
+        pool.put(1)
+        pool.put(2)  # 1 leaves DRAM through a copy; its file is still being written
+        assert pool.store.stats.demoted_by_copy == 1
+        assert pool.store.tier_of(1) == "ssd"
+        assert pool.store.ssd is not None
+        entry = pool.store.ssd.entry(1)
+        assert entry is not None and entry.state is State.WRITING
+        # Bringing 1 up needs 2's slot: 2 goes down by copy too. Both stay intact.
+        assert np.array_equal(await pool.fetch(1), block_bytes(1))
+        entry = pool.store.ssd.entry(2)
+        assert entry is not None and entry.state is State.WRITING
+        assert np.array_equal(await pool.fetch(2), block_bytes(2))
+        gate.set()
+        await pool.settle()
+        assert_events_consistent(pool)
+        await pool.store.close()
+    finally:
+        gate.set()
+        io.shutdown(wait=True)
 
 
 async def test_corrupt_ssd_file_is_dropped_not_served(
