@@ -14,19 +14,37 @@ veth and shows in its counters (`Host.counters`, read from the root side: bytes 
 host sent arrive at its switch port). `Host.cut()` takes the host's switch port down,
 as if its cable were pulled; `Host.restore()` plugs it in again.
 
+Forwarding through the bridge. With bridge netfilter on (`br_netfilter`, which Docker
+loads), frames crossing the bridge between two hosts traverse the root namespace's
+iptables FORWARD chain; Docker sets its policy to DROP, so hosts would silently not
+reach each other. `create()` therefore inserts ACCEPT rules at the top of FORWARD for
+traffic in and out of its own bridge (`-i BR -o BR`, and by subnet for the bridge's
+own routed traffic), each tagged with the comment `yb-netns:<prefix>`; `destroy()`
+and `remove_stale()` delete exactly the rules carrying that comment (a crashed run's
+too), nothing else. Where the FORWARD chain cannot be changed (no `iptables`, no
+permission) while bridge netfilter is on, `unavailable_reason()` says so.
+
+Faults between hosts: `Host.cut()` pulls the cable (the port goes down, both ends see
+it), `Host.blackhole(peer, direction)` silently drops packets to and/or from one peer
+(iptables rules *inside* the host's namespace, as a firewall would: nothing is told,
+TCP just stops getting answers), `Host.heal()` removes them.
+
 Only one network of a given prefix exists at a time on a machine: `create()` takes a
 lock file, removes whatever a crashed run left under the same prefix, and `destroy()`
 (idempotent, also called when `create()` fails half way) removes every namespace,
-link and the bridge again. Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) and the
-`ip` command; `unavailable_reason()` says why not, for a test to skip.
+link, forwarding rule and the bridge again. Needs root (or CAP_NET_ADMIN and
+CAP_SYS_ADMIN) and the `ip` command; `unavailable_reason()` says why not, for a test
+to skip.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import fcntl
 import ipaddress
 import os
+import shlex
 import shutil
 import subprocess
 import time
@@ -38,6 +56,12 @@ from typing import IO
 #: The interface of a host inside its namespace.
 HOST_DEVICE = "eth0"
 LOCK_DIR = Path("/run/lock") if Path("/run/lock").is_dir() else Path("/tmp")
+#: Set when bridge netfilter is on: bridged frames then go through iptables' FORWARD.
+BRIDGE_NF = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
+#: The comment that tags a network's FORWARD rules (then `:<prefix>`).
+RULE_TAG = "yb-netns"
+#: The comment that tags a host's blackhole rules inside its namespace.
+BLACKHOLE_TAG = "yb-blackhole"
 
 
 class NetnsError(RuntimeError):
@@ -53,9 +77,35 @@ def ip(*args: str, netns: str = "") -> str:
     return done.stdout
 
 
+def iptables(*args: str, netns: str = "") -> str:
+    """Run `iptables -w ARGS` (inside `netns` when given); its output. Raises
+    `NetnsError` (also when iptables is not installed)."""
+    enter = ["ip", "netns", "exec", netns] if netns else []
+    # -w: wait for the xtables lock (another helper or Docker may hold it) instead of
+    # failing at once; bounded by the subprocess timeout.
+    command = [*enter, "iptables", "-w", "10", *args]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError as exc:
+        raise NetnsError(f"{command[0]} is not installed: {exc}") from None
+    if done.returncode != 0:
+        raise NetnsError(f"{' '.join(command)}: {done.stderr.strip() or done.returncode}")
+    return done.stdout
+
+
+def bridge_netfilter() -> bool:
+    """True when bridged frames go through iptables (br_netfilter loaded and on)."""
+    try:
+        return BRIDGE_NF.read_text().strip() == "1"
+    except OSError:
+        return False
+
+
 def unavailable_reason() -> str:
-    """Why namespaces cannot be made here ('' when they can): not root, no `ip`, or
-    the kernel refuses (a container without CAP_SYS_ADMIN)."""
+    """Why namespaces cannot be made here ('' when they can): not root, no `ip`, the
+    kernel refuses (a container without CAP_SYS_ADMIN), or bridge netfilter is on and
+    the FORWARD chain cannot be changed (no `iptables`, or no permission), so hosts
+    might silently not reach each other."""
     if os.geteuid() != 0:
         return "needs root (ip netns add, veth pairs and a bridge)"
     if shutil.which("ip") is None:
@@ -67,7 +117,61 @@ def unavailable_reason() -> str:
         return f"cannot create a network namespace: {exc}"
     with contextlib.suppress(NetnsError, OSError, subprocess.SubprocessError):
         ip("netns", "del", probe)
+    if bridge_netfilter():
+        if shutil.which("iptables") is None:
+            return (
+                "bridge netfilter is on (Docker?) and `iptables` is not installed: "
+                "forwarding between the test hosts cannot be allowed"
+            )
+        try:
+            iptables("-S", "FORWARD")
+        except (NetnsError, OSError, subprocess.SubprocessError) as exc:
+            return f"bridge netfilter is on and the FORWARD chain cannot be read: {exc}"
     return ""
+
+
+def forward_policy() -> str:
+    """The root namespace's FORWARD policy (ACCEPT or DROP); raises NetnsError."""
+    for line in iptables("-S", "FORWARD").splitlines():
+        if line.startswith("-P FORWARD "):
+            return line.split()[2]
+    raise NetnsError("iptables -S FORWARD printed no policy")
+
+
+def set_forward_policy(policy: str) -> None:
+    """Set the root namespace's FORWARD policy (ACCEPT or DROP)."""
+    if policy not in ("ACCEPT", "DROP"):
+        raise ValueError(f"unknown FORWARD policy {policy!r}")
+    iptables("-P", "FORWARD", policy)
+
+
+def tagged_rules(tag: str, chain: str = "FORWARD", netns: str = "") -> list[list[str]]:
+    """The rules of `chain` whose comment is exactly `tag`, as `iptables -S` prints
+    them (split into arguments, starting with `-A CHAIN`)."""
+    found = []
+    for line in iptables("-S", chain, netns=netns).splitlines():
+        args = shlex.split(line)
+        if args[:1] != ["-A"]:
+            continue
+        comments = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--comment"]
+        if tag in comments:
+            found.append(args)
+    return found
+
+
+def delete_rules(rules: list[list[str]], netns: str = "") -> None:
+    """Delete rules listed by `tagged_rules` (each one by its full specification)."""
+    for rule in rules:
+        with contextlib.suppress(NetnsError):  # gone already
+            iptables("-D", *rule[1:], netns=netns)
+
+
+class Direction(enum.StrEnum):
+    """Which packets a blackhole drops, seen from the host that has it."""
+
+    OUT = "out"  # from this host to the peer
+    IN = "in"  # from the peer to this host
+    BOTH = "both"
 
 
 @dataclass(frozen=True)
@@ -126,6 +230,35 @@ class Host:
         """`argv` run inside this host's namespace."""
         return ["ip", "netns", "exec", self.netns, *argv]
 
+    def blackhole(self, peer: Host | str, direction: Direction | str = Direction.BOTH) -> None:
+        """Silently drop packets between this host and `peer` (a Host or an address).
+
+        A firewall's DROP inside this host's namespace: nobody is told, TCP simply
+        stops getting answers (no RST, no ICMP, the link stays up). `direction` is
+        seen from this host: `out` drops what it sends to the peer, `in` what it
+        receives from the peer, `both` both. Rules add up; `heal()` removes them all.
+        """
+        address = peer.address if isinstance(peer, Host) else str(ipaddress.ip_address(peer))
+        way = Direction(direction)
+        tag = ["-m", "comment", "--comment", BLACKHOLE_TAG, "-j", "DROP"]
+        if way in (Direction.OUT, Direction.BOTH):
+            iptables("-I", "OUTPUT", "1", "-d", address, *tag, netns=self.netns)
+        if way in (Direction.IN, Direction.BOTH):
+            iptables("-I", "INPUT", "1", "-s", address, *tag, netns=self.netns)
+
+    def heal(self) -> None:
+        """Remove every blackhole of this host (idempotent)."""
+        for chain in ("INPUT", "OUTPUT"):
+            delete_rules(tagged_rules(BLACKHOLE_TAG, chain, self.netns), self.netns)
+
+    def blackholes(self) -> list[list[str]]:
+        """This host's blackhole rules (empty once healed)."""
+        return [
+            rule
+            for chain in ("INPUT", "OUTPUT")
+            for rule in tagged_rules(BLACKHOLE_TAG, chain, self.netns)
+        ]
+
 
 @dataclass
 class HostNetwork:
@@ -147,6 +280,11 @@ class HostNetwork:
         return f"{self.prefix}-br"
 
     @property
+    def rule_tag(self) -> str:
+        """The comment on this network's FORWARD rules."""
+        return f"{RULE_TAG}:{self.prefix}"
+
+    @property
     def gateway_address(self) -> str:
         """The root namespace's address on the bridge (where hosts reach it)."""
         return str(self._network()[1])
@@ -166,6 +304,7 @@ class HostNetwork:
             ip("link", "add", self.bridge, "type", "bridge")
             ip("addr", "add", f"{self.gateway_address}/{network.prefixlen}", "dev", self.bridge)
             ip("link", "set", self.bridge, "up")
+            self._allow_forwarding()
             for i, name in enumerate(names):
                 host = Host(
                     name=name,
@@ -203,6 +342,25 @@ class HostNetwork:
         # Loopback too: a service may listen on 127.0.0.1 inside its host.
         ip("link", "set", "lo", "up", netns=host.netns)
 
+    def _allow_forwarding(self) -> None:
+        """ACCEPT this network's traffic at the top of FORWARD (see the module's
+        docstring); nothing to do where bridged frames skip iptables and there is no
+        iptables to ask."""
+        if not bridge_netfilter() and shutil.which("iptables") is None:
+            return
+        tag = ["-m", "comment", "--comment", self.rule_tag, "-j", "ACCEPT"]
+        # Host to host across the bridge; and anything routed to or from the subnet
+        # (a host reaching the root namespace's other interfaces, should a test do so).
+        iptables("-I", "FORWARD", "1", "-i", self.bridge, "-o", self.bridge, *tag)
+        iptables("-I", "FORWARD", "1", "-s", self.subnet, *tag)
+        iptables("-I", "FORWARD", "1", "-d", self.subnet, *tag)
+
+    def forwarding_rules(self) -> list[list[str]]:
+        """The FORWARD rules this network (or a crashed run of its prefix) added."""
+        if shutil.which("iptables") is None:
+            return []
+        return tagged_rules(self.rule_tag)
+
     def _check_subnet_free(self) -> None:
         network = self._network()
         for line in ip("-o", "-4", "addr", "show").splitlines():
@@ -226,6 +384,8 @@ class HostNetwork:
             if name.startswith(f"{self.prefix}-"):
                 with contextlib.suppress(NetnsError):
                     ip("link", "del", name)
+        with contextlib.suppress(NetnsError):  # no iptables: nothing of ours there
+            delete_rules(self.forwarding_rules())
 
     def destroy(self) -> None:
         """Remove every namespace (its end of each veth goes with it), the bridge and

@@ -12,7 +12,6 @@ keep receives posted (and a sender its unanswered segments) until its deadlines.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 from collections.abc import Callable
@@ -38,8 +37,6 @@ log = logging.getLogger(__name__)
 
 #: How long a goodbye may take; it is a courtesy, the peer's deadlines still hold.
 _BYE_TIMEOUT_S: Final = 2.0
-#: How long `abort` waits for the progress thread to close an endpoint (ns).
-_ABORT_PERIOD_NS: Final = 1_000_000_000
 
 
 def new_tag_base() -> int:
@@ -66,9 +63,10 @@ async def connect(
     process) or does not answer is reported as unreachable when it passes.
     """
     try:
-        endpoint = await ucx.create_endpoint_from_worker_address(
-            ucx_env.address_from(peer.worker), endpoint_error_handling=True
-        )
+        # Made off the loop's thread and bounded (`ucx_env.create_endpoint`).
+        endpoint = await ucx_env.create_endpoint(peer.worker, timeout_s=timeout_s)
+    except TimeoutError:
+        raise PeerUnreachable(f"{peer.label}: no UCX endpoint within {timeout_s:.1f}s") from None
     except (UCXError, RuntimeError, ValueError) as exc:
         forget_traceback(exc)
         raise PeerUnreachable(f"cannot reach {peer.label}: {exc}") from None
@@ -129,22 +127,20 @@ class Goodbyes:
         task.add_done_callback(self._tasks.discard)
 
     async def _say_bye(self, worker: bytes, ucx_tag: int, name: str) -> None:
-        ucx = ucx_env.held()
         endpoint: Any = None
         try:
             async with asyncio.timeout(_BYE_TIMEOUT_S):
-                endpoint = await ucx.create_endpoint_from_worker_address(
-                    ucx_env.address_from(worker), endpoint_error_handling=True
-                )
+                # Towards a peer that may be unreachable (why the link was dropped):
+                # made off the loop's thread, so a stuck connect costs only this task.
+                endpoint = await ucx_env.create_endpoint(worker, timeout_s=_BYE_TIMEOUT_S)
                 frame = frame_array(encode_frame(Bye(f"{name} dropped")))
                 await endpoint.send(frame, tag=ucx_tag, force_tag=True)
-        except (TimeoutError, UCXError, RuntimeError) as exc:
+        except (TimeoutError, UCXError, RuntimeError, ValueError) as exc:
             forget_traceback(exc)
             log.debug("goodbye from %s not delivered: %s", name, exc)
         finally:
             if endpoint is not None:
-                with contextlib.suppress(Exception):  # going away either way
-                    endpoint.abort(period=_ABORT_PERIOD_NS, max_attempts=1)
+                ucx_env.abort_endpoint(endpoint, f"goodbye from {name}")
 
     async def close(self) -> None:
         """Let the goodbyes in flight finish (each is bounded), then refuse new ones."""

@@ -41,6 +41,7 @@ from typing import Any, Final, TypeVar
 
 import numpy as np
 
+from yb_shared.transport import ucx_env
 from yb_shared.transport.errors import PeerUnreachable
 from yb_shared.transport.ucx_env import (
     RAW_API,
@@ -57,11 +58,6 @@ T = TypeVar("T")
 
 # Posts between two top-ups of ucxx's futures pool (it holds 100).
 _REFILL_EVERY = 32
-
-# How long `abort()` lets the progress thread finish closing the endpoint (ns). The
-# close is synchronous: when it returns, UCX has cancelled every request of the link.
-_CLOSE_PERIOD_NS = 1_000_000_000
-
 
 _PAIR: Final = struct.Struct("<QQ")
 
@@ -250,8 +246,13 @@ class Link:
         """Close the endpoint now, cancelling its UCX requests and this link's tasks.
 
         Synchronous on purpose: callers rely on UCX having let go of every posted
-        buffer when it returns. `notify=False` when the peer is known to be gone or
-        to have dropped the connection itself (no `Bye` is then worth sending).
+        buffer when it returns. The close itself runs on a thread of its own
+        (`ucx_env.abort_endpoint`), waited for at most `ucx_env.CLOSE_WAIT_S`: if
+        UCX's progress thread is stuck, the close is left to that thread and logged,
+        and this returns anyway (UCX cancels the requests before it progresses
+        anything again, so nothing lands in the buffers afterwards).
+        `notify=False` when the peer is known to be gone or to have dropped the
+        connection itself (no `Bye` is then worth sending).
         Idempotent.
         """
         if self._closed:
@@ -262,10 +263,9 @@ class Link:
         if ep is not None and not ep.alive:
             notify = False  # UCX declared the peer dead: nobody to tell
         if ep is not None:
-            try:
-                ep.abort(period=_CLOSE_PERIOD_NS, max_attempts=1)
-            except Exception:  # the endpoint is going away either way
-                log.debug("endpoint abort failed on %s", self.name, exc_info=True)
+            # Off the loop's thread, bounded: a stuck UCX costs this call at most
+            # `ucx_env.CLOSE_WAIT_S`, never the process's event loop.
+            ucx_env.abort_endpoint(ep, self.name)
         current = asyncio.current_task()
         for task in list(self._tasks):
             if task is not current:

@@ -98,6 +98,9 @@ _DRAIN_TIMEOUT_S: Final = 30.0
 #: How many ended request ids are remembered, to explain late segments for them.
 _TOMBSTONES: Final = 4096
 
+#: How long making an endpoint may take (to this worker, or back to a hello's sender).
+_CONNECT_TIMEOUT_S: Final = 5.0
+
 #: How long a hello may wait for `set_peer_check`'s verdict.
 _PEER_CHECK_TIMEOUT_S: Final = 2.0
 
@@ -279,9 +282,7 @@ class KVReceiver:
             worker = ucx_env.worker_address()
             # Hellos match in the worker, from any endpoint; posting their receive
             # through an endpoint to ourselves is what lets `close()` take it back.
-            self._inbox = await ucx.create_endpoint_from_worker_address(
-                ucx_env.address_from(worker), endpoint_error_handling=True
-            )
+            self._inbox = await ucx_env.create_endpoint(worker, timeout_s=_CONNECT_TIMEOUT_S)
         except BaseException:
             ucx_env.release()
             raise
@@ -313,7 +314,7 @@ class KVReceiver:
         # 1. Stop taking connections.
         inbox, self._inbox = self._inbox, None
         if inbox is not None:
-            inbox.abort()  # takes back the posted hello receive
+            ucx_env.abort_endpoint(inbox, "hello inbox")  # takes back the hello receive
         if self._accepting is not None:
             self._accepting.cancel()
             await asyncio.gather(self._accepting, return_exceptions=True)
@@ -510,11 +511,13 @@ class KVReceiver:
                     hello.name,
                 )
                 return
-        ucx = ucx_env.held()
         try:
-            endpoint = await ucx.create_endpoint_from_worker_address(
-                ucx_env.address_from(hello.worker), endpoint_error_handling=True
-            )
+            # Off the loop's thread and bounded: the sender's host may be reachable one
+            # way only (its hello got here, nothing gets back).
+            endpoint = await ucx_env.create_endpoint(hello.worker, timeout_s=_CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("cannot connect back to %r within %gs", hello.name, _CONNECT_TIMEOUT_S)
+            return
         except (UCXError, RuntimeError, ValueError) as exc:
             forget_traceback(exc)
             log.warning("cannot connect back to %r: %s", hello.name, exc)
@@ -529,10 +532,10 @@ class KVReceiver:
                         tag=full_tag(hello.recv_base, REPLY_TAG),
                         force_tag=True,
                     )
-            endpoint.abort()
+            ucx_env.abort_endpoint(endpoint, f"refused hello from {hello.name}")
             return
         if self._closing is not None:
-            endpoint.abort()
+            ucx_env.abort_endpoint(endpoint, f"hello from {hello.name}")
             return
         link = Link(
             endpoint,

@@ -25,6 +25,18 @@ Why each setting:
   one.
 - `UCX_WARN_UNUSED_ENV_VARS=n`: ucxx itself sets `UCX_MEMTYPE_CACHE`, which UCX 1.21
   no longer knows, and UCX prints a warning about it in every process.
+- `UCX_TCP_CONN_NB=y`: UCX's TCP transport otherwise calls a *blocking* `connect()`
+  inside `ucp_ep_create`, on ucxx's progress thread, while it holds the worker's lock.
+  Towards a host whose packets are silently dropped (a firewall's DROP) that call
+  waits for the kernel's SYN retries (about two minutes): the progress thread stops,
+  every other transfer of the process stops with it, and whichever thread asked ucxx
+  for something meanwhile (an endpoint, a close) waits in ucxx's
+  `Worker::registerGenericPre`, which cannot cancel a callback already running and
+  retries forever ("UCXX WARN Could not cancel after 10 attempts, the callback has
+  not returned and the process may stop responding"). Seen in the multi-host test:
+  prefill-0's event loop froze there and its heartbeats stopped. Non-blocking, the
+  connect is finished by the progress thread's event handling and a blackholed peer
+  costs only the transfers to it (they fail at their deadlines).
 - `UCX_KEEPALIVE_INTERVAL=1s`: connections are made by worker address (no connection
   manager socket whose closing would tell us), so a dead peer process is noticed by
   UCX's keepalive round, by default every 20 s. Within one host a round only checks
@@ -50,19 +62,24 @@ CPU while idle, 1% with futures).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
+
+T = TypeVar("T")
 
 UCX_ENV_DEFAULTS: Final[dict[str, str]] = {
     "UCX_MM_ERROR_HANDLING": "y",
     "UCX_CMA_MEMORY_INVALIDATE": "y",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
     "UCX_KEEPALIVE_INTERVAL": "1s",
+    "UCX_TCP_CONN_NB": "y",
 }
 
 for _key, _value in UCX_ENV_DEFAULTS.items():
@@ -71,10 +88,20 @@ for _key, _value in UCX_ENV_DEFAULTS.items():
 import ucxx  # noqa: E402  (must follow the environment set-up above)
 import ucxx.core  # noqa: E402
 import ucxx.exceptions  # noqa: E402
+from ucxx._lib import libucxx as _ucx_api  # noqa: E402
+from ucxx._lib_async.endpoint import Endpoint as _Endpoint  # noqa: E402
 
 from yb_shared.netaddr import interface_of, is_wildcard  # noqa: E402
 
 log = logging.getLogger(__name__)
+
+#: How long the event loop's thread waits for ucxx to close an endpoint (s) before it
+#: leaves the close to the thread doing it. A healthy progress thread closes in
+#: microseconds; a stuck one could hold the caller for ucxx's own bounds (up to tens
+#: of seconds, or for ever when a callback it waits on is stuck).
+CLOSE_WAIT_S: Final = 0.5
+#: ucxx's own bound for each step of a close (ns), on the closing thread.
+CLOSE_PERIOD_NS: Final = 1_000_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +268,90 @@ def address_from(worker: bytes) -> Any:
     from ucxx._lib.libucxx import UCXAddress
 
     return UCXAddress.create_from_buffer(worker)
+
+
+def _on_thread(fn: Callable[[], T], name: str) -> concurrent.futures.Future[T]:
+    """Run `fn` on a daemon thread of its own; its result as a future.
+
+    A thread per call, not a pool: a call stuck in ucxx must not hold up the next.
+    """
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # handed to whoever awaits the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+async def create_endpoint(worker: bytes, *, timeout_s: float) -> Any:
+    """A ucxx `Endpoint` to the worker address `worker`, made off the loop's thread.
+
+    ucxx creates endpoints synchronously (`ucp_ep_create` on its progress thread,
+    which the calling thread waits for). Here a thread of its own waits instead, and
+    the caller gets TimeoutError after `timeout_s` (or its own cancellation) whatever
+    ucxx does: an endpoint that is made after that is closed by its thread, never
+    handed out. Raises what ucxx raises for a bad address or a failed create.
+    """
+    ctx = ucxx.core._get_ctx()
+    ctx.continuous_ucx_progress()  # what ucxx's own create_endpoint* does first
+    address = address_from(worker)
+    made = _on_thread(
+        lambda: _ucx_api.UCXEndpoint.create_from_worker_address(ctx.worker, address, True),
+        "yb-ucx-connect",
+    )
+    try:
+        raw = await asyncio.wait_for(asyncio.wrap_future(made), timeout_s)
+    except (TimeoutError, asyncio.CancelledError):
+        # Runs at once if it finished meanwhile, else when it does: never leak it.
+        made.add_done_callback(_close_late)
+        raise
+    return _Endpoint(endpoint=raw, ctx=ctx, tags=None)
+
+
+def _close_late(made: concurrent.futures.Future[Any]) -> None:
+    if made.cancelled() or made.exception() is not None:
+        return
+    raw = made.result()
+    _on_thread(lambda: raw.close_blocking(CLOSE_PERIOD_NS, 1), "yb-ucx-close")
+
+
+def abort_endpoint(endpoint: Any, name: str) -> bool:
+    """Close a ucxx `Endpoint` now, cancelling every request posted on it.
+
+    The close runs on a thread of its own; the caller waits for it at most
+    `CLOSE_WAIT_S`. True if it finished in that time: UCX then no longer reads or
+    writes any buffer posted on the endpoint. False if it did not (ucxx's progress
+    thread is stuck): the close is abandoned to its thread and logged, and it still
+    cancels the endpoint's requests before ucxx progresses anything else (ucxx runs
+    queued closes before its next progress round), so a stuck progress thread that
+    comes back does not complete them into buffers their owner has taken back.
+    """
+    done = threading.Event()
+
+    def close() -> None:
+        try:
+            endpoint.abort(period=CLOSE_PERIOD_NS, max_attempts=1)
+        except Exception:  # the endpoint is going away either way
+            log.debug("endpoint abort failed on %s", name, exc_info=True)
+        finally:
+            done.set()
+
+    threading.Thread(target=close, name="yb-ucx-close", daemon=True).start()
+    if done.wait(CLOSE_WAIT_S):
+        return True
+    log.warning(
+        "closing the UCX endpoint of %s did not finish in %.1fs (UCX progress is stuck); "
+        "left to finish on its own thread",
+        name,
+        CLOSE_WAIT_S,
+    )
+    return False
 
 
 def release() -> None:
