@@ -75,6 +75,8 @@ class LoggedEvent:
     subject: str
     event: AnyEvent
     headers: Mapping[str, str]
+    #: What it takes in the stream, near enough (payload, subject and headers).
+    size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -740,4 +742,6 @@ def _decode_logged(msg: Msg) -> LoggedEvent | None:
         log.warning("undecodable_event", subject=msg.subject, error=str(exc))
         return None
     seq = int(msg.metadata.sequence.stream) if msg.reply else 0
-    return LoggedEvent(seq=seq, subject=msg.subject, event=event, headers=dict(msg.headers or {}))
+    headers = dict(msg.headers or {})
+    size = len(msg.data) + len(msg.subject) + sum(len(k) + len(v) + 4 for k, v in headers.items())
+    return LoggedEvent(seq=seq, subject=msg.subject, event=event, headers=headers, size=size)

@@ -94,6 +94,17 @@ class ConductorMetrics:
         self.active = Gauge(
             "yb_conductor_active", "1 while this conductor holds the lease", registry=registry
         )
+        self.log_gap_events = Counter(
+            "yb_conductor_log_gap_events_total",
+            "Events this conductor never folded: trimmed from the log by its limits "
+            "before it read them, with no snapshot covering them",
+            registry=registry,
+        )
+        self.snapshot_seq = Gauge(
+            "yb_conductor_snapshot_seq",
+            "Stream sequence of the latest snapshot saved or restored",
+            registry=registry,
+        )
 
     def decided(self, outputs: list[Output], seconds: float) -> None:
         """Count the decisions of one admission."""

@@ -13,6 +13,20 @@ the old one had not (de-duplicated by request id if it had), and from then on
 decides every new admission. The active conductor snapshots its state every
 `snapshot_every_events` events into a JetStream object store.
 
+The log is bounded (by age and by bytes: `NatsConfig`), so its head goes. What
+stands in for it is the snapshot, taken every `snapshot_every_events` events and
+every eighth of the stream's byte limit, whichever comes first, so the retained log
+reaches back to the latest snapshot with room to spare. A conductor that starts, or
+a standby whose reader falls behind the trimmed head, restores the latest snapshot
+when it covers everything that is gone (snapshot `last_seq` >= the log's
+`first_seq` - 1) and reads on from there. When none does (no snapshot store, or a
+conductor that was down while the log turned over), it says so loudly
+(`event_log_gap` logged as an error, `yb_conductor_log_gap_events_total` counts the
+events it never saw) and does the safe thing: it folds what remains on top of what
+it had, and asks every block holder it knows for a full inventory, since the index
+missed their stores and evictions. Instances whose announcement was trimmed and
+that it never knew stay unknown until they announce again (a restart).
+
 The active conductor also says what the fold concluded about failures: an instance
 silent past the heartbeat timeout is declared dead (`InstanceDown`), and the
 requests it orphaned — and those of a gateway that died or restarted — are
@@ -39,6 +53,7 @@ from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.lease import Lease
 from yb_conductor.metrics import ConductorMetrics
 from yb_conductor.settings import configured_event
+from yb_conductor.state import BLOCK_HOLDER_ROLES
 from yb_shared import events as ev
 from yb_shared.bus import Bus, BusError, EventReader
 from yb_shared.config import YbConfig
@@ -53,6 +68,27 @@ STALE_DECISION_S = 30.0
 #: Decisions whose publish may be in flight at once (see `_publish_output`).
 _PUBLISH_WINDOW = 256
 SNAPSHOT_OBJECT = "conductor-snapshot"
+#: A snapshot at least every 1/N of the stream's byte limit (see the docstring).
+SNAPSHOT_BYTES_FRACTION = 8
+
+
+async def read_snapshot(store: ObjectStore | None) -> snapshot.Snapshot | None:
+    """The latest snapshot in `store`, or None (none yet, unreadable, unusable:
+    each logged, since the caller then reads more of the log, or cannot)."""
+    if store is None:
+        return None
+    try:
+        result = await store.get(SNAPSHOT_OBJECT)
+    except nats.js.errors.ObjectNotFoundError:
+        return None
+    except (nats.errors.Error, nats.js.errors.Error) as exc:
+        log.warning("snapshot_read_failed", error=repr(exc))
+        return None
+    try:
+        return snapshot.decode(result.data or b"")
+    except snapshot.SnapshotError as exc:
+        log.warning("snapshot_unusable", error=str(exc))
+        return None
 
 
 class ConductorService(Service):
@@ -72,7 +108,16 @@ class ConductorService(Service):
         self._live_from = 0
         self._live = False
         self._since_snapshot = 0
+        self._bytes_since_snapshot = 0
+        # Snapshot at least this often in log bytes (an eighth of the stream's byte
+        # limit, read at start), so the log always reaches back to the latest one.
+        self._snapshot_bytes = 0
         self._snapshotting = False
+        # The log's first sequence when a gap was last reported: the reader's jump
+        # up to it is that gap, not another.
+        self._gap_reported_to = 0
+        # A gap was found: ask every block holder for an inventory on going live.
+        self._resync_all = False
         # Decisions on their way to the log, oldest first (see `_publish_output`).
         self._publishing: collections.deque[asyncio.Task[None]] = collections.deque()
         self.restored_from_seq = 0
@@ -110,6 +155,11 @@ class ConductorService(Service):
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             log.warning("snapshot_store_unavailable", error=repr(exc))
         await self._restore()
+        extent = await self.bus.log_extent()
+        if extent.max_bytes > 0:
+            self._snapshot_bytes = max(1, extent.max_bytes // SNAPSHOT_BYTES_FRACTION)
+        if not extent.reaches(self.conductor.last_seq + 1):
+            self._log_gap(extent.first_seq)
         self.lease = Lease(
             js,
             f"{ccfg.snapshot_bucket}_lease",
@@ -138,24 +188,81 @@ class ConductorService(Service):
             live_from_seq=self._live_from,
         )
 
-    async def _restore(self) -> None:
-        if self._store is None:
-            return
-        try:
-            result = await self._store.get(SNAPSHOT_OBJECT)
-        except nats.js.errors.ObjectNotFoundError:
-            return
-        except (nats.errors.Error, nats.js.errors.Error) as exc:
-            log.warning("snapshot_read_failed", error=repr(exc))
-            return
-        try:
-            snap = snapshot.decode(result.data or b"")
-        except snapshot.SnapshotError as exc:
-            log.warning("snapshot_unusable", error=str(exc))
-            return
+    async def _restore(self) -> bool:
+        """Adopt the latest snapshot if it is ahead of the fold; True if adopted."""
+        snap = await read_snapshot(self._store)
+        if snap is None or snap.last_seq <= self.conductor.last_seq:
+            return False
         self.conductor = snapshot.restore(snap)
         self.restored_from_seq = snap.last_seq
+        self.m.snapshot_seq.set(snap.last_seq)
         log.info("snapshot_restored", last_seq=snap.last_seq)
+        return True
+
+    def _log_gap(self, first_seq: int) -> None:
+        """The log no longer holds `last_seq + 1 .. first_seq - 1` and no snapshot
+        covers them: say so, and ask every block holder for its inventory (see the
+        module docstring)."""
+        if self.conductor.last_seq < self._gap_reported_to:
+            # Nothing folded since the last report: the same gap, grown meanwhile
+            # (the log kept turning over while the reader opened).
+            self.m.log_gap_events.inc(max(0, first_seq - self._gap_reported_to))
+            self._gap_reported_to = max(self._gap_reported_to, first_seq)
+            return
+        missing = first_seq - 1 - self.conductor.last_seq
+        self._gap_reported_to = first_seq
+        self._resync_all = True
+        holders = self._want_inventories()
+        log.error(
+            "event_log_gap",
+            folded_up_to=self.conductor.last_seq,
+            log_starts_at=first_seq,
+            missing_events=missing,
+            snapshot_seq=self.restored_from_seq,
+            resyncs=len(holders),
+            why="trimmed by the stream's limits (nats.max_bytes, nats.max_age_s) "
+            "before this conductor read it, and no snapshot reaches back that far",
+        )
+        self.m.log_gap_events.inc(missing)
+
+    def _want_inventories(self) -> list[str]:
+        """Mark every live block holder the fold knows for an inventory resync.
+
+        Published once this conductor is live (`_publish_wants`); a standby's wants
+        wait for it to take over, as every want does. Called when a gap is found
+        (the holders known then) and again on going live (those the retained log
+        announced since).
+        """
+        state = self.conductor.state
+        holders = [
+            i.instance_id
+            for i in state.instances.values()
+            if i.alive and i.role in BLOCK_HOLDER_ROLES
+        ]
+        for instance_id in holders:
+            state.resync_wanted[instance_id] = None
+        return holders
+
+    async def _bridge_gap(self, item_seq: int) -> bool:
+        """The reader jumped from the fold's `last_seq` to `item_seq`: if events were
+        trimmed under it (not merely skipped as undecodable), restore the latest
+        snapshot when it covers them and reopen the reader after it (True), or
+        report the gap and fold on (False)."""
+        assert self.bus is not None and self._reader is not None
+        extent = await self.bus.log_extent()
+        if extent.reaches(self.conductor.last_seq + 1):
+            return False  # nothing trimmed: the reader skipped an undecodable event
+        if await self._restore() and self.conductor.last_seq + 1 >= extent.first_seq:
+            log.warning(
+                "log_trimmed_restored_snapshot",
+                log_starts_at=extent.first_seq,
+                snapshot_seq=self.conductor.last_seq,
+            )
+            await self._reader.close()
+            self._reader = await self.bus.read_ordered(start_seq=self.conductor.last_seq + 1)
+            return True
+        self._log_gap(min(item_seq, extent.first_seq))
+        return False
 
     async def _try_lead(self) -> None:
         assert self.bus is not None and self.lease is not None
@@ -194,6 +301,8 @@ class ConductorService(Service):
                     # Caught up (or the log ended below `live_from`: a failed publish).
                     await self._go_live()
                 continue
+            if item.seq > self.conductor.last_seq + 1 and await self._bridge_gap(item.seq):
+                continue  # restored from a snapshot; the reader starts after it
             started = time.perf_counter()
             outputs = self.conductor.apply(item.seq, item.event)
             self.m.applied.inc()
@@ -215,7 +324,11 @@ class ConductorService(Service):
             if self.conductor.divergences:
                 self._report_divergences()
             self._since_snapshot += 1
-            if self._live and self._since_snapshot >= self.cfg.conductor.snapshot_every_events:
+            self._bytes_since_snapshot += item.size
+            if self._live and (
+                self._since_snapshot >= self.cfg.conductor.snapshot_every_events
+                or (self._snapshot_bytes and self._bytes_since_snapshot >= self._snapshot_bytes)
+            ):
                 self._snapshot()
 
     def _snapshot(self) -> None:
@@ -224,6 +337,7 @@ class ConductorService(Service):
         if self._store is None or self._snapshotting:
             return
         self._since_snapshot = 0
+        self._bytes_since_snapshot = 0
         data = snapshot.encode(snapshot.take(self.conductor))
         self._snapshotting = True
         self.tasks.spawn("snapshot-upload", self._upload(data, self.conductor.last_seq))
@@ -232,6 +346,7 @@ class ConductorService(Service):
         assert self._store is not None
         try:
             await self._store.put(SNAPSHOT_OBJECT, data)
+            self.m.snapshot_seq.set(seq)
             log.info("snapshot_saved", last_seq=seq, bytes=len(data))
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             log.warning("snapshot_save_failed", error=repr(exc))
@@ -245,6 +360,9 @@ class ConductorService(Service):
         now = self.conductor.state.now
         pending = list(self.conductor.unrecorded.values())
         log.info("conductor_live", last_seq=self.conductor.last_seq, unpublished=len(pending))
+        if self._resync_all:
+            self._resync_all = False
+            self._want_inventories()
         # Settings first: the fold adopts them where they land in the log.
         await self._publish(
             configured_event(self.cfg.conductor, self.cost, self.instance_id, time=now or 0.0)

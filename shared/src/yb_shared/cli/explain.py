@@ -5,7 +5,8 @@
 The decision event carries its explanation (the best prefill candidates by
 estimated TTFT, every decode instance, the branch and the reason), so explaining
 needs no recomputation. `--full` recomputes the decision from the log with every
-prefill instance in the table.
+prefill instance in the table, which needs the log from seq 1: on a log whose head
+was trimmed (`nats.max_bytes`) it says so and shows the recorded table.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from typing import Any
 
 from yb_shared import events as ev
-from yb_shared.cli.replay import add_source_args, load_records
+from yb_shared.cli.replay import add_source_args, load_log
 from yb_shared.config import YbConfig
 
 
@@ -98,16 +99,24 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     from yb_shared.bus import BusUnavailable
 
     try:
-        records = load_records(cfg, args)
+        loaded = load_log(cfg, args)
     except (OSError, BusUnavailable) as exc:
         print(f"yb explain: cannot read the log: {exc}", file=sys.stderr)
         return 1
+    records = loaded.records
     found = find_decision(records, args.request_id)
     if found is None:
-        print(f"yb explain: no decision for request {args.request_id!r} in the log")
+        gone = f" ({loaded.gone()}: an older decision is gone)" if loaded.trimmed else ""
+        print(f"yb explain: no decision for request {args.request_id!r} in the log{gone}")
         return 1
     seq, decision = found
-    if args.full:
+    if args.full and loaded.trimmed:
+        print(
+            f"yb explain: {loaded.gone()}: --full recomputes from seq 1, so this is the "
+            "recorded table",
+            file=sys.stderr,
+        )
+    elif args.full:
         full = recompute_decision(records, args.request_id, top_k=0)
         if full is not None:
             decision = full
