@@ -160,6 +160,20 @@ class GatewayConfig(_Section):
     allow_unauthenticated: bool = False
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 2.0
+    # Slow clients (yb_gateway.slow_clients). A request's head and body must arrive
+    # within `body_timeout_s` of the connection's opening (or of the previous
+    # response's end on a kept-alive connection): else 408, the connection is closed
+    # and nothing is admitted.
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    # A client that stops reading: once the kernel's send buffer and the
+    # `send_buffer_bytes` the gateway buffers above it are full, the client has
+    # `stream_stall_timeout_s` to make room; else the connection is dropped and the
+    # request cancelled everywhere (its KV pages and decode slot freed).
+    stream_stall_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    send_buffer_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 1024
+    # SO_SNDBUF of each client connection; 0 leaves it to the kernel's autotuning
+    # (up to net.ipv4.tcp_wmem's maximum, 4 MiB by default, per connection).
+    socket_send_buffer_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def resolved_api_keys(self) -> list[str]:
         """`api_keys` and the keys listed in `api_keys_file`, without blanks."""

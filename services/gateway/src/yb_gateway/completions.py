@@ -10,6 +10,9 @@ A request's steps, and why they are ordered so:
 3. Streaming: litestar's `Stream` iterates `_sse`; when the client disconnects it
    cancels the iteration and `_sse`'s `finally` releases the session (which cancels
    the request on the bus). Non-streaming: the collection races the connection too.
+   A client too slow to read its answer is disconnected by the connection's stall
+   deadline (`yb_gateway.slow_clients`) and ends the same way; the reason it was
+   dropped is noted in the request's state and becomes the cancel's reason.
 
 In every case the session is released exactly once and the request is counted once
 in `yb_gateway_requests_total`.
@@ -34,6 +37,7 @@ from yb_gateway.prompt import check_common, prepare
 from yb_gateway.render import SSE_DONE, ChatFormat, ResponseFormat, TextFormat, sse_error
 from yb_gateway.schemas import ChatCompletionRequest, CompletionRequest
 from yb_gateway.session import RequestSession, StreamError
+from yb_gateway.slow_clients import DROPPED_STATE_KEY
 from yb_shared.telemetry import bind_request, extract_context, get_logger
 
 if TYPE_CHECKING:
@@ -80,6 +84,9 @@ class _Exchange:
 
     session: RequestSession
     fmt: ResponseFormat
+    # The request's scope state: where the connection notes that it dropped a slow
+    # client (`slow_clients.DROPPED_STATE_KEY`).
+    state: dict[str, Any]
     settled: bool = False
 
 
@@ -149,7 +156,7 @@ class CompletionsEndpoint:
                 stream=prepared.stream,
                 user=body.user,
             )
-            exchange = _Exchange(session, fmt)
+            exchange = _Exchange(session, fmt, request.scope.setdefault("state", {}))
             try:
                 await until_disconnect(request, session.start())
                 if prepared.stream:
@@ -190,6 +197,8 @@ class CompletionsEndpoint:
         if exchange.settled:
             return
         exchange.settled = True
+        if status == CLIENT_CLOSED and (dropped := exchange.state.get(DROPPED_STATE_KEY)):
+            reason = f"client dropped: {dropped}"
         self._gw.meters.in_flight.dec()
         self._gw.meters.finished(status)
         session = exchange.session
@@ -213,6 +222,11 @@ class CompletionsEndpoint:
             if (opening := fmt.opening()) is not None:
                 yield opening
             async for chunk in session.chunks():
+                if DROPPED_STATE_KEY in exchange.state:
+                    # The connection was dropped: uvicorn now accepts every write
+                    # without waiting, so chunks already queued would run the stream
+                    # to its end as if delivered. It ends here, cancelled.
+                    return
                 if chunk.text:
                     yield fmt.delta(chunk.text)
             # Generation is complete: a client leaving during the last frames is not

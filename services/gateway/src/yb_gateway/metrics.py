@@ -7,6 +7,10 @@ request ended with; for a stream that breaks after its 200 went out it is the st
 of the error event (502, 504...), and 499 when the client went away first.
 `yb_gateway_token_resends_total` counts the times a stream asked its decode instance
 to publish lost chunks again, by what made it ask (`gap`, `reconnect`, `quiet`).
+`yb_gateway_slow_client_drops_total` counts the connections dropped for being slow
+(`request_timeout`: head or body not in within `body_timeout_s`; `stream_stall`: the
+client did not read for `stream_stall_timeout_s` with every buffer full), and
+`yb_gateway_stalled_connections` the connections whose writes wait for the client now.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Client disconnected before the answer was complete (nginx's convention).
 CLIENT_CLOSED = 499
+
+# Why the gateway dropped a slow client (`yb_gateway_slow_client_drops_total`).
+REQUEST_TIMEOUT = "request_timeout"
+STREAM_STALL = "stream_stall"
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -47,6 +55,19 @@ class GatewayMetrics:
             "yb_gateway_token_resends",
             "Requests to a decode instance to publish lost token chunks again, by trigger",
             ["trigger"],
+            registry=registry,
+        )
+        self.slow_client_drops = Counter(
+            "yb_gateway_slow_client_drops",
+            "Connections dropped for a slow client, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in (REQUEST_TIMEOUT, STREAM_STALL):
+            self.slow_client_drops.labels(reason)  # exported at 0 from the start
+        self.stalled = Gauge(
+            "yb_gateway_stalled_connections",
+            "Connections whose response waits for the client to read (buffers full)",
             registry=registry,
         )
         self.in_flight = Gauge(

@@ -43,6 +43,7 @@ from yb_gateway.metrics import GatewayMetrics
 from yb_gateway.prompt import PreparedRequest, PromptEncoder
 from yb_gateway.readiness import INSTANCE_SUBJECTS, InstanceTracker
 from yb_gateway.session import RequestSession
+from yb_gateway.slow_clients import ClientLimits, guarded_protocol
 from yb_shared import events as ev
 from yb_shared.bus import Bus, BusError, BusUnavailable, EventReader, backoff_delays
 from yb_shared.config import YbConfig
@@ -118,6 +119,8 @@ class GatewayService(Service):
         self.port = int(sock.getsockname()[1])
         config = uvicorn.Config(
             create_app(self),
+            # Bounds the clients that trickle a request or do not read the answer.
+            http=guarded_protocol(ClientLimits.from_config(gcfg), self.meters),
             log_config=None,
             access_log=False,
             lifespan="off",
