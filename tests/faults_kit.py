@@ -29,6 +29,7 @@ import msgspec
 from yb_shared import events as ev
 from yb_shared.bus import Bus, LoggedEvent
 from yb_shared.config import NatsConfig
+from yb_shared.failpoints import safe_name
 from yb_shared.natsserver import die_with_parent
 from yb_shared.testing import LocalCluster, pid_alive
 
@@ -77,13 +78,38 @@ def record(name: str, row: FaultRecord) -> None:
 
 
 def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Poll `check` until true; the seconds it took. Fails the test at the deadline."""
+    """Poll `check` until true; the seconds it took. Fails the test at the deadline.
+
+    Each call gets its own full budget (never what is left of another's). A check
+    that cannot reach an instance (`httpx.HTTPError`) counts as not yet true.
+    """
+    return wait_all({what: check}, timeout_s)
+
+
+def wait_all(checks: dict[str, Callable[[], bool]], timeout_s: float) -> float:
+    """Poll every check, all in the same round, until all hold at once; the seconds
+    it took. At the deadline, fails naming the checks that still did not hold.
+
+    (Checking one condition, then another once, races whatever updates the second
+    a moment after the first: a gauge set at the engine's next step, an event
+    published after the pages were freed.)
+    """
     started = time.monotonic()
-    while not check():
+    while True:
+        failing: list[str] = []
+        for what, check in checks.items():
+            try:
+                ok = check()
+            except httpx.HTTPError as exc:
+                ok = False
+                what = f"{what} ({exc!r})"
+            if not ok:
+                failing.append(what)
+        if not failing:
+            return time.monotonic() - started
         if time.monotonic() - started > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {failing}")
         time.sleep(0.05)
-    return time.monotonic() - started
 
 
 # --- the cluster ---------------------------------------------------------------------
@@ -277,24 +303,90 @@ def complete(cluster: LocalCluster, prompt: list[int], max_tokens: int = 6) -> d
 
 
 def long_stream_body(prompt: list[int], max_tokens: int = 3000) -> dict[str, Any]:
-    """A streamed completion that decodes for many seconds: sampled with a fixed seed
-    (the same tokens every run, none of them an early end), a large `max_tokens`."""
+    """A streamed completion that cannot end early: `ignore_eos`, no stop strings, a
+    large `max_tokens`. (How long it runs is the decode gate's business, not this.)"""
     return {
         "model": MODEL,
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "temperature": 1.0,
-        "seed": 1234,
+        "temperature": 0,
+        "ignore_eos": True,
         "stream": True,
     }
+
+
+# --- failpoint gates -----------------------------------------------------------------
+
+
+class Held(msgspec.Struct, frozen=True):
+    """A request parked at a failpoint, as its marker file says."""
+
+    point: str
+    request_id: str
+    instance_id: str
+    count: int
+
+
+class Gate:
+    """The test's side of `yb_shared.failpoints` (points armed `once:`).
+
+    `arm(point)` lets exactly one request park at `point`; `wait_held(point)` waits
+    for that request's marker (so the test acts while it is provably in flight);
+    `release(held)` lets it go on. `release_everything()` ends every hold this gate
+    started and disarms, so a failed scenario leaves nothing parked.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._seen: set[str] = set()
+
+    def spec(self, *points: str, timeout_s: float = 120) -> str:
+        """The `YB_FAILPOINTS` value arming `points` (`name=hold(N)` or `name=hold`)."""
+        armed = ";".join(p.replace("=", "=once:", 1) for p in points)
+        return f"gate={self.dir};timeout={timeout_s:g};{armed}"
+
+    def arm(self, point: str) -> None:
+        """The next request to reach `point` parks there (one request only)."""
+        self._seen |= {p.name for p in self.dir.glob(f"{point}.*.reached")}
+        (self.dir / f"{point}.arm").touch()
+
+    def wait_held(self, point: str, timeout_s: float) -> Held:
+        """Until the armed request has parked at `point`; who and where."""
+        found: list[Path] = []
+
+        def reached() -> bool:
+            found[:] = [p for p in self.dir.glob(f"{point}.*.reached") if p.name not in self._seen]
+            return bool(found)
+
+        wait_until(reached, timeout_s, f"a request to park at failpoint {point}")
+        (path,) = found
+        self._seen.add(path.name)
+        return msgspec.json.decode(path.read_bytes(), type=Held)
+
+    def release(self, held: Held) -> None:
+        """Let a parked request go on."""
+        name = safe_name(held.request_id)
+        (self.dir / f"{held.point}.{name}.release").touch()
+
+    def release_everything(self) -> None:
+        """Disarm every point and release every request that ever parked here."""
+        for arm in self.dir.glob("*.arm"):
+            arm.unlink(missing_ok=True)
+        for marker in self.dir.glob("*.reached"):
+            (self.dir / (marker.name.removesuffix(".reached") + ".release")).touch()
+
+    def armed(self) -> list[str]:
+        """Arm files not yet claimed by a request."""
+        return sorted(p.name for p in self.dir.glob("*.arm"))
 
 
 class SseClient:
     """One streamed completion read on its own thread, as a client sees it.
 
     `frames` are the SSE frames' data in order (`[DONE]` included), `errors` the data
-    of `event: error` frames. `hang_up()` makes the client close the connection at
-    the next frame (a client that goes away mid-stream).
+    of `event: error` frames. (A client that hangs up at a chosen moment is a
+    `RawStream`.)
     """
 
     def __init__(self, cluster: LocalCluster, body: dict[str, Any], timeout_s: float = 120):
@@ -311,7 +403,6 @@ class SseClient:
         self.ended_at = 0.0
         self.started = threading.Event()
         self.done = threading.Event()
-        self._hang_up = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -325,8 +416,6 @@ class SseClient:
                 self.started.set()
                 event = ""
                 for line in r.iter_lines():
-                    if self._hang_up.is_set():
-                        return  # leaving the `with` closes the connection
                     if line.startswith("event: "):
                         event = line[7:]
                     elif line.startswith("data: "):
@@ -349,11 +438,6 @@ class SseClient:
         """Until `frames` frames with text have arrived."""
         wait_until(lambda: self.text_frames >= frames or self.done.is_set(), timeout_s, "tokens")
         assert self.text_frames >= frames, self.describe()
-
-    def hang_up(self) -> None:
-        """Close the connection at the next frame, and wait until closed."""
-        self._hang_up.set()
-        assert self.done.wait(30), "the client did not hang up"
 
     def wait_done(self, timeout_s: float) -> float:
         """Until the stream has ended; the seconds waited."""
@@ -392,34 +476,45 @@ def _has_text(data: str) -> bool:
     return any(c.get("text") or (c.get("delta") or {}).get("content") for c in choices)
 
 
-def hang_up_after_headers(cluster: LocalCluster, body: dict[str, Any]) -> str:
-    """Send a streamed request over a raw socket, read the response head, hang up.
+class RawStream:
+    """A streamed completion over a raw socket: the response head read, the body left
+    unread. `close()` is the client going away, at a moment the test chose (no frame
+    needs to arrive for it, unlike a client that hangs up "at the next frame")."""
 
-    For a client that leaves while its prompt is still being computed: the 200 and
-    the first frame come once the job is handed to prefill. Returns the request id.
-    """
-    payload = json.dumps(body).encode()
-    host, port = cluster.url.removeprefix("http://").split(":")
-    head = [
-        "POST /v1/completions HTTP/1.1",
-        f"Host: {host}:{port}",
-        "Content-Type: application/json",
-        f"Content-Length: {len(payload)}",
-        *(f"{k}: {v}" for k, v in headers(cluster).items()),
-        "",
-        "",
-    ]
-    with socket.create_connection((host, int(port)), timeout=60) as sock:
-        sock.sendall("\r\n".join(head).encode() + payload)
-        received = b""
-        while b"\r\n\r\n" not in received:
-            chunk = sock.recv(4096)
-            assert chunk, "the gateway closed the connection before answering"
-            received += chunk
-    status_line, *lines = received.split(b"\r\n\r\n")[0].decode().split("\r\n")
-    assert " 200 " in f"{status_line} ", status_line
-    for line in lines:
-        name, _, value = line.partition(":")
-        if name.strip().lower() == "x-request-id":
-            return value.strip()
-    raise AssertionError(f"no X-Request-Id in {lines}")
+    def __init__(self, cluster: LocalCluster, body: dict[str, Any]) -> None:
+        payload = json.dumps(body).encode()
+        host, port = cluster.url.removeprefix("http://").split(":")
+        head = [
+            "POST /v1/completions HTTP/1.1",
+            f"Host: {host}:{port}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(payload)}",
+            *(f"{k}: {v}" for k, v in headers(cluster).items()),
+            "",
+            "",
+        ]
+        self.sock = socket.create_connection((host, int(port)), timeout=60)
+        try:
+            self.sock.sendall("\r\n".join(head).encode() + payload)
+            received = b""
+            while b"\r\n\r\n" not in received:
+                chunk = self.sock.recv(4096)
+                assert chunk, "the gateway closed the connection before answering"
+                received += chunk
+            status_line, *lines = received.split(b"\r\n\r\n")[0].decode().split("\r\n")
+            assert " 200 " in f"{status_line} ", status_line
+            ids = [
+                value.strip()
+                for name, _, value in (line.partition(":") for line in lines)
+                if name.strip().lower() == "x-request-id"
+            ]
+            assert ids, f"no X-Request-Id in {lines}"
+            self.request_id = ids[0]
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def close(self) -> None:
+        """Hang up (unread data makes the kernel reset the connection: the gateway
+        hears of it at once)."""
+        self.sock.close()
