@@ -24,6 +24,10 @@ from yb_shared.testing import LocalCluster
 
 BLOCK = 64  # the default block size
 
+# The cluster's start-up (the module fixture, with its own deadline) does not count
+# against the test's timeout.
+pytestmark = pytest.mark.timeout(300, func_only=True)
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
@@ -59,7 +63,7 @@ def complete(cluster: LocalCluster, tokens: list[int]) -> tuple[list[int], int, 
 def prefill_of(cluster: LocalCluster, request_id: str) -> str:
     # Prefill logs the request after handing it to decode, so the answer may reach
     # the client first: look for a while.
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         for name in ("prefill-0", "prefill-1"):
             for line in cluster.instance_log(name).splitlines():
@@ -125,7 +129,10 @@ def test_a_prompt_computed_once_is_served_from_the_pool(cluster: LocalCluster) -
     try:
         # Until its heartbeat lapses (the gateway applies the conductor's timeout too).
         wait_for(lambda: computed_on not in live_prefills(cluster), 30, "the heartbeat to lapse")
-        time.sleep(0.5)  # the conductor sees the same silence on its next event
+        # And the conductor, which places the request, counts it dead too (it sees
+        # the silence on its own clock; no sleep can promise when).
+        alive = f'yb_conductor_instance_alive{{instance="{computed_on}"}}'
+        wait_for(lambda: metric(cluster, "conductor-0", alive) == 0, 30, "the conductor's verdict")
         remote, cached, rid = complete(cluster, [*prefix, 1, 2, 3])
     finally:
         os.kill(pid, signal.SIGCONT)
