@@ -7,7 +7,6 @@ deadlines, close, and the block-store paths (dynamic reservations, fetch).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -350,38 +349,53 @@ async def test_fetch_asks_a_holder_to_send_into_our_reservation() -> None:
 async def test_cancel_mid_segment_stops_writes_and_the_sender_recovers(
     receiver: KVReceiver, sender: KVSender
 ) -> None:
-    size, count = 4 << 20, 24  # 96 MiB: long enough to cancel while it lands
+    # A raw sender (below KVSender) that posts a segment's header and holds its
+    # payloads back: the receiver has admitted the segment and posted its receives
+    # into the reserved buffers, and no byte has landed yet, whenever cancel() runs.
+    from yb_shared.transport import checksum, ucx_env
+    from yb_shared.transport.handshake import connect
+    from yb_shared.transport.wire import CTRL_TAG, REPLY_TAG, Bye, data_tag
+
+    size, count = 4 << 20, 4
     dest = [np.zeros(size, np.uint8) for _ in range(count)]
     src = [np.full(size, i + 1, np.uint8) for i in range(count)]
     reservation = receiver.reserve("big", dest, deadline_s=30)
-    send = asyncio.create_task(
-        sender.send(receiver.address, "big", list(enumerate(src)), deadline_s=30)
-    )
-    # White-box: wait until the header was admitted and receives are posted.
-    async with asyncio.timeout(10):
-        while not reservation._pending and not send.done():
-            await asyncio.sleep(0.0005)
-    if send.done():
-        pytest.skip("the segment landed before the test could cancel it")
-    receiver.cancel("big")
-    cancelled_at = time.monotonic()
-    snapshot = [d.copy() for d in dest]
-    with pytest.raises(TransferError):
-        await send
-    # The receiver's goodbye ends the send, not its 30 s deadline.
-    assert time.monotonic() - cancelled_at < 5
-    await asyncio.sleep(0.2)
-    # cancel() returned with UCX's hold on the buffers released: nothing changed after.
-    assert all(np.array_equal(a, b) for a, b in zip(dest, snapshot, strict=True))
-    with pytest.raises(TransferCancelled):
-        await reservation.wait_committed()
+    ucx = ucx_env.acquire()
+    link = await connect(ucx, receiver.address, name="held", timeout_s=10)
+    # One connection of its own here; `sender` connects only later.
+    try:
+        header = SegmentHeader(
+            0, "big", list(range(count)), [size] * count, [checksum(b) for b in src]
+        )
+        await link.send_frame(header, CTRL_TAG)
+        async with asyncio.timeout(10):  # admitted: receives posted into `dest`
+            while reservation._pending != set(range(count)):
+                await asyncio.sleep(0.001)
+        (held,) = receiver._links
 
-    # The sender reconnects; the receiver serves the next request.
+        receiver.cancel("big")
+        # cancel() closed the connection that had receives posted into the buffers
+        # before it returned (white-box), and tells the sender so.
+        assert not held.alive
+        assert isinstance(await asyncio.wait_for(link.recv_frame(REPLY_TAG), 10), Bye)
+        with pytest.raises(TransferCancelled):
+            await reservation.wait_committed()
+        # The held payloads go now: nothing of theirs may land in the buffers.
+        for position, buffer in enumerate(src):
+            link.post_send(buffer, data_tag(0, position))
+    finally:
+        await link.close()
+        ucx_env.release()
+
+    # The receiver serves the next request (the marker that it processed what came
+    # before), and the cancelled buffers stayed untouched throughout.
     small = [np.zeros(64, np.uint8)]
     second = receiver.reserve("next", small, deadline_s=10)
     await sender.send(receiver.address, "next", [(0, data(64, 3))], deadline_s=5)
     await sender.commit(receiver.address, "next", deadline_s=5)
     await second.wait_committed()
+    assert all(not d.any() for d in dest)
+    assert reservation.received == set()
 
 
 @pytest.mark.asyncio

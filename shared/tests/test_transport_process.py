@@ -10,7 +10,6 @@ import asyncio
 import json
 import signal
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -149,11 +148,10 @@ async def test_sender_killed_mid_transfer_fails_fast_and_receiver_carries_on(
         await peer.expect("sent 0")
         await peer.expect("posting 1")  # the big segment's bytes are about to move
         peer.proc.kill()  # SIGKILL: no goodbye on the wire
-        killed_at = time.monotonic()
+        # Endpoint error handling reports the death (PeerUnreachable), not the
+        # reservation's deadline (which would raise TransferTimeout).
         with pytest.raises(PeerUnreachable):
             await reservation.wait_committed()
-        # Endpoint error handling reports the death: far sooner than the deadline.
-        assert time.monotonic() - killed_at < deadline_s / 2
     finally:
         await peer.stop()
     assert reservation.done
@@ -190,7 +188,6 @@ async def test_silent_sender_hits_the_deadline(receiver: KVReceiver) -> None:
     # busy machine; the silence that follows is what must hit it.
     deadline_s = 8.0
     reservation = receiver.reserve("silent", dest, deadline_s=deadline_s)
-    reserved_at = time.monotonic()
     spec = {
         "peer": str(receiver.address),
         "request_id": "silent",
@@ -202,10 +199,10 @@ async def test_silent_sender_hits_the_deadline(receiver: KVReceiver) -> None:
     try:
         await peer.expect("paused")
         peer.proc.send_signal(signal.SIGSTOP)  # alive, connected, and silent
-        with pytest.raises(TransferTimeout):
+        # The deadline ends it (TransferTimeout), not a broken connection: the
+        # stopped process is alive and still connected.
+        with pytest.raises(TransferTimeout, match=r"not committed in 8\.0s"):
             await reservation.wait_committed()
-        elapsed = time.monotonic() - reserved_at
-        assert deadline_s - 0.1 <= elapsed < deadline_s + 1.0
     finally:
         await peer.stop()
     assert reservation.received == {0, 1}
@@ -220,10 +217,13 @@ async def test_send_to_a_stopped_receiver_times_out() -> None:
     try:
         address = PeerAddress.parse((await peer.expect("address")).split()[1])
         peer.proc.send_signal(signal.SIGSTOP)
-        started = time.monotonic()
+        # Its deadline ends the send (a stopped process answers nothing, and is not
+        # dead); "it ended" is bounded generously, the outcome is what is checked.
         with pytest.raises(TransferTimeout):
-            await sender.send(address, "stalled", [(0, np.ones(4096, np.uint8))], deadline_s=1.5)
-        assert time.monotonic() - started < 3.0
+            await asyncio.wait_for(
+                sender.send(address, "stalled", [(0, np.ones(4096, np.uint8))], deadline_s=1.5),
+                60,
+            )
     finally:
         await sender.close()
         await peer.stop()
