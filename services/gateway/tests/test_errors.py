@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx
@@ -125,18 +124,17 @@ async def test_rejection_is_429_with_retry_after(
     assert cluster.engine.jobs == []
 
 
-async def test_no_decision_is_503_within_the_deadline(
+async def test_no_decision_is_503_at_the_decision_timeout(
     gateway_factory: GatewayFactory, cluster: Cluster, bus: Bus
 ) -> None:
     gw = await gateway_factory(decision_timeout_s=0.5)
     cluster.conductor.mode = "silent"
     cancelled = await bus.read_ordered("yb.ev.req.request_cancelled", new_only=True)
     async with client_for(gw) as client:
-        started = time.monotonic()
         response = await client.post("/v1/chat/completions", json=CHAT)
-        elapsed = time.monotonic() - started
-    assert error_of(response, 503)["code"] == "decision_timeout"
-    assert 0.5 <= elapsed < 1.5
+    error = error_of(response, 503)
+    assert error["code"] == "decision_timeout"
+    assert "decision_timeout_s=0.5s" in error["message"]
     # The admission is withdrawn, so a late decision does not hold an engine.
     event = await next_event(cancelled, ev.RequestCancelled)
     assert event.request_id == response.headers["x-request-id"]
@@ -157,15 +155,15 @@ async def test_job_refused_is_503_and_recorded_as_failed(
     await finished.close()
 
 
-async def test_prefill_silent_is_503_within_job_timeout(
+async def test_prefill_silent_is_503_at_the_job_timeout(
     client: httpx.AsyncClient, cluster: Cluster, bus: Bus
 ) -> None:
     events = await bus.read_ordered("yb.ev.req.>", new_only=True)
     cluster.engine.reply = "silent"
-    started = time.monotonic()
     response = await client.post("/v1/chat/completions", json=CHAT)
-    assert error_of(response, 503)["code"] == "no_engine"
-    assert time.monotonic() - started < 2.5  # job_timeout_s is 1
+    error = error_of(response, 503)
+    # The hand-off's own deadline ended it (job_timeout_s), not a later one.
+    assert error["code"] == "no_engine" and "did not take the job" in error["message"]
     # Failed for the conductor, and cancelled in case the job reached an engine late.
     assert (await next_event(events, ev.RequestFinished)).outcome == "failed"
     await next_event(events, ev.RequestCancelled)

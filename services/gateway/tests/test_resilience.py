@@ -153,7 +153,7 @@ async def test_concurrent_streams_do_not_mix(
         assert text == f"{request_id[-4:]}." * 10
     assert gateway.in_flight == 0 and gateway.decisions.waiting == 0
     # Per-request close tasks leave the supervisor once done: only http and bus stay.
-    await wait_for(lambda: len(gateway.tasks._tasks) == 2, 2, "close tasks to finish")
+    await wait_for(lambda: len(gateway.tasks._tasks) == 2, 10, "close tasks to finish")
 
 
 async def test_nats_down_then_back(
@@ -165,11 +165,10 @@ async def test_nats_down_then_back(
 
         nats_server.stop()
         await wait_for(lambda: gw.readiness()["bus"] == "disconnected", 5, "the outage to show")
-        started = time.monotonic()
         response = await client.post("/v1/chat/completions", json=CHAT)
         assert response.status_code == 503
+        # Refused because the bus is down, not after waiting for a decision.
         assert response.json()["error"]["code"] == "bus_unavailable"
-        assert time.monotonic() - started < 3.0  # at once, not after a deadline
         assert (await client.get("/healthz")).status_code == 200
         assert (await client.get("/readyz")).status_code == 503
 
@@ -197,8 +196,13 @@ async def test_a_request_rides_out_a_brief_nats_outage(
         nats_server.stop()
         await wait_for(lambda: gw.readiness()["bus"] == "disconnected", 5, "the outage to show")
         pending = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
-        await asyncio.sleep(0.5)
-        assert not pending.done()  # waiting for the bus, not refused
+        # NATS comes back only once the request is inside the gateway; its 200 then
+        # proves that it waited for the bus rather than being refused.
+        await wait_for(
+            lambda: gw.metrics.get_sample_value("yb_gateway_in_flight_requests") == 1,
+            10,
+            "the request to reach the gateway",
+        )
         nats_server.start()
         response = await asyncio.wait_for(pending, 30)
     assert response.status_code == 200, response.text
@@ -217,9 +221,9 @@ async def test_starts_and_answers_without_nats(
         ready = (await client.get("/readyz")).json()
         assert ready["bus"] == "disconnected"
         assert "event bus (NATS) connection" in ready["missing"]
-        started = time.monotonic()
         response = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
-        assert response.status_code == 503 and time.monotonic() - started < 1.0
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "bus_unavailable"
 
         # NATS comes up later: the gateway connects by itself.
         server = NatsServer(store_dir=tmp_path / "late-nats", port=port)
