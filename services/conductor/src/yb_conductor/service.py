@@ -292,6 +292,11 @@ class ConductorService(Service):
         while True:
             item = await self._reader.next(timeout_s=0.25)
             if item is None:
+                if self._live and self._snapshot_due():
+                    # One came due while an upload was running: take it now rather
+                    # than at the next event, which may be long in coming while
+                    # the log keeps trimming.
+                    self._snapshot()
                 if (
                     self._active
                     and not self._live
@@ -325,11 +330,14 @@ class ConductorService(Service):
                 self._report_divergences()
             self._since_snapshot += 1
             self._bytes_since_snapshot += item.size
-            if self._live and (
-                self._since_snapshot >= self.cfg.conductor.snapshot_every_events
-                or (self._snapshot_bytes and self._bytes_since_snapshot >= self._snapshot_bytes)
-            ):
+            if self._live and self._snapshot_due():
                 self._snapshot()
+
+    def _snapshot_due(self) -> bool:
+        """Whether enough of the log went by since the last snapshot (events or bytes)."""
+        return self._since_snapshot >= self.cfg.conductor.snapshot_every_events or bool(
+            self._snapshot_bytes and self._bytes_since_snapshot >= self._snapshot_bytes
+        )
 
     def _snapshot(self) -> None:
         """Take a snapshot now (consistent: the fold is not running) and upload it in
