@@ -80,6 +80,10 @@ HEARTBEAT_TIMEOUT_S = 15.0
 # Longer than the heartbeat timeout: a cut host's stream is ended by the conductor's
 # verdict, which is what (c) checks, not by the gateway's own token deadline.
 TOKEN_IDLE_TIMEOUT_S = 30.0
+# Shorter than the gateway's first-token deadline (30 s): a transfer that cannot
+# complete (a blackholed path) must end as a transfer failure the client is told
+# about, not be overtaken by the gateway's "no first token".
+TRANSFER_TIMEOUT_S = 10.0
 # How long after losing its NATS server the gateway may refuse with 503 bus_unavailable
 # (it checks its connection and fails fast; nats-py moves to another node in ~0.1 s).
 RECONNECT_S = 2.0
@@ -333,8 +337,16 @@ def mh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiHost]:
                     "first_token_timeout_s": 30.0,
                     "token_idle_timeout_s": TOKEN_IDLE_TIMEOUT_S,
                 },
-                "prefill": {"num_kv_pages": 96, "load_report_interval_s": 0.5},
-                "decode": {"num_kv_pages": 96, "load_report_interval_s": 0.5},
+                "prefill": {
+                    "num_kv_pages": 96,
+                    "load_report_interval_s": 0.5,
+                    "transfer_timeout_s": TRANSFER_TIMEOUT_S,
+                },
+                "decode": {
+                    "num_kv_pages": 96,
+                    "load_report_interval_s": 0.5,
+                    "transfer_timeout_s": TRANSFER_TIMEOUT_S,
+                },
                 "kvstore": {"dram_blocks": 64, "ssd_blocks": 0, "load_report_interval_s": 0.5},
             },
         )
@@ -848,5 +860,126 @@ def test_cutting_a_hosts_link_ends_its_request_and_replans(mh: MultiHost) -> Non
             "replanned_onto": other,
             "reporting_again_after_restore_s": round(back_s, 3),
             "restored_at_s": round(restored - cut, 3),
+        },
+    )
+
+
+# --- (d) ------------------------------------------------------------------------------
+
+
+def _placed_outcomes(mh: MultiHost, batch: int, seed: int) -> list[tuple[str, httpx.Response]]:
+    """`batch` concurrent requests (so both decodes get some): (decode, response) each."""
+    out: list[tuple[str, httpx.Response]] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        r = mh.complete(_prompt(100, seed=seed + i))
+        rid = r.headers.get("x-request-id") or (r.json().get("id") if r.status_code == 200 else "")
+        decode = mh.decision(rid).decode_instance if rid else ""
+        with lock:
+            out.append((decode, r))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        return str(r.json()["error"].get("message") or "")
+    except (ValueError, KeyError, TypeError):
+        return r.text[:200]
+
+
+@pytest.mark.parametrize("direction", ["both", "out"])
+def test_a_blackhole_between_prefill_and_decode_costs_transfers_not_instances(
+    mh: MultiHost, direction: str
+) -> None:
+    """host-0 (prefill-0) silently drops packets to host-1 (decode-0), both ways or only
+    what it sends. Requests placed on decode-0 end with the transfer-failure error (or
+    are re-planned and answered); those on decode-1 are answered meanwhile; nobody is
+    declared down; once healed, decode-0 is served again over the same path."""
+    source, target = mh.host_of("prefill-0"), mh.host_of("decode-0")
+    log_end = mh.log()[-1].seq
+    source.blackhole(target, direction)
+    blackholed = time.monotonic()
+    seen: dict[str, list[tuple[int, str, float]]] = {"decode-0": [], "decode-1": []}
+    try:
+        seed = 1000 + (0 if direction == "both" else 500)
+        for _ in range(8):  # until both decodes got requests (placement is the conductor's)
+            for decode, r in _placed_outcomes(mh, 4, seed):
+                seen.setdefault(decode, []).append(
+                    (
+                        r.status_code,
+                        _error_message(r) if r.status_code != 200 else "",
+                        r.elapsed.total_seconds(),
+                    )
+                )
+            seed += 4
+            if seen["decode-0"] and seen["decode-1"]:
+                break
+        assert seen["decode-0"], f"no request was placed on decode-0: {seen}"
+        assert seen["decode-1"], f"no request was placed on decode-1: {seen}"
+        # The path's requests: the transfer-failure error, or answered after a re-plan.
+        for status, message, _ in seen["decode-0"]:
+            assert status == 200 or "transfer" in message.lower(), (status, message)
+        # The others: answered.
+        assert all(status == 200 for status, _, _ in seen["decode-1"]), seen["decode-1"]
+        failed = [
+            i.event for i in mh.log() if i.seq > log_end and isinstance(i.event, ev.TransferFailed)
+        ]
+        # Still heartbeating: each reported its load after the transfers failed.
+        after = mh.log()[-1].seq
+
+        def reported(instance: str) -> bool:
+            return any(
+                isinstance(i.event, ev.LoadReport) and i.event.instance_id == instance
+                for i in mh.log()
+                if i.seq > after
+            )
+
+        for instance in ("prefill-0", "decode-0"):
+            wait_until(lambda i=instance: reported(i), 30, f"{instance} to report its load")
+    finally:
+        source.heal()
+    healed = time.monotonic()
+    # Over the same path again, once healed: a request placed on decode-0 is answered.
+    recovered_s = 0.0
+    seed = 3000 + (0 if direction == "both" else 500)
+    for _ in range(8):
+        outcomes = _placed_outcomes(mh, 4, seed)
+        seed += 4
+        on_path = [r for decode, r in outcomes if decode == "decode-0"]
+        assert all(r.status_code == 200 for _, r in outcomes), [
+            (d, r.status_code, _error_message(r)) for d, r in outcomes
+        ]
+        if on_path:
+            recovered_s = time.monotonic() - healed
+            break
+    assert recovered_s, "no request was placed on decode-0 after the heal"
+    downs = [
+        i.event.instance_id
+        for i in mh.log()
+        if i.seq > log_end and isinstance(i.event, ev.InstanceDown)
+    ]
+    assert not downs, f"a blackhole got instances declared down: {downs}"
+    first_failure = next((m for s, m, _ in seen["decode-0"] if s != 200), "")
+    mh.record(
+        f"blackhole_{direction}",
+        {
+            "fault": f"{source.name} drops packets "
+            f"{'to and from' if direction == 'both' else 'to'} {target.name} "
+            "(iptables DROP in its namespace)",
+            # (status, message, seconds until the client had its answer)
+            "requests_on_the_path": [(s, m[:120], round(t, 2)) for s, m, t in seen["decode-0"]],
+            "requests_elsewhere": [(s, round(t, 2)) for s, _, t in seen["decode-1"]],
+            "client_saw": first_failure[:200] or "answered (re-planned)",
+            "transfer_failed_events": len(failed),
+            "instances_declared_down": downs,
+            "blackhole_lasted_s": round(healed - blackholed, 3),
+            "first_success_on_the_path_after_heal_s": round(recovered_s, 3),
         },
     )
