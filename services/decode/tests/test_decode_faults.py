@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,14 +26,26 @@ from yb_shared import events as ev
 from yb_shared import protocol as pr
 from yb_shared.bus import Bus, EventReader
 from yb_shared.config import EngineConfig, ModelConfig, NatsConfig, TelemetryConfig, YbConfig
+from yb_shared.failpoints import safe_name
 from yb_shared.transport import KVSender, PeerAddress
 
 MODEL = ModelConfig(source="tiny-random", name="tiny", block_size=16, max_model_len=4096)
 PROMPT = list(range(10, 50))
+#: How long any wait below may take before the test fails; each ends as soon as its
+#: condition holds, so it is generous for a loaded machine, not a speed requirement.
+DEADLINE_S = 60.0
+#: The token after which an armed request parks (failpoint `decode.token`).
+HOLD_AT = 4
 
 
 @pytest.fixture
-async def decode(nats_config: NatsConfig) -> AsyncIterator[DecodeService]:
+def gate(tmp_path: Path) -> Path:
+    """The failpoint gate of the decode instance under test."""
+    return tmp_path / "gate"
+
+
+@pytest.fixture
+async def decode(nats_config: NatsConfig, gate: Path) -> AsyncIterator[DecodeService]:
     service = DecodeService(
         YbConfig(
             instance_id="decode-0",
@@ -40,6 +53,10 @@ async def decode(nats_config: NatsConfig) -> AsyncIterator[DecodeService]:
             model=MODEL,
             decode=EngineConfig(num_kv_pages=256, threads=1, load_report_interval_s=0.5),
             telemetry=TelemetryConfig(log_json=False),
+            # A request parks after its HOLD_AT-th token only when the test armed the
+            # gate for it (`arm`): it is then in flight, by construction, until the
+            # test releases or cancels it.
+            failpoints=f"gate={gate};timeout=300;decode.token=once:hold({HOLD_AT})",
         )
     )
     await service.start()
@@ -66,8 +83,26 @@ class Played:
     chunks: asyncio.Queue[pr.TokenChunk]
     reserved: pr.KVReserved
 
-    async def next_chunk(self, timeout_s: float = 10.0) -> pr.TokenChunk:
+    async def next_chunk(self, timeout_s: float = DEADLINE_S) -> pr.TokenChunk:
         return await asyncio.wait_for(self.chunks.get(), timeout_s)
+
+
+def arm(gate: Path) -> None:
+    """The next request to reach the `decode.token` failpoint parks there."""
+    gate.mkdir(parents=True, exist_ok=True)
+    (gate / "decode.token.arm").touch()
+
+
+async def parked(gate: Path, request_id: str) -> None:
+    """Wait until `request_id` is parked at the failpoint (it wrote its marker)."""
+    reached = gate / f"decode.token.{safe_name(request_id)}.reached"
+    async with asyncio.timeout(DEADLINE_S):
+        while not reached.exists():
+            await asyncio.sleep(0.02)
+
+
+def release(gate: Path, request_id: str) -> None:
+    (gate / f"decode.token.{safe_name(request_id)}.release").touch()
 
 
 async def reserve(bus: Bus, *, max_tokens: int = 8, deadline_s: float = 60.0) -> Played:
@@ -95,7 +130,7 @@ async def reserve(bus: Bus, *, max_tokens: int = 8, deadline_s: float = 60.0) ->
 
 async def control(bus: Bus, message: pr.DecodeControl) -> pr.DecodeReply:
     reply = await bus.request(
-        pr.decode_control_subject("decode-0"), pr.encode(message), timeout_s=5
+        pr.decode_control_subject("decode-0"), pr.encode(message), timeout_s=DEADLINE_S
     )
     return pr.decode_reply_decoder.decode(reply.data)
 
@@ -113,7 +148,7 @@ async def start(bus: Bus, played: Played) -> None:
             PeerAddress.parse(played.reserved.ucx_address),
             played.request_id,
             pages(played),
-            deadline_s=10,
+            deadline_s=DEADLINE_S,
             commit=True,
         )
     finally:
@@ -126,14 +161,14 @@ async def start(bus: Bus, played: Played) -> None:
 async def resend(bus: Bus, request_id: str, from_seq: int) -> pr.TokensResent:
     """Ask as a gateway that lost chunks does."""
     ask = pr.ResendTokens(request_id=request_id, from_seq=from_seq)
-    reply = await bus.request(pr.resend_subject("decode-0"), pr.encode(ask), timeout_s=5)
+    reply = await bus.request(pr.resend_subject("decode-0"), pr.encode(ask), timeout_s=DEADLINE_S)
     return pr.resend_reply_decoder.decode(reply.data)
 
 
 async def finish_of(reader: EventReader, request_id: str) -> ev.RequestFinished:
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(DEADLINE_S):
         while True:
-            item = await reader.next(timeout_s=10)
+            item = await reader.next(timeout_s=DEADLINE_S)
             if isinstance(item and item.event, ev.RequestFinished):
                 assert item is not None and isinstance(item.event, ev.RequestFinished)
                 if item.event.request_id == request_id:
@@ -143,7 +178,7 @@ async def finish_of(reader: EventReader, request_id: str) -> ev.RequestFinished:
 async def pages_back(service: DecodeService) -> None:
     allocator = service.engine.allocator
     assert allocator is not None
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(DEADLINE_S):
         while allocator.num_used:
             await asyncio.sleep(0.02)
 
@@ -157,7 +192,10 @@ async def test_a_prefill_that_dies_mid_transfer_frees_the_reservation_and_tells_
     sender = KVSender()
     half = pages(played)[: len(pages(played)) // 2]
     await sender.send(
-        PeerAddress.parse(played.reserved.ucx_address), played.request_id, half, deadline_s=10
+        PeerAddress.parse(played.reserved.ucx_address),
+        played.request_id,
+        half,
+        deadline_s=DEADLINE_S,
     )
     await sender.close()
 
@@ -174,12 +212,15 @@ async def test_a_prefill_that_dies_mid_transfer_frees_the_reservation_and_tells_
 
 
 async def test_a_cancelled_request_stops_decoding_and_says_why(
-    decode: DecodeService, bus: Bus, finished: EventReader
+    decode: DecodeService, bus: Bus, finished: EventReader, gate: Path
 ) -> None:
+    arm(gate)
     played = await reserve(bus, max_tokens=3000)
     await start(bus, played)
-    for _ in range(5):
+    for _ in range(HOLD_AT):
         assert not (await played.next_chunk()).finished
+    # Parked after its HOLD_AT-th token: still decoding when the cancel comes.
+    await parked(gate, played.request_id)
     await bus.publish(ev.RequestCancelled(request_id=played.request_id, reason="client left"))
 
     chunk = await played.next_chunk()
@@ -188,51 +229,57 @@ async def test_a_cancelled_request_stops_decoding_and_says_why(
     assert chunk.error_status == 503 and "client left" in chunk.error, chunk
     await pages_back(decode)
     end = await finish_of(finished, played.request_id)
-    assert end.outcome == "cancelled" and end.output_tokens < 3000
+    assert end.outcome == "cancelled" and end.output_tokens == HOLD_AT
 
 
 async def test_a_request_past_its_deadline_is_ended_and_freed(
-    decode: DecodeService, bus: Bus, finished: EventReader
+    decode: DecodeService, bus: Bus, finished: EventReader, gate: Path
 ) -> None:
     # Its gateway gave up at the deadline (or is gone): nothing else would stop it.
-    played = await reserve(bus, max_tokens=3000, deadline_s=2.0)
+    # The deadline only has to leave time to reserve and start (one round trip and a
+    # local transfer); the request is parked until it has passed, so it cannot finish
+    # first however fast the machine is.
+    arm(gate)
+    played = await reserve(bus, max_tokens=3000, deadline_s=15.0)
     await start(bus, played)
-    async with asyncio.timeout(15):
+    await parked(gate, played.request_id)
+    deadline = time.time() + 15.0  # no earlier than the request's own
+    while time.time() <= deadline:
+        await asyncio.sleep(0.1)
+    release(gate, played.request_id)
+    chunk = await played.next_chunk()
+    while not chunk.finished:
         chunk = await played.next_chunk()
-        while not chunk.finished:
-            chunk = await played.next_chunk()
     assert chunk.error_status == 504, chunk
     await pages_back(decode)
     end = await finish_of(finished, played.request_id)
-    assert end.outcome == "failed" and 0 < end.output_tokens < 3000
+    # Released, it may take one more step: the engine loop finds it expired and
+    # queues its abort, but the step already submitted runs first.
+    assert end.outcome == "failed" and HOLD_AT <= end.output_tokens <= HOLD_AT + 1, end
 
 
 # --- resends ------------------------------------------------------------------------
 
 
 async def test_a_live_stream_is_sent_again_from_the_asked_chunk(
-    decode: DecodeService, bus: Bus
+    decode: DecodeService, bus: Bus, gate: Path
 ) -> None:
+    arm(gate)
     played = await reserve(bus, max_tokens=3000)
     await start(bus, played)
-    first = [await played.next_chunk() for _ in range(4)]
-    assert [c.seq for c in first] == [0, 1, 2, 3]
-    asked = time.monotonic()
+    first = [await played.next_chunk() for _ in range(HOLD_AT)]
+    assert [c.seq for c in first] == list(range(HOLD_AT))
+    # Parked: the stream is live (not finished) when the resend is asked, by construction.
+    await parked(gate, played.request_id)
     answer = await resend(bus, played.request_id, 1)
-    # From the event loop, while the engine keeps stepping the batch.
-    answered_s = time.monotonic() - asked
     assert answer.state == "streaming" and answer.first_seq == 0, answer
-    assert answer.next_seq >= 4 and answer.resent == answer.next_seq - 1, answer
-    assert answered_s < 2.0
-    # Chunks 1.. come again on the stream's own subject, the same as the first time,
-    # among the ones the batch keeps producing.
-    again: dict[int, pr.TokenChunk] = {}
-    async with asyncio.timeout(10):
-        while len(again) < 3:
-            chunk = await played.next_chunk()
-            if chunk.seq in (1, 2, 3):
-                again[chunk.seq] = chunk
-    assert [again[seq] for seq in (1, 2, 3)] == first[1:]
+    assert (answer.next_seq, answer.resent) == (HOLD_AT, HOLD_AT - 1), answer
+    # Chunks 1.. come again on the stream's own subject, the same as the first time.
+    again = [await played.next_chunk() for _ in range(HOLD_AT - 1)]
+    assert again == first[1:]
+    # Let it go on: the stream carries on from where it was, after the resent chunks.
+    release(gate, played.request_id)
+    assert (await played.next_chunk()).seq == HOLD_AT
     await bus.publish(ev.RequestCancelled(request_id=played.request_id, reason="test over"))
     await pages_back(decode)
 
