@@ -903,6 +903,16 @@ def test_a_blackhole_between_prefill_and_decode_costs_transfers_not_instances(
     are re-planned and answered); those on decode-1 are answered meanwhile; nobody is
     declared down; once healed, decode-0 is served again over the same path."""
     source, target = mh.host_of("prefill-0"), mh.host_of("decode-0")
+    # Before the fault, the path serves (decode-0 may still be coming back from the
+    # link cut of (c) when this runs after it): a request placed on decode-0 answered.
+    seed = 5000 + (0 if direction == "both" else 500)
+    for _ in range(15):
+        outcomes = _placed_outcomes(mh, 4, seed)
+        seed += 4
+        if any(d == "decode-0" and r.status_code == 200 for d, r in outcomes):
+            break
+    else:
+        pytest.fail(f"decode-0 did not serve before the blackhole: {outcomes}")
     log_end = mh.log()[-1].seq
     source.blackhole(target, direction)
     blackholed = time.monotonic()
