@@ -56,18 +56,44 @@ def token_prompt(n: int = 160) -> list[int]:
     return [rng.randrange(128, 275) for _ in range(n)]
 
 
-def instance_ups(cluster: LocalCluster) -> dict[str, ev.InstanceUp]:
-    """The newest `InstanceUp` of every instance, read as the operator (`admin`)."""
+#: How long any wait below may take before the test fails; each ends as soon as its
+#: condition holds, so it is generous for a loaded machine, not a speed requirement.
+WAIT_S = 120.0
+UP_SUBJECTS = "yb.ev.instance.instance_up.>"
 
-    async def read() -> dict[str, ev.InstanceUp]:
-        bus = await Bus.connect(cluster.nats_config(), "test-admin", timeout_s=10)
+
+def instance_ups(cluster: LocalCluster) -> dict[str, ev.InstanceUp]:
+    """The newest `InstanceUp` of every instance `yb up` started, read as the operator
+    (`admin`). `/readyz` needs only one prefill and one decode instance, so the
+    others' announcements are waited for (not assumed to be in yet)."""
+    expected = {name for name in cluster.pids if not name.startswith("nats-server")}
+
+    async def read_once(bus: Bus) -> dict[str, ev.InstanceUp]:
+        # One message per instance subject: as many as the stream holds subjects, so
+        # the read ends at a known count, not after a quiet spell.
+        stream = cluster.nats_config().stream
+        info = await bus.jetstream.stream_info(stream, subjects_filter=UP_SUBJECTS)
+        subjects = len(info.state.subjects or {})
+        reader = await bus.read_ordered(UP_SUBJECTS, last_per_subject=True)
+        found: dict[str, ev.InstanceUp] = {}
         try:
-            reader = await bus.read_ordered("yb.ev.instance.instance_up.>", last_per_subject=True)
-            found: dict[str, ev.InstanceUp] = {}
-            while (item := await reader.next(timeout_s=2.0)) is not None:
+            for _ in range(subjects):
+                item = await reader.next(timeout_s=WAIT_S)
+                assert item is not None, f"fewer than {subjects} announcements"
                 if isinstance(item.event, ev.InstanceUp):
                     found[item.event.instance_id] = item.event
+        finally:
             await reader.close()
+        return found
+
+    async def read() -> dict[str, ev.InstanceUp]:
+        bus = await Bus.connect(cluster.nats_config(), "test-admin", timeout_s=WAIT_S)
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + WAIT_S
+            while not expected <= set(found := await read_once(bus)):
+                assert loop.time() < deadline, f"never announced: {expected - set(found)}"
+                await asyncio.sleep(0.2)
             return found
         finally:
             await bus.close()
@@ -182,6 +208,9 @@ def test_a_forged_hello_is_ignored_and_harms_nothing(cluster: LocalCluster) -> N
     decode = ucx_addresses(cluster)["decode-0"]
     pid = cluster.pids["decode-0"]
 
+    def decode_log() -> str:
+        return (cluster.data_dir / "logs" / "decode-0.log").read_text(errors="replace")
+
     async def forge() -> None:
         from yb_shared.transport import ucx_env
         from yb_shared.transport.handshake import frame_array
@@ -192,21 +221,25 @@ def test_a_forged_hello_is_ignored_and_harms_nothing(cluster: LocalCluster) -> N
             endpoint = await ucx.create_endpoint_from_worker_address(
                 ucx_env.address_from(decode.worker), endpoint_error_handling=True
             )
-            for junk in (b"\x01" * 40, decode.worker[:-8] + b"\xff" * 8, b"\x00"):
+            junks = (b"\x01" * 40, decode.worker[:-8] + b"\xff" * 8, b"\x00")
+            for junk in junks:
                 hello = Hello(1, junk, 12345, "forger")
                 await endpoint.send(
                     frame_array(encode_frame(hello)), tag=decode.hello_tag, force_tag=True
                 )
-            # Past the receiver's wait for the forger to be announced.
-            await asyncio.sleep(3)
+            # The receiver waits a while for the forger to be announced, then ignores
+            # each hello and says so: wait for all of them to be handled.
+            deadline = asyncio.get_running_loop().time() + WAIT_S
+            while decode_log().count("ignored a hello from 'forger'") < len(junks):
+                assert asyncio.get_running_loop().time() < deadline, "hellos not handled"
+                await asyncio.sleep(0.1)
             endpoint.abort()
         finally:
             ucx_env.release()
 
     asyncio.run(forge())
     assert pid_alive(pid)
-    log = (cluster.data_dir / "logs" / "decode-0.log").read_text(errors="replace")
-    assert "ignored a hello from 'forger'" in log
+    assert decode_log().count("ignored a hello from 'forger'") == 3
     with httpx.Client(base_url=cluster.url, headers=cluster.headers, timeout=120) as client:
         body = {"model": MODEL, "prompt": "still serving", "max_tokens": 2}
         assert client.post("/v1/completions", json=body).status_code == 200
@@ -243,7 +276,7 @@ def test_real_traffic_meets_no_permission_violation(cluster: LocalCluster) -> No
     # Nothing reaches the server without credentials.
     anonymous = msgspec.structs.replace(cluster.nats_config(), user="", password="")
     with pytest.raises(BusUnavailable, match="authorization violation"):
-        asyncio.run(Bus.connect(anonymous, "anonymous", timeout_s=3))
+        asyncio.run(Bus.connect(anonymous, "anonymous", timeout_s=10))
 
 
 def test_operator_tools_use_the_data_dirs_admin_credentials(
@@ -335,7 +368,7 @@ def read_raw_log(cluster: LocalCluster) -> list[tuple[int, str, bytes, dict[str,
     """Every message of the event stream, undecoded: (seq, subject, data, headers)."""
 
     async def read() -> list[tuple[int, str, bytes, dict[str, str]]]:
-        bus = await Bus.connect(cluster.nats_config(), "test-admin", timeout_s=10)
+        bus = await Bus.connect(cluster.nats_config(), "test-admin", timeout_s=WAIT_S)
         try:
             last = await bus.last_sequence()
             sub = await bus.jetstream.subscribe(
@@ -343,7 +376,7 @@ def read_raw_log(cluster: LocalCluster) -> list[tuple[int, str, bytes, dict[str,
             )
             out = []
             while not out or out[-1][0] < last:
-                msg = await sub.next_msg(timeout=10)
+                msg = await sub.next_msg(timeout=WAIT_S)
                 out.append(
                     (
                         int(msg.metadata.sequence.stream),
