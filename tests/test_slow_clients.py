@@ -8,20 +8,18 @@ way holds. Meanwhile a normal client is served. The gateway's limits are small h
 
 What holds by construction: a trickler's request is never complete, so it can only
 end with the read deadline (408, nothing admitted); a non-reader never reads, so its
-stream can only stall. One race is closed by a gate: a stalled request must still be
-decoding when the gateway drops it (else decode ends it on its own). Once every
-non-reader's connection has stalled, the test stops the decode process (SIGSTOP),
-so that no request can finish there, waits for the gateway's cancels in the log,
-and lets decode go on: it must free every page and batch slot of the cancelled
-requests. The checks read the instances' own accounting (`/metrics`) and the log.
+stream can only stall. A stalled request must still be decoding when the gateway drops
+it (else decode ends it on its own): every request parks in decode after its
+`HOLD_TOKENS`th token (failpoint `decode.token`), far more than every buffer on the way
+holds, so it is still in decode, holding its pages and batch slot, when the gateway's
+cancel reaches it; the cancel ends the hold. The checks read the instances' own
+accounting (`/metrics`) and the log.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import select
-import signal
 import socket
 import sys
 import time
@@ -42,7 +40,8 @@ from yb_shared.testing import LocalCluster
 
 MODEL = "tiny"
 DECODE = "decode-0"
-MAX_TOKENS = 4000  # far more than the ~200 frames the buffers below hold
+MAX_TOKENS = 4000
+HOLD_TOKENS = 2000  # a stream parks here: far more than the ~200 frames the buffers hold
 STALLED = 8
 TRICKLERS = 4  # of each kind: head and body
 WAIT_S = 60.0  # every wait's deadline: generous, no outcome races it
@@ -56,10 +55,12 @@ LIMITS = {
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    data = tmp_path_factory.mktemp("slow-clients")
+    failpoints = f"gate={data / 'gates'};timeout=300;decode.token=hold({HOLD_TOKENS})"
     cluster = LocalCluster(
-        tmp_path_factory.mktemp("slow-clients"),
+        data,
         *("--model", "tiny-random", "--model-name", MODEL),
-        env=LIMITS,
+        env={**LIMITS, "YB_FAILPOINTS": failpoints},
     )
     cluster.start(timeout_s=300)
     try:
@@ -179,7 +180,6 @@ def test_slow_clients_are_dropped_their_requests_freed_and_others_served(
     cluster: LocalCluster,
 ) -> None:
     scraper = Scraper(cluster)
-    decode_pid = cluster.pids[DECODE]
     with ThreadPoolExecutor(2 * TRICKLERS) as pool:
         tricklers: list[Future[bytes]] = [
             pool.submit(trickle_head, cluster) for _ in range(TRICKLERS)
@@ -207,23 +207,20 @@ def test_slow_clients_are_dropped_their_requests_freed_and_others_served(
         WAIT_S,
         "every non-reader to stall",
     )
-    # The gate: from here no stalled request can finish in decode on its own.
-    os.kill(decode_pid, signal.SIGSTOP)
-    try:
-        cancels: dict[str, str] = {}
+    # No stalled request can finish in decode meanwhile: each is parked at its
+    # HOLD_TOKENS-th token (or still short of it) until the gateway's cancel ends it.
+    cancels: dict[str, str] = {}
 
-        def all_cancelled() -> bool:
-            log = read_log(cluster)
-            cancels.update(
-                (e.request_id, e.reason)
-                for e in events_of(log, ev.RequestCancelled)
-                if e.request_id in ids
-            )
-            return set(cancels) == ids
+    def all_cancelled() -> bool:
+        log = read_log(cluster)
+        cancels.update(
+            (e.request_id, e.reason)
+            for e in events_of(log, ev.RequestCancelled)
+            if e.request_id in ids
+        )
+        return set(cancels) == ids
 
-        wait_until(all_cancelled, WAIT_S, "the gateway to cancel every stalled request")
-    finally:
-        os.kill(decode_pid, signal.SIGCONT)
+    wait_until(all_cancelled, WAIT_S, "the gateway to cancel every stalled request")
     assert all("stream_stall_timeout_s" in reason for reason in cancels.values()), cancels
     assert gateway_metrics(cluster)[STALL_DROPS] == STALLED
 
@@ -242,7 +239,7 @@ def test_slow_clients_are_dropped_their_requests_freed_and_others_served(
     }
     assert set(ends) == ids
     assert {e.outcome for e in ends.values()} == {"cancelled"}
-    assert all(e.output_tokens < MAX_TOKENS for e in ends.values())
+    assert all(e.output_tokens <= HOLD_TOKENS for e in ends.values())
 
     # The connections are gone; what was buffered for them was dropped.
     assert {s.outcome() for s in stalled} <= {"reset", "eof"}
