@@ -675,6 +675,12 @@ class EventReader:
                 log.debug("reader_next_failed", error=repr(exc))
                 await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
                 continue
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # A cancel that came as the message did was swallowed by nats-py's
+                # `asyncio.wait_for` (Python 3.11 returns the result instead): honour
+                # it, or the caller's task reads on and its `cancel()` never ends it.
+                raise asyncio.CancelledError
             logged = _decode_logged(msg)
             if logged is not None and logged.seq:
                 self._next_seq = logged.seq + 1
