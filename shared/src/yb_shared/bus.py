@@ -193,6 +193,10 @@ class Bus:
             "allow_reconnect": True,
             "max_reconnect_attempts": -1,
             "reconnect_time_wait": cfg.reconnect_wait_s,
+            # nats-py's default (a PING every 2 min, two unanswered) would leave a
+            # half-dead connection in place for minutes (see `NatsConfig`).
+            "ping_interval": cfg.ping_interval_s,
+            "max_outstanding_pings": cfg.max_outstanding_pings,
             "reconnect_to_server_handler": pick_server,
             "disconnected_cb": disconnected,
             "reconnected_cb": reconnected,

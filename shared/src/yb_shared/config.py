@@ -83,6 +83,13 @@ class NatsConfig(_Section):
     request_timeout_s: float = 5.0
     reconnect_wait_s: float = 0.25
     max_reconnect_wait_s: float = 4.0
+    # Keepalive: a PING every `ping_interval_s`; more than `max_outstanding_pings`
+    # unanswered and the connection is dropped and made again. Short, because a link
+    # that comes back after a partition leaves the server's socket in TCP's
+    # retransmission backoff (tens of seconds): the old connection carries this
+    # client's publishes at once but delivers nothing to it, a new one both ways.
+    ping_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    max_outstanding_pings: Annotated[int, msgspec.Meta(ge=1)] = 2
     stream: str = "YB_EVENTS"
     storage: Literal["file", "memory"] = "file"
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
