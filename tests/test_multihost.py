@@ -29,7 +29,13 @@ What is checked, with real processes and a real client (first, without namespace
     by their decode instance); how long the streams stalled is recorded;
 (c) the link of the host decoding a long stream is cut: that stream ends with an
     error (no hang), the conductor declares the silent decode down and places the
-    next requests on the other decode host; then the link comes back.
+    next requests on the other decode host; then the link comes back, and the decode
+    answers on its job subject before it has heartbeat a few times (after the cut,
+    the NATS server's socket to it sits in TCP's retransmission backoff for tens of
+    seconds while its own publishes flow: the client's keepalive replaces that
+    connection, or the decode would heartbeat without hearing anything);
+(d) a blackhole between the prefill and a decode host costs transfers, not
+    instances.
 The recovery times are written to /tmp/notes/multihost.json (`$YB_MULTIHOST_NOTES`).
 """
 
@@ -58,7 +64,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from faults_kit import decisions_per_admission, read_events, wait_until
 
 from yb_shared import events as ev
-from yb_shared.bus import Bus
+from yb_shared import protocol as pr
+from yb_shared.bus import Bus, BusUnavailable
 from yb_shared.cli.launcher import Cluster, ProcessSpec, Topology
 from yb_shared.config import NatsConfig, load_config
 from yb_shared.credentials import LocalSecrets
@@ -84,6 +91,11 @@ TOKEN_IDLE_TIMEOUT_S = 30.0
 # complete (a blackholed path) must end as a transfer failure the client is told
 # about, not be overtaken by the gateway's "no first token".
 TRANSFER_TIMEOUT_S = 10.0
+# How many heartbeats an instance may publish after a question on its job subject
+# before it must have answered it: the reply takes milliseconds, six heartbeats
+# (0.5 s apart) seconds. An instance whose heartbeats reach the log while what is
+# sent to it does not (a connection alive one way only) is "heartbeating but deaf".
+DEAF_HEARTBEATS = 6
 # How long after losing its NATS server the gateway may refuse with 503 bus_unavailable
 # (it checks its connection and fails fast; nats-py moves to another node in ~0.1 s).
 RECONNECT_S = 2.0
@@ -847,6 +859,9 @@ def test_cutting_a_hosts_link_ends_its_request_and_replans(mh: MultiHost) -> Non
         )
 
     back_s = wait_until(reporting_again, 90, f"{victim} to report again after the restore")
+    # Heartbeating means serving: it answers on its job subject.
+    beats, answered_s = _answers_while_heartbeating(mh, victim)
+    answered_s -= restored
     _admissions_have_one_decision(mh, [long.request_id, *replanned])
     mh.record(
         "link_cut",
@@ -859,9 +874,54 @@ def test_cutting_a_hosts_link_ends_its_request_and_replans(mh: MultiHost) -> Non
             "first_request_on_other_host_after_s": round(replanned_s, 3),
             "replanned_onto": other,
             "reporting_again_after_restore_s": round(back_s, 3),
+            "answering_jobs_after_restore_s": round(answered_s, 3),
+            "heartbeats_before_it_answered": beats,
             "restored_at_s": round(restored - cut, 3),
         },
     )
+
+
+def _answers_while_heartbeating(mh: MultiHost, decode: str) -> tuple[int, float]:
+    """Ask a decode instance on its job subject until it answers; fail if it heartbeats
+    `DEAF_HEARTBEATS` times meanwhile. The question is a malformed message, which the
+    control handler refuses with its reason at once, without the engine. Returns the
+    heartbeats it published after the first question, and when (monotonic) it answered.
+    """
+
+    async def ask() -> pr.DecodeReply | None:
+        bus = await Bus.connect(mh.nats_config(), "multihost-test", timeout_s=10)
+        try:
+            msg = await bus.request(pr.decode_control_subject(decode), b"?", timeout_s=1.0)
+        except BusUnavailable:
+            return None  # no reply (yet)
+        finally:
+            await bus.close()
+        return pr.decode_reply_decoder.decode(msg.data)
+
+    asked = time.time()
+
+    def heartbeats() -> int:
+        return sum(
+            isinstance(i.event, ev.LoadReport)
+            and i.event.instance_id == decode
+            and i.event.time > asked
+            for i in mh.log()
+        )
+
+    # The count of heartbeats is the deadline that matters; this one only ends a wait
+    # on an instance that neither answers nor heartbeats.
+    deadline = time.monotonic() + 90
+    while (reply := asyncio.run(ask())) is None:
+        beats = heartbeats()
+        assert beats < DEAF_HEARTBEATS, (
+            f"{decode} published {beats} heartbeats after it was asked on its job "
+            "subject, and did not answer: heartbeating but deaf"
+        )
+        assert time.monotonic() < deadline, f"{decode} neither answered nor heartbeat"
+    answered = time.monotonic()
+    assert isinstance(reply, pr.DecodeAck), reply
+    assert not reply.ok and "malformed" in reply.reason, reply
+    return heartbeats(), answered
 
 
 # --- (d) ------------------------------------------------------------------------------
@@ -903,16 +963,6 @@ def test_a_blackhole_between_prefill_and_decode_costs_transfers_not_instances(
     are re-planned and answered); those on decode-1 are answered meanwhile; nobody is
     declared down; once healed, decode-0 is served again over the same path."""
     source, target = mh.host_of("prefill-0"), mh.host_of("decode-0")
-    # Before the fault, the path serves (decode-0 may still be coming back from the
-    # link cut of (c) when this runs after it): a request placed on decode-0 answered.
-    seed = 5000 + (0 if direction == "both" else 500)
-    for _ in range(15):
-        outcomes = _placed_outcomes(mh, 4, seed)
-        seed += 4
-        if any(d == "decode-0" and r.status_code == 200 for d, r in outcomes):
-            break
-    else:
-        pytest.fail(f"decode-0 did not serve before the blackhole: {outcomes}")
     log_end = mh.log()[-1].seq
     source.blackhole(target, direction)
     blackholed = time.monotonic()
