@@ -4,7 +4,9 @@
 - connecting with exponential backoff (first connect and every reconnect) and a
   deadline, so a service started before NATS waits for it and one whose NATS went
   away comes back by itself;
-- setting up the `YB_EVENTS` stream with explicit, documented settings;
+- setting up the `YB_EVENTS` stream with explicit, documented settings, and beside it
+  the stream that keeps every instance's newest announcement whatever the log trimmed
+  (`ensure_stream`, `read_instances`);
 - publishing typed events with a `Nats-Msg-Id` (JetStream de-duplicates retries) and
   the current trace context in the headers;
 - ordered consumers (a private, gap-free, in-order view of the log from a sequence)
@@ -36,7 +38,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext, api
 
-from yb_shared.config import NatsConfig
+from yb_shared.config import INSTANCE_LOG_BYTES, NatsConfig, instance_stream_for
 from yb_shared.events import AnyEvent, decode_event, encode_event, message_id_for, subject_for
 from yb_shared.nats_auth import inbox_prefix
 from yb_shared.telemetry import get_logger, inject_headers
@@ -44,6 +46,11 @@ from yb_shared.telemetry import get_logger, inject_headers
 log = get_logger(__name__)
 
 EVENT_SUBJECTS = "yb.ev.>"
+#: The instance events (`InstanceUp`, `InstanceDown`, `LoadReport`), one subject per
+#: instance and kind.
+INSTANCE_SUBJECTS = "yb.ev.instance.>"
+#: The header on a sourced message: "<origin stream> <origin sequence> ...".
+SOURCE_HEADER = "Nats-Stream-Source"
 MSG_ID_HEADER = "Nats-Msg-Id"
 #: One try at reopening an ordered consumer (creating one takes milliseconds).
 REOPEN_ATTEMPT_S = 2.0
@@ -57,6 +64,8 @@ _CLOSE_TIMEOUT_S = 5.0
 #: JetStream's "duplicate message id is in process" (a replicated stream is still
 #: storing a message with the same `Nats-Msg-Id`).
 JS_DUPLICATE_IN_PROCESS = 10158
+#: JetStream's "stream not found" (as opposed to "no message found", 10037).
+JS_STREAM_NOT_FOUND = 10059
 
 
 class BusError(RuntimeError):
@@ -275,7 +284,126 @@ class Bus:
 
     # --- the event stream -----------------------------------------------------------
 
+    @property
+    def instance_stream(self) -> str:
+        """The name of the stream of instance announcements (see `ensure_stream`)."""
+        return instance_stream_for(self._cfg.stream)
+
     async def ensure_stream(self) -> api.StreamInfo:
+        """Create the event stream and the instance stream beside it (or bring them to
+        the configured settings); returns the event stream's info.
+
+        The event log trims its oldest events, announcements included, so a process
+        that starts later could no longer learn an instance that announced itself
+        long ago. The instance stream sources the instance subjects from the log and
+        keeps the newest message of each (one `InstanceUp`, `InstanceDown` and
+        `LoadReport` per instance): the analogue of a compacted topic. It is created
+        here, wherever the log is, with the same storage and replicas, and it has no
+        subjects of its own, so only the server's sourcing writes to it.
+        """
+        info = await self._ensure_event_stream()
+        await self._ensure_instance_stream()
+        return info
+
+    async def _ensure_instance_stream(self) -> api.StreamInfo:
+        """The instance stream (see `ensure_stream`): no age limit (a live instance
+        announced once stays), `INSTANCE_LOG_BYTES` against instances that were never
+        declared down under ids never reused."""
+        config = api.StreamConfig(
+            name=self.instance_stream,
+            description=f"newest instance event per subject of {self._cfg.stream}",
+            sources=[api.StreamSource(name=self._cfg.stream, filter_subject=INSTANCE_SUBJECTS)],
+            storage=api.StorageType.FILE if self._cfg.storage == "file" else api.StorageType.MEMORY,
+            num_replicas=self._cfg.replicas,
+            max_msgs_per_subject=1,
+            max_bytes=INSTANCE_LOG_BYTES,
+            retention=api.RetentionPolicy.LIMITS,
+            discard=api.DiscardPolicy.OLD,
+        )
+        try:
+            return await self._js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            pass  # exists with other settings (replicas, limits): bring it to these
+        try:
+            return await self._js.update_stream(config)
+        except nats.js.errors.BadRequestError as exc:
+            raise BusError(
+                f"stream {self.instance_stream} exists with settings that cannot change "
+                f"in place: {exc.description}"
+            ) from exc
+
+    async def read_instances(self, subject: str | list[str] = INSTANCE_SUBJECTS) -> EventReader:
+        """The newest event of every instance subject, then each new one as it comes.
+
+        Read from the instance stream, so an announcement the log trimmed is still
+        there. Its messages reach it by sourcing, a moment after the log took them:
+        a caller that needs the state as of now uses `sync_instances` first, one that
+        waits for an instance waits with a deadline. Raises `BusError` when the
+        instance stream does not exist (every service creates it at start).
+        """
+        try:
+            return await self.read_ordered(
+                subject, last_per_subject=True, stream=self.instance_stream
+            )
+        except nats.js.errors.NotFoundError as exc:
+            raise BusError(f"no stream {self.instance_stream} (see Bus.ensure_stream)") from exc
+
+    async def sync_instances(self, timeout_s: float | None = None) -> int:
+        """Wait until the instance stream holds every instance event the log holds now;
+        return the instance stream's last sequence then (0: empty).
+
+        "Holds" is checked exactly: the log's newest instance event has a sequence
+        there, and each sourced message names its origin sequence in its
+        `Nats-Stream-Source` header. Raises `BusError` when either stream is missing
+        and `BusUnavailable` when the copy does not catch up within `timeout_s`
+        (default: the request timeout), e.g. because the log trimmed an event before
+        it was copied and no later instance event came.
+        """
+        budget = self._cfg.request_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget
+        newest = await self._last_instance_msg(self._cfg.stream, budget)
+        target = 0 if newest is None else int(newest.seq or 0)
+        delay = backoff_delays(0.02, 0.5)
+        attempt = 0
+        while True:
+            remaining = max(0.1, deadline - time.monotonic())
+            copied, last = await self._instance_head(remaining)
+            if copied >= target:
+                return last
+            if time.monotonic() >= deadline:
+                raise BusUnavailable(
+                    f"{self.instance_stream} has copied {self._cfg.stream} up to {copied}, "
+                    f"not to {target}, within {budget:.1f}s"
+                )
+            await asyncio.sleep(min(delay(attempt), max(0.0, deadline - time.monotonic())))
+            attempt += 1
+
+    async def _instance_head(self, budget_s: float) -> tuple[int, int]:
+        """(origin sequence, own sequence) of the instance stream's newest message."""
+        msg = await self._last_instance_msg(self.instance_stream, budget_s)
+        if msg is None:
+            return 0, 0
+        header = (msg.headers or {}).get(SOURCE_HEADER, "")
+        parts = header.split()
+        if len(parts) < 2 or not parts[1].isdigit():
+            raise BusError(f"{self.instance_stream}: unexpected {SOURCE_HEADER} {header!r}")
+        return int(parts[1]), int(msg.seq or 0)
+
+    async def _last_instance_msg(self, stream: str, budget_s: float) -> api.RawStreamMsg | None:
+        """The newest message on the instance subjects of `stream`, None if none."""
+        try:
+            return await self._retried(
+                lambda: self._js.get_last_msg(stream, INSTANCE_SUBJECTS),
+                budget_s=budget_s,
+                attempt_s=2.0,
+                what=f"the newest instance event in {stream}",
+            )
+        except nats.js.errors.NotFoundError as exc:
+            if exc.err_code == JS_STREAM_NOT_FOUND:
+                raise BusError(f"no stream {stream} (see Bus.ensure_stream)") from exc
+            return None  # no message on those subjects
+
+    async def _ensure_event_stream(self) -> api.StreamInfo:
         """Create the event stream, or update it to the configured settings.
 
         The log is bounded by age and by bytes, discarding its oldest events, so a
@@ -465,6 +593,7 @@ class Bus:
         start_seq: int = 1,
         new_only: bool = False,
         last_per_subject: bool = False,
+        stream: str = "",
     ) -> EventReader:
         """An ordered consumer: every matching event from `start_seq` on, in order.
 
@@ -473,11 +602,15 @@ class Bus:
         the event after the last one it returned. `new_only` starts after the log's
         current end; `last_per_subject` delivers only the newest event of each subject
         (the current state of per-instance subjects without their whole history).
+        `stream` reads another stream than the log (`read_instances`); its sequences
+        are its own, so `new_only` is refused with it.
         """
         subjects = [subject] if isinstance(subject, str) else list(subject)
+        if new_only and stream:
+            raise ValueError("new_only reads the event log only, not another stream")
         if new_only:
             start_seq = await self.last_sequence() + 1
-        reader = EventReader(self, subjects, start_seq, last_per_subject)
+        reader = EventReader(self, subjects, start_seq, last_per_subject, stream=stream)
         # Opening creates a consumer through the JetStream API (see `_retried`).
         await self._retried(
             reader.open, budget_s=OPEN_TIMEOUT_S, attempt_s=OPEN_ATTEMPT_S, what="a reader"
@@ -485,7 +618,7 @@ class Bus:
         return reader
 
     async def _ordered_subscription(
-        self, subjects: list[str], start_seq: int, last_per_subject: bool
+        self, subjects: list[str], start_seq: int, last_per_subject: bool, stream: str = ""
     ) -> JetStreamContext.PushSubscription:
         if last_per_subject:
             config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT)
@@ -502,7 +635,7 @@ class Bus:
             config.filter_subjects = subjects
         return await self._js.subscribe(
             subject,
-            stream=self._cfg.stream,
+            stream=stream or self._cfg.stream,
             ordered_consumer=True,
             config=config,
             idle_heartbeat=2.0,
@@ -590,9 +723,16 @@ class EventReader:
     """
 
     def __init__(
-        self, bus: Bus, subjects: list[str], start_seq: int, last_per_subject: bool
+        self,
+        bus: Bus,
+        subjects: list[str],
+        start_seq: int,
+        last_per_subject: bool,
+        *,
+        stream: str = "",
     ) -> None:
         self._bus = bus
+        self._stream = stream  # '' for the event log
         self._subjects = subjects
         self._next_seq = start_seq
         self._last_per_subject = last_per_subject
@@ -615,7 +755,7 @@ class EventReader:
             with contextlib.suppress(nats.errors.Error, OSError):
                 await sub.unsubscribe()
         self._sub = await self._bus._ordered_subscription(
-            self._subjects, self._next_seq, self._last_per_subject
+            self._subjects, self._next_seq, self._last_per_subject, self._stream
         )
         self._generation = generation
         self._stale = False

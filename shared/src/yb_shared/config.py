@@ -35,6 +35,16 @@ DEFAULT_EVENT_LOG_BYTES = 4 * 1024**3
 #: The smallest byte limit a stream accepts: below it a snapshot interval holds only
 #: a handful of events.
 MIN_EVENT_LOG_BYTES = 64 * 1024
+#: The byte limit of the instance announcements' stream (`instance_stream_for`): one
+#: message per subject, so a few hundred bytes per instance ever started; 64 MiB
+#: holds the last state of tens of thousands of instance lifetimes.
+INSTANCE_LOG_BYTES = 64 * 1024**2
+
+
+def instance_stream_for(stream: str) -> str:
+    """The stream that keeps the newest instance event of each subject of `stream`
+    (`InstanceUp`/`InstanceDown`/`LoadReport` per instance), whatever `stream` trimmed."""
+    return f"{stream}_INSTANCES"
 
 
 class NatsConfig(_Section):

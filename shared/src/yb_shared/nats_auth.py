@@ -27,7 +27,9 @@ Instance ids are part of the grant when the deployment knows them (`yb up`, the
 compose file); without them (`None`) a role may use any instance id of its kind of
 subject, which still keeps roles apart but not instances of one role.
 
-Reading the event log is not restricted per role: consumers on `YB_EVENTS` are
+Reading the event log is not restricted per role: consumers on `YB_EVENTS` (and on
+`YB_EVENTS_INSTANCES`, which keeps the newest instance event of each subject of it,
+see `Bus.ensure_stream`, and which every role creates and reads alike) are
 created through the JetStream API, whose subjects carry no filter an ordered
 consumer could be checked against. The log carries no prompt text or token ids (see
 tests/test_security_cluster.py), and destructive stream operations (delete, purge,
@@ -54,6 +56,7 @@ from typing import Any, Final
 import msgspec
 
 from yb_shared import events as ev
+from yb_shared.config import instance_stream_for
 
 ROLES: Final = ("conductor", "gateway", "prefill", "decode", "kvstore")
 ADMIN_USER: Final = "admin"
@@ -153,7 +156,7 @@ def role_permissions(
     transfer_failed = f"yb.ev.transfer.{_tag(ev.TransferFailed)}"
     blocks = [f"yb.ev.block.{tag}.{i}" for tag in _block_event_tags() for i in ids]
     progress = [f"{req}.{_tag(ev.RequestProgress)}", f"{req}.{_tag(ev.RequestFinished)}"]
-    publish: list[str] = [*event_log_api(stream), *own]
+    publish: list[str] = [*event_log_api(stream), *event_log_api(instance_stream_for(stream)), *own]
     subscribe: list[str] = [inbox]
     responds = False
     match role:
