@@ -4,8 +4,10 @@ Prefill needs two answers from it: the address of a kvstore that a decision name
 a source, and which kvstore shares this instance's host (where new blocks are
 stored). Every receiver asks it whether a hello comes from one of the cluster's
 processes (`knows_worker`, see `KVReceiver.set_peer_check`). All of it comes from the
-log: the newest announcement of every instance first (`last_per_subject`), then
-every change as it happens.
+instance stream (`Bus.read_instances`): the newest announcement of every instance
+first, even one the event log has trimmed, then every change as it happens. That
+stream copies the log's announcements a moment after the log took them, which the
+waits below absorb (each has a deadline).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class PeerDirectory:
 
     async def open(self) -> None:
         """Subscribe (the current state is delivered first, then changes)."""
-        self._reader = await self._bus.read_ordered(SUBJECTS, last_per_subject=True)
+        self._reader = await self._bus.read_instances(SUBJECTS)
 
     async def run(self) -> None:
         """Follow announcements until cancelled."""

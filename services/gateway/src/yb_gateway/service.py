@@ -267,8 +267,9 @@ class GatewayService(Service):
         # The decision consumer exists before any request is admitted, so no
         # decision can be published before someone listens for it.
         decisions = await bus.read_ordered(decision_subjects(self.instance_id), new_only=True)
-        # Only the newest event per instance subject: the current state, not history.
-        instances = await bus.read_ordered(INSTANCE_SUBJECTS, last_per_subject=True)
+        # Only the newest event per instance subject: the current state, not history,
+        # from the instance stream, which keeps it whatever the event log trimmed.
+        instances = await bus.read_instances(INSTANCE_SUBJECTS)
         self.bus = bus
         self.decisions.ready = True
         log.info("bus_ready", url=self.cfg.nats.url)

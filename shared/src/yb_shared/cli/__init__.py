@@ -195,7 +195,7 @@ def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
 
 
 def _status(cfg: YbConfig, args: argparse.Namespace) -> int:
-    from yb_shared.bus import Bus, BusUnavailable
+    from yb_shared.bus import Bus, BusError
     from yb_shared.cli.launcher import read_cluster_info
     from yb_shared.cli.status import collect, render
     from yb_shared.credentials import cli_nats_config
@@ -216,7 +216,7 @@ def _status(cfg: YbConfig, args: argparse.Namespace) -> int:
 
     try:
         print(asyncio.run(run()))
-    except BusUnavailable as exc:
+    except BusError as exc:  # unreachable, or no instance stream yet
         print(f"yb status: {exc} (is `yb up` running?)", file=sys.stderr)
         return 1
     return 0

@@ -1,8 +1,10 @@
 """`yb status`: instances, roles, loads and cache use, read from the event log.
 
 Everything a person needs to see is already in the log (`InstanceUp`, `LoadReport`,
-`InstanceDown`), so status folds the instance events up to the log's current end and
-prints a table; it asks no service anything.
+`InstanceDown`), so status folds the instance events and prints a table; it asks no
+service anything. It reads them from the instance stream, which keeps the newest
+event of every instance whatever the log trimmed (`Bus.read_instances`), once that
+stream has copied every instance event the log holds (`Bus.sync_instances`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from yb_shared import events as ev
-from yb_shared.bus import Bus
+from yb_shared.bus import Bus, BusError
 
 
 @dataclass
@@ -25,18 +27,25 @@ class InstanceRow:
 
 
 async def collect(bus: Bus, timeout_s: float = 5.0) -> dict[str, InstanceRow]:
-    """Fold instance events from the start of the log to its current end."""
-    last = await bus.last_sequence()
+    """Fold the newest instance events, as of now, into one row per instance.
+
+    Raises `BusError` when the instance stream does not exist (no service of this
+    version has started against this NATS) or does not catch up within `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    last = await bus.sync_instances(timeout_s)
     rows: dict[str, InstanceRow] = {}
     if last == 0:
         return rows
-    reader = await bus.read_ordered("yb.ev.instance.>", last_per_subject=True)
-    deadline = time.monotonic() + timeout_s
+    reader = await bus.read_instances()
     try:
-        while time.monotonic() < deadline:
-            item = await reader.next(timeout_s=0.5)
+        # Last-per-subject delivers in stream order and the stream's newest message
+        # is the newest of its subject, so `last` is delivered last of what was there.
+        while True:
+            remaining = deadline - time.monotonic()
+            item = await reader.next(timeout_s=remaining) if remaining > 0 else None
             if item is None:
-                break  # nothing more on the instance subjects
+                raise BusError(f"instance events up to {last} not read within {timeout_s:.1f}s")
             match item.event:
                 case ev.InstanceUp() as up:
                     rows[up.instance_id] = InstanceRow(up=up, last_seen=up.time)
