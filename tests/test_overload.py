@@ -104,7 +104,7 @@ async def _burst_passed(cluster: LocalCluster, accepted: list[str]) -> None:
         await bus.close()
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(600, func_only=True)  # the cluster starts in the fixture, on its own deadline
 def test_a_burst_past_capacity_is_shed_with_429s_and_nothing_breaks(
     cluster: LocalCluster,
 ) -> None:
