@@ -23,7 +23,7 @@ What is checked, with real processes and a real client (first, without namespace
     request has exactly one decision); the node then restarts and catches up. Then
     the same with the node the gateway is connected to, with several greedy streams
     in flight: the requests are answered (after a refusal while the gateway
-    reconnects, at most RECONNECT_S), and every stream completes with all its tokens
+    reconnects, and none once it served one), and every stream completes with all its tokens
     and the same text as the same streams without the fault (token chunks are core
     NATS messages; those lost while the gateway moved to another node are sent again
     by their decode instance); how long the streams stalled is recorded;
@@ -96,9 +96,11 @@ TRANSFER_TIMEOUT_S = 10.0
 # (0.5 s apart) seconds. An instance whose heartbeats reach the log while what is
 # sent to it does not (a connection alive one way only) is "heartbeating but deaf".
 DEAF_HEARTBEATS = 6
-# How long after losing its NATS server the gateway may refuse with 503 bus_unavailable
-# (it checks its connection and fails fast; nats-py moves to another node in ~0.1 s).
-RECONNECT_S = 2.0
+# How long the gateway may go on refusing with 503 bus_unavailable after losing its NATS
+# server (it checks its connection and fails fast; nats-py moves to another node in
+# ~0.1 s on an idle machine). A deadline, not a speed: what the test holds is that the
+# refusals stop, and that none follows the first request served.
+RECONNECT_DEADLINE_S = 60.0
 
 
 @dataclass
@@ -667,10 +669,11 @@ def _lose_node(
             tolerate_refusals
             and r.status_code == 503
             and _error_code(r) == "bus_unavailable"
-            and sent < RECONNECT_S
+            and not served
         ):
             # The gateway refuses at once while its own connection is re-established
-            # (it does not wait for the next server): tolerated for that moment only.
+            # (it does not wait for the next server): tolerated until it serves one.
+            assert sent < RECONNECT_DEADLINE_S, f"still refused {sent:.1f}s after the kill"
             refused.append(round(sent, 3))
             time.sleep(0.05)
             continue
