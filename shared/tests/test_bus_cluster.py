@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import nats.errors
 import nats.js.errors
@@ -24,7 +23,6 @@ from yb_shared.config import NatsConfig
 from yb_shared.natsserver import (
     CLUSTER_FAILOVER_S,
     NatsServer,
-    cluster_nodes,
     route_url,
     sync_interval_value,
 )
@@ -35,17 +33,8 @@ WAIT_S = 6 * CLUSTER_FAILOVER_S
 
 
 @pytest.fixture
-def nodes(tmp_path: Path) -> Iterator[list[NatsServer]]:
-    servers = cluster_nodes(
-        tmp_path / "nats", 3, route_password="route-secret", sync_interval_s=1.0, log_dir=tmp_path
-    )
-    try:
-        for server in servers:
-            server.start()
-        yield servers
-    finally:
-        for server in servers:
-            server.stop()
+def nodes(nats_cluster: list[NatsServer]) -> list[NatsServer]:
+    return nats_cluster
 
 
 @pytest.fixture

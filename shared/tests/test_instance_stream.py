@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import msgspec
 import nats.errors
@@ -24,7 +23,7 @@ from yb_shared import events as ev
 from yb_shared.bus import INSTANCE_SUBJECTS, Bus, BusError
 from yb_shared.cli.status import collect
 from yb_shared.config import INSTANCE_LOG_BYTES, MIN_EVENT_LOG_BYTES, NatsConfig
-from yb_shared.natsserver import CLUSTER_FAILOVER_S, NatsServer, cluster_nodes
+from yb_shared.natsserver import CLUSTER_FAILOVER_S, NatsServer
 from yb_shared.peers import PeerDirectory
 from yb_shared.testing import AuthNats
 from yb_shared.transport import PeerAddress
@@ -180,17 +179,8 @@ async def test_every_role_may_create_and_read_the_instance_stream(
 
 
 @pytest.fixture
-def nodes(tmp_path: Path) -> Iterator[list[NatsServer]]:
-    servers = cluster_nodes(
-        tmp_path / "nats", 3, route_password="route-secret", sync_interval_s=1.0, log_dir=tmp_path
-    )
-    try:
-        for server in servers:
-            server.start()
-        yield servers
-    finally:
-        for server in servers:
-            server.stop()
+def nodes(nats_cluster: list[NatsServer]) -> list[NatsServer]:
+    return nats_cluster
 
 
 async def test_on_a_cluster_the_instance_stream_has_the_logs_replicas(

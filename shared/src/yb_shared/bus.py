@@ -549,14 +549,7 @@ class Bus:
         answer for it meanwhile, and an answer from a later try is what the caller
         waits for. Raises `BusUnavailable` when the deadline passes.
         """
-        budget = self._cfg.request_timeout_s if timeout_s is None else timeout_s
-        info = await self._retried(
-            lambda: self._js.stream_info(self._cfg.stream),
-            budget_s=budget,
-            attempt_s=2.0,
-            what=f"stream info for {self._cfg.stream}",
-        )
-        return int(info.state.last_seq)
+        return (await self.log_extent(timeout_s=timeout_s)).last_seq
 
     async def _retried(
         self, call: Callable[[], Awaitable[T]], *, budget_s: float, attempt_s: float, what: str

@@ -33,7 +33,7 @@ from yb_shared.nats_auth import (
     literal_passwords,
     render_authorization,
 )
-from yb_shared.natsserver import NatsServer
+from yb_shared.natsserver import NatsServer, cluster_nodes
 from yb_shared.telemetry import configure_logging
 
 
@@ -51,6 +51,22 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[list[NatsServer]]:
+    """Three nats-server nodes with routes between them (JetStream elects its leaders
+    once they are up), each with its own store; stopped after the test."""
+    servers = cluster_nodes(
+        tmp_path / "nats", 3, route_password="route-secret", sync_interval_s=1.0, log_dir=tmp_path
+    )
+    try:
+        for server in servers:
+            server.start()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
 
 
 #: The instances an `auth_nats_server` grants, one per role.
