@@ -226,12 +226,15 @@ class Failpoints:
         if release_all.exists():
             return "not_held"
         if hold.once:
+            claim = gate / f".{point}.{name}.claim"
             try:
                 # Atomic: of all the requests (and instances) racing for one arm file,
-                # exactly one rename succeeds.
-                os.rename(gate / f"{point}.arm", reached)
+                # exactly one rename succeeds. Claimed under a hidden name: `reached`
+                # appears only once its marker is whole (below).
+                os.rename(gate / f"{point}.arm", claim)
             except FileNotFoundError:
                 return "not_held"
+            claim.unlink(missing_ok=True)
         marker = {
             "point": point,
             "request_id": request_id,
