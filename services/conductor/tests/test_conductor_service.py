@@ -9,10 +9,13 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import nats.js.errors
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
+from yb_conductor import snapshot
+from yb_conductor.conductor import Conductor
+from yb_conductor.cost_model import load_cost_model
 from yb_conductor.replay import LogRecord, replay
-from yb_conductor.service import SNAPSHOT_OBJECT, ConductorService
+from yb_conductor.service import SNAPSHOT_OBJECT, ConductorService, read_snapshot
 from yb_shared import events as ev
 from yb_shared.bus import Bus
 from yb_shared.config import ConductorConfig, NatsConfig, YbConfig
@@ -258,17 +261,15 @@ async def test_a_restart_resumes_from_the_snapshot(bus: Bus, nats_config: NatsCo
             await bus.publish(_admitted(f"r{i}"))
         assert len(await _decisions(bus, 4)) == 4
         # Stopping cancels an upload in flight (the object store then keeps the
-        # previous one): wait until one snapshot is stored whole.
+        # previous one): wait until one snapshot is stored whole. Read as the service
+        # reads it: the conductor keeps rewriting it meanwhile, and nats-py's own
+        # `get` then waited for ever for chunks the rewrite purged.
         store = await bus.jetstream.object_store(ConductorConfig().snapshot_bucket)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + DEADLINE_S
-        while True:
-            try:
-                await store.get(SNAPSHOT_OBJECT)
-                break
-            except nats.js.errors.ObjectNotFoundError:
-                assert loop.time() < deadline, "no snapshot was stored"
-                await asyncio.sleep(0.05)
+        while await read_snapshot(store, timeout_s=DEADLINE_S) is None:
+            assert loop.time() < deadline, "no snapshot was stored"
+            await asyncio.sleep(0.05)
     finally:
         await first.stop()
     second = ConductorService(_config("cond-2", nats_config))
@@ -282,3 +283,42 @@ async def test_a_restart_resumes_from_the_snapshot(bus: Bus, nats_config: NatsCo
         assert second.conductor.quality.decisions >= 1
     finally:
         await second.stop()
+
+
+def _snapshot_bytes(last_seq: int) -> bytes:
+    conductor = Conductor(cfg=ConductorConfig(), cost=load_cost_model(ConductorConfig().cost_model))
+    conductor.last_seq = last_seq
+    return snapshot.encode(snapshot.take(conductor))
+
+
+async def test_a_snapshot_rewritten_while_read_is_read_again_not_waited_for(bus: Bus) -> None:
+    """The state a read finds when a rewrite lands under it: the meta names a version
+    whose chunks the rewrite purged. nats-py's `get` waits for them for ever; the
+    service's read gives up on that version once the meta names another, and reads
+    that one; with no newer version it gives up at its deadline."""
+    bucket = "snapshot_race"
+    js = bus.jetstream
+    store = await js.create_object_store(bucket=bucket)
+    stale = await store.put(SNAPSHOT_OBJECT, _snapshot_bytes(7))
+    # What a concurrent put does last: purge the chunks of the version it replaced.
+    await js.purge_stream(
+        OBJ_STREAM_TEMPLATE.format(bucket=bucket),
+        subject=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=stale.nuid),
+    )
+    # No newer version comes: the read ends at its deadline, with None (it hung).
+    async with asyncio.timeout(DEADLINE_S):
+        assert await read_snapshot(store, timeout_s=1.0) is None
+
+    read = asyncio.create_task(read_snapshot(store, timeout_s=DEADLINE_S))
+    # The read has subscribed to the purged chunks (its consumer exists) before the
+    # new version is written, so it is the stuck read that must notice the rewrite.
+    stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE_S
+    while (await js.stream_info(stream)).state.consumer_count == 0:
+        assert loop.time() < deadline and not read.done(), "the read never subscribed"
+        await asyncio.sleep(0.02)
+    await store.put(SNAPSHOT_OBJECT, _snapshot_bytes(9))
+    async with asyncio.timeout(DEADLINE_S):
+        restored = await read
+    assert restored is not None and restored.last_seq == 9

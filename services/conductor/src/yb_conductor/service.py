@@ -70,25 +70,82 @@ _PUBLISH_WINDOW = 256
 SNAPSHOT_OBJECT = "conductor-snapshot"
 #: A snapshot at least every 1/N of the stream's byte limit (see the docstring).
 SNAPSHOT_BYTES_FRACTION = 8
+#: How long reading the snapshot may take (re-reads after a rewrite included) before
+#: the conductor gives up on it and reads the log instead: generous, since a large
+#: snapshot on a loaded machine is slow, but finite.
+SNAPSHOT_READ_TIMEOUT_S = 60.0
+#: How often a snapshot read checks whether the object was rewritten under it.
+_REWRITE_CHECK_S = 1.0
 
 
-async def read_snapshot(store: ObjectStore | None) -> snapshot.Snapshot | None:
-    """The latest snapshot in `store`, or None (none yet, unreadable, unusable:
-    each logged, since the caller then reads more of the log, or cannot)."""
+async def read_snapshot(
+    store: ObjectStore | None, *, timeout_s: float = SNAPSHOT_READ_TIMEOUT_S
+) -> snapshot.Snapshot | None:
+    """The latest snapshot in `store`, or None (none yet, unreadable, unusable, not
+    read within `timeout_s`: each logged, since the caller then reads more of the
+    log, or cannot). A snapshot rewritten while it is read is read again."""
     if store is None:
         return None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    rewrites = 0
     try:
-        result = await store.get(SNAPSHOT_OBJECT)
+        async with asyncio.timeout_at(deadline):
+            while (result := await _get_unless_rewritten(store)) is None:
+                rewrites += 1
     except nats.js.errors.ObjectNotFoundError:
         return None
     except (nats.errors.Error, nats.js.errors.Error) as exc:
         log.warning("snapshot_read_failed", error=repr(exc))
+        return None
+    except TimeoutError:
+        log.warning(
+            "snapshot_read_timed_out",
+            timeout_s=timeout_s,
+            rewritten_while_read=rewrites,
+            why="the object store did not deliver the snapshot's chunks in time",
+        )
         return None
     try:
         return snapshot.decode(result.data or b"")
     except snapshot.SnapshotError as exc:
         log.warning("snapshot_unusable", error=str(exc))
         return None
+
+
+async def _get_unless_rewritten(store: ObjectStore) -> ObjectStore.ObjectResult | None:
+    """`store.get(SNAPSHOT_OBJECT)`, or None when the object was rewritten during it.
+
+    nats-py's `get` reads the chunks of the version the object's meta named when it
+    started, and waits for them with no deadline; a `put` of the same name meanwhile
+    (the active conductor snapshots while a standby or a test reads) purges those
+    chunks, so the `get` would wait for ever (a third of the gets racing a put loop
+    did). So while the read runs, the meta is checked every `_REWRITE_CHECK_S`: once
+    it names another version, the read is abandoned and the caller reads the new one.
+    A check that fails (a slow server) proves nothing and the read goes on; the
+    caller's deadline bounds it all. An abandoned read leaves its ordered consumer
+    to the server's inactivity cleanup (nats-py does not unsubscribe on cancel).
+    """
+    version = (await store.get_info(SNAPSHOT_OBJECT)).nuid
+    read = asyncio.ensure_future(store.get(SNAPSHOT_OBJECT))
+    try:
+        while True:
+            done, _ = await asyncio.wait({read}, timeout=_REWRITE_CHECK_S)
+            if done:
+                return read.result()
+            try:
+                now = (await store.get_info(SNAPSHOT_OBJECT)).nuid
+            except nats.js.errors.ObjectNotFoundError:
+                return None  # deleted under the read: the caller's next try says so
+            except (nats.errors.Error, nats.js.errors.Error):
+                continue
+            if now != version:
+                return None
+    finally:
+        if not read.done():
+            read.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await read
 
 
 class ConductorService(Service):
