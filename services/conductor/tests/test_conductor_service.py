@@ -5,6 +5,8 @@ no decision lost or doubled, and snapshots shorten the catch-up."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -322,3 +324,22 @@ async def test_a_snapshot_rewritten_while_read_is_read_again_not_waited_for(bus:
     async with asyncio.timeout(DEADLINE_S):
         restored = await read
     assert restored is not None and restored.last_seq == 9
+
+
+def _metrics_threads() -> int:
+    return sum(t.name == "yb-metrics" for t in threading.enumerate())
+
+
+async def test_stop_closes_the_metrics_listener(bus: Bus, nats_config: NatsConfig) -> None:
+    """A stopped service's /metrics listener and its thread go with it (they were left
+    serving for the life of the process, one more per service a test session ran)."""
+    before = _metrics_threads()
+    service = ConductorService(_config("cond-1", nats_config))
+    await service.start()
+    try:
+        assert _metrics_threads() == before + 1
+        with socket.create_connection(("127.0.0.1", service.metrics_port), timeout=DEADLINE_S):
+            pass
+    finally:
+        await service.stop()
+    await _eventually(lambda: _metrics_threads() == before, "the metrics thread ended")

@@ -27,10 +27,10 @@ from prometheus_client import CollectorRegistry
 from yb_shared.bus import Bus
 from yb_shared.config import ConfigError, YbConfig, load_config
 from yb_shared.telemetry import (
+    MetricsServer,
     configure_logging,
     configure_tracing,
     get_logger,
-    start_metrics_server,
 )
 
 log = get_logger(__name__)
@@ -126,11 +126,14 @@ class Service(abc.ABC):
         return bus
 
     def serve_metrics(self) -> None:
-        """Expose this process's registry at /metrics on the configured interface."""
+        """Expose this process's registry at /metrics on the configured interface,
+        until `self.tasks` shuts down (an owned task holds the listener and closes it)."""
         tcfg = self.cfg.telemetry
-        self.metrics_port = start_metrics_server(
+        server = MetricsServer(
             self.metrics, tcfg.metrics_host, tcfg.metrics_port, tcfg.resolved_metrics_token()
         )
+        self.metrics_port = server.port
+        self.tasks.spawn("metrics-server", server.serve_until_cancelled())
         log.info("metrics_listening", host=tcfg.metrics_host, port=self.metrics_port)
 
     @property

@@ -7,7 +7,7 @@
   trace runs gateway -> prefill -> decode. Spans go to an OTLP collector when one is
   configured, else to stderr when asked, else nowhere (the context still travels).
 - Metrics are Prometheus collectors on a per-process registry served at `/metrics`
-  by `start_metrics_server` (the gateway also mounts them on its own HTTP app). The
+  by a `MetricsServer` (the gateway also mounts them on its own HTTP app). The
   listener binds to the configured interface only and asks for the metrics token
   when one is configured; it refuses to start on a non-loopback interface without
   one, because label values and instance names are not for the whole network.
@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import sys
@@ -169,10 +170,21 @@ class MetricsServer:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop serving and close the socket; idempotent."""
+        """Stop serving and close the socket; idempotent. Blocks until the serving
+        thread notices (up to its half-second poll)."""
         if self._thread.is_alive():
             self._httpd.shutdown()
         self._httpd.server_close()
+
+    async def serve_until_cancelled(self) -> None:
+        """Serve until cancelled, then close: run as a task a service owns, so that
+        stopping the service frees the listener and its thread (one per stopped
+        service otherwise leaked for the life of the process, e.g. a test session)."""
+        try:
+            await asyncio.get_running_loop().create_future()
+        finally:
+            # In a thread: `close` waits for the serving thread's next poll.
+            await asyncio.to_thread(self.close)
 
 
 class _MetricsHTTPServer(ThreadingHTTPServer):
@@ -220,15 +232,6 @@ def _metrics_handler(
             """Scrapes are not worth a log line each."""
 
     return Handler
-
-
-def start_metrics_server(registry: CollectorRegistry, host: str, port: int, token: str = "") -> int:
-    """Serve `registry` at http://host:port/metrics in a daemon thread; returns the port.
-
-    Port 0 picks a free port, which is announced in the instance's `InstanceUp`.
-    `token` (the resolved `telemetry.metrics_token`) protects it; see `MetricsServer`.
-    """
-    return MetricsServer(registry, host, port, token).port
 
 
 def render_metrics(registry: CollectorRegistry) -> bytes:
