@@ -61,7 +61,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from faults_kit import decisions_per_admission, read_events, wait_until
+from faults_kit import Gate, decisions_per_admission, read_events, wait_until
 
 from yb_shared import events as ev
 from yb_shared import protocol as pr
@@ -111,6 +111,7 @@ class MultiHost:
     hosts: dict[str, Host]  # by logical host name
     placement: dict[str, str]  # instance id -> logical host name
     secrets: LocalSecrets
+    gate: Gate  # the failpoints' gate: `decode.token` parks an armed stream (HOLD_TOKENS)
     notes: dict[str, Any] = field(default_factory=dict)
     _metrics: dict[str, str] = field(default_factory=dict)
 
@@ -323,6 +324,7 @@ def mh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiHost]:
     if reason:
         pytest.skip(f"multi-host test: {reason}")
     data_dir = tmp_path_factory.mktemp("multihost")
+    gate = Gate(data_dir / "gates")
     say_log = open(data_dir / "launcher.log", "a")  # noqa: SIM115  (closed below)
 
     def say(line: str) -> None:
@@ -339,6 +341,7 @@ def mh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiHost]:
             overrides={
                 "data_dir": str(data_dir),
                 "model": {"source": "tiny-random", "name": MODEL},
+                "failpoints": gate.spec(f"decode.token=hold({HOLD_TOKENS})", timeout_s=300),
                 "nats": {
                     "url": f"nats://{network.gateway_address}:0",
                     "connect_timeout_s": 1.0,
@@ -376,7 +379,7 @@ def mh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiHost]:
         cluster.start_services()
         if not cluster.wait_ready(240, lambda: False):
             pytest.fail(f"the cluster did not become ready:\n{_logs(data_dir)}")
-        mh = MultiHost(cluster, hosts, placement, cluster.ensure_secrets())
+        mh = MultiHost(cluster, hosts, placement, cluster.ensure_secrets(), gate)
         expected = {s.instance_id for s in specs}
 
         def all_up() -> bool:
@@ -622,6 +625,7 @@ def _listening_addresses(pid: int) -> set[tuple[str, int]]:
 #: KV block (nothing is reused from the cache, so a run computes exactly what the run
 #: before it did), and few enough tokens that all of them fit one decode's 96 pages.
 GATEWAY_LOSS_STREAMS = 4
+HOLD_TOKENS = 20  # where a stream in flight through a node's loss parks until the kill
 GATEWAY_LOSS_PROMPT = 40
 GATEWAY_LOSS_TOKENS = 1200
 
@@ -651,14 +655,22 @@ def _lose_node(
     _move_stream_leader(mh, node)
     _move_stream_leader(mh, node, _lease_stream(mh))
     log_end = mh.log()[-1].seq
-    streams = [Stream(mh, body) for body in bodies]
-    for stream in streams:
-        stream.wait_text(2, 60)
+    # Each stream parks in decode after HOLD_TOKENS tokens (failpoint `decode.token`,
+    # armed for it alone), so every one is in flight when the node dies, however fast
+    # the machine; released at once after the kill, they stream through the reconnect.
+    streams: list[Stream] = []
+    held = []
+    for body in bodies:
+        mh.gate.arm("decode.token")
+        streams.append(Stream(mh, body))
+        held.append(mh.gate.wait_held("decode.token", 60))
     clients = _clients_of(node)
     for stream in streams:
         assert not stream.done.is_set(), stream.describe()
     node.kill()
     killed = time.monotonic()
+    for hold in held:
+        mh.gate.release(hold)
     served: list[str] = []
     latencies: list[float] = []
     refused: list[float] = []
