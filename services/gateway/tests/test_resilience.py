@@ -6,11 +6,13 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 from gateway_testkit import (
+    DECODE_ID,
     METRICS_AUTH,
     MODEL,
     Cluster,
@@ -25,7 +27,7 @@ from httpx_sse import aconnect_sse
 from yb_gateway.service import GatewayService
 from yb_shared import events as ev
 from yb_shared import protocol
-from yb_shared.bus import Bus
+from yb_shared.bus import SOURCE_HEADER, Bus, LoggedEvent
 from yb_shared.config import NatsConfig
 from yb_shared.natsserver import NatsServer, free_port
 
@@ -262,3 +264,51 @@ async def test_stop_cancels_in_flight_requests(
     await next_event(cancelled, ev.RequestCancelled)
     await cancelled.close()
     assert gateway.in_flight == 0
+
+
+async def test_a_verdict_logged_before_admission_never_ends_the_request(
+    gateway_factory: GatewayFactory, cluster: Cluster, bus: Bus
+) -> None:
+    # decode was declared dead, then announced itself again, and the conductor placed a
+    # request on it. The old verdict can reach the gateway while that request streams:
+    # the instance stream it reads is a copy of the log that may lag behind it. Such a
+    # late delivery is handed to the gateway's instance follower directly (as read
+    # from the instance stream: its header names the verdict's place in the log).
+    old = ev.InstanceDown(instance_id=DECODE_ID, reason="no heartbeat for 15s")
+    old_seq = await bus.publish(old)
+    await cluster.engine.announce()
+    cluster.engine.pause_before = 2  # each stream holds after its first two chunks
+    gw = await gateway_factory()
+
+    async def late(verdict: ev.InstanceDown, seq: int) -> AsyncIterator[LoggedEvent]:
+        yield LoggedEvent(
+            seq=1,
+            subject=ev.subject_for(verdict),
+            event=verdict,
+            headers={SOURCE_HEADER: f"YB_EVENTS {seq} > >"},
+        )
+
+    async def stream_with_a_verdict(seq: int) -> list[tuple[str, str]]:
+        cluster.engine.resume.clear()
+        async with (
+            client_for(gw) as client,
+            aconnect_sse(
+                client, "POST", "/v1/chat/completions", json={**CHAT, "stream": True}
+            ) as source,
+        ):
+            events = source.aiter_sse()
+            first = await anext(events)
+            assert first.event == "message", first.data
+            await gw._follow_instances(late(old, seq))  # type: ignore[arg-type]
+            cluster.engine.resume.set()
+            return [(e.event, e.data) async for e in events]
+
+    # Logged before the request was admitted: the conductor knew it. The stream goes on.
+    rest = await stream_with_a_verdict(old_seq)
+    assert rest[-1] == ("message", "[DONE]"), rest
+    assert all(kind == "message" for kind, _ in rest), rest
+    # The same verdict placed after the admission is about this request: it ends it.
+    rest = await stream_with_a_verdict(10**9)
+    assert rest[-1] == ("message", "[DONE]"), rest
+    kind, data = rest[-2]
+    assert kind == "error" and DECODE_ID in json.loads(data)["error"]["message"], rest

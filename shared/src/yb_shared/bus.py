@@ -87,6 +87,22 @@ class LoggedEvent:
     #: What it takes in the stream, near enough (payload, subject and headers).
     size: int = 0
 
+    @property
+    def log_seq(self) -> int:
+        """Its sequence in the log: `seq`, or for an event read from the instance
+        stream, the log's sequence its copy names (`Nats-Stream-Source`). Comparable
+        with every other position in the log (a decision's `admitted_seq`, say)."""
+        header = self.headers.get(SOURCE_HEADER)
+        return self.seq if header is None else source_seq(header)
+
+
+def source_seq(header: str) -> int:
+    """The origin sequence a `Nats-Stream-Source` header names. Raises BusError."""
+    parts = header.split()
+    if len(parts) < 2 or not parts[1].isdigit():
+        raise BusError(f"unexpected {SOURCE_HEADER} header {header!r}")
+    return int(parts[1])
+
 
 @dataclass(frozen=True, slots=True)
 class LogExtent:
@@ -383,11 +399,7 @@ class Bus:
         msg = await self._last_instance_msg(self.instance_stream, budget_s)
         if msg is None:
             return 0, 0
-        header = (msg.headers or {}).get(SOURCE_HEADER, "")
-        parts = header.split()
-        if len(parts) < 2 or not parts[1].isdigit():
-            raise BusError(f"{self.instance_stream}: unexpected {SOURCE_HEADER} {header!r}")
-        return int(parts[1]), int(msg.seq or 0)
+        return source_seq((msg.headers or {}).get(SOURCE_HEADER, "")), int(msg.seq or 0)
 
     async def _last_instance_msg(self, stream: str, budget_s: float) -> api.RawStreamMsg | None:
         """The newest message on the instance subjects of `stream`, None if none."""

@@ -324,7 +324,7 @@ class GatewayService(Service):
             self.instances.apply(event)
             if isinstance(event, ev.InstanceDown):
                 for session in list(self._sessions.values()):
-                    session.instance_down(event.instance_id, event.reason)
+                    session.instance_down(event.instance_id, event.reason, logged.log_seq)
 
     async def _retire(self) -> None:
         bus = self.bus

@@ -489,10 +489,20 @@ class RequestSession:
 
     # --- ending ---------------------------------------------------------------------
 
-    def instance_down(self, instance_id: str, reason: str) -> None:
-        """An instance was declared dead: end the stream if it needed that one."""
+    def instance_down(self, instance_id: str, reason: str, verdict_seq: int = 0) -> None:
+        """An instance was declared dead: end the stream if it needed that one.
+
+        `verdict_seq` is the verdict's position in the log. A verdict logged before this
+        request was admitted is not about it: the conductor folds the log in order, so
+        it decided knowing the verdict, and placed the request on that instance only
+        because it had announced itself again. Such a verdict reaches a gateway late
+        whenever its reader of the instance stream restarts or lags (the stream keeps
+        each instance's last verdict), and must not end a request it never concerned.
+        """
         decision = self.decision
         if decision is None or self._ended or self._aborted is not None:
+            return
+        if 0 < verdict_seq < decision.admitted_seq:
             return
         if instance_id == decision.decode_instance:
             role = "decode"
