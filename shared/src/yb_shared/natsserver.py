@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -316,8 +317,38 @@ def _accepts(host: str, port: int) -> bool:
         return False
 
 
+#: Where `free_port` looks first: below the kernel's ephemeral range (read at call time).
+_PICKED_PORTS_FROM = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for listeners that cannot take port 0)."""
+    """A TCP port that was free a moment ago (for listeners that cannot take port 0).
+
+    Picked at random *below* the kernel's ephemeral range when there is room: a port
+    from `bind(0)` lies inside that range, where every outgoing connection and every
+    listener on port 0 of this machine also takes its port, so one of them could take
+    it before the listener it was picked for binds it (seen: a gateway that failed to
+    start with "Address already in use"). Below the range only another explicit pick
+    can, and it checks too.
+    """
+    low, high = _PICKED_PORTS_FROM, _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64 if high - low >= 1024 else 0):
+        port = rng.randrange(low, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
