@@ -169,6 +169,16 @@ def restart(command: Command, log_path: Path) -> subprocess.Popen[bytes]:
         )
 
 
+def samples(text: str) -> dict[str, float]:
+    """Every sample of a Prometheus text page, keyed `name` or `name{labels}`."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
 class Scraper:
     """Reads instances' `/metrics` (their own accounting, not their logs)."""
 
@@ -193,13 +203,7 @@ class Scraper:
             f"http://{self.address(instance_id)}/metrics", headers=self._headers, timeout=5
         )
         r.raise_for_status()
-        text = r.text
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
+        return samples(r.text)
 
     def value(self, instance_id: str, key: str) -> float:
         """One sample (0 when absent: a labelled series not created yet)."""

@@ -33,7 +33,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from faults_kit import Scraper, events_of, read_log, wait_until
+from faults_kit import Scraper, events_of, read_log, samples, wait_until
 
 from yb_shared import events as ev
 from yb_shared.testing import LocalCluster
@@ -163,13 +163,9 @@ class NonReader:
 
 
 def gateway_metrics(cluster: LocalCluster) -> dict[str, float]:
-    text = httpx.get(f"{cluster.url}/metrics", headers=cluster.metrics_headers, timeout=10).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
+    return samples(
+        httpx.get(f"{cluster.url}/metrics", headers=cluster.metrics_headers, timeout=10).text
+    )
 
 
 STALL_DROPS = 'yb_gateway_slow_client_drops_total{reason="stream_stall"}'

@@ -25,7 +25,7 @@ from yb_shared.cli.status import collect
 from yb_shared.config import INSTANCE_LOG_BYTES, MIN_EVENT_LOG_BYTES, NatsConfig
 from yb_shared.natsserver import CLUSTER_FAILOVER_S, NatsServer
 from yb_shared.peers import PeerDirectory
-from yb_shared.testing import AuthNats
+from yb_shared.testing import AuthNats, flood_log
 from yb_shared.transport import PeerAddress
 
 #: Every wait in this module; each ends as soon as its condition holds.
@@ -55,13 +55,7 @@ async def announce_then_flood(bus: Bus) -> int:
     # Announced long ago: copied by the time the log trims them. (A 64 KiB log
     # flooded at full speed could trim them before the copy, a real 4 GiB one not.)
     await bus.sync_instances(WAIT_S)
-    written = 0
-    n = 0
-    while written < 4 * MIN_EVENT_LOG_BYTES:
-        filler = ev.RequestCancelled(request_id=f"r{n}", reason="x" * 200)
-        await bus.publish(filler)
-        written += len(ev.encode_event(filler))
-        n += 1
+    await flood_log(bus, 4 * MIN_EVENT_LOG_BYTES)
     extent = await bus.log_extent()
     assert not extent.reaches(last), "the log still holds the announcements"
     return last

@@ -16,6 +16,7 @@ from gateway_testkit import MODEL, client_for, make_config, start_gateway, wait_
 from yb_shared import events as ev
 from yb_shared.bus import Bus
 from yb_shared.config import MIN_EVENT_LOG_BYTES, NatsConfig
+from yb_shared.testing import flood_log
 
 WAIT_S = 30.0
 
@@ -34,13 +35,7 @@ async def test_a_gateway_started_after_the_trim_becomes_ready(nats_config: NatsC
             await bus.publish(ev.InstanceUp(instance_id=iid, role=role, host="h0", model=MODEL))
         down = await bus.publish(ev.InstanceDown(instance_id="decode-1", reason="crashed"))
         await bus.sync_instances(WAIT_S)  # announced long ago: copied before the trim
-        written = 0
-        n = 0
-        while written < 4 * MIN_EVENT_LOG_BYTES:
-            filler = ev.RequestCancelled(request_id=f"r{n}", reason="x" * 200)
-            await bus.publish(filler)
-            written += len(ev.encode_event(filler))
-            n += 1
+        await flood_log(bus, 4 * MIN_EVENT_LOG_BYTES)
         assert not (await bus.log_extent()).reaches(down), "the log still holds them"
         # The engines still heartbeat; their reports alone make no instance known.
         for iid, role in engines[:2]:

@@ -69,6 +69,21 @@ def nats_cluster(tmp_path: Path) -> Iterator[list[NatsServer]]:
             server.stop()
 
 
+async def flood_log(bus: Bus, nbytes: int) -> None:
+    """Publish filler events (cancellations of requests nobody made) until at least
+    `nbytes` of events went into the log: past a small stream's byte limit, its
+    oldest events are trimmed."""
+    from yb_shared import events as ev
+
+    written = 0
+    n = 0
+    while written < nbytes:
+        filler = ev.RequestCancelled(request_id=f"r{n}", reason="x" * 200)
+        await bus.publish(filler)
+        written += len(ev.encode_event(filler))
+        n += 1
+
+
 #: The instances an `auth_nats_server` grants, one per role.
 TEST_INSTANCES: Mapping[str, Sequence[str]] = {
     "conductor": ["conductor-0"],
