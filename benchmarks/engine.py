@@ -35,18 +35,18 @@ import torch
 # Runs from a checkout without installing yuebing-shared.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared" / "src"))
 
-from yb_shared.model import (
+from yb_core.model_files import default_model_cache_dir
+from yb_core.protocol import SamplingParams
+from yb_engine import (
     DecodeBatcher,
     LoadedModel,
     ModelRunner,
     PageAllocator,
     PagedKVCache,
-    default_model_cache_dir,
     ensure_default_model,
     load_model,
     tiny_random_model,
 )
-from yb_shared.protocol import SamplingParams
 
 PREFILL_SIZES = (512, 2048, 4096)
 DECODE_BATCHES = (1, 8, 32)

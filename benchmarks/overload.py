@@ -53,11 +53,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared" / "src"))
 
-from yb_shared.bench.client import BenchClient, RequestResult
-from yb_shared.bench.report import percentile, request_tbt
-from yb_shared.bench.workloads import Limits, SharedPrefix, shared_prefix_requests
-from yb_shared.natsserver import env_without_proxies
-from yb_shared.testing import LocalCluster, pid_alive
+from yb_testkit.fixtures import LocalCluster, pid_alive
+from yb_tools.bench.client import BenchClient, RequestResult
+from yb_tools.bench.report import percentile, request_tbt
+from yb_tools.bench.workloads import Limits, SharedPrefix, shared_prefix_requests
+from yb_tools.natsserver import env_without_proxies
 
 
 def rss_mb(pid: int) -> float:
@@ -233,7 +233,7 @@ def export_log(cluster: LocalCluster, path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "yb_shared.cli",
+            "yb_tools.cli",
             "replay",
             "--data-dir",
             str(cluster.data_dir),
@@ -258,7 +258,7 @@ def timeline(path: Path) -> list[dict[str, Any]]:
     `kv_committed`, `ttft` the first token as decode measured it.
     """
     from yb_conductor.replay import read_log
-    from yb_shared import events as ev
+    from yb_core import events as ev
 
     admitted: dict[str, float] = {}
     rows: dict[str, dict[str, Any]] = {}

@@ -45,8 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
-from yb_shared.transport import KVReceiver, KVSender, PeerAddress, SegmentHeader, checksum
-from yb_shared.transport.ucx_env import UCX_ENV_DEFAULTS
+from yb_dataplane.transport import KVReceiver, KVSender, PeerAddress, SegmentHeader, checksum
+from yb_dataplane.transport.ucx_env import UCX_ENV_DEFAULTS
 
 MIB = 1 << 20
 PAGE_BYTES = 2 * MIB

@@ -19,17 +19,17 @@ from typing import Any
 import pytest
 import yaml
 
-from yb_shared.cli import main as yb_main
-from yb_shared.config import NatsConfig, load_config
-from yb_shared.nats_auth import USERS, password_env_var, render_compose_authorization
-from yb_shared.natsserver import (
+from yb_core.config import NatsConfig, load_config
+from yb_core.nats_auth import USERS, password_env_var, render_compose_authorization
+from yb_core.netaddr import is_loopback
+from yb_tools.cli import main as yb_main
+from yb_tools.natsserver import (
     CLUSTER_DECISION_TIMEOUT_S,
     CLUSTER_FAILOVER_S,
     CLUSTER_REQUEST_TIMEOUT_S,
     nats_server_binary,
     sync_interval_value,
 )
-from yb_shared.netaddr import is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -185,7 +185,7 @@ def test_nats_auth_conf_is_generated_from_this_compose_file() -> None:
     assert re.search(r'^include "nats-auth.conf"', conf, re.M)
     auth = (ROOT / "deploy" / "nats-auth.conf").read_text()
     assert auth == render_compose_authorization(COMPOSE), (
-        "deploy/nats-auth.conf is stale: python -m yb_shared.nats_auth --compose "
+        "deploy/nats-auth.conf is stale: python -m yb_core.nats_auth --compose "
         "docker-compose.yml > deploy/nats-auth.conf"
     )
     # Every user's password variable is given to the nats container, and required.

@@ -17,8 +17,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from yb_shared.cli.launcher import read_cluster_info
-from yb_shared.testing import LocalCluster, pid_alive
+from yb_testkit.fixtures import LocalCluster, pid_alive
+from yb_tools.cli.launcher import read_cluster_info
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -132,7 +132,7 @@ def test_tiny_cluster_decisions_are_events_and_status_shows_instances(
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "yb_shared.cli", "status", "--data-dir", str(tiny_cluster.data_dir)],
+        [sys.executable, "-m", "yb_tools.cli", "status", "--data-dir", str(tiny_cluster.data_dir)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -249,12 +249,13 @@ def test_default_model_answers_paris_with_kv_over_ucx(tmp_path: Path) -> None:
 
 
 def _single_process_answer(max_tokens: int) -> str:
-    from yb_shared.model.batcher import DecodeBatcher
-    from yb_shared.model.kv_cache import PageAllocator, PagedKVCache
-    from yb_shared.model.loader import default_model_cache_dir, ensure_default_model, load_model
-    from yb_shared.model.runner import ModelRunner
-    from yb_shared.model.sampling import Sampler
-    from yb_shared.protocol import SamplingParams
+    from yb_core.model_files import default_model_cache_dir
+    from yb_core.protocol import SamplingParams
+    from yb_engine.batcher import DecodeBatcher
+    from yb_engine.kv_cache import PageAllocator, PagedKVCache
+    from yb_engine.loader import ensure_default_model, load_model
+    from yb_engine.runner import ModelRunner
+    from yb_engine.sampling import Sampler
 
     model = load_model(ensure_default_model(default_model_cache_dir()))
     tok = model.tokenizer

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from yb_shared.config import INSTANCE_LOG_BYTES, load_config
+from yb_core.config import INSTANCE_LOG_BYTES, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}

@@ -17,11 +17,11 @@ taking away an instance the later ones can do without:
 
 Each checks what the client saw, what the instances' own accounting says was freed
 (`/metrics`, read from the page allocators) and what the log recorded, each within a
-deadline; each writes its row of the fault table (`faults_kit.record`).
+deadline; each writes its row of the fault table (`yb_testkit.faults.record`).
 
 Every outcome holds by construction, not by the machine's speed: a request that must
 be in flight when something breaks is parked at a failpoint the scenario armed for it
-alone (`yb_shared.failpoints`, `faults_kit.Gate`: a stream after its 20th token, a
+alone (`yb_core.failpoints`, `yb_testkit.faults.Gate`: a stream after its 20th token, a
 prompt between its chunks, a job before its prefix load), and the fault strikes once
 its marker says it is there; streams use `ignore_eos`; conditions that settle one
 after another (pages, then the batch gauge, then the event) are awaited together;
@@ -50,7 +50,8 @@ import pytest
 # under --import-mode=importlib).
 sys.path.insert(0, str(Path(__file__).parent))
 
-from faults_kit import (
+from yb_core import events as ev
+from yb_testkit.faults import (
     FaultRecord,
     Gate,
     RawStream,
@@ -72,9 +73,7 @@ from faults_kit import (
     wait_all,
     wait_until,
 )
-
-from yb_shared import events as ev
-from yb_shared.testing import LocalCluster, pid_alive
+from yb_testkit.fixtures import LocalCluster, pid_alive
 
 BLOCK = 64  # the default block size
 HEARTBEAT_S = 4.0  # the conductor's heartbeat timeout in this cluster

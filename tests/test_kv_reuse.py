@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from yb_shared.testing import LocalCluster
+from yb_testkit.fixtures import LocalCluster
 
 BLOCK = 64  # the default block size
 

@@ -1,7 +1,7 @@
 """Beyond one host: a three-node NATS cluster and engines on separate "machines".
 
 Three network namespaces stand for three hosts, each with its own `eth0` plugged into
-a bridge in the root namespace (`yb_shared.netns`): host-0 runs prefill-0 and its
+a bridge in the root namespace (`yb_testkit.netns`): host-0 runs prefill-0 and its
 kvstore-0, host-1 runs decode-0, host-2 runs decode-1. The control plane stays in the
 root namespace: three nats-server nodes forming one JetStream cluster (the event
 stream at R3) on the bridge's address, the conductor and the gateway. Everything is
@@ -61,18 +61,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from faults_kit import Gate, decisions_per_admission, read_events, wait_until
-
-from yb_shared import events as ev
-from yb_shared import protocol as pr
-from yb_shared.bus import Bus, BusUnavailable
-from yb_shared.cli.launcher import Cluster, ProcessSpec, Topology
-from yb_shared.config import NatsConfig, load_config
-from yb_shared.credentials import LocalSecrets
-from yb_shared.nats_auth import ADMIN_USER
-from yb_shared.natsserver import NatsServer, free_port
-from yb_shared.netns import Host, HostNetwork, unavailable_reason
-from yb_shared.testing import LocalCluster, pid_alive
+from yb_core import events as ev
+from yb_core import protocol as pr
+from yb_core.bus import Bus, BusUnavailable
+from yb_core.config import NatsConfig, load_config
+from yb_core.credentials import LocalSecrets
+from yb_core.nats_auth import ADMIN_USER
+from yb_testkit.faults import Gate, decisions_per_admission, read_events, wait_until
+from yb_testkit.fixtures import LocalCluster, pid_alive
+from yb_testkit.netns import Host, HostNetwork, unavailable_reason
+from yb_tools.cli.launcher import Cluster, ProcessSpec, Topology
+from yb_tools.natsserver import NatsServer, free_port
 
 pytestmark = pytest.mark.slow
 

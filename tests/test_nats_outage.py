@@ -21,10 +21,9 @@ import pytest
 # under --import-mode=importlib).
 sys.path.insert(0, str(Path(__file__).parent))
 
-from faults_kit import FaultRecord, decisions_per_admission, read_events, record, wait_until
-
-from yb_shared.config import NatsConfig, YbConfig, dump_env, load_config
-from yb_shared.natsserver import NatsServer, die_with_parent, env_without_proxies, free_port
+from yb_core.config import NatsConfig, YbConfig, dump_env, load_config
+from yb_testkit.faults import FaultRecord, decisions_per_admission, read_events, record, wait_until
+from yb_tools.natsserver import NatsServer, die_with_parent, env_without_proxies, free_port
 
 ROLES = ("conductor", "prefill", "decode", "gateway")
 API_KEY = "outage-test-key"  # a gateway without one refuses to start

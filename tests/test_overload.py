@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from yb_shared import events as ev
-from yb_shared.bench.client import BenchClient, RequestResult
-from yb_shared.bench.workloads import Limits, SharedPrefix, shared_prefix_requests
-from yb_shared.bus import Bus
-from yb_shared.testing import LocalCluster, pid_alive
+from yb_core import events as ev
+from yb_core.bus import Bus
+from yb_testkit.fixtures import LocalCluster, pid_alive
+from yb_tools.bench.client import BenchClient, RequestResult
+from yb_tools.bench.workloads import Limits, SharedPrefix, shared_prefix_requests
 
 BURST = 150
 #: How long the burst may take to drain; a deadline for a loaded machine, not a bound

@@ -23,22 +23,22 @@ import pytest
 from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry, Counter
 
-from yb_shared import events as ev
-from yb_shared import protocol
-from yb_shared.auth import bearer_token, matches_any
-from yb_shared.bus import Bus, BusError, BusUnavailable
-from yb_shared.config import ConfigError, YbConfig, load_config
-from yb_shared.credentials import (
+from yb_core import events as ev
+from yb_core import protocol
+from yb_core.auth import bearer_token, matches_any
+from yb_core.bus import Bus, BusError, BusUnavailable
+from yb_core.config import ConfigError, YbConfig, load_config
+from yb_core.credentials import (
     cli_nats_config,
     client_api_key,
     ensure_local_secrets,
     load_local_secrets,
 )
-from yb_shared.nats_auth import ROLES, inbox_prefix, role_permissions
-from yb_shared.netaddr import is_loopback
-from yb_shared.service import Service
-from yb_shared.telemetry import MetricsServer
-from yb_shared.testing import AuthNats
+from yb_core.nats_auth import ROLES, inbox_prefix, role_permissions
+from yb_core.netaddr import is_loopback
+from yb_core.service import Service
+from yb_core.telemetry import MetricsServer
+from yb_testkit.fixtures import AuthNats
 
 ROOT = Path(__file__).resolve().parents[1]
 

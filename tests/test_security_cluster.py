@@ -22,11 +22,11 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from yb_shared import events as ev
-from yb_shared.bus import Bus, BusUnavailable
-from yb_shared.netaddr import is_loopback
-from yb_shared.testing import LocalCluster, pid_alive
-from yb_shared.transport import PeerAddress
+from yb_core import events as ev
+from yb_core.bus import Bus, BusUnavailable
+from yb_core.netaddr import is_loopback
+from yb_dataplane.transport import PeerAddress
+from yb_testkit.fixtures import LocalCluster, pid_alive
 
 MODEL = "tiny"
 # Distinctive enough that any appearance in the log is a leak, not a coincidence.
@@ -212,9 +212,9 @@ def test_a_forged_hello_is_ignored_and_harms_nothing(cluster: LocalCluster) -> N
         return (cluster.data_dir / "logs" / "decode-0.log").read_text(errors="replace")
 
     async def forge() -> None:
-        from yb_shared.transport import ucx_env
-        from yb_shared.transport.handshake import frame_array
-        from yb_shared.transport.wire import Hello, encode_frame
+        from yb_dataplane.transport import ucx_env
+        from yb_dataplane.transport.handshake import frame_array
+        from yb_dataplane.transport.wire import Hello, encode_frame
 
         ucx = ucx_env.acquire()
         try:
@@ -284,7 +284,7 @@ def test_operator_tools_use_the_data_dirs_admin_credentials(
 ) -> None:
     def yb(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "yb_shared.cli", *args],
+            [sys.executable, "-m", "yb_tools.cli", *args],
             capture_output=True,
             text=True,
             timeout=120,

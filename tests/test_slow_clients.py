@@ -33,10 +33,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from faults_kit import Scraper, events_of, read_log, samples, wait_until
-
-from yb_shared import events as ev
-from yb_shared.testing import LocalCluster
+from yb_core import events as ev
+from yb_testkit.faults import Scraper, events_of, read_log, samples, wait_until
+from yb_testkit.fixtures import LocalCluster
 
 MODEL = "tiny"
 DECODE = "decode-0"

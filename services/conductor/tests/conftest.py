@@ -21,8 +21,8 @@ from yb_conductor.cost_model import CostModel, DecodeCost, PrefillCost, Transfer
 from yb_conductor.policy import Decision
 from yb_conductor.replay import LogRecord
 from yb_conductor.settings import configured_event
-from yb_shared import events as ev
-from yb_shared.config import ConductorConfig
+from yb_core import events as ev
+from yb_core.config import ConductorConfig
 
 BS = 16
 MB_PER_BLOCK = BS * 65536  # kv_bytes_per_token * block_size = 1 MiB

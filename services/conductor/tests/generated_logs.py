@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from yb_conductor.conductor import Conductor
 from yb_conductor.replay import LogRecord
 from yb_conductor.settings import configured_event
-from yb_shared import events as ev
-from yb_shared.config import ConductorConfig
+from yb_core import events as ev
+from yb_core.config import ConductorConfig
 
 PREFILLS = [("p0", "h0"), ("p1", "h1"), ("p2", "h1")]
 KVSTORES = [("kv0", "h0"), ("kv1", "h1")]

@@ -14,7 +14,7 @@ import pytest
 
 from yb_conductor.policy import make_policy
 from yb_conductor.quality import reject_code
-from yb_shared import events as ev
+from yb_core import events as ev
 
 TBT_SLO = 0.030  # 10 ms + 1 ms per sequence: a batch of 20 is the most it allows
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from yb_conductor.block_index import BlockIndex
 from yb_conductor.state import ClusterState
-from yb_shared import events as ev
+from yb_core import events as ev
 
 INSTANCES = [f"i{n}" for n in range(70)]  # past 64: masks wider than a machine word
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from yb_conductor.conductor import Conductor
 from yb_conductor.policy import LeastLoadedPolicy
-from yb_shared import events as ev
+from yb_core import events as ev
 
 
 def _up(instance_id: str, role: ev.Role, t: float = 1.0) -> ev.InstanceUp:
@@ -127,7 +127,7 @@ def test_block_gap_and_new_epoch_ask_for_resync() -> None:
 def test_settings_recorded_in_the_log_are_adopted_where_they_stand() -> None:
     from yb_conductor.cost_model import load_cost_model
     from yb_conductor.settings import configured_event
-    from yb_shared.config import ConductorConfig
+    from yb_core.config import ConductorConfig
 
     c = Conductor()  # mooncake, predicted admission, built-in cost model
     assert (c.policy.name, c.cfg.admission) == ("mooncake", "predicted")

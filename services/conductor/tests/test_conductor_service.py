@@ -18,9 +18,9 @@ from yb_conductor.conductor import Conductor
 from yb_conductor.cost_model import load_cost_model
 from yb_conductor.replay import LogRecord, replay
 from yb_conductor.service import SNAPSHOT_OBJECT, ConductorService, read_snapshot
-from yb_shared import events as ev
-from yb_shared.bus import Bus
-from yb_shared.config import ConductorConfig, NatsConfig, YbConfig
+from yb_core import events as ev
+from yb_core.bus import Bus
+from yb_core.config import ConductorConfig, NatsConfig, YbConfig
 
 #: How long any wait below may take before the test fails. Generous on purpose: each
 #: wait ends as soon as its condition holds, so a fast machine never waits it out.

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from yb_conductor import snapshot
-from yb_shared import events as ev
+from yb_core import events as ev
 
 TIMEOUT = 5.0
 # conftest's `Crafted` (through the `crafted` fixture: conftest is not importable).

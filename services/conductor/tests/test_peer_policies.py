@@ -10,7 +10,7 @@ import pytest
 
 from yb_conductor.policy import POLICIES, make_policy
 from yb_conductor.replay import read_log, what_if
-from yb_shared import events as ev
+from yb_core import events as ev
 
 FIXTURE = Path(__file__).parent / "fixtures" / "trace_log.jsonl"
 PEERS = ["random", "round-robin", "local-prefix", "sglang-cache-aware", "dynamo-kv"]

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from yb_conductor.replay import replay
-from yb_shared import events as ev
+from yb_core import events as ev
 
 
 def keys(n: int, base: int = 1000) -> list[int]:

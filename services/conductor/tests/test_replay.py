@@ -25,8 +25,8 @@ from yb_conductor.replay import (
     what_if,
     write_log,
 )
-from yb_shared import events as ev
-from yb_shared.cli.explain import render
+from yb_core import events as ev
+from yb_tools.cli.explain import render
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TRACE_LOG = FIXTURES / "trace_log.jsonl"
@@ -98,7 +98,7 @@ def test_a_tampered_prediction_is_reported_too(trace_log: list[LogRecord]) -> No
 def test_cli_what_if_and_explain(
     trace_log: list[LogRecord], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from yb_shared.cli import main
+    from yb_tools.cli import main
 
     assert main(["replay", "--file", str(TRACE_LOG), "--set", "admission=none"]) == 0
     table = capsys.readouterr().out
@@ -159,7 +159,7 @@ def test_cli_replays_under_another_hash_seed(tmp_path: Path) -> None:
     # that depended on such an order would diverge here.
     env = dict(os.environ, PYTHONHASHSEED="4242")
     out = subprocess.run(
-        [sys.executable, "-m", "yb_shared.cli", "replay", "--file", str(TRACE_LOG)],
+        [sys.executable, "-m", "yb_tools.cli", "replay", "--file", str(TRACE_LOG)],
         capture_output=True,
         text=True,
         env=env,

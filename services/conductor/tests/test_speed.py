@@ -16,8 +16,8 @@ from yb_conductor.conductor import Conductor
 from yb_conductor.replay import replay
 from yb_conductor.settings import configured_event, from_event
 from yb_conductor.speed import InstanceSpeed, SharedSpeed, learn_prefill, slowdown
-from yb_shared import events as ev
-from yb_shared.config import ConductorConfig
+from yb_core import events as ev
+from yb_core.config import ConductorConfig
 
 PROMPT = 1000  # tokens: 1.000 s of prefill by the crafted cost model
 

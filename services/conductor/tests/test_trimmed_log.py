@@ -20,11 +20,11 @@ import msgspec
 import pytest
 
 from yb_conductor.service import ConductorService
-from yb_shared import events as ev
-from yb_shared.block_events import BlockEventPublisher, BlockLog
-from yb_shared.bus import Bus
-from yb_shared.cli import replay as replay_cli
-from yb_shared.config import MIN_EVENT_LOG_BYTES, ConductorConfig, NatsConfig, YbConfig
+from yb_core import events as ev
+from yb_core.block_events import BlockEventPublisher, BlockLog
+from yb_core.bus import Bus
+from yb_core.config import MIN_EVENT_LOG_BYTES, ConductorConfig, NatsConfig, YbConfig
+from yb_tools.cli import replay as replay_cli
 
 SMALL = MIN_EVENT_LOG_BYTES  # 64 KiB
 CHAIN = 48  # block hashes per admission: about 600 bytes per event

@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 from nats.aio.msg import Msg
 
+from yb_core import events as ev
+from yb_core import protocol as pr
+from yb_core.bus import Bus, EventReader
+from yb_core.config import EngineConfig, ModelConfig, NatsConfig, TelemetryConfig, YbConfig
+from yb_core.failpoints import safe_name
+from yb_dataplane.transport import KVSender, PeerAddress
 from yb_decode.service import DecodeService
-from yb_shared import events as ev
-from yb_shared import protocol as pr
-from yb_shared.bus import Bus, EventReader
-from yb_shared.config import EngineConfig, ModelConfig, NatsConfig, TelemetryConfig, YbConfig
-from yb_shared.failpoints import safe_name
-from yb_shared.transport import KVSender, PeerAddress
 
 MODEL = ModelConfig(source="tiny-random", name="tiny", block_size=16, max_model_len=4096)
 PROMPT = list(range(10, 50))

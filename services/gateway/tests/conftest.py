@@ -22,10 +22,10 @@ from gateway_testkit import (
     start_gateway,
 )
 
+from yb_core.bus import Bus
+from yb_core.config import NatsConfig, TelemetryConfig
+from yb_core.telemetry import configure_tracing
 from yb_gateway.service import GatewayService
-from yb_shared.bus import Bus
-from yb_shared.config import NatsConfig, TelemetryConfig
-from yb_shared.telemetry import configure_tracing
 
 
 @pytest.fixture(autouse=True, scope="session")

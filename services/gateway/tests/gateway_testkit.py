@@ -26,12 +26,12 @@ import pytest
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from yb_core import events as ev
+from yb_core import protocol
+from yb_core.bus import Bus, EventReader
+from yb_core.config import GatewayConfig, ModelConfig, NatsConfig, TelemetryConfig, YbConfig
 from yb_gateway.service import GatewayService
-from yb_shared import events as ev
-from yb_shared import protocol
-from yb_shared.bus import Bus, EventReader
-from yb_shared.config import GatewayConfig, ModelConfig, NatsConfig, TelemetryConfig, YbConfig
-from yb_shared.natsserver import free_port
+from yb_tools.natsserver import free_port
 
 MODEL = "tiny-test-model"
 PREFILL_ID = "prefill-t0"

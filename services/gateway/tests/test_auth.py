@@ -25,10 +25,10 @@ from gateway_testkit import (
     make_config,
 )
 
+from yb_core.config import ConfigError, NatsConfig, TelemetryConfig
 from yb_gateway.app import create_app
 from yb_gateway.service import GatewayService
-from yb_shared.config import ConfigError, NatsConfig, TelemetryConfig
-from yb_shared.natsserver import env_without_proxies, free_port
+from yb_tools.natsserver import env_without_proxies, free_port
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}

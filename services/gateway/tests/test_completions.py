@@ -21,14 +21,14 @@ from gateway_testkit import (
 )
 from httpx_sse import aconnect_sse
 
+from yb_core import events as ev
+from yb_core.bus import Bus
+from yb_core.config import NatsConfig
+from yb_core.hashing import block_hashes
+from yb_core.model_files import identity_of
+from yb_core.telemetry import trace_id_hex
 from yb_gateway.schemas import ChatMessage
 from yb_gateway.service import GatewayService
-from yb_shared import events as ev
-from yb_shared.bus import Bus
-from yb_shared.config import NatsConfig
-from yb_shared.hashing import block_hashes
-from yb_shared.models import identity_of
-from yb_shared.telemetry import trace_id_hex
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello to the world"}]}
 

@@ -15,9 +15,9 @@ from gateway_testkit import (
     next_event,
 )
 
+from yb_core import events as ev
+from yb_core.bus import Bus
 from yb_gateway.service import GatewayService
-from yb_shared import events as ev
-from yb_shared.bus import Bus
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -173,7 +173,7 @@ async def test_prefill_silent_is_503_at_the_job_timeout(
 async def test_engine_error_chunk_is_its_status(
     client: httpx.AsyncClient, cluster: Cluster
 ) -> None:
-    from yb_shared import protocol
+    from yb_core import protocol
 
     def failing(job: protocol.PrefillJob) -> list[protocol.TokenChunk]:
         return [

@@ -71,7 +71,7 @@ async def test_openai_client_sees_errors(oai: openai.AsyncOpenAI, cluster: Clust
 
     cluster.conductor.mode = "schedule"
     cluster.engine.script = lambda job: []  # accepted, then silence
-    from yb_shared import protocol
+    from yb_core import protocol
 
     def broken(job: protocol.PrefillJob) -> list[protocol.TokenChunk]:
         return [

@@ -13,10 +13,10 @@ import time
 import msgspec
 from gateway_testkit import MODEL, client_for, make_config, start_gateway, wait_for
 
-from yb_shared import events as ev
-from yb_shared.bus import Bus
-from yb_shared.config import MIN_EVENT_LOG_BYTES, NatsConfig
-from yb_shared.testing import flood_log
+from yb_core import events as ev
+from yb_core.bus import Bus
+from yb_core.config import MIN_EVENT_LOG_BYTES, NatsConfig
+from yb_testkit.fixtures import flood_log
 
 WAIT_S = 30.0
 

@@ -17,10 +17,10 @@ import httpx
 from gateway_testkit import MODEL, WORDS, Cluster, GatewayFactory, client_for, wait_for
 from httpx_sse import aconnect_sse
 
+from yb_core import protocol
 from yb_gateway.recovery import PROBE_S
 from yb_gateway.service import GatewayService
-from yb_shared import protocol
-from yb_shared.natsserver import NatsServer
+from yb_tools.natsserver import NatsServer
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
 

@@ -24,12 +24,12 @@ from gateway_testkit import (
 )
 from httpx_sse import aconnect_sse
 
+from yb_core import events as ev
+from yb_core import protocol
+from yb_core.bus import SOURCE_HEADER, Bus, LoggedEvent
+from yb_core.config import NatsConfig
 from yb_gateway.service import GatewayService
-from yb_shared import events as ev
-from yb_shared import protocol
-from yb_shared.bus import SOURCE_HEADER, Bus, LoggedEvent
-from yb_shared.config import NatsConfig
-from yb_shared.natsserver import NatsServer, free_port
+from yb_tools.natsserver import NatsServer, free_port
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 

@@ -30,11 +30,11 @@ from gateway_testkit import (
 )
 from httpx_sse import aconnect_sse
 
+from yb_core import events as ev
+from yb_core import protocol
+from yb_core.bus import Bus
+from yb_core.config import ConfigError, load_config
 from yb_gateway.service import GatewayService
-from yb_shared import events as ev
-from yb_shared import protocol
-from yb_shared.bus import Bus
-from yb_shared.config import ConfigError, load_config
 
 # Requests asking for this many tokens get the flood: far more bytes than the
 # buffers below hold (8 x 4 KiB kernel and ours, the client's 4 KiB receive buffer).

@@ -8,14 +8,14 @@ import json
 import msgspec
 import pytest
 
+from yb_core import events as ev
+from yb_core.events import decision_subjects
 from yb_gateway.app import decode_body
 from yb_gateway.decisions import DecisionRouter
 from yb_gateway.errors import ApiError
 from yb_gateway.readiness import InstanceTracker
 from yb_gateway.render import SSE_DONE, ChatFormat, TextFormat
 from yb_gateway.schemas import ChatCompletionRequest, CompletionRequest, Usage
-from yb_shared import events as ev
-from yb_shared.events import decision_subjects
 
 
 def test_decode_body_reports_the_field_path() -> None:

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from yb_conductor.state import ClusterState
+from yb_core import events as ev
+from yb_core.bus import Bus, EventReader
+from yb_core.config import KVStoreConfig, NatsConfig, TelemetryConfig, YbConfig
+from yb_dataplane.transport import KVReceiver, KVSender, PeerAddress, Reason, ReservationRefused
+from yb_dataplane.transport.blocks import PutId, fetch_request_id, key_text
 from yb_kvstore.service import KVStoreService
 from yb_kvstore.ssd import State
-from yb_shared import events as ev
-from yb_shared.bus import Bus, EventReader
-from yb_shared.config import KVStoreConfig, NatsConfig, TelemetryConfig, YbConfig
-from yb_shared.transport import KVReceiver, KVSender, PeerAddress, Reason, ReservationRefused
-from yb_shared.transport.blocks import PutId, fetch_request_id, key_text
 
 LAYERS = 3
 CHUNK = 4096

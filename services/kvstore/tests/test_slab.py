@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from yb_core.block_events import BlockLog
 from yb_kvstore.slab import DramSlab, SlabFull
-from yb_shared.block_events import BlockLog
 
 
 def _store(slab: DramSlab, key: int) -> list[int]:

@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from yb_core import events as ev
+from yb_core.block_events import AnyBlockEvent, BlockLog
 from yb_kvstore.policy import FifoPolicy, make_policy
 from yb_kvstore.slab import DramSlab, SlabFull
 from yb_kvstore.ssd import SsdTier, State, chunk_checksums
 from yb_kvstore.store import BlockStore, MissingBlocks
-from yb_shared import events as ev
-from yb_shared.block_events import AnyBlockEvent, BlockLog
 
 LAYERS = 4
 CHUNK = 1024

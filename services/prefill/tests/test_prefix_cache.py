@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from yb_core import events as ev
+from yb_core.block_events import AnyBlockEvent, BlockLog
+from yb_engine.kv_cache import OutOfPages, PageAllocator
 from yb_prefill.prefix_cache import PrefixCache
 from yb_prefill.reuse import FetchRun, plan_runs, reusable_blocks
-from yb_shared import events as ev
-from yb_shared.block_events import AnyBlockEvent, BlockLog
-from yb_shared.model.kv_cache import OutOfPages, PageAllocator
 
 
 def make_cache(pages: int, capacity: int) -> tuple[PrefixCache, list[AnyBlockEvent]]:

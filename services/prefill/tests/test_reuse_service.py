@@ -21,13 +21,10 @@ from pathlib import Path
 import pytest
 from nats.aio.msg import Msg
 
-from yb_decode.service import DecodeService
-from yb_kvstore.service import KVStoreService
-from yb_prefill.service import PrefillService
-from yb_shared import events as ev
-from yb_shared import protocol as pr
-from yb_shared.bus import Bus
-from yb_shared.config import (
+from yb_core import events as ev
+from yb_core import protocol as pr
+from yb_core.bus import Bus
+from yb_core.config import (
     EngineConfig,
     KVStoreConfig,
     ModelConfig,
@@ -35,8 +32,11 @@ from yb_shared.config import (
     TelemetryConfig,
     YbConfig,
 )
-from yb_shared.hashing import block_hashes, model_identity
-from yb_shared.service import Service
+from yb_core.hashing import block_hashes, model_identity
+from yb_core.service import Service
+from yb_decode.service import DecodeService
+from yb_kvstore.service import KVStoreService
+from yb_prefill.service import PrefillService
 
 BLOCK = 16
 #: How long any wait below may take before the test fails; each ends as soon as its

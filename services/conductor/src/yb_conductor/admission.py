@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from yb_conductor.decode_placement import DecodeEstimate
-from yb_shared import events as ev
+from yb_core import events as ev
 
 AdmissionName = Literal["none", "early", "predicted"]
 ADMISSIONS: tuple[AdmissionName, ...] = ("none", "early", "predicted")

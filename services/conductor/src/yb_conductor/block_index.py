@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from yb_shared import events as ev
+from yb_core import events as ev
 
 TIERS: tuple[ev.Tier, ...] = ("engine", "dram", "ssd")
 

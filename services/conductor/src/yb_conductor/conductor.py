@@ -30,8 +30,8 @@ from yb_conductor.policy import Decision, Policy, make_policy
 from yb_conductor.quality import DecisionQuality
 from yb_conductor.settings import from_event, with_overrides
 from yb_conductor.state import ClusterState, Outcome, PendingAdmission
-from yb_shared import events as ev
-from yb_shared.config import ConductorConfig
+from yb_core import events as ev
+from yb_core.config import ConductorConfig
 
 Companion = ev.LoadPrediction | ev.ReplicationPlanned
 Output = ev.RequestScheduled | ev.RequestRejected | Companion

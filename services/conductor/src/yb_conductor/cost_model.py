@@ -41,7 +41,7 @@ from typing import Final
 
 import msgspec
 
-from yb_shared import events as ev
+from yb_core import events as ev
 
 # The newest file version this reader understands.
 COST_MODEL_VERSION: Final = 2

@@ -19,8 +19,8 @@ from __future__ import annotations
 import msgspec
 
 from yb_conductor.state import ClusterState, InstanceState
-from yb_shared import events as ev
-from yb_shared.config import ConductorConfig
+from yb_core import events as ev
+from yb_core.config import ConductorConfig
 
 _MAX_TRACKED = 200_000
 

@@ -23,7 +23,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from yb_shared.telemetry import get_logger
+from yb_core.telemetry import get_logger
 
 log = get_logger(__name__)
 

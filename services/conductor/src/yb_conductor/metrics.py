@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from yb_conductor.conductor import Conductor, Output
 from yb_conductor.quality import reject_code
-from yb_shared import events as ev
+from yb_core import events as ev
 
 _RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
 

@@ -27,8 +27,8 @@ from yb_conductor.peer_policies import PEER_POLICIES
 from yb_conductor.policy_base import Decided, Decision, Policy, PolicyFactory, reject
 from yb_conductor.prefill_placement import LOCAL, TRANSFER, Option, PoolView, PrefillPlanner
 from yb_conductor.state import ClusterState, InstanceState
-from yb_shared import events as ev
-from yb_shared.config import ConductorConfig
+from yb_core import events as ev
+from yb_core.config import ConductorConfig
 
 __all__ = [
     "POLICIES",

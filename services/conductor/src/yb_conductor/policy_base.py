@@ -13,8 +13,8 @@ from typing import Protocol
 from yb_conductor.admission import Verdict
 from yb_conductor.cost_model import CostModel
 from yb_conductor.state import ClusterState
-from yb_shared import events as ev
-from yb_shared.config import ConductorConfig
+from yb_core import events as ev
+from yb_core.config import ConductorConfig
 
 Decision = ev.RequestScheduled | ev.RequestRejected
 

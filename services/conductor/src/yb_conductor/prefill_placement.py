@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from yb_conductor.cost_model import CostModel
 from yb_conductor.state import ClusterState, InstanceState
-from yb_shared import events as ev
+from yb_core import events as ev
 
 RECOMPUTE = "recompute"
 LOCAL = "local"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import msgspec
 
 from yb_conductor.state import Outcome
-from yb_shared import events as ev
+from yb_core import events as ev
 
 
 class DecisionQuality(msgspec.Struct, kw_only=True):

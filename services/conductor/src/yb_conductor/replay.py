@@ -35,8 +35,8 @@ import msgspec
 from yb_conductor.conductor import Conductor, Divergence, Output
 from yb_conductor.policy import Decision
 from yb_conductor.quality import DecisionQuality, reject_code
-from yb_shared import events as ev
-from yb_shared.config import ConductorConfig
+from yb_core import events as ev
+from yb_core.config import ConductorConfig
 
 
 class LogRecord(msgspec.Struct, kw_only=True, gc=False):

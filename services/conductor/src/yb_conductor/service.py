@@ -54,11 +54,11 @@ from yb_conductor.lease import Lease
 from yb_conductor.metrics import ConductorMetrics
 from yb_conductor.settings import configured_event
 from yb_conductor.state import BLOCK_HOLDER_ROLES
-from yb_shared import events as ev
-from yb_shared.bus import Bus, BusError, EventReader
-from yb_shared.config import YbConfig
-from yb_shared.service import Service
-from yb_shared.telemetry import get_logger
+from yb_core import events as ev
+from yb_core.bus import Bus, BusError, EventReader
+from yb_core.config import YbConfig
+from yb_core.service import Service
+from yb_core.telemetry import get_logger
 
 log = get_logger(__name__)
 

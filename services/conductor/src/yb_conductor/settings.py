@@ -15,8 +15,8 @@ import msgspec
 
 from yb_conductor import __version__
 from yb_conductor.cost_model import CostModel, CostModelError, load_cost_model
-from yb_shared import events as ev
-from yb_shared.config import ConductorConfig
+from yb_core import events as ev
+from yb_core.config import ConductorConfig
 
 _FIELDS = frozenset(f.name for f in msgspec.structs.fields(ConductorConfig))
 # Settings added after logs were first recorded. Absent from an older record, they

@@ -34,7 +34,7 @@ from yb_conductor.state import (
     PendingAdmission,
     Placement,
 )
-from yb_shared import events as ev
+from yb_core import events as ev
 
 SNAPSHOT_VERSION: Final = 1
 

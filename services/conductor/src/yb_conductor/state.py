@@ -45,7 +45,7 @@ from yb_conductor.speed import (
     learn_prefill,
     slowdown,
 )
-from yb_shared import events as ev
+from yb_core import events as ev
 
 BLOCK_HOLDER_ROLES: tuple[ev.Role, ...] = ("kvstore", "prefill")
 # Roles whose silence is a death: they heartbeat from their first moment. Others

@@ -33,17 +33,14 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
-from yb_decode.history import TokenHistory
-from yb_shared import events as ev
-from yb_shared import protocol as pr
-from yb_shared.bus import Bus, BusError
-from yb_shared.config import YbConfig
-from yb_shared.engine_host import EngineGauges, EngineHost
-from yb_shared.failpoints import Failpoints
-from yb_shared.instance import CancellationFollower, Presence
-from yb_shared.peers import PeerDirectory
-from yb_shared.service import Service
-from yb_shared.telemetry import (
+from yb_core import events as ev
+from yb_core import protocol as pr
+from yb_core.bus import Bus, BusError
+from yb_core.config import YbConfig
+from yb_core.failpoints import Failpoints
+from yb_core.instance import CancellationFollower, Presence
+from yb_core.service import Service
+from yb_core.telemetry import (
     bind_request,
     extract_context,
     get_logger,
@@ -51,10 +48,13 @@ from yb_shared.telemetry import (
     trace_id_hex,
     tracer,
 )
-from yb_shared.transport import KVReceiver, Reservation, TransferError
+from yb_dataplane.peers import PeerDirectory
+from yb_dataplane.transport import KVReceiver, Reservation, TransferError
+from yb_decode.history import TokenHistory
+from yb_engine.host import EngineGauges, EngineHost
 
 if TYPE_CHECKING:
-    from yb_shared.model.batcher import DecodeBatcher, TokenOutput
+    from yb_engine.batcher import DecodeBatcher, TokenOutput
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)
@@ -154,7 +154,7 @@ class DecodeService(Service):
 
     async def start(self) -> None:
         """Load the model, open the UCX listener, subscribe, announce."""
-        from yb_shared.model.batcher import DecodeBatcher
+        from yb_engine.batcher import DecodeBatcher
 
         self.serve_metrics()
         self.bus = await self.connect_bus()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from yb_core.service import run_service
 from yb_gateway.service import GatewayService
-from yb_shared.service import run_service
 
 
 def main() -> int:

@@ -31,6 +31,7 @@ from litestar.openapi.spec import (
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from yb_core.telemetry import render_metrics
 from yb_gateway import __version__
 from yb_gateway.auth import (
     OPERATOR,
@@ -55,7 +56,6 @@ from yb_gateway.schemas import (
     ModelCard,
     ModelList,
 )
-from yb_shared.telemetry import render_metrics
 
 if TYPE_CHECKING:
     from yb_gateway.service import GatewayService

@@ -27,9 +27,9 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi.spec import Components, SecurityRequirement, SecurityScheme
 from litestar.status_codes import HTTP_401_UNAUTHORIZED
 
+from yb_core.auth import bearer_token, matches_any
+from yb_core.config import ConfigError, YbConfig
 from yb_gateway.errors import INVALID_REQUEST, ApiError
-from yb_shared.auth import bearer_token, matches_any
-from yb_shared.config import ConfigError, YbConfig
 
 Access = Literal["public", "api", "operator"]
 

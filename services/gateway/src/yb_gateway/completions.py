@@ -31,6 +31,7 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
+from yb_core.telemetry import bind_request, extract_context, get_logger
 from yb_gateway.errors import ApiError, unavailable
 from yb_gateway.metrics import CLIENT_CLOSED
 from yb_gateway.prompt import check_common, prepare
@@ -38,7 +39,6 @@ from yb_gateway.render import SSE_DONE, ChatFormat, ResponseFormat, TextFormat, 
 from yb_gateway.schemas import ChatCompletionRequest, CompletionRequest
 from yb_gateway.session import RequestSession, StreamError
 from yb_gateway.slow_clients import DROPPED_STATE_KEY
-from yb_shared.telemetry import bind_request, extract_context, get_logger
 
 if TYPE_CHECKING:
     from yb_gateway.service import GatewayService

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 
-from yb_shared import events as ev
-from yb_shared.bus import EventReader
-from yb_shared.telemetry import get_logger
+from yb_core import events as ev
+from yb_core.bus import EventReader
+from yb_core.telemetry import get_logger
 
 log = get_logger(__name__)
 

@@ -25,8 +25,8 @@ from litestar.status_codes import (
     HTTP_503_SERVICE_UNAVAILABLE,
 )
 
+from yb_core.telemetry import get_logger
 from yb_gateway.schemas import ErrorBody, ErrorDetail
-from yb_shared.telemetry import get_logger
 
 log = get_logger(__name__)
 

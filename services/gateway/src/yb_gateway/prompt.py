@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from yb_core.config import GatewayConfig, ModelConfig
+from yb_core.protocol import SamplingParams
 from yb_gateway.errors import invalid_request, model_not_found
 from yb_gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
-from yb_shared.config import GatewayConfig, ModelConfig
-from yb_shared.models import load_tokenizer
-from yb_shared.protocol import SamplingParams
+from yb_text.tokenizer import load_tokenizer
 
 T = TypeVar("T")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from yb_shared import events as ev
-from yb_shared.bus import EventReader
+from yb_core import events as ev
+from yb_core.bus import EventReader
 
 INSTANCE_SUBJECTS = "yb.ev.instance.>"
 ENGINE_ROLES: tuple[ev.Role, ...] = ("prefill", "decode")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Final, Literal
 
-from yb_shared import protocol
+from yb_core import protocol
 
 #: How long a stream may be quiet before the decode instance is asked whether chunks
 #: were lost: a lost last chunk leaves no gap to see.

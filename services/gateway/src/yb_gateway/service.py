@@ -35,6 +35,14 @@ import nats.js.errors
 import uvicorn
 from opentelemetry.context import Context
 
+from yb_core import events as ev
+from yb_core.bus import Bus, BusError, BusUnavailable, EventReader, backoff_delays
+from yb_core.config import YbConfig
+from yb_core.events import decision_subjects
+from yb_core.instance import Presence
+from yb_core.model_files import context_limit
+from yb_core.service import Service
+from yb_core.telemetry import get_logger
 from yb_gateway.app import create_app
 from yb_gateway.completions import CompletionsEndpoint
 from yb_gateway.decisions import DecisionRouter
@@ -44,14 +52,6 @@ from yb_gateway.prompt import PreparedRequest, PromptEncoder
 from yb_gateway.readiness import INSTANCE_SUBJECTS, InstanceTracker
 from yb_gateway.session import RequestSession
 from yb_gateway.slow_clients import ClientLimits, guarded_protocol
-from yb_shared import events as ev
-from yb_shared.bus import Bus, BusError, BusUnavailable, EventReader, backoff_delays
-from yb_shared.config import YbConfig
-from yb_shared.events import decision_subjects
-from yb_shared.instance import Presence
-from yb_shared.models import context_limit
-from yb_shared.service import Service
-from yb_shared.telemetry import get_logger
 
 log = get_logger(__name__)
 

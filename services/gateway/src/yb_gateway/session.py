@@ -40,19 +40,19 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
+from yb_core import events as ev
+from yb_core import protocol
+from yb_core.bus import Bus, BusUnavailable
+from yb_core.config import YbConfig
+from yb_core.hashing import block_hashes
+from yb_core.model_files import identity_of
+from yb_core.telemetry import get_logger, inject_headers, tracer
 from yb_gateway.decisions import Decision, DecisionRouter
 from yb_gateway.errors import ApiError, rejected, unavailable
 from yb_gateway.metrics import GatewayMetrics
 from yb_gateway.prompt import PreparedRequest
 from yb_gateway.recovery import RESEND_TIMEOUT_S, StreamRecovery
 from yb_gateway.schemas import ErrorBody, ErrorDetail, PromptTokensDetails, Usage
-from yb_shared import events as ev
-from yb_shared import protocol
-from yb_shared.bus import Bus, BusUnavailable
-from yb_shared.config import YbConfig
-from yb_shared.hashing import block_hashes
-from yb_shared.models import identity_of
-from yb_shared.telemetry import get_logger, inject_headers, tracer
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)

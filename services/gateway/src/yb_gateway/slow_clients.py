@@ -49,10 +49,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from yb_core.config import GatewayConfig
+from yb_core.telemetry import get_logger
 from yb_gateway.metrics import REQUEST_TIMEOUT, STREAM_STALL, GatewayMetrics
 from yb_gateway.schemas import ErrorBody, ErrorDetail
-from yb_shared.config import GatewayConfig
-from yb_shared.telemetry import get_logger
 
 if TYPE_CHECKING:
     # Type-checked against the httptools protocol, built on whichever uvicorn picks.

@@ -13,13 +13,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
+from yb_core import events as ev
+from yb_core.telemetry import get_logger
+from yb_dataplane.peers import PeerDirectory
+from yb_dataplane.transport import KVReceiver, KVSender, TransferError
+from yb_dataplane.transport.blocks import fetch_request_id, key_text
 from yb_kvstore.slab import SlabFull
 from yb_kvstore.store import BlockStore
-from yb_shared import events as ev
-from yb_shared.peers import PeerDirectory
-from yb_shared.telemetry import get_logger
-from yb_shared.transport import KVReceiver, KVSender, TransferError
-from yb_shared.transport.blocks import fetch_request_id, key_text
 
 log = get_logger(__name__)
 

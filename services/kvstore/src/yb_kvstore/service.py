@@ -1,7 +1,7 @@
 """The kvstore service: one host's pool of KV blocks, put and fetched over UCX.
 
 Puts arrive as UCX transfers whose request id names the block
-(`yb_shared.transport.blocks`): the first segment reserves a DRAM slot (the pool
+(`yb_dataplane.transport.blocks`): the first segment reserves a DRAM slot (the pool
 makes room down its DRAM -> SSD -> dropped chain), the bytes land straight in the
 slot, and only a verified commit makes the block visible (`BlockStored`). Fetches pin
 the blocks in DRAM (bringing SSD blocks up first) and send them from their slots
@@ -21,20 +21,15 @@ from pathlib import Path
 import numpy as np
 from prometheus_client import Counter, Gauge
 
-from yb_kvstore.policy import make_policy
-from yb_kvstore.replication import Replicator
-from yb_kvstore.slab import DramSlab, SlabFull
-from yb_kvstore.ssd import SsdTier
-from yb_kvstore.store import BlockStore, MissingBlocks
-from yb_shared import events as ev
-from yb_shared.block_events import AnyBlockEvent, BlockEventPublisher, BlockLog
-from yb_shared.bus import Bus, EventReader
-from yb_shared.config import YbConfig
-from yb_shared.instance import Presence
-from yb_shared.peers import PeerDirectory
-from yb_shared.service import Service
-from yb_shared.telemetry import get_logger
-from yb_shared.transport import (
+from yb_core import events as ev
+from yb_core.block_events import AnyBlockEvent, BlockEventPublisher, BlockLog
+from yb_core.bus import Bus, EventReader
+from yb_core.config import YbConfig
+from yb_core.instance import Presence
+from yb_core.service import Service
+from yb_core.telemetry import get_logger
+from yb_dataplane.peers import PeerDirectory
+from yb_dataplane.transport import (
     BufferLike,
     FetchOrder,
     KVReceiver,
@@ -45,7 +40,12 @@ from yb_shared.transport import (
     SegmentHeader,
     TransferError,
 )
-from yb_shared.transport.blocks import fetch_layers, parse_key, parse_put_id
+from yb_dataplane.transport.blocks import fetch_layers, parse_key, parse_put_id
+from yb_kvstore.policy import make_policy
+from yb_kvstore.replication import Replicator
+from yb_kvstore.slab import DramSlab, SlabFull
+from yb_kvstore.ssd import SsdTier
+from yb_kvstore.store import BlockStore, MissingBlocks
 
 log = get_logger(__name__)
 

@@ -28,8 +28,8 @@ from typing import Final
 import numpy as np
 import xxhash
 
+from yb_core.telemetry import get_logger
 from yb_kvstore.policy import EvictionPolicy, LruPolicy
-from yb_shared.telemetry import get_logger
 
 log = get_logger(__name__)
 

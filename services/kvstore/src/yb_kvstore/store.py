@@ -31,11 +31,11 @@ from typing import Any
 
 import numpy as np
 
+from yb_core import events as ev
+from yb_core.block_events import AnyBlockEvent, BlockLog
+from yb_core.telemetry import get_logger
 from yb_kvstore.slab import DramSlab, SlabFull
 from yb_kvstore.ssd import BlockCorrupt, SsdFull, SsdTier
-from yb_shared import events as ev
-from yb_shared.block_events import AnyBlockEvent, BlockLog
-from yb_shared.telemetry import get_logger
 
 log = get_logger(__name__)
 

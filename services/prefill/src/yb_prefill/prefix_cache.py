@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from yb_shared import events as ev
-from yb_shared.block_events import AnyBlockEvent, BlockLog
-from yb_shared.model.kv_cache import OutOfPages, PageAllocator
+from yb_core import events as ev
+from yb_core.block_events import AnyBlockEvent, BlockLog
+from yb_engine.kv_cache import OutOfPages, PageAllocator
 
 
 class PrefixCache:

@@ -26,18 +26,18 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from yb_prefill.prefix_cache import PrefixCache
-from yb_shared import events as ev
-from yb_shared.model.kv_cache import PagedKVCache
-from yb_shared.peers import PeerDirectory
-from yb_shared.telemetry import get_logger
-from yb_shared.transport import (
+from yb_core import events as ev
+from yb_core.telemetry import get_logger
+from yb_dataplane.peers import PeerDirectory
+from yb_dataplane.transport import (
     KVReceiver,
     KVSender,
     PeerUnreachable,
     TransferError,
 )
-from yb_shared.transport.blocks import fetch_request_id, key_text
+from yb_dataplane.transport.blocks import fetch_request_id, key_text
+from yb_engine.kv_cache import PagedKVCache
+from yb_prefill.prefix_cache import PrefixCache
 
 log = get_logger(__name__)
 

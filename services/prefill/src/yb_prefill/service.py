@@ -26,22 +26,15 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
-from yb_prefill.prefix_cache import PrefixCache
-from yb_prefill.reuse import Prefix, PrefixLoader
-from yb_prefill.streaming import LayerStreamer
-from yb_prefill.uploads import BlockUploader
-from yb_shared import events as ev
-from yb_shared import protocol as pr
-from yb_shared.block_events import AnyBlockEvent, BlockEventPublisher, BlockLog
-from yb_shared.bus import Bus, BusError
-from yb_shared.config import YbConfig
-from yb_shared.engine_host import EngineGauges, EngineHost
-from yb_shared.failpoints import Failpoints
-from yb_shared.instance import CancellationFollower, Presence
-from yb_shared.model.kv_cache import OutOfPages
-from yb_shared.peers import PeerDirectory
-from yb_shared.service import Service
-from yb_shared.telemetry import (
+from yb_core import events as ev
+from yb_core import protocol as pr
+from yb_core.block_events import AnyBlockEvent, BlockEventPublisher, BlockLog
+from yb_core.bus import Bus, BusError
+from yb_core.config import YbConfig
+from yb_core.failpoints import Failpoints
+from yb_core.instance import CancellationFollower, Presence
+from yb_core.service import Service
+from yb_core.telemetry import (
     bind_request,
     extract_context,
     get_logger,
@@ -49,7 +42,14 @@ from yb_shared.telemetry import (
     trace_id_hex,
     tracer,
 )
-from yb_shared.transport import KVReceiver, KVSender, PeerAddress, TransferError
+from yb_dataplane.peers import PeerDirectory
+from yb_dataplane.transport import KVReceiver, KVSender, PeerAddress, TransferError
+from yb_engine.host import EngineGauges, EngineHost
+from yb_engine.kv_cache import OutOfPages
+from yb_prefill.prefix_cache import PrefixCache
+from yb_prefill.reuse import Prefix, PrefixLoader
+from yb_prefill.streaming import LayerStreamer
+from yb_prefill.uploads import BlockUploader
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)
@@ -619,7 +619,7 @@ class PrefillService(Service):
         streamer: LayerStreamer,
     ) -> int:
         """Engine thread: run the prefill over the uncached suffix, sample the first token."""
-        from yb_shared.model.sampling import Sampler, new_generator
+        from yb_engine.sampling import Sampler, new_generator
 
         runner = self.engine.runner
         assert runner is not None

@@ -14,12 +14,12 @@ import contextlib
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
-from yb_shared.transport import KVSender, PeerAddress
+from yb_dataplane.transport import KVSender, PeerAddress
 
 if TYPE_CHECKING:
     import torch
 
-    from yb_shared.model.kv_cache import PagedKVCache
+    from yb_engine.kv_cache import PagedKVCache
 
 # Buffer items of one segment: (index in the decode reservation, source page view).
 Segment = list[tuple[int, "torch.Tensor"]]

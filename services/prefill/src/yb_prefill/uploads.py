@@ -15,10 +15,8 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from yb_prefill.prefix_cache import PrefixCache
-from yb_shared.model.kv_cache import PagedKVCache
-from yb_shared.telemetry import get_logger
-from yb_shared.transport import (
+from yb_core.telemetry import get_logger
+from yb_dataplane.transport import (
     KVSender,
     PeerAddress,
     PeerUnreachable,
@@ -26,7 +24,9 @@ from yb_shared.transport import (
     ReservationRefused,
     TransferError,
 )
-from yb_shared.transport.blocks import PutId
+from yb_dataplane.transport.blocks import PutId
+from yb_engine.kv_cache import PagedKVCache
+from yb_prefill.prefix_cache import PrefixCache
 
 log = get_logger(__name__)
 

@@ -15,8 +15,8 @@ from yb_conductor.admission import NO_DECODE, NO_PREFILL, Verdict
 from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.policy_base import Decided, reject
 from yb_conductor.state import ClusterState, InstanceState
-from yb_shared import events as ev
-from yb_shared.config import ConductorConfig
+from yb_core import events as ev
+from yb_core.config import ConductorConfig
 
 
 @dataclass(slots=True)

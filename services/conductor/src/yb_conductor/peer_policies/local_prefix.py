@@ -19,7 +19,7 @@ from yb_conductor.peer_policies.common import (
 )
 from yb_conductor.policy_base import Decided
 from yb_conductor.state import ClusterState
-from yb_shared import events as ev
+from yb_core import events as ev
 
 
 class LocalPrefixPolicy(PeerPolicy):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from yb_conductor.peer_policies.common import PeerPolicy, draw, local_view, scheduled
 from yb_conductor.policy_base import Decided
 from yb_conductor.state import ClusterState
-from yb_shared import events as ev
+from yb_core import events as ev
 
 
 class RandomPolicy(PeerPolicy):

@@ -11,8 +11,8 @@ from yb_conductor.cost_model import CostModel
 from yb_conductor.peer_policies.common import PeerPolicy, local_view, scheduled
 from yb_conductor.policy_base import Decided
 from yb_conductor.state import ClusterState
-from yb_shared import events as ev
-from yb_shared.config import ConductorConfig
+from yb_core import events as ev
+from yb_core.config import ConductorConfig
 
 
 class RoundRobinPolicy(PeerPolicy):

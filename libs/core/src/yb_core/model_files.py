@@ -1,0 +1,81 @@
+"""Which model a `ModelConfig` names, where its files are, and its identity.
+
+`source = default | tiny-random | PATH` means the same thing in every service, and block
+keys use one model identity. Nothing here loads weights or imports torch: the gateway and
+the conductor use it too. Converting the default model's GGUF is the engine's job
+(`yb_engine.models.resolve_model_dir`, run once by `yb prepare` or `yb up`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from yb_core.hashing import model_identity
+
+if TYPE_CHECKING:
+    from yb_core.config import ModelConfig
+
+TINY_RANDOM = "tiny-random"
+DEFAULT = "default"
+#: The tiny random model's position limit (its `max_position_embeddings`).
+TINY_MAX_POSITION = 4096
+#: The default model, and the directory its converted weights live in under the cache.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+#: Written last into a converted directory: a directory that has it is complete.
+IDENTITY_FILE = "yuebing_model.json"
+
+
+def default_model_cache_dir() -> Path:
+    """Where converted models live: `$YB_MODEL_CACHE`, else `~/.cache/yuebing/models`."""
+    env = os.environ.get("YB_MODEL_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "yuebing" / "models"
+
+
+def converted_default_dir(cache_dir: Path) -> Path:
+    """Where the default model's converted directory is (or will be) under `cache_dir`."""
+    return Path(cache_dir).expanduser() / DEFAULT_MODEL_NAME
+
+
+def model_dir(model: ModelConfig, cache_dir: Path) -> Path | None:
+    """The Hugging Face directory of an already prepared model; None for the tiny random
+    model, which is built in memory.
+
+    Raises FileNotFoundError, saying what to run, when the default model has not been
+    converted yet or a configured directory has no `config.json`.
+    """
+    if model.source == TINY_RANDOM:
+        return None
+    if model.source == DEFAULT:
+        path = converted_default_dir(cache_dir)
+        if not (path / IDENTITY_FILE).is_file():
+            raise FileNotFoundError(
+                f"the default model is not prepared in {cache_dir}: run `yb prepare` "
+                "(or `yb up`, which prepares it) first"
+            )
+        return path
+    path = Path(model.source).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model directory {path} has no config.json")
+    return path
+
+
+def context_limit(model: ModelConfig, cache_dir: Path) -> int | None:
+    """The most positions the model itself can attend to (`max_position_embeddings`),
+    or None when its config does not say. Reads only the config, never weights."""
+    if model.source == TINY_RANDOM:
+        return TINY_MAX_POSITION
+    path = model_dir(model, cache_dir)
+    assert path is not None
+    config = json.loads((path / "config.json").read_text())
+    limit = config.get("max_position_embeddings")
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
+
+
+def identity_of(model: ModelConfig) -> bytes:
+    """The model identity that goes into every block key."""
+    return model_identity(model.name)

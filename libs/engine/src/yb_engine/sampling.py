@@ -1,0 +1,121 @@
+"""Choosing next tokens from logits, batched, reproducibly per request.
+
+Every sampled request owns a `torch.Generator`, seeded from its `seed` when it has one.
+A request's draw therefore does not depend on which other requests share its batch or
+in what order: the same seed and prompt give the same text whether the request runs
+alone or among 31 others. Each step consumes exactly one uniform number per sampled
+request (inverse-CDF sampling), which keeps the stream of draws easy to reason about.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from yb_core.protocol import SamplingParams
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """Greedy decoding: temperature 0 (or below), or top-k of 1."""
+    return params.temperature <= 0.0 or params.top_k == 1
+
+
+def new_generator(params: SamplingParams) -> torch.Generator | None:
+    """The request's random stream: seeded if `seed` is set, else from OS entropy.
+
+    None for greedy requests, which draw nothing. CPU generators on every device, so a
+    seed means the same draws on a laptop and on a GPU server.
+    """
+    if is_greedy(params):
+        return None
+    gen = torch.Generator(device="cpu")
+    if params.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(params.seed)
+    return gen
+
+
+def skip_draws(generator: torch.Generator | None, n: int) -> None:
+    """Advance a request's stream past `n` tokens' draws (one uniform per token).
+
+    Prefill samples the first token and the decode engine the rest, each with its own
+    `new_generator(params)`; the decode side skips the draw prefill used, so a seeded
+    request yields exactly what one generator drawing every token would.
+    """
+    if generator is not None and n > 0:
+        torch.rand(n, generator=generator)
+
+
+class Sampler:
+    """Greedy, temperature, top-k and top-p (nucleus) sampling over a batch.
+
+    Rows of the batch may use different settings; greedy rows take the argmax, the
+    others are filtered together (one sort for the batch) and then drawn from their own
+    generators.
+    """
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> list[int]:
+        """One token id per row of `logits` `[B, vocab]`."""
+        batch, vocab = logits.shape
+        if len(params) != batch or len(generators) != batch:
+            raise ValueError(
+                f"{batch} rows of logits, {len(params)} params, {len(generators)} generators"
+            )
+        out = [0] * batch
+        random_rows: list[int] = []
+        greedy_rows: list[int] = []
+        for i, p in enumerate(params):
+            (greedy_rows if is_greedy(p) else random_rows).append(i)
+        if greedy_rows:
+            picks = logits[greedy_rows].argmax(dim=-1).tolist()
+            for i, tok in zip(greedy_rows, picks, strict=True):
+                out[i] = int(tok)
+        if not random_rows:
+            return out
+
+        rows = [params[i] for i in random_rows]
+        device = logits.device
+        temps = torch.tensor([p.temperature for p in rows], dtype=torch.float32, device=device)
+        scaled = logits[random_rows].float() / temps[:, None]
+        needs_filter = any((0 < p.top_k < vocab) or p.top_p < 1.0 for p in rows)
+        if needs_filter:
+            # Sorted descending (stable, so ties break the same way every time): top-k and
+            # top-p both keep a prefix of this order.
+            scaled, order = scaled.sort(dim=-1, descending=True, stable=True)
+            ranks = torch.arange(vocab, device=device)
+            top_k = torch.tensor(
+                [p.top_k if 0 < p.top_k < vocab else vocab for p in rows], device=device
+            )
+            scaled = scaled.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+            probs = torch.softmax(scaled, dim=-1)
+            top_p = torch.tensor([p.top_p for p in rows], dtype=torch.float32, device=device)
+            # Drop a token once the mass before it already reaches top_p; the first
+            # token always stays.
+            before = probs.cumsum(dim=-1) - probs
+            probs = probs.masked_fill(before >= top_p[:, None], 0.0)
+        else:
+            order = None
+            probs = torch.softmax(scaled, dim=-1)
+        cdf = probs.cumsum(dim=-1)
+        draws = []
+        for i in random_rows:
+            gen = generators[i]
+            if gen is None:
+                raise ValueError(f"row {i} samples but has no generator (see new_generator)")
+            draws.append(float(torch.rand((), generator=gen)))
+        targets = torch.tensor(draws, dtype=cdf.dtype, device=device)[:, None] * cdf[:, -1:]
+        # right=True picks the first index whose cumulative mass exceeds the target, so a
+        # token with zero probability (filtered) can never be chosen.
+        picks = torch.searchsorted(cdf, targets, right=True).clamp_(max=vocab - 1)
+        if order is not None:
+            picks = order.gather(1, picks)
+        for i, tok in zip(random_rows, picks[:, 0].tolist(), strict=True):
+            out[i] = int(tok)
+        return out

@@ -1,0 +1,222 @@
+"""`yb`: the one command people use to run and inspect Yuebing.
+
+    yb up [--port N] [--data-dir DIR] [--model SOURCE] [--prefill N --decode N --kvstore N]
+          [--conductors N] [--keep-going]   standbys; stay up when an instance dies
+          [--nats-cluster 3]                three NATS nodes, the event stream at R3
+    yb status [--data-dir DIR | --nats URL]
+    yb prepare [--model SOURCE]     convert and cache the model (setup.sh runs it)
+
+    yb replay [--file LOG] [--export LOG] [--policy P --set k=v]   the conductor's decisions
+    yb explain REQUEST_ID [--file LOG] [--full]                   why one decision
+    yb profile [--quick] [--out FILE]                             fit the cost model here
+
+    yb sim --trace FILE --policy P[,P...] [--admission A[,A...]] --json OUT   simulate
+    yb bench trace|shared-prefix [--json PATH] [--plot PATH]   real load via the gateway
+
+Each command's `--help` says more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from yb_core.config import ConfigError, YbConfig, load_config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `yb` command."""
+    parser = argparse.ArgumentParser(prog="yb", description="Yuebing: KVCache-centric serving")
+    parser.add_argument("--config", help="config file (TOML, YAML or JSON); default $YB_CONFIG")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run the whole cluster locally until Ctrl-C")
+    up.add_argument("--port", type=int, help="gateway port (default 8000)")
+    up.add_argument("--host", help="gateway interface (default 127.0.0.1)")
+    up.add_argument("--data-dir", help="NATS store, logs, SSD tier and model cache go here")
+    up.add_argument("--model", help="'default', 'tiny-random' or a local HF model directory")
+    up.add_argument("--model-name", help="the name clients ask for")
+    up.add_argument("--prefill", type=int, default=2, help="prefill instances (default 2)")
+    up.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
+    up.add_argument("--kvstore", type=int, default=2, help="kvstore instances (default 2)")
+    up.add_argument(
+        "--conductors", type=int, default=1, help="conductors: one active, the rest standby"
+    )
+    up.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="keep the cluster up when an instance exits (fault tests kill some on purpose)",
+    )
+    up.add_argument("--nats-port", type=int, help="NATS client port (default 4222; 0: any free)")
+    up.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N nats-server nodes in one JetStream cluster (3: the event stream at R3); "
+        "node i listens on the NATS port + i",
+    )
+    up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait")
+
+    status = sub.add_parser("status", help="instances, roles, loads and cache use")
+    status.add_argument("--data-dir", help="data directory of a running `yb up`")
+    status.add_argument("--nats", help="NATS URL (default: the running `yb up`'s)")
+
+    prepare = sub.add_parser("prepare", help="convert and cache the model once")
+    prepare.add_argument("--model", help="'default' or a local HF model directory")
+    prepare.add_argument("--data-dir", help="cache the model under DIR/models")
+
+    # The conductor's tools: thin front ends, importing the conductor only when run.
+    from yb_tools.cli import bench, explain, profile, replay, sim
+
+    replay.add_parser(sub)
+    explain.add_parser(sub)
+    profile.add_parser(sub)
+    sim.add_parser(sub)
+    bench.add_parser(sub)
+
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, overrides=_overrides(args))
+    except ConfigError as exc:
+        print(f"yb: {exc}", file=sys.stderr)
+        return 2
+    match args.command:
+        case "up":
+            return _up(cfg, args)
+        case "status":
+            return _status(cfg, args)
+        case "prepare":
+            return _prepare(cfg)
+        case "replay":
+            return replay.run(cfg, args)
+        case "explain":
+            return explain.run(cfg, args)
+        case "profile":
+            return profile.run(cfg, args)
+        case "sim":
+            return sim.run(cfg, args)
+        case "bench":
+            return bench.run(cfg, args)
+    return 2
+
+
+def _prepare(cfg: YbConfig) -> int:
+    from yb_engine.models import resolve_model_dir
+
+    started = time.monotonic()
+    path = resolve_model_dir(
+        cfg.model, cfg.model_cache_dir(), lambda m: print(f"[yb] {m}", flush=True)
+    )
+    print(f"[yb] model {cfg.model.name} ready at {path} ({time.monotonic() - started:.1f}s)")
+    return 0
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if getattr(args, "data_dir", None):
+        out["data_dir"] = args.data_dir
+    gateway: dict[str, Any] = {}
+    if getattr(args, "port", None):
+        gateway["port"] = args.port
+    if getattr(args, "host", None):
+        gateway["host"] = args.host
+    if gateway:
+        out["gateway"] = gateway
+    model: dict[str, Any] = {}
+    if getattr(args, "model", None):
+        model["source"] = args.model
+    if getattr(args, "model_name", None):
+        model["name"] = args.model_name
+    if model:
+        out["model"] = model
+    if getattr(args, "nats_port", None) is not None and args.command == "up":
+        out["nats"] = {"url": f"nats://127.0.0.1:{args.nats_port}"}
+    return out
+
+
+def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
+    from yb_tools.cli.launcher import Cluster, Topology
+
+    def say(line: str) -> None:
+        print(f"[yb] {line}", flush=True)
+
+    topology = Topology(
+        args.prefill, args.decode, args.kvstore, args.conductors, nats=args.nats_cluster
+    )
+    cluster = Cluster(cfg, topology, say)
+    stopping = False
+
+    def request_stop(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        say(f"{signal.Signals(signum).name}: stopping the cluster ...")
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    code = 0
+    try:
+        say(f"data directory: {cluster.data_dir}")
+        cluster.prepare_model()
+        if stopping:
+            return 130
+        cluster.start_nats()
+        cluster.start_services()
+        if not cluster.wait_ready(args.ready_timeout, lambda: stopping):
+            if not stopping:
+                say("the cluster did not become ready; see the logs above")
+                code = 1
+        else:
+            say(f"ready: {cluster.gateway_url}/v1  (OpenAI-compatible; Ctrl-C stops)")
+            for line in cluster.access_hint():
+                say(line)
+            reported: set[str] = set()
+            while not stopping:
+                dead = cluster.dead_children()
+                if dead and not args.keep_going:
+                    say(f"instance(s) exited: {', '.join(dead)}; stopping the cluster")
+                    code = 1
+                    break
+                if fresh := [name for name in dead if name not in reported]:
+                    say(f"instance(s) exited: {', '.join(fresh)}; keeping the rest up")
+                    reported.update(fresh)
+                time.sleep(0.5)
+    finally:
+        cluster.stop()
+        say("stopped")
+    return code
+
+
+def _status(cfg: YbConfig, args: argparse.Namespace) -> int:
+    from yb_core.bus import Bus, BusError
+    from yb_core.credentials import cli_nats_config
+    from yb_tools.cli.launcher import read_cluster_info
+    from yb_tools.cli.status import collect, render
+
+    url = args.nats
+    if not url:
+        info = read_cluster_info(cfg.resolved_data_dir())
+        url = info.nats_url if info else cfg.nats.url
+    cfg.nats = cli_nats_config(cfg, url)
+
+    async def run() -> str:
+        bus = await Bus.connect(cfg.nats, "yb-status", timeout_s=3.0)
+        try:
+            rows = await collect(bus)
+        finally:
+            await bus.close()
+        return render(rows, cfg.conductor.heartbeat_timeout_s, time.time())
+
+    try:
+        print(asyncio.run(run()))
+    except BusError as exc:  # unreachable, or no instance stream yet
+        print(f"yb status: {exc} (is `yb up` running?)", file=sys.stderr)
+        return 1
+    return 0

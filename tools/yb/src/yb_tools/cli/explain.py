@@ -1,0 +1,124 @@
+"""`yb explain <request-id>`: why the conductor decided what it did for one request.
+
+    yb explain REQUEST_ID [--file LOG | --nats URL | --data-dir DIR] [--full] [--json]
+
+The decision event carries its explanation (the best prefill candidates by
+estimated TTFT, every decode instance, the branch and the reason), so explaining
+needs no recomputation. `--full` recomputes the decision from the log with every
+prefill instance in the table, which needs the log from seq 1: on a log whose head
+was trimmed (`nats.max_bytes`) it says so and shows the recorded table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from yb_core import events as ev
+from yb_core.config import YbConfig
+from yb_tools.cli.replay import add_source_args, load_log
+
+
+def add_parser(sub: Any) -> None:
+    """Register `yb explain`."""
+    p = sub.add_parser("explain", help="the candidate table and reason behind one decision")
+    p.add_argument("request_id")
+    add_source_args(p)
+    p.add_argument("--full", action="store_true", help="recompute with every candidate")
+    p.add_argument("--json", action="store_true", help="print the decision as JSON")
+
+
+def render(seq: int, decision: ev.RequestScheduled | ev.RequestRejected) -> str:
+    """The decision and its explanation as text tables."""
+    lines = []
+    x = decision.explain
+    est = decision.estimates
+    if isinstance(decision, ev.RequestScheduled):
+        head = (
+            f"request {decision.request_id}: SCHEDULED at seq {seq} "
+            f"(admitted at seq {decision.admitted_seq}, policy {decision.policy})\n"
+            f"  prefill {decision.prefill_instance}, decode {decision.decode_instance}; "
+            f"reuses {decision.reused_blocks} blocks, computes {decision.computed_tokens} "
+            f"of {decision.prompt_tokens} tokens"
+        )
+    else:
+        head = (
+            f"request {decision.request_id}: REJECTED at seq {seq} "
+            f"(admitted at seq {decision.admitted_seq}, policy {decision.policy})\n"
+            f"  reason: {decision.reason}; Retry-After {decision.retry_after_s:g}s"
+        )
+    lines.append(head)
+    lines.append(
+        f"  estimates: TTFT {est.ttft_s:.4f}s = queue {est.queue_s:.4f} + transfer "
+        f"{est.transfer_s:.4f} + prefill {est.prefill_s:.4f}; TBT {est.tbt_s:.4f}s "
+        f"at batch {est.decode_batch}"
+    )
+    if isinstance(decision, ev.RequestScheduled) and decision.reuse:
+        plan = ", ".join(
+            f"[{r.first_block}..{r.first_block + r.num_blocks}) from {r.source_instance} ({r.tier})"
+            for r in decision.reuse
+        )
+        lines.append(f"  reuse plan: {plan}")
+    if x is None:
+        lines.append("  (no explanation recorded: decided by a policy that keeps none)")
+        return "\n".join(lines)
+    lines.append(
+        f"  branch: {x.branch}; admission: {x.admission}; limits TTFT {x.ttft_limit_s:g}s, "
+        f"TBT {x.tbt_limit_s:g}s; best prefix anywhere: {x.best_blocks} blocks"
+        + (f" on {x.best_source}" if x.best_source else "")
+    )
+    lines.append(f"  why: {x.reason}")
+    lines.append("")
+    lines.append(
+        f"  {'prefill':<16} {'option':<9} {'local':>5} {'best':>5} {'reuse':>5} "
+        f"{'source':<14} {'queue_s':>8} {'xfer_s':>8} {'prefill_s':>9} {'ttft_s':>8}"
+    )
+    for i, c in enumerate(x.candidates):
+        mark = "*" if i == 0 and isinstance(decision, ev.RequestScheduled) else " "
+        lines.append(
+            f"{mark} {c.instance_id:<16} {c.option:<9} {c.local_blocks:>5} {c.best_blocks:>5} "
+            f"{c.reuse_blocks:>5} {c.source or '-':<14} {c.queue_s:>8.4f} {c.transfer_s:>8.4f} "
+            f"{c.prefill_s:>9.4f} {c.ttft_s:>8.4f}"
+        )
+    if x.decode_candidates:
+        lines.append("")
+        lines.append(f"  {'decode':<16} {'batch now':>9} {'predicted':>9} {'tbt_s':>8}")
+        chosen = decision.decode_instance if isinstance(decision, ev.RequestScheduled) else ""
+        for d in x.decode_candidates:
+            mark = "*" if d.instance_id == chosen else " "
+            lines.append(
+                f"{mark} {d.instance_id:<16} {d.batch:>9} {d.predicted_batch:>9} {d.tbt_s:>8.4f}"
+            )
+    return "\n".join(lines)
+
+
+def run(cfg: YbConfig, args: argparse.Namespace) -> int:
+    """`yb explain`."""
+    from yb_conductor.replay import find_decision, recompute_decision, to_json
+    from yb_core.bus import BusUnavailable
+
+    try:
+        loaded = load_log(cfg, args)
+    except (OSError, BusUnavailable) as exc:
+        print(f"yb explain: cannot read the log: {exc}", file=sys.stderr)
+        return 1
+    records = loaded.records
+    found = find_decision(records, args.request_id)
+    if found is None:
+        gone = f" ({loaded.gone()}: an older decision is gone)" if loaded.trimmed else ""
+        print(f"yb explain: no decision for request {args.request_id!r} in the log{gone}")
+        return 1
+    seq, decision = found
+    if args.full and loaded.trimmed:
+        print(
+            f"yb explain: {loaded.gone()}: --full recomputes from seq 1, so this is the "
+            "recorded table",
+            file=sys.stderr,
+        )
+    elif args.full:
+        full = recompute_decision(records, args.request_id, top_k=0)
+        if full is not None:
+            decision = full
+    print(to_json(decision) if args.json else render(seq, decision))
+    return 0

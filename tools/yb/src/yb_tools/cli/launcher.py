@@ -1,0 +1,517 @@
+"""`yb up`: the whole cluster on this machine, started and stopped as one.
+
+The launcher prepares the model (once, with progress), starts nats-server with
+JetStream under the data directory, then each service as its own process with its
+configuration passed in `YB_*` variables, waits for the gateway's `/readyz`, and
+prints the URL. Children run in their own sessions, so Ctrl-C reaches only the
+launcher, which stops them in order (gateway, engines, stores, conductor, NATS) and
+kills what does not stop in time; a child also dies with the launcher if the launcher
+itself is killed (PR_SET_PDEATHSIG), so no process is left behind.
+
+Beyond one host: `Topology.nats = 3` (`yb up --nats-cluster 3`) starts a three-node
+NATS JetStream cluster instead of one server, with the event stream at R3 and every
+service given all three URLs; a `ProcessSpec` with `netns` runs its service inside a
+network namespace, which is how tests/test_multihost.py puts instances on "hosts"
+joined by a real network path (see `yb_testkit.netns`).
+
+Security: on first start the launcher generates the gateway's API key, the metrics
+token and one NATS password per service role under `<data dir>/secrets/` (mode 0600,
+reused later; see `yb_core.credentials`). nats-server gets an authorization block
+with one user per role and the permissions of `yb_core.nats_auth`; each service
+gets its role's user and the *paths* of its secrets in `YB_*` variables. Every
+listener binds to loopback by default (gateway, metrics, NATS and its monitor, UCX).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import msgspec
+import nats.errors
+import nats.js.errors
+
+from yb_core.config import (
+    DEFAULT_EVENT_LOG_BYTES,
+    MIN_EVENT_LOG_BYTES,
+    YbConfig,
+    dump_env,
+)
+from yb_core.credentials import LocalSecrets, ensure_local_secrets, ensure_secret_file
+from yb_core.nats_auth import (
+    ADMIN_USER,
+    cluster_users,
+    literal_passwords,
+    render_authorization,
+)
+from yb_tools.natsserver import (
+    CLUSTER_DECISION_TIMEOUT_S,
+    CLUSTER_FAILOVER_S,
+    CLUSTER_REQUEST_TIMEOUT_S,
+    NatsServer,
+    cluster_nodes,
+    die_with_parent,
+    env_without_proxies,
+    free_port,
+)
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One service process of the cluster.
+
+    `netns` runs it inside that network namespace (`ip netns exec`), as if on another
+    machine; `env` is set last, over what the launcher derives (per-process settings
+    such as its UCX address).
+    """
+
+    role: str
+    instance_id: str
+    host: str
+    netns: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How many of each service, and on which logical host.
+
+    Prefill instance i and kvstore i share logical host `host-i`, so each prefill has
+    a kvstore on its own host; decode instances are spread over the hosts too.
+    """
+
+    prefill: int = 2
+    decode: int = 1
+    kvstore: int = 2
+    # More than one: the first to take the lease is active, the others stand by.
+    conductors: int = 1
+    # nats-server nodes: 1, or a JetStream cluster (3: the event stream at R3).
+    nats: int = 1
+
+    def processes(self) -> list[ProcessSpec]:
+        """Processes in start order (what others depend on first)."""
+        hosts = max(self.prefill, self.kvstore, 1)
+        specs = [
+            ProcessSpec("conductor", f"conductor-{i}", "host-0")
+            for i in range(max(1, self.conductors))
+        ]
+        specs += [ProcessSpec("kvstore", f"kvstore-{i}", f"host-{i}") for i in range(self.kvstore)]
+        specs += [ProcessSpec("prefill", f"prefill-{i}", f"host-{i}") for i in range(self.prefill)]
+        specs += [
+            ProcessSpec("decode", f"decode-{i}", f"host-{i % hosts}") for i in range(self.decode)
+        ]
+        specs.append(ProcessSpec("gateway", "gateway-0", "host-0"))
+        return specs
+
+
+class ClusterInfo(msgspec.Struct):
+    """What `yb up` writes to `<data dir>/cluster.json` for `yb status` and tools."""
+
+    nats_url: str
+    nats_monitor_url: str
+    gateway_url: str
+    pid: int
+    started_at: float
+    # Every process of the cluster by instance id (nats-server included), so tools and
+    # tests can check that a stop leaves none behind.
+    pids: dict[str, int] = msgspec.field(default_factory=dict)
+    # Where clients find the secrets (paths only: cluster.json is not a secret).
+    api_key_file: str = ""
+    metrics_token_file: str = ""
+    # Every NATS node's monitor (one per node of a cluster; the first is above too).
+    nats_monitor_urls: list[str] = msgspec.field(default_factory=list)
+
+
+@dataclass
+class Cluster:
+    """A running local cluster."""
+
+    cfg: YbConfig
+    topology: Topology
+    say: Callable[[str], None] = print
+    # The first NATS node; `nats_nodes` holds every node (one unless clustered).
+    nats: NatsServer | None = None
+    nats_nodes: list[NatsServer] = field(default_factory=list)
+    # The interface NATS listens on (its nodes' clients and routes).
+    nats_host: str = "127.0.0.1"
+    # The processes to run, when not the topology's (tests place them in namespaces).
+    placement: list[ProcessSpec] = field(default_factory=list)
+    children: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    secrets: LocalSecrets | None = None
+
+    @property
+    def data_dir(self) -> Path:
+        """The data directory (NATS store, logs, SSD tier, model cache when configured)."""
+        return self.cfg.resolved_data_dir()
+
+    @property
+    def gateway_url(self) -> str:
+        """Base URL of the gateway."""
+        return f"http://{self.cfg.gateway.host}:{self.cfg.gateway.port}"
+
+    def process_specs(self) -> list[ProcessSpec]:
+        """The service processes in start order: `placement`, else the topology's."""
+        return list(self.placement) or self.topology.processes()
+
+    def prepare_model(self) -> None:
+        """Convert and cache the model before any engine starts (they would wait)."""
+        from yb_engine.models import resolve_model_dir
+
+        if self.cfg.model.source in ("tiny-random",):
+            return
+        started = time.monotonic()
+        self.say(f"preparing model {self.cfg.model.name} ({self.cfg.model.source}) ...")
+        path = resolve_model_dir(
+            self.cfg.model, self.cfg.model_cache_dir(), lambda m: self.say(f"  {m}")
+        )
+        self.say(f"model ready at {path} ({time.monotonic() - started:.1f}s)")
+
+    def ensure_secrets(self) -> LocalSecrets:
+        """The cluster's secrets, generated on the first start and reused after."""
+        if self.secrets is None:
+            fresh = not (self.data_dir / "secrets").exists()
+            self.secrets = ensure_local_secrets(self.data_dir)
+            verb = "generated" if fresh else "reusing"
+            self.say(
+                f"{verb} the API key ({self.secrets.api_key_path}), the metrics token "
+                f"and the NATS passwords in {self.secrets.root} (mode 0600)"
+            )
+        return self.secrets
+
+    @property
+    def api_key_file(self) -> Path:
+        """The file clients read the API key from."""
+        configured = self.cfg.gateway.api_keys_file
+        return Path(configured) if configured else self.ensure_secrets().api_key_path
+
+    def access_hint(self) -> list[str]:
+        """What `yb up` prints once ready: where the key is, and a request to paste."""
+        key = self.api_key_file
+        return [
+            f"API key: {key} (send it as `Authorization: Bearer <key>`)",
+            f'try: curl -H "Authorization: Bearer $(cat {key})" {self.gateway_url}/v1/models',
+        ]
+
+    def start_nats(self) -> None:
+        """Start nats-server with JetStream, its store under the data directory, and
+        one user per service role with that role's permissions.
+
+        With `topology.nats` > 1, that many nodes form a JetStream cluster (each with
+        its own store, the same users, routes that authenticate with a generated
+        secret); the services get every node's URL, and the event stream is created
+        here with `nats.replicas` copies (3 unless configured) before any service
+        starts.
+        """
+        port = _port_of(self.cfg.nats.url)
+        logs = self.data_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        self._size_event_log()
+        secrets = self.ensure_secrets()
+        instances: dict[str, list[str]] = {}
+        for spec in self.process_specs():
+            instances.setdefault(spec.role, []).append(spec.instance_id)
+        users = cluster_users(
+            instances,
+            stream=self.cfg.nats.stream,
+            snapshot_bucket=self.cfg.conductor.snapshot_bucket,
+        )
+        authorization = render_authorization(users, literal_passwords(secrets.nats_passwords))
+        count = max(1, self.topology.nats)
+        if count == 1:
+            self.nats_nodes = [
+                NatsServer(
+                    store_dir=self.data_dir / "nats",
+                    port=port,
+                    host=self.nats_host,
+                    log_file=logs / "nats-server.log",
+                    monitor_port=free_port(self.nats_host),
+                    sync_interval_s=self.cfg.nats.sync_interval_s,
+                    extra_config=authorization,
+                )
+            ]
+        else:
+            self._settle_for_failover(count)
+            self.nats_nodes = cluster_nodes(
+                self.data_dir / "nats-cluster",
+                count,
+                host=self.nats_host,
+                ports=[port + i for i in range(count)] if port else None,
+                route_password=ensure_secret_file(Path(secrets.root) / "nats_route_password"),
+                sync_interval_s=self.cfg.nats.sync_interval_s,
+                extra_config=authorization,
+                log_dir=logs,
+            )
+        for node in self.nats_nodes:
+            node.start()
+        self.nats = self.nats_nodes[0]
+        self.cfg.nats.url = ",".join(node.url for node in self.nats_nodes)
+        if count > 1:
+            self._provision_jetstream(secrets)
+            self.say(
+                f"NATS cluster of {count} nodes, event stream at R{self.cfg.nats.replicas}: "
+                f"{self.cfg.nats.url}"
+            )
+        else:
+            self.say(f"nats-server with JetStream at {self.nats.url}")
+
+    def _size_event_log(self) -> None:
+        """Resolve `nats.max_bytes` 0 to a limit this machine's disk can hold.
+
+        The NATS store shares the data dir's disk with the model cache and the
+        kvstore's SSD tier: the log gets the default (`DEFAULT_EVENT_LOG_BYTES`) or a
+        quarter of the space free there now, whichever is smaller (never below
+        `MIN_EVENT_LOG_BYTES`), so a busy cluster trims its oldest events instead of
+        filling the disk. Every service then gets the resolved value (in its `YB_*`
+        variables), so none brings the stream back to another limit. An explicit
+        value is kept as given.
+        """
+        if self.cfg.nats.max_bytes:
+            return
+        free = shutil.disk_usage(self.data_dir).free
+        chosen = max(MIN_EVENT_LOG_BYTES, min(DEFAULT_EVENT_LOG_BYTES, free // 4))
+        self.cfg.nats.max_bytes = chosen
+        self.say(
+            f"event log bounded at {chosen / 2**30:.2f} GiB "
+            f"(a quarter of the {free / 2**30:.1f} GiB free here, at most "
+            f"{DEFAULT_EVENT_LOG_BYTES / 2**30:.0f} GiB; set YB_NATS__MAX_BYTES to choose)"
+            if chosen < DEFAULT_EVENT_LOG_BYTES
+            else f"event log bounded at {chosen / 2**30:.0f} GiB (YB_NATS__MAX_BYTES)"
+        )
+
+    def _settle_for_failover(self, nodes: int) -> None:
+        """Settings a cluster needs so that losing a node changes nothing for clients.
+
+        The stream gets 3 replicas unless configured otherwise. Losing the node that
+        leads it stalls the log until the others elect a new leader (up to
+        `CLUSTER_FAILOVER_S`): publishes and the gateway's wait for a decision get
+        budgets that outlast that, instead of failing the requests that arrive
+        meanwhile (raised to at least `CLUSTER_REQUEST_TIMEOUT_S` and
+        `CLUSTER_DECISION_TIMEOUT_S`).
+        """
+        nats_cfg, gateway = self.cfg.nats, self.cfg.gateway
+        if nats_cfg.replicas == 1:
+            nats_cfg.replicas = min(3, nodes)
+        if nats_cfg.replicas > nodes:
+            raise ValueError(f"nats.replicas={nats_cfg.replicas} needs at least that many nodes")
+        nats_cfg.request_timeout_s = max(nats_cfg.request_timeout_s, CLUSTER_REQUEST_TIMEOUT_S)
+        gateway.decision_timeout_s = max(gateway.decision_timeout_s, CLUSTER_DECISION_TIMEOUT_S)
+        if self.cfg.conductor.heartbeat_timeout_s <= CLUSTER_FAILOVER_S:
+            self.say(
+                f"warning: conductor.heartbeat_timeout_s={self.cfg.conductor.heartbeat_timeout_s:g}"
+                f" is within a NATS leader election ({CLUSTER_FAILOVER_S:g}s): losing a node "
+                "may get live instances declared dead"
+            )
+
+    def _provision_jetstream(self, secrets: LocalSecrets, timeout_s: float = 60.0) -> None:
+        """Wait for the cluster's JetStream and create what must be replicated.
+
+        A fresh cluster answers JetStream requests only once its nodes have elected a
+        meta leader; services that started before would fail to set up the log. So
+        the operator's user creates the event stream here, with its replicas, and the
+        conductor's lease bucket too: the conductor creates that bucket with one
+        replica, and a lease on a lost node would stop every decision (it binds to an
+        existing bucket whatever its settings).
+        """
+        from yb_core.bus import Bus, BusError
+
+        ncfg = msgspec.structs.replace(
+            self.cfg.nats,
+            user=ADMIN_USER,
+            password=secrets.nats_passwords[ADMIN_USER],
+            password_file="",
+            creds_file="",
+        )
+        lease_bucket = f"{self.cfg.conductor.snapshot_bucket}_lease"
+
+        async def provision() -> None:
+            bus = await Bus.connect(ncfg, "yb-up", timeout_s=timeout_s)
+            deadline = time.monotonic() + timeout_s
+            try:
+                while True:
+                    try:
+                        await bus.ensure_stream()
+                        with contextlib.suppress(nats.js.errors.BadRequestError):  # exists
+                            await bus.jetstream.create_key_value(
+                                bucket=lease_bucket,
+                                ttl=self.cfg.conductor.lease_ttl_s,
+                                history=1,
+                                replicas=ncfg.replicas,
+                            )
+                        return
+                    except (nats.errors.Error, nats.js.errors.Error) as exc:
+                        # No meta leader yet (503, no responders, a timeout).
+                        if time.monotonic() > deadline:
+                            raise BusError(f"JetStream not ready: {exc!r}") from exc
+                        await asyncio.sleep(0.25)
+            finally:
+                await bus.close()
+
+        asyncio.run(provision())
+
+    def start_services(self) -> None:
+        """Start every service process in dependency order."""
+        logs = self.data_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        for spec in self.process_specs():
+            self._spawn(spec, logs)
+        pids = {name: proc.pid for name, proc in self.children.items()}
+        for i, node in enumerate(self.nats_nodes):
+            if node.process is not None:
+                pids["nats-server" if i == 0 else f"nats-server-{i}"] = node.process.pid
+        monitors = [
+            f"http://{node.host}:{node.monitor_port}"
+            for node in self.nats_nodes
+            if node.monitor_port
+        ]
+        info = ClusterInfo(
+            nats_url=self.cfg.nats.url,
+            nats_monitor_url=monitors[0] if monitors else "",
+            nats_monitor_urls=monitors,
+            gateway_url=self.gateway_url,
+            pid=os.getpid(),
+            started_at=time.time(),
+            pids=pids,
+            api_key_file=str(self.api_key_file),
+            metrics_token_file=self._metrics_token_file(),
+        )
+        (self.data_dir / "cluster.json").write_bytes(msgspec.json.encode(info))
+
+    def _metrics_token_file(self) -> str:
+        # A token configured explicitly wins (the services resolve it first).
+        if self.cfg.telemetry.metrics_token:
+            return ""
+        configured = self.cfg.telemetry.metrics_token_file
+        return configured or str(self.ensure_secrets().metrics_token_path)
+
+    def service_env(self, spec: ProcessSpec) -> dict[str, str]:
+        """The environment one service process starts with: the cluster's
+        configuration as `YB_*` variables, its identity, the paths of its secrets."""
+        secrets = self.ensure_secrets()
+        env = env_without_proxies()
+        env.update(dump_env(self.cfg))
+        env["YB_INSTANCE_ID"] = spec.instance_id
+        env["YB_HOST"] = spec.host
+        # Its role's NATS user; secrets travel as file paths, not values, so they do
+        # not show in the environment of every process.
+        env["YB_NATS__USER"] = spec.role
+        env["YB_NATS__PASSWORD"] = ""
+        env["YB_NATS__PASSWORD_FILE"] = str(secrets.nats_password_path(spec.role))
+        env["YB_NATS__CREDS_FILE"] = ""
+        env["YB_TELEMETRY__METRICS_TOKEN_FILE"] = self._metrics_token_file()
+        if spec.role == "gateway":
+            env["YB_GATEWAY__API_KEYS_FILE"] = str(self.api_key_file)
+        else:  # API keys are the gateway's business alone
+            env["YB_GATEWAY__API_KEYS"] = "[]"
+            env["YB_GATEWAY__API_KEYS_FILE"] = ""
+        if spec.role == "kvstore" and not self.cfg.kvstore.ssd_dir:
+            env["YB_KVSTORE__SSD_DIR"] = str(self.data_dir / "ssd" / spec.instance_id)
+        # Every engine `yb up` starts shares this machine's cores: one thread each
+        # (more only contend), and a conductor that knows they share (it would
+        # otherwise price each as if it ran alone and admit what they cannot serve).
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if spec.role == "conductor" and self.cfg.conductor.compute_sharing == "none":
+            env["YB_CONDUCTOR__COMPUTE_SHARING"] = "all"
+        env.update(spec.env)
+        return env
+
+    def _spawn(self, spec: ProcessSpec, logs: Path) -> None:
+        env = self.service_env(spec)
+        # `ip netns exec` enters the namespace and execs the service in place: the pid
+        # (and the death signal set below) stay the service's own.
+        enter = ["ip", "netns", "exec", spec.netns] if spec.netns else []
+        log_path = logs / f"{spec.instance_id}.log"
+        with open(log_path, "ab") as out:
+            self.children[spec.instance_id] = subprocess.Popen(
+                [*enter, sys.executable, "-m", f"yb_{spec.role}"],
+                env=env,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
+        where = f"{spec.host}, netns {spec.netns}" if spec.netns else spec.host
+        self.say(f"started {spec.instance_id:<12} ({spec.role}, {where}) log: {log_path}")
+
+    def wait_ready(self, timeout_s: float, stop: Callable[[], bool]) -> bool:
+        """Poll `/readyz` until 200; False on timeout, a dead child or a stop request."""
+        deadline = time.monotonic() + timeout_s
+        last_reason = ""
+        while time.monotonic() < deadline and not stop():
+            dead = self.dead_children()
+            if dead:
+                for name in dead:
+                    self.say(f"{name} exited with {self.children[name].returncode}")
+                    self.say(_tail(self.data_dir / "logs" / f"{name}.log"))
+                return False
+            try:
+                r = httpx.get(f"{self.gateway_url}/readyz", timeout=2.0)
+                if r.status_code == 200:
+                    return True
+                reason = r.text[:200]
+            except httpx.HTTPError as exc:
+                reason = f"gateway not answering yet ({type(exc).__name__})"
+            if reason != last_reason:
+                self.say(f"waiting: {reason}")
+                last_reason = reason
+            time.sleep(0.5)
+        return False
+
+    def dead_children(self) -> list[str]:
+        """Instances whose process has exited."""
+        return [name for name, p in self.children.items() if p.poll() is not None]
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop every child (reverse start order), then NATS; idempotent."""
+        for name in reversed(list(self.children)):
+            proc = self.children[name]
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name, proc in self.children.items():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.say(f"{name} did not stop in time: killing it")
+                proc.kill()
+                proc.wait(timeout=5)
+        self.children.clear()
+        for node in self.nats_nodes or ([self.nats] if self.nats else []):
+            node.stop()
+        self.nats_nodes = []
+        self.nats = None
+        with contextlib.suppress(OSError):
+            (self.data_dir / "cluster.json").unlink()
+
+
+def read_cluster_info(data_dir: Path) -> ClusterInfo | None:
+    """The running cluster's addresses, if `yb up` is running with this data dir."""
+    try:
+        return msgspec.json.decode((data_dir / "cluster.json").read_bytes(), type=ClusterInfo)
+    except (OSError, msgspec.DecodeError, json.JSONDecodeError):
+        return None
+
+
+def _port_of(url: str) -> int:
+    try:
+        return int(url.split(",")[0].rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

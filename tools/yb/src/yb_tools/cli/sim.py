@@ -1,0 +1,205 @@
+"""`yb sim`: replay a trace through a simulated cluster around the real conductor.
+
+    yb sim --trace FILE --policy NAME[,NAME...] [--admission none|early|predicted[,...]]
+           [--prefill N --decode N --profile NAME|FILE --speedup X] --json PATH
+
+Simulated prefill, decode and kvstore instances, timed by a cost model (a built-in
+profile, `llama2-70b-a800` or `dynamo-mocker`, or a file from `yb profile`), feed the
+conductor the events production does and obey its decisions. Every policy runs on
+the same workload; `mooncake` runs once per `--admission` value (as
+`mooncake:<admission>` when there are several). Prints a markdown table, writes the
+figures as JSON and PNG plots; a progress bar goes to stderr. The conductor is
+imported only here, so `yb` works without it installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from yb_core.config import YbConfig
+
+if TYPE_CHECKING:
+    from yb_tools.sim.params import SimParams
+
+
+def add_parser(sub: Any) -> None:
+    """Register `yb sim`."""
+    p = sub.add_parser("sim", help="simulate a trace around the real conductor")
+    p.add_argument("--trace", required=True, help="Mooncake-format trace (JSON lines)")
+    p.add_argument(
+        "--policy",
+        default="mooncake",
+        help="policies, comma-separated: random, round-robin, least-loaded, local-prefix, "
+        "sglang-cache-aware, dynamo-kv, mooncake (default mooncake)",
+    )
+    p.add_argument(
+        "--admission",
+        default="predicted",
+        help="the conductor's admission policies, comma-separated: none, early, predicted",
+    )
+    p.add_argument("--json", required=True, metavar="PATH", help="write the figures here")
+    cluster = p.add_argument_group("cluster")
+    cluster.add_argument("--prefill", type=int, default=8, help="prefill instances (8)")
+    cluster.add_argument("--decode", type=int, default=8, help="decode instances (8)")
+    cluster.add_argument(
+        "--profile",
+        default="llama2-70b-a800",
+        help="cost model: llama2-70b-a800, dynamo-mocker, or a `yb profile` file",
+    )
+    cluster.add_argument(
+        "--pool-tokens", type=int, default=3_000_000, help="KV pool per host, tokens (3M)"
+    )
+    cluster.add_argument(
+        "--eviction", default="lru", choices=["lru", "fifo"], help="pool eviction (lru)"
+    )
+    cluster.add_argument(
+        "--bandwidth-gbps",
+        type=float,
+        default=0.0,
+        help="host-to-host KV bandwidth, GB/s (default: the profile's)",
+    )
+    cluster.add_argument(
+        "--block-size", type=int, default=0, help="tokens per KV block (default: the profile's)"
+    )
+    cluster.add_argument(
+        "--decode-kv-tokens",
+        type=int,
+        default=0,
+        help="KV room per decode instance, tokens (default: the profile's)",
+    )
+    cluster.add_argument(
+        "--decode-max-batch", type=int, default=256, help="batch limit per decode instance"
+    )
+    cluster.add_argument(
+        "--decode-admission",
+        default="reject",
+        choices=["reject", "queue"],
+        help="a decode instance without room (or over the TBT SLO) rejects the request "
+        "after its prefill (reject, the paper's baseline) or queues it",
+    )
+    load = p.add_argument_group("load and objectives")
+    load.add_argument("--speedup", type=float, default=1.0, help="arrival speed-up (1)")
+    load.add_argument("--ttft-slo", type=float, default=30.0, help="TTFT SLO, s (30)")
+    load.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, s (0.1)")
+    load.add_argument(
+        "--max-tokens",
+        type=int,
+        default=1024,
+        help="what each request asks for (0: the trace's output length)",
+    )
+    load.add_argument("--request-timeout", type=float, default=600.0, help="seconds (600)")
+    load.add_argument("--limit", type=int, default=0, help="only the first N requests")
+    load.add_argument("--jitter", type=float, default=0.0, help="prefill time noise, +-fraction")
+    load.add_argument("--seed", type=int, default=0, help="seed of every random draw (0)")
+    p.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a conductor setting for every run (repeatable), e.g. decode_time_alpha=0.05",
+    )
+    out = p.add_argument_group("output")
+    out.add_argument(
+        "--plots", metavar="PREFIX", help="PNG prefix (default: the JSON path without .json)"
+    )
+    out.add_argument("--no-plots", action="store_true", help="write no PNG")
+    out.add_argument("--log-dir", metavar="DIR", help="write each run's event log here")
+    out.add_argument(
+        "--sample-interval", type=float, default=5.0, help="load sampling period, s (5)"
+    )
+    out.add_argument(
+        "--report-interval",
+        type=float,
+        default=1.0,
+        help="instances' load reports (heartbeats), s (1, as the real engines)",
+    )
+    out.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def params_from(args: argparse.Namespace) -> SimParams:
+    """The simulation parameters the flags describe."""
+    from yb_tools.sim.params import SimParams
+
+    return SimParams(
+        prefill=args.prefill,
+        decode=args.decode,
+        profile=args.profile,
+        block_size=args.block_size,
+        pool_tokens=args.pool_tokens,
+        eviction=args.eviction,
+        bandwidth_gbps=args.bandwidth_gbps,
+        ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo,
+        speedup=args.speedup,
+        decode_kv_tokens=args.decode_kv_tokens,
+        decode_max_batch=args.decode_max_batch,
+        decode_admission=args.decode_admission,
+        max_tokens=args.max_tokens,
+        request_timeout_s=args.request_timeout,
+        sample_interval_s=args.sample_interval,
+        report_interval_s=args.report_interval,
+        jitter=args.jitter,
+        seed=args.seed,
+        limit=args.limit,
+    )
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def run(cfg: YbConfig, args: argparse.Namespace) -> int:
+    """`yb sim`."""
+    del cfg  # the simulated cluster is described by the flags alone
+    from yb_conductor.cost_model import CostModelError
+    from yb_conductor.settings import SettingsError, parse_assignments
+    from yb_tools.sim.progress import ProgressBar
+    from yb_tools.sim.report import markdown_table, summary_line
+    from yb_tools.sim.runner import expand, simulate
+
+    try:
+        specs = expand(_names(args.policy), _names(args.admission))
+        settings: dict[str, Any] = parse_assignments(args.settings)
+        params = params_from(args)
+    except (ValueError, SettingsError) as exc:
+        print(f"yb sim: {exc}", file=sys.stderr)
+        return 2
+    if params.prefill < 1 or params.decode < 1 or params.speedup <= 0:
+        print("yb sim: need at least one prefill and one decode instance", file=sys.stderr)
+        return 2
+
+    def progress(label: str) -> tuple[ProgressBar, Any]:
+        bar = ProgressBar(label, enabled=not args.quiet)
+        return bar, bar.close
+
+    try:
+        report = simulate(
+            args.trace, specs, params, settings=settings, progress=progress, log_dir=args.log_dir
+        )
+    except (OSError, CostModelError, SettingsError, ValueError) as exc:
+        print(f"yb sim: {exc}", file=sys.stderr)
+        return 1
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report.to_builtins(), indent=1) + "\n")
+    print(summary_line(report))
+    print()
+    print(markdown_table(report))
+    if not args.no_plots:
+        from yb_tools.sim.plots import write_plots
+
+        prefix = Path(args.plots) if args.plots else out.with_suffix("")
+        try:
+            paths = write_plots(report, prefix)
+        except ImportError as exc:
+            print(f"yb sim: no plots ({exc}); install matplotlib", file=sys.stderr)
+        else:
+            print()
+            print("plots: " + ", ".join(str(p) for p in paths))
+    print(f"figures: {out}")
+    return 0

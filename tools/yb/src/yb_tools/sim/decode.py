@@ -1,0 +1,230 @@
+"""A decode instance as the simulator plays it: continuous batching in closed form.
+
+Every step decodes one token for each request in the batch and takes the cost
+model's `tbt_s(batch, context)`; the context grows by the batch size each step. A
+request whose KV arrives joins at the next step boundary and leaves after its
+`output_tokens - 1` steps (the prefill produced its first token).
+
+Stepping thousands of times per simulated second would dominate the simulator, so
+nothing is stepped: between two changes of the batch, the time of `n` steps is the
+closed form `CostModel.decode_steps_s`, and the instance only wakes (one event) at
+the boundary where a request finishes or a pending one joins. `t0`, `steps`,
+`batch`, `ctx` describe the batch at the last boundary it was materialized at.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+
+from yb_conductor.cost_model import CostModel
+from yb_tools.sim.job import Job
+
+
+class SimDecode:
+    """One decode instance: KV room, batch room, and the batch in flight."""
+
+    __slots__ = (
+        "batch",
+        "cost",
+        "ctx",
+        "enforce_slo",
+        "finishing",
+        "instance_id",
+        "kv_capacity",
+        "kv_reserved",
+        "max_batch",
+        "pending",
+        "pending_ctx",
+        "steps",
+        "t0",
+        "tbt_slo_s",
+        "version",
+        "waiting",
+        "wake_n",
+    )
+
+    def __init__(
+        self,
+        instance_id: str,
+        cost: CostModel,
+        *,
+        kv_capacity: int,
+        max_batch: int,
+        tbt_slo_s: float,
+        enforce_slo: bool,
+    ) -> None:
+        self.instance_id = instance_id
+        self.cost = cost
+        self.kv_capacity = kv_capacity
+        self.max_batch = max_batch
+        self.tbt_slo_s = tbt_slo_s
+        self.enforce_slo = enforce_slo
+        self.t0 = 0.0
+        self.steps = 0
+        self.batch = 0
+        self.ctx = 0
+        self.kv_reserved = 0
+        self.finishing: list[tuple[int, int, Job]] = []
+        self.pending: list[Job] = []
+        self.pending_ctx = 0
+        self.waiting: deque[Job] = deque()
+        # A wake is valid only while `version` is the one it was scheduled with.
+        self.version = 0
+        self.wake_n = 0
+
+    # --- time ---------------------------------------------------------------------------
+
+    def _span(self, n: int) -> float:
+        return self.cost.decode_steps_s(self.batch, self.ctx, n)
+
+    def _boundary_after(self, t: float) -> tuple[int, float]:
+        """The first step boundary at or after `t`: (steps after t0, its time)."""
+        if self.batch == 0 or t <= self.t0:
+            return 0, self.t0 if t <= self.t0 else t
+        target = t - self.t0
+        guess = self._invert(target)
+        if guess:
+            # The closed form lands on the boundary or next to it (rounding).
+            n = guess
+            while n > 1 and self._span(n - 1) >= target:
+                n -= 1
+            while self._span(n) < target:
+                n += 1
+            return n, self.t0 + self._span(n)
+        hi = 1
+        while self._span(hi) < target:
+            hi *= 2
+        lo = hi // 2
+        # The smallest n in (lo, hi] with span(n) >= target.
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._span(mid) < target:
+                lo = mid
+            else:
+                hi = mid
+        return hi, self.t0 + self._span(hi)
+
+    def _invert(self, target: float) -> int:
+        """The step count whose span first reaches `target`, solved in closed form
+        when a step's time is linear in the context (0: not solvable here)."""
+        d = self.cost.decode
+        if d.floor_s or (d.kv_capacity_tokens and d.per_util_sq_s):
+            return 0
+        beta = d.per_context_token_s
+        if d.kv_capacity_tokens and d.per_util_s:
+            beta += d.per_util_s / d.kv_capacity_tokens
+        first = d.base_s + d.per_seq_s * self.batch + beta * self.ctx
+        growth = beta * self.batch
+        # span(n) = n * first + growth * n * (n - 1) / 2 = target
+        if growth <= 0.0:
+            return max(1, math.ceil(target / first)) if first > 0 else 0
+        a, b = growth / 2.0, first - growth / 2.0
+        root = (-b + math.sqrt(b * b + 4.0 * a * target)) / (2.0 * a)
+        return max(1, math.ceil(root))
+
+    def next_wake(self) -> float:
+        """When this instance must be woken next (inf: nothing to do); bumps `version`."""
+        self.version += 1
+        wake = math.inf
+        n_wake = 0
+        if self.finishing and self.batch:
+            n = self.finishing[0][0] - self.steps
+            wake, n_wake = self.t0 + self._span(n), n
+        if self.pending:
+            n, t = self._boundary_after(self.pending[-1].prefill_end)
+            if t < wake:
+                wake, n_wake = t, n
+        self.wake_n = n_wake
+        return wake
+
+    # --- requests -----------------------------------------------------------------------
+
+    def context_at(self, t: float) -> int:
+        """The batch's context at time `t` (the last boundary before it)."""
+        if not self.batch:
+            return 0
+        n, bt = self._boundary_after(t)
+        if bt > t and n:
+            n -= 1
+        return self.ctx + self.batch * n
+
+    def refusal(self, job: Job, t: float) -> str:
+        """Why the instance cannot take `job` now ("" if it can)."""
+        item = job.item
+        need = item.prompt_tokens + item.output_tokens
+        if self.kv_reserved + need > self.kv_capacity:
+            return f"decode_kv_full: {self.kv_reserved + need} > {self.kv_capacity} KV tokens"
+        batch = self.batch + len(self.pending) + 1
+        if batch > self.max_batch:
+            return f"decode_batch_full: batch {batch} > {self.max_batch}"
+        if self.enforce_slo:
+            ctx = self.context_at(t) + self.pending_ctx + item.prompt_tokens + 1
+            tbt = self.cost.tbt_s(batch, ctx)
+            if tbt > self.tbt_slo_s:
+                return f"decode_tbt_slo: step {tbt:.4f}s at batch {batch} > {self.tbt_slo_s}s"
+        return ""
+
+    def admit(self, job: Job, t: float) -> None:
+        """Take `job` (its KV arrived at `t`): it joins at the next step boundary, or at
+        once when the instance is idle."""
+        item = job.item
+        self.kv_reserved += item.prompt_tokens + item.output_tokens
+        if self.batch == 0 and not self.pending:
+            self.t0 = t
+            self._join(job, t)
+            return
+        self.pending.append(job)
+        self.pending_ctx += item.prompt_tokens + 1
+
+    def wait(self, job: Job) -> None:
+        """Queue `job` until there is room (the `queue` decode admission)."""
+        self.waiting.append(job)
+
+    def _join(self, job: Job, t: float) -> None:
+        item = job.item
+        job.join_time = t
+        job.join_step = self.steps
+        heapq.heappush(self.finishing, (self.steps + item.output_tokens - 1, item.index, job))
+        self.batch += 1
+        self.ctx += item.prompt_tokens + 1
+
+    def wake(self, t: float) -> tuple[list[Job], list[Job]]:
+        """At the boundary scheduled by the last `next_wake`: finish and join. Returns
+        the requests that finished (at `t`) and those that waited for room and joined."""
+        n = self.wake_n
+        if self.batch:
+            self.steps += n
+            self.ctx += self.batch * n
+        self.t0 = t
+        done: list[Job] = []
+        finishing = self.finishing
+        while finishing and finishing[0][0] <= self.steps:
+            job = heapq.heappop(finishing)[2]
+            item = job.item
+            job.finish_time = t
+            self.batch -= 1
+            self.ctx -= item.prompt_tokens + item.output_tokens
+            self.kv_reserved -= item.prompt_tokens + item.output_tokens
+            done.append(job)
+        for job in self.pending:
+            self._join(job, t)
+        self.pending.clear()
+        self.pending_ctx = 0
+        joined: list[Job] = []
+        while self.waiting and not self.refusal(self.waiting[0], t):
+            job = self.waiting.popleft()
+            self.kv_reserved += job.item.prompt_tokens + job.item.output_tokens
+            self._join(job, t)
+            joined.append(job)
+        return done, joined
+
+    @property
+    def running(self) -> int:
+        """Requests in the batch (and about to join it)."""
+        return self.batch + len(self.pending)
+
+    def step_s(self) -> float:
+        """The current step time (0 when idle)."""
+        return self.cost.tbt_s(self.batch, self.ctx) if self.batch else 0.0

@@ -1,0 +1,52 @@
+"""One request's journey through the simulated cluster, and how it ended."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from yb_core import events as ev
+from yb_tools.sim.workload import TraceItem
+
+Fate = Literal["", "completed", "rejected", "decode_rejected", "timed_out"]
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """A request in flight: where the conductor put it and what happened to it.
+
+    Times are simulated seconds. `plan` is the decision's reuse plan and
+    `estimated_work_s` its estimate of the prefill's work; `prefill_s` is what the
+    prefill instance really spent (loading reused blocks included);
+    `reused_local`/`reused_remote` are blocks taken from its own host's pool and
+    pulled from another host's.
+    """
+
+    item: TraceItem
+    prefill: int = -1
+    decode: int = -1
+    plan: list[ev.ReusePlan] = field(default_factory=list)
+    estimated_work_s: float = 0.0
+    prefill_start: float = -1.0
+    prefill_end: float = -1.0
+    prefill_s: float = 0.0
+    reused_local: int = 0
+    reused_remote: int = 0
+    join_time: float = -1.0
+    join_step: int = 0
+    finish_time: float = -1.0
+    fate: Fate = ""
+    reason: str = ""
+
+    @property
+    def ttft_s(self) -> float:
+        """Arrival to first token (the prefill produces it)."""
+        return self.prefill_end - self.item.arrival
+
+    @property
+    def tbt_s(self) -> float:
+        """Mean time between its tokens after the first (0 with one token)."""
+        steps = self.item.output_tokens - 1
+        if steps <= 0 or self.join_time < 0:
+            return 0.0
+        return (self.finish_time - self.join_time) / steps

@@ -1,0 +1,62 @@
+"""The markdown table `yb sim` prints: one row per policy, the figures that compare."""
+
+from __future__ import annotations
+
+from yb_tools.sim.runner import SimReport
+
+COLUMNS = (
+    "policy",
+    "TTFT mean s",
+    "p50",
+    "p90",
+    "p99",
+    "TBT p90 ms",
+    "SLO %",
+    "goodput rps",
+    "rejected",
+    "at decode",
+    "wasted prefill s",
+    "hit ratio",
+    "remote share",
+    "transfer GB",
+)
+
+
+def markdown_table(report: SimReport) -> str:
+    """The policies side by side."""
+    lines = [
+        "| " + " | ".join(COLUMNS) + " |",
+        "| " + " | ".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + " |",
+    ]
+    for label, r in report.policies.items():
+        remote = r.remote_reused_tokens / r.reused_tokens if r.reused_tokens else 0.0
+        cells = [
+            label,
+            f"{r.ttft_mean_s:.2f}",
+            f"{r.ttft_p50_s:.2f}",
+            f"{r.ttft_p90_s:.2f}",
+            f"{r.ttft_p99_s:.2f}",
+            f"{r.tbt_p90_s * 1000:.1f}",
+            f"{r.slo_attainment * 100:.1f}",
+            f"{r.goodput_rps:.2f}",
+            str(r.rejected),
+            str(r.rejected_at_decode),
+            f"{r.wasted_prefill_s:.0f}",
+            f"{r.cache_hit_ratio:.3f}",
+            f"{remote:.2f}",
+            f"{r.transfer_bytes / 1e9:.0f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary_line(report: SimReport) -> str:
+    """What ran, on what, how fast."""
+    p = report.params
+    return (
+        f"{report.requests} requests, {p.prefill} prefill + {p.decode} decode instances, "
+        f"profile {report.cost_model}, block {report.block_size}, speedup {p.speedup:g}x, "
+        f"SLO TTFT {p.ttft_slo_s:g}s / TBT {p.tbt_slo_s * 1000:g}ms: "
+        f"{report.simulated_seconds_per_wall_second:,.0f} simulated s per wall s "
+        f"({report.wall_s:.1f}s wall)"
+    )

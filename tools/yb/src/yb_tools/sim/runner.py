@@ -1,0 +1,139 @@
+"""Several policies on the same trace and cluster: what `yb sim` runs.
+
+Policy names are the conductor's registered policies; `mooncake` runs once per
+admission policy given, as `mooncake:none`, `mooncake:early`, `mooncake:predicted`
+when there are several (the other policies never refuse on load, so admission does
+not apply to them). Every run starts from the same empty cluster and the same
+workload, so the figures differ only by the policy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from yb_conductor.admission import ADMISSIONS
+from yb_conductor.cost_model import CostModel, load_cost_model
+from yb_conductor.policy import POLICIES
+from yb_conductor.replay import write_log
+from yb_tools.sim.params import SimParams
+from yb_tools.sim.results import PolicyResult
+from yb_tools.sim.simulator import Progress, Simulation, block_size_for, with_bandwidth
+from yb_tools.sim.workload import load_workload
+
+PAPER_POLICY = "mooncake"
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    """One run: the label it is reported under, the policy and its admission."""
+
+    label: str
+    policy: str
+    admission: str
+
+
+class SimReport(msgspec.Struct, kw_only=True):
+    """Every run's figures, and what they were run with."""
+
+    policies: dict[str, PolicyResult]
+    simulated_seconds_per_wall_second: float
+    trace: str
+    requests: int
+    params: SimParams
+    cost_model: str
+    block_size: int
+    wall_s: float
+
+    def to_builtins(self) -> dict[str, Any]:
+        """The JSON document `yb sim --json` writes."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
+
+
+def expand(policies: list[str], admissions: list[str]) -> list[RunSpec]:
+    """The runs `--policy` and `--admission` ask for; ValueError on unknown names."""
+    if not policies:
+        raise ValueError("no policy given")
+    admissions = admissions or ["predicted"]
+    for adm in admissions:
+        if adm not in ADMISSIONS:
+            raise ValueError(f"unknown admission {adm!r}; known: {', '.join(ADMISSIONS)}")
+    specs: list[RunSpec] = []
+    for name in policies:
+        if name not in POLICIES:
+            known = ", ".join(sorted(POLICIES))
+            raise ValueError(f"unknown policy {name!r}; known: {known}")
+        if name == PAPER_POLICY and len(admissions) > 1:
+            specs.extend(RunSpec(f"{name}:{adm}", name, adm) for adm in admissions)
+        else:
+            specs.append(RunSpec(name, name, admissions[0]))
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"a policy is named twice: {', '.join(labels)}")
+    return specs
+
+
+def resolve_cost(params: SimParams) -> CostModel:
+    """The cost model the run uses: the profile, with the bandwidth override."""
+    return with_bandwidth(load_cost_model(params.profile), params.bandwidth_gbps)
+
+
+def simulate(
+    trace: str | Path,
+    specs: list[RunSpec],
+    params: SimParams,
+    *,
+    settings: Mapping[str, Any] | None = None,
+    progress: Callable[[str], tuple[Progress, Callable[[], None]]] | None = None,
+    log_dir: str | Path | None = None,
+) -> SimReport:
+    """Run every spec on the trace. `progress(label)` gives a callback and a closer
+    per run; `log_dir` receives each run's event log (`<label>.jsonl`, replayable with
+    `yb replay --file`)."""
+    cost = resolve_cost(params)
+    bs = block_size_for(params, cost)
+    items = load_workload(trace, block_size=bs, speedup=params.speedup, limit=params.limit)
+    if not items:
+        raise ValueError(f"trace {trace} holds no request")
+    results: dict[str, PolicyResult] = {}
+    started = time.perf_counter()
+    for spec in specs:
+        sim = Simulation(
+            items,
+            params,
+            cost,
+            policy=spec.policy,
+            admission=spec.admission,
+            label=spec.label,
+            record_log=log_dir is not None,
+            settings=settings,
+        )
+        callback, close = progress(spec.label) if progress else (None, None)
+        try:
+            results[spec.label] = sim.run(callback)
+        finally:
+            if close is not None:
+                close()
+        if log_dir is not None and sim.records is not None:
+            out = Path(log_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            write_log(out / f"{spec.label.replace(':', '-')}.jsonl", sim.records)
+    wall = time.perf_counter() - started
+    simulated = sum(r.simulated_s for r in results.values())
+    run_wall = sum(r.wall_s for r in results.values())
+    return SimReport(
+        policies=results,
+        simulated_seconds_per_wall_second=simulated / run_wall if run_wall > 0 else 0.0,
+        trace=str(trace),
+        requests=len(items),
+        params=params,
+        cost_model=cost.name,
+        block_size=bs,
+        wall_s=wall,
+    )

@@ -1,0 +1,497 @@
+"""One policy on one simulated cluster: a discrete-event loop in virtual time around
+the real conductor.
+
+The simulator plays the cluster the way production does: every instance announces
+itself (`InstanceUp`) and reports its load every second (`LoadReport`, the
+heartbeat); kvstores log what they store and evict (`Block*`); each trace request is
+admitted (`RequestAdmitted`) and the conductor's decision is obeyed — a rejection
+ends the request, a placement sends it to the chosen prefill instance, whose start,
+end and hand-off to the chosen decode instance are logged (`RequestProgress`), and
+the request's end (`RequestFinished`, or `RequestCancelled` on timeout) releases its
+load. Each decision is logged back to the conductor as the live service does, so the
+log replays. The conductor decides exactly as it would live: `Conductor.apply` is
+the production code path, fed in event-time order.
+
+Events are a heap of (time, sequence, kind, ...); arrivals come straight from the
+sorted trace. Nothing here reads the wall clock except to measure itself.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+
+from yb_conductor.conductor import Conductor, Output
+from yb_conductor.cost_model import CostModel
+from yb_conductor.policy import make_policy
+from yb_conductor.replay import LogRecord
+from yb_conductor.settings import configured_event, with_overrides
+from yb_core import events as ev
+from yb_core.config import ConductorConfig
+from yb_tools.sim.decode import SimDecode
+from yb_tools.sim.job import Job
+from yb_tools.sim.kvstore import SimKvstore
+from yb_tools.sim.params import SimParams
+from yb_tools.sim.prefill import SimPrefill
+from yb_tools.sim.results import LoadSeries, PolicyResult, summarize
+from yb_tools.sim.workload import TraceItem
+
+# Kinds of heap events.
+_PREFILL_DONE, _DECODE_WAKE, _REPORT, _SAMPLE, _REPLICATE = range(5)
+
+# (requests arrived, requests in the trace)
+Progress = Callable[[int, int], None]
+
+DEFAULT_DECODE_KV_TOKENS = 1 << 20
+
+
+def block_size_for(params: SimParams, cost: CostModel) -> int:
+    """The block size a run uses: the parameter, else the cost model's, else 512."""
+    return params.block_size or cost.block_size or 512
+
+
+class Simulation:
+    """The cluster, the conductor, and the loop; `run()` once."""
+
+    def __init__(
+        self,
+        items: list[TraceItem],
+        params: SimParams,
+        cost: CostModel,
+        *,
+        policy: str,
+        admission: str = "predicted",
+        label: str = "",
+        record_log: bool = False,
+        settings: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.items = items
+        self.params = params
+        self.cost = cost
+        self.label = label or policy
+        self.admission = admission
+        self.bs = bs = block_size_for(params, cost)
+        # Simulated engines run exactly at the cost model's speed, each on its own
+        # hardware: nothing to learn (`learn_speed` would only add rounding noise to
+        # the published figures); `settings` may still turn it on.
+        base = ConductorConfig(
+            seed=params.seed, request_timeout_s=params.request_timeout_s, learn_speed=False
+        )
+        self.cfg = with_overrides(
+            base, {**(settings or {}), "policy": policy, "admission": admission}
+        )
+        # The policy is built here and the logged settings are not re-adopted: peer
+        # policies take parameters the settings do not carry.
+        self.conductor = Conductor(
+            make_policy(self.cfg, cost), cfg=self.cfg, cost=cost, adopt_logged_config=False
+        )
+        self.records: list[LogRecord] | None = [] if record_log else None
+        self.rng = random.Random(params.seed)
+        self.slo = ev.Slo(ttft_s=params.ttft_slo_s, tbt_s=params.tbt_slo_s)
+        pool_blocks = max(1, params.pool_tokens // bs)
+        self.kvstores = [
+            SimKvstore(f"kvstore-{i}", f"host-{i}", pool_blocks, params.eviction)
+            for i in range(params.prefill)
+        ]
+        self.kvstore_by_id = {kv.instance_id: kv for kv in self.kvstores}
+        self.prefills = [
+            SimPrefill(f"prefill-{i}", kv.host, kv) for i, kv in enumerate(self.kvstores)
+        ]
+        self.prefill_index = {p.instance_id: i for i, p in enumerate(self.prefills)}
+        kv_tokens = params.decode_kv_tokens or cost.decode.kv_capacity_tokens
+        self.decode_kv_tokens = kv_tokens or DEFAULT_DECODE_KV_TOKENS
+        self.decodes = [
+            SimDecode(
+                f"decode-{j}",
+                cost,
+                kv_capacity=self.decode_kv_tokens,
+                max_batch=params.decode_max_batch,
+                tbt_slo_s=params.tbt_slo_s,
+                enforce_slo=params.decode_admission == "reject",
+            )
+            for j in range(params.decode)
+        ]
+        self.decode_index = {d.instance_id: j for j, d in enumerate(self.decodes)}
+        self.jobs: list[Job] = [Job(item) for item in items]
+        self.heap: list[tuple[float, int, int, int, object]] = []
+        self.hseq = 0
+        self.seq = 0
+        self.now = 0.0
+        self.open = 0
+        self.last_exit = 0.0
+        self.arrived = 0
+        self.decisions = 0
+        self.conductor_s = 0.0
+        self.load = LoadSeries(interval_s=params.sample_interval_s)
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    def emit(self, event: ev.AnyEvent) -> list[Output]:
+        """Log an event: the conductor folds it (and answers, for an admission)."""
+        self.seq += 1
+        if self.records is not None:
+            self.records.append(LogRecord(seq=self.seq, event=event, subject=ev.subject_for(event)))
+        started = time.perf_counter()
+        out = self.conductor.apply(self.seq, event)
+        self.conductor_s += time.perf_counter() - started
+        return out
+
+    def _push(self, t: float, kind: int, a: int, b: object) -> None:
+        self.hseq += 1
+        heapq.heappush(self.heap, (t, self.hseq, kind, a, b))
+
+    # --- the run --------------------------------------------------------------------------
+
+    def run(self, progress: Progress | None = None) -> PolicyResult:
+        """Play the whole trace and every request to its end; the figures."""
+        wall = time.perf_counter()
+        self._start_cluster()
+        items = self.items
+        n = len(items)
+        every = max(1, n // 200)
+        heap = self.heap
+        pop = heapq.heappop
+        i = 0
+        if self.params.report_interval_s > 0:
+            self._push(self.params.report_interval_s, _REPORT, 0, None)
+        if self.params.sample_interval_s > 0:
+            self._push(0.0, _SAMPLE, 0, None)
+        while True:
+            arrival = items[i].arrival if i < n else math.inf
+            if heap and heap[0][0] <= arrival:
+                t, _, kind, a, b = pop(heap)
+                self.now = t
+                if kind == _PREFILL_DONE:
+                    assert isinstance(b, Job)
+                    self._prefill_done(a, b, t)
+                elif kind == _DECODE_WAKE:
+                    if self.decodes[a].version == b:
+                        self._decode_wake(a, t)
+                elif kind == _REPORT:
+                    self._report(t)
+                elif kind == _SAMPLE:
+                    self._sample(t)
+                else:
+                    assert isinstance(b, list)
+                    self._replicated(a, b, t)
+            elif i < n:
+                self.now = arrival
+                self._arrive(self.jobs[i], arrival)
+                i += 1
+                self.arrived = i
+                if progress is not None and (i % every == 0 or i == n):
+                    progress(i, n)
+            else:
+                break
+        wall_s = time.perf_counter() - wall
+        p = self.params
+        return summarize(
+            self.jobs,
+            label=self.label,
+            admission=self.admission,
+            block_size=self.bs,
+            kv_bytes_per_token=self.cost.kv_bytes_per_token,
+            ttft_slo_s=p.ttft_slo_s,
+            tbt_slo_s=p.tbt_slo_s,
+            simulated_s=self.last_exit,
+            wall_s=wall_s,
+            decisions=self.decisions,
+            events=self.seq,
+            conductor_s=self.conductor_s,
+            load=self.load,
+        )
+
+    def _left(self, t: float) -> None:
+        """A request left the system at `t` (finished, rejected or cancelled)."""
+        self.open -= 1
+        self.last_exit = t
+
+    def _busy(self) -> bool:
+        return self.arrived < len(self.items) or self.open > 0
+
+    def _start_cluster(self) -> None:
+        emit = self.emit
+        emit(configured_event(self.cfg, self.cost, "conductor-sim"))
+        bs = self.bs
+        for kv, pf in zip(self.kvstores, self.prefills, strict=True):
+            emit(
+                ev.InstanceUp(
+                    instance_id=kv.instance_id, role="kvstore", host=kv.host, epoch=1,
+                    block_size=bs, kv_capacity_blocks=kv.capacity,
+                )
+            )  # fmt: skip
+            emit(kv.cleared(0.0))
+            emit(
+                ev.InstanceUp(
+                    instance_id=pf.instance_id, role="prefill", host=pf.host, epoch=1,
+                    block_size=bs, max_batch_size=1,
+                )
+            )  # fmt: skip
+        for j, d in enumerate(self.decodes):
+            emit(
+                ev.InstanceUp(
+                    instance_id=d.instance_id, role="decode", host=f"decode-host-{j}",
+                    epoch=1, block_size=bs, max_batch_size=d.max_batch,
+                    kv_capacity_blocks=d.kv_capacity // bs,
+                )
+            )  # fmt: skip
+
+    # --- requests -------------------------------------------------------------------------
+
+    def _arrive(self, job: Job, t: float) -> None:
+        item = job.item
+        self.open += 1
+        admitted = ev.RequestAdmitted(
+            time=t,
+            request_id=item.request_id,
+            gateway_id="sim",
+            model="",
+            block_size=self.bs,
+            block_hashes=item.keys,
+            prompt_tokens=item.prompt_tokens,
+            max_tokens=max(self.params.max_tokens, item.output_tokens)
+            if self.params.max_tokens
+            else item.output_tokens,
+            slo=self.slo,
+            deadline=t + self.params.request_timeout_s,
+        )
+        for out in self.emit(admitted):
+            # The live service publishes the decision; the conductor sees it again.
+            self.emit(out)
+            if isinstance(out, ev.RequestScheduled):
+                self.decisions += 1
+                self._schedule(job, out, t)
+            elif isinstance(out, ev.RequestRejected):
+                self.decisions += 1
+                job.fate = "rejected"
+                job.reason = out.reason
+                self._left(t)
+            elif isinstance(out, ev.ReplicationPlanned):
+                self._replicate(out, t)
+
+    def _schedule(self, job: Job, d: ev.RequestScheduled, t: float) -> None:
+        p = self.prefill_index[d.prefill_instance]
+        job.prefill = p
+        job.decode = self.decode_index[d.decode_instance]
+        job.plan = d.reuse
+        job.estimated_work_s = d.estimates.transfer_s + d.estimates.prefill_s
+        inst = self.prefills[p]
+        if inst.current is None:
+            self._start(p, job, t)
+        else:
+            inst.queue.append(job)
+
+    def _start(self, p: int, job: Job, t: float) -> bool:
+        """Start `job` on prefill `p` at `t`; False if it had timed out instead."""
+        inst = self.prefills[p]
+        item = job.item
+        if t - item.arrival > self.params.request_timeout_s:
+            job.fate = "timed_out"
+            job.reason = "timeout: prefill not started in time"
+            self._left(t)
+            self.emit(ev.RequestCancelled(time=t, request_id=item.request_id, reason="timeout"))
+            return False
+        self.emit(
+            ev.RequestProgress(
+                time=t, request_id=item.request_id, instance_id=inst.instance_id,
+                stage="prefill_started",
+            )
+        )  # fmt: skip
+        bs = self.bs
+        keys = item.keys[: (item.prompt_tokens - 1) // bs]
+        kv = inst.kvstore
+        local = kv.prefix(keys)
+        pulled = 0
+        source: SimKvstore | None = None
+        for run in job.plan:
+            holder = self.kvstore_by_id.get(run.source_instance)
+            if holder is None or holder is kv:
+                continue
+            end = run.first_block + run.num_blocks
+            if end <= local + pulled:
+                continue
+            have = holder.prefix(keys[:end])
+            if have > local + pulled:
+                pulled, source = have - local, holder
+        cost = self.cost
+        work = 0.0
+        if local:
+            kv.touch(keys[:local])
+            work += cost.load_s(local, bs, "dram", remote=False)
+        if pulled and source is not None:
+            source.touch(keys[local : local + pulled])
+            work += cost.load_s(pulled, bs, "dram", remote=True)
+        cached = (local + pulled) * bs
+        work += cost.prefill_s(item.prompt_tokens - cached, cached)
+        jitter = self.params.jitter
+        if jitter:
+            work *= 1.0 + jitter * (2.0 * self.rng.random() - 1.0)
+        job.prefill_start = t
+        job.prefill_s = work
+        job.reused_local = local
+        job.reused_remote = pulled
+        inst.current = job
+        inst.busy_until = t + work
+        self._push(t + work, _PREFILL_DONE, p, job)
+        return True
+
+    def _prefill_done(self, p: int, job: Job, t: float) -> None:
+        inst = self.prefills[p]
+        inst.current = None
+        item = job.item
+        job.prefill_end = t
+        bs = self.bs
+        for event in inst.kvstore.store(item.keys[: item.prompt_tokens // bs], t):
+            self.emit(event)
+        cached = (job.reused_local + job.reused_remote) * bs
+        self.emit(
+            ev.RequestProgress(
+                time=t, request_id=item.request_id, instance_id=inst.instance_id,
+                stage="prefill_done", computed_tokens=item.prompt_tokens - cached,
+                reused_tokens=cached,
+            )
+        )  # fmt: skip
+        self._to_decode(job, t)
+        queue = inst.queue
+        while queue and not self._start(p, queue.popleft(), t):
+            pass
+
+    def _to_decode(self, job: Job, t: float) -> None:
+        d = self.decodes[job.decode]
+        item = job.item
+        refusal = d.refusal(job, t)
+        if refusal:
+            never_fits = item.prompt_tokens + item.output_tokens > d.kv_capacity
+            if self.params.decode_admission == "queue" and not never_fits:
+                d.wait(job)
+                return
+            job.fate = "decode_rejected"
+            job.reason = refusal
+            self._left(t)
+            self.emit(
+                ev.RequestFinished(
+                    time=t, request_id=item.request_id, instance_id=d.instance_id,
+                    outcome="rejected", reason=refusal, prompt_tokens=item.prompt_tokens,
+                )
+            )  # fmt: skip
+            return
+        self._committed(job, d, t)
+        if item.output_tokens <= 1:
+            job.finish_time = t
+            self._finished(job, d, t)
+            return
+        d.admit(job, t)
+        self._wake_later(job.decode)
+
+    def _committed(self, job: Job, d: SimDecode, t: float) -> None:
+        self.emit(
+            ev.RequestProgress(
+                time=t, request_id=job.item.request_id, instance_id=d.instance_id,
+                stage="kv_committed",
+            )
+        )  # fmt: skip
+
+    def _finished(self, job: Job, d: SimDecode, t: float) -> None:
+        item = job.item
+        job.fate = "completed"
+        self._left(t)
+        self.emit(
+            ev.RequestFinished(
+                time=t, request_id=item.request_id, instance_id=d.instance_id,
+                outcome="completed", prompt_tokens=item.prompt_tokens,
+                output_tokens=item.output_tokens, ttft_s=job.ttft_s, tbt_mean_s=job.tbt_s,
+            )
+        )  # fmt: skip
+
+    def _wake_later(self, j: int) -> None:
+        d = self.decodes[j]
+        at = d.next_wake()
+        if at < math.inf:
+            self._push(at, _DECODE_WAKE, j, d.version)
+
+    def _decode_wake(self, j: int, t: float) -> None:
+        d = self.decodes[j]
+        done, joined = d.wake(t)
+        for job in done:
+            self._finished(job, d, t)
+        # Requests that waited for room (the `queue` admission) took their place now.
+        for job in joined:
+            self._committed(job, d, t)
+        self._wake_later(j)
+
+    # --- replication, reports, samples -----------------------------------------------------
+
+    def _replicate(self, plan: ev.ReplicationPlanned, t: float) -> None:
+        target = self.kvstore_by_id.get(plan.target_instance)
+        if target is None:
+            return
+        keys = list(plan.block_hashes)
+        at = t + self.cost.load_s(len(keys), self.bs, "dram", remote=True)
+        self._push(at, _REPLICATE, self.kvstores.index(target), keys)
+
+    def _replicated(self, k: int, keys: list[int], t: float) -> None:
+        for event in self.kvstores[k].store(keys, t):
+            self.emit(event)
+
+    def _report(self, t: float) -> None:
+        emit = self.emit
+        bs = self.bs
+        for kv, pf in zip(self.kvstores, self.prefills, strict=True):
+            emit(
+                ev.LoadReport(
+                    time=t, instance_id=kv.instance_id, role="kvstore",
+                    kv_used_blocks=len(kv.blocks), kv_total_blocks=kv.capacity,
+                    dram_blocks=len(kv.blocks),
+                )
+            )  # fmt: skip
+            emit(
+                ev.LoadReport(
+                    time=t, instance_id=pf.instance_id, role="prefill",
+                    queued_requests=len(pf.queue),
+                    running_requests=1 if pf.current is not None else 0,
+                )
+            )  # fmt: skip
+        for d in self.decodes:
+            emit(
+                ev.LoadReport(
+                    time=t, instance_id=d.instance_id, role="decode",
+                    queued_requests=len(d.waiting), running_requests=d.running,
+                    kv_used_blocks=d.kv_reserved // bs, kv_total_blocks=d.kv_capacity // bs,
+                    last_step_s=d.step_s(),
+                )
+            )  # fmt: skip
+        if self._busy():
+            self._push(t + self.params.report_interval_s, _REPORT, 0, None)
+
+    def _sample(self, t: float) -> None:
+        load = self.load
+        backlog = 0.0
+        in_flight = 0
+        for pf in self.prefills:
+            if pf.current is not None and pf.busy_until > t:
+                backlog += pf.busy_until - t
+            backlog += math.fsum(job.estimated_work_s for job in pf.queue)
+            in_flight += pf.in_flight
+        slo = self.params.tbt_slo_s
+        ratio = math.fsum(d.step_s() for d in self.decodes) / (len(self.decodes) * slo)
+        load.t.append(round(t, 3))
+        load.prefill_backlog_s.append(round(backlog / len(self.prefills), 4))
+        load.prefill_in_flight.append(in_flight)
+        load.decode_tbt_ratio.append(round(ratio, 4))
+        load.decode_running.append(sum(d.running for d in self.decodes))
+        if self._busy():
+            self._push(t + self.params.sample_interval_s, _SAMPLE, 0, None)
+
+
+def with_bandwidth(cost: CostModel, gbps: float) -> CostModel:
+    """The cost model with host-to-host DRAM bandwidth `gbps` (0: unchanged)."""
+    if gbps <= 0:
+        return cost
+    transfer = msgspec.structs.replace(cost.transfer, dram_remote_gbps=gbps)
+    return msgspec.structs.replace(cost, transfer=transfer)
