@@ -107,13 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _prepare(cfg: YbConfig) -> int:
-    from yb_engine.models import resolve_model_dir
+    from yb_engine.prepare import prepare_model
 
-    started = time.monotonic()
-    path = resolve_model_dir(
-        cfg.model, cfg.model_cache_dir(), lambda m: print(f"[yb] {m}", flush=True)
-    )
-    print(f"[yb] model {cfg.model.name} ready at {path} ({time.monotonic() - started:.1f}s)")
+    prepare_model(cfg, lambda line: print(f"[yb] {line}", flush=True))
     return 0
 
 

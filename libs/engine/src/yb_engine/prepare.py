@@ -1,0 +1,61 @@
+"""`python -m yb_engine.prepare [--config FILE]`: convert and cache the configured model once.
+
+The entry point for an image that has the engine but not the `yb` tool (the compose
+`model-init` service runs it before any service starts). `yb prepare` runs the same
+`prepare_model`. Configuration comes from `--config`, `$YB_CONFIG` and `YB_*` variables,
+as for every service; the model goes to `YbConfig.model_cache_dir()`.
+
+Exit status: 0 once the model is ready, 2 on a configuration error, 1 when the model
+cannot be prepared (the message says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from yb_core.config import ConfigError, YbConfig, load_config
+from yb_core.model_files import TINY_RANDOM
+from yb_engine.models import resolve_model_dir
+
+
+def prepare_model(cfg: YbConfig, say: Callable[[str], None]) -> Path | None:
+    """Convert the configured model into its cache directory unless it is there already,
+    and return the directory engines load; None for the tiny random model, which each
+    engine builds in memory. Safe to run concurrently with other preparers (the
+    conversion takes a file lock and publishes by rename)."""
+    if cfg.model.source == TINY_RANDOM:
+        say(f"model {cfg.model.name} is built in memory by each engine: nothing to prepare")
+        return None
+    started = time.monotonic()
+    path = resolve_model_dir(cfg.model, cfg.model_cache_dir(), say)
+    say(f"model {cfg.model.name} ready at {path} ({time.monotonic() - started:.1f}s)")
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m yb_engine.prepare`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m yb_engine.prepare",
+        description="Convert and cache the configured model once (YB_MODEL__* variables).",
+    )
+    parser.add_argument("--config", help="config file (TOML, YAML or JSON); default $YB_CONFIG")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"prepare: {exc}", file=sys.stderr)
+        return 2
+    try:
+        prepare_model(cfg, lambda line: print(f"[prepare] {line}", flush=True))
+    except FileNotFoundError as exc:
+        print(f"prepare: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
