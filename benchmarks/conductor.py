@@ -46,7 +46,8 @@ from yb_conductor.conductor import Conductor  # noqa: E402
 from yb_conductor.replay import LogRecord, replay  # noqa: E402
 from yb_core import events as ev  # noqa: E402
 from yb_core.config import ConductorConfig  # noqa: E402
-from yb_tools.tracelog import Topology, TraceLog, read_trace  # noqa: E402
+from yb_tools.tracelog import TraceLog, TraceLogCluster  # noqa: E402
+from yb_tools.traces import read_trace  # noqa: E402
 
 TRACE = ROOT / "benchmarks" / "traces" / "synthetic_trace.jsonl"
 
@@ -55,7 +56,7 @@ def build_log(args: argparse.Namespace) -> tuple[list[LogRecord], TraceLog, floa
     started = time.perf_counter()
     log = TraceLog(
         cfg=ConductorConfig(cost_model=args.cost_model, admission=args.admission),
-        topology=Topology(
+        cluster=TraceLogCluster(
             prefill=args.prefill,
             decode=args.decode,
             kvstore_blocks=args.pool_blocks // args.prefill + 20_000,

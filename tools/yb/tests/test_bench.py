@@ -21,16 +21,14 @@ from yb_tools.bench.tokens import TokenBlocks, token_block
 from yb_tools.bench.workloads import (
     Limits,
     SharedPrefix,
-    TraceError,
-    TraceRecord,
     TraceScaling,
-    read_trace,
     scaled_input_length,
     shared_prefix_requests,
     trace_requests,
 )
 from yb_tools.cli import bench
 from yb_tools.cli.launcher import ClusterInfo
+from yb_tools.traces import TraceRecord, read_trace
 
 REPO_TRACE = Path(__file__).resolve().parents[3] / "benchmarks" / "traces" / "synthetic_trace.jsonl"
 
@@ -168,13 +166,6 @@ def test_the_repository_trace_reads_and_scales() -> None:
     assert all(len(s.prompt) + s.max_tokens <= 8192 for s in specs)
     assert all(s.max_tokens <= 64 for s in specs)
     assert [s.arrival_s for s in specs] == sorted(s.arrival_s for s in specs)
-
-
-def test_a_bad_trace_line_is_named(tmp_path: Path) -> None:
-    path = tmp_path / "t.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\n\n{"nope": 1}\n')
-    with pytest.raises(TraceError, match=r"t\.jsonl:3"):
-        read_trace(path)
 
 
 # --- the shared-prefix workload --------------------------------------------------------

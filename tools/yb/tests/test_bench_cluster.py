@@ -26,10 +26,10 @@ from yb_tools.bench.workloads import (
     Limits,
     RequestSpec,
     TraceScaling,
-    read_trace,
     trace_requests,
 )
 from yb_tools.cli import bench
+from yb_tools.traces import read_trace
 
 # Figures a consumer of `--json` relies on; after a clean run none may be null.
 REQUIRED = [

@@ -40,7 +40,7 @@ from yb_tools.sim.params import SimParams
 from yb_tools.sim.results import PolicyResult
 from yb_tools.sim.simulator import Simulation
 from yb_tools.sim.workload import workload_from
-from yb_tools.tracelog import TraceRequest
+from yb_tools.traces import TraceRecord
 
 BLOCK_BYTES = 512 * 1000
 
@@ -57,10 +57,10 @@ ROUND = CostModel(
 )
 
 TRACE = [
-    TraceRequest(timestamp=0, input_length=1124, output_length=3, hash_ids=[1, 2, 3]),
-    TraceRequest(timestamp=2000, input_length=1124, output_length=2, hash_ids=[1, 2, 4]),
-    TraceRequest(timestamp=2050, input_length=1124, output_length=2, hash_ids=[1, 2, 5]),
-    TraceRequest(timestamp=3000, input_length=100, output_length=1, hash_ids=[9]),
+    TraceRecord(timestamp=0, input_length=1124, output_length=3, hash_ids=[1, 2, 3]),
+    TraceRecord(timestamp=2000, input_length=1124, output_length=2, hash_ids=[1, 2, 4]),
+    TraceRecord(timestamp=2050, input_length=1124, output_length=2, hash_ids=[1, 2, 5]),
+    TraceRecord(timestamp=3000, input_length=100, output_length=1, hash_ids=[9]),
 ]
 
 

@@ -2,10 +2,9 @@
 
 Benchmarks and tests need logs shaped like production ones — many instances, deep
 shared prefixes, block events, heartbeats, completions — without a cluster. This
-module plays the cluster around a live `Conductor`: each admission from the trace
-(Mooncake's format: `timestamp` ms, `input_length`, `output_length`, `hash_ids`,
-one id per 512-token block, chained) is decided by the conductor, and the engines'
-answers follow at the times its own estimates give, perturbed by seeded noise:
+module plays the cluster around a live `Conductor`: each admission from a Mooncake
+trace (`yb_tools.traces`) is decided by the conductor, and the engines' answers
+follow at the times its own estimates give, perturbed by seeded noise:
 
 - a prefill instance runs its jobs one at a time; when a job ends, the prompt's
   blocks are stored in its host's kvstore (an LRU of fixed capacity, whose
@@ -28,9 +27,6 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
-
-import msgspec
 
 from yb_conductor.conductor import Conductor
 from yb_conductor.cost_model import CostModel
@@ -39,35 +35,12 @@ from yb_conductor.settings import configured_event
 from yb_core import events as ev
 from yb_core.config import ConductorConfig
 from yb_tools.sim.kvstore import SimKvstore
-
-TRACE_BLOCK_TOKENS = 512
-
-
-class TraceRequest(msgspec.Struct, gc=False):
-    """One line of a Mooncake trace."""
-
-    timestamp: float
-    input_length: int
-    output_length: int
-    hash_ids: list[int]
-
-
-def read_trace(path: str | Path, limit: int = 0) -> list[TraceRequest]:
-    """A trace file's requests (the first `limit`, when given)."""
-    decoder = msgspec.json.Decoder(TraceRequest)
-    out = []
-    with Path(path).open("rb") as f:
-        for line in f:
-            if line.strip():
-                out.append(decoder.decode(line))
-                if limit and len(out) >= limit:
-                    break
-    return out
+from yb_tools.traces import TRACE_BLOCK_TOKENS, TraceRecord
 
 
 @dataclass(frozen=True, slots=True)
-class Topology:
-    """The simulated cluster: host i runs prefill-i and kvstore-i."""
+class TraceLogCluster:
+    """The cluster a `TraceLog` plays: host i runs prefill-i and kvstore-i."""
 
     prefill: int = 64
     decode: int = 16
@@ -85,7 +58,7 @@ class TraceLog:
     def __init__(
         self,
         *,
-        topology: Topology | None = None,
+        cluster: TraceLogCluster | None = None,
         cfg: ConductorConfig | None = None,
         cost: CostModel | None = None,
         seed: int = 0,
@@ -94,7 +67,7 @@ class TraceLog:
         low_priority_share: float = 0.2,
         report_interval_s: float = 1.0,
     ) -> None:
-        self.topology = topology or Topology()
+        self.cluster = cluster or TraceLogCluster()
         self.cfg = cfg or ConductorConfig()
         self.conductor = Conductor(cfg=self.cfg, cost=cost)
         self.cost = cost or self.conductor.policy.cost
@@ -111,7 +84,7 @@ class TraceLog:
         self._kvstores: dict[str, SimKvstore] = {}
         self._host_of: dict[str, str] = {}
         self._host_of_kvstore: dict[str, str] = {}
-        self._requests: dict[str, TraceRequest] = {}
+        self._requests: dict[str, TraceRecord] = {}
         self._next_report = math.inf
 
     # --- plumbing ------------------------------------------------------------------------
@@ -160,7 +133,7 @@ class TraceLog:
 
     def start(self, t: float = 0.0) -> None:
         """Instances come up (and the conductor records its settings)."""
-        topo = self.topology
+        topo = self.cluster
         self.emit(configured_event(self.cfg, self.cost, "conductor-0", time=t))
         for i in range(topo.prefill):
             host = f"host-{i}"
@@ -220,7 +193,7 @@ class TraceLog:
                 )
             )
 
-    def admit(self, i: int, req: TraceRequest, t: float) -> None:
+    def admit(self, i: int, req: TraceRecord, t: float) -> None:
         """One trace request arrives at `t`."""
         rid = f"req-{i}"
         self._requests[rid] = req
@@ -285,7 +258,7 @@ class TraceLog:
             for event in kv.store(keys, t):
                 self.emit(event)
 
-    def run(self, trace: Iterable[TraceRequest], *, drain: bool = True) -> list[LogRecord]:
+    def run(self, trace: Iterable[TraceRecord], *, drain: bool = True) -> list[LogRecord]:
         """Play the trace (admissions at `timestamp / speedup`); returns the log."""
         if not self.records:
             self.start()

@@ -12,14 +12,11 @@ import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 
 from yb_tools.bench.tokens import TokenBlocks
-
-# Mooncake's traces count 512 tokens per hash id.
-TRACE_BLOCK_TOKENS = 512
+from yb_tools.traces import TRACE_BLOCK_TOKENS, TraceRecord
 
 
 class RequestSpec(msgspec.Struct, kw_only=True, frozen=True):
@@ -35,34 +32,6 @@ class RequestSpec(msgspec.Struct, kw_only=True, frozen=True):
     max_tokens: int
     group: int = 0
     truncated: bool = False
-
-
-class TraceRecord(msgspec.Struct, frozen=True):
-    """One line of a Mooncake trace."""
-
-    timestamp: float  # milliseconds since the start of the trace
-    input_length: int
-    output_length: int
-    hash_ids: list[int] = msgspec.field(default_factory=list)
-
-
-class TraceError(ValueError):
-    """A trace line that is not a Mooncake trace record."""
-
-
-def read_trace(path: Path | str) -> list[TraceRecord]:
-    """Every record of a JSON-lines trace, in file order; names the line of a bad record."""
-    decoder = msgspec.json.Decoder(TraceRecord)
-    records: list[TraceRecord] = []
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(decoder.decode(line))
-            except msgspec.DecodeError as exc:
-                raise TraceError(f"{path}:{number}: {exc}") from exc
-    return records
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,12 +42,11 @@ from yb_tools.bench.workloads import (
     Limits,
     RequestSpec,
     SharedPrefix,
-    TraceError,
     TraceScaling,
-    read_trace,
     shared_prefix_requests,
     trace_requests,
 )
+from yb_tools.traces import TraceError, read_trace
 
 # The repository's copy of Mooncake's synthetic trace (an editable install finds it).
 REPO_TRACE = Path(__file__).resolve().parents[5] / "benchmarks" / "traces" / "synthetic_trace.jsonl"

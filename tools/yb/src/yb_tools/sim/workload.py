@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from yb_tools.tracelog import TRACE_BLOCK_TOKENS, TraceRequest, read_trace
+from yb_tools.traces import TRACE_BLOCK_TOKENS, TraceRecord, read_trace
 
 
 @dataclass(slots=True)
@@ -55,7 +55,7 @@ def load_workload(
 
 
 def workload_from(
-    trace: list[TraceRequest], *, block_size: int, speedup: float = 1.0
+    trace: list[TraceRecord], *, block_size: int, speedup: float = 1.0
 ) -> list[TraceItem]:
     """As `load_workload`, from requests already read."""
     items = [
