@@ -18,7 +18,6 @@ import pytest
 
 from yb_conductor.conductor import Conductor, Output
 from yb_conductor.cost_model import CostModel, DecodeCost, PrefillCost, TransferCost
-from yb_conductor.policy import Decision
 from yb_conductor.replay import LogRecord
 from yb_conductor.settings import configured_event
 from yb_core import events as ev
@@ -133,7 +132,7 @@ class Crafted:
         priority: int = 0,
         ttft_slo: float = 10.0,
         tbt_slo: float = 1.0,
-    ) -> Decision:
+    ) -> ev.Decision:
         chain = chain or []
         outputs = self.feed(
             ev.RequestAdmitted(
@@ -148,7 +147,7 @@ class Crafted:
                 slo=ev.Slo(ttft_s=ttft_slo, tbt_s=tbt_slo),
             )
         )
-        decisions = [o for o in outputs if isinstance(o, ev.RequestScheduled | ev.RequestRejected)]
+        decisions = [o for o in outputs if isinstance(o, ev.Decision)]
         assert len(decisions) == 1, outputs
         return decisions[0]
 

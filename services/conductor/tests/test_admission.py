@@ -23,9 +23,7 @@ def keys(n: int, base: int = 1000) -> list[int]:
     return [base + i for i in range(n)]
 
 
-def _ask(
-    c: Any, admission: str, request: ev.RequestAdmitted
-) -> ev.RequestScheduled | ev.RequestRejected:
+def _ask(c: Any, admission: str, request: ev.RequestAdmitted) -> ev.Decision:
     cfg = msgspec.structs.replace(c.cfg, admission=admission)
     policy = make_policy(cfg, c.cost)
     request.time = c.t

@@ -75,7 +75,7 @@ async def _read_log(bus: Bus) -> list[LogRecord]:
 
 def _is_decision(event: ev.AnyEvent) -> bool:
     # Load predictions share the decision subjects; only decisions count here.
-    return isinstance(event, ev.RequestScheduled | ev.RequestRejected)
+    return isinstance(event, ev.Decision)
 
 
 async def _decisions(bus: Bus, want: int) -> list[ev.AnyEvent]:

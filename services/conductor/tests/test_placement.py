@@ -17,7 +17,7 @@ def keys(n: int, base: int = 1000) -> list[int]:
     return [base + i for i in range(n)]
 
 
-def _scheduled(d: ev.RequestScheduled | ev.RequestRejected) -> ev.RequestScheduled:
+def _scheduled(d: ev.Decision) -> ev.RequestScheduled:
     assert isinstance(d, ev.RequestScheduled), d
     assert d.explain is not None
     return d

@@ -22,7 +22,7 @@ from yb_core.config import ConductorConfig
 PROMPT = 1000  # tokens: 1.000 s of prefill by the crafted cost model
 
 
-def _scheduled(d: ev.RequestScheduled | ev.RequestRejected) -> ev.RequestScheduled:
+def _scheduled(d: ev.Decision) -> ev.RequestScheduled:
     assert isinstance(d, ev.RequestScheduled), d
     return d
 

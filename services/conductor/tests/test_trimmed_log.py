@@ -84,7 +84,7 @@ async def _decision_for(bus: Bus, rid: str, after_seq: int, timeout_s: float = 3
     try:
         while loop.time() < deadline:
             item = await reader.next(timeout_s=0.5)
-            if isinstance(item and item.event, ev.RequestScheduled | ev.RequestRejected):
+            if isinstance(item and item.event, ev.Decision):
                 assert item is not None
                 if item.event.request_id == rid:  # type: ignore[union-attr]
                     return item.event

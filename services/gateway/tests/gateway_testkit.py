@@ -130,7 +130,7 @@ class Conductor:
             if not isinstance(event, ev.RequestAdmitted):
                 continue
             self.admitted.append(event)
-            decision: ev.RequestScheduled | ev.RequestRejected
+            decision: ev.Decision
             if self.mode == "silent":
                 continue
             if self.mode == "reject":

@@ -172,6 +172,10 @@ class RequestRejected(Event, tag="request_rejected"):
     explain: Explanation | None = None
 
 
+# The conductor's answer to one admitted request: exactly one of these per admission.
+Decision = RequestScheduled | RequestRejected
+
+
 ProgressStage = Literal[
     "prefill_started",
     "prefill_done",

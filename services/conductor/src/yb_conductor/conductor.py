@@ -26,7 +26,7 @@ import msgspec
 
 from yb_conductor.cost_model import CostModel
 from yb_conductor.hotness import HotPrefixes
-from yb_conductor.policy import Decision, Policy, make_policy
+from yb_conductor.policy import Policy, make_policy
 from yb_conductor.quality import DecisionQuality
 from yb_conductor.settings import from_event, with_overrides
 from yb_conductor.state import ClusterState, Outcome, PendingAdmission
@@ -34,7 +34,7 @@ from yb_core import events as ev
 from yb_core.config import ConductorConfig
 
 Companion = ev.LoadPrediction | ev.ReplicationPlanned
-Output = ev.RequestScheduled | ev.RequestRejected | Companion
+Output = ev.Decision | Companion
 
 # Companions computed here and not yet seen in the log, at most (oldest dropped).
 _MAX_COMPANIONS = 10_000
@@ -98,7 +98,7 @@ class Conductor:
         )
         self.last_seq = 0
         # Decisions computed here whose recorded copy has not been seen yet.
-        self.unrecorded: dict[str, Decision] = {}
+        self.unrecorded: dict[str, ev.Decision] = {}
         # What their admissions said, to re-place a recorded decision that differs.
         self.admission_info: dict[str, PendingAdmission] = {}
         # Load predictions and replication plans likewise, by message id.
@@ -215,7 +215,7 @@ class Conductor:
             rid = getattr(recorded, "request_id", "") or key
             self.divergences.append(Divergence(seq, rid, recorded, mine))
 
-    def _recorded(self, seq: int, recorded: Decision) -> None:
+    def _recorded(self, seq: int, recorded: ev.Decision) -> None:
         rid = recorded.request_id
         mine = self.unrecorded.pop(rid, None)
         info = self.admission_info.pop(rid, None)
@@ -236,7 +236,7 @@ class Conductor:
             self.state.admissions[rid] = info
         self.state.apply(recorded)
 
-    def _same(self, mine: Decision | None, recorded: Decision) -> bool:
+    def _same(self, mine: ev.Decision | None, recorded: ev.Decision) -> bool:
         if mine == recorded:
             return True
         if not self.ignore_explain or mine is None:

@@ -36,7 +36,7 @@ class HotPrefixes(msgspec.Struct, kw_only=True):
         cfg: ConductorConfig,
         state: ClusterState,
         request: ev.RequestAdmitted,
-        decision: ev.RequestScheduled | ev.RequestRejected,
+        decision: ev.Decision,
     ) -> ev.ReplicationPlanned | None:
         """Count one admission's demand; plan a replica when its prefix is hot."""
         explain = decision.explain

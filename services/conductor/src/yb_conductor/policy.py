@@ -24,7 +24,7 @@ from yb_conductor.admission import (
 from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.decode_placement import DecodeEstimate, DecodePlanner
 from yb_conductor.peer_policies import PEER_POLICIES
-from yb_conductor.policy_base import Decided, Decision, Policy, PolicyFactory, reject
+from yb_conductor.policy_base import Decided, Policy, PolicyFactory, reject
 from yb_conductor.prefill_placement import LOCAL, TRANSFER, Option, PoolView, PrefillPlanner
 from yb_conductor.state import ClusterState, InstanceState
 from yb_core import events as ev
@@ -33,7 +33,6 @@ from yb_core.config import ConductorConfig
 __all__ = [
     "POLICIES",
     "Decided",
-    "Decision",
     "LeastLoadedPolicy",
     "MooncakePolicy",
     "Policy",

@@ -16,14 +16,12 @@ from yb_conductor.state import ClusterState
 from yb_core import events as ev
 from yb_core.config import ConductorConfig
 
-Decision = ev.RequestScheduled | ev.RequestRejected
-
 
 @dataclass(slots=True)
 class Decided:
     """A decision and the events published with it (load predictions)."""
 
-    decision: Decision
+    decision: ev.Decision
     predictions: list[ev.LoadPrediction]
 
 

@@ -38,7 +38,7 @@ class DecisionQuality(msgspec.Struct, kw_only=True):
     ttft_abs_error_sum: float = 0.0
     tbt_abs_error_sum: float = 0.0
 
-    def record(self, decision: ev.RequestScheduled | ev.RequestRejected) -> None:
+    def record(self, decision: ev.Decision) -> None:
         """Count one decision."""
         self.decisions += 1
         explain = decision.explain

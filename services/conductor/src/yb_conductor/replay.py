@@ -33,7 +33,6 @@ from typing import Any
 import msgspec
 
 from yb_conductor.conductor import Conductor, Divergence, Output
-from yb_conductor.policy import Decision
 from yb_conductor.quality import DecisionQuality, reject_code
 from yb_core import events as ev
 from yb_core.config import ConductorConfig
@@ -66,11 +65,7 @@ class NondeterminismError(Exception):
 
 def describe_divergence(d: Divergence) -> str:
     """The divergence as a readable message: where, and which fields differ."""
-    what = (
-        "decision"
-        if isinstance(d.recorded, ev.RequestScheduled | ev.RequestRejected)
-        else (type(d.recorded).__name__)
-    )
+    what = "decision" if isinstance(d.recorded, ev.Decision) else (type(d.recorded).__name__)
     lines = [f"{what} for request {d.request_id!r} at stream sequence {d.seq} differs"]
     if d.recomputed is None:
         lines.append("  recomputed: (no decision)")
@@ -174,9 +169,7 @@ def replay(
             break
         outputs = c.apply(record.seq, record.event)
         events += 1
-        decisions += sum(
-            1 for o in outputs if isinstance(o, ev.RequestScheduled | ev.RequestRejected)
-        )
+        decisions += sum(1 for o in outputs if isinstance(o, ev.Decision))
         if strict and c.divergences:
             raise NondeterminismError(c.divergences[0])
     return ReplayResult(events, decisions, list(c.divergences), time.perf_counter() - started, c)
@@ -189,9 +182,9 @@ def replay(
 class RunSummary:
     """Decisions of one run, by request id."""
 
-    decisions: dict[str, Decision] = field(default_factory=dict)
+    decisions: dict[str, ev.Decision] = field(default_factory=dict)
 
-    def add(self, d: Decision) -> None:
+    def add(self, d: ev.Decision) -> None:
         """Record one decision (the first for a request wins)."""
         self.decisions.setdefault(d.request_id, d)
 
@@ -289,7 +282,7 @@ def what_if(
     for r in records:
         if until_seq and r.seq > until_seq:
             break
-        if isinstance(r.event, ev.RequestScheduled | ev.RequestRejected):
+        if isinstance(r.event, ev.Decision):
             recorded.add(r.event)
             fate.setdefault(r.event.request_id, isinstance(r.event, ev.RequestScheduled))
     c = Conductor(cfg=cfg, follow_recorded=False, overrides=overrides)
@@ -304,7 +297,7 @@ def what_if(
         while synthetic and synthetic[0][0] <= t:
             c.apply(0, heapq.heappop(synthetic)[2])
         for out in c.apply(r.seq, r.event):
-            if not isinstance(out, ev.RequestScheduled | ev.RequestRejected):
+            if not isinstance(out, ev.Decision):
                 continue
             mine.add(out)
             if isinstance(out, ev.RequestScheduled) and not fate.get(out.request_id, False):
@@ -356,28 +349,24 @@ def _synthetic_life(c: Conductor, d: ev.RequestScheduled) -> list[ev.AnyEvent]:
 # --- explain --------------------------------------------------------------------------
 
 
-def find_decision(records: Iterable[LogRecord], request_id: str) -> tuple[int, Decision] | None:
+def find_decision(records: Iterable[LogRecord], request_id: str) -> tuple[int, ev.Decision] | None:
     """The recorded decision for a request, with its sequence."""
     for r in records:
         event = r.event
-        if isinstance(event, ev.RequestScheduled | ev.RequestRejected) and (
-            event.request_id == request_id
-        ):
+        if isinstance(event, ev.Decision) and (event.request_id == request_id):
             return r.seq, event
     return None
 
 
 def recompute_decision(
     records: list[LogRecord], request_id: str, *, top_k: int = 0
-) -> Decision | None:
+) -> ev.Decision | None:
     """The decision for one request recomputed from the log, with `top_k` candidates
     in its explanation (0: every instance)."""
     c = Conductor(overrides={"explain_top_k": top_k}, ignore_explain=True)
     for r in records:
         for out in c.apply(r.seq, r.event):
-            if isinstance(out, ev.RequestScheduled | ev.RequestRejected) and (
-                out.request_id == request_id
-            ):
+            if isinstance(out, ev.Decision) and (out.request_id == request_id):
                 return out
     return None
 

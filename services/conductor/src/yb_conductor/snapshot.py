@@ -61,7 +61,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     expired_placements: int
     deadlines: list[tuple[float, str]]
     next_expiry: float
-    unrecorded: list[ev.RequestScheduled | ev.RequestRejected]
+    unrecorded: list[ev.Decision]
     decided: list[tuple[str, float]]
     quality: DecisionQuality
     hot: HotPrefixes = msgspec.field(default_factory=HotPrefixes)

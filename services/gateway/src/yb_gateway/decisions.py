@@ -19,19 +19,17 @@ from yb_core.telemetry import get_logger
 
 log = get_logger(__name__)
 
-Decision = ev.RequestScheduled | ev.RequestRejected
-
 
 class DecisionRouter:
     """Per-request futures, resolved by the decision follower."""
 
     def __init__(self) -> None:
-        self._waiting: dict[str, asyncio.Future[Decision]] = {}
+        self._waiting: dict[str, asyncio.Future[ev.Decision]] = {}
         self.ready = False
 
-    def expect(self, request_id: str) -> asyncio.Future[Decision]:
+    def expect(self, request_id: str) -> asyncio.Future[ev.Decision]:
         """Register interest in `request_id`'s decision; call before admitting it."""
-        future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[ev.Decision] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
         return future
 
@@ -52,7 +50,7 @@ class DecisionRouter:
 
     def deliver(self, event: ev.AnyEvent) -> bool:
         """Resolve the future of the request the decision is for; False if nobody waits."""
-        if not isinstance(event, ev.RequestScheduled | ev.RequestRejected):
+        if not isinstance(event, ev.Decision):
             return False
         future = self._waiting.pop(event.request_id, None)
         if future is None or future.done():

@@ -47,7 +47,7 @@ from yb_core.config import YbConfig
 from yb_core.hashing import block_hashes
 from yb_core.model_files import identity_of
 from yb_core.telemetry import get_logger, inject_headers, tracer
-from yb_gateway.decisions import Decision, DecisionRouter
+from yb_gateway.decisions import DecisionRouter
 from yb_gateway.errors import ApiError, rejected, unavailable
 from yb_gateway.metrics import GatewayMetrics
 from yb_gateway.prompt import PreparedRequest
@@ -152,7 +152,7 @@ class RequestSession:
         self._resend: asyncio.Task[None] | None = None
         self._ending_resends: set[asyncio.Task[None]] = set()
         self._asks = 0  # numbers resend requests: a superseded one's answer is ignored
-        self._decision_future: asyncio.Future[Decision] | None = None
+        self._decision_future: asyncio.Future[ev.Decision] | None = None
         self._subscription: Subscription | None = None
         self._aborted: str | None = None
         self._admitted = False
@@ -203,7 +203,7 @@ class RequestSession:
                     )
             await self._hand_off(decision, gcfg.job_timeout_s)
 
-    async def _decide(self, timeout_s: float) -> Decision:
+    async def _decide(self, timeout_s: float) -> ev.Decision:
         if self._aborted is not None:
             raise unavailable(self._aborted, code="shutting_down")
         cfg = self._cfg

@@ -29,7 +29,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the decision as JSON")
 
 
-def render(seq: int, decision: ev.RequestScheduled | ev.RequestRejected) -> str:
+def render(seq: int, decision: ev.Decision) -> str:
     """The decision and its explanation as text tables."""
     lines = []
     x = decision.explain
