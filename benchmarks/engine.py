@@ -2,7 +2,7 @@
 
     python benchmarks/engine.py --json PATH [--model default|tiny|DIR] [--threads N]
 
-Figures (one flat JSON object, see DESIGN.md "Conventions"):
+Figures (one flat JSON object; `benchmarks/record.py` keeps them with their machine):
 
 - `prefill_tokens_per_s_{512,2048,4096}`: a prompt of N tokens through
   `ModelRunner.prefill` with the engine's default chunking (512-token chunks), KV written
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -31,9 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-# Runs from a checkout without installing yuebing-shared.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared" / "src"))
 
 from yb_core.model_files import default_model_cache_dir
 from yb_core.protocol import SamplingParams

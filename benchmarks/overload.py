@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared" / "src"))
+from record import flatten
 
 from yb_testkit.fixtures import LocalCluster, pid_alive
 from yb_tools.bench.client import BenchClient, RequestResult
@@ -369,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             cluster.stop()
 
+    # One flat object, as every benchmark writes: `memory_mb_<role>_<before|peak|after>`,
+    # `later_bursts_<n>_<figure>` for the (n+1)-th burst.
+    figures = flatten(figures)
     width = max(len(k) for k in figures)
     for key, value in figures.items():
         shown = f"{value:,.3f}" if isinstance(value, float) else json.dumps(value)

@@ -1,0 +1,415 @@
+"""Render docs/measurements.md from benchmarks/results/*.json.
+
+    python benchmarks/measurements.py            # write the page
+    python benchmarks/measurements.py --check    # exit 1 if the page is not a fresh render
+
+One section per results file (benchmarks/record.py writes them): what the benchmark
+measures, every figure with its meaning, the machine, the commit and the UTC time it was
+measured, and the command that reproduces it. The meaning of each figure is kept here,
+beside its key; a figure without one stops the render, so the page explains every
+number it shows. Comparison files (benchmarks/compare.py) are evidence kept beside the
+results and are not rendered. tests/test_measurements.py runs `--check`, so the page
+cannot disagree with the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from record import (
+    BENCHMARKS,
+    RESULTS_DIR,
+    ROOT,
+    BenchmarkRecord,
+    ComparisonRecord,
+    FaultTableRecord,
+    Figure,
+    Machine,
+    Provenance,
+    ResultsFile,
+    StabilityRecord,
+    read,
+)
+
+PAGE = ROOT / "docs" / "measurements.md"
+
+# What each benchmark measures, in a sentence or two (its module docstring has the rest).
+SUMMARIES: dict[str, str] = {
+    "engine": (
+        "Prefill and decode throughput of the model runner (`yb_engine`) in one process, "
+        "against transformers' own forward pass of the same model on the same tokens, "
+        "measured interleaved. Every figure is the median of `--repeats` runs."
+    ),
+    "transfer": (
+        "KV transfer between two processes over UCX (`KVSender.send_segments` to a "
+        "`KVReceiver`), checksums and commit included, against a plain memcpy of the same "
+        "bytes in the same run. Payloads are cut into 2 MiB pages (size/8 under 16 MiB) and "
+        "sent in segments of at most 16 MiB. Medians over `--repeat` runs."
+    ),
+    "conductor": (
+        "The conductor alone on one pinned core: Mooncake's synthetic trace replayed through "
+        "a simulated cluster (64 prefill instances each with its host's kvstore, 16 decode "
+        "instances, a million unrelated blocks in the index), then the resulting log "
+        "decided again and replayed. Medians of `--repeats` runs."
+    ),
+    "e2e_chat": (
+        'One greedy streamed chat request ("What is the capital of France?") through a '
+        "whole `yb up` cluster with the default model, sent one at a time."
+    ),
+    "e2e_reuse": (
+        "Time to first token through a `yb up` cluster (2 prefill instances on two logical "
+        "hosts, each with its kvstore, 1 decode) for a prompt computed from scratch, against "
+        "the same prompt whose prefix sits in the *other* host's kvstore and is fetched over "
+        "UCX. Medians over the rounds."
+    ),
+    "overload": (
+        "A burst of `--factor` times the cluster's naive capacity sent at one instant "
+        "through the OpenAI API of a `yb up` cluster: how each request ended, the accepted "
+        "ones against the SLOs, and every process's memory."
+    ),
+}
+
+# (key pattern, meaning): the first pattern that matches the whole key describes it; the
+# meaning may name the pattern's groups as {0}, {1}.
+DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
+    "engine": [
+        ("model", "the model measured"),
+        ("dtype", "weights' and KV cache's dtype"),
+        ("threads", "torch threads"),
+        ("block_size", "tokens per KV page"),
+        ("chunk_size", "tokens per prefill chunk"),
+        ("decode_context_tokens", "tokens already in each sequence when decode is timed"),
+        ("attention_backend", "the attention path the runner picked"),
+        (
+            r"prefill_tokens_per_s_(\d+)",
+            "prompt tokens/s of `ModelRunner.prefill` on a {0}-token prompt, KV written into pages",
+        ),
+        (
+            r"reference_prefill_tokens_per_s_(\d+)",
+            "prompt tokens/s of transformers' forward on the same {0} tokens (SDPA, "
+            "`logits_to_keep=1`, its KV cache on)",
+        ),
+        (r"prefill_vs_reference_(\d+)", "our prefill speed over transformers', {0} tokens"),
+        (
+            r"decode_tokens_per_s_batch_(\d+)",
+            "tokens/s of `DecodeBatcher.step` with {0} sequences (greedy sampling and "
+            "detokenization included)",
+        ),
+        ("decode_batch_32_vs_1", "decode tokens/s at batch 32 over batch 1"),
+        ("ttft_full_4096_s", "seconds to prefill a 4,096-token prompt from nothing"),
+        (
+            "ttft_reuse_3584_of_4096_s",
+            "seconds to prefill the same prompt with its first 3,584 tokens' KV in the pages",
+        ),
+        ("prefix_reuse_ttft_speedup", "`ttft_full_4096_s` over `ttft_reuse_3584_of_4096_s`"),
+    ],
+    "transfer": [
+        (r"ucx_gbps_(\d+)mb", "GB/s of one {0} MiB transfer, every page its own allocation"),
+        (r"ucx_gbps_(\d+)mb_best", "the fastest of those {0} MiB transfers"),
+        (
+            r"ucx_gbps_(\d+)mb_contiguous",
+            "GB/s of one {0} MiB transfer, pages adjacent in one array (sent as runs of up "
+            "to 8 MiB)",
+        ),
+        (r"ucx_gbps_(\d+)mb_contiguous_best", "the fastest of those adjacent-page transfers"),
+        (r"memcpy_gbps_(\d+)mb", "GB/s of `numpy.copyto` of {0} MiB, same run"),
+        (r"memcpy_gbps_(\d+)mb_best", "the fastest of those copies"),
+        (r"xxh3_gbps_(\d+)mb", "GB/s of one xxh3 checksum pass over {0} MiB"),
+        (
+            r"sender_cpu_s_per_gb_(\d+)mb(_contiguous)?",
+            "sender's CPU seconds per GB moved, {0} MiB payloads",
+        ),
+        (
+            r"receiver_cpu_s_per_gb_(\d+)mb(_contiguous)?",
+            "receiver's CPU seconds per GB moved, {0} MiB payloads",
+        ),
+        (
+            r"ucx_perftest_gbps_(\w+)_messages",
+            "UCX's own C benchmark (`ucx_perftest -t tag_bw`), one {0} buffer resent, same "
+            "UCX settings, no checksums",
+        ),
+    ],
+    "conductor": [
+        (
+            "decision_latency_p50_ms",
+            "median ms per admission decision (fold, Algorithm 1 over every instance, decode "
+            "prediction, admission, explanation)",
+        ),
+        ("decision_latency_p99_ms", "99th percentile of the same"),
+        ("decisions_per_s", "admissions decided per second of time spent deciding"),
+        (
+            "replay_events_per_s",
+            "events/s of a verifying replay of the whole log, every decision recomputed and "
+            "compared (decoded events in memory; reading from NATS excluded)",
+        ),
+        ("prefill_instances", "simulated prefill instances (each with a kvstore)"),
+        ("decode_instances", "simulated decode instances"),
+        ("log_events", "events in the log"),
+        ("decisions", "admissions in the log"),
+        ("index_blocks", "blocks in the conductor's index at the end"),
+    ],
+    "e2e_chat": [
+        ("ttft_cold_s", "seconds to the first token of the first request"),
+        ("ttft_warm_median_s", "median seconds to the first token of the later requests"),
+        ("decode_tokens_per_s_median", "median decode tokens/s of the later requests"),
+        ("completion_tokens", "tokens the first request produced"),
+        ("answer_names_paris", 'whether every answer contained "Paris"'),
+    ],
+    "e2e_reuse": [
+        ("ttft_recompute_s", "median seconds to the first token, every token computed"),
+        (
+            "ttft_reuse_s",
+            "median seconds to the first token, the prefix fetched from the other host's "
+            "kvstore and only the rest computed",
+        ),
+        ("ttft_speedup", "`ttft_recompute_s` over `ttft_reuse_s`"),
+        ("prompt_tokens", "tokens per prompt"),
+        ("reused_tokens", "median tokens the reusing prefill did not compute"),
+        ("rounds", "rounds measured"),
+        (r"peak_rss_mb_(\w+)", "peak resident memory of {0}, MB"),
+    ],
+    "overload": [
+        ("model", "the model served"),
+        ("ttft_alone_s", "median seconds to the first token of one request alone"),
+        (
+            "capacity_requests",
+            "naive capacity: prefill instances x floor(TTFT SLO / `ttft_alone_s`)",
+        ),
+        ("burst_requests", "requests sent at one instant: `--factor` x capacity"),
+        ("burst_wall_s", "seconds until every request of the first burst had ended"),
+        ("accepted", "requests answered 200"),
+        ("rejected_429", "requests refused with 429"),
+        ("other_errors", "requests that ended any other way"),
+        ("other_error_kinds", "how those ended"),
+        ("rejected_with_retry_after", "refusals that carried `Retry-After`"),
+        (r"retry_after_(min|max)_s", "{0} `Retry-After` given, seconds"),
+        (r"reject_answer_(p50|p99|max)_s", "{0} seconds from sending to a refusal's status line"),
+        (r"accepted_ttft_(p50|p99)_s", "{0} time to first token of accepted requests, seconds"),
+        (
+            r"accepted_tbt_p90_(p50|p99)_s",
+            "{0} over accepted requests of each one's 90th-percentile gap between tokens, s",
+        ),
+        ("accepted_within_slo", "accepted requests within both SLOs"),
+        ("accepted_slo_attainment", "fraction of accepted requests within both SLOs"),
+        ("ttft_slo_s", "the TTFT SLO every request asked for, seconds"),
+        ("tbt_slo_s", "the time-between-tokens SLO every request asked for, seconds"),
+        (
+            r"memory_mb_(\w+?)_(before|peak|after)",
+            "resident memory of every {0} process summed, MB, {1} the bursts",
+        ),
+        ("processes_dead", "processes of the cluster that died (empty: none)"),
+        ("serves_after", "whether the cluster served a request after the bursts"),
+        ("later_bursts", "empty: one burst was sent"),
+        (
+            r"later_bursts_(\d+)_(\w+)",
+            "`{1}` of burst {0} after the first, sent once the one before had drained",
+        ),
+    ],
+}
+
+
+def describe(benchmark: str, key: str) -> str:
+    """The meaning of `key` in `benchmark`'s figures; KeyError names an undescribed one."""
+    for pattern, meaning in DESCRIPTIONS.get(benchmark, []):
+        match = re.fullmatch(pattern, key)
+        if match:
+            return meaning.format(*(g or "" for g in match.groups()))
+    raise KeyError(f"{benchmark}: no description for figure {key!r} (add it in {__file__})")
+
+
+def shown(value: Figure) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if value != 0 and abs(value) < 0.01:
+            return f"{value:.2g}"
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:,.3g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if value is None:
+        return "–"
+    return f"`{value}`" if value else "(none)"
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def where_and_when(machine: Machine, provenance: Provenance) -> str:
+    tree = " with uncommitted changes" if provenance.tree_dirty else ""
+    when = provenance.measured_at.strftime("%Y-%m-%d %H:%M UTC")
+    return f"Measured {when} at commit `{provenance.commit[:10]}`{tree}, on {machine.summary()}."
+
+
+def benchmark_section(record: BenchmarkRecord) -> list[str]:
+    if record.name not in SUMMARIES:
+        raise KeyError(f"no summary for benchmark {record.name!r} (add it in {__file__})")
+    lines = [
+        f"## {record.name}",
+        "",
+        SUMMARIES[record.name],
+        "",
+        where_and_when(record.machine, record.provenance)
+        + f" Load average {record.load_average_1m:g} when it started; the run took "
+        f"{record.duration_s:,.0f} s.",
+        "",
+        "```",
+        record.command,
+        "```",
+        "",
+        "| figure | value | meaning |",
+        "|---|---|---|",
+    ]
+    for key, value in record.figures.items():
+        lines.append(f"| `{key}` | {cell(shown(value))} | {cell(describe(record.name, key))} |")
+    return [*lines, ""]
+
+
+def stability_section(record: StabilityRecord) -> list[str]:
+    report = record.report
+    suites = [r.seconds / 60 for r in report.runs if r.what == "whole suite"]
+    passed = sum(r.exit == 0 for r in report.runs)
+    lines = [
+        "## stability",
+        "",
+        "The whole suite on a clean clone, back to back, then the fault and multi-host "
+        "modules beside a CPU hog (`.ci/stability.py`). Its own machine line: "
+        f"`{report.machine}`; Docker engine running: {shown(report.docker_engine_running)}.",
+        "",
+        where_and_when(record.machine, record.provenance),
+        "",
+        "```",
+        record.command,
+        "```",
+        "",
+        f"{passed} of {len(report.runs)} runs passed."
+        + (f" Whole suite: median {statistics.median(suites):.1f} min." if suites else ""),
+        "",
+        "| run | what | beside | exit | counts | minutes |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in report.runs:
+        counts = ", ".join(f"{n} {kind}" for kind, n in run.counts.items())
+        lines.append(
+            f"| {run.run} | {cell(run.what)} | {cell(run.beside or '–')} | {run.exit} | "
+            f"{counts} | {run.seconds / 60:.1f} |"
+        )
+    for run in report.runs:
+        lines += [f"- {run.run}: `{cell(line)}`" for line in run.failures]
+    return [*lines, ""]
+
+
+def faults_section(record: FaultTableRecord) -> list[str]:
+    lines = [
+        "## faults",
+        "",
+        "What each fault test broke, what the client saw, what was cleaned up and how long "
+        "recovery took (each row written by `yb_testkit.faults.record`).",
+        "",
+        where_and_when(record.machine, record.provenance),
+        "",
+        "```",
+        record.command,
+        "```",
+        "",
+        "| fault | caused by | client saw | cleaned up | checked by | recovery (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in record.rows.values():
+        cells = (row.fault, row.caused_by, row.client_saw, row.cleaned_up, row.checked_by)
+        lines.append("| " + " | ".join(cell(c) for c in cells) + f" | {row.recovery_s:.2f} |")
+    return [*lines, ""]
+
+
+def section_order(record: ResultsFile) -> int:
+    order = [*BENCHMARKS, "stability", "faults"]
+    return order.index(record.name) if record.name in order else len(order)
+
+
+def render(records: Sequence[ResultsFile]) -> str:
+    """The page for `records` (comparisons are skipped). Raises KeyError for a
+    benchmark or figure this module does not describe."""
+    shown_records = sorted(
+        (r for r in records if not isinstance(r, ComparisonRecord)), key=section_order
+    )
+    lines = [
+        "# Measurements",
+        "",
+        "<!-- Generated by `python benchmarks/measurements.py` from benchmarks/results/*.json;",
+        "     edit those (benchmarks/record.py writes them), not this page. -->",
+        "",
+        "Every figure Yuebing reports, with the machine, the commit and the time it was "
+        "measured and the command that measures it again. A benchmark is run and kept with "
+        "`python benchmarks/record.py NAME [-- ARGS]`; this page is rendered from what it "
+        "keeps. Where the machine was shared, the load average at the start says so: absolute "
+        "numbers move with it, ratios measured in one run much less.",
+        "",
+        "| section | measured (UTC) | machine |",
+        "|---|---|---|",
+    ]
+    for record in shown_records:
+        assert not isinstance(record, ComparisonRecord)
+        when = record.provenance.measured_at.strftime("%Y-%m-%d %H:%M")
+        m = record.machine
+        lines.append(
+            f"| [{record.name}](#{record.name}) | {when} | "
+            f"{m.cpu}, {m.cores} cores, {m.memory_gib:.0f} GiB, GPU: {m.gpu} |"
+        )
+    lines.append("")
+    for record in shown_records:
+        match record:
+            case BenchmarkRecord():
+                lines += benchmark_section(record)
+            case StabilityRecord():
+                lines += stability_section(record)
+            case FaultTableRecord():
+                lines += faults_section(record)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def read_all(results_dir: Path) -> list[ResultsFile]:
+    """Every results file in `results_dir`, checked against its struct and its name."""
+    records = []
+    for path in sorted(results_dir.glob("*.json")):
+        record = read(path)
+        if record.name != path.stem:
+            raise ValueError(f"{path} holds the record of {record.name!r}")
+        records.append(record)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--page", type=Path, default=PAGE)
+    options = parser.parse_args(argv)
+    page = render(read_all(options.results))
+    if not options.check:
+        options.page.parent.mkdir(parents=True, exist_ok=True)
+        options.page.write_text(page)
+        print(f"written {options.page}")
+        return 0
+    current = options.page.read_text() if options.page.exists() else ""
+    if current == page:
+        return 0
+    diff = difflib.unified_diff(
+        current.splitlines(), page.splitlines(), str(options.page), "fresh render", lineterm=""
+    )
+    print("\n".join(diff), file=sys.stderr)
+    print(
+        f"{options.page} differs from {options.results}/*.json: "
+        "run python benchmarks/measurements.py",
+        file=sys.stderr,
+    )
+    return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
