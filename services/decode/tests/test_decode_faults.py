@@ -176,8 +176,7 @@ async def finish_of(reader: EventReader, request_id: str) -> ev.RequestFinished:
 
 
 async def pages_back(service: DecodeService) -> None:
-    allocator = service.engine.allocator
-    assert allocator is not None
+    allocator = service.worker.engine.allocator
     async with asyncio.timeout(DEADLINE_S):
         while allocator.num_used:
             await asyncio.sleep(0.02)
@@ -187,7 +186,7 @@ async def test_a_prefill_that_dies_mid_transfer_frees_the_reservation_and_tells_
     decode: DecodeService, bus: Bus, finished: EventReader
 ) -> None:
     played = await reserve(bus)
-    assert decode.engine.allocator is not None and decode.engine.allocator.num_used > 0
+    assert decode.worker.engine.allocator.num_used > 0
     # Half the KV arrives, then the prefill's connection breaks (as when it is killed).
     sender = KVSender()
     half = pages(played)[: len(pages(played)) // 2]

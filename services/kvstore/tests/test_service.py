@@ -133,6 +133,7 @@ async def test_puts_fetches_and_the_tier_chain_over_ucx(
 ) -> None:
     reader = await bus.read_ordered(f"yb.ev.block.*.{INSTANCE}")
     service, store = await start_store(config(nats_config, tmp_path / "ssd"))
+    pool = service.worker.store  # read again once the service has stopped
     try:
         for key in (11, 12, 13):  # 13 pushes 11 down to SSD
             await client.put(store, key)
@@ -145,8 +146,8 @@ async def test_puts_fetches_and_the_tier_chain_over_ucx(
         assert np.array_equal(got[1], block_bytes(12))
         with pytest.raises(ReservationRefused, match="not held"):
             await client.fetch(store, [99])
-        await service.publisher.drained()  # type: ignore[union-attr]
-        last = service.block_log.event_id
+        await service.worker.publisher.drained()
+        last = service.worker.block_log.event_id
         events = await block_events(reader, until=last)
     finally:
         await service.stop()
@@ -163,8 +164,8 @@ async def test_puts_fetches_and_the_tier_chain_over_ucx(
     state = ClusterState()
     for event in events:
         state.apply(event)
-    assert sorted(state.index.keys_of(INSTANCE)) == sorted(service.store.announced)
-    for key, tier in service.store.announced.items():
+    assert sorted(state.index.keys_of(INSTANCE)) == sorted(pool.announced)
+    for key, tier in pool.announced.items():
         assert state.index.tier_of(key, INSTANCE) == tier
 
 
@@ -173,13 +174,13 @@ async def test_restart_new_epoch_clears_first_then_ssd_blocks_return(
 ) -> None:
     cfg = config(nats_config, tmp_path / "ssd", dram_blocks=1, ssd_blocks=4)
     service, store = await start_store(cfg)
-    first_epoch = service.block_log.epoch
+    first_epoch = service.worker.block_log.epoch
     try:
         for key in (1, 2, 3):
             await client.put(store, key)
         # Stopping cancels SSD writes in flight (their files are removed): wait until
         # the copy-path writes of 1 and 2 are complete on disk.
-        ssd = service.store.ssd
+        ssd = service.worker.store.ssd
         assert ssd is not None
 
         def written() -> bool:
@@ -194,7 +195,7 @@ async def test_restart_new_epoch_clears_first_then_ssd_blocks_return(
     reader = await bus.read_ordered(f"yb.ev.block.*.{INSTANCE}", new_only=True)
     service, store = await start_store(cfg)
     try:
-        assert service.block_log.epoch > first_epoch
+        assert service.worker.block_log.epoch > first_epoch
         events = await block_events(reader, until=2)
         assert isinstance(events[0], ev.BlocksCleared) and events[0].event_id == 1
         stored = events[1]
@@ -222,7 +223,7 @@ async def test_a_fetch_larger_than_dram_comes_up_from_ssd_batch_by_batch(
         for row, key in zip(got, keys, strict=True):
             assert np.array_equal(row, block_bytes(key))
         assert client.receiver.staged_bytes == 0  # every chunk landed in place
-        assert len(service.store.dram) <= 2
+        assert len(service.worker.store.dram) <= 2
     finally:
         await service.stop()
 
@@ -235,8 +236,8 @@ async def test_a_gap_is_noticed_by_the_conductor_fold_and_resync_repairs_it(
     try:
         for key in (21, 22, 23):
             await client.put(store, key)
-        await service.publisher.drained()  # type: ignore[union-attr]
-        events = await block_events(reader, until=service.block_log.event_id)
+        await service.worker.publisher.drained()
+        events = await block_events(reader, until=service.worker.block_log.event_id)
         state = ClusterState()
         lost = events[2]  # the consumer misses one event (the store's 22)
         for event in events:
@@ -251,16 +252,16 @@ async def test_a_gap_is_noticed_by_the_conductor_fold_and_resync_repairs_it(
                 item = await reader.next(DEADLINE_S)
                 if item is not None and isinstance(item.event, ev.BlockInventory):
                     inventory = item.event
-        assert inventory.event_id == service.block_log.event_id
+        assert inventory.event_id == service.worker.block_log.event_id
         state.apply(inventory)
         assert INSTANCE not in state.resync_wanted
         assert sorted(state.index.keys_of(INSTANCE)) == [21, 22, 23]
         # Events after the inventory continue the stream without another gap.
         await client.put(store, 24)
-        await service.publisher.drained()  # type: ignore[union-attr]
+        await service.worker.publisher.drained()
         (after,) = [
             e
-            for e in await block_events(reader, until=service.block_log.event_id)
+            for e in await block_events(reader, until=service.worker.block_log.event_id)
             if isinstance(e, ev.BlockStored)
         ]
         state.apply(after)
@@ -304,15 +305,14 @@ async def test_a_replication_plan_copies_hot_blocks_to_the_target_store(
         assert np.array_equal(got[0], block_bytes(21))
         assert np.array_equal(got[1], block_bytes(22))
         # A plan for another store, or for blocks held already, does nothing here.
-        assert target.replicator is not None
         plan = ev.ReplicationPlanned(
             source_instance=INSTANCE, target_instance="kvstore-target", block_hashes=[21]
         )
-        assert await target.replicator.carry_out(plan) == 0
+        assert await target.worker.replicator.carry_out(plan) == 0
         other = ev.ReplicationPlanned(
             source_instance=INSTANCE, target_instance="elsewhere", block_hashes=[22]
         )
-        assert await target.replicator.carry_out(other) == 0
+        assert await target.worker.replicator.carry_out(other) == 0
     finally:
         await reader.close()
         await target.stop()

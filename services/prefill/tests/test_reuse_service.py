@@ -238,7 +238,7 @@ async def test_reuse_from_every_tier_gives_the_same_tokens(cluster: Cluster) -> 
     longer = [*tokens, *prompt(3, 20)]
     out_long, done = await cluster.run("prefill-0", longer, [plan("prefill-0", "engine", 0, 5)])
     assert done.reused_tokens == 5 * BLOCK
-    assert cluster.prefill("prefill-0").cache.hits >= 5  # type: ignore[union-attr]
+    assert cluster.prefill("prefill-0").worker.cache.hits >= 5
     recomputed, done = await cluster.run("prefill-1", longer)  # prefill-1 ignores its cache
     assert done.reused_tokens == 0 and out_long == recomputed
 

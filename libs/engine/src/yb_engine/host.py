@@ -58,77 +58,43 @@ class EngineGauges:
 
 
 class EngineHost:
-    """Loads the model once and runs every model/page operation on one thread."""
+    """A loaded model, its paged KV cache and page allocator, and the one thread that
+    runs every model and page operation on them.
 
-    def __init__(self, cfg: YbConfig, engine: EngineConfig, name: str) -> None:
-        self.cfg = cfg
-        self.engine = engine
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-engine")
-        self.model: LoadedModel | None = None
-        self.cache: PagedKVCache | None = None
-        self.allocator: PageAllocator | None = None
-        self.runner: ModelRunner | None = None
-        self.attention_backend = ""
+    Built only by `load`, so every part is there from the start: an engine service
+    never sees a half-loaded host.
+    """
 
-    async def load(self) -> None:
-        """Load weights and allocate the KV cache (on the engine thread)."""
-        await self.call(self._load)
-
-    def _load(self) -> None:
-        import torch
-
-        from yb_engine.attention import attention_backend_name
-        from yb_engine.kv_cache import PageAllocator, PagedKVCache
-        from yb_engine.runner import ModelRunner
-
-        # 0: torch's own default, which honours OMP_NUM_THREADS (`yb up` sets 1: its
-        # engines share the machine, and more threads than cores only contend).
-        threads = self.engine.threads or torch.get_num_threads()
-        torch.set_num_threads(threads)
-        model = load_engine_model(
-            self.cfg.model,
-            self.cfg.model_cache_dir(),
-            progress=lambda msg: log.info("model_progress", message=msg),
-        )
-        cache = PagedKVCache(
-            model.config,
-            self.engine.num_kv_pages,
-            self.cfg.model.block_size,
-            dtype=model.dtype,
-            device=model.device,
-        )
+    def __init__(
+        self,
+        executor: ThreadPoolExecutor,
+        model: LoadedModel,
+        cache: PagedKVCache,
+        allocator: PageAllocator,
+        runner: ModelRunner,
+        attention_backend: str,
+    ) -> None:
+        self._executor = executor
         self.model = model
         self.cache = cache
-        self.allocator = PageAllocator(self.engine.num_kv_pages)
-        self.runner = ModelRunner(model, cache)
-        self.attention_backend = attention_backend_name(
-            cache.device, self.cfg.model.block_size, model.dtype
-        )
-        self._warm_up()
-        log.info(
-            "engine_loaded",
-            layers=model.config.num_layers,
-            pages=self.engine.num_kv_pages,
-            block_size=self.cfg.model.block_size,
-            attention=self.attention_backend,
-            threads=threads,
-        )
+        self.allocator = allocator
+        self.runner = runner
+        self.attention_backend = attention_backend
 
-    def _warm_up(self) -> None:
-        """Run one small prefill and decode step so the first request is not the one
-        that pays for first-touch allocations and kernel selection."""
-        from yb_engine.runner import DecodeSeq
+    @classmethod
+    async def load(cls, cfg: YbConfig, engine: EngineConfig, name: str) -> EngineHost:
+        """Start the engine thread, load weights and allocate the KV cache on it.
 
-        assert self.runner is not None
-        assert self.allocator is not None
-        assert self.cache is not None
-        tokens = list(range(1, min(self.cache.block_size, 16) + 1))
-        pages = self.allocator.allocate(self.cache.pages_for(len(tokens) + 1))
+        If loading fails or is cancelled, the thread is told to stop (a load already
+        running on it finishes there and is dropped).
+        """
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-engine")
+        loop = asyncio.get_running_loop()
         try:
-            self.runner.prefill(tokens, pages)
-            self.runner.decode([DecodeSeq(pages, len(tokens), tokens[-1])])
-        finally:
-            self.allocator.free(pages)
+            return await loop.run_in_executor(executor, _load, cls, executor, cfg, engine)
+        except BaseException:
+            executor.shutdown(wait=False, cancel_futures=True)
+            raise
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the engine thread and await its result."""
@@ -138,3 +104,58 @@ class EngineHost:
     def close(self) -> None:
         """Stop the engine thread after the work already submitted."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _load(
+    cls: type[EngineHost], executor: ThreadPoolExecutor, cfg: YbConfig, engine: EngineConfig
+) -> EngineHost:
+    """Engine thread: load the model, allocate its cache, warm it up."""
+    import torch
+
+    from yb_engine.attention import attention_backend_name
+    from yb_engine.kv_cache import PageAllocator, PagedKVCache
+    from yb_engine.runner import ModelRunner
+
+    # 0: torch's own default, which honours OMP_NUM_THREADS (`yb up` sets 1: its
+    # engines share the machine, and more threads than cores only contend).
+    threads = engine.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    model = load_engine_model(
+        cfg.model,
+        cfg.model_cache_dir(),
+        progress=lambda msg: log.info("model_progress", message=msg),
+    )
+    cache = PagedKVCache(
+        model.config,
+        engine.num_kv_pages,
+        cfg.model.block_size,
+        dtype=model.dtype,
+        device=model.device,
+    )
+    allocator = PageAllocator(engine.num_kv_pages)
+    runner = ModelRunner(model, cache)
+    backend = attention_backend_name(cache.device, cfg.model.block_size, model.dtype)
+    _warm_up(runner, allocator, cache)
+    log.info(
+        "engine_loaded",
+        layers=model.config.num_layers,
+        pages=engine.num_kv_pages,
+        block_size=cfg.model.block_size,
+        attention=backend,
+        threads=threads,
+    )
+    return cls(executor, model, cache, allocator, runner, backend)
+
+
+def _warm_up(runner: ModelRunner, allocator: PageAllocator, cache: PagedKVCache) -> None:
+    """Run one small prefill and decode step so the first request is not the one
+    that pays for first-touch allocations and kernel selection."""
+    from yb_engine.runner import DecodeSeq
+
+    tokens = list(range(1, min(cache.block_size, 16) + 1))
+    pages = allocator.allocate(cache.pages_for(len(tokens) + 1))
+    try:
+        runner.prefill(tokens, pages)
+        runner.decode([DecodeSeq(pages, len(tokens), tokens[-1])])
+    finally:
+        allocator.free(pages)

@@ -31,15 +31,13 @@ from typing import TYPE_CHECKING
 import msgspec
 from nats.aio.msg import Msg
 from opentelemetry import trace
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from yb_core import events as ev
 from yb_core import protocol as pr
-from yb_core.bus import Bus, BusError
+from yb_core.bus import BusError
 from yb_core.config import YbConfig
 from yb_core.failpoints import Failpoints
-from yb_core.instance import CancellationFollower, Presence
-from yb_core.service import Service
 from yb_core.telemetry import (
     bind_request,
     extract_context,
@@ -48,8 +46,8 @@ from yb_core.telemetry import (
     trace_id_hex,
     tracer,
 )
-from yb_dataplane.peers import PeerDirectory
-from yb_dataplane.transport import KVReceiver, Reservation, TransferError
+from yb_dataplane.transport import Reservation, TransferError
+from yb_dataplane.worker import Capacity, Worker, WorkerContext, WorkerShell
 from yb_decode.history import TokenHistory
 from yb_engine.host import EngineGauges, EngineHost
 
@@ -99,23 +97,69 @@ class Stream:
     gaps: list[float] = field(default_factory=list)
 
 
-class DecodeService(Service):
+class DecodeService(WorkerShell["DecodeWorker"]):
     """Receives prompt KV over UCX and decodes with continuous batching."""
 
     role = "decode"
 
     def __init__(self, cfg: YbConfig) -> None:
-        super().__init__(cfg)
-        self.engine = EngineHost(cfg, cfg.decode, self.instance_id)
-        self.gauges = EngineGauges(self.metrics)
-        self.receiver = KVReceiver(cfg.decode.ucx_host, cfg.decode.ucx_port)
-        self.receiver.export_metrics(self.metrics)
-        self.batcher: DecodeBatcher | None = None
-        self.bus: Bus | None = None
-        self.presence: Presence | None = None
-        self.cancellations: CancellationFollower | None = None
-        self.peers: PeerDirectory | None = None
-        self.ucx_address = ""
+        super().__init__(cfg, cfg.decode)
+
+    async def build(self, context: WorkerContext) -> DecodeWorker:
+        """Load the model; the batcher runs on it."""
+        from yb_engine.batcher import DecodeBatcher
+
+        engine = await EngineHost.load(self.cfg, self.cfg.decode, self.instance_id)
+        batcher = DecodeBatcher(
+            engine.runner,
+            engine.allocator,
+            engine.model.tokenizer,
+            self.cfg.decode.max_batch_size,
+        )
+        return DecodeWorker(context, engine, batcher)
+
+
+class _DecodeMetrics:
+    """What a decode instance exports besides the engine's gauges and the transport's."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.step = Histogram(
+            "yb_decode_step_seconds",
+            "Duration of one decode step (the TBT)",
+            registry=registry,
+            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
+        )
+        self.requests = Counter(
+            "yb_decode_requests_total", "Requests by outcome", ["outcome"], registry=registry
+        )
+        self.tokens = Counter("yb_decode_tokens_total", "Tokens generated", registry=registry)
+        self.resent = Counter(
+            "yb_decode_resent_chunks",
+            "Token chunks published again because a gateway asked (it lost them)",
+            registry=registry,
+        )
+        self.kv_bytes = Counter(
+            "yb_decode_kv_bytes_received",
+            "Prompt KV bytes received over UCX into reserved pages (verified commits)",
+            registry=registry,
+        )
+
+
+class DecodeWorker(Worker):
+    """Reservations, the continuous batch and the token streams of one engine."""
+
+    def __init__(self, context: WorkerContext, engine: EngineHost, batcher: DecodeBatcher) -> None:
+        self.instance_id = context.instance_id
+        self.cfg = context.cfg
+        self.bus = context.bus
+        self.receiver = context.receiver
+        self.tasks = context.tasks
+        self.ucx_address = context.address.to_wire()
+        self.engine = engine
+        self.batcher = batcher
+        self.gauges = EngineGauges(context.metrics)
+        self.gauges.follow(engine.allocator, engine.cache.num_pages)
+        self._m = _DecodeMetrics(context.metrics)
         self._pending: dict[str, Pending] = {}
         self._streams: dict[str, Stream] = {}
         # Why a stream is being aborted: a cancel, or its deadline.
@@ -123,106 +167,40 @@ class DecodeService(Service):
         self._work = asyncio.Event()
         self._draining = False
         # Test-only fault injection: inert (None) unless YB_FAILPOINTS arms it.
-        self.failpoints = Failpoints.from_text(cfg.failpoints, self.instance_id)
+        self.failpoints = Failpoints.from_text(self.cfg.failpoints, self.instance_id)
         self._hold_at_token = self.failpoints.count("decode.token")
         # What was streamed, for gateways that lost chunks on the way.
         self.history = TokenHistory()
-        self._m_step = Histogram(
-            "yb_decode_step_seconds",
-            "Duration of one decode step (the TBT)",
-            registry=self.metrics,
-            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
-        )
-        self._m_requests = Counter(
-            "yb_decode_requests_total", "Requests by outcome", ["outcome"], registry=self.metrics
-        )
-        self._m_tokens = Counter(
-            "yb_decode_tokens_total", "Tokens generated", registry=self.metrics
-        )
-        self._m_resent = Counter(
-            "yb_decode_resent_chunks",
-            "Token chunks published again because a gateway asked (it lost them)",
-            registry=self.metrics,
-        )
-        self._m_kv_bytes = Counter(
-            "yb_decode_kv_bytes_received",
-            "Prompt KV bytes received over UCX into reserved pages (verified commits)",
-            registry=self.metrics,
-        )
 
     # --- lifecycle ------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Load the model, open the UCX listener, subscribe, announce."""
-        from yb_engine.batcher import DecodeBatcher
-
-        self.serve_metrics()
-        self.bus = await self.connect_bus()
-        await self.engine.load()
-        assert self.engine.runner is not None
-        assert self.engine.allocator is not None
-        assert self.engine.model is not None
-        assert self.engine.cache is not None
-        self.batcher = DecodeBatcher(
-            self.engine.runner,
-            self.engine.allocator,
-            self.engine.model.tokenizer,
-            self.cfg.decode.max_batch_size,
+    def capacity(self) -> Capacity:
+        return Capacity(
+            kv_capacity_blocks=self.engine.cache.num_pages,
+            max_batch_size=self.cfg.decode.max_batch_size,
+            attention_backend=self.engine.attention_backend,
         )
-        self.gauges.follow(self.engine.allocator, self.engine.cache.num_pages)
-        # Only the cluster's own processes may connect (see `set_peer_check`).
-        self.peers = PeerDirectory(self.bus)
-        await self.peers.open()
-        self.receiver.set_peer_check(self.peers.knows_worker)
-        address = await self.receiver.start()
-        self.ucx_address = str(address)
-        self.cancellations = CancellationFollower(self.bus, self._on_cancel)
-        await self.cancellations.start()
+
+    async def serve(self) -> None:
+        """Take control messages and resend requests, and step the batch."""
         await self.bus.subscribe(pr.decode_control_subject(self.instance_id), cb=self._on_control)
         # Its own subscription, so its callback task never waits behind a control
         # message (a reservation waits for the engine thread).
         await self.bus.subscribe(pr.resend_subject(self.instance_id), cb=self._on_resend)
-        self.presence = Presence(
-            self.bus,
-            ev.InstanceUp(
-                instance_id=self.instance_id,
-                role="decode",
-                host=self.cfg.host,
-                model=self.cfg.model.name,
-                ucx_address=self.ucx_address,
-                block_size=self.cfg.model.block_size,
-                kv_capacity_blocks=self.engine.cache.num_pages,
-                max_batch_size=self.cfg.decode.max_batch_size,
-                attention_backend=self.engine.attention_backend,
-                metrics_address=self.metrics_address,
-            ),
-            self._load_report,
-            self.cfg.decode.load_report_interval_s,
-        )
-        await self.presence.announce()
         self.tasks.spawn("engine", self._engine_loop())
-        self.tasks.spawn("presence", self.presence.run())
-        self.tasks.spawn("peers", self.peers.run())
-        self.tasks.spawn("cancellations", self.cancellations.run())
 
-    async def stop(self) -> None:
-        """Refuse new work, end running streams with an error, release; idempotent."""
+    def refuse_work(self) -> None:
         self._draining = True
-        if self.presence is not None:
-            await self.presence.retire("stopped")
-            self.presence = None
-        await self.tasks.shutdown()
+
+    async def release(self) -> None:
+        """Free every reservation and end every running stream with an error."""
         for request_id in list(self._pending):
             await self._drop_pending(request_id, "decode instance shutting down")
         for stream in list(self._streams.values()):
             await self._end_stream(stream, error="decode instance shutting down", status=503)
-        if self.cancellations is not None:
-            await self.cancellations.close()
-        await self.receiver.close()
+
+    async def close(self) -> None:
         self.engine.close()
-        if self.bus is not None:
-            bus, self.bus = self.bus, None
-            await bus.close()
 
     # --- control messages from prefill ---------------------------------------------
 
@@ -280,15 +258,14 @@ class DecodeService(Service):
         first_seq, next_seq = kept.first_seq, kept.next_seq
         payloads = kept.since(ask.from_seq)
         resent = 0
-        if self.bus is not None:
-            try:
-                for payload in payloads:
-                    await self.bus.publish_core(kept.subject, payload)
-                    resent += 1
-            except BusError as exc:
-                log.warning("resend_failed", request_id=rid, error=str(exc))
+        try:
+            for payload in payloads:
+                await self.bus.publish_core(kept.subject, payload)
+                resent += 1
+        except BusError as exc:
+            log.warning("resend_failed", request_id=rid, error=str(exc))
         if resent:
-            self._m_resent.inc(resent)
+            self._m.resent.inc(resent)
             log.info("tokens_resent", request_id=rid, from_seq=ask.from_seq, resent=resent)
         reply = pr.TokensResent(
             request_id=rid,
@@ -303,18 +280,15 @@ class DecodeService(Service):
         """Publish a chunk to its gateway, and keep it for a resend."""
         payload = pr.encode(chunk)
         self.history.record(request_id, subject, chunk.seq, payload)
-        if self.bus is not None:
-            try:
-                await self.bus.publish_core(subject, payload)
-            except BusError as exc:
-                # Kept all the same: the gateway asks for it once it misses it.
-                log.warning("token_publish_failed", request_id=request_id, error=str(exc))
+        try:
+            await self.bus.publish_core(subject, payload)
+        except BusError as exc:
+            # Kept all the same: the gateway asks for it once it misses it.
+            log.warning("token_publish_failed", request_id=request_id, error=str(exc))
 
     async def _reserve(self, req: pr.ReserveKV, trace_headers: dict[str, str]) -> pr.ReserveReply:
         cache = self.engine.cache
         allocator = self.engine.allocator
-        assert cache is not None
-        assert allocator is not None
         rid = req.request_id
         if self._draining:
             return pr.ReserveRefused(request_id=rid, reason="decode instance shutting down")
@@ -396,7 +370,7 @@ class DecodeService(Service):
         )
         await self._emit(reserve.request_id, reserve.token_subject, chunk)
         self.history.finish(reserve.request_id)
-        self._m_requests.labels("failed").inc()
+        self._m.requests.labels("failed").inc()
         await self._publish(
             ev.RequestFinished(
                 request_id=reserve.request_id,
@@ -422,11 +396,9 @@ class DecodeService(Service):
             await self._drop_pending(rid, "KV not committed")
             return pr.DecodeAck(request_id=rid, ok=False, reason="KV not committed")
         self._pending.pop(rid, None)
-        assert self.engine.cache is not None
-        self._m_kv_bytes.inc(
+        self._m.kv_bytes.inc(
             len(pending.pages) * self.engine.cache.num_layers * self.engine.cache.page_nbytes
         )
-        assert self.batcher is not None
         reserve = pending.reserve
         try:
             await self.engine.call(
@@ -480,10 +452,9 @@ class DecodeService(Service):
         await self.engine.call(self._free, pending.pages)
 
     def _free(self, pages: list[int]) -> None:
-        assert self.engine.allocator is not None
         self.engine.allocator.free(pages)
 
-    def _on_cancel(self, request_id: str, reason: str) -> None:
+    def on_cancel(self, request_id: str, reason: str) -> None:
         if request_id in self._pending:
             self.tasks.spawn(
                 f"cancel:{request_id}", self._drop_pending(request_id, f"cancelled: {reason}")
@@ -494,7 +465,7 @@ class DecodeService(Service):
     def _abort(self, request_id: str, why: _Abort) -> None:
         """Stop decoding a request; the batcher frees its pages and the next step
         reports it, which ends its stream with `why`."""
-        if self.batcher is None or request_id in self._aborts:
+        if request_id in self._aborts:
             return
         self._aborts[request_id] = why
         self.tasks.spawn(f"abort:{request_id}", self._run_abort(self.batcher, request_id))
@@ -516,7 +487,6 @@ class DecodeService(Service):
 
     async def _engine_loop(self) -> None:
         batcher = self.batcher
-        assert batcher is not None
         while True:
             await self._work.wait()
             if not batcher.has_work():
@@ -524,7 +494,7 @@ class DecodeService(Service):
                 continue
             self._expire_streams()
             outputs = await self.engine.call(batcher.step)
-            self._m_step.observe(batcher.last_step_seconds)
+            self._m.step.observe(batcher.last_step_seconds)
             self.gauges.batch.set(batcher.num_running)
             self.gauges.queue.set(batcher.num_waiting)
             await self._deliver(outputs)
@@ -537,7 +507,7 @@ class DecodeService(Service):
                 continue
             if out.token_id is not None:
                 stream.completion_tokens += 1
-                self._m_tokens.inc()
+                self._m.tokens.inc()
                 if not stream.first_token_at:
                     stream.first_token_at = now
                 else:
@@ -577,7 +547,6 @@ class DecodeService(Service):
         or cancels it; the rest of the batch goes on stepping.
         """
         batcher = self.batcher
-        assert batcher is not None
         if await self.engine.call(batcher.park, request_id):
             self.tasks.spawn(f"hold:{request_id}", self._hold(batcher, request_id))
 
@@ -630,7 +599,7 @@ class DecodeService(Service):
         outcome: ev.RequestOutcome = (
             "cancelled" if reason == "abort" else "failed" if error else "completed"
         )
-        self._m_requests.labels(outcome).inc()
+        self._m.requests.labels(outcome).inc()
         ttft = stream.first_token_at - stream.ttft_started if stream.ttft_started else 0.0
         await self._publish(
             ev.RequestFinished(
@@ -646,20 +615,19 @@ class DecodeService(Service):
         )
 
     async def _publish(self, event: ev.AnyEvent) -> None:
-        if self.bus is not None:
-            await self.bus.try_publish(event)
+        await self.bus.try_publish(event)
 
-    def _load_report(self) -> ev.LoadReport:
+    def load_report(self) -> ev.LoadReport:
         batcher = self.batcher
         allocator = self.engine.allocator
         return ev.LoadReport(
             instance_id=self.instance_id,
             role="decode",
-            queued_requests=len(self._pending) + (batcher.num_waiting if batcher else 0),
-            running_requests=batcher.num_running if batcher else 0,
-            kv_used_blocks=allocator.num_used if allocator else 0,
-            kv_total_blocks=self.engine.cache.num_pages if self.engine.cache else 0,
-            last_step_s=batcher.last_step_seconds if batcher else 0.0,
+            queued_requests=len(self._pending) + batcher.num_waiting,
+            running_requests=batcher.num_running,
+            kv_used_blocks=allocator.num_used,
+            kv_total_blocks=self.engine.cache.num_pages,
+            last_step_s=batcher.last_step_seconds,
         )
 
 

@@ -19,21 +19,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from prometheus_client import Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from yb_core import events as ev
 from yb_core.block_events import AnyBlockEvent, BlockEventPublisher, BlockLog
-from yb_core.bus import Bus, EventReader
-from yb_core.config import YbConfig
-from yb_core.instance import Presence
-from yb_core.service import Service
+from yb_core.bus import EventReader
+from yb_core.config import KVStoreConfig, YbConfig
 from yb_core.telemetry import get_logger
-from yb_dataplane.peers import PeerDirectory
 from yb_dataplane.transport import (
     BufferLike,
     FetchOrder,
-    KVReceiver,
-    KVSender,
     Reason,
     Reservation,
     ReservationRefused,
@@ -41,6 +36,7 @@ from yb_dataplane.transport import (
     TransferError,
 )
 from yb_dataplane.transport.blocks import fetch_layers, parse_key, parse_put_id
+from yb_dataplane.worker import Capacity, Worker, WorkerContext, WorkerShell
 from yb_kvstore.policy import make_policy
 from yb_kvstore.replication import Replicator
 from yb_kvstore.slab import DramSlab, SlabFull
@@ -50,157 +46,164 @@ from yb_kvstore.store import BlockStore, MissingBlocks
 log = get_logger(__name__)
 
 
-class KVStoreService(Service):
+class KVStoreService(WorkerShell["KVStoreWorker"]):
     """Serves one host's KV blocks from a DRAM slab and an SSD tier."""
 
     role = "kvstore"
 
     def __init__(self, cfg: YbConfig) -> None:
-        super().__init__(cfg)
-        kcfg = cfg.kvstore
-        self.block_log = BlockLog(self.instance_id)
-        self._io = ThreadPoolExecutor(max(1, kcfg.ssd_io_threads), thread_name_prefix="yb-ssd")
-        ssd: SsdTier | None = None
-        if kcfg.ssd_dir and kcfg.ssd_blocks > 0:
-            ssd = SsdTier(
-                Path(kcfg.ssd_dir).expanduser(),
-                kcfg.ssd_blocks,
-                self._io,
-                make_policy(kcfg.eviction_policy),
-            )
-        dram = DramSlab(kcfg.dram_blocks, make_policy(kcfg.eviction_policy))
+        super().__init__(cfg, cfg.kvstore)
+
+    async def build(self, context: WorkerContext) -> KVStoreWorker:
+        """The pool's tiers, then the store opened: a new epoch starts with
+        `BlocksCleared`, then what the SSD tier kept."""
+        kcfg = self.cfg.kvstore
+        io = ThreadPoolExecutor(max(1, kcfg.ssd_io_threads), thread_name_prefix="yb-ssd")
+        dram, ssd = _tiers(kcfg, io)
         headroom = kcfg.dram_headroom_blocks
         if headroom < 0:
             headroom = max(1, kcfg.dram_blocks // 16)
-        self.receiver = KVReceiver(kcfg.ucx_host, kcfg.ucx_port)
-        self.receiver.export_metrics(self.metrics)
-        self.sender = KVSender()
-        self.bus: Bus | None = None
-        self.presence: Presence | None = None
-        self.publisher: BlockEventPublisher | None = None
-        self.store = BlockStore(dram, ssd, self.block_log, self._emit, headroom=headroom)
-        self.ucx_address = ""
-        self._m_blocks = Gauge(
-            "yb_kvstore_blocks", "Blocks held, by tier", ["tier"], registry=self.metrics
+        worker = KVStoreWorker(context, dram, ssd, io, headroom)
+        try:
+            await worker.open()
+        except BaseException:
+            await worker.close()
+            raise
+        return worker
+
+
+def _tiers(kcfg: KVStoreConfig, io: ThreadPoolExecutor) -> tuple[DramSlab, SsdTier | None]:
+    """The DRAM slab, and the SSD tier where one is configured (its files on `io`)."""
+    ssd: SsdTier | None = None
+    if kcfg.ssd_dir and kcfg.ssd_blocks > 0:
+        ssd = SsdTier(
+            Path(kcfg.ssd_dir).expanduser(),
+            kcfg.ssd_blocks,
+            io,
+            make_policy(kcfg.eviction_policy),
         )
-        self._m_puts = Counter(
-            "yb_kvstore_puts_total", "Block puts by outcome", ["outcome"], registry=self.metrics
+    return DramSlab(kcfg.dram_blocks, make_policy(kcfg.eviction_policy)), ssd
+
+
+class _StoreMetrics:
+    """What a kvstore exports besides the transport's own."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.blocks = Gauge(
+            "yb_kvstore_blocks", "Blocks held, by tier", ["tier"], registry=registry
         )
-        self._m_fetches = Counter(
-            "yb_kvstore_fetches_total",
-            "Block fetches by outcome",
-            ["outcome"],
-            registry=self.metrics,
+        self.puts = Counter(
+            "yb_kvstore_puts_total", "Block puts by outcome", ["outcome"], registry=registry
         )
-        self._m_bytes = Counter(
-            "yb_kvstore_bytes_total",
-            "Block bytes by direction",
-            ["direction"],
-            registry=self.metrics,
+        self.fetches = Counter(
+            "yb_kvstore_fetches_total", "Block fetches by outcome", ["outcome"], registry=registry
         )
-        self._m_replicated = Counter(
+        self.bytes = Counter(
+            "yb_kvstore_bytes_total", "Block bytes by direction", ["direction"], registry=registry
+        )
+        self.replicated = Counter(
             "yb_kvstore_replicated_blocks_total",
             "Blocks of hot prefixes copied here on the conductor's plan, by outcome",
             ["outcome"],
-            registry=self.metrics,
+            registry=registry,
         )
-        self.peers: PeerDirectory | None = None
-        self.replicator: Replicator | None = None
 
-    def _emit(self, event: AnyBlockEvent) -> None:
-        assert self.publisher is not None, "the pool changes only once the store runs"
-        self.publisher.emit(event)
-        dram = len(self.store.dram)
-        ssd = len(self.store.ssd) if self.store.ssd is not None else 0
-        self._m_blocks.labels("dram").set(dram)
-        self._m_blocks.labels("ssd").set(ssd)
 
-    async def start(self) -> None:
-        """Open the UCX listener, recover the SSD tier, announce, and start serving."""
-        self.serve_metrics()
-        self.bus = await self.connect_bus()
-        self.publisher = BlockEventPublisher(self.bus, self.block_log, self.store.inventory)
-        await self.publisher.open()
-        # A new epoch starts with BlocksCleared, then what the SSD tier kept.
-        await self.store.open()
-        self.peers = PeerDirectory(self.bus)
-        await self.peers.open()
-        self.receiver.set_peer_check(self.peers.knows_worker)
-        address = await self.receiver.start()
-        self.ucx_address = address.to_wire()
-        self.receiver.set_reservation_factory(
-            self._reserve_put, deadline_s=30.0, on_reserved=self._watch_put
-        )
-        self.receiver.set_fetch_handler(self._serve_fetch)
-        ssd = self.store.ssd
-        self.presence = Presence(
-            self.bus,
-            ev.InstanceUp(
-                instance_id=self.instance_id,
-                role="kvstore",
-                host=self.cfg.host,
-                model=self.cfg.model.name,
-                ucx_address=self.ucx_address,
-                block_size=self.cfg.model.block_size,
-                kv_capacity_blocks=self.store.dram.num_slots + (ssd.capacity if ssd else 0),
-                epoch=self.block_log.epoch,
-                metrics_address=self.metrics_address,
-            ),
-            self._load_report,
-            self.cfg.kvstore.load_report_interval_s,
-        )
-        await self.presence.announce()
+class KVStoreWorker(Worker):
+    """The pool, its block events, and the puts, fetches and replications it serves.
+
+    Its work arrives over the transport itself, so the shell stops it by closing the
+    transport; it follows no cancellations (a transfer ends with its own deadline).
+    """
+
+    follows_cancellations = False
+    transport_is_intake = True
+
+    def __init__(
+        self,
+        context: WorkerContext,
+        dram: DramSlab,
+        ssd: SsdTier | None,
+        io: ThreadPoolExecutor,
+        headroom: int,
+    ) -> None:
+        self.instance_id = context.instance_id
+        self._bus = context.bus
+        self._receiver = context.receiver
+        self._sender = context.sender
+        self._tasks = context.tasks
+        self._io = io
+        self._m = _StoreMetrics(context.metrics)
+        self.block_log = BlockLog(context.instance_id)
+        self.store = BlockStore(dram, ssd, self.block_log, self._emit, headroom=headroom)
+        self.publisher = BlockEventPublisher(context.bus, self.block_log, self.store.inventory)
         self.replicator = Replicator(
             self.instance_id,
             self.store,
-            self.receiver,
-            self.sender,
-            self.peers,
-            on_outcome=lambda outcome, n: self._m_replicated.labels(outcome).inc(n),
+            context.receiver,
+            context.sender,
+            context.peers,
+            on_outcome=lambda outcome, n: self._m.replicated.labels(outcome).inc(n),
         )
-        plans = await self.bus.read_ordered(
+
+    async def open(self) -> None:
+        """Open the block-event log, then the pool (a new epoch)."""
+        await self.publisher.open()
+        await self.store.open()
+
+    def _emit(self, event: AnyBlockEvent) -> None:
+        self.publisher.emit(event)
+        dram = len(self.store.dram)
+        ssd = len(self.store.ssd) if self.store.ssd is not None else 0
+        self._m.blocks.labels("dram").set(dram)
+        self._m.blocks.labels("ssd").set(ssd)
+
+    def capacity(self) -> Capacity:
+        ssd = self.store.ssd
+        return Capacity(
+            kv_capacity_blocks=self.store.dram.num_slots + (ssd.capacity if ssd else 0),
+            epoch=self.block_log.epoch,
+        )
+
+    async def serve(self) -> None:
+        """Take puts and fetches on the receiver, follow replication plans."""
+        self._receiver.set_reservation_factory(
+            self._reserve_put, deadline_s=30.0, on_reserved=self._watch_put
+        )
+        self._receiver.set_fetch_handler(self._serve_fetch)
+        plans = await self._bus.read_ordered(
             f"yb.ev.decision.replication.{ev.subject_token(self.instance_id)}", new_only=True
         )
-        self.tasks.spawn("peers", self.peers.run())
-        self.tasks.spawn("replication", self._follow_plans(plans))
-        self.tasks.spawn("block-events", self.publisher.run_publisher())
-        self.tasks.spawn("resyncs", self.publisher.run_resyncs())
-        self.tasks.spawn("presence", self.presence.run())
+        self._tasks.spawn("replication", self._follow_plans(plans))
+        self._tasks.spawn("block-events", self.publisher.run_publisher())
+        self._tasks.spawn("resyncs", self.publisher.run_resyncs())
+        ssd = self.store.ssd
         log.info(
             "kvstore_ready",
-            ucx=self.ucx_address,
+            ucx=self._receiver.address.to_wire(),
             dram_blocks=self.store.dram.num_slots,
             ssd_blocks=ssd.capacity if ssd else 0,
             ssd_dir=str(ssd.directory) if ssd else "",
             recovered=len(ssd) if ssd else 0,
         )
 
-    async def stop(self) -> None:
-        """Stop serving and retire; idempotent."""
-        if self.presence is not None:
-            await self.presence.retire("stopped")
-            self.presence = None
-        await self.receiver.close()
-        await self.sender.close()
-        if self.publisher is not None:
-            # Best effort: what is announced should reach the log before we go.
-            try:
-                await asyncio.wait_for(self.publisher.drained(), 2.0)
-            except TimeoutError:
-                log.warning("block_events_unpublished", pending=self.publisher.pending)
-        await self.tasks.shutdown()
+    async def settle(self) -> None:
+        """Best effort: what is announced should reach the log before we go."""
+        try:
+            await asyncio.wait_for(self.publisher.drained(), 2.0)
+        except TimeoutError:
+            log.warning("block_events_unpublished", pending=self.publisher.pending)
+
+    async def close(self) -> None:
+        """Close the pool; file writes already running finish (a file is complete or
+        absent, never torn)."""
         await self.store.close()
-        # File writes already running finish (a file is complete or absent, never torn).
         await asyncio.get_running_loop().run_in_executor(None, self._io.shutdown, True)
-        if self.bus is not None:
-            bus, self.bus = self.bus, None
-            await bus.close()
 
     # --- replication ----------------------------------------------------------------
 
     async def _follow_plans(self, reader: EventReader) -> None:
         """Carry out the conductor's replication plans for this store, one at a time."""
-        assert self.replicator is not None
         try:
             async for item in reader:
                 if isinstance(item.event, ev.ReplicationPlanned):
@@ -219,16 +222,16 @@ class KVStoreService(Service):
         del header
         put = parse_put_id(request_id)
         if put is None:
-            self._m_puts.labels("refused").inc()
+            self._m.puts.labels("refused").inc()
             return None
         try:
             slot = self.store.reserve_put(put.key, put.block_nbytes)
         except (ValueError, SlabFull) as exc:
             log.warning("put_refused", request_id=request_id, reason=str(exc))
-            self._m_puts.labels("refused").inc()
+            self._m.puts.labels("refused").inc()
             return None
         if slot is None:
-            self._m_puts.labels("duplicate").inc()
+            self._m.puts.labels("duplicate").inc()
             # Already held: the sender learns it is there (and its bytes are drained).
             raise ReservationRefused(f"block {put.key:x} is held already", reason=Reason.DUPLICATE)
         n = put.page_nbytes
@@ -237,7 +240,7 @@ class KVStoreService(Service):
     def _watch_put(self, reservation: Reservation) -> None:
         put = parse_put_id(reservation.request_id)
         assert put is not None
-        self.tasks.spawn(f"put:{reservation.request_id}", self._finish_put(put.key, reservation))
+        self._tasks.spawn(f"put:{reservation.request_id}", self._finish_put(put.key, reservation))
 
     async def _finish_put(self, key: int, reservation: Reservation) -> None:
         try:
@@ -245,12 +248,12 @@ class KVStoreService(Service):
         except TransferError as exc:
             # Half-written bytes are garbage: the slot goes back, nothing was announced.
             self.store.abort_put(key)
-            self._m_puts.labels("failed").inc()
+            self._m.puts.labels("failed").inc()
             log.info("put_failed", key=f"{key:x}", reason=str(exc))
             return
         self.store.commit_put(key, reservation.checksums)
-        self._m_puts.labels("stored").inc()
-        self._m_bytes.labels("in").inc(reservation.nbytes)
+        self._m.puts.labels("stored").inc()
+        self._m.bytes.labels("in").inc(reservation.nbytes)
 
     # --- fetches --------------------------------------------------------------------
 
@@ -266,12 +269,12 @@ class KVStoreService(Service):
         for text in order.keys:
             key = parse_key(text)
             if key is None:
-                self._m_fetches.labels("refused").inc()
+                self._m.fetches.labels("refused").inc()
                 raise ReservationRefused(f"malformed block key {text!r}")
             keys.append(key)
         missing = [key for key in keys if key not in self.store]
         if missing:
-            self._m_fetches.labels("missing").inc()
+            self._m.fetches.labels("missing").inc()
             raise ReservationRefused(f"blocks not held here: {MissingBlocks(missing)}")
         layers = max(1, fetch_layers(order.request_id))
         batch = max(1, self.store.dram.num_slots // 2)
@@ -281,7 +284,7 @@ class KVStoreService(Service):
             try:
                 slots = await self.store.acquire(part)
             except MissingBlocks as exc:  # evicted from SSD since the check above
-                self._m_fetches.labels("missing").inc()
+                self._m.fetches.labels("missing").inc()
                 raise ReservationRefused(f"blocks not held here: {exc}") from None
             try:
                 items, checksums = self._fetch_items(part, slots, first, layers)
@@ -290,7 +293,7 @@ class KVStoreService(Service):
                 # message only where the asker's destinations are adjacent too
                 # (`order.breaks`; an engine's pages of one block are a layer apart),
                 # so nothing is staged there.
-                await self.sender.send(
+                await self._sender.send(
                     order.reply_to,
                     order.request_id,
                     items,
@@ -302,8 +305,8 @@ class KVStoreService(Service):
                 sent += sum(int(b.nbytes) for b in slots)
             finally:
                 self.store.release(part)
-        self._m_fetches.labels("served").inc()
-        self._m_bytes.labels("out").inc(sent)
+        self._m.fetches.labels("served").inc()
+        self._m.bytes.labels("out").inc(sent)
 
     def _fetch_items(
         self, keys: list[int], slots: list[np.ndarray], first: int, layers: int
@@ -329,7 +332,7 @@ class KVStoreService(Service):
 
     # --- load -----------------------------------------------------------------------
 
-    def _load_report(self) -> ev.LoadReport:
+    def load_report(self) -> ev.LoadReport:
         dram = self.store.dram
         ssd = self.store.ssd
         return ev.LoadReport(

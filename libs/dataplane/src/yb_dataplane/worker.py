@@ -1,0 +1,273 @@
+"""The shell every data-plane service (prefill, decode, kvstore) runs in.
+
+A data-plane instance is a bus connection, a UCX receiver that peers reach it on, a
+sender, a directory of the other instances (`PeerDirectory`, which also vets who may
+connect to the receiver), its presence on the log (`InstanceUp`, load reports as
+heartbeats, `InstanceDown`), usually a follower of cancellations, and supervised
+tasks. `WorkerShell` owns all of that and the order it comes up and goes down in.
+What a service does with it is its `Worker`: built by the service's `build` once the
+shell's parts run, with every collaborator it needs passed in, so nothing in a worker
+is ever missing.
+
+Start order: metrics, bus, peer directory (followed at once), receiver, the worker
+(`build`: load a model, open a store), cancellations, the worker's own intake
+(`Worker.serve`), and last the announcement, after which peers may send work. A start
+that fails or is cancelled closes what it opened, in reverse.
+
+Stop order (`WorkerShell.stop`; each step says why it comes where it does):
+
+1. refuse: the worker stops taking new work, so nothing starts while it goes down;
+2. retire: `InstanceDown`, so the conductor plans nothing more here;
+3. for a worker whose work arrives over the transport itself (a store serving puts
+   and fetches), close the transport now: that is how it stops taking work;
+4. settle: the worker gets out what must reach the log before its tasks go;
+5. cancel every supervised task and wait for them: a task cancelled mid-request
+   fails that request itself, and still has the bus, the engine and the transport;
+6. release: the worker ends what is left (queued jobs, reservations, streams), still
+   with the bus to say so;
+7. stop following cancellations;
+8. close the transport (receiver, then sender; UCX is torn down off the loop);
+9. close the worker's own resources (the engine thread, the store's files);
+10. close the bus, last, since every step above may publish.
+
+`stop` is idempotent and safe after a failed start.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import dataclass
+from typing import ClassVar, Generic, Protocol, TypeVar
+
+import msgspec
+from prometheus_client import CollectorRegistry
+
+from yb_core import events as ev
+from yb_core.bus import Bus
+from yb_core.config import YbConfig
+from yb_core.instance import CancellationFollower, Presence
+from yb_core.service import Service, Supervisor
+from yb_core.telemetry import get_logger
+from yb_dataplane.peers import PeerDirectory
+from yb_dataplane.transport import KVReceiver, KVSender, PeerAddress
+
+log = get_logger(__name__)
+
+
+class WorkerSection(Protocol):
+    """The settings every data-plane section carries (`EngineConfig`,
+    `KVStoreConfig`): where its receiver listens and how often it reports load."""
+
+    @property
+    def ucx_host(self) -> str: ...
+
+    @property
+    def ucx_port(self) -> int: ...
+
+    @property
+    def load_report_interval_s(self) -> float: ...
+
+
+class Capacity(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker announces about itself beyond who and where it is."""
+
+    kv_capacity_blocks: int
+    max_batch_size: int = 0
+    attention_backend: str = ""
+    epoch: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerContext:
+    """The shell's running parts, handed to `WorkerShell.build`.
+
+    A worker uses them and never closes them: the shell does, in its stop order.
+    Tasks the worker spawns on `tasks` are cancelled at step 5 of that order.
+    """
+
+    instance_id: str
+    cfg: YbConfig
+    bus: Bus
+    peers: PeerDirectory
+    receiver: KVReceiver
+    sender: KVSender
+    address: PeerAddress
+    tasks: Supervisor
+    metrics: CollectorRegistry
+
+
+class Worker(abc.ABC):
+    """What a data-plane service supplies to its shell: the part that is its own.
+
+    `follows_cancellations`: whether `on_cancel` hears of every cancelled request.
+    `transport_is_intake`: whether work arrives over the transport itself, so the
+    shell closes it to stop taking work (step 3) rather than after the tasks.
+    """
+
+    follows_cancellations: ClassVar[bool] = True
+    transport_is_intake: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def capacity(self) -> Capacity:
+        """What the announcement says this instance can hold."""
+
+    @abc.abstractmethod
+    def load_report(self) -> ev.LoadReport:
+        """This instance's load now (published every interval, as its heartbeat)."""
+
+    @abc.abstractmethod
+    async def serve(self) -> None:
+        """Open the intake (subscriptions, receiver handlers) and spawn the worker's
+        own tasks; runs before the announcement, so no work arrives earlier."""
+
+    def on_cancel(self, request_id: str, reason: str) -> None:
+        """A request was cancelled (called on the event loop; must not block)."""
+        del request_id, reason
+
+    def refuse_work(self) -> None:  # noqa: B027 (optional hook)
+        """Stop step 1: refuse new work from now on."""
+
+    async def settle(self) -> None:  # noqa: B027 (optional hook)
+        """Stop step 4: get out what must reach the log while the tasks still run."""
+
+    async def release(self) -> None:  # noqa: B027 (optional hook)
+        """Stop step 6: end what is left, with the tasks gone and the bus still open."""
+
+    async def close(self) -> None:  # noqa: B027 (optional hook)
+        """Stop step 9: close the worker's own resources."""
+
+
+W = TypeVar("W", bound=Worker)
+
+
+@dataclass(slots=True)
+class _Running(Generic[W]):
+    """What a started shell closes in its stop order."""
+
+    bus: Bus
+    worker: W
+    presence: Presence
+    cancellations: CancellationFollower | None
+
+
+class WorkerShell(Service, Generic[W]):
+    """A data-plane service: the shared lifecycle (see the module docstring) around
+    the `Worker` its subclass builds."""
+
+    role: ev.Role
+
+    def __init__(self, cfg: YbConfig, section: WorkerSection) -> None:
+        super().__init__(cfg)
+        self.section = section
+        self.receiver = KVReceiver(section.ucx_host, section.ucx_port)
+        self.receiver.export_metrics(self.metrics)
+        self.sender = KVSender()
+        self._running: _Running[W] | None = None
+
+    @abc.abstractmethod
+    async def build(self, context: WorkerContext) -> W:
+        """Construct this service's worker from the shell's running parts."""
+
+    @property
+    def worker(self) -> W:
+        """The running worker; raises before `start` has finished or after `stop`."""
+        if self._running is None:
+            raise RuntimeError(f"{self.instance_id} is not running")
+        return self._running.worker
+
+    @property
+    def ucx_address(self) -> str:
+        """The receiver's address as announced; raises before the receiver started."""
+        return self.receiver.address.to_wire()
+
+    async def start(self) -> None:
+        """Bring the shell's parts up, build the worker, announce (see the module
+        docstring); on failure or cancellation, close what was opened and re-raise."""
+        self.serve_metrics()
+        async with contextlib.AsyncExitStack() as opened:
+            # Unwinding runs last-in first-out: the tasks go first, the bus last.
+            bus = await self.connect_bus()
+            opened.push_async_callback(bus.close)
+            peers = PeerDirectory(bus)
+            await peers.open()
+            # Followed from now on, so the directory is current while the worker
+            # builds (a model load takes a while) and whoever connects can be vetted.
+            self.tasks.spawn("peers", peers.run())
+            self.receiver.set_peer_check(peers.knows_worker)
+            opened.push_async_callback(self._close_transport)
+            address = await self.receiver.start()
+            context = WorkerContext(
+                instance_id=self.instance_id,
+                cfg=self.cfg,
+                bus=bus,
+                peers=peers,
+                receiver=self.receiver,
+                sender=self.sender,
+                address=address,
+                tasks=self.tasks,
+                metrics=self.metrics,
+            )
+            worker = await self.build(context)
+            opened.push_async_callback(worker.close)
+            cancellations = None
+            if worker.follows_cancellations:
+                # Subscribed before the intake opens, so no cancel is missed.
+                cancellations = CancellationFollower(bus, worker.on_cancel)
+                await cancellations.start()
+                opened.push_async_callback(cancellations.close)
+            opened.push_async_callback(self.tasks.shutdown)
+            await worker.serve()
+            presence = Presence(
+                bus,
+                self._announcement(address, worker.capacity()),
+                worker.load_report,
+                self.section.load_report_interval_s,
+            )
+            await presence.announce()
+            self.tasks.spawn("presence", presence.run())
+            if cancellations is not None:
+                self.tasks.spawn("cancellations", cancellations.run())
+            self._running = _Running(bus, worker, presence, cancellations)
+            opened.pop_all()
+
+    def _announcement(self, address: PeerAddress, capacity: Capacity) -> ev.InstanceUp:
+        return ev.InstanceUp(
+            instance_id=self.instance_id,
+            role=self.role,
+            host=self.cfg.host,
+            model=self.cfg.model.name,
+            ucx_address=address.to_wire(),
+            block_size=self.cfg.model.block_size,
+            kv_capacity_blocks=capacity.kv_capacity_blocks,
+            max_batch_size=capacity.max_batch_size,
+            attention_backend=capacity.attention_backend,
+            epoch=capacity.epoch,
+            metrics_address=self.metrics_address,
+        )
+
+    async def stop(self) -> None:
+        """Go down in the order the module docstring gives; idempotent."""
+        running, self._running = self._running, None
+        if running is None:
+            # Never started, or a failed start already closed what it opened.
+            await self.tasks.shutdown()
+            return
+        worker = running.worker
+        worker.refuse_work()
+        await running.presence.retire("stopped")
+        if worker.transport_is_intake:
+            await self._close_transport()
+        await worker.settle()
+        await self.tasks.shutdown()
+        await worker.release()
+        if running.cancellations is not None:
+            await running.cancellations.close()
+        await self._close_transport()
+        await worker.close()
+        await running.bus.close()
+
+    async def _close_transport(self) -> None:
+        """Close the receiver, then the sender (both idempotent)."""
+        await self.receiver.close()
+        await self.sender.close()

@@ -1,0 +1,685 @@
+"""What a prefill instance does with its engine: the job queue and each job's phases.
+
+A job runs in four phases, each with a deadline: reserve pages on the decode
+instance the conductor chose (`_reserve_on_decode`), load the planned prefix into
+pages here (`_load_prefix`), compute the rest while streaming every page to decode
+layer by layer and commit (`_compute_and_stream`), and hand the request over with
+its first token (`_hand_over`). Whatever ends a job early gives back what it held:
+the decode reservation, and its pages here (its full blocks stay cached, the new
+ones are uploaded to the host's kvstore in the background).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.aio.msg import Msg
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from yb_core import events as ev
+from yb_core import protocol as pr
+from yb_core.block_events import AnyBlockEvent, BlockEventPublisher, BlockLog
+from yb_core.bus import BusError
+from yb_core.failpoints import Failpoints
+from yb_core.telemetry import (
+    bind_request,
+    extract_context,
+    get_logger,
+    trace_carrier,
+    trace_id_hex,
+    tracer,
+)
+from yb_dataplane.transport import PeerAddress, TransferError
+from yb_dataplane.worker import Capacity, Worker, WorkerContext
+from yb_engine.host import EngineGauges, EngineHost
+from yb_engine.kv_cache import OutOfPages
+from yb_prefill.decode_link import DecodeLink, JobFailed
+from yb_prefill.prefix_cache import PrefixCache
+from yb_prefill.reuse import Prefix, PrefixLoader
+from yb_prefill.streaming import LayerStreamer
+from yb_prefill.uploads import BlockUploader
+
+log = get_logger(__name__)
+_tracer = tracer(__name__)
+
+MAX_QUEUE = 256
+
+
+@dataclass
+class QueuedJob:
+    """A job waiting for the engine."""
+
+    job: pr.PrefillJob
+    trace_headers: dict[str, str]
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True, slots=True)
+class _Computed:
+    """The outcome of the compute phase."""
+
+    first_token: int
+    at: float  # monotonic time the compute ended (streaming may have gone on)
+
+
+class _PrefillMetrics:
+    """What a prefill instance exports besides the engine's gauges and the transport's."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.prefill = Histogram(
+            "yb_prefill_seconds",
+            "Prefill time per request (compute and KV streaming)",
+            registry=registry,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+        )
+        self.jobs = Counter(
+            "yb_prefill_jobs_total", "Jobs by outcome", ["outcome"], registry=registry
+        )
+        self.tokens = Counter(
+            "yb_prefill_tokens_total", "Prompt tokens computed", registry=registry
+        )
+        self.reused = Counter(
+            "yb_prefill_reused_tokens_total",
+            "Prompt tokens whose KV was reused, by where it came from",
+            ["source"],
+            registry=registry,
+        )
+        self.fetch = Histogram(
+            "yb_prefill_prefix_fetch_seconds",
+            "Time to pull a planned prefix from kvstores",
+            registry=registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10),
+        )
+        self.fetch_failures = Counter(
+            "yb_prefill_prefix_fetch_failures_total",
+            "Planned prefix fetches that failed (recomputed instead)",
+            registry=registry,
+        )
+        self.puts = Counter(
+            "yb_prefill_block_puts_total",
+            "Blocks put into the host's kvstore, by outcome",
+            ["outcome"],
+            registry=registry,
+        )
+        self.cached = Gauge(
+            "yb_prefill_engine_cache_blocks",
+            "Blocks kept in the engine's own pages",
+            registry=registry,
+        )
+
+
+class PrefillWorker(Worker):
+    """Runs prefill jobs one at a time on one engine and streams their KV to decode."""
+
+    def __init__(self, context: WorkerContext, engine: EngineHost) -> None:
+        cfg = context.cfg
+        self.instance_id = context.instance_id
+        self.cfg = cfg
+        self.pcfg = cfg.prefill
+        self.bus = context.bus
+        self.peers = context.peers
+        self.sender = context.sender
+        self.tasks = context.tasks
+        self.engine = engine
+        self.decode = DecodeLink(context.bus)
+        self.gauges = EngineGauges(context.metrics)
+        self.gauges.follow(engine.allocator, engine.cache.num_pages)
+        self._m = _PrefillMetrics(context.metrics)
+        self.block_log = BlockLog(self.instance_id)
+        self.cache = PrefixCache(
+            engine.allocator,
+            min(self.pcfg.prefix_cache_pages, engine.cache.num_pages),
+            self.block_log,
+            self._emit_block_event,
+        )
+        # Idle, the engine holds exactly its cached blocks: any page used beyond them
+        # is held for a request (which is how a leak shows).
+        cache = self.cache
+        self._m.cached.set_function(lambda: len(cache))
+        self.publisher = BlockEventPublisher(context.bus, self.block_log, self.cache.inventory)
+        self.loader = PrefixLoader(
+            self.instance_id, self.cache, engine.cache, context.peers, context.receiver, self.sender
+        )
+        self.uploader = BlockUploader(
+            self.cache, engine.cache, self.sender, deadline_s=self.pcfg.transfer_timeout_s
+        )
+        self._queue: asyncio.Queue[QueuedJob] = asyncio.Queue(maxsize=MAX_QUEUE)
+        self._queued_tokens = 0
+        self._running: str | None = None
+        self._cancelled: dict[str, str] = {}
+        self._draining = False
+        # Test-only fault injection: inert unless YB_FAILPOINTS arms it.
+        self.failpoints = Failpoints.from_text(cfg.failpoints, self.instance_id)
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Open the block-event log, then the cache (a new epoch: whatever an earlier
+        life cached is gone)."""
+        await self.publisher.open()
+        self.cache.open()
+
+    def capacity(self) -> Capacity:
+        return Capacity(
+            kv_capacity_blocks=self.engine.cache.num_pages,
+            max_batch_size=1,
+            attention_backend=self.engine.attention_backend,
+            epoch=self.block_log.epoch,
+        )
+
+    async def serve(self) -> None:
+        """Take jobs, publish block events, run the queue."""
+        await self.bus.subscribe(pr.prefill_job_subject(self.instance_id), cb=self._on_job)
+        self.tasks.spawn("block-events", self.publisher.run_publisher())
+        self.tasks.spawn("resyncs", self.publisher.run_resyncs())
+        self.tasks.spawn("worker", self._run_queue())
+
+    def refuse_work(self) -> None:
+        self._draining = True
+
+    async def release(self) -> None:
+        """Fail the jobs still queued (the running one failed when its task was
+        cancelled)."""
+        while not self._queue.empty():
+            queued = self._queue.get_nowait()
+            await self._fail(queued.job, JobFailed("prefill instance shutting down"))
+
+    async def close(self) -> None:
+        self.engine.close()
+
+    def load_report(self) -> ev.LoadReport:
+        return ev.LoadReport(
+            instance_id=self.instance_id,
+            role="prefill",
+            queued_requests=self._queue.qsize(),
+            queued_tokens=self._queued_tokens,
+            running_requests=1 if self._running else 0,
+            kv_used_blocks=self.engine.allocator.num_used,
+            kv_total_blocks=self.engine.cache.num_pages,
+        )
+
+    def on_cancel(self, request_id: str, reason: str) -> None:
+        self._cancelled[request_id] = reason or "cancelled"
+        # Bound the memory of cancellations for requests this instance never saw.
+        if len(self._cancelled) > 10_000:
+            for key in list(self._cancelled)[:5_000]:
+                del self._cancelled[key]
+
+    # --- intake ---------------------------------------------------------------------
+
+    async def _on_job(self, msg: Msg) -> None:
+        try:
+            job = pr.job_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("malformed_job", error=str(exc))
+            await self._reply(
+                msg,
+                pr.JobRefused(
+                    request_id="",
+                    instance_id=self.instance_id,
+                    reason=f"malformed job: {exc}",
+                    retryable=False,
+                ),
+            )
+            return
+        if reason := self._refusal(job):
+            self._m.jobs.labels("refused").inc()
+            await self._reply(
+                msg,
+                pr.JobRefused(
+                    request_id=job.request_id, instance_id=self.instance_id, reason=reason
+                ),
+            )
+            return
+        self._queued_tokens += len(job.token_ids)
+        # The trace context comes in the NATS headers (the job's copy is the fallback).
+        headers = trace_carrier(msg.headers) or dict(job.trace_headers)
+        self._queue.put_nowait(QueuedJob(job, headers))
+        self.gauges.queue.set(self._queue.qsize())
+        await self._reply(
+            msg,
+            pr.JobAccepted(
+                request_id=job.request_id,
+                instance_id=self.instance_id,
+                queue_position=self._queue.qsize(),
+            ),
+        )
+
+    def _refusal(self, job: pr.PrefillJob) -> str:
+        """Why this instance will not queue `job` ('' if it will)."""
+        if self._draining:
+            return "prefill instance shutting down"
+        if self._queue.full():
+            return "prefill queue full"
+        if job.decision.prefill_instance != self.instance_id:
+            return f"job is planned for {job.decision.prefill_instance}"
+        if job.deadline and job.deadline < time.time():
+            return "deadline passed before the job arrived"
+        return ""
+
+    async def _reply(self, msg: Msg, reply: pr.JobReply) -> None:
+        with contextlib.suppress(Exception):
+            await msg.respond(pr.encode(reply))
+
+    # --- the engine loop ------------------------------------------------------------
+
+    async def _run_queue(self) -> None:
+        while True:
+            queued = await self._queue.get()
+            self.gauges.queue.set(self._queue.qsize())
+            job = queued.job
+            self._queued_tokens -= len(job.token_ids)
+            self._running = job.request_id
+            self.gauges.batch.set(1)
+            try:
+                with bind_request(job.request_id):
+                    await self._run(job, queued.trace_headers)
+            except asyncio.CancelledError:
+                await self._fail(job, JobFailed("prefill instance shutting down"))
+                raise
+            finally:
+                self._running = None
+                self.gauges.batch.set(0)
+
+    async def _run(self, job: pr.PrefillJob, trace_headers: dict[str, str]) -> None:
+        """One job, traced, with its outcome counted and a failure reported."""
+        ctx = extract_context(trace_headers)
+        log.info(
+            "prefill_started",
+            prompt_tokens=len(job.token_ids),
+            decode=job.decision.decode_instance,
+            trace_id=trace_id_hex(trace_headers),
+        )
+        with _tracer.start_as_current_span("prefill", context=ctx) as span:
+            span.set_attribute("yb.request_id", job.request_id)
+            span.set_attribute("yb.prompt_tokens", len(job.token_ids))
+            started = time.monotonic()
+            try:
+                await self._prefill(job, span)
+            except JobFailed as exc:
+                self._m.jobs.labels("failed").inc()
+                await self._fail(job, exc)
+                return
+            except TransferError as exc:
+                self._m.jobs.labels("failed").inc()
+                await self._publish(
+                    ev.TransferFailed(
+                        request_id=job.request_id,
+                        source_instance=self.instance_id,
+                        target_instance=job.decision.decode_instance,
+                        reason=str(exc),
+                    )
+                )
+                await self._fail(job, JobFailed(f"KV transfer to decode failed: {exc}"))
+                return
+            except Exception as exc:
+                # One job's bug or bad input (the engine refusing a prompt, say) ends
+                # that job, not the worker: a crashed worker takes every queued job
+                # and the whole instance with it. Its pages were given back on the
+                # way out of `_prefill`.
+                log.exception("prefill_crashed", error=repr(exc))
+                self._m.jobs.labels("failed").inc()
+                await self._fail(job, JobFailed(f"prefill failed: {exc}", status=500))
+                return
+            self._m.jobs.labels("completed").inc()
+            self._m.prefill.observe(time.monotonic() - started)
+
+    # --- one job's phases -----------------------------------------------------------
+
+    async def _prefill(self, job: pr.PrefillJob, span: trace.Span) -> None:
+        """Reserve on decode, load the prefix, compute and stream, hand over."""
+        self._check_alive(job)
+        t_start = time.monotonic()
+        await self._publish(
+            ev.RequestProgress(
+                request_id=job.request_id, instance_id=self.instance_id, stage="prefill_started"
+            )
+        )
+        transfer_deadline = min(self._remaining(job), self.pcfg.transfer_timeout_s)
+        reserved = await self._reserve_on_decode(job, transfer_deadline)
+        prefix = await self._load_prefix(job, transfer_deadline)
+        t_loaded = time.monotonic()
+        cached_tokens = prefix.reused_blocks * self.engine.cache.block_size
+        computed = await self._compute_and_stream(
+            job, reserved, prefix, cached_tokens, transfer_deadline, span
+        )
+        await self._hand_over(job, computed.first_token, cached_tokens, transfer_deadline)
+        t_done = time.monotonic()
+        log.info(
+            "prefill_done",
+            prompt_tokens=len(job.token_ids),
+            reused_tokens=cached_tokens,
+            fetch_s=round(prefix.fetch_s, 4),
+            # Where the time went: reserve on decode and load the prefix, compute (with
+            # streaming alongside), the streaming left after compute plus the hand-over.
+            load_s=round(t_loaded - t_start, 4),
+            compute_s=round(computed.at - t_loaded, 4),
+            tail_s=round(t_done - computed.at, 4),
+        )
+
+    async def _reserve_on_decode(self, job: pr.PrefillJob, deadline_s: float) -> pr.KVReserved:
+        """Phase 1: room on the decode instance, before any compute is spent; its
+        pages must have this engine's layout."""
+        decode_id = job.decision.decode_instance
+        reserve = pr.ReserveKV(
+            request_id=job.request_id,
+            prefill_instance=self.instance_id,
+            num_tokens=len(job.token_ids),
+            sampling=job.sampling,
+            token_subject=job.token_subject,
+            deadline=job.deadline,
+            prompt_token_ids=job.token_ids,
+            trace_headers=job.trace_headers,
+            ttft_started=job.decision.time,
+        )
+        reply = await self.decode.reserve(decode_id, reserve, deadline_s)
+        cache = self.engine.cache
+        num_pages = cache.pages_for(len(job.token_ids))
+        if (reply.num_pages, reply.num_layers, reply.page_nbytes, reply.block_size) != (
+            num_pages,
+            cache.num_layers,
+            cache.page_nbytes,
+            cache.block_size,
+        ):
+            await self.decode.abort(decode_id, job.request_id, "layout mismatch")
+            raise JobFailed(
+                f"decode KV layout {reply.num_pages}x{reply.num_layers}x{reply.page_nbytes}B "
+                f"does not match prefill's {num_pages}x{cache.num_layers}x{cache.page_nbytes}B",
+                status=500,
+            )
+        return reply
+
+    async def _load_prefix(self, job: pr.PrefillJob, deadline_s: float) -> Prefix:
+        """Phase 2: pages here, the planned prefix loaded into them. On failure the
+        decode reservation is given back."""
+        decode_id = job.decision.decode_instance
+        plans = job.decision.reuse if self.pcfg.reuse else []
+        try:
+            await self._failpoint(job, "prefill.load")
+            self._check_alive(job)
+            return await self.loader.load(
+                job.request_id,
+                len(job.token_ids),
+                job.block_hashes,
+                plans,
+                min(deadline_s, self.pcfg.fetch_timeout_s),
+            )
+        except OutOfPages as exc:
+            await self.decode.abort(decode_id, job.request_id, "prefill out of pages")
+            raise JobFailed(f"prefill instance out of KV pages: {exc}") from exc
+        except BaseException:
+            await self.decode.abort(decode_id, job.request_id, "prefill failed")
+            raise
+
+    async def _compute_and_stream(
+        self,
+        job: pr.PrefillJob,
+        reserved: pr.KVReserved,
+        prefix: Prefix,
+        cached_tokens: int,
+        deadline_s: float,
+        span: trace.Span,
+    ) -> _Computed:
+        """Phase 3: compute the rest with layer-wise streaming (the loaded prefix
+        first), then commit. A failure aborts the stream and gives the decode
+        reservation back; either way the pages are kept (once computed: their KV is
+        valid even if the commit failed) or freed after."""
+        first_token: int | None = None
+        try:
+            await self._account_prefix(job, prefix, span)
+            streamer = self._start_streaming(job, reserved, prefix, cached_tokens, deadline_s)
+            try:
+                first_token = await self._compute_with_holds(
+                    job, prefix.block_table, cached_tokens, streamer
+                )
+                computed_at = time.monotonic()
+                await self._failpoint(job, "prefill.commit")
+                self._check_alive(job)
+                await streamer.finish()
+            except BaseException:
+                await streamer.abort()
+                raise
+        except BaseException:
+            await self.decode.abort(job.decision.decode_instance, job.request_id, "prefill failed")
+            raise
+        finally:
+            await self._keep_blocks(job, prefix, first_token is not None)
+        self._m.tokens.inc(len(job.token_ids) - cached_tokens)
+        span.set_attribute("yb.pages_sent", streamer.pages_sent)
+        return _Computed(first_token, computed_at)
+
+    def _start_streaming(
+        self,
+        job: pr.PrefillJob,
+        reserved: pr.KVReserved,
+        prefix: Prefix,
+        cached_tokens: int,
+        deadline_s: float,
+    ) -> LayerStreamer:
+        """A streamer into the decode reservation, sending the loaded prefix first."""
+        streamer = LayerStreamer(
+            asyncio.get_running_loop(),
+            self.sender,
+            PeerAddress.parse(reserved.ucx_address),
+            job.request_id,
+            self.engine.cache,
+            prefix.block_table,
+            len(job.token_ids),
+            cached_tokens,
+            deadline_s,
+            reserved.breaks,
+        )
+        streamer.start()
+        streamer.queue_prefix(prefix.reused_blocks)
+        return streamer
+
+    async def _hand_over(
+        self, job: pr.PrefillJob, first_token: int, cached_tokens: int, deadline_s: float
+    ) -> None:
+        """Phase 4: hand the request over; decode verifies the commit before
+        admitting it."""
+        n = len(job.token_ids)
+        start = pr.StartDecode(
+            request_id=job.request_id,
+            first_token=first_token,
+            prompt_tokens=n,
+            reused_tokens=cached_tokens,
+        )
+        await self.decode.start(job.decision.decode_instance, start, deadline_s)
+        await self._publish(
+            ev.RequestProgress(
+                request_id=job.request_id,
+                instance_id=self.instance_id,
+                stage="prefill_done",
+                computed_tokens=n - cached_tokens,
+                reused_tokens=cached_tokens,
+            )
+        )
+
+    async def _account_prefix(self, job: pr.PrefillJob, prefix: Prefix, span: trace.Span) -> None:
+        """Metrics, trace attributes and `TransferFailed` events for a loaded prefix."""
+        for tier, tokens in prefix.tokens_by_tier.items():
+            self._m.reused.labels(tier).inc(tokens)
+        if prefix.fetched_bytes:
+            self._m.fetch.observe(prefix.fetch_s)
+        span.set_attribute("yb.reused_blocks", prefix.reused_blocks)
+        span.set_attribute("yb.engine_blocks", prefix.engine_blocks)
+        for failure in prefix.failures:
+            self._m.fetch_failures.inc()
+            await self._publish(
+                ev.TransferFailed(
+                    request_id=job.request_id,
+                    source_instance=failure.source,
+                    target_instance=self.instance_id,
+                    reason=f"prefix blocks {failure.first}..{failure.first + failure.count - 1}: "
+                    f"{failure.reason}",
+                )
+            )
+
+    # --- after a job: the pages -----------------------------------------------------
+
+    async def _keep_blocks(self, job: pr.PrefillJob, prefix: Prefix, computed: bool) -> None:
+        """After a prefill: cache its full blocks, upload the new ones, free the rest."""
+        cache = self.cache
+        if not computed:
+            # The pages hold garbage or half a prompt: give them back, but only once the
+            # engine thread is done with them (a cancelled call may still be running;
+            # the engine runs its calls in order).
+            try:
+                await self.engine.call(_engine_barrier)
+            except RuntimeError:
+                return  # the engine is shut down: so is the process, pages and all
+            self.loader.release(prefix)
+            return
+        full = min(len(job.block_hashes), len(job.token_ids) // self.engine.cache.block_size)
+        first = prefix.engine_blocks
+        keys = list(job.block_hashes[first:full])
+        spare = cache.adopt(keys, prefix.block_table[first:full])
+        cache.free(spare + prefix.block_table[max(full, first) :])
+        cache.release(prefix.engine_keys)
+        prefix.engine_keys = []
+        store = self.peers.kvstore_on(self.cfg.host)
+        if not self.pcfg.store_blocks or store is None:
+            cache.release(keys)
+            return
+        # Blocks this host's kvstore gave us are there already; the rest go there
+        # (those pulled from another host: a replica on this one).
+        upload = [
+            job.block_hashes[i]
+            for i in range(first, full)
+            if prefix.loaded_from.get(i) != store.instance_id
+        ]
+        uploading = set(upload)
+        cache.release([k for k in keys if k not in uploading])
+        if upload:
+            address = self.peers.address(store.instance_id)
+            self.tasks.spawn(f"upload:{job.request_id}", self._upload(address, upload))
+
+    async def _upload(self, address: PeerAddress | None, keys: list[int]) -> None:
+        """Owned background task: put blocks into the host's kvstore; never raises."""
+        try:
+            result = await self.uploader.upload(address, keys)
+        except Exception as exc:  # a crash here must not take the service down
+            log.exception("block_upload_crashed", error=repr(exc))
+            return
+        for outcome in ("stored", "duplicate", "failed", "skipped"):
+            count = getattr(result, outcome)
+            if count:
+                self._m.puts.labels(outcome).inc(count)
+
+    # --- the engine thread ----------------------------------------------------------
+
+    async def _compute_with_holds(
+        self, job: pr.PrefillJob, pages: list[int], cached: int, streamer: LayerStreamer
+    ) -> int:
+        """`_compute` on the engine thread; with failpoint `prefill.chunk` armed at k,
+        in two calls (chunks before k, then the rest: the same chunk boundaries) with
+        the hold between them, so the engine thread is never the one that waits."""
+        k = self.failpoints.count("prefill.chunk")
+        split = cached + k * self.pcfg.chunk_size if k is not None else len(job.token_ids)
+        if split < len(job.token_ids):
+            if split > cached:
+                await self.engine.call(self._compute_part, job, pages, cached, split, streamer)
+                cached = split
+            await self._failpoint(job, "prefill.chunk")
+            self._check_alive(job)
+        return await self.engine.call(self._compute, job, pages, cached, streamer)
+
+    def _compute_part(
+        self,
+        job: pr.PrefillJob,
+        pages: list[int],
+        num_cached_tokens: int,
+        end: int,
+        streamer: LayerStreamer,
+    ) -> None:
+        """Engine thread: compute the KV of tokens [num_cached_tokens, end) only."""
+        self.engine.runner.prefill(
+            job.token_ids[:end],
+            pages,
+            num_cached_tokens=num_cached_tokens,
+            chunk_size=self.pcfg.chunk_size,
+            layer_hook=streamer.on_layer,
+        )
+
+    def _compute(
+        self,
+        job: pr.PrefillJob,
+        pages: list[int],
+        num_cached_tokens: int,
+        streamer: LayerStreamer,
+    ) -> int:
+        """Engine thread: run the prefill over the uncached suffix, sample the first token."""
+        from yb_engine.sampling import Sampler, new_generator
+
+        logits = self.engine.runner.prefill(
+            job.token_ids,
+            pages,
+            num_cached_tokens=num_cached_tokens,
+            chunk_size=self.pcfg.chunk_size,
+            layer_hook=streamer.on_layer,
+        )
+        (token,) = Sampler().sample(logits[None], [job.sampling], [new_generator(job.sampling)])
+        return int(token)
+
+    # --- liveness, failure, events --------------------------------------------------
+
+    async def _failpoint(self, job: pr.PrefillJob, point: str) -> None:
+        """Hold the job at `point` if a test armed it; a cancel or the request's
+        deadline ends the hold (the caller's `_check_alive` then fails the job)."""
+        if self.failpoints.count(point) is None:
+            return
+        rid = job.request_id
+        await self.failpoints.hold(
+            point, rid, cancelled=lambda: rid in self._cancelled or self._remaining(job) <= 0
+        )
+
+    def _check_alive(self, job: pr.PrefillJob) -> None:
+        if job.request_id in self._cancelled:
+            raise JobFailed(f"cancelled: {self._cancelled[job.request_id]}", status=499)
+        if self._remaining(job) <= 0:
+            raise JobFailed("request deadline passed during prefill", status=504)
+
+    @staticmethod
+    def _remaining(job: pr.PrefillJob) -> float:
+        return job.deadline - time.time() if job.deadline else 600.0
+
+    async def _fail(self, job: pr.PrefillJob, exc: JobFailed) -> None:
+        """End a request that never reached decode: an error chunk and an event."""
+        log.warning("prefill_failed", request_id=job.request_id, reason=exc.reason)
+        chunk = pr.TokenChunk(
+            request_id=job.request_id,
+            seq=0,
+            finished=True,
+            finish_reason="error",
+            error=exc.reason,
+            error_status=exc.status,
+            prompt_tokens=len(job.token_ids),
+        )
+        with contextlib.suppress(BusError):
+            await self.bus.publish_core(job.token_subject, pr.encode(chunk))
+        outcome: ev.RequestOutcome = "cancelled" if exc.status == 499 else "failed"
+        await self._publish(
+            ev.RequestFinished(
+                request_id=job.request_id,
+                instance_id=self.instance_id,
+                outcome=outcome,
+                reason=exc.reason,
+                prompt_tokens=len(job.token_ids),
+            )
+        )
+
+    def _emit_block_event(self, event: AnyBlockEvent) -> None:
+        self.publisher.emit(event)
+
+    async def _publish(self, event: ev.AnyEvent) -> None:
+        await self.bus.try_publish(event)
+
+
+def _engine_barrier() -> None:
+    """Runs on the engine thread after everything submitted before it."""
