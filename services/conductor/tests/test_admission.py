@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from yb_conductor.policy import make_policy
+from yb_conductor.policy import placement_policy
 from yb_conductor.quality import reject_code
 from yb_core import events as ev
 
@@ -25,7 +25,7 @@ def keys(n: int, base: int = 1000) -> list[int]:
 
 def _ask(c: Any, admission: str, request: ev.RequestAdmitted) -> ev.Decision:
     cfg = msgspec.structs.replace(c.cfg, admission=admission)
-    policy = make_policy(cfg, c.cost)
+    policy = placement_policy(cfg, c.cost)
     request.time = c.t
     return policy.decide(c.c.state, request, seq=10_000).decision
 

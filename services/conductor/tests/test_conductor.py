@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from yb_conductor.baselines import LeastLoadedPolicy
 from yb_conductor.conductor import Conductor
-from yb_conductor.policy import LeastLoadedPolicy
 from yb_core import events as ev
 
 

@@ -26,7 +26,7 @@ import msgspec
 
 from yb_conductor.cost_model import CostModel
 from yb_conductor.hotness import HotPrefixes
-from yb_conductor.policy import Policy, make_policy
+from yb_conductor.policy import Policy, placement_policy
 from yb_conductor.quality import DecisionQuality
 from yb_conductor.settings import from_event, with_overrides
 from yb_conductor.state import ClusterState, Outcome, PendingAdmission
@@ -79,7 +79,7 @@ class Conductor:
     ) -> None:
         self.overrides = dict(overrides or {})
         cfg = with_overrides(cfg or ConductorConfig(), self.overrides)
-        self.policy = policy if policy is not None else make_policy(cfg, cost)
+        self.policy = policy if policy is not None else placement_policy(cfg, cost)
         self.cfg = cfg
         self.follow_recorded = follow_recorded
         self.adopt_logged_config = adopt_logged_config
@@ -152,7 +152,7 @@ class Conductor:
     def configure(self, cfg: ConductorConfig, cost: CostModel | None = None) -> None:
         """Decide with these settings from now on (the state and its history stay)."""
         self.cfg = cfg
-        self.policy = make_policy(cfg, cost)
+        self.policy = placement_policy(cfg, cost)
         state = self.state
         state.heartbeat_timeout_s = cfg.heartbeat_timeout_s
         state.request_timeout_s = cfg.request_timeout_s

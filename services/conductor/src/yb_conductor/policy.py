@@ -6,10 +6,11 @@ seeded from the request). That is what lets a replay recompute every decision.
 
 - `mooncake`: KVCache-centric (prefill by Algorithm 1 and better, see
   `prefill_placement`; decode by predicted TBT; refusals by `admission`);
-- `least-loaded`: the baseline — the prefill instance with the fewest queued tokens,
-  the decode instance with the fewest requests per batch slot;
-- the peers `yb sim` compares against (`random`, `round-robin`, `local-prefix`,
-  `sglang-cache-aware`, `dynamo-kv`), one module each under `peer_policies`.
+- the baselines `yb sim` compares it with (`least-loaded`, `random`, `round-robin`,
+  `local-prefix`, `sglang-cache-aware`, `dynamo-kv`), one module each under
+  `baselines`.
+
+`placement_policy` builds the one the settings name (`conductor.policy`).
 """
 
 from __future__ import annotations
@@ -21,22 +22,21 @@ from yb_conductor.admission import (
     AdmissionPolicy,
     Verdict,
 )
+from yb_conductor.baselines import BASELINES
 from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.decode_placement import DecodeEstimate, DecodePlanner
-from yb_conductor.peer_policies import PEER_POLICIES
 from yb_conductor.policy_base import Decided, Policy, PolicyFactory, reject
 from yb_conductor.prefill_placement import LOCAL, TRANSFER, Option, PoolView, PrefillPlanner
-from yb_conductor.state import ClusterState, InstanceState
+from yb_conductor.state import ClusterState
 from yb_core import events as ev
 from yb_core.config import ConductorConfig
 
 __all__ = [
-    "POLICIES",
+    "PLACEMENT_POLICIES",
     "Decided",
-    "LeastLoadedPolicy",
     "MooncakePolicy",
     "Policy",
-    "make_policy",
+    "placement_policy",
     "reject",
 ]
 
@@ -210,107 +210,22 @@ class MooncakePolicy:
         )
 
 
-class LeastLoadedPolicy:
-    """Prefill on the instance with the least queued work; decode on the least busy.
-
-    Queued work is what the conductor itself sent and has not seen finish, which the
-    log tells exactly, rather than the last periodic load report, which lags.
-    """
-
-    name = "least-loaded"
-
-    def __init__(self, cfg: ConductorConfig | None = None, cost: CostModel | None = None) -> None:
-        self.cfg = cfg or ConductorConfig()
-        self.cost = cost or load_cost_model(self.cfg.cost_model)
-
-    def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decided:
-        """Place on the least-loaded pair, or reject when a pool is empty or saturated."""
-        prefills = state.live("prefill", request.model)
-        decodes = state.live("decode", request.model)
-        if not prefills:
-            verdict = Verdict(NO_PREFILL, "no live prefill instance", 1.0)
-            return Decided(reject(request, seq, self.name, verdict), [])
-        if not decodes:
-            verdict = Verdict(NO_DECODE, "no live decode instance", 1.0)
-            return Decided(reject(request, seq, self.name, verdict), [])
-        prefill = min(prefills, key=lambda i: (i.prefill_tokens_in_flight, i.instance_id))
-        decode = min(decodes, key=lambda i: (self._decode_load(i), i.instance_id))
-        # The prefix an instance holds in its own engine cache is computed from there.
-        usable = max(0, (request.prompt_tokens - 1) // max(1, request.block_size))
-        cached = state.prefix_blocks(request.block_hashes[:usable], prefill.instance_id)
-        computed = request.prompt_tokens - cached * request.block_size
-        queue_s = self.cost.prefill_s(prefill.prefill_tokens_in_flight)
-        prefill_s = self.cost.prefill_s(computed, cached * request.block_size)
-        batch = decode.decode_requests + 1
-        context = decode.decode_context_tokens + request.prompt_tokens
-        estimates = ev.Estimates(
-            queue_s=queue_s,
-            prefill_s=prefill_s,
-            ttft_s=queue_s + prefill_s,
-            tbt_s=self.cost.tbt_s(batch, context),
-            decode_batch=batch,
-        )
-        if decode.max_batch_size and decode.decode_requests >= 4 * decode.max_batch_size:
-            verdict = Verdict("decode_saturated", "decode pool saturated", 1.0)
-            return Decided(reject(request, seq, self.name, verdict, estimates), [])
-        reuse = (
-            [
-                ev.ReusePlan(
-                    source_instance=prefill.instance_id,
-                    tier="engine",
-                    first_block=0,
-                    num_blocks=cached,
-                )
-            ]
-            if cached
-            else []
-        )
-        # What a KVCache-aware policy could have reused, for the quality figures.
-        lengths = state.index.match(request.block_hashes[:usable]).lengths
-        best = max(lengths.values(), default=0)
-        explain = ev.Explanation(
-            branch="local" if cached else "recompute",
-            reason=f"{prefill.instance_id} has the fewest queued tokens; "
-            f"{decode.instance_id} the fewest requests per batch slot",
-            best_blocks=best,
-        )
-        decision = ev.RequestScheduled(
-            time=request.time,
-            request_id=request.request_id,
-            gateway_id=request.gateway_id,
-            prefill_instance=prefill.instance_id,
-            decode_instance=decode.instance_id,
-            reused_blocks=cached,
-            reuse=reuse,
-            estimates=estimates,
-            policy=self.name,
-            admitted_seq=seq,
-            prompt_tokens=request.prompt_tokens,
-            computed_tokens=computed,
-            explain=explain,
-        )
-        return Decided(decision, [])
-
-    @staticmethod
-    def _decode_load(inst: InstanceState) -> float:
-        return inst.decode_requests / max(1, inst.max_batch_size)
-
-
-POLICIES: dict[str, PolicyFactory] = {
+PLACEMENT_POLICIES: dict[str, PolicyFactory] = {
     MooncakePolicy.name: MooncakePolicy,
-    LeastLoadedPolicy.name: LeastLoadedPolicy,
-    **PEER_POLICIES,
+    **BASELINES,
 }
 
 
-def make_policy(cfg: ConductorConfig | str | None = None, cost: CostModel | None = None) -> Policy:
-    """The configured policy (or one by name); a clear error for an unknown one."""
+def placement_policy(
+    cfg: ConductorConfig | str | None = None, cost: CostModel | None = None
+) -> Policy:
+    """The configured placement policy (or one by name); a clear error for an unknown one."""
     if isinstance(cfg, str):
         cfg = ConductorConfig(policy=cfg)
     cfg = cfg or ConductorConfig()
     try:
-        factory = POLICIES[cfg.policy]
+        factory = PLACEMENT_POLICIES[cfg.policy]
     except KeyError:
-        known = ", ".join(sorted(POLICIES))
+        known = ", ".join(sorted(PLACEMENT_POLICIES))
         raise ValueError(f"unknown policy {cfg.policy!r}; known: {known}") from None
     return factory(cfg, cost)

@@ -1,7 +1,8 @@
-"""What every placement policy shares: the protocol, the decision type, a rejection.
+"""What every placement policy shares: the protocol, a decision with its predictions,
+a rejection.
 
 Kept apart from `policy` (which registers every policy by name) so that policies in
-modules of their own (`peer_policies`) can build on it without an import cycle.
+modules of their own (`baselines`) can build on it without an import cycle.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import msgspec
 
 from yb_conductor.admission import ADMISSIONS
 from yb_conductor.cost_model import CostModel, load_cost_model
-from yb_conductor.policy import POLICIES
+from yb_conductor.policy import PLACEMENT_POLICIES
 from yb_conductor.replay import write_log
 from yb_tools.sim.params import SimParams
 from yb_tools.sim.results import PolicyResult
@@ -66,8 +66,8 @@ def expand(policies: list[str], admissions: list[str]) -> list[RunSpec]:
             raise ValueError(f"unknown admission {adm!r}; known: {', '.join(ADMISSIONS)}")
     specs: list[RunSpec] = []
     for name in policies:
-        if name not in POLICIES:
-            known = ", ".join(sorted(POLICIES))
+        if name not in PLACEMENT_POLICIES:
+            known = ", ".join(sorted(PLACEMENT_POLICIES))
             raise ValueError(f"unknown policy {name!r}; known: {known}")
         if name == PAPER_POLICY and len(admissions) > 1:
             specs.extend(RunSpec(f"{name}:{adm}", name, adm) for adm in admissions)

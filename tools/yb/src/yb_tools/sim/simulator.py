@@ -29,7 +29,7 @@ import msgspec
 
 from yb_conductor.conductor import Conductor, Output
 from yb_conductor.cost_model import CostModel
-from yb_conductor.policy import make_policy
+from yb_conductor.policy import placement_policy
 from yb_conductor.replay import LogRecord
 from yb_conductor.settings import configured_event, with_overrides
 from yb_core import events as ev
@@ -89,7 +89,7 @@ class Simulation:
         # The policy is built here and the logged settings are not re-adopted: peer
         # policies take parameters the settings do not carry.
         self.conductor = Conductor(
-            make_policy(self.cfg, cost), cfg=self.cfg, cost=cost, adopt_logged_config=False
+            placement_policy(self.cfg, cost), cfg=self.cfg, cost=cost, adopt_logged_config=False
         )
         self.records: list[LogRecord] | None = [] if record_log else None
         self.rng = random.Random(params.seed)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 
-from yb_conductor.peer_policies.common import (
-    PeerPolicy,
+from yb_conductor.baselines.common import (
+    BaselinePolicy,
     least_busy_decode,
     local_view,
     scheduled,
@@ -22,7 +22,7 @@ from yb_conductor.state import ClusterState
 from yb_core import events as ev
 
 
-class LocalPrefixPolicy(PeerPolicy):
+class LocalPrefixPolicy(BaselinePolicy):
     """Shortest estimated TTFT using each instance's local prefix only."""
 
     name = "local-prefix"

@@ -7,15 +7,15 @@ turns.
 
 from __future__ import annotations
 
+from yb_conductor.baselines.common import BaselinePolicy, local_view, scheduled
 from yb_conductor.cost_model import CostModel
-from yb_conductor.peer_policies.common import PeerPolicy, local_view, scheduled
 from yb_conductor.policy_base import Decided
 from yb_conductor.state import ClusterState
 from yb_core import events as ev
 from yb_core.config import ConductorConfig
 
 
-class RoundRobinPolicy(PeerPolicy):
+class RoundRobinPolicy(BaselinePolicy):
     """The next prefill and the next decode instance, by id, cyclically."""
 
     name = "round-robin"

@@ -1,4 +1,4 @@
-"""The peer policies `yb sim` compares with, on crafted states (see conftest: 16-token
+"""The baselines `yb sim` compares the conductor with, on crafted states (see conftest: 16-token
 blocks, 1 ms per computed token, 0.5 ms per local block load)."""
 
 from __future__ import annotations
@@ -8,12 +8,22 @@ from typing import Any
 
 import pytest
 
-from yb_conductor.policy import POLICIES, make_policy
+from yb_conductor.policy import PLACEMENT_POLICIES, placement_policy
 from yb_conductor.replay import read_log, what_if
 from yb_core import events as ev
 
 FIXTURE = Path(__file__).parent / "fixtures" / "trace_log.jsonl"
-PEERS = ["random", "round-robin", "local-prefix", "sglang-cache-aware", "dynamo-kv"]
+BASELINES = [
+    "least-loaded",
+    "random",
+    "round-robin",
+    "local-prefix",
+    "sglang-cache-aware",
+    "dynamo-kv",
+]
+# The baselines that reuse what the chosen host holds (`least-loaded`, which balances
+# load alone, is tested with the conductor itself).
+HOST_LOCAL = BASELINES[1:]
 
 
 def keys(n: int, base: int = 1000) -> list[int]:
@@ -25,14 +35,14 @@ def _scheduled(d: ev.Decision) -> ev.RequestScheduled:
     return d
 
 
-def test_every_peer_is_a_registered_conductor_policy() -> None:
-    for name in PEERS:
-        assert name in POLICIES
-        assert make_policy(name).name == name
+def test_every_baseline_is_a_registered_placement_policy() -> None:
+    assert set(PLACEMENT_POLICIES) == {"mooncake", *BASELINES}
+    for name in BASELINES:
+        assert placement_policy(name).name == name
 
 
-@pytest.mark.parametrize("name", PEERS)
-def test_peers_reuse_what_the_chosen_host_holds_and_refuse_only_empty_pools(
+@pytest.mark.parametrize("name", HOST_LOCAL)
+def test_host_local_baselines_reuse_what_the_chosen_host_holds_and_refuse_only_empty_pools(
     crafted: Any, name: str
 ) -> None:
     c = crafted(policy=name)
@@ -128,7 +138,7 @@ def test_dynamo_scores_prefill_blocks_and_decode_blocks(crafted: Any) -> None:
 
 
 @pytest.mark.parametrize("name", ["sglang-cache-aware", "dynamo-kv", "local-prefix"])
-def test_yb_replay_asks_what_if_of_a_peer(name: str) -> None:
+def test_yb_replay_asks_what_if_of_a_baseline(name: str) -> None:
     records = read_log(FIXTURE)
     report = what_if(records, {"policy": name})
     assert report.what_if.decisions

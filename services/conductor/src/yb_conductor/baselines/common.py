@@ -1,6 +1,6 @@
-"""What the peer policies share: local prefixes, seeded draws, the decision itself.
+"""What the host-local baselines share: local prefixes, seeded draws, the decision itself.
 
-The peers are the routers `yb sim` compares the conductor with. They run on the same
+These baselines are the routers `yb sim` compares the conductor with. They run on the same
 disaggregated cluster and see the same log, but none of them moves KV between hosts:
 a prefill instance reuses only what its own host holds (its engine cache and its
 host's kvstore), which is also what the simulated engines do on their own.
@@ -94,7 +94,7 @@ def missing_pool(
     prefills: list[InstanceState],
     decodes: list[InstanceState],
 ) -> Decided | None:
-    """The rejection when a pool is empty (the only one a peer policy makes)."""
+    """The rejection when a pool is empty (the only one a host-local baseline makes)."""
     if not prefills:
         verdict = Verdict(NO_PREFILL, "no live prefill instance", 1.0)
         return Decided(reject(request, seq, name, verdict), [])
@@ -104,12 +104,12 @@ def missing_pool(
     return None
 
 
-class PeerPolicy:
-    """What every peer policy has: its settings, its cost model (for the estimates
+class BaselinePolicy:
+    """What every host-local baseline has: its settings, its cost model (for the estimates
     a decision carries) and the live pools of a request, or the rejection when one
     is empty."""
 
-    name = "peer"
+    name = "baseline"
 
     def __init__(self, cfg: ConductorConfig | None = None, cost: CostModel | None = None) -> None:
         self.cfg = cfg or ConductorConfig()

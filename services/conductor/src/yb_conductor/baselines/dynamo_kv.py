@@ -13,8 +13,8 @@ drawn (seeded by the request), as Dynamo samples among equal costs.
 
 from __future__ import annotations
 
+from yb_conductor.baselines.common import BaselinePolicy, draw, local_view, scheduled
 from yb_conductor.cost_model import CostModel
-from yb_conductor.peer_policies.common import PeerPolicy, draw, local_view, scheduled
 from yb_conductor.policy_base import Decided
 from yb_conductor.state import ClusterState
 from yb_core import events as ev
@@ -23,7 +23,7 @@ from yb_core.config import ConductorConfig
 OVERLAP_SCORE_WEIGHT = 1.0
 
 
-class DynamoKvPolicy(PeerPolicy):
+class DynamoKvPolicy(BaselinePolicy):
     """Lowest `weight * prefill_blocks` prefill, lowest `decode_blocks` decode."""
 
     name = "dynamo-kv"

@@ -6,13 +6,13 @@ from `ConductorConfig.seed` and the request id, so a replay draws the same.
 
 from __future__ import annotations
 
-from yb_conductor.peer_policies.common import PeerPolicy, draw, local_view, scheduled
+from yb_conductor.baselines.common import BaselinePolicy, draw, local_view, scheduled
 from yb_conductor.policy_base import Decided
 from yb_conductor.state import ClusterState
 from yb_core import events as ev
 
 
-class RandomPolicy(PeerPolicy):
+class RandomPolicy(BaselinePolicy):
     """Uniform random placement on both pools."""
 
     name = "random"

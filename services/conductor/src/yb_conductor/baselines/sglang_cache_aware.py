@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from yb_conductor.baselines.common import BaselinePolicy, local_view, scheduled
 from yb_conductor.block_index import BlockIndex
 from yb_conductor.cost_model import CostModel
-from yb_conductor.peer_policies.common import PeerPolicy, local_view, scheduled
 from yb_conductor.policy_base import Decided
 from yb_conductor.state import ClusterState
 from yb_core import events as ev
@@ -71,7 +71,7 @@ class ApproximateTree:
         return len(order) if order is not None else 0
 
 
-class SglangCacheAwarePolicy(PeerPolicy):
+class SglangCacheAwarePolicy(BaselinePolicy):
     """Cache affinity while the pool is balanced, shortest queue when it is not."""
 
     name = "sglang-cache-aware"
