@@ -5,7 +5,7 @@ instant. Each must end as a completion or a 429 in the OpenAI format with
 `Retry-After`, never a 5xx, a timeout or a broken stream; every process of the
 cluster must survive; and the cluster must serve normally once the burst has passed.
 How fast the refusals come back and whether the accepted requests meet their SLOs is
-measured by `benchmarks/overload.py` (figures in the README), not asserted here.
+measured by `benchmarks/overload.py` (figures in docs/measurements.md), not asserted here.
 """
 
 from __future__ import annotations
