@@ -94,7 +94,7 @@ class WorkerContext:
     sender: KVSender
     address: PeerAddress
     tasks: Supervisor
-    metrics: CollectorRegistry
+    registry: CollectorRegistry
 
 
 class Worker(abc.ABC):
@@ -161,7 +161,7 @@ class WorkerShell(Service, Generic[W]):
         super().__init__(cfg)
         self.section = section
         self.receiver = KVReceiver(section.ucx_host, section.ucx_port)
-        self.receiver.export_metrics(self.metrics)
+        self.receiver.export_metrics(self.registry)
         self.sender = KVSender()
         self._running: _Running[W] | None = None
 
@@ -194,6 +194,7 @@ class WorkerShell(Service, Generic[W]):
             # Followed from now on, so the directory is current while the worker
             # builds (a model load takes a while) and whoever connects can be vetted.
             self.tasks.spawn("peers", peers.run())
+            opened.push_async_callback(self.tasks.shutdown)
             self.receiver.set_peer_check(peers.knows_worker)
             opened.push_async_callback(self._close_transport)
             address = await self.receiver.start()
@@ -206,7 +207,7 @@ class WorkerShell(Service, Generic[W]):
                 sender=self.sender,
                 address=address,
                 tasks=self.tasks,
-                metrics=self.metrics,
+                registry=self.registry,
             )
             worker = await self.build(context)
             opened.push_async_callback(worker.close)
@@ -216,6 +217,7 @@ class WorkerShell(Service, Generic[W]):
                 cancellations = CancellationFollower(bus, worker.on_cancel)
                 await cancellations.start()
                 opened.push_async_callback(cancellations.close)
+            # Again, so the worker's own tasks go before its resources (idempotent).
             opened.push_async_callback(self.tasks.shutdown)
             await worker.serve()
             presence = Presence(
