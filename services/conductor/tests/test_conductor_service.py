@@ -118,7 +118,7 @@ async def _eventually(check: Callable[[], bool], what: str) -> None:
 
 def _divergences(service: ConductorService) -> float:
     """Every divergence the service found (the fold's own list is cleared once logged)."""
-    value = service.metrics.get_sample_value("yb_conductor_divergences_total")
+    value = service.registry.get_sample_value("yb_conductor_divergences_total")
     return (value or 0.0) + len(service.conductor.divergences)
 
 
@@ -173,7 +173,7 @@ async def test_the_live_log_replays_and_carries_settings_and_predictions(
     )
     service = ConductorService(_config("cond-1", nats_config, admission="predicted"))
     await service.start()
-    metric = service.metrics.get_sample_value
+    metric = service.registry.get_sample_value
     try:
         await bus.publish(_admitted("r1", [1, 2, 3, 4]))
         # A gap in kv0's block events: the conductor asks for its inventory.

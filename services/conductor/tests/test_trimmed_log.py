@@ -102,7 +102,7 @@ async def _until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) 
 
 
 def _sample(service: ConductorService, name: str) -> float:
-    return service.metrics.get_sample_value(name) or 0.0
+    return service.registry.get_sample_value(name) or 0.0
 
 
 async def _replay(cfg: YbConfig, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -54,7 +54,7 @@ def unauthorized(response: httpx.Response, code: str = "invalid_api_key") -> dic
 def v1_routes(gw: GatewayService) -> list[tuple[str, str]]:
     """(method, path) of every /v1 route the gateway's application serves."""
     routes = []
-    for route in create_app(gw).routes:
+    for route in create_app(gw.cfg, gw).routes:
         if route.path.startswith("/v1"):
             for method in sorted(getattr(route, "methods", ())):
                 if method not in ("HEAD", "OPTIONS"):
@@ -170,7 +170,7 @@ async def test_an_open_api_must_be_asked_for(
 ) -> None:
     keyless = GatewayService(make_config(nats_config, api_keys=[]))
     with pytest.raises(ConfigError, match="allow_unauthenticated"):
-        create_app(keyless)
+        create_app(keyless.cfg, keyless)
     gw = await gateway_factory(api_keys=[], allow_unauthenticated=True, wait_bus=False)
     async with client_for(gw, key=None) as anonymous:
         assert (await anonymous.get("/v1/models")).status_code == 200

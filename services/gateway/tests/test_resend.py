@@ -41,7 +41,7 @@ async def stream(client: httpx.AsyncClient) -> tuple[list[str], list[dict[str, A
 
 
 def resends(gw: GatewayService, trigger: str) -> float:
-    return gw.metrics.get_sample_value("yb_gateway_token_resends_total", {"trigger": trigger}) or 0
+    return gw.registry.get_sample_value("yb_gateway_token_resends_total", {"trigger": trigger}) or 0
 
 
 async def test_lost_chunks_are_resent_and_merged_in_order(

@@ -201,7 +201,7 @@ async def test_a_request_rides_out_a_brief_nats_outage(
         # NATS comes back only once the request is inside the gateway; its 200 then
         # proves that it waited for the bus rather than being refused.
         await wait_for(
-            lambda: gw.metrics.get_sample_value("yb_gateway_in_flight_requests") == 1,
+            lambda: gw.registry.get_sample_value("yb_gateway_in_flight_requests") == 1,
             10,
             "the request to reach the gateway",
         )

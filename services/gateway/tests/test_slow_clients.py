@@ -89,7 +89,7 @@ def request_bytes(body: bytes, *, content_length: int | None = None) -> bytes:
 
 
 def metric(gw: GatewayService, name: str, **labels: str) -> float:
-    return gw.metrics.get_sample_value(name, labels) or 0.0
+    return gw.registry.get_sample_value(name, labels) or 0.0
 
 
 # --- the clients -------------------------------------------------------------------

@@ -1,18 +1,27 @@
-"""The pure parts: body decoding, readiness folding, decision routing, SSE framing."""
+"""The pure parts: body decoding, readiness folding, decision routing, SSE framing, and
+the HTTP application over the narrow view it has of a gateway."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import pytest
+from litestar.testing import AsyncTestClient
+from prometheus_client import CollectorRegistry, Counter
 
 from yb_core import events as ev
+from yb_core.config import GatewayConfig, ModelConfig, TelemetryConfig, YbConfig
 from yb_core.events import decision_subjects
-from yb_gateway.app import decode_body
+from yb_gateway.app import create_app, decode_body
+from yb_gateway.completions import CompletionsEndpoint
 from yb_gateway.decisions import DecisionRouter
 from yb_gateway.errors import ApiError
+from yb_gateway.metrics import GatewayMetrics
+from yb_gateway.prompt import PromptEncoder
 from yb_gateway.readiness import InstanceTracker
 from yb_gateway.render import SSE_DONE, ChatFormat, TextFormat
 from yb_gateway.schemas import ChatCompletionRequest, CompletionRequest, Usage
@@ -98,3 +107,43 @@ def test_sse_frames_are_openai_shaped() -> None:
     whole = msgspec.json.decode(TextFormat("cmpl-1", "m").whole("ab", "stop", usage))
     assert whole["object"] == "text_completion" and whole["usage"]["total_tokens"] == 5
     assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+@dataclass
+class _View:
+    """A gateway as the HTTP application sees it: nothing but `GatewayView`."""
+
+    completions: CompletionsEndpoint
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    started_at: int = 1_700_000_000
+    encoder: PromptEncoder | None = None
+    report: dict[str, Any] = field(default_factory=dict)
+
+    def readiness(self) -> dict[str, Any]:
+        return self.report
+
+
+async def test_the_app_answers_from_its_view_of_the_gateway() -> None:
+    cfg = YbConfig(
+        model=ModelConfig(name="tiny"),
+        gateway=GatewayConfig(api_keys=["k"]),
+        telemetry=TelemetryConfig(metrics_token="t"),
+    )
+    registry = CollectorRegistry()
+    Counter("yb_test_seen", "a series of the view's registry", registry=registry).inc(3)
+    view = _View(
+        # The endpoints are never called here: no session is ever asked for.
+        completions=CompletionsEndpoint(None, cfg, GatewayMetrics(registry)),  # type: ignore[arg-type]
+        registry=registry,
+        report={"ready": False, "missing": ["event bus (NATS) connection"]},
+    )
+    async with AsyncTestClient(create_app(cfg, view)) as client:
+        ready = await client.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["missing"] == view.report["missing"]
+        view.report = {"ready": True, "missing": []}
+        assert (await client.get("/readyz")).status_code == 200
+        models = await client.get("/v1/models", headers={"Authorization": "Bearer k"})
+        card = models.json()["data"][0]
+        assert (card["id"], card["created"], card["vocab_size"]) == ("tiny", 1_700_000_000, 0)
+        metrics = await client.get("/metrics", headers={"Authorization": "Bearer t"})
+        assert "yb_test_seen_total 3.0" in metrics.text

@@ -108,7 +108,8 @@ class Service(abc.ABC):
         self.cfg = cfg
         self.instance_id = cfg.instance_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
         self.tasks = Supervisor(self.instance_id)
-        self.metrics = CollectorRegistry()
+        # This process's Prometheus collectors, served at /metrics.
+        self.registry = CollectorRegistry()
         self.metrics_port = 0
 
     @abc.abstractmethod
@@ -130,7 +131,7 @@ class Service(abc.ABC):
         until `self.tasks` shuts down (an owned task holds the listener and closes it)."""
         tcfg = self.cfg.telemetry
         server = MetricsServer(
-            self.metrics, tcfg.metrics_host, tcfg.metrics_port, tcfg.resolved_metrics_token()
+            self.registry, tcfg.metrics_host, tcfg.metrics_port, tcfg.resolved_metrics_token()
         )
         self.metrics_port = server.port
         self.tasks.spawn("metrics-server", server.serve_until_cancelled())

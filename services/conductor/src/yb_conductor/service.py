@@ -178,20 +178,20 @@ class ConductorService(Service):
         # Decisions on their way to the log, oldest first (see `_publish_output`).
         self._publishing: collections.deque[asyncio.Task[None]] = collections.deque()
         self.restored_from_seq = 0
-        self.m = ConductorMetrics(self.metrics)
+        self.metrics = ConductorMetrics(self.registry)
         # What the fold believes about each instance, for operators and fault tests
         # (a dead kvstore's blocks must leave the index): refreshed on a timer.
         self._m_alive = Gauge(
             "yb_conductor_instance_alive",
             "1 while the conductor counts the instance as alive",
             ["instance"],
-            registry=self.metrics,
+            registry=self.registry,
         )
         self._m_index = Gauge(
             "yb_conductor_index_blocks",
             "Blocks the global index places on the instance",
             ["instance"],
-            registry=self.metrics,
+            registry=self.registry,
         )
 
     @property
@@ -252,7 +252,7 @@ class ConductorService(Service):
             return False
         self.conductor = snapshot.restore(snap)
         self.restored_from_seq = snap.last_seq
-        self.m.snapshot_seq.set(snap.last_seq)
+        self.metrics.snapshot_seq.set(snap.last_seq)
         log.info("snapshot_restored", last_seq=snap.last_seq)
         return True
 
@@ -263,7 +263,7 @@ class ConductorService(Service):
         if self.conductor.last_seq < self._gap_reported_to:
             # Nothing folded since the last report: the same gap, grown meanwhile
             # (the log kept turning over while the reader opened).
-            self.m.log_gap_events.inc(max(0, first_seq - self._gap_reported_to))
+            self.metrics.log_gap_events.inc(max(0, first_seq - self._gap_reported_to))
             self._gap_reported_to = max(self._gap_reported_to, first_seq)
             return
         missing = first_seq - 1 - self.conductor.last_seq
@@ -280,7 +280,7 @@ class ConductorService(Service):
             why="trimmed by the stream's limits (nats.max_bytes, nats.max_age_s) "
             "before this conductor read it, and no snapshot reaches back that far",
         )
-        self.m.log_gap_events.inc(missing)
+        self.metrics.log_gap_events.inc(missing)
 
     def _want_inventories(self) -> list[str]:
         """Mark every live block holder the fold knows for an inventory resync.
@@ -340,7 +340,7 @@ class ConductorService(Service):
                     log.warning("conductor_standing_down")
                     self._active = False
                     self._live = False
-                    self.m.active.set(0)
+                    self.metrics.active.set(0)
             else:
                 await self._try_lead()
 
@@ -367,10 +367,10 @@ class ConductorService(Service):
                 continue  # restored from a snapshot; the reader starts after it
             started = time.perf_counter()
             outputs = self.conductor.apply(item.seq, item.event)
-            self.m.applied.inc()
+            self.metrics.applied.inc()
             if self._live:
                 if outputs:
-                    self.m.decided(outputs, time.perf_counter() - started)
+                    self.metrics.decided(outputs, time.perf_counter() - started)
                 for out in outputs:
                     await self._publish_output(out)
                 await self._publish_wants()
@@ -378,9 +378,9 @@ class ConductorService(Service):
                 await self._go_live()
             match item.event:
                 case ev.InstanceUp() | ev.InstanceDown() | ev.LoadReport():
-                    self.m.instances_changed(self.conductor)
+                    self.metrics.instances_changed(self.conductor)
                 case ev.RequestFinished():
-                    self.m.collect_outcomes(self.conductor)
+                    self.metrics.collect_outcomes(self.conductor)
                 case _:
                     pass
             if self.conductor.divergences:
@@ -411,7 +411,7 @@ class ConductorService(Service):
         assert self._store is not None
         try:
             await self._store.put(SNAPSHOT_OBJECT, data)
-            self.m.snapshot_seq.set(seq)
+            self.metrics.snapshot_seq.set(seq)
             log.info("snapshot_saved", last_seq=seq, bytes=len(data))
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             log.warning("snapshot_save_failed", error=repr(exc))
@@ -421,7 +421,7 @@ class ConductorService(Service):
     async def _go_live(self) -> None:
         assert self.bus is not None
         self._live = True
-        self.m.active.set(1)
+        self.metrics.active.set(1)
         now = self.conductor.state.now
         pending = list(self.conductor.unrecorded.values())
         log.info("conductor_live", last_seq=self.conductor.last_seq, unpublished=len(pending))
@@ -439,7 +439,7 @@ class ConductorService(Service):
 
     def _report_divergences(self) -> None:
         for divergence in self.conductor.divergences:
-            self.m.divergences.inc()
+            self.metrics.divergences.inc()
             log.warning(
                 "decision_divergence",
                 seq=divergence.seq,
@@ -565,7 +565,7 @@ class ConductorService(Service):
             self._publishing.clear()
         await self.tasks.shutdown()
         self._active = self._live = False
-        self.m.active.set(0)
+        self.metrics.active.set(0)
         if self.lease is not None:
             await self.lease.release()
         if self._reader is not None:

@@ -157,9 +157,9 @@ class DecodeWorker(Worker):
         self.ucx_address = context.address.to_wire()
         self.engine = engine
         self.batcher = batcher
-        self.gauges = EngineGauges(context.metrics)
+        self.gauges = EngineGauges(context.registry)
         self.gauges.follow(engine.allocator, engine.cache.num_pages)
-        self._m = _DecodeMetrics(context.metrics)
+        self._m = _DecodeMetrics(context.registry)
         self._pending: dict[str, Pending] = {}
         self._streams: dict[str, Stream] = {}
         # Why a stream is being aborted: a cancel, or its deadline.

@@ -1,10 +1,11 @@
 """The litestar application: routes, access guard, error translation, OpenAPI.
 
 Handlers are thin: they decode the body into its typed struct and hand over to
-`CompletionsEndpoint` or to the service's state. Bodies are decoded here with msgspec
-in strict mode rather than through litestar's `data` parameter, whose conversion is
-lax (`"10"` would pass as an int) and whose errors do not have OpenAI's shape; the
-OpenAPI document still shows the request schemas (`_operation_with_body`).
+`CompletionsEndpoint`, or answer from what `GatewayView` shows of the gateway.
+Bodies are decoded here with msgspec in strict mode rather than through litestar's
+`data` parameter, whose conversion is lax (`"10"` would pass as an int) and whose
+errors do not have OpenAI's shape; the OpenAPI document still shows the request
+schemas (`_operation_with_body`).
 
 Who may call what is `auth.AccessPolicy`: health probes are public, `/metrics` needs
 the metrics token, everything else (the OpenAI routes, the OpenAPI document, and any
@@ -14,7 +15,7 @@ route added later unless marked) an API key. The document declares the schemes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
@@ -29,8 +30,9 @@ from litestar.openapi.spec import (
     Schema,
 )
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
+from yb_core.config import YbConfig
 from yb_core.telemetry import render_metrics
 from yb_gateway import __version__
 from yb_gateway.auth import (
@@ -40,6 +42,7 @@ from yb_gateway.auth import (
     SECURITY_COMPONENTS,
     AccessPolicy,
 )
+from yb_gateway.completions import CompletionsEndpoint
 from yb_gateway.errors import (
     ApiError,
     from_decode_error,
@@ -47,6 +50,7 @@ from yb_gateway.errors import (
     handle_unexpected,
     make_http_exception_handler,
 )
+from yb_gateway.prompt import PromptEncoder
 from yb_gateway.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -56,9 +60,6 @@ from yb_gateway.schemas import (
     ModelCard,
     ModelList,
 )
-
-if TYPE_CHECKING:
-    from yb_gateway.service import GatewayService
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -148,13 +149,40 @@ def _operation_with_body(kind: type[msgspec.Struct], example: dict[str, Any]) ->
     return WithBody
 
 
-def create_app(gw: GatewayService) -> Litestar:
+class GatewayView(Protocol):
+    """What the HTTP application reads of its gateway, each time a route asks."""
+
+    @property
+    def started_at(self) -> int:
+        """When the gateway started (Unix seconds): the model card's `created`."""
+        ...
+
+    @property
+    def encoder(self) -> PromptEncoder | None:
+        """The tokenizer (its vocabulary is on the model card); None until loaded."""
+        ...
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The collectors `/metrics` exposes."""
+        ...
+
+    @property
+    def completions(self) -> CompletionsEndpoint:
+        """The two generation endpoints."""
+        ...
+
+    def readiness(self) -> dict[str, Any]:
+        """What `/readyz` reports: `ready`, and what is missing when not."""
+        ...
+
+
+def create_app(cfg: YbConfig, gw: GatewayView) -> Litestar:
     """The HTTP application of one gateway.
 
     Raises `ConfigError` when the gateway has no API key and an open API was not
     asked for (`gateway.allow_unauthenticated`): the process must not start open.
     """
-    cfg = gw.cfg
     policy = AccessPolicy.from_config(cfg)
     api_security = policy.api_security()
 
@@ -188,7 +216,7 @@ def create_app(gw: GatewayService) -> Litestar:
     )
     async def metrics() -> Response[bytes]:
         """Prometheus text exposition of the gateway's registry (needs the metrics token)."""
-        return Response(render_metrics(gw.metrics), media_type=CONTENT_TYPE_LATEST)
+        return Response(render_metrics(gw.registry), media_type=CONTENT_TYPE_LATEST)
 
     @get("/v1/models", tags=["openai"], security=api_security, responses={401: _ERRORS[401]})
     async def models() -> ModelList:

@@ -25,23 +25,22 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
+from opentelemetry.context import Context
 
+from yb_core.config import YbConfig
 from yb_core.telemetry import bind_request, extract_context, get_logger
 from yb_gateway.errors import ApiError, unavailable
-from yb_gateway.metrics import CLIENT_CLOSED
-from yb_gateway.prompt import check_common, prepare
+from yb_gateway.metrics import CLIENT_CLOSED, GatewayMetrics
+from yb_gateway.prompt import PreparedRequest, PromptEncoder, check_common, prepare
 from yb_gateway.render import SSE_DONE, ChatFormat, ResponseFormat, TextFormat, sse_error
 from yb_gateway.schemas import ChatCompletionRequest, CompletionRequest
 from yb_gateway.session import RequestSession, StreamError
 from yb_gateway.slow_clients import DROPPED_STATE_KEY
-
-if TYPE_CHECKING:
-    from yb_gateway.service import GatewayService
 
 log = get_logger(__name__)
 
@@ -90,18 +89,55 @@ class _Exchange:
     settled: bool = False
 
 
-class CompletionsEndpoint:
-    """Serves `/v1/chat/completions` and `/v1/completions` for one gateway."""
+class RequestSessions(Protocol):
+    """What the generation endpoints ask of their gateway: the tokenizer, once loaded,
+    and a session on the bus for each request they admit, released exactly once."""
 
-    def __init__(self, gateway: GatewayService) -> None:
-        self._gw = gateway
+    @property
+    def encoder(self) -> PromptEncoder | None:
+        """The tokenizer; None while it loads or after its load failed."""
+        ...
+
+    @property
+    def encoder_state(self) -> str:
+        """Why `encoder` is None ("loading", "failed: ..."), or "loaded"."""
+        ...
+
+    async def wait_for_bus(self) -> None:
+        """Return once the bus can take a request, or its grace period is over."""
+        ...
+
+    def open_session(
+        self,
+        request_id: str,
+        endpoint: str,
+        prepared: PreparedRequest,
+        arrived: float,
+        trace_parent: Context | None = None,
+    ) -> RequestSession:
+        """A session for an admitted request; an `ApiError` (503) if none can open."""
+        ...
+
+    async def release(self, session: RequestSession, reason: str) -> None:
+        """Close `session`, cancelling it on the bus if it is unfinished."""
+        ...
+
+
+class CompletionsEndpoint:
+    """Serves `/v1/chat/completions` and `/v1/completions` for one gateway, counting
+    every request once in `metrics`."""
+
+    def __init__(self, sessions: RequestSessions, cfg: YbConfig, metrics: GatewayMetrics) -> None:
+        self._sessions = sessions
+        self._cfg = cfg
+        self._metrics = metrics
 
     async def chat(
         self, request: Request[Any, Any, Any], body: ChatCompletionRequest
     ) -> Response[Any]:
         """A chat completion (streamed or not)."""
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = ChatFormat(request_id, self._gw.cfg.model.name)
+        fmt = ChatFormat(request_id, self._cfg.model.name)
         return await self._serve(request, body, fmt, "chat.completions")
 
     async def complete(
@@ -109,7 +145,7 @@ class CompletionsEndpoint:
     ) -> Response[Any]:
         """A text completion (streamed or not)."""
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        fmt = TextFormat(request_id, self._gw.cfg.model.name)
+        fmt = TextFormat(request_id, self._cfg.model.name)
         return await self._serve(request, body, fmt, "completions")
 
     async def _serve(
@@ -119,23 +155,23 @@ class CompletionsEndpoint:
         fmt: ResponseFormat,
         endpoint: str,
     ) -> Response[Any]:
-        gw = self._gw
+        sessions, cfg, metrics = self._sessions, self._cfg, self._metrics
         arrived = time.monotonic()
         request_id = fmt.request_id
         request.state.request_id = request_id
-        gw.meters.in_flight.inc()
+        metrics.in_flight.inc()
         with bind_request(request_id):
             try:
-                check_common(body, gw.cfg.model.name)
-                encoder = gw.encoder
+                check_common(body, cfg.model.name)
+                encoder = sessions.encoder
                 if encoder is None:
                     raise unavailable(
-                        f"The tokenizer is not loaded ({gw.encoder_state}).",
+                        f"The tokenizer is not loaded ({sessions.encoder_state}).",
                         code="tokenizer_not_ready",
                     )
-                prepared = await prepare(body, encoder, gw.cfg.model, gw.cfg.gateway)
-                await gw.wait_for_bus()
-                session = gw.open_session(
+                prepared = await prepare(body, encoder, cfg.model, cfg.gateway)
+                await sessions.wait_for_bus()
+                session = sessions.open_session(
                     request_id,
                     endpoint,
                     prepared,
@@ -144,8 +180,8 @@ class CompletionsEndpoint:
                 )
             except BaseException as exc:
                 # Nothing reached the bus: only the books need settling.
-                gw.meters.in_flight.dec()
-                gw.meters.finished(exc.status if isinstance(exc, ApiError) else 500)
+                metrics.in_flight.dec()
+                metrics.finished(exc.status if isinstance(exc, ApiError) else 500)
                 _tag(exc, request_id)
                 raise
             log.info(
@@ -199,8 +235,8 @@ class CompletionsEndpoint:
         exchange.settled = True
         if status == CLIENT_CLOSED and (dropped := exchange.state.get(DROPPED_STATE_KEY)):
             reason = f"client dropped: {dropped}"
-        self._gw.meters.in_flight.dec()
-        self._gw.meters.finished(status)
+        self._metrics.in_flight.dec()
+        self._metrics.finished(status)
         session = exchange.session
         log.info(
             "request_finished",
@@ -211,7 +247,7 @@ class CompletionsEndpoint:
             completion_tokens=session.completion_tokens,
             cached_tokens=session.cached_tokens,
         )
-        await self._gw.release(session, reason)
+        await self._sessions.release(session, reason)
 
     async def _sse(self, exchange: _Exchange) -> AsyncIterator[bytes]:
         """The SSE body. Ends the exchange on every way out: completion, a broken

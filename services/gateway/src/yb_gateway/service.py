@@ -89,11 +89,11 @@ class GatewayService(Service):
     def __init__(self, cfg: YbConfig) -> None:
         super().__init__(cfg)
         # The gateway's series, registered on the registry `/metrics` serves.
-        self.meters = GatewayMetrics(self.metrics)
+        self.metrics = GatewayMetrics(self.registry)
         self.started_at = int(time.time())
         self.decisions = DecisionRouter()
         self.instances = InstanceTracker(cfg.model.name, cfg.conductor.heartbeat_timeout_s)
-        self.completions = CompletionsEndpoint(self)
+        self.completions = CompletionsEndpoint(self, cfg, self.metrics)
         self.encoder: PromptEncoder | None = None
         self.encoder_state = "loading"
         self.bus: Bus | None = None  # set while connected and following the log
@@ -118,9 +118,9 @@ class GatewayService(Service):
         sock = _listen(gcfg.host, gcfg.port)
         self.port = int(sock.getsockname()[1])
         config = uvicorn.Config(
-            create_app(self),
+            create_app(self.cfg, self),
             # Bounds the clients that trickle a request or do not read the answer.
-            http=guarded_protocol(ClientLimits.from_config(gcfg), self.meters),
+            http=guarded_protocol(ClientLimits.from_config(gcfg), self.metrics),
             log_config=None,
             access_log=False,
             lifespan="off",
@@ -370,7 +370,7 @@ class GatewayService(Service):
             gateway_id=self.instance_id,
             cfg=self.cfg,
             router=self.decisions,
-            metrics=self.meters,
+            metrics=self.metrics,
             arrived=arrived,
             trace_parent=trace_parent,
         )

@@ -118,7 +118,7 @@ class _SlowClientGuard(_ProtocolBase):
     """The deadlines, mixed in before uvicorn's protocol (see the module docstring)."""
 
     limits: ClientLimits  # set on the class `guarded_protocol` builds
-    meters: GatewayMetrics
+    metrics: GatewayMetrics
     _read_timer: asyncio.TimerHandle | None = None
     _stall_timer: asyncio.TimerHandle | None = None
     # The request cycle when the read deadline was armed: the same one at expiry means
@@ -150,7 +150,7 @@ class _SlowClientGuard(_ProtocolBase):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._stall_timer is None and not self._dropped:
-            self.meters.stalled.inc()
+            self.metrics.stalled.inc()
             self._stall_timer = self.loop.call_later(self.limits.stall_timeout_s, self._stalled)
 
     def resume_writing(self) -> None:
@@ -221,13 +221,13 @@ class _SlowClientGuard(_ProtocolBase):
         if self._stall_timer is not None:
             self._stall_timer.cancel()
             self._stall_timer = None
-            self.meters.stalled.dec()
+            self.metrics.stalled.dec()
 
     def _drop(self, reason: str, message: str, cycle: Any) -> None:
         """Count and log a drop; note it in `cycle`'s request state (None: the
         request never got a cycle, its head did not arrive)."""
         self._dropped = True
-        self.meters.slow_client_drops.labels(reason).inc()
+        self.metrics.slow_client_drops.labels(reason).inc()
         request_id = None
         state = cycle.scope.get("state") if cycle is not None else None
         if isinstance(state, dict):
@@ -242,11 +242,11 @@ class _SlowClientGuard(_ProtocolBase):
         )
 
 
-def guarded_protocol(limits: ClientLimits, meters: GatewayMetrics) -> type[asyncio.Protocol]:
+def guarded_protocol(limits: ClientLimits, metrics: GatewayMetrics) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class with the slow-client deadlines of `limits`."""
     guarded: type[asyncio.Protocol] = type(
         "GuardedHTTPProtocol",
         (_SlowClientGuard, AutoHTTPProtocol),
-        {"limits": limits, "meters": meters},
+        {"limits": limits, "metrics": metrics},
     )
     return guarded

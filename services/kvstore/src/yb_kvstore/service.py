@@ -133,7 +133,7 @@ class KVStoreWorker(Worker):
         self._sender = context.sender
         self._tasks = context.tasks
         self._io = io
-        self._m = _StoreMetrics(context.metrics)
+        self._m = _StoreMetrics(context.registry)
         self.block_log = BlockLog(context.instance_id)
         self.store = BlockStore(dram, ssd, self.block_log, self._emit, headroom=headroom)
         self.publisher = BlockEventPublisher(context.bus, self.block_log, self.store.inventory)

@@ -127,9 +127,9 @@ class PrefillWorker(Worker):
         self.tasks = context.tasks
         self.engine = engine
         self.decode = DecodeLink(context.bus)
-        self.gauges = EngineGauges(context.metrics)
+        self.gauges = EngineGauges(context.registry)
         self.gauges.follow(engine.allocator, engine.cache.num_pages)
-        self._m = _PrefillMetrics(context.metrics)
+        self._m = _PrefillMetrics(context.registry)
         self.block_log = BlockLog(self.instance_id)
         self.cache = PrefixCache(
             engine.allocator,
