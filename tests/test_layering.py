@@ -123,7 +123,7 @@ def imports_of(path: Path) -> list[Import]:
             and isinstance(node.args[0].value, str)
         ):
             found.append(Import(path, node.lineno, node.args[0].value))
-    return found
+    return sorted(found, key=lambda i: i.line)
 
 
 def package_imports(package: str) -> list[Import]:
