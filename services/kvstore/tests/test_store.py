@@ -17,7 +17,7 @@ import pytest
 
 from yb_core import events as ev
 from yb_core.block_events import AnyBlockEvent, BlockLog
-from yb_kvstore.policy import FifoPolicy, make_policy
+from yb_kvstore.eviction import FifoPolicy, eviction_policy
 from yb_kvstore.slab import DramSlab, SlabFull
 from yb_kvstore.ssd import SsdTier, State, chunk_checksums
 from yb_kvstore.store import BlockStore, MissingBlocks
@@ -78,9 +78,9 @@ async def make_pool(
     policy: str = "lru",
 ) -> Pool:
     events: list[AnyBlockEvent] = []
-    tier = SsdTier(ssd_dir, ssd, io, make_policy(policy)) if ssd_dir is not None else None
+    tier = SsdTier(ssd_dir, ssd, io, eviction_policy(policy)) if ssd_dir is not None else None
     store = BlockStore(
-        DramSlab(dram, make_policy(policy)),
+        DramSlab(dram, eviction_policy(policy)),
         tier,
         BlockLog("kv-test", epoch=epoch),
         events.append,
@@ -305,4 +305,4 @@ async def test_fifo_policy_ignores_reads(io: ThreadPoolExecutor) -> None:
     pool.put(3)  # FIFO: 1 goes although it was just read
     assert sorted(pool.store.dram.keys()) == [2, 3]
     with pytest.raises(ValueError, match="unknown eviction policy"):
-        make_policy("mru")
+        eviction_policy("mru")

@@ -9,6 +9,9 @@ straight into the asker's reservation, with the checksums verified when they wer
 put. The pool (`store.BlockStore`) announces every change as a block event with this
 store's epoch and a gap-free event id; `BlockEventPublisher` publishes them in order
 and answers resync requests with the inventory.
+
+The bus, presence, peers, the UCX transport and the shutdown order are the data-plane
+shell's (`yb_dataplane.worker.WorkerShell`); `KVStoreWorker` is what is the store's own.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from yb_dataplane.transport import (
 )
 from yb_dataplane.transport.blocks import fetch_layers, parse_key, parse_put_id
 from yb_dataplane.worker import Capacity, Worker, WorkerContext, WorkerShell
-from yb_kvstore.policy import make_policy
+from yb_kvstore.eviction import eviction_policy
 from yb_kvstore.replication import Replicator
 from yb_kvstore.slab import DramSlab, SlabFull
 from yb_kvstore.ssd import SsdTier
@@ -80,9 +83,9 @@ def _tiers(kcfg: KVStoreConfig, io: ThreadPoolExecutor) -> tuple[DramSlab, SsdTi
             Path(kcfg.ssd_dir).expanduser(),
             kcfg.ssd_blocks,
             io,
-            make_policy(kcfg.eviction_policy),
+            eviction_policy(kcfg.eviction_policy),
         )
-    return DramSlab(kcfg.dram_blocks, make_policy(kcfg.eviction_policy)), ssd
+    return DramSlab(kcfg.dram_blocks, eviction_policy(kcfg.eviction_policy)), ssd
 
 
 class _StoreMetrics:

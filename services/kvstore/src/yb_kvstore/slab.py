@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from yb_kvstore.policy import EvictionPolicy, LruPolicy
+from yb_kvstore.eviction import EvictionPolicy, LruPolicy
 
 __all__ = ["DramSlab", "EvictionPolicy", "LruPolicy", "SlabFull"]
 

@@ -29,7 +29,7 @@ import numpy as np
 import xxhash
 
 from yb_core.telemetry import get_logger
-from yb_kvstore.policy import EvictionPolicy, LruPolicy
+from yb_kvstore.eviction import EvictionPolicy, LruPolicy
 
 log = get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """A host's KV pool as the simulator plays it: a block set of fixed capacity that
 logs what it stores and evicts, as the real kvstore does.
 
-Eviction mirrors `yb_kvstore.policy` by name (`lru`, `fifo`) on an ordered dict of
+Eviction mirrors `yb_kvstore.eviction` by name (`lru`, `fifo`) on an ordered dict of
 its own: that module is a separate service's (the conductor does not depend on it),
 and its `victims()` copies the whole order on every call, which a simulator doing
 thousands of stores cannot afford. A prompt's blocks are recorded tail first, so the

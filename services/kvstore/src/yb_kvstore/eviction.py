@@ -1,7 +1,7 @@
 """Eviction policies: which unpinned block leaves a tier first.
 
 A policy only orders keys; the tier asks it for candidates and skips the ones it may
-not evict (pinned by a transfer, being written). `make_policy` maps the configured
+not evict (pinned by a transfer, being written). `eviction_policy` maps the configured
 name (`kvstore.eviction_policy`) to a fresh instance; each tier gets its own.
 """
 
@@ -54,12 +54,16 @@ class FifoPolicy(LruPolicy):
             self._order[key] = None
 
 
-POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LruPolicy, "fifo": FifoPolicy}
+EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LruPolicy,
+    "fifo": FifoPolicy,
+}
 
 
-def make_policy(name: str) -> EvictionPolicy:
+def eviction_policy(name: str) -> EvictionPolicy:
     """A fresh policy by name; ValueError for an unknown one."""
     try:
-        return POLICIES[name]()
+        return EVICTION_POLICIES[name]()
     except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r} (known: {sorted(POLICIES)})") from None
+        known = sorted(EVICTION_POLICIES)
+        raise ValueError(f"unknown eviction policy {name!r} (known: {known})") from None
