@@ -28,7 +28,7 @@ def prepare_model(cfg: YbConfig, say: Callable[[str], None]) -> Path | None:
     engine builds in memory. Safe to run concurrently with other preparers (the
     conversion takes a file lock and publishes by rename)."""
     if cfg.model.source == TINY_RANDOM:
-        say(f"model {cfg.model.name} is built in memory by each engine: nothing to prepare")
+        say("the tiny random model is built in memory by each engine: nothing to prepare")
         return None
     started = time.monotonic()
     path = resolve_model_dir(cfg.model, cfg.model_cache_dir(), say)
