@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 import msgspec
 
+from yb_core.netaddr import is_loopback
 from yb_tools.bench.workloads import RequestSpec
 
 # --- the wire format, as far as a client needs it -------------------------------------
@@ -139,12 +140,6 @@ class ServerError(Exception):
 # --- the client ------------------------------------------------------------------------
 
 
-def is_loopback(url: str) -> bool:
-    """Whether `url` points at this machine (then environment proxies are bypassed)."""
-    host = urlsplit(url).hostname or ""
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
 class BenchClient:
     """An HTTP connection pool to one gateway, sized for the concurrency cap."""
 
@@ -165,7 +160,9 @@ class BenchClient:
             # timeouts only catch a connection that never opens.
             timeout=httpx.Timeout(None, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
-            trust_env=not is_loopback(base_url),
+            # A gateway on this machine is reached directly, whatever proxies the
+            # environment names.
+            trust_env=not is_loopback(urlsplit(base_url).hostname or ""),
         )
 
     async def close(self) -> None:
