@@ -18,6 +18,10 @@ arriving (the prefill instance died: its UCX connection broke, or the deadline
 passed) is freed and its gateway told at once with an error chunk, and a request
 still decoding at its deadline is ended there (its gateway gave up on it then), so
 even a request whose gateway vanished without a word frees its pages.
+
+The bus, presence, cancellations, peers, the UCX transport and the shutdown order are
+the data-plane shell's (`yb_dataplane.worker.WorkerShell`); `DecodeWorker` is what is
+decode's own.
 """
 
 from __future__ import annotations
@@ -104,6 +108,9 @@ class DecodeService(WorkerShell["DecodeWorker"]):
 
     def __init__(self, cfg: YbConfig) -> None:
         super().__init__(cfg, cfg.decode)
+        # Registered now, so /metrics shows them while the model loads.
+        self.metrics = DecodeMetrics(self.registry)
+        self.gauges = EngineGauges(self.registry)
 
     async def build(self, context: WorkerContext) -> DecodeWorker:
         """Load the model; the batcher runs on it."""
@@ -116,10 +123,10 @@ class DecodeService(WorkerShell["DecodeWorker"]):
             engine.model.tokenizer,
             self.cfg.decode.max_batch_size,
         )
-        return DecodeWorker(context, engine, batcher)
+        return DecodeWorker(context, engine, batcher, self.metrics, self.gauges)
 
 
-class _DecodeMetrics:
+class DecodeMetrics:
     """What a decode instance exports besides the engine's gauges and the transport's."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -148,7 +155,14 @@ class _DecodeMetrics:
 class DecodeWorker(Worker):
     """Reservations, the continuous batch and the token streams of one engine."""
 
-    def __init__(self, context: WorkerContext, engine: EngineHost, batcher: DecodeBatcher) -> None:
+    def __init__(
+        self,
+        context: WorkerContext,
+        engine: EngineHost,
+        batcher: DecodeBatcher,
+        metrics: DecodeMetrics,
+        gauges: EngineGauges,
+    ) -> None:
         self.instance_id = context.instance_id
         self.cfg = context.cfg
         self.bus = context.bus
@@ -157,9 +171,9 @@ class DecodeWorker(Worker):
         self.ucx_address = context.address.to_wire()
         self.engine = engine
         self.batcher = batcher
-        self.gauges = EngineGauges(context.registry)
+        self.gauges = gauges
         self.gauges.follow(engine.allocator, engine.cache.num_pages)
-        self._m = _DecodeMetrics(context.registry)
+        self.metrics = metrics
         self._pending: dict[str, Pending] = {}
         self._streams: dict[str, Stream] = {}
         # Why a stream is being aborted: a cancel, or its deadline.
@@ -265,7 +279,7 @@ class DecodeWorker(Worker):
         except BusError as exc:
             log.warning("resend_failed", request_id=rid, error=str(exc))
         if resent:
-            self._m.resent.inc(resent)
+            self.metrics.resent.inc(resent)
             log.info("tokens_resent", request_id=rid, from_seq=ask.from_seq, resent=resent)
         reply = pr.TokensResent(
             request_id=rid,
@@ -370,7 +384,7 @@ class DecodeWorker(Worker):
         )
         await self._emit(reserve.request_id, reserve.token_subject, chunk)
         self.history.finish(reserve.request_id)
-        self._m.requests.labels("failed").inc()
+        self.metrics.requests.labels("failed").inc()
         await self._publish(
             ev.RequestFinished(
                 request_id=reserve.request_id,
@@ -382,6 +396,7 @@ class DecodeWorker(Worker):
         )
 
     async def _start(self, start: pr.StartDecode) -> pr.DecodeAck:
+        """Admit a reserved request once its KV is committed, and open its stream."""
         rid = start.request_id
         pending = self._pending.get(rid)
         if pending is None:
@@ -396,9 +411,8 @@ class DecodeWorker(Worker):
             await self._drop_pending(rid, "KV not committed")
             return pr.DecodeAck(request_id=rid, ok=False, reason="KV not committed")
         self._pending.pop(rid, None)
-        self._m.kv_bytes.inc(
-            len(pending.pages) * self.engine.cache.num_layers * self.engine.cache.page_nbytes
-        )
+        cache = self.engine.cache
+        self.metrics.kv_bytes.inc(len(pending.pages) * cache.num_layers * cache.page_nbytes)
         reserve = pending.reserve
         try:
             await self.engine.call(
@@ -412,6 +426,14 @@ class DecodeWorker(Worker):
         except ValueError as exc:
             await self.engine.call(self._free, pending.pages)
             return pr.DecodeAck(request_id=rid, ok=False, reason=str(exc))
+        await self._open_stream(pending, start)
+        self._work.set()
+        return pr.DecodeAck(request_id=rid, ok=True)
+
+    async def _open_stream(self, pending: Pending, start: pr.StartDecode) -> None:
+        """Track an admitted request's token stream, traced, and say its KV is in."""
+        rid = start.request_id
+        reserve = pending.reserve
         span = _tracer.start_span("decode", context=extract_context(pending.trace_headers))
         span.set_attribute("yb.request_id", rid)
         self._streams[rid] = Stream(
@@ -438,8 +460,6 @@ class DecodeWorker(Worker):
                 reused_tokens=start.reused_tokens,
             )
         )
-        self._work.set()
-        return pr.DecodeAck(request_id=rid, ok=True)
 
     async def _drop_pending(self, request_id: str, reason: str) -> None:
         pending = self._pending.pop(request_id, None)
@@ -494,7 +514,7 @@ class DecodeWorker(Worker):
                 continue
             self._expire_streams()
             outputs = await self.engine.call(batcher.step)
-            self._m.step.observe(batcher.last_step_seconds)
+            self.metrics.step.observe(batcher.last_step_seconds)
             self.gauges.batch.set(batcher.num_running)
             self.gauges.queue.set(batcher.num_waiting)
             await self._deliver(outputs)
@@ -507,7 +527,7 @@ class DecodeWorker(Worker):
                 continue
             if out.token_id is not None:
                 stream.completion_tokens += 1
-                self._m.tokens.inc()
+                self.metrics.tokens.inc()
                 if not stream.first_token_at:
                     stream.first_token_at = now
                 else:
@@ -599,7 +619,7 @@ class DecodeWorker(Worker):
         outcome: ev.RequestOutcome = (
             "cancelled" if reason == "abort" else "failed" if error else "completed"
         )
-        self._m.requests.labels(outcome).inc()
+        self.metrics.requests.labels(outcome).inc()
         ttft = stream.first_token_at - stream.ttft_started if stream.ttft_started else 0.0
         await self._publish(
             ev.RequestFinished(

@@ -56,6 +56,8 @@ class KVStoreService(WorkerShell["KVStoreWorker"]):
 
     def __init__(self, cfg: YbConfig) -> None:
         super().__init__(cfg, cfg.kvstore)
+        # Registered now, so /metrics shows them from the first scrape.
+        self.metrics = StoreMetrics(self.registry)
 
     async def build(self, context: WorkerContext) -> KVStoreWorker:
         """The pool's tiers, then the store opened: a new epoch starts with
@@ -66,7 +68,7 @@ class KVStoreService(WorkerShell["KVStoreWorker"]):
         headroom = kcfg.dram_headroom_blocks
         if headroom < 0:
             headroom = max(1, kcfg.dram_blocks // 16)
-        worker = KVStoreWorker(context, dram, ssd, io, headroom)
+        worker = KVStoreWorker(context, self.metrics, dram, ssd, io, headroom)
         try:
             await worker.open()
         except BaseException:
@@ -88,7 +90,7 @@ def _tiers(kcfg: KVStoreConfig, io: ThreadPoolExecutor) -> tuple[DramSlab, SsdTi
     return DramSlab(kcfg.dram_blocks, eviction_policy(kcfg.eviction_policy)), ssd
 
 
-class _StoreMetrics:
+class StoreMetrics:
     """What a kvstore exports besides the transport's own."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -125,6 +127,7 @@ class KVStoreWorker(Worker):
     def __init__(
         self,
         context: WorkerContext,
+        metrics: StoreMetrics,
         dram: DramSlab,
         ssd: SsdTier | None,
         io: ThreadPoolExecutor,
@@ -136,7 +139,7 @@ class KVStoreWorker(Worker):
         self._sender = context.sender
         self._tasks = context.tasks
         self._io = io
-        self._m = _StoreMetrics(context.registry)
+        self.metrics = metrics
         self.block_log = BlockLog(context.instance_id)
         self.store = BlockStore(dram, ssd, self.block_log, self._emit, headroom=headroom)
         self.publisher = BlockEventPublisher(context.bus, self.block_log, self.store.inventory)
@@ -146,7 +149,7 @@ class KVStoreWorker(Worker):
             context.receiver,
             context.sender,
             context.peers,
-            on_outcome=lambda outcome, n: self._m.replicated.labels(outcome).inc(n),
+            on_outcome=lambda outcome, n: self.metrics.replicated.labels(outcome).inc(n),
         )
 
     async def open(self) -> None:
@@ -158,8 +161,8 @@ class KVStoreWorker(Worker):
         self.publisher.emit(event)
         dram = len(self.store.dram)
         ssd = len(self.store.ssd) if self.store.ssd is not None else 0
-        self._m.blocks.labels("dram").set(dram)
-        self._m.blocks.labels("ssd").set(ssd)
+        self.metrics.blocks.labels("dram").set(dram)
+        self.metrics.blocks.labels("ssd").set(ssd)
 
     def capacity(self) -> Capacity:
         ssd = self.store.ssd
@@ -225,16 +228,16 @@ class KVStoreWorker(Worker):
         del header
         put = parse_put_id(request_id)
         if put is None:
-            self._m.puts.labels("refused").inc()
+            self.metrics.puts.labels("refused").inc()
             return None
         try:
             slot = self.store.reserve_put(put.key, put.block_nbytes)
         except (ValueError, SlabFull) as exc:
             log.warning("put_refused", request_id=request_id, reason=str(exc))
-            self._m.puts.labels("refused").inc()
+            self.metrics.puts.labels("refused").inc()
             return None
         if slot is None:
-            self._m.puts.labels("duplicate").inc()
+            self.metrics.puts.labels("duplicate").inc()
             # Already held: the sender learns it is there (and its bytes are drained).
             raise ReservationRefused(f"block {put.key:x} is held already", reason=Reason.DUPLICATE)
         n = put.page_nbytes
@@ -251,12 +254,12 @@ class KVStoreWorker(Worker):
         except TransferError as exc:
             # Half-written bytes are garbage: the slot goes back, nothing was announced.
             self.store.abort_put(key)
-            self._m.puts.labels("failed").inc()
+            self.metrics.puts.labels("failed").inc()
             log.info("put_failed", key=f"{key:x}", reason=str(exc))
             return
         self.store.commit_put(key, reservation.checksums)
-        self._m.puts.labels("stored").inc()
-        self._m.bytes.labels("in").inc(reservation.nbytes)
+        self.metrics.puts.labels("stored").inc()
+        self.metrics.bytes.labels("in").inc(reservation.nbytes)
 
     # --- fetches --------------------------------------------------------------------
 
@@ -272,12 +275,12 @@ class KVStoreWorker(Worker):
         for text in order.keys:
             key = parse_key(text)
             if key is None:
-                self._m.fetches.labels("refused").inc()
+                self.metrics.fetches.labels("refused").inc()
                 raise ReservationRefused(f"malformed block key {text!r}")
             keys.append(key)
         missing = [key for key in keys if key not in self.store]
         if missing:
-            self._m.fetches.labels("missing").inc()
+            self.metrics.fetches.labels("missing").inc()
             raise ReservationRefused(f"blocks not held here: {MissingBlocks(missing)}")
         layers = max(1, fetch_layers(order.request_id))
         batch = max(1, self.store.dram.num_slots // 2)
@@ -287,7 +290,7 @@ class KVStoreWorker(Worker):
             try:
                 slots = await self.store.acquire(part)
             except MissingBlocks as exc:  # evicted from SSD since the check above
-                self._m.fetches.labels("missing").inc()
+                self.metrics.fetches.labels("missing").inc()
                 raise ReservationRefused(f"blocks not held here: {exc}") from None
             try:
                 items, checksums = self._fetch_items(part, slots, first, layers)
@@ -308,8 +311,8 @@ class KVStoreWorker(Worker):
                 sent += sum(int(b.nbytes) for b in slots)
             finally:
                 self.store.release(part)
-        self._m.fetches.labels("served").inc()
-        self._m.bytes.labels("out").inc(sent)
+        self.metrics.fetches.labels("served").inc()
+        self.metrics.bytes.labels("out").inc(sent)
 
     def _fetch_items(
         self, keys: list[int], slots: list[np.ndarray], first: int, layers: int

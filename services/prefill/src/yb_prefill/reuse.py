@@ -152,19 +152,31 @@ class PrefixLoader:
         Raises OutOfPages if the engine has too few pages even after evicting idle
         cached blocks (nothing is held then).
         """
-        bs = self.kv.block_size
-        limit = reusable_blocks(num_tokens, len(keys), bs)
+        limit = reusable_blocks(num_tokens, len(keys), self.kv.block_size)
         planned, runs = plan_runs(plans, self.instance_id, limit)
-        # Engine blocks the cache still holds (it may have evicted some since): the
-        # prefix stops at the first one gone.
+        prefix = self._engine_prefix(num_tokens, keys, planned)
+        if prefix.engine_blocks < planned:
+            runs = []  # the engine prefix stops short of where the fetches begin
+        if not runs:
+            return prefix
+        started = time.monotonic()
+        results = await asyncio.gather(
+            *(self._fetch(request_id, run, keys, prefix.block_table, deadline_s) for run in runs),
+            return_exceptions=True,
+        )
+        prefix.fetch_s = time.monotonic() - started
+        self._record_fetches(prefix, runs, results)
+        return prefix
+
+    def _engine_prefix(self, num_tokens: int, keys: Sequence[int], planned: int) -> Prefix:
+        """Pages for the whole prompt: the cached pages of the planned engine blocks
+        the cache still holds (it may have evicted some since: the prefix stops at
+        the first one gone), then fresh ones. Raises OutOfPages holding nothing."""
         engine = self.cache.prefix_length(keys[:planned])
-        if engine < planned:
-            runs = []
         engine_keys = list(keys[:engine])
         engine_pages = self.cache.acquire(engine_keys)
-        total = self.kv.pages_for(num_tokens)
         try:
-            fresh = self.cache.allocate(total - engine)
+            fresh = self.cache.allocate(self.kv.pages_for(num_tokens) - engine)
         except BaseException:
             self.cache.release(engine_keys)
             raise
@@ -175,16 +187,15 @@ class PrefixLoader:
             engine_keys=engine_keys,
         )
         if engine:
-            prefix.tokens_by_tier["engine"] = engine * bs
-        if not runs:
-            return prefix
-        started = time.monotonic()
-        results = await asyncio.gather(
-            *(self._fetch(request_id, run, keys, prefix.block_table, deadline_s) for run in runs),
-            return_exceptions=True,
-        )
-        prefix.fetch_s = time.monotonic() - started
-        reused = engine
+            prefix.tokens_by_tier["engine"] = engine * self.kv.block_size
+        return prefix
+
+    def _record_fetches(
+        self, prefix: Prefix, runs: list[FetchRun], results: Sequence[object]
+    ) -> None:
+        """Fold the fetches' outcomes into `prefix`: where each block came from, the
+        failures, and how far the prefix now reaches without a gap. A failure other
+        than a transfer's is re-raised."""
         for run, result in zip(runs, results, strict=True):
             if isinstance(result, BaseException):
                 if not isinstance(result, TransferError | OSError):
@@ -194,6 +205,7 @@ class PrefixLoader:
             for i in range(run.first, run.first + run.count):
                 prefix.loaded_from[i] = run.source
             prefix.fetched_bytes += run.count * self.kv.num_layers * self.kv.page_nbytes
+        reused = prefix.engine_blocks
         while reused in prefix.loaded_from:
             reused += 1
         prefix.reused_blocks = reused
@@ -202,8 +214,9 @@ class PrefixLoader:
             if loaded:
                 tier = "ssd" if run.tiers == ("ssd",) else run.tiers[0]
                 name = tier if self._is_local(run.source) else f"remote_{tier}"
-                prefix.tokens_by_tier[name] = prefix.tokens_by_tier.get(name, 0) + loaded * bs
-        return prefix
+                prefix.tokens_by_tier[name] = (
+                    prefix.tokens_by_tier.get(name, 0) + loaded * self.kv.block_size
+                )
 
     def _is_local(self, source: str) -> bool:
         up = self.peers.get(source)

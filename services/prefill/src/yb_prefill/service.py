@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from yb_core.config import YbConfig
 from yb_dataplane.worker import WorkerContext, WorkerShell
-from yb_engine.host import EngineHost
-from yb_prefill.worker import PrefillWorker
+from yb_engine.host import EngineGauges, EngineHost
+from yb_prefill.worker import PrefillMetrics, PrefillWorker
 
 
 class PrefillService(WorkerShell[PrefillWorker]):
@@ -32,11 +32,14 @@ class PrefillService(WorkerShell[PrefillWorker]):
 
     def __init__(self, cfg: YbConfig) -> None:
         super().__init__(cfg, cfg.prefill)
+        # Registered now, so /metrics shows them while the model loads.
+        self.metrics = PrefillMetrics(self.registry)
+        self.gauges = EngineGauges(self.registry)
 
     async def build(self, context: WorkerContext) -> PrefillWorker:
         """Load the model, then open the engine's page cache and its block events."""
         engine = await EngineHost.load(self.cfg, self.cfg.prefill, self.instance_id)
-        worker = PrefillWorker(context, engine)
+        worker = PrefillWorker(context, engine, self.metrics, self.gauges)
         try:
             await worker.open()
         except BaseException:

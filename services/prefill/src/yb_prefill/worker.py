@@ -67,7 +67,7 @@ class _Computed:
     at: float  # monotonic time the compute ended (streaming may have gone on)
 
 
-class _PrefillMetrics:
+class PrefillMetrics:
     """What a prefill instance exports besides the engine's gauges and the transport's."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -116,7 +116,13 @@ class _PrefillMetrics:
 class PrefillWorker(Worker):
     """Runs prefill jobs one at a time on one engine and streams their KV to decode."""
 
-    def __init__(self, context: WorkerContext, engine: EngineHost) -> None:
+    def __init__(
+        self,
+        context: WorkerContext,
+        engine: EngineHost,
+        metrics: PrefillMetrics,
+        gauges: EngineGauges,
+    ) -> None:
         cfg = context.cfg
         self.instance_id = context.instance_id
         self.cfg = cfg
@@ -127,9 +133,9 @@ class PrefillWorker(Worker):
         self.tasks = context.tasks
         self.engine = engine
         self.decode = DecodeLink(context.bus)
-        self.gauges = EngineGauges(context.registry)
+        self.gauges = gauges
         self.gauges.follow(engine.allocator, engine.cache.num_pages)
-        self._m = _PrefillMetrics(context.registry)
+        self.metrics = metrics
         self.block_log = BlockLog(self.instance_id)
         self.cache = PrefixCache(
             engine.allocator,
@@ -140,7 +146,7 @@ class PrefillWorker(Worker):
         # Idle, the engine holds exactly its cached blocks: any page used beyond them
         # is held for a request (which is how a leak shows).
         cache = self.cache
-        self._m.cached.set_function(lambda: len(cache))
+        self.metrics.cached.set_function(lambda: len(cache))
         self.publisher = BlockEventPublisher(context.bus, self.block_log, self.cache.inventory)
         self.loader = PrefixLoader(
             self.instance_id, self.cache, engine.cache, context.peers, context.receiver, self.sender
@@ -228,7 +234,7 @@ class PrefillWorker(Worker):
             )
             return
         if reason := self._refusal(job):
-            self._m.jobs.labels("refused").inc()
+            self.metrics.jobs.labels("refused").inc()
             await self._reply(
                 msg,
                 pr.JobRefused(
@@ -302,11 +308,11 @@ class PrefillWorker(Worker):
             try:
                 await self._prefill(job, span)
             except JobFailed as exc:
-                self._m.jobs.labels("failed").inc()
+                self.metrics.jobs.labels("failed").inc()
                 await self._fail(job, exc)
                 return
             except TransferError as exc:
-                self._m.jobs.labels("failed").inc()
+                self.metrics.jobs.labels("failed").inc()
                 await self._publish(
                     ev.TransferFailed(
                         request_id=job.request_id,
@@ -323,11 +329,11 @@ class PrefillWorker(Worker):
                 # and the whole instance with it. Its pages were given back on the
                 # way out of `_prefill`.
                 log.exception("prefill_crashed", error=repr(exc))
-                self._m.jobs.labels("failed").inc()
+                self.metrics.jobs.labels("failed").inc()
                 await self._fail(job, JobFailed(f"prefill failed: {exc}", status=500))
                 return
-            self._m.jobs.labels("completed").inc()
-            self._m.prefill.observe(time.monotonic() - started)
+            self.metrics.jobs.labels("completed").inc()
+            self.metrics.prefill.observe(time.monotonic() - started)
 
     # --- one job's phases -----------------------------------------------------------
 
@@ -449,7 +455,7 @@ class PrefillWorker(Worker):
             raise
         finally:
             await self._keep_blocks(job, prefix, first_token is not None)
-        self._m.tokens.inc(len(job.token_ids) - cached_tokens)
+        self.metrics.tokens.inc(len(job.token_ids) - cached_tokens)
         span.set_attribute("yb.pages_sent", streamer.pages_sent)
         return _Computed(first_token, computed_at)
 
@@ -504,13 +510,13 @@ class PrefillWorker(Worker):
     async def _account_prefix(self, job: pr.PrefillJob, prefix: Prefix, span: trace.Span) -> None:
         """Metrics, trace attributes and `TransferFailed` events for a loaded prefix."""
         for tier, tokens in prefix.tokens_by_tier.items():
-            self._m.reused.labels(tier).inc(tokens)
+            self.metrics.reused.labels(tier).inc(tokens)
         if prefix.fetched_bytes:
-            self._m.fetch.observe(prefix.fetch_s)
+            self.metrics.fetch.observe(prefix.fetch_s)
         span.set_attribute("yb.reused_blocks", prefix.reused_blocks)
         span.set_attribute("yb.engine_blocks", prefix.engine_blocks)
         for failure in prefix.failures:
-            self._m.fetch_failures.inc()
+            self.metrics.fetch_failures.inc()
             await self._publish(
                 ev.TransferFailed(
                     request_id=job.request_id,
@@ -570,7 +576,7 @@ class PrefillWorker(Worker):
         for outcome in ("stored", "duplicate", "failed", "skipped"):
             count = getattr(result, outcome)
             if count:
-                self._m.puts.labels(outcome).inc(count)
+                self.metrics.puts.labels(outcome).inc(count)
 
     # --- the engine thread ----------------------------------------------------------
 
