@@ -46,6 +46,8 @@ class Journal:
     """Everything the probe records, in order."""
 
     seen: list[Seen] = field(default_factory=list)
+    opened: bool = False
+    fail_open: bool = False
     cancels: asyncio.Queue[tuple[str, str]] = field(default_factory=asyncio.Queue)
 
 
@@ -64,7 +66,13 @@ class ProbeWorker(Worker):
     def load_report(self) -> ev.LoadReport:
         return ev.LoadReport(instance_id=self.context.instance_id, role="decode", queued_requests=2)
 
+    async def open(self) -> None:
+        if self.journal.fail_open:
+            raise RuntimeError("the pool's files are unreadable")
+        self.journal.opened = True
+
     async def serve(self) -> None:
+        assert self.journal.opened, "serve before open"
         self.reservation = self.context.receiver.reserve(
             RECEIVE_ID, [self.buffer], deadline_s=DEADLINE_S
         )
@@ -255,3 +263,17 @@ async def test_a_failed_build_closes_what_the_shell_opened(nats_config: NatsConf
         service.tasks.spawn("late", asyncio.sleep(0))
     await service.stop()  # safe after a failed start
     assert service.journal.seen == []
+
+
+async def test_a_failed_open_closes_the_worker_and_the_shell(nats_config: NatsConfig) -> None:
+    service = ProbeShell(config(nats_config))
+    service.journal.fail_open = True
+    with pytest.raises(RuntimeError, match="unreadable"):
+        await service.start()
+    # The worker was built, so it is closed; the receiver had closed before that.
+    assert [s.hook for s in service.journal.seen] == ["close"]
+    assert not service.journal.seen[0].receiving
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        service.tasks.spawn("late", asyncio.sleep(0))
+    await service.stop()
+    assert len(service.journal.seen) == 1

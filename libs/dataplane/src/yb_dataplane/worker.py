@@ -10,9 +10,10 @@ shell's parts run, with every collaborator it needs passed in, so nothing in a w
 is ever missing.
 
 Start order: metrics, bus, peer directory (followed at once), receiver, the worker
-(`build`: load a model, open a store), cancellations, the worker's own intake
-(`Worker.serve`), and last the announcement, after which peers may send work. A start
-that fails or is cancelled closes what it opened, in reverse.
+(`build`: load a model; then `Worker.open`: its log, its pool), cancellations, the
+worker's own intake (`Worker.serve`), and last the announcement, after which peers
+may send work. A start that fails or is cancelled closes what it opened, in reverse,
+except that the transport closes before the worker does, as in the stop order.
 
 Stop order (`WorkerShell.stop`; each step says why it comes where it does):
 
@@ -121,6 +122,10 @@ class Worker(abc.ABC):
         """Open the intake (subscriptions, receiver handlers) and spawn the worker's
         own tasks; runs before the announcement, so no work arrives earlier."""
 
+    async def open(self) -> None:  # noqa: B027 (optional hook)
+        """Start step: open what the worker holds (a log, a pool) before it serves;
+        if this fails, `close` still runs."""
+
     def on_cancel(self, request_id: str, reason: str) -> None:
         """A request was cancelled (called on the event loop; must not block)."""
         del request_id, reason
@@ -211,6 +216,10 @@ class WorkerShell(Service, Generic[W]):
             )
             worker = await self.build(context)
             opened.push_async_callback(worker.close)
+            # Again (it is idempotent): no transfer may still land in the worker's
+            # memory (engine pages, store slots) once it closes.
+            opened.push_async_callback(self._close_transport)
+            await worker.open()
             cancellations = None
             if worker.follows_cancellations:
                 # Subscribed before the intake opens, so no cancel is missed.
@@ -226,6 +235,8 @@ class WorkerShell(Service, Generic[W]):
                 worker.load_report,
                 self.section.load_report_interval_s,
             )
+            # An announcement cut short may have reached the log all the same.
+            opened.push_async_callback(presence.retire, "stopped")
             await presence.announce()
             self.tasks.spawn("presence", presence.run())
             if cancellations is not None:

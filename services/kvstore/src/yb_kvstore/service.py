@@ -60,21 +60,15 @@ class KVStoreService(WorkerShell["KVStoreWorker"]):
         self.metrics = StoreMetrics(self.registry)
 
     async def build(self, context: WorkerContext) -> KVStoreWorker:
-        """The pool's tiers, then the store opened: a new epoch starts with
-        `BlocksCleared`, then what the SSD tier kept."""
+        """The pool's tiers (`KVStoreWorker.open` opens the pool: a new epoch starts
+        with `BlocksCleared`, then what the SSD tier kept)."""
         kcfg = self.cfg.kvstore
         io = ThreadPoolExecutor(max(1, kcfg.ssd_io_threads), thread_name_prefix="yb-ssd")
         dram, ssd = _tiers(kcfg, io)
         headroom = kcfg.dram_headroom_blocks
         if headroom < 0:
             headroom = max(1, kcfg.dram_blocks // 16)
-        worker = KVStoreWorker(context, self.metrics, dram, ssd, io, headroom)
-        try:
-            await worker.open()
-        except BaseException:
-            await worker.close()
-            raise
-        return worker
+        return KVStoreWorker(context, self.metrics, dram, ssd, io, headroom)
 
 
 def _tiers(kcfg: KVStoreConfig, io: ThreadPoolExecutor) -> tuple[DramSlab, SsdTier | None]:

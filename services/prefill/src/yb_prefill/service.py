@@ -37,12 +37,6 @@ class PrefillService(WorkerShell[PrefillWorker]):
         self.gauges = EngineGauges(self.registry)
 
     async def build(self, context: WorkerContext) -> PrefillWorker:
-        """Load the model, then open the engine's page cache and its block events."""
+        """Load the model; the worker's page cache and block events run on it."""
         engine = await EngineHost.load(self.cfg, self.cfg.prefill, self.instance_id)
-        worker = PrefillWorker(context, engine, self.metrics, self.gauges)
-        try:
-            await worker.open()
-        except BaseException:
-            await worker.close()
-            raise
-        return worker
+        return PrefillWorker(context, engine, self.metrics, self.gauges)
