@@ -55,7 +55,7 @@ def model_dir(model: ModelConfig, cache_dir: Path) -> Path | None:
         if not (path / IDENTITY_FILE).is_file():
             raise FileNotFoundError(
                 f"the default model is not prepared in {cache_dir}: run `yb prepare` "
-                "(or `yb up`, which prepares it) first"
+                "(`python -m yb_engine.prepare` where the yb tool is not installed) first"
             )
         return path
     path = Path(model.source).expanduser()
