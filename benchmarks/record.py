@@ -307,7 +307,8 @@ def import_stability(path: Path) -> StabilityRecord:
 
 def import_faults(directory: Path, commit: str) -> FaultTableRecord:
     """The rows in `directory`; they do not say which code wrote them, so `commit` does
-    (`--commit`, else "unrecorded")."""
+    (`--commit`, else "unrecorded"; `HEAD`: this checkout as it is now)."""
+    here = provenance(ROOT) if commit == "HEAD" else None
     rows = {
         path.stem: msgspec.json.decode(path.read_bytes(), type=FaultRecord)
         for path in sorted(directory.glob("*.json"))
@@ -320,8 +321,8 @@ def import_faults(directory: Path, commit: str) -> FaultTableRecord:
         command="python -m pytest tests/test_faults.py",
         machine=machine(),
         provenance=Provenance(
-            commit=commit,
-            tree_dirty=False,
+            commit=here.commit if here else commit,
+            tree_dirty=here.tree_dirty if here else False,
             measured_at=dt.datetime.fromtimestamp(int(newest), dt.UTC),
         ),
         rows=rows,
@@ -351,7 +352,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar=("KIND", "PATH"),
         help="stability PATH, or faults [DIR] (default $YB_FAULT_NOTES or /tmp/notes/faults)",
     )
-    parser.add_argument("--commit", default="unrecorded", help="the commit the fault rows ran at")
+    parser.add_argument(
+        "--commit",
+        default="unrecorded",
+        help="the commit the fault rows ran at (HEAD: this checkout)",
+    )
     parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="where to write")
     argv = sys.argv[1:] if argv is None else argv
     # Everything after `--` goes to the benchmark untouched.
