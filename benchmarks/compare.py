@@ -7,9 +7,10 @@ For each benchmark, `--rounds` times: DIR's benchmarks/BENCHMARK.py with DIR's
 `.venv/bin/python`, then this checkout's with this interpreter (A B A B ...), so both
 see the same load on a shared machine as nearly as the order allows. ARGS (one string,
 split as a shell would) go to both sides. Every numeric figure present on both sides is
-compared by its median; the rows go to `benchmarks/results/NAME.json` (a
-`ComparisonRecord`) and are printed as a table. With `--record`, this checkout's last
-run of each benchmark is also written as its results file (record.py's).
+compared by its median, printed as a table and kept in `benchmarks/results/NAME.json`
+(a `ComparisonRecord`: one entry per benchmark, with the commit each side ran; a later
+invocation replaces only the entries of the benchmarks it runs). With `--record`, this
+checkout's last run of each benchmark is also written as its results file (record.py's).
 
 A benchmark that fails on either side stops the comparison: a figure missing on one
 side is no comparison.
@@ -29,10 +30,10 @@ from record import (
     RESULTS_DIR,
     ROOT,
     BenchmarkRecord,
+    ComparedBenchmark,
     Comparison,
     ComparisonRecord,
     machine,
-    provenance,
     read,
     reproduce_command,
     run_benchmark,
@@ -48,9 +49,7 @@ def numeric(record: BenchmarkRecord) -> dict[str, float]:
     }
 
 
-def compare(
-    name: str, before: list[BenchmarkRecord], after: list[BenchmarkRecord]
-) -> list[Comparison]:
+def compare(before: list[BenchmarkRecord], after: list[BenchmarkRecord]) -> list[Comparison]:
     """Rows for every numeric figure that every run on both sides wrote."""
     sides = [numeric(r) for r in before + after]
     keys = [k for k in sides[0] if all(k in side for side in sides)]
@@ -61,7 +60,6 @@ def compare(
         old_median, new_median = statistics.median(old), statistics.median(new)
         rows.append(
             Comparison(
-                benchmark=name,
                 figure=key,
                 before=old,
                 after=new,
@@ -73,13 +71,13 @@ def compare(
     return rows
 
 
-def print_table(rows: list[Comparison]) -> None:
-    width = max(len(f"{r.benchmark}.{r.figure}") for r in rows)
+def print_table(name: str, rows: list[Comparison]) -> None:
+    width = max(len(f"{name}.{r.figure}") for r in rows)
     print(f"\n{'figure':<{width}} {'before median':>14} {'after median':>14} {'after/before':>13}")
     for r in rows:
         ratio = f"{r.after_over_before:.3f}" if r.after_over_before is not None else "-"
         print(
-            f"{r.benchmark + '.' + r.figure:<{width}} {r.before_median:>14.4g} "
+            f"{name + '.' + r.figure:<{width}} {r.before_median:>14.4g} "
             f"{r.after_median:>14.4g} {ratio:>13}"
         )
 
@@ -103,11 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown benchmark {name!r} (one of {', '.join(BENCHMARKS)})")
         plan.append((name, shlex.split(args)))
 
-    started = dt.datetime.now(dt.UTC).replace(microsecond=0)
-    rows: list[Comparison] = []
-    commands = {}
     for name, args in plan:
-        commands[name] = reproduce_command(name, args)
+        started = dt.datetime.now(dt.UTC).replace(microsecond=0)
         before: list[BenchmarkRecord] = []
         after: list[BenchmarkRecord] = []
         for round_no in range(1, options.rounds + 1):
@@ -115,53 +110,31 @@ def main(argv: list[str] | None = None) -> int:
             before.append(run_benchmark(name, args, options.before, str(before_python), flat=False))
             print(f"\n=== {name} round {round_no}: after ({ROOT})", flush=True)
             after.append(run_benchmark(name, args))
-        found = compare(name, before, after)
-        print_table(found)
-        rows += found
+        rows = compare(before, after)
+        print_table(name, rows)
         if options.record:
             print(f"written {write(after[-1])}")
-        # Kept after every benchmark, so a later failure loses nothing measured.
-        write(merged(options.name, options.before, started, commands, rows))
-    print_table(rows)
+        compared = ComparedBenchmark(
+            command=reproduce_command(name, args),
+            before_commit=before[-1].provenance.commit,
+            after_commit=after[-1].provenance.commit,
+            after_tree_dirty=any(r.provenance.tree_dirty for r in after),
+            measured_from=started,
+            measured_to=dt.datetime.now(dt.UTC).replace(microsecond=0),
+            rows=rows,
+        )
+        # Written after every benchmark, so a later failure loses nothing measured.
+        write(merged(options.name, name, compared))
     return 0
 
 
-def merged(
-    name: str, before: Path, started: dt.datetime, commands: dict[str, str], rows: list[Comparison]
-) -> ComparisonRecord:
-    """This invocation's rows, with the rows of other benchmarks already in the results
-    file NAME kept (when it compares the same two commits): one file can be filled by
-    several invocations."""
-    fresh = ComparisonRecord(
-        name=name,
-        before_commit=provenance(before).commit,
-        after_commit=provenance(ROOT).commit,
-        machine=machine(),
-        measured_from=started,
-        measured_to=dt.datetime.now(dt.UTC).replace(microsecond=0),
-        commands=commands,
-        rows=rows,
-    )
+def merged(name: str, benchmark: str, compared: ComparedBenchmark) -> ComparisonRecord:
+    """The results file NAME with `benchmark`'s entry replaced by `compared` (the other
+    benchmarks' entries kept: one file is filled by several invocations)."""
     path = RESULTS_DIR / f"{name}.json"
-    if not path.exists():
-        return fresh
-    old = read(path)
-    if not isinstance(old, ComparisonRecord) or (old.before_commit, old.after_commit) != (
-        fresh.before_commit,
-        fresh.after_commit,
-    ):
-        return fresh
-    kept = [r for r in old.rows if r.benchmark not in commands]
-    return ComparisonRecord(
-        name=name,
-        before_commit=fresh.before_commit,
-        after_commit=fresh.after_commit,
-        machine=fresh.machine,
-        measured_from=min(old.measured_from, started),
-        measured_to=fresh.measured_to,
-        commands={k: v for k, v in old.commands.items() if k not in commands} | commands,
-        rows=kept + rows,
-    )
+    old = read(path) if path.exists() else None
+    kept = old.benchmarks if isinstance(old, ComparisonRecord) else {}
+    return ComparisonRecord(name=name, machine=machine(), benchmarks=kept | {benchmark: compared})
 
 
 if __name__ == "__main__":

@@ -135,7 +135,6 @@ class FaultTableRecord(msgspec.Struct, kw_only=True, tag="faults"):
 class Comparison(msgspec.Struct, kw_only=True, frozen=True):
     """One figure measured in two checkouts, run alternately; values in run order."""
 
-    benchmark: str
     figure: str
     before: list[float]
     after: list[float]
@@ -144,18 +143,28 @@ class Comparison(msgspec.Struct, kw_only=True, frozen=True):
     after_over_before: float | None  # None when the before median is 0
 
 
-class ComparisonRecord(msgspec.Struct, kw_only=True, tag="comparison"):
-    """Two checkouts' figures from interleaved runs (benchmarks/compare.py). Kept as
-    evidence beside the results; the measurements page shows only the current figures."""
+class ComparedBenchmark(msgspec.Struct, kw_only=True, frozen=True):
+    """One benchmark run alternately in two checkouts: the code each side ran (the
+    after side's working tree, with `after_tree_dirty` when it had uncommitted changes)
+    and every numeric figure both sides wrote."""
 
-    name: str
+    command: str
     before_commit: str
     after_commit: str
-    machine: Machine
+    after_tree_dirty: bool
     measured_from: dt.datetime
     measured_to: dt.datetime
-    commands: dict[str, str]
     rows: list[Comparison]
+
+
+class ComparisonRecord(msgspec.Struct, kw_only=True, tag="comparison"):
+    """Two checkouts' figures from interleaved runs (benchmarks/compare.py), by benchmark.
+    Kept as evidence beside the results; the measurements page shows only the current
+    figures."""
+
+    name: str
+    machine: Machine
+    benchmarks: dict[str, ComparedBenchmark]
 
 
 ResultsFile = BenchmarkRecord | StabilityRecord | FaultTableRecord | ComparisonRecord
