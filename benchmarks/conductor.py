@@ -39,8 +39,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Runs from a checkout without installing the packages.
-sys.path.insert(0, str(ROOT / "shared" / "src"))
-sys.path.insert(0, str(ROOT / "services" / "conductor" / "src"))
+for src in ("libs/core/src", "services/conductor/src", "tools/yb/src"):
+    sys.path.insert(0, str(ROOT / src))
 
 from yb_conductor.conductor import Conductor  # noqa: E402
 from yb_conductor.replay import LogRecord, replay  # noqa: E402

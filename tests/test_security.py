@@ -593,7 +593,7 @@ def pickle_findings(source: str, filename: str = "<src>") -> list[str]:
 
 def python_sources() -> Iterator[Path]:
     """Every Python file of every package, service, test and benchmark in the tree."""
-    for top in ("shared", "services", "tests", "benchmarks"):
+    for top in ("libs", "services", "tools", "tests", "benchmarks"):
         for path in sorted((ROOT / top).rglob("*.py")):
             if not any(part in (".venv", "__pycache__", "build") for part in path.parts):
                 yield path
@@ -603,8 +603,13 @@ def test_no_pickle_anywhere() -> None:
     sources = list(python_sources())
     assert len(sources) > 50  # the scan really covers the tree
     roots = {p.relative_to(ROOT).parts[:2] for p in sources}
-    for package in ("src", "tests"):
-        assert ("shared", package) in roots
+    for top, package in (
+        ("libs", "core"),
+        ("libs", "dataplane"),
+        ("libs", "engine"),
+        ("tools", "yb"),
+    ):
+        assert (top, package) in roots
     findings = [
         f for p in sources for f in pickle_findings(p.read_text(), str(p.relative_to(ROOT)))
     ]

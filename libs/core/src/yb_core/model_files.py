@@ -13,8 +13,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from yb_core.hashing import model_identity
-
 if TYPE_CHECKING:
     from yb_core.config import ModelConfig
 
@@ -78,4 +76,8 @@ def context_limit(model: ModelConfig, cache_dir: Path) -> int | None:
 
 def identity_of(model: ModelConfig) -> bytes:
     """The model identity that goes into every block key."""
+    # Imported here: the hashing module loads numpy and xxhash, which the configuration
+    # (and so every process, the conductor included) must not pay for at start-up.
+    from yb_core.hashing import model_identity
+
     return model_identity(model.name)
