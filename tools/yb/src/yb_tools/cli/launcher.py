@@ -166,16 +166,9 @@ class Cluster:
 
     def prepare_model(self) -> None:
         """Convert and cache the model before any engine starts (they would wait)."""
-        from yb_engine.models import resolve_model_dir
+        from yb_engine.prepare import prepare_model
 
-        if self.cfg.model.source in ("tiny-random",):
-            return
-        started = time.monotonic()
-        self.say(f"preparing model {self.cfg.model.name} ({self.cfg.model.source}) ...")
-        path = resolve_model_dir(
-            self.cfg.model, self.cfg.model_cache_dir(), lambda m: self.say(f"  {m}")
-        )
-        self.say(f"model ready at {path} ({time.monotonic() - started:.1f}s)")
+        prepare_model(self.cfg, lambda line: self.say(f"  {line}"))
 
     def ensure_secrets(self) -> LocalSecrets:
         """The cluster's secrets, generated on the first start and reused after."""
