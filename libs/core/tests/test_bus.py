@@ -11,7 +11,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from yb_core import events as ev
-from yb_core.bus import Bus, BusUnavailable, LoggedEvent
+from yb_core.bus import Bus, BusUnavailable, LoggedEvent, within
 from yb_core.config import NatsConfig
 from yb_tools.natsserver import NatsServer, free_port
 
@@ -81,6 +81,32 @@ async def test_connect_gives_up_at_its_deadline() -> None:
     async with asyncio.timeout(60):
         with pytest.raises(BusUnavailable, match=re.escape("127.0.0.1")):
             await Bus.connect(cfg, "t", timeout_s=1.0)
+
+
+async def _retries_past_one_cancel(attempts: list[int]) -> None:
+    """A retry loop like nats-py's first connect when a cancel met a completing inner
+    `asyncio.wait_for` on Python 3.11: that cancel is lost, the loop goes on."""
+    swallowed = False
+    while True:
+        try:
+            await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            if swallowed:
+                raise
+            swallowed = True
+        attempts.append(1)
+
+
+async def test_a_deadline_holds_even_when_a_cancel_is_swallowed() -> None:
+    # `asyncio.wait_for` waits for the cancelled coroutine to end, for ever here (a
+    # refused `Bus.connect` hung so in a full run); `within` cancels until it ends.
+    attempts: list[int] = []
+    async with asyncio.timeout(60):
+        with pytest.raises(TimeoutError):
+            await within(_retries_past_one_cancel(attempts), 0.05)
+    seen = len(attempts)
+    await asyncio.sleep(0.05)
+    assert len(attempts) == seen  # ended, not left retrying
 
 
 async def test_reconnects_after_server_restart(

@@ -25,7 +25,7 @@ import contextlib
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -66,6 +66,42 @@ _CLOSE_TIMEOUT_S = 5.0
 JS_DUPLICATE_IN_PROCESS = 10158
 #: JetStream's "stream not found" (as opposed to "no message found", 10037).
 JS_STREAM_NOT_FOUND = 10059
+
+
+async def within(coro: Coroutine[Any, Any, T], timeout_s: float | None) -> T:
+    """`coro`'s result, or TimeoutError once `timeout_s` (None: no limit) has passed.
+
+    Unlike `asyncio.wait_for`, the wait for the cancelled coroutine is bounded too. On
+    Python 3.11 a cancellation that arrives as an inner `asyncio.wait_for` completes is
+    swallowed (the inner one returns its result instead); nats-py's connect loop then
+    goes on retrying for ever, and `wait_for`, waiting for it to end, never returns.
+    """
+    task = asyncio.ensure_future(coro)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        await _cancel_until_done(task)
+        raise
+    if task in done:
+        return task.result()
+    await _cancel_until_done(task)
+    raise TimeoutError(f"not done within {timeout_s:g}s")
+
+
+async def _cancel_until_done(task: asyncio.Future[Any]) -> None:
+    """Cancel `task` again until it ends (a swallowed cancel is followed by another),
+    for at most `_CLOSE_TIMEOUT_S`; then it is abandoned, logged."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _CLOSE_TIMEOUT_S
+    while not task.done():
+        left = deadline - loop.time()
+        if left <= 0:
+            log.warning("task_abandoned", task=repr(task), why="it ignored every cancel")
+            return
+        task.cancel()
+        await asyncio.wait({task}, timeout=min(0.1, left))
+    if not task.cancelled():
+        task.exception()  # retrieved: it is superseded by the caller's own outcome
 
 
 class BusError(RuntimeError):
@@ -243,7 +279,7 @@ class Bus:
         # ever with max_reconnect_attempts=-1); the deadline bounds that loop.
         nc = NatsClient()
         try:
-            await asyncio.wait_for(nc.connect(**options), timeout=timeout_s)
+            await within(nc.connect(**options), timeout_s)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             # Bounded too: the close of a client cancelled half-way through
             # connecting hung once in a full test run (refused credentials).
