@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from yb_conductor.service import ConductorService
+from yb_conductor.service import SNAPSHOT_BYTES_FRACTION, ConductorService
 from yb_core import events as ev
 from yb_core.block_events import BlockEventPublisher, BlockLog
 from yb_core.bus import Bus
@@ -143,19 +143,25 @@ async def test_fill_past_the_byte_limit_keeps_serving_restarts_from_snapshot_and
         await _decision_for(bus, "tail", seq)  # decided (scheduled, or refused: queues are long)
         extent = await bus.log_extent()
         assert extent.trimmed and extent.bytes <= SMALL, extent
-        # Snapshots come often enough that the retained log reaches back to one, and
-        # once the conductor is idle the latest is in the newer half of the log (a
-        # snapshot every eighth of it), so the few events the restart below adds
-        # cannot trim past it.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 20.0
-        while True:
-            extent = await bus.log_extent()
-            snapped = _sample(first, "yb_conductor_snapshot_seq")
-            if snapped >= (extent.first_seq + extent.last_seq) / 2:
+        # Snapshots come often enough that the retained log reaches back to one. Go on
+        # admitting, one at a time, until a snapshot covers the latest admission: then
+        # what follows it in the log (its decision, and below the restart's settings,
+        # one admission and its decision) is far less than the eighth of the log that
+        # makes the next snapshot due, so the restarted conductor takes none and the
+        # replay below has the decision after the restart to verify.
+        for extra in range(1, 4 * SNAPSHOT_BYTES_FRACTION):
+            seq = await bus.publish(_admitted(f"settle{extra}", n + extra))
+            await _decision_for(bus, f"settle{extra}", seq)
+            end = await bus.last_sequence()
+            await _until(
+                lambda end=end: first.conductor.last_seq >= end and not first.snapshot_uploading,
+                "the conductor to read its own decision and store any snapshot it took",
+            )
+            if _sample(first, "yb_conductor_snapshot_seq") >= seq:
                 break
-            assert loop.time() < deadline, f"no snapshot in the newer half: {snapped}, {extent}"
-            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("no snapshot in 4 * 1/8 of the log")
+        n += extra
     finally:
         await first.stop()
 
@@ -176,7 +182,8 @@ async def test_fill_past_the_byte_limit_keeps_serving_restarts_from_snapshot_and
     rc, out, err = await _replay(_config("replay", small_nats), capsys)
     assert rc == 0, (out, err)
     assert f"starts at seq {(await bus.log_extent()).first_seq}" in out
-    assert "replaying from the conductor's snapshot at seq" in out
+    snap = re.search(r"replaying from the conductor's snapshot at seq (\d+)", out)
+    assert snap and int(snap.group(1)) < seq, (out, seq)  # the admission after the restart
     assert "every recorded decision reproduced" in out
     # At least the decision made after the restart was checked.
     decisions = re.search(r"replayed \d+ events, (\d+) decisions", out)

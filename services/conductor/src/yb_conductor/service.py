@@ -199,6 +199,12 @@ class ConductorService(Service):
         """Whether this conductor holds the lease and publishes decisions."""
         return self._active and self._live
 
+    @property
+    def snapshot_uploading(self) -> bool:
+        """Whether a snapshot is being uploaded now (`yb_conductor_snapshot_seq` moves
+        when it is stored)."""
+        return self._snapshotting
+
     async def start(self) -> None:
         """Connect, restore, take the lease if free, and start following the log."""
         self.serve_metrics()
