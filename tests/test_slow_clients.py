@@ -12,8 +12,13 @@ stream can only stall. A stalled request must still be decoding when the gateway
 it (else decode ends it on its own): every request parks in decode after its
 `HOLD_TOKENS`th token (failpoint `decode.token`), far more than every buffer on the way
 holds, so it is still in decode, holding its pages and batch slot, when the gateway's
-cancel reaches it; the cancel ends the hold. The checks read the instances' own
-accounting (`/metrics`) and the log.
+cancel reaches it; the cancel ends the hold. "Far more" is about bytes, not tokens:
+a token whose text is not complete yet (a byte of a multi-byte character) sends no
+frame, and a sampled output of the random model can wander into a run of those. So
+the non-readers decode greedily, the tiny model's output is the same on every run
+(its logits are spread, no near-ties), and the test first reads that very output to
+its end to check it is far larger than the buffers. The checks read the instances'
+own accounting (`/metrics`) and the log.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ MODEL = "tiny"
 DECODE = "decode-0"
 MAX_TOKENS = 4000
 HOLD_TOKENS = 2000  # a stream parks here: far more than the ~200 frames the buffers hold
+# What the gateway's, the kernel's and the client's buffers hold together is ~20 KiB.
+FAR_MORE_BYTES = 100 * 1024
 STALLED = 8
 TRICKLERS = 4  # of each kind: head and body
 WAIT_S = 60.0  # every wait's deadline: generous, no outcome races it
@@ -120,17 +127,23 @@ def trickle_body(cluster: LocalCluster) -> bytes:
     return _trickle(cluster, _request(cluster, b"", content_length=4096), b" ", budget=4095)
 
 
+def stream_body(max_tokens: int) -> dict[str, Any]:
+    """A non-reader's request: greedy, so its output is the same every time."""
+    return {
+        "model": MODEL,
+        "prompt": [1, 2, 3, 4, 5, 6, 7, 8],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+
+
 class NonReader:
     """A streamed completion whose client reads the response head and nothing more."""
 
     def __init__(self, cluster: LocalCluster) -> None:
-        body = {
-            "model": MODEL,
-            "prompt": [1, 2, 3, 4, 5, 6, 7, 8],
-            "max_tokens": MAX_TOKENS,
-            "ignore_eos": True,
-            "stream": True,
-        }
+        body = stream_body(MAX_TOKENS)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         # Set before connecting, so the advertised window is small from the start.
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -175,6 +188,17 @@ def test_slow_clients_are_dropped_their_requests_freed_and_others_served(
     cluster: LocalCluster,
 ) -> None:
     scraper = Scraper(cluster)
+    # The construction: the tokens before the hold make far more bytes than the
+    # buffers hold (one token short of it, so this one is not held).
+    whole = httpx.post(
+        f"{cluster.url}/v1/completions",
+        json=stream_body(HOLD_TOKENS - 1),
+        headers=cluster.headers,
+        timeout=WAIT_S,
+    )
+    assert whole.status_code == 200 and whole.text.endswith("data: [DONE]\n\n"), whole.text[-500:]
+    assert len(whole.content) > FAR_MORE_BYTES, len(whole.content)
+
     with ThreadPoolExecutor(2 * TRICKLERS) as pool:
         tricklers: list[Future[bytes]] = [
             pool.submit(trickle_head, cluster) for _ in range(TRICKLERS)
@@ -248,4 +272,4 @@ def test_slow_clients_are_dropped_their_requests_freed_and_others_served(
     assert final[READ_DROPS] == 2 * TRICKLERS
     assert final["yb_gateway_in_flight_requests"] == 0
     admitted = list(events_of(read_log(cluster), ev.RequestAdmitted))
-    assert len(admitted) == STALLED + 1
+    assert len(admitted) == STALLED + 2  # and the normal client's, and the greedy one read whole
