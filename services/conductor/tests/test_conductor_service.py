@@ -78,8 +78,11 @@ def _is_decision(event: ev.AnyEvent) -> bool:
     return isinstance(event, ev.Decision)
 
 
-async def _decisions(bus: Bus, want: int) -> list[ev.AnyEvent]:
-    """The first `want` decisions in the log, waiting for them; fails at the deadline."""
+async def _decisions(
+    bus: Bus, want: int, deciding: ConductorService | None = None
+) -> list[ev.AnyEvent]:
+    """The first `want` decisions in the log, waiting for them; fails at the deadline,
+    saying what state `deciding` (the conductor that should decide them) is in."""
     reader = await bus.read_ordered("yb.ev.decision.>")
     found: list[ev.AnyEvent] = []
     try:
@@ -90,7 +93,14 @@ async def _decisions(bus: Bus, want: int) -> list[ev.AnyEvent]:
                     found.append(item.event)
     except TimeoutError:
         ids = [d.request_id for d in found]  # type: ignore[union-attr]
-        raise AssertionError(f"{want} decisions wanted, the log has {ids}") from None
+        state = ""
+        if deciding is not None:
+            state = (
+                f"; {deciding.instance_id}: active={deciding.active}, lease held="
+                f"{deciding.lease is not None and deciding.lease.held}, folded to seq "
+                f"{deciding.conductor.last_seq}, failed tasks {deciding.tasks.failures()}"
+            )
+        raise AssertionError(f"{want} decisions wanted, the log has {ids}{state}") from None
     finally:
         await reader.close()
     return found
@@ -235,7 +245,7 @@ async def test_standby_takes_over_a_crashed_leader_without_losing_or_doubling(
         # Admissions while nobody leads: decided by the standby once it takes over.
         for i in range(3):
             await bus.publish(_admitted(f"during-{i}"))
-        await _decisions(bus, 6)
+        await _decisions(bus, 6, standby)
         assert standby.active
         for i in range(2):
             await bus.publish(_admitted(f"after-{i}"))

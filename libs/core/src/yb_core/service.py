@@ -61,6 +61,14 @@ class Supervisor:
         if task.cancelled() or task.exception() is None:
             self._tasks.pop(task, None)
 
+    def failures(self) -> list[str]:
+        """The owned tasks that failed, as 'name: exception' (for diagnostics)."""
+        return [
+            f"{name}: {task.exception()!r}"
+            for task, name in self._tasks.items()
+            if task.done() and not task.cancelled() and task.exception() is not None
+        ]
+
     async def wait_failure(self) -> None:
         """Return when any owned task fails, re-raising its exception.
 
