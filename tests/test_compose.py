@@ -138,12 +138,16 @@ def _image(service: str, dockerfile: Path = DOCKERFILE) -> Image:
     remote: dict[str, bool] = {}
     order: list[str] = []
     entry_script = entry_module = ""
-    for stage in chain:
+    # `COPY --from=STAGE` brings in what that stage installed (in the environment it
+    # copies), in place: its instructions are read where the copy is.
+    for stage in _with_copied_stages(chain, by_name):
         for keyword, rest in stage.instructions:
             rest = _substitute(rest, args)
             if keyword == "ARG":
                 name, _, default = rest.partition("=")
                 args.setdefault(name, default)
+            elif keyword == "COPY" and rest.startswith("--from="):
+                continue
             elif keyword == "COPY":
                 src, dest = rest.split()
                 copies[dest] = ROOT / src
@@ -161,8 +165,9 @@ def _image(service: str, dockerfile: Path = DOCKERFILE) -> Image:
                         continue
                     with_deps = "--no-deps" not in words
                     positional = [w for w in words[2:] if not w.startswith("-")]
-                    if "--index-url" in words:
-                        positional.remove(words[words.index("--index-url") + 1])
+                    for option in ("--index-url", "--find-links"):
+                        if option in words:
+                            positional.remove(words[words.index(option) + 1])
                     for requirement in positional:
                         if requirement.startswith("/"):
                             assert requirement in copies, f"pip installs {requirement}, not copied"
@@ -176,6 +181,22 @@ def _image(service: str, dockerfile: Path = DOCKERFILE) -> Image:
                 assert json.loads(rest) == [entry_script], f"ENTRYPOINT {rest} is not the script"
     assert entry_module, "no entry script (`exec python -m MODULE` written to a file)"
     return Image(service, chain, local, remote, order, entry_module)
+
+
+def _with_copied_stages(chain: list[Stage], by_name: dict[str, Stage]) -> list[Stage]:
+    """`chain` with each stage that a `COPY --from=` names (and its own parents not
+    already in the chain) put before the stage that copies from it."""
+    out: list[Stage] = []
+    for stage in chain:
+        for keyword, rest in stage.instructions:
+            source = re.match(r"--from=(\S+)", rest) if keyword == "COPY" else None
+            if source:
+                copied = [by_name[source.group(1)]]
+                while copied[-1].parent in by_name and by_name[copied[-1].parent] not in out:
+                    copied.append(by_name[copied[-1].parent])
+                out.extend(s for s in reversed(copied) if s not in out)
+        out.append(stage)
+    return out
 
 
 def _requirement_closure(image: Image) -> set[str]:
@@ -233,7 +254,12 @@ def test_everything_copied_is_in_the_context_and_secrets_are_not() -> None:
     patterns = [p.strip() for p in ignore if p.strip() and not p.startswith("#")]
     assert ".env" in patterns, "deploy/make-env.sh's secrets would enter the build context"
     _, stages = _parse_dockerfile(DOCKERFILE)
-    copied = [rest.split()[0] for s in stages for k, rest in s.instructions if k == "COPY"]
+    copied = [
+        rest.split()[0]
+        for s in stages
+        for k, rest in s.instructions
+        if k == "COPY" and not rest.startswith("--from=")
+    ]
     assert copied
     for src in copied:
         assert (ROOT / src).is_dir(), src
