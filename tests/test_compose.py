@@ -377,7 +377,8 @@ def test_gateway_port_and_health_checks() -> None:
         assert test, f"{name} has no health check"
         text = " ".join(test)
         if name == "gateway":
-            assert f":{cfg.gateway.port}/healthz" in text
+            # Ready, not only alive: healthy means a request can be served.
+            assert f":{cfg.gateway.port}/readyz" in text
         elif name != "nats":
             port = load_config(env=_env(service)).telemetry.metrics_port
             assert f":{port}/metrics" in text
@@ -510,7 +511,7 @@ def test_gateway_keys_and_metrics_token_are_required() -> None:
         if not is_loopback(cfg.telemetry.metrics_host):
             token = _env(service)["YB_TELEMETRY__METRICS_TOKEN"]
             assert REQUIRED_VAR.fullmatch(token), name
-        if name != "gateway":  # the gateway's check is /healthz, open by design
+        if name != "gateway":  # the gateway's check is /readyz, open by design
             # Each service scrapes itself with the token, as Prometheus must.
             test = " ".join(service["healthcheck"]["test"])
             assert "YB_TELEMETRY__METRICS_TOKEN" in test and "Bearer" in test, name

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# A real compose run, from build to `down -v`, of docker-compose.yml and then of the
+# three-node NATS variant. Exits 0 only when every check passed.
+#
+#   deploy/compose-smoke.sh            (from a checkout set up with ./setup.sh)
+#
+# For each variant it builds and starts the cluster, waits until every service is
+# healthy, chats through the official `openai` client (whole and streamed), sends one
+# long prompt twice and expects cached tokens the second time, SIGKILLs decode
+# mid-stream and expects the clean error and a served request once compose restarted
+# it, restarts NATS and expects the event log to survive, then runs `down -v` and
+# checks that no container, volume or network of the project is left.
+#
+# Where Docker Hub cannot be reached it builds its own base image
+# (deploy/base-image.sh); where PyTorch's index cannot be reached it installs torch from
+# PyPI's index with the CPU wheel pip finds locally (`pip download torch==2.13.0+cpu`).
+# It needs a `docker` that builds with BuildKit and `docker compose` or docker-compose.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${YB_VENV:-.venv}/bin/python
+PROJECT=ybsmoke
+started_all=$(date +%s)
+
+say() { echo "[compose-smoke] $*"; }
+fail() { say "FAILED: $*"; exit 1; }
+
+# --- the tools ------------------------------------------------------------------------
+if docker compose version > /dev/null 2>&1; then
+  COMPOSE=(docker compose)
+elif command -v docker-compose > /dev/null; then
+  COMPOSE=(docker-compose)
+else
+  fail "neither 'docker compose' nor docker-compose is installed"
+fi
+export YB_COMPOSE
+YB_COMPOSE=$("$PY" -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "${COMPOSE[@]}")
+# compose builds through the docker CLI with BuildKit; a CLI without its buildx plugin
+# cannot, and Debian's docker.io CLI (20.10) has BuildKit built in.
+export COMPOSE_DOCKER_CLI_BUILD=1 DOCKER_BUILDKIT=1
+if ! docker buildx version > /dev/null 2>&1; then
+  [ -x /usr/bin/docker ] || fail "the docker CLI has no buildx plugin and there is no other"
+  shim=$(mktemp -d)
+  ln -s /usr/bin/docker "$shim/docker"
+  export PATH="$shim:$PATH"
+  say "building with /usr/bin/docker ($(docker version --format '{{.Client.Version}}'))"
+fi
+
+# --- where the images come from ---------------------------------------------------------
+if timeout 60 docker pull -q python:3.11-slim > /dev/null 2>&1; then
+  export YB_BASE_IMAGE=python:3.11-slim
+else
+  say "Docker Hub is out of reach: building the base image from Debian"
+  deploy/base-image.sh
+  export YB_BASE_IMAGE=yuebing-base:bookworm
+fi
+if ! timeout 30 "$PY" -c 'import urllib.request as u; u.urlopen("https://download.pytorch.org/whl/cpu/torch/", timeout=20)' 2> /dev/null; then
+  say "PyTorch's index is out of reach: torch from PyPI's index and a local CPU wheel"
+  export YB_TORCH_INDEX=https://pypi.org/simple
+  ls deploy/wheels/torch-2.13.0+cpu-*.whl > /dev/null 2>&1 \
+    || "$PY" -m pip download -q --no-deps -d deploy/wheels "torch==2.13.0+cpu" \
+    || fail "no torch 2.13.0+cpu wheel to be had (put one in deploy/wheels/)"
+fi
+
+# --- one variant ------------------------------------------------------------------------
+env_made=0
+if [ ! -e .env ]; then
+  deploy/make-env.sh > /dev/null
+  env_made=1
+fi
+cleanup() {
+  "${COMPOSE[@]}" -p "$PROJECT" "${files[@]}" down -v --remove-orphans > /dev/null 2>&1 || true
+  if [ "$env_made" = 1 ]; then rm -f .env; fi
+}
+trap cleanup EXIT
+
+# What each container of the project is doing, and the last health probes of those
+# that are not healthy: printed before a failure is cleaned up.
+describe() {
+  local id
+  for id in $(docker ps -aq --filter "label=com.docker.compose.project=$PROJECT"); do
+    docker inspect -f '  {{.Name}}: {{.State.Status}} (exit {{.State.ExitCode}}) health {{if .State.Health}}{{.State.Health.Status}}{{range .State.Health.Log}}
+      {{.Start.Format "15:04:05"}} exit {{.ExitCode}}: {{printf "%.200s" .Output}}{{end}}{{else}}-{{end}}' "$id"
+  done
+}
+
+wait_healthy() {
+  local want=$1 deadline=$(( $(date +%s) + 600 )) healthy
+  while :; do
+    healthy=$(docker ps --filter "label=com.docker.compose.project=$PROJECT" \
+      --format '{{.Status}}' | grep -c '(healthy)' || true)
+    [ "$healthy" -ge "$want" ] && return 0
+    [ "$(date +%s)" -lt "$deadline" ] || { describe; fail "only $healthy of $want services healthy after 600s"; }
+    sleep 2
+  done
+}
+
+run_variant() {
+  local name=$1 services=$2 t0 t1
+  shift 2
+  files=("$@")
+  say "== $name: up --build"
+  t0=$(date +%s)
+  "${COMPOSE[@]}" -p "$PROJECT" "${files[@]}" up -d --build > "/tmp/$PROJECT-$name-up.log" 2>&1 \
+    || { tail -20 "/tmp/$PROJECT-$name-up.log"; describe; fail "$name: up --build"; }
+  wait_healthy "$services"
+  t1=$(date +%s)
+  say "$name: $services services healthy $(( t1 - t0 ))s after up --build"
+  for check in chat reuse decode-killed nats-restarted; do
+    "$PY" deploy/compose_checks.py "$check" --project "$PROJECT" || { describe; fail "$name: $check"; }
+  done
+  docker stats --no-stream --format '{{.Name}} {{.MemUsage}}' \
+    $(docker ps -q --filter "label=com.docker.compose.project=$PROJECT") | sort | sed 's/^/  /'
+  "${COMPOSE[@]}" -p "$PROJECT" "${files[@]}" down -v --remove-orphans > /dev/null 2>&1
+  local left
+  left=$( { docker ps -aq --filter "label=com.docker.compose.project=$PROJECT";
+            docker volume ls -q --filter "label=com.docker.compose.project=$PROJECT";
+            docker network ls -q --filter "label=com.docker.compose.project=$PROJECT"; } | wc -l)
+  [ "$left" -eq 0 ] || fail "$name: down -v left $left containers, volumes or networks"
+  say "$name: passed; down -v left nothing"
+}
+
+files=()
+run_variant single 8 -f docker-compose.yml
+run_variant cluster 10 -f docker-compose.yml -f docker-compose.cluster.yml
+say "every check passed in $(( $(date +%s) - started_all ))s"
