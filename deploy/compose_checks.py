@@ -64,11 +64,12 @@ def container(project: str, service: str) -> str:
 
 def served_within(deadline_s: float) -> float:
     """Seconds until a chat is answered 200 (retrying what fails meanwhile)."""
+    api = client()
     started = time.monotonic()
     last: Exception | None = None
     while time.monotonic() - started < deadline_s:
         try:
-            answer = client().chat.completions.create(
+            answer = api.chat.completions.create(
                 model=MODEL,
                 messages=[{"role": "user", "content": "Say yes."}],
                 max_tokens=4,
