@@ -707,11 +707,14 @@ class KVReceiver:
                     self.staged_bytes += staged.nbytes
                     if self._m_staged is not None:
                         self._m_staged.inc(staged.nbytes)
-                receives.append(
-                    (first, count, staged, link.post_recv(dest, data_tag(seq, message)))
-                )
+                try:
+                    posted = link.post_recv(dest, data_tag(seq, message))
+                except PeerUnreachable as exc:
+                    broken = exc  # the sender died before this segment's payloads
+                    break
+                receives.append((first, count, staged, posted))
                 first += count
-            for first, count, staged, receive in receives:
+            for first, count, staged, receive in receives if broken is None else ():
                 positions = range(first, first + count)
                 try:
                     await receive.wait()
