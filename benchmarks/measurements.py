@@ -52,6 +52,14 @@ SUMMARIES: dict[str, str] = {
         "bytes in the same run. Payloads are cut into 2 MiB pages (size/8 under 16 MiB) and "
         "sent in segments of at most 16 MiB. Medians over `--repeat` runs."
     ),
+    "containers_transfer": (
+        "The same KV transfer (`benchmarks/transfer.py`, 2 MiB pages) between two Docker "
+        "containers of the kvstore image, placed three ways, against two processes on the "
+        "host, each with memcpy timed in the same run: `tcp` is how the compose files run "
+        "the services (separate namespaces, a bridge network); `sysv` and `cma` share the "
+        "receiver's PID and IPC namespaces, `cma` with CAP_SYS_PTRACE as well. Medians "
+        "over `--repeat` runs."
+    ),
     "conductor": (
         "The conductor alone on one pinned core: Mooncake's synthetic trace replayed through "
         "a simulated cluster (64 prefill instances each with its host's kvstore, 16 decode "
@@ -72,6 +80,13 @@ SUMMARIES: dict[str, str] = {
         "A burst of `--factor` times the cluster's naive capacity sent at one instant "
         "through the OpenAI API of a `yb up` cluster: how each request ended, the accepted "
         "ones against the SLOs, and every process's memory."
+    ),
+    "compose": (
+        "`docker-compose.yml` built and started as `deploy/compose-smoke.sh` does (the "
+        "base image and torch's index chosen by `deploy/compose-env.sh`): from `up -d "
+        "--build` until every service is healthy, with no image or build cache of the "
+        "project (cold) and again with both (warm, volumes removed in between); the first "
+        "chat; each container's memory idle and under a short `yb bench shared-prefix`."
     ),
 }
 
@@ -133,6 +148,29 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
             r"ucx_perftest_gbps_(\w+)_messages",
             "UCX's own C benchmark (`ucx_perftest -t tag_bw`), one {0} buffer resent, same "
             "UCX settings, no checksums",
+        ),
+    ],
+    "containers_transfer": [
+        (
+            r"(host|tcp|sysv|cma)_rendezvous_transport",
+            "the UCX lane that carried large messages ({0}), as UCX_PROTO_INFO reported it",
+        ),
+        (
+            r"(host|tcp|sysv|cma)_ucx_gbps_(\d+)mb",
+            "{0}: GB/s of one {1} MiB transfer, every page its own allocation",
+        ),
+        (
+            r"(host|tcp|sysv|cma)_ucx_gbps_(\d+)mb_contiguous",
+            "{0}: GB/s of one {1} MiB transfer, pages adjacent in one array",
+        ),
+        (r"(host|tcp|sysv|cma)_memcpy_gbps_(\d+)mb", "{0}: GB/s of `numpy.copyto` of {1} MiB"),
+        (
+            r"(host|tcp|sysv|cma)_over_memcpy_(\d+)mb",
+            "{0}: UCX transfer over memcpy, {1} MiB, same run",
+        ),
+        (
+            r"(host|tcp|sysv|cma)_sender_cpu_s_per_gb_(\d+)mb(_contiguous)?",
+            "{0}: sender's CPU seconds per GB moved, {1} MiB payloads",
         ),
     ],
     "conductor": [
@@ -210,6 +248,30 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
             r"later_bursts_(\d+)_(\w+)",
             "`{1}` of burst {0} after the first, sent once the one before had drained",
         ),
+    ],
+    "compose": [
+        ("compose", "the compose command"),
+        ("cold", "whether the project's images and the build cache were removed first"),
+        (
+            "up_to_ready_cold_s",
+            "seconds from `up -d --build` until every service was healthy, building every "
+            "image (torch from a local wheel, the rest from PyPI)",
+        ),
+        (
+            "up_to_ready_warm_s",
+            "the same with the images and the build cache in place (volumes removed: the "
+            "model is converted again)",
+        ),
+        ("first_chat_ttft_s", "seconds to the first text of the first streamed chat"),
+        ("first_chat_total_s", "seconds to the end of that chat (up to 32 tokens)"),
+        (r"memory_mb_idle_([\w-]+)", "memory of {0}'s container at idle, MB (`docker stats`)"),
+        (
+            r"memory_mb_load_peak_([\w-]+)",
+            "highest memory of {0}'s container sampled under the bench load, MB",
+        ),
+        (r"load_requests_(ok|failed)", "bench requests that ended {0}"),
+        ("load_duration_s", "seconds the bench load took"),
+        (r"image_mb_(\w+)", "size of the {0} image, MB"),
     ],
 }
 

@@ -41,7 +41,16 @@ from yb_testkit.faults import NOTES_DIR, FaultRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
-BENCHMARKS = ("engine", "transfer", "conductor", "e2e_chat", "e2e_reuse", "overload")
+BENCHMARKS = (
+    "engine",
+    "transfer",
+    "containers_transfer",
+    "conductor",
+    "e2e_chat",
+    "e2e_reuse",
+    "overload",
+    "compose",
+)
 # The longest benchmark (the default model through `yb up`, on a loaded 2-core machine)
 # takes minutes; an hour means something is stuck.
 RUN_DEADLINE_S = 3600.0

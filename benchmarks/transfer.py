@@ -98,7 +98,9 @@ def buffers(sizes: list[int], contiguous: bool, fill: int | None) -> list[np.nda
 # -- receiver process -------------------------------------------------------------------
 
 
-async def run_receiver(sizes_mb: list[int], page_bytes: int, layouts: list[str]) -> None:
+async def run_receiver(
+    sizes_mb: list[int], page_bytes: int, layouts: list[str], ucx_host: str
+) -> None:
     destinations = {
         (mb, name): buffers(layout(mb, page_bytes), name == "contiguous", 0)
         for mb in sizes_mb
@@ -110,7 +112,7 @@ async def run_receiver(sizes_mb: list[int], page_bytes: int, layouts: list[str])
         mb, name, _rep = request_id.split("-")
         return destinations.get((int(mb), name))
 
-    receiver = KVReceiver()
+    receiver = KVReceiver(host=ucx_host)
     receiver.set_reservation_factory(factory, deadline_s=120.0)
     address = await receiver.start()
     print(address, flush=True)
@@ -191,9 +193,10 @@ def best_of(fn: object, repeat: int) -> list[float]:
     return times
 
 
-async def run_sender(
-    sizes_mb: list[int], repeat: int, page_bytes: int, layouts: list[str], perftest: bool
-) -> dict[str, float]:
+async def start_receiver(
+    sizes_mb: list[int], page_bytes: int, layouts: list[str]
+) -> tuple[asyncio.subprocess.Process, PeerAddress]:
+    """A receiver process of this same file, and the address it listens on."""
     receiver = await asyncio.create_subprocess_exec(
         sys.executable,
         __file__,
@@ -207,9 +210,28 @@ async def run_sender(
         ",".join(layouts),
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
+        # Its first line must be its address: UCX's own report would come first.
+        env={k: v for k, v in os.environ.items() if k != "UCX_PROTO_INFO"},
     )
-    assert receiver.stdout is not None and receiver.stdin is not None
-    peer = PeerAddress.parse((await receiver.stdout.readline()).decode())
+    assert receiver.stdout is not None
+    return receiver, PeerAddress.parse((await receiver.stdout.readline()).decode())
+
+
+async def run_sender(
+    sizes_mb: list[int],
+    repeat: int,
+    page_bytes: int,
+    layouts: list[str],
+    perftest: bool,
+    peer_address: str | None,
+) -> dict[str, float]:
+    """Time the transfers; to a receiver started here, or to `peer_address` (elsewhere,
+    started with the same sizes and layouts; its CPU time is then not measured)."""
+    receiver: asyncio.subprocess.Process | None = None
+    if peer_address is None:
+        receiver, peer = await start_receiver(sizes_mb, page_bytes, layouts)
+    else:
+        peer = PeerAddress.parse(peer_address)
     sender = KVSender()
     results: dict[str, float] = {}
     rows = []
@@ -220,14 +242,15 @@ async def run_sender(
                 total = mb * MIB
                 bufs = buffers(layout(mb, page_bytes), name == "contiguous", None)
                 await timed_transfer(sender, peer, f"{mb}-{name}-warmup", bufs)
-                cpu_before = (cpu_seconds(), cpu_seconds(receiver.pid))
+                rx_pid = None if receiver is None else receiver.pid
+                cpu_before = (cpu_seconds(), cpu_seconds(rx_pid) if rx_pid else 0.0)
                 ucx = [
                     await timed_transfer(sender, peer, f"{mb}-{name}-{rep}", bufs)
                     for rep in range(repeat)
                 ]
                 moved_gb = total * repeat / 1e9
                 cpu_tx = (cpu_seconds() - cpu_before[0]) / moved_gb
-                cpu_rx = (cpu_seconds(receiver.pid) - cpu_before[1]) / moved_gb
+                cpu_rx = (cpu_seconds(rx_pid) - cpu_before[1]) / moved_gb if rx_pid else None
                 src = faulted(total, 7)
                 dst = faulted(total, 0)
                 memcpy = best_of(lambda src=src, dst=dst: np.copyto(dst, src), repeat)
@@ -246,13 +269,16 @@ async def run_sender(
                     suffix = "_best" if key.endswith("_best") else ""
                     results[f"{base}_gbps_{mb}mb{tag}{suffix}"] = round(value, 3)
                 results[f"sender_cpu_s_per_gb_{mb}mb{tag}"] = round(cpu_tx, 4)
-                results[f"receiver_cpu_s_per_gb_{mb}mb{tag}"] = round(cpu_rx, 4)
+                if cpu_rx is not None:
+                    results[f"receiver_cpu_s_per_gb_{mb}mb{tag}"] = round(cpu_rx, 4)
                 rows.append((name, mb, len(bufs), gbps, cpu_tx, cpu_rx))
                 del src, dst, bufs
     finally:
         await sender.close()
-        receiver.stdin.close()
-        await asyncio.wait_for(receiver.wait(), 30)
+        if receiver is not None:
+            assert receiver.stdin is not None
+            receiver.stdin.close()
+            await asyncio.wait_for(receiver.wait(), 30)
 
     print(
         f"{'layout':<11} {'payload':>8} {'buffers':>8} {'ucx GB/s':>9} {'(best)':>7} "
@@ -263,7 +289,7 @@ async def run_sender(
         print(
             f"{name:<11} {mb:>6}MB {count:>8} {gbps['ucx']:>9.2f} {gbps['ucx_best']:>7.2f} "
             f"{gbps['memcpy']:>12.2f} {gbps['ucx'] / gbps['memcpy']:>10.0%} {gbps['xxh3']:>10.2f} "
-            f"{cpu_tx:>12.3f} {cpu_rx:>6.3f}"
+            f"{cpu_tx:>12.3f} {'-' if cpu_rx is None else f'{cpu_rx:.3f}':>6}"
         )
     tls = os.environ.get("UCX_TLS", "all")
     pages = "2 MiB (size/8 under 16 MiB)" if page_bytes == PAGE_BYTES else f"{page_bytes} B"
@@ -289,6 +315,12 @@ def main() -> None:
     parser.add_argument("--layouts", default="scattered,contiguous")
     parser.add_argument("--no-perftest", action="store_true", help="skip ucx_perftest")
     parser.add_argument("--role", choices=["sender", "receiver"], default="sender")
+    parser.add_argument(
+        "--peer", help="sender: a receiver already listening there (started with --role receiver)"
+    )
+    parser.add_argument(
+        "--ucx-host", default="127.0.0.1", help="receiver: the address UCX listens on and announces"
+    )
     args = parser.parse_args()
     sizes_mb = [int(s) for s in args.sizes.split(",")]
     layouts = [name for name in args.layouts.split(",") if name]
@@ -296,10 +328,10 @@ def main() -> None:
         parser.error("--layouts takes scattered and/or contiguous")
     page_bytes = args.page_kib * 1024
     if args.role == "receiver":
-        asyncio.run(run_receiver(sizes_mb, page_bytes, layouts))
+        asyncio.run(run_receiver(sizes_mb, page_bytes, layouts, args.ucx_host))
         return
     results = asyncio.run(
-        run_sender(sizes_mb, args.repeat, page_bytes, layouts, not args.no_perftest)
+        run_sender(sizes_mb, args.repeat, page_bytes, layouts, not args.no_perftest, args.peer)
     )
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -11,10 +11,11 @@
 # it, restarts NATS and expects the event log to survive, then runs `down -v` and
 # checks that no container, volume or network of the project is left.
 #
-# Where Docker Hub cannot be reached it builds its own base image
-# (deploy/base-image.sh); where PyTorch's index cannot be reached it installs torch from
-# PyPI's index with the CPU wheel pip finds locally (`pip download torch==2.13.0+cpu`).
-# It needs a `docker` that builds with BuildKit and `docker compose` or docker-compose.
+# deploy/compose-env.sh chooses the compose command and where the images come from: where
+# Docker Hub cannot be reached it builds its own base image (deploy/base-image.sh); where
+# PyTorch's index cannot be reached it installs torch from PyPI's index with the CPU
+# wheel fetched locally. It needs a `docker` that builds with BuildKit and
+# `docker compose` or docker-compose.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${YB_VENV:-.venv}/bin/python
@@ -24,42 +25,9 @@ started_all=$(date +%s)
 say() { echo "[compose-smoke] $*"; }
 fail() { say "FAILED: $*"; exit 1; }
 
-# --- the tools ------------------------------------------------------------------------
-if docker compose version > /dev/null 2>&1; then
-  COMPOSE=(docker compose)
-elif command -v docker-compose > /dev/null; then
-  COMPOSE=(docker-compose)
-else
-  fail "neither 'docker compose' nor docker-compose is installed"
-fi
-export YB_COMPOSE
-YB_COMPOSE=$("$PY" -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "${COMPOSE[@]}")
-# compose builds through the docker CLI with BuildKit; a CLI without its buildx plugin
-# cannot, and Debian's docker.io CLI (20.10) has BuildKit built in.
-export COMPOSE_DOCKER_CLI_BUILD=1 DOCKER_BUILDKIT=1
-if ! docker buildx version > /dev/null 2>&1; then
-  [ -x /usr/bin/docker ] || fail "the docker CLI has no buildx plugin and there is no other"
-  shim=$(mktemp -d)
-  ln -s /usr/bin/docker "$shim/docker"
-  export PATH="$shim:$PATH"
-  say "building with /usr/bin/docker ($(docker version --format '{{.Client.Version}}'))"
-fi
-
-# --- where the images come from ---------------------------------------------------------
-if timeout 60 docker pull -q python:3.11-slim > /dev/null 2>&1; then
-  export YB_BASE_IMAGE=python:3.11-slim
-else
-  say "Docker Hub is out of reach: building the base image from Debian"
-  deploy/base-image.sh
-  export YB_BASE_IMAGE=yuebing-base:bookworm
-fi
-if ! timeout 30 "$PY" -c 'import urllib.request as u; u.urlopen("https://download.pytorch.org/whl/cpu/torch/", timeout=20)' 2> /dev/null; then
-  say "PyTorch's index is out of reach: torch from PyPI's index and a local CPU wheel"
-  export YB_TORCH_INDEX=https://pypi.org/simple
-  ls deploy/wheels/torch-2.13.0+cpu-*.whl > /dev/null 2>&1 \
-    || "$PY" -m pip download -q --no-deps -d deploy/wheels "torch==2.13.0+cpu" \
-    || fail "no torch 2.13.0+cpu wheel to be had (put one in deploy/wheels/)"
-fi
+# --- the tools and where the images come from -------------------------------------------
+env_lines=$(deploy/compose-env.sh) || fail "deploy/compose-env.sh"
+eval "$env_lines"
 
 # --- one variant ------------------------------------------------------------------------
 env_made=0
