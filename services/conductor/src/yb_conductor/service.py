@@ -332,7 +332,16 @@ class ConductorService(Service):
         if self._active or not await self.lease.acquire():
             return
         # Leading starts once the log is read up to its end as of now.
-        self._live_from = await self.bus.last_sequence()
+        try:
+            live_from = await self.bus.last_sequence()
+        except BusError as exc:
+            # NATS did not say where the log ends (a leader election, an overloaded
+            # server): the lease stays held and the next renewal period tries again.
+            # Raising here would end the lease task, and with it this instance's
+            # renewals and its every later chance to lead.
+            log.warning("conductor_lead_deferred", error=str(exc))
+            return
+        self._live_from = live_from
         self._active = True
         log.info("conductor_leading", live_from_seq=self._live_from)
 
