@@ -43,7 +43,8 @@ from typing import Any, Final
 ROOT: Final = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "deploy"))
 
-import compose_checks  # noqa: E402  (the smoke's client side: key, client, model)
+import compose_checks  # noqa: E402  (the smoke's client side: key, client, docker)
+from compose_checks import docker  # noqa: E402
 
 PROJECT: Final = "ybbench"
 IMAGES: Final = tuple(
@@ -93,13 +94,6 @@ class Compose:
         return services
 
 
-def docker(*args: str) -> str:
-    done = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=120)
-    if done.returncode != 0:
-        raise RuntimeError(f"docker {' '.join(args)}: {done.stderr.strip()[-2000:]}")
-    return done.stdout
-
-
 def containers() -> dict[str, tuple[str, str]]:
     """Running containers of the project: id -> (service, status)."""
     out = docker(
@@ -142,21 +136,10 @@ def memory_mb() -> dict[str, float]:
 
 def first_chat() -> tuple[float, float]:
     """(seconds to the first text, seconds to the end) of one streamed chat."""
-    started = time.monotonic()
-    first = None
-    stream = compose_checks.client().chat.completions.create(
-        model=compose_checks.MODEL,
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=32,
-        temperature=0,
-        stream=True,
+    _, first, total = compose_checks.streamed_chat(
+        compose_checks.client(), "What is the capital of France?", max_tokens=32
     )
-    for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].delta.content:
-            first = time.monotonic() - started
-    if first is None:
-        raise RuntimeError("the first chat carried no text")
-    return first, time.monotonic() - started
+    return first, total
 
 
 def bench_under_watch(out: Path) -> tuple[dict[str, Any], dict[str, float]]:
@@ -197,7 +180,7 @@ def measure(compose: Compose, keep_images: bool, settle_s: float, tmp: Path) -> 
     services = compose.checked_services()
     compose.run("down", "-v", "--remove-orphans")
     if not keep_images:
-        present = [image for image in IMAGES if docker("images", "-q", image).strip()]
+        present = [image for image in IMAGES if docker("images", "-q", image)]
         if present:
             docker("rmi", "-f", *present)
         docker("builder", "prune", "-af")
@@ -218,7 +201,7 @@ def measure(compose: Compose, keep_images: bool, settle_s: float, tmp: Path) -> 
     compose.run("down", "-v", "--remove-orphans")
     figures["up_to_ready_warm_s"] = round(up_to_ready(compose, services), 1)
     for image in IMAGES:
-        size = docker("image", "inspect", "-f", "{{.Size}}", image).strip()
+        size = docker("image", "inspect", "-f", "{{.Size}}", image)
         figures[f"image_mb_{image.removeprefix('yuebing-')}"] = round(int(size) / 1e6)
     return figures
 

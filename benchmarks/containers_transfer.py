@@ -119,12 +119,12 @@ def run_variant(
     """transfer.py's figures for one placement, and what its sender printed."""
     mounts = ["-v", f"{ROOT / 'benchmarks'}:/bench:ro", "-v", f"{out}:/out"]
     bench = ["--entrypoint", "python", image, "/bench/transfer.py", "--sizes", sizes]
-    send = ["--repeat", str(repeat), "--no-perftest", "--json", f"{out}/{variant}.json"]
-    # Printed by the sender's UCX when it first sends: which lane carries what.
+    send = ["--repeat", str(repeat), "--no-perftest", "--json"]
     if variant == "host":
         local = [sys.executable, str(ROOT / "benchmarks" / "transfer.py"), "--sizes", sizes]
         done = subprocess.run(
-            [*local, *send],
+            [*local, *send, str(out / f"{variant}.json")],
+            # Printed by the sender's UCX when it first sends: which lane carries what.
             env={**os.environ, "UCX_PROTO_INFO": "y"},
             capture_output=True,
             text=True,
@@ -132,7 +132,6 @@ def run_variant(
             check=True,
         )
         return json.loads((out / f"{variant}.json").read_text()), done.stdout + done.stderr
-    send[-1] = f"/out/{variant}.json"
     network = f"yb-bench-{tag}"
     rx_name = f"yb-bench-rx-{tag}"
     # The receiver's namespaces are made shareable and the sender joins them, or not.
@@ -163,6 +162,7 @@ def run_variant(
             *mounts,
             *bench,
             *send,
+            f"/out/{variant}.json",
             "--peer",
             receiver.address,
             timeout=RUN_TIMEOUT_S,

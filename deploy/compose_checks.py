@@ -83,6 +83,30 @@ def served_within(deadline_s: float) -> float:
     raise CheckFailed(f"no chat answered within {deadline_s:g}s; last error: {last!r}")
 
 
+def streamed_chat(
+    api: openai.OpenAI, content: str, *, max_tokens: int
+) -> tuple[list[str], float, float]:
+    """One greedy streamed chat: its text pieces, seconds to the first, seconds to the end.
+    Raises CheckFailed when the stream carries no text."""
+    started = time.monotonic()
+    first_token_s = 0.0
+    pieces: list[str] = []
+    for chunk in api.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+    ):
+        delta = chunk.choices[0].delta.content if chunk.choices else None
+        if delta:
+            first_token_s = first_token_s or time.monotonic() - started
+            pieces.append(delta)
+    if not pieces:
+        raise CheckFailed("the stream carried no text")
+    return pieces, first_token_s, time.monotonic() - started
+
+
 def check_chat(_: argparse.Namespace) -> None:
     api = client()
     started = time.monotonic()
@@ -96,23 +120,8 @@ def check_chat(_: argparse.Namespace) -> None:
     print(f"chat: {text!r} in {time.monotonic() - started:.2f}s")
     if "Paris" not in text:
         raise CheckFailed(f"the default model did not answer Paris: {text!r}")
-    started = time.monotonic()
-    first_token_s = None
-    pieces = []
-    for chunk in api.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Name three colours."}],
-        max_tokens=24,
-        temperature=0,
-        stream=True,
-    ):
-        delta = chunk.choices[0].delta.content if chunk.choices else None
-        if delta:
-            first_token_s = first_token_s or time.monotonic() - started
-            pieces.append(delta)
-    print(f"stream: {len(pieces)} chunks, first after {first_token_s or 0:.2f}s")
-    if not pieces:
-        raise CheckFailed("the stream carried no text")
+    pieces, first_token_s, _total_s = streamed_chat(api, "Name three colours.", max_tokens=24)
+    print(f"stream: {len(pieces)} chunks, first after {first_token_s:.2f}s")
 
 
 def check_reuse(_: argparse.Namespace) -> None:
