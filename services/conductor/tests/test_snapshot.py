@@ -61,7 +61,14 @@ def test_fixture_log_restored_midway_matches_the_whole_replay() -> None:
         _assert_split_equals_whole(records, cut)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# print_blob: a counterexample found on a CI machine prints the `@reproduce_failure`
+# line that replays it anywhere (the example database stays on that machine).
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
+)
 @given(st.lists(GEN.steps, max_size=50), st.floats(0.0, 1.0))
 def test_any_generated_log_restored_anywhere_matches(plan: list[Any], where: float) -> None:
     records = GEN.live_log(plan)
