@@ -80,6 +80,26 @@ def test_match_equals_brute_force(operations: list[Op], chain: list[int]) -> Non
     assert {again.instance(s): n for s, n in again.match(chain).lengths.items()} == got
 
 
+def test_a_restored_index_keeps_each_slots_key_order_across_tiers() -> None:
+    # Key 1 moves to SSD and keeps its place before key 2; once key 2 follows it
+    # there, the restored index must list them as the original does.
+    index = BlockIndex()
+    index.store("a", [1, 2], "dram")
+    index.store("a", [1], "ssd")
+    again = BlockIndex.restore(index.export())
+    for ix in (index, again):
+        ix.move("a", [2], "ssd")
+    assert again.export() == index.export() == [("a", [1, 2], [1, 2], [])]
+
+
+def test_an_index_exported_per_tier_restores_with_its_tiers() -> None:
+    # Snapshots written before the held order was exported list DRAM keys first.
+    index = BlockIndex.restore([("", [], [], []), ("a", [3], [1], [2])])
+    assert index.slot_of("a") == 1
+    assert [index.tier_of(k, "a") for k in (1, 2, 3)] == ["ssd", "engine", "dram"]
+    assert index.export() == [("", [], [], []), ("a", [3, 1, 2], [1], [2])]
+
+
 def test_slots_are_reused_after_an_instance_is_emptied() -> None:
     index = BlockIndex()
     index.store("a", [1, 2], "dram")

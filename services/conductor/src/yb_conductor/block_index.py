@@ -309,39 +309,50 @@ class BlockIndex:
     # --- snapshots ---------------------------------------------------------------------
 
     def export(self) -> list[tuple[str, list[int], list[int], list[int]]]:
-        """Per slot (in slot order): instance id and its DRAM, SSD and engine keys.
+        """Per slot (in slot order): instance id, every key it holds in the order it
+        holds them, and which of those it holds in SSD and in the engine (the rest:
+        DRAM).
 
         Masks can exceed 64 bits, which msgpack cannot carry; key lists can, and
-        slot order lets `restore` hand out the very same slots again.
+        slot order lets `restore` hand out the very same slots again. The held order
+        is the slot's own, across tiers: a list per tier would lose it (a key
+        re-stored in another tier keeps its place), and a restored index would then
+        export the same keys in another order once later events moved them into one
+        tier.
         """
         out: list[tuple[str, list[int], list[int], list[int]]] = []
         for slot, instance_id in enumerate(self._ids):
             bit = 1 << slot
-            dram: list[int] = []
-            ssd: list[int] = []
-            engine: list[int] = []
-            for key in self._keys_of[slot]:
-                if self._ssd.get(key, 0) & bit:
-                    ssd.append(key)
-                elif self._engine.get(key, 0) & bit:
-                    engine.append(key)
-                else:
-                    dram.append(key)
-            out.append((instance_id, dram, ssd, engine))
+            held = list(self._keys_of[slot])
+            ssd = [k for k in held if self._ssd.get(k, 0) & bit] if self._ssd else []
+            engine = [k for k in held if self._engine.get(k, 0) & bit] if self._engine else []
+            out.append((instance_id, held, ssd, engine))
         return out
 
     @classmethod
     def restore(cls, slots: Sequence[tuple[str, list[int], list[int], list[int]]]) -> BlockIndex:
-        """The index `export` described, with the same slot numbers."""
+        """The index `export` described, with the same slot numbers and key order.
+
+        Also reads snapshots whose first list held only the DRAM keys: their SSD and
+        engine keys come after them.
+        """
         index = cls()
-        for slot, (instance_id, dram, ssd, engine) in enumerate(slots):
+        holders = index._holders
+        for slot, (instance_id, held, ssd, engine) in enumerate(slots):
             index._ids.append(instance_id)
-            index._keys_of.append({})
+            owned: dict[int, None] = {}
+            index._keys_of.append(owned)
             if not instance_id:
                 index._free_slots.append(slot)
                 continue
             index._slot_of[instance_id] = slot
-            index.store(instance_id, dram, "dram")
-            index.store(instance_id, ssd, "ssd")
-            index.store(instance_id, engine, "engine")
+            bit = 1 << slot
+            for key in held:
+                holders[key] = holders.get(key, 0) | bit
+                owned[key] = None
+            for keys, tier_map in ((ssd, index._ssd), (engine, index._engine)):
+                for key in keys:
+                    holders[key] = holders.get(key, 0) | bit
+                    owned[key] = None  # already there (in place) unless an old snapshot
+                    tier_map[key] = tier_map.get(key, 0) | bit
         return index

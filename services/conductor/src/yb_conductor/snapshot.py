@@ -7,10 +7,11 @@ the property tests check that snapshot + tail == whole log, decision for decisio
 
 Everything that decides is in the snapshot, in its order: instances, placements and
 every queue (dict order is FIFO order), the block index (per slot, so slots come back
-the same), block trackers, what completions taught, the decisions not yet seen in the
-log, the de-duplication memory, the quality counters, and the settings and cost model
-in force. msgpack carries it; the index's bitmasks are not stored (they can exceed 64
-bits) but rebuilt from the per-slot key lists.
+the same, with each slot's keys in the order it holds them), block trackers, what
+completions taught, the decisions not yet seen in the log, the de-duplication memory,
+the quality counters, and the settings and cost model in force. msgpack carries it;
+the index's bitmasks are not stored (they can exceed 64 bits) but rebuilt from the
+per-slot key lists.
 """
 
 from __future__ import annotations
