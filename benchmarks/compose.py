@@ -219,6 +219,9 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             figures = measure(compose, args.keep_images, args.settle, Path(tmp))
+    except Exception:
+        print(f"the project's containers when it failed:\n{compose_checks.describe(PROJECT)}")
+        raise
     finally:
         try:
             compose.run("down", "-v", "--remove-orphans")

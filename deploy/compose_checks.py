@@ -47,6 +47,26 @@ def docker(*args: str) -> str:
     return done.stdout.strip()
 
 
+def describe(project: str) -> str:
+    """Each container of `project`: its state and, when it has a health check, the last
+    probes' results (what `up` waited on when it says a container is unhealthy)."""
+    lines = []
+    label = f"label=com.docker.compose.project={project}"
+    for cid in docker("ps", "-aq", "--filter", label).split():
+        lines.append(
+            docker(
+                "inspect",
+                "-f",
+                "  {{.Name}}: {{.State.Status}} (exit {{.State.ExitCode}}) health "
+                "{{if .State.Health}}{{.State.Health.Status}}{{range .State.Health.Log}}\n"
+                '      {{.Start.Format "15:04:05"}} exit {{.ExitCode}}: '
+                '{{printf "%.200s" .Output}}{{end}}{{else}}-{{end}}',
+                cid,
+            )
+        )
+    return "\n".join(lines)
+
+
 def container(project: str, service: str) -> str:
     """The container id of `service` (compose v1 and v2 label them alike)."""
     ids = docker(
