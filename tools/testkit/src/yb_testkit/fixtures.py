@@ -42,6 +42,28 @@ def pytest_configure(config: pytest.Config) -> None:
     configure_logging("test", "test", TelemetryConfig(log_level="warning", log_json=False))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` skip on a machine without CUDA, saying so, unless the run
+    asked for them (`-m cuda`): then a missing GPU is an error, so a GPU run can never
+    pass without the GPU path having run."""
+    cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not cuda_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    asked = "cuda" in (config.option.markexpr or "") and "not cuda" not in config.option.markexpr
+    if asked:
+        raise pytest.UsageError(
+            f"-m cuda selects {len(cuda_items)} GPU tests, but torch sees no CUDA device "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})"
+        )
+    skip = pytest.mark.skip(reason="needs CUDA (torch sees no CUDA device); run with -m cuda")
+    for item in cuda_items:
+        item.add_marker(skip)
+
+
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
     """A running nats-server with JetStream, stopped after the test."""
