@@ -5,14 +5,18 @@ torch tensor (any dtype, bfloat16 included), an object exposing the buffer proto
 (bytes, bytearray, memoryview), or a device array exposing `__cuda_array_interface__`
 (a CUDA torch tensor, a CuPy array). Host buffers are handed to UCX as flat uint8
 numpy views of the same memory; device buffers are handed over as they are, since
-ucxx reads `__cuda_array_interface__` itself. Nothing here copies host memory.
+ucxx reads `__cuda_array_interface__` itself (`ucxx._lib.arr.Array` takes the pointer
+from it and never touches the bytes; UCX detects the memory type). Adjacent device
+buffers are joined into one `DeviceRegion`, the device counterpart of a joined numpy
+view. Nothing here copies memory, host or device: device memory is never hashed
+(`checksum` refuses it) and never staged by this module.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
-from typing import Any, TypeAlias
+from collections.abc import Hashable, Sequence
+from typing import Any, Final, TypeAlias
 
 import numpy as np
 import xxhash
@@ -110,17 +114,22 @@ def to_ucx(buf: BufferLike, *, writable: bool) -> Any:
     return arr
 
 
-def checksum(buf: BufferLike) -> int:
-    """xxh3-64 of a buffer's raw bytes.
+#: The segment header's name for `checksum`'s algorithm.
+XXH3_64: Final = "xxh3-64"
+#: The segment header's name for "not checksummed" (device buffers, see `checksum`).
+NO_CHECKSUM: Final = "none"
 
-    Host memory is hashed in place (zero-copy; xxhash releases the GIL). Device memory
-    is copied to the host first, which only a torch tensor knows how to do: that slow
-    path exists for correctness, not speed.
+
+def checksum(buf: BufferLike) -> int:
+    """xxh3-64 of a host buffer's raw bytes, hashed in place (zero-copy; xxhash
+    releases the GIL).
+
+    Raises TypeError for device memory: hashing it would take a copy to the host (a
+    device synchronisation) or a kernel of our own, and the data plane does neither
+    (a segment of device buffers travels unchecksummed: see the transport README).
     """
     if is_device(buf):
-        if not _is_torch(buf):
-            raise TypeError("checksum of a non-torch device array is not supported")
-        return xxhash.xxh3_64_intdigest(_torch_bytes(buf).cpu().numpy().data)
+        raise TypeError("device memory is not checksummed (it would need a copy to the host)")
     return xxhash.xxh3_64_intdigest(host_array(buf).data)
 
 
@@ -129,30 +138,92 @@ def address(arr: np.ndarray) -> int:
     return int(arr.__array_interface__["data"][0])
 
 
-def joined(parts: Sequence[Any]) -> np.ndarray | None:
-    """One flat uint8 view over host arrays that lie back to back in memory, in order.
+class DeviceRegion:
+    """`nbytes` bytes of device memory from `ptr`, as one flat uint8 array.
 
-    None if any part is not a host array or the parts are not adjacent. The view
-    covers exactly the parts' bytes (which are all valid memory, being adjacent), so
-    UCX can move a run of pages as one message; no byte is copied.
+    Exposes `__cuda_array_interface__` (version 3), so ucxx moves the region as one
+    message. It keeps `parts` (the buffers it covers) alive as long as it lives.
+    """
+
+    __slots__ = ("__cuda_array_interface__", "nbytes", "parts", "ptr")
+
+    def __init__(self, ptr: int, nbytes: int, parts: Sequence[Any], *, readonly: bool) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.parts = tuple(parts)
+        self.__cuda_array_interface__: dict[str, Any] = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, readonly),
+            "strides": None,
+            "version": 3,
+        }
+
+
+def _extent(part: Any) -> tuple[Hashable, int, int, bool] | None:
+    """(memory domain, first byte, size, read-only) of a buffer as `to_ucx` returned
+    it, or None if it cannot be joined.
+
+    Two buffers may be joined only within one domain: host memory, one torch
+    storage (pages of one KV cache tensor; never across two device allocations that
+    merely happen to be adjacent, which one UCX message could not cover), or other
+    device arrays (which carry no allocation identity: adjacency is taken to mean
+    one allocation, as for the pages of one cache).
+    """
+    if isinstance(part, np.ndarray):
+        if part.dtype != np.uint8 or part.ndim != 1:
+            return None
+        return "host", address(part), int(part.nbytes), not part.flags.writeable
+    if _is_torch(part):
+        if part.device.type == "cpu" or not part.is_contiguous():
+            return None
+        storage = part.untyped_storage().data_ptr()
+        size = int(part.numel() * part.element_size())
+        return ("torch", str(part.device), storage), int(part.data_ptr()), size, False
+    cai = getattr(part, "__cuda_array_interface__", None)
+    if cai is None or cai.get("strides") is not None or cai.get("mask") is not None:
+        return None
+    ptr, readonly = cai["data"]
+    return "device-array", int(ptr), nbytes(part), bool(readonly)
+
+
+def joined(parts: Sequence[Any]) -> np.ndarray | DeviceRegion | Any | None:
+    """One buffer over parts that lie back to back in memory, in order, or None.
+
+    Parts are buffers as `to_ucx` returned them. Host parts give a flat uint8 numpy
+    view, device parts a `DeviceRegion`; a single part is returned as it is. None if
+    a part cannot be joined, the parts are not adjacent or not in one memory domain
+    (see `_extent`). The result covers exactly the parts' bytes (all valid memory,
+    being adjacent), so UCX can move a run of pages as one message; nothing is
+    copied.
     """
     first = parts[0]
-    if not isinstance(first, np.ndarray):
-        return None
     if len(parts) == 1:
-        return first
-    start = address(first)
-    end = start
-    for part in parts:
-        if not isinstance(part, np.ndarray) or part.dtype != np.uint8 or part.ndim != 1:
+        return first if isinstance(first, np.ndarray) or is_device(first) else None
+    extents = [_extent(part) for part in parts]
+    head = extents[0]
+    if head is None:
+        return None
+    domain, start, end, readonly = head[0], head[1], head[1], False
+    for extent in extents:
+        if extent is None or extent[0] != domain or extent[1] != end:
             return None
-        if address(part) != end:
-            return None
-        end += part.nbytes
-    view: np.ndarray = np.lib.stride_tricks.as_strided(
-        first, shape=(end - start,), strides=(1,), writeable=bool(first.flags.writeable)
-    )
-    return view
+        end += extent[2]
+        readonly = readonly or extent[3]
+    if domain == "host":
+        view: np.ndarray = np.lib.stride_tricks.as_strided(
+            first, shape=(end - start,), strides=(1,), writeable=bool(first.flags.writeable)
+        )
+        return view
+    return DeviceRegion(start, end - start, parts, readonly=readonly)
+
+
+def adjacent_key(part: Any) -> tuple[Hashable, int, int] | None:
+    """(domain, first byte, size) of a buffer as `to_ucx` returned it, for grouping
+    runs of adjacent buffers (`joined` accepts a run whose keys follow each other);
+    None if it cannot be joined with anything."""
+    extent = _extent(part)
+    return None if extent is None else extent[:3]
 
 
 def breaks(parts: Sequence[Any]) -> list[int]:
@@ -161,7 +232,7 @@ def breaks(parts: Sequence[Any]) -> list[int]:
     A receiver hands these to its sender (in a fetch request or a reservation reply):
     the sender then puts two buffers into one UCX message only where they are adjacent
     on both ends, so every message lands straight in its destination and nothing is
-    staged. Device buffers are never merged, so each is a break.
+    staged. Device buffers are merged like host ones (within one allocation).
     """
     return [i for i in range(1, len(parts)) if joined(parts[i - 1 : i + 1]) is None]
 

@@ -13,10 +13,13 @@ drained into a scratch sink (past `DRAIN_LIMIT` bytes the connection is closed
 instead), so the sender's stream stays in step and no UCX message is left unmatched.
 
 Accepted bytes land directly in the reserved buffers (the receive is posted into them
-as soon as the segment header is validated). Each buffer's xxh3-64 is checked against
-the header when it lands: a mismatch refuses that buffer (it is never counted as
-received, and a commit that misses it fails). `wait_committed()` resolves only when
-the sender commits and every index has been written and verified.
+as soon as the segment header is validated), device buffers included: adjacent device
+destinations take a span as one `DeviceRegion`, so nothing is staged when the sender
+knows this side's layout. Each host buffer's xxh3-64 is checked against the header
+when it lands (device memory is not hashed: see `buffers.checksum`): a mismatch
+refuses that buffer (it is never counted as received, and a commit that misses it
+fails). `wait_committed()` resolves only when the sender commits and every index has
+been written and verified.
 
 Failure is bounded in time: each reservation has a deadline, and a sender connection
 that breaks (process killed, closed) fails every uncommitted reservation it was
@@ -46,10 +49,13 @@ from yb_core.netaddr import is_wildcard
 from yb_dataplane.transport import ucx_env
 from yb_dataplane.transport.address import PeerAddress
 from yb_dataplane.transport.buffers import (
+    NO_CHECKSUM,
+    XXH3_64,
     BufferLike,
     breaks,
     checksum,
     copy_into,
+    is_device,
     joined,
     nbytes,
     to_ucx,
@@ -159,7 +165,9 @@ class Reservation:
         self.sizes: tuple[int, ...] = tuple(nbytes(b) for b in self._sources)
         #: Indices written and verified so far.
         self.received: set[int] = set()
-        #: The verified xxh3-64 of each received index (0 until it is received).
+        #: The xxh3-64 of each received index: verified on a host buffer, as announced
+        #: on a device buffer (0 there when the sender's was device memory too; 0
+        #: until the index is received).
         self.checksums: list[int] = [0] * len(self._sources)
         self.deadline_s = deadline_s
         self._pending: set[int] = set()
@@ -631,6 +639,11 @@ class KVReceiver:
             raise error_for(Reason.MALFORMED, f"segment {header.seq} of {rid}: negative size")
         if not _spans_valid(header):
             raise error_for(Reason.MALFORMED, f"segment {header.seq} of {rid}: bad spans")
+        if header.checksum not in (XXH3_64, NO_CHECKSUM):
+            raise error_for(
+                Reason.MALFORMED,
+                f"segment {header.seq} of {rid}: unknown checksum {header.checksum!r}",
+            )
         res = self._reservations.get(rid)
         if res is None and self._factory is not None:
             res = self._from_factory(header)
@@ -740,11 +753,12 @@ class KVReceiver:
                         finally:
                             offset += size
                     # Verify as each buffer lands, while later ones are still moving.
-                    if checksum(res._targets[index]) != header.checksums[pos]:
+                    verified = _verified(res._targets[index], header, pos)
+                    if verified is None:
                         corrupt.append(index)
                     else:
                         res.received.add(index)
-                        res.checksums[index] = header.checksums[pos]
+                        res.checksums[index] = verified
                 if staged is not None:
                     self._staging.give(staged)
         finally:
@@ -897,6 +911,24 @@ class KVReceiver:
             log.exception("fetch handler failed for %s", request.request_id)
             reply = Nack(request.seq, Reason.FETCH_FAILED, f"{type(exc).__name__}: {exc}")
         await self._reply(link, reply)
+
+
+def _verified(target: Any, header: SegmentHeader, pos: int) -> int | None:
+    """The checksum to record for buffer `pos` of a segment that landed in `target`,
+    or None if it fails verification.
+
+    Device memory is never hashed here (that would copy it to the host on the event
+    loop): a device destination takes the announced checksum as it is. A host
+    destination of an unchecksummed segment (a device sender) is hashed, so that a
+    store still knows the checksum of every block it holds.
+    """
+    announced = header.checksums[pos]
+    if is_device(target):
+        return announced if header.checksum == XXH3_64 else 0
+    actual = checksum(target)
+    if header.checksum == XXH3_64 and actual != announced:
+        return None
+    return actual
 
 
 def _spans_valid(header: SegmentHeader) -> bool:

@@ -1,6 +1,7 @@
 """The sending side: one endpoint per peer, segments, commits, fetch requests.
 
-`send()` checksums the buffers (xxh3-64, in place), posts the segment header and every
+`send()` checksums host buffers (xxh3-64, in place; device buffers are not hashed and
+their segment says so), posts the segment header and every
 buffer at once, and returns when the receiver has verified the segment (Ack) or raises
 the receiver's refusal as a typed error. Sends to one peer may run concurrently (a
 layer-wise streamer may keep several segments in flight): each buffer has its own UCX
@@ -17,18 +18,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
-
-import numpy as np
 
 from yb_dataplane.transport import ucx_env
 from yb_dataplane.transport.address import PeerAddress
 from yb_dataplane.transport.buffers import (
+    NO_CHECKSUM,
+    XXH3_64,
     BufferLike,
-    address,
+    adjacent_key,
     checksum,
+    is_device,
     joined,
     nbytes,
     to_ucx,
@@ -107,18 +109,19 @@ def _spans(
             run.clear()
             run_bytes = 0
 
-    previous_end = -1
+    previous: tuple[Hashable, int] | None = None  # (domain, end) of the previous buffer
     previous_index = -2
     for target, size, index in zip(targets, sizes, indices, strict=True):
-        start = address(target) if isinstance(target, np.ndarray) else -2
+        key = adjacent_key(target)
+        apart_here = key is None or previous is None or (key[0], key[1]) != previous
         apart_there = receiver_breaks is not None and (
             index != previous_index + 1 or index in receiver_breaks
         )
-        if run and (run_bytes + size > _SPAN_BYTES or start != previous_end or apart_there):
+        if run and (run_bytes + size > _SPAN_BYTES or apart_here or apart_there):
             flush()
         run.append(target)
         run_bytes += size
-        previous_end = start + size if start >= 0 else -3
+        previous = None if key is None else (key[0], key[1] + key[2])
         previous_index = index
     flush()
     if all(count == 1 for count in spans):
@@ -299,13 +302,21 @@ class KVSender:
             posted: list[Posted] = []
             for n, (seq, (indices, sizes, targets)) in enumerate(zip(seqs, prepared, strict=True)):
                 # Hash the views already made for UCX (no second conversion per buffer).
-                sums = given[n] if given is not None else await self._checksums(targets, sum(sizes))
+                # Device memory is not hashed (see `buffers.checksum`): its segment
+                # says so, and the receiver does not verify it.
+                algorithm = XXH3_64
+                if given is not None:
+                    sums = given[n]
+                elif any(is_device(target) for target in targets):
+                    algorithm, sums = NO_CHECKSUM, [0] * len(targets)
+                else:
+                    sums = await self._checksums(targets, sum(sizes))
                 if self._after_checksum is not None:
                     self._after_checksum(request_id, segments[n])
                 spans, messages = _spans(targets, sizes, indices, breaks)
                 last = n == len(segments) - 1
                 header = SegmentHeader(
-                    seq, request_id, indices, sizes, sums, spans, commit and last
+                    seq, request_id, indices, sizes, sums, spans, commit and last, algorithm
                 )
                 frame = encode_frame(header)  # ValueError: too many buffers for one header
                 posted.append(link.post_send(frame, CTRL_TAG))

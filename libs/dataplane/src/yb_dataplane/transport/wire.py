@@ -56,8 +56,9 @@ MAX_FRAME: Final = 1 << 20
 #: Refused payload bytes one segment may drain into scratch before the link is closed.
 DRAIN_LIMIT: Final = 64 << 20
 
-#: Version of this protocol, sent in `Hello`; a receiver refuses any other.
-PROTOCOL_VERSION: Final = 1
+#: Version of this protocol, sent in `Hello`; a receiver refuses any other. 2: segment
+#: headers name their checksum algorithm (device buffers travel unchecksummed).
+PROTOCOL_VERSION: Final = 2
 #: Largest `Hello` frame (a worker address is a few hundred bytes).
 MAX_HELLO: Final = 64 << 10
 
@@ -92,6 +93,9 @@ class SegmentHeader(msgspec.Struct, tag="seg", array_like=True, frozen=True, gc=
     checksums: list[int]
     spans: list[int] = []
     commit: bool = False
+    #: How `checksums` were computed: "xxh3-64", or "none" for a segment of device
+    #: buffers, which nobody hashes (their checksums are 0 and are not verified).
+    checksum: str = "xxh3-64"
 
     def message_spans(self) -> list[int]:
         """Buffers per DATA message (one each when `spans` is empty)."""
