@@ -2,18 +2,28 @@
 
 A backend does two things per layer: it writes the new tokens' K/V into their pages and
 it attends the queries to every visible key of their sequence. Everything that is the
-same for all layers of one forward (page and slot indices, masks, padded block tables)
-is computed once, in a *plan*, so the per-layer work is a few tensor ops.
+same for all layers of one forward (block tables, sequence lengths, page and slot
+indices, masks) is computed once per step, in a *plan*, with one host-to-device copy
+that does not wait for the device; the per-layer work only launches kernels.
 
 - `TorchSDPABackend` (any device, the CPU default): gathers a sequence's pages into a
   reused workspace and calls `scaled_dot_product_attention`.
-- `FlashAttnBackend` (CUDA with flash-attn installed): `flash_attn_with_kvcache` reads
-  the pages in place through the block table. It cannot run here (no GPU), so it is
-  selected only on CUDA and is not exercised by the CPU test suite.
+- `FlashAttnBackend` (flash-attn 2, CUDA sm80-sm90): `flash_attn_with_kvcache` appends
+  the new K/V through the block table and attends, in one kernel per layer.
+- `FlashAttnCuteBackend` (flash-attn 4, `flash_attn.cute`, Hopper/Blackwell): the K/V
+  are written with `index_copy_`, then `flash_attn_varlen_func` attends through
+  `page_table` and `seqused_k`.
+
+`select_backend` picks the first flash backend whose every requirement holds (see its
+docstring), else SDPA, and logs why (`attention_fallback`). The flash backends take an
+injected `kernels` module, so the CPU suite runs their real code path against
+`yb_testkit.flash_standin`, which enforces the kernels' argument contract; production
+selection only ever imports the real modules.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,15 +32,31 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from yb_core.telemetry import get_logger
+from yb_engine.architecture import ArchConfig
+
+log = get_logger(__name__)
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+"""The only dtypes flash-attn computes in (queries, keys, values and the cache alike)."""
+
+FA2_PAGE_MULTIPLE = 256
+"""flash-attn 2's paged KV requires `page_block_size % 256 == 0`."""
+
 
 @dataclass(frozen=True, slots=True)
 class PrefillPlan:
     """One chunk `[start, end)` of one sequence.
 
-    `block_table` covers the pages of tokens `[0, end)`; `rows_k`/`rows_v` are the rows
-    of the flattened layer view `[pages * 2 * block_size, kv_heads, head_dim]` that the
-    chunk's keys and values go to; `mask` is the causal mask with the prefix offset
-    (None when the chunk starts at 0 and plain causal attention applies).
+    `block_table` covers the pages of tokens `[0, end)` (int64 `[pages]` for SDPA, int32
+    `[1, pages]` for flash-attn); `rows_k`/`rows_v` are the rows of the flattened layer
+    view `[pages * 2 * block_size, kv_heads, head_dim]` that the chunk's keys and values
+    go to; `mask` is SDPA's causal mask with the prefix offset (None when the chunk
+    starts at 0, and for flash-attn, whose causal mask is aligned bottom-right).
+
+    The flash fields are int32 device tensors: `cache_seqlens` `[1]` = start (tokens
+    already in the pages), `seqused_k` `[1]` = end, `cu_seqlens_q` `[2]` = `[0, end -
+    start]` and `cu_seqlens_q_last` `[2]` = `[0, 1]` (last row only).
     """
 
     start: int
@@ -39,14 +65,21 @@ class PrefillPlan:
     rows_k: torch.Tensor
     rows_v: torch.Tensor
     mask: torch.Tensor | None
+    cache_seqlens: torch.Tensor | None = None
+    seqused_k: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_q_last: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class DecodePlan:
     """One new token for each of B sequences.
 
-    `block_tables` is `[B, max_pages]`, padded with a valid page index whose keys the
-    mask hides; `seq_lens` counts each sequence's tokens including the new one.
+    `block_tables` is `[B, max_pages]`, padded with a valid page index that is never
+    read (SDPA's mask hides it; flash-attn stops at the length); `seq_lens` counts each
+    sequence's tokens including the new one; `positions` (int64) is where the new token
+    goes. Flash fields (int32): `cache_seqlens` `[B]` = positions, `cu_seqlens_q`
+    `[B + 1]` = `0..B`.
     """
 
     block_tables: torch.Tensor
@@ -54,7 +87,9 @@ class DecodePlan:
     positions: torch.Tensor
     rows_k: torch.Tensor
     rows_v: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
+    cache_seqlens: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
 
 
 class AttentionBackend(Protocol):
@@ -63,10 +98,12 @@ class AttentionBackend(Protocol):
     `kv_layer` is `cache.kv[layer]`, `[num_pages, 2, block_size, kv_heads, head_dim]`.
     Queries are `[T, heads, head_dim]` and keys/values `[T, kv_heads, head_dim]`, with
     RoPE applied; the result has the queries' shape. Plans are made once per forward
-    and shared by all layers.
+    and shared by all layers. `cache_dtype_must_match` says the backend reads the pages
+    in place and so needs the cache in the model's dtype (SDPA casts instead).
     """
 
     name: str
+    cache_dtype_must_match: bool
 
     def plan_prefill(
         self, block_table: Sequence[int], start: int, end: int, block_size: int
@@ -101,6 +138,20 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+def host_ints(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a 1-d tensor on `device`, copied without waiting for the device.
+
+    `torch.tensor(values, device=cuda)` copies from pageable memory and synchronises the
+    stream, stalling the host until every queued kernel has run. Staging in pinned memory
+    makes the copy asynchronous; torch's caching host allocator keeps the staging block
+    from being reused until the copy has executed.
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _rows(
     pages: torch.Tensor, slots: torch.Tensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,22 +180,51 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~visible, float("-inf"))
 
 
+def _pages_needed(table: Sequence[int], tokens: int, block_size: int, what: str) -> int:
+    need = -(-tokens // block_size)
+    if len(table) < need:
+        raise ValueError(f"block table has {len(table)} pages, {what} needs {need}")
+    return need
+
+
+def _padded_tables(
+    block_tables: Sequence[Sequence[int]], positions: Sequence[int], block_size: int
+) -> tuple[list[int], int]:
+    """Row-major `[B, width]` tables, each padded with its own first page."""
+    need = [
+        _pages_needed(t, p + 1, block_size, f"position {p}")
+        for t, p in zip(block_tables, positions, strict=True)
+    ]
+    width = max(need)
+    flat: list[int] = []
+    for table, n in zip(block_tables, need, strict=True):
+        # Any valid index pads: nothing reads it. The sequence's own first page keeps
+        # SDPA's gather local.
+        flat.extend(table[:n])
+        flat.extend([table[0]] * (width - n))
+    return flat, width
+
+
 class TorchSDPABackend:
     """Paged attention with `torch.nn.functional.scaled_dot_product_attention`.
 
     SDPA needs each sequence's keys contiguous in the sequence dimension, so the pages
     are gathered first. The gather goes into a workspace reused across layers and calls:
     a fresh multi-megabyte tensor per layer costs page faults that are slower than the
-    copy itself. Not thread-safe (one runner, one thread).
+    copy itself. Any cache dtype works (keys are cast to the queries'). Not thread-safe
+    (one runner, one thread). `fallback_reason` says why `select_backend` did not pick
+    flash-attn (None when constructed directly).
     """
 
     name = "torch-sdpa"
+    cache_dtype_must_match = False
 
     def __init__(
         self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype  # the queries' dtype, which the masks must match
+        self.fallback_reason: str | None = None
         self._workspace: dict[tuple[torch.dtype, int], torch.Tensor] = {}
 
     # -- planning ---------------------------------------------------------------------
@@ -153,12 +233,8 @@ class TorchSDPABackend:
         self, block_table: Sequence[int], start: int, end: int, block_size: int
     ) -> PrefillPlan:
         """Indices and mask for the chunk `[start, end)`."""
-        num_pages = -(-end // block_size)
-        if len(block_table) < num_pages:
-            raise ValueError(
-                f"block table has {len(block_table)} pages, {end} tokens need {num_pages}"
-            )
-        table = torch.tensor(block_table[:num_pages], dtype=torch.int64, device=self.device)
+        num_pages = _pages_needed(block_table, end, block_size, f"{end} tokens")
+        table = host_ints(list(block_table[:num_pages]), torch.int64, self.device)
         pos = torch.arange(start, end, device=self.device)
         rows_k, rows_v = _rows(table[pos // block_size], pos % block_size, block_size)
         mask = None
@@ -171,18 +247,11 @@ class TorchSDPABackend:
         self, block_tables: Sequence[Sequence[int]], positions: Sequence[int], block_size: int
     ) -> DecodePlan:
         """Padded block tables, the write slots and the length mask for one decode step."""
-        lens = [p + 1 for p in positions]
-        need = [-(-n // block_size) for n in lens]
-        width = max(need)
-        padded = []
-        for table, n, pos in zip(block_tables, need, positions, strict=True):
-            if len(table) < n:
-                raise ValueError(f"block table has {len(table)} pages, position {pos} needs {n}")
-            # Pad with the sequence's own first page: any valid index works, the mask
-            # hides it, and reusing a page already being read keeps the gather local.
-            padded.append(list(table[:n]) + [table[0]] * (width - n))
-        tables = torch.tensor(padded, dtype=torch.int64, device=self.device)
-        seq_lens = torch.tensor(lens, dtype=torch.int64, device=self.device)
+        flat, width = _padded_tables(block_tables, positions, block_size)
+        b = len(positions)
+        ints = host_ints(flat + [p + 1 for p in positions], torch.int64, self.device)
+        tables = ints[: b * width].view(b, width)
+        seq_lens = ints[b * width :]
         pos_t = seq_lens - 1
         page_of = tables.gather(1, (pos_t // block_size)[:, None])[:, 0]
         rows_k, rows_v = _rows(page_of, pos_t % block_size, block_size)
@@ -265,39 +334,117 @@ class TorchSDPABackend:
         return out.reshape(b, heads, dim)
 
 
+class _FlashPlanner:
+    """Plans for the flash backends: int32 tables and lengths in one copy per step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def prefill(
+        self, block_table: Sequence[int], start: int, end: int, block_size: int
+    ) -> PrefillPlan:
+        n = _pages_needed(block_table, end, block_size, f"{end} tokens")
+        ints = host_ints(
+            [*block_table[:n], start, end, 0, end - start, 0, 1], torch.int32, self.device
+        )
+        table = ints[:n].view(1, n)
+        pos = torch.arange(start, end, device=self.device)
+        rows_k, rows_v = _rows(table[0].long()[pos // block_size], pos % block_size, block_size)
+        return PrefillPlan(
+            start,
+            end,
+            table,
+            rows_k,
+            rows_v,
+            None,
+            cache_seqlens=ints[n : n + 1],
+            seqused_k=ints[n + 1 : n + 2],
+            cu_seqlens_q=ints[n + 2 : n + 4],
+            cu_seqlens_q_last=ints[n + 4 : n + 6],
+        )
+
+    def decode(
+        self, block_tables: Sequence[Sequence[int]], positions: Sequence[int], block_size: int
+    ) -> DecodePlan:
+        flat, width = _padded_tables(block_tables, positions, block_size)
+        b = len(positions)
+        lens = [p + 1 for p in positions]
+        ints = host_ints(
+            flat + list(positions) + lens + list(range(b + 1)), torch.int32, self.device
+        )
+        at = b * width
+        tables = ints[:at].view(b, width)
+        cache_seqlens = ints[at : at + b]
+        seq_lens = ints[at + b : at + 2 * b]
+        pos = cache_seqlens.long()
+        page_of = tables.gather(1, (pos // block_size)[:, None])[:, 0].long()
+        rows_k, rows_v = _rows(page_of, pos % block_size, block_size)
+        return DecodePlan(
+            tables,
+            seq_lens,
+            pos,
+            rows_k,
+            rows_v,
+            None,
+            cache_seqlens=cache_seqlens,
+            cu_seqlens_q=ints[at + 2 * b :],
+        )
+
+
+def _output(result: Any) -> torch.Tensor:
+    # flash_attn.cute returns (out, lse); flash-attn 2 returns out unless asked for lse.
+    out = result[0] if isinstance(result, tuple) else result
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
 class FlashAttnBackend:
-    """flash-attn 2 over the paged cache, in place (CUDA only, untested on CPU CI).
+    """flash-attn 2 over the paged cache, in place.
 
     `flash_attn_with_kvcache` appends the new K/V at `cache_seqlens` through the block
     table and attends with bottom-right causal alignment, which is exactly chunked
-    prefill over a cached prefix, and decode with B sequences of different lengths.
-    The cache layout's K half `kv[layer][:, 0]` is `[pages, block, kv_heads, dim]`
-    with a page stride of two blocks, which flash-attn accepts (it only needs a unit
-    stride in the last dimension). flash-attn requires `block_size % 256 == 0`.
+    prefill over a cached prefix (and, with one query row, last-row-only: causal is
+    moot for a single row, which sees every key), and decode with B sequences of
+    different lengths. The cache layout's K half `kv[layer][:, 0]` is `[pages, block,
+    kv_heads, dim]` with a page stride of two blocks, which flash-attn accepts (it
+    needs a unit stride in the last dimension only).
+
+    Requires (checked by `select_backend`, enforced by the kernel): CUDA sm80-sm90,
+    fp16/bf16, `block_size % 256 == 0`, `heads % kv_heads == 0`, `head_dim <= 256`,
+    and a cache in the model's dtype (the kernel reads and writes the pages in the
+    queries' dtype, so a bf16 model over an fp32 cache is refused, not cast).
+
+    `kernels` is the module providing `flash_attn_with_kvcache` (default: `flash_attn`);
+    tests pass `yb_testkit.flash_standin.FA2` to run this code on CPU.
     """
 
     name = "flash-attn"
+    cache_dtype_must_match = True
 
     def __init__(
-        self, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16
+        self,
+        device: str | torch.device = "cuda",
+        dtype: torch.dtype = torch.bfloat16,
+        kernels: Any = None,
     ) -> None:
-        from flash_attn import flash_attn_with_kvcache
-
-        self._fn: Any = flash_attn_with_kvcache
+        if kernels is None:
+            kernels = importlib.import_module("flash_attn")
+        self._fn: Any = kernels.flash_attn_with_kvcache
         self.device = torch.device(device)
-        self._sdpa = TorchSDPABackend(device, dtype)  # only its planning is used
+        self.dtype = dtype
+        self._plans = _FlashPlanner(self.device)
 
     def plan_prefill(
         self, block_table: Sequence[int], start: int, end: int, block_size: int
     ) -> PrefillPlan:
-        """Same plan as SDPA; flash-attn reads `start` and `block_table` from it."""
-        return self._sdpa.plan_prefill(block_table, start, end, block_size)
+        """int32 table `[1, pages]`, `cache_seqlens = [start]`, and the write rows."""
+        return self._plans.prefill(block_table, start, end, block_size)
 
     def plan_decode(
         self, block_tables: Sequence[Sequence[int]], positions: Sequence[int], block_size: int
     ) -> DecodePlan:
-        """Same plan as SDPA; flash-attn uses the padded tables and positions."""
-        return self._sdpa.plan_decode(block_tables, positions, block_size)
+        """int32 tables `[B, width]` and `cache_seqlens = positions`."""
+        return self._plans.decode(block_tables, positions, block_size)
 
     def prefill(
         self,
@@ -307,36 +454,21 @@ class FlashAttnBackend:
         v: torch.Tensor,
         plan: PrefillPlan,
     ) -> torch.Tensor | None:
-        """Append the chunk to the pages and attend, in one kernel."""
-        table = plan.block_table[None].to(torch.int32)
-        if q is None or q.shape[0] != k.shape[0]:
-            # K/V only, or only the last row wanted: write, then (maybe) let that row
-            # see the whole sequence, which bottom-right causal alignment gives.
+        """Append the chunk to its pages and attend, in one kernel."""
+        if q is None:
             _write(kv_layer, k, v, plan.rows_k, plan.rows_v)
-            if q is None:
-                return None
-            seqlens = torch.tensor([plan.end], dtype=torch.int32, device=q.device)
-            out = self._fn(
-                q[None],
-                kv_layer[:, 0],
-                kv_layer[:, 1],
-                cache_seqlens=seqlens,
-                block_table=table,
-                causal=True,
-            )
-            return out[0]  # type: ignore[no-any-return]
-        seqlens = torch.tensor([plan.start], dtype=torch.int32, device=q.device)
+            return None
         out = self._fn(
             q[None],
             kv_layer[:, 0],
             kv_layer[:, 1],
             k=k[None],
             v=v[None],
-            cache_seqlens=seqlens,
-            block_table=table,
+            cache_seqlens=plan.cache_seqlens,
+            block_table=plan.block_table,
             causal=True,
         )
-        return out[0]  # type: ignore[no-any-return]
+        return _output(out)[0]
 
     def decode(
         self,
@@ -353,35 +485,287 @@ class FlashAttnBackend:
             kv_layer[:, 1],
             k=k[:, None],
             v=v[:, None],
-            cache_seqlens=plan.positions.to(torch.int32),
-            block_table=plan.block_tables.to(torch.int32),
+            cache_seqlens=plan.cache_seqlens,
+            block_table=plan.block_tables,
             causal=True,
         )
-        return out[:, 0]  # type: ignore[no-any-return]
+        return _output(out)[:, 0]
 
 
-def _flash_attn_usable(
-    device: torch.device, block_size: int | None, dtype: torch.dtype | None
-) -> bool:
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
-        return False  # flash-attn computes in half precision only
-    if importlib.util.find_spec("flash_attn") is None:
-        return False
-    return block_size is None or block_size % 256 == 0
+class FlashAttnCuteBackend:
+    """flash-attn 4 (`flash_attn.cute`, CuTe DSL) over the paged cache.
+
+    It cannot append to the cache, so the chunk's K/V are written with `index_copy_`
+    first (the same writer as SDPA's); `flash_attn_varlen_func` then attends through
+    `page_table` with `seqused_k` keys per sequence and `cu_seqlens_q` query rows,
+    causal aligned bottom-right (a single row sees every key). Requires Hopper or
+    Blackwell (sm90/sm100/sm110; paged KV on sm90 only in recent releases, which
+    `select_backend`'s probe establishes), fp16/bf16, `heads % kv_heads == 0`,
+    `head_dim <= 256` and a multiple of 8, and a cache in the model's dtype. It has no
+    page-size rule: 128-token pages take its TMA path, other sizes its cp.async path.
+
+    `kernels` is the module providing `flash_attn_varlen_func` (default:
+    `flash_attn.cute`); tests pass `yb_testkit.flash_standin.CUTE`.
+    """
+
+    name = "flash-attn-cute"
+    cache_dtype_must_match = True
+
+    def __init__(
+        self,
+        device: str | torch.device = "cuda",
+        dtype: torch.dtype = torch.bfloat16,
+        kernels: Any = None,
+    ) -> None:
+        if kernels is None:
+            kernels = importlib.import_module("flash_attn.cute")
+        self._fn: Any = kernels.flash_attn_varlen_func
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._plans = _FlashPlanner(self.device)
+
+    def plan_prefill(
+        self, block_table: Sequence[int], start: int, end: int, block_size: int
+    ) -> PrefillPlan:
+        """int32 page table `[1, pages]`, `seqused_k = [end]`, `cu_seqlens_q`, rows."""
+        return self._plans.prefill(block_table, start, end, block_size)
+
+    def plan_decode(
+        self, block_tables: Sequence[Sequence[int]], positions: Sequence[int], block_size: int
+    ) -> DecodePlan:
+        """int32 page tables `[B, width]`, `seq_lens`, `cu_seqlens_q = 0..B`, rows."""
+        return self._plans.decode(block_tables, positions, block_size)
+
+    def prefill(
+        self,
+        kv_layer: torch.Tensor,
+        q: torch.Tensor | None,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: PrefillPlan,
+    ) -> torch.Tensor | None:
+        """Write the chunk's K/V, then attend its queries (or only the last row)."""
+        _write(kv_layer, k, v, plan.rows_k, plan.rows_v)
+        if q is None:
+            return None
+        last_only = q.shape[0] != k.shape[0]
+        out = self._fn(
+            q,
+            kv_layer[:, 0],
+            kv_layer[:, 1],
+            cu_seqlens_q=plan.cu_seqlens_q_last if last_only else plan.cu_seqlens_q,
+            max_seqlen_q=q.shape[0],
+            seqused_k=plan.seqused_k,
+            page_table=plan.block_table,
+            causal=True,
+        )
+        return _output(out)
+
+    def decode(
+        self,
+        kv_layer: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: DecodePlan,
+    ) -> torch.Tensor:
+        """Write each sequence's token, then attend all B in one varlen call."""
+        _write(kv_layer, k, v, plan.rows_k, plan.rows_v)
+        out = self._fn(
+            q,
+            kv_layer[:, 0],
+            kv_layer[:, 1],
+            cu_seqlens_q=plan.cu_seqlens_q,
+            max_seqlen_q=1,
+            seqused_k=plan.seq_lens,
+            page_table=plan.block_tables,
+            causal=True,
+        )
+        return _output(out)
+
+
+def _import(module: str) -> tuple[Any, str | None]:
+    """The module, or why it cannot be used."""
+    try:
+        if importlib.util.find_spec(module) is None:
+            return None, f"{module} is not installed"
+        return importlib.import_module(module), None
+    except ModuleNotFoundError as exc:
+        return None, f"{module} is not installed ({exc})"
+    except Exception as exc:
+        # A wheel built against another torch (or CUDA) raises here, at import, with an
+        # undefined symbol or a version error; that is a reason to fall back, not to crash.
+        return None, f"import {module} failed: {type(exc).__name__}: {exc}"
+
+
+def _common_reason(
+    device: torch.device,
+    dtype: torch.dtype,
+    arch: ArchConfig | None,
+    cache_dtype: torch.dtype | None,
+) -> str | None:
+    """Why no flash-attn kernel can run here, whichever is installed; None if one may."""
+    if device.type != "cuda":
+        return f"device {device} is not CUDA"
+    if not torch.cuda.is_available():
+        return "CUDA is not available to torch"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 0):
+        return f"compute capability {major}.{minor} < 8.0"
+    if dtype not in FLASH_DTYPES:
+        return f"dtype {dtype} (flash-attn computes in float16/bfloat16 only)"
+    if cache_dtype is not None and cache_dtype != dtype:
+        return f"KV cache dtype {cache_dtype} differs from the model's {dtype}"
+    if arch is not None:
+        if arch.num_heads % arch.num_kv_heads:
+            return f"{arch.num_heads} query heads are not a multiple of {arch.num_kv_heads}"
+        if arch.head_dim > 256:
+            return f"head_dim {arch.head_dim} > 256"
+        if arch.head_dim % 8:
+            # flash-attn 2 would pad q and the whole cache on every call; flash-attn 4
+            # refuses it.
+            return f"head_dim {arch.head_dim} is not a multiple of 8"
+    return None
+
+
+def _fa2_reason(capability: tuple[int, int], block_size: int | None) -> str | None:
+    major, minor = capability
+    if not (major == 8 or capability == (9, 0)):
+        return f"runs on sm80-sm90 only, not sm{major}{minor}"
+    if block_size is not None and block_size % FA2_PAGE_MULTIPLE:
+        return f"block_size {block_size} is not a multiple of {FA2_PAGE_MULTIPLE}"
+    return None
+
+
+def _cute_reason(capability: tuple[int, int]) -> str | None:
+    major, minor = capability
+    if major not in (9, 10, 11):
+        return f"runs on sm90/sm100/sm110 only, not sm{major}{minor}"
+    return None
+
+
+def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    scale = float(ref.float().abs().max())
+    return float((ours.float() - ref.float()).abs().max()) / max(scale, 1e-6)
+
+
+def probe_backend(
+    backend: AttentionBackend,
+    arch: ArchConfig | None,
+    block_size: int,
+    dtype: torch.dtype,
+) -> str | None:
+    """Run `backend` once against SDPA on tiny inputs; None when they agree.
+
+    One prefill chunk over a cached prefix that crosses a page boundary, and one decode
+    step of two sequences of different lengths, with the model's head shape (so
+    flash_attn.cute compiles the kernels the model will use). A kernel that imports but
+    cannot run here (an unsupported GPU or feature in the installed release) fails
+    here, at start, instead of on the first request. The caches must come out equal to
+    the byte, the outputs within 2e-2 of the largest (bf16 rounding of the inputs and
+    a different summation order).
+    """
+    heads, kv_heads, head_dim = (
+        (arch.num_heads, arch.num_kv_heads, arch.head_dim) if arch is not None else (2, 1, 64)
+    )
+    dev = torch.device(getattr(backend, "device", "cpu"))
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dev, dtype)
+
+    sdpa = TorchSDPABackend(dev, dtype)
+    kv = rand(3, 2, block_size, kv_heads, head_dim)
+    ref_kv = kv.clone()
+    start, end = block_size - 2, block_size + 3
+    q, k, v = (rand(end - start, h, head_dim) for h in (heads, kv_heads, kv_heads))
+    tables, positions = [[2, 0], [1]], [end, 3]
+    qd, kd, vd = (rand(2, h, head_dim) for h in (heads, kv_heads, kv_heads))
+    try:
+        out = backend.prefill(kv, q, k, v, backend.plan_prefill([2, 0], start, end, block_size))
+        ref = sdpa.prefill(ref_kv, q, k, v, sdpa.plan_prefill([2, 0], start, end, block_size))
+        out_d = backend.decode(kv, qd, kd, vd, backend.plan_decode(tables, positions, block_size))
+        ref_d = sdpa.decode(ref_kv, qd, kd, vd, sdpa.plan_decode(tables, positions, block_size))
+        assert out is not None and ref is not None
+        if not torch.equal(kv, ref_kv):
+            return "probe: the kernel wrote the KV pages differently from the writer"
+        worst = max(_rel_err(out, ref), _rel_err(out_d, ref_d))
+    except Exception as exc:
+        return f"probe failed: {type(exc).__name__}: {exc}"
+    if worst > 2e-2:
+        return f"probe: output differs from SDPA by {worst:.3g} (relative)"
+    return None
+
+
+def _select_flash(
+    device: torch.device,
+    block_size: int | None,
+    dtype: torch.dtype,
+    arch: ArchConfig | None,
+    cache_dtype: torch.dtype | None,
+    probe: bool,
+) -> tuple[AttentionBackend | None, str]:
+    reason = _common_reason(device, dtype, arch, cache_dtype)
+    if reason is not None:
+        return None, reason
+    capability = torch.cuda.get_device_capability(device)
+    candidates: list[
+        tuple[str, type[FlashAttnBackend] | type[FlashAttnCuteBackend], str, str | None]
+    ] = [
+        ("flash-attn", FlashAttnBackend, "flash_attn", _fa2_reason(capability, block_size)),
+        ("flash-attn-cute", FlashAttnCuteBackend, "flash_attn.cute", _cute_reason(capability)),
+    ]
+    tried = []
+    for name, cls, module, why in candidates:
+        if why is None:
+            kernels, why = _import(module)
+        if why is None:
+            try:
+                backend = cls(device, dtype, kernels=kernels)
+            except Exception as exc:  # e.g. a module of that name without the entry point
+                why = f"{module} unusable: {type(exc).__name__}: {exc}"
+            else:
+                if probe:
+                    why = probe_backend(backend, arch, block_size or FA2_PAGE_MULTIPLE, dtype)
+                if why is None:
+                    return backend, ""
+        tried.append(f"{name}: {why}")
+    return None, "; ".join(tried)
 
 
 def select_backend(
     device: str | torch.device = "cpu",
     block_size: int | None = None,
     dtype: torch.dtype = torch.float32,
+    arch: ArchConfig | None = None,
+    *,
+    cache_dtype: torch.dtype | None = None,
+    probe: bool = True,
 ) -> AttentionBackend:
-    """flash-attn on CUDA when installed and the page size and dtype suit it, else SDPA."""
+    """The fastest backend whose every requirement holds here, else SDPA.
+
+    flash-attn needs: a CUDA device that torch sees, compute capability >= 8.0,
+    fp16/bf16, a KV cache in that same dtype (`cache_dtype`; the kernels read the pages
+    in place), `heads % kv_heads == 0`, `head_dim <= 256` and a multiple of 8 (`arch`).
+    Then flash-attn 2 (`flash_attn`) on sm80-sm90 with `block_size % 256 == 0`, else
+    flash-attn 4 (`flash_attn.cute`) on sm90/sm100/sm110, provided the module imports
+    (a wheel built against another torch raises at import) and, with `probe`, runs one
+    tiny prefill and decode that agree with SDPA (see `probe_backend`).
+
+    When it falls back on CUDA it logs `attention_fallback` with the reason; the reason
+    is also the returned backend's `fallback_reason`. On CPU, SDPA is the design, not a
+    fallback, and nothing is logged.
+    """
     dev = torch.device(device)
-    if _flash_attn_usable(dev, block_size, dtype):
-        return FlashAttnBackend(dev, dtype)
-    return TorchSDPABackend(dev, dtype)
+    backend, reason = _select_flash(dev, block_size, dtype, arch, cache_dtype, probe)
+    if backend is not None:
+        log.info("attention_backend", backend=backend.name, device=str(dev))
+        return backend
+    sdpa = TorchSDPABackend(dev, dtype)
+    sdpa.fallback_reason = reason
+    if dev.type == "cuda":
+        log.warning("attention_fallback", backend=sdpa.name, reason=reason, device=str(dev))
+    return sdpa
 
 
 def attention_backend_name(
@@ -389,8 +773,12 @@ def attention_backend_name(
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> str:
-    """The backend `select_backend` would pick for these settings: "flash-attn" or
-    "torch-sdpa". Without `block_size`/`dtype` it answers for a suitable page size and
-    half precision, i.e. what this machine can offer at best."""
-    usable = _flash_attn_usable(torch.device(device), block_size, dtype)
-    return "flash-attn" if usable else "torch-sdpa"
+    """The backend `select_backend` would pick for these settings, without probing.
+
+    Superseded by `ModelRunner.attention_backend`, the backend that actually runs; kept
+    until nothing calls it. Without `dtype` it answers for half precision.
+    """
+    backend, _ = _select_flash(
+        torch.device(device), block_size, dtype or torch.bfloat16, None, None, probe=False
+    )
+    return backend.name if backend is not None else TorchSDPABackend.name

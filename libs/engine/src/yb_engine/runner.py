@@ -25,6 +25,7 @@ from yb_engine.attention import (
     AttentionBackend,
     DecodePlan,
     PrefillPlan,
+    host_ints,
     select_backend,
 )
 from yb_engine.kv_cache import PagedKVCache
@@ -85,14 +86,21 @@ class ModelRunner:
         self.weights = model.weights
         self.dtype = model.dtype
         self.device = torch.device(model.device)
-        self.backend: AttentionBackend = backend or select_backend(
-            self.device, cache.block_size, self.dtype
-        )
+        if backend is None:
+            backend = select_backend(
+                self.device, cache.block_size, self.dtype, arch, cache_dtype=cache.dtype
+            )
+        elif backend.cache_dtype_must_match and cache.dtype != self.dtype:
+            raise ValueError(
+                f"{backend.name} reads the KV cache in place: it must be {self.dtype}, "
+                f"not {cache.dtype}"
+            )
+        self.backend: AttentionBackend = backend
         self.rotary = Rotary(arch.rope, arch.head_dim, self.device)
 
     @property
     def attention_backend(self) -> str:
-        """The attention backend in use ("torch-sdpa", "flash-attn")."""
+        """The attention backend that runs ("torch-sdpa", "flash-attn", "flash-attn-cute")."""
         return self.backend.name
 
     # -- public API -------------------------------------------------------------------
@@ -131,7 +139,7 @@ class ModelRunner:
         if len(block_table) * block_size < n:
             raise ValueError(f"{len(block_table)} pages of {block_size} cannot hold {n} tokens")
         with torch.inference_mode():
-            ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+            ids = host_ints(list(token_ids), torch.int64, self.device)
             for start in range(num_cached_tokens, n, chunk_size):
                 end = min(start + chunk_size, n)
                 plan = self.backend.plan_prefill(block_table, start, end, block_size)
@@ -157,7 +165,7 @@ class ModelRunner:
             plan = self.backend.plan_decode(
                 [s.block_table for s in batch], [s.position for s in batch], self.cache.block_size
             )
-            ids = torch.tensor([s.token_id for s in batch], dtype=torch.int64, device=self.device)
+            ids = host_ints([s.token_id for s in batch], torch.int64, self.device)
             return self._logits(self._forward_decode(ids, plan))
 
     # -- forward pass -----------------------------------------------------------------
