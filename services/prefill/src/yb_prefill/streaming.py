@@ -5,16 +5,25 @@ has written the KV of tokens [start, end). Each page that became complete (or th
 partial page once the prompt is done) is queued for sending; a task on the event loop
 sends the queued pages in order over UCX, straight from the prefill cache's pages, so
 transfer overlaps the compute of later layers and chunks.
+
+On CUDA the hook fires when the layer's kernels are *launched*, not finished: the
+pages may not hold their KV yet. So `on_layer` also records a CUDA event on the
+engine thread's current stream (the one those kernels went to), and a page goes to
+UCX only once the event of its layer has completed. The sending task polls the
+event (`query()`, which never blocks) with short sleeps on the event loop, within the
+transfer's deadline: the loop keeps serving other work, and nothing synchronises the
+device. On CPU the kernels have run when the hook fires, and no event is recorded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Final, Protocol
 
-from yb_dataplane.transport import KVSender, PeerAddress
+from yb_dataplane.transport import KVSender, PeerAddress, TransferTimeout
+from yb_dataplane.transport.deadline import Deadline
 
 if TYPE_CHECKING:
     import torch
@@ -23,6 +32,53 @@ if TYPE_CHECKING:
 
 # Buffer items of one segment: (index in the decode reservation, source page view).
 Segment = list[tuple[int, "torch.Tensor"]]
+
+
+class LayerEvent(Protocol):
+    """Completion of the work launched before it: a `torch.cuda.Event`, recorded."""
+
+    def query(self) -> bool:
+        """True once that work has finished (never blocks)."""
+        ...
+
+
+#: Makes the event of a layer whose kernels were just launched (called on the engine
+#: thread, from `on_layer`).
+EventFactory = Callable[[], LayerEvent]
+
+#: Queued: a segment, and the event its pages must wait for (None: ready now).
+Queued = tuple[Segment, LayerEvent | None]
+
+#: Polling of layer events: first sleep, and the longest (seconds). A layer of a
+#: prefill chunk takes a fraction of a millisecond to milliseconds on a GPU.
+_POLL_FIRST_S: Final = 0.0001
+_POLL_MAX_S: Final = 0.002
+
+
+def cuda_layer_event() -> LayerEvent:
+    """A CUDA event recorded now on the calling thread's current stream."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+async def wait_for_events(events: Sequence[LayerEvent], deadline: Deadline) -> None:
+    """Return once every event has completed; TransferTimeout at `deadline`.
+
+    Polls `query()` with sleeps that grow from `_POLL_FIRST_S` to `_POLL_MAX_S`: never
+    blocks the event loop and never synchronises the device.
+    """
+    delay = _POLL_FIRST_S
+    for event in events:
+        while not event.query():
+            remaining = deadline.remaining()
+            if remaining <= 0:
+                raise TransferTimeout("the layer's kernels did not finish before the deadline")
+            await asyncio.sleep(min(delay, remaining))
+            delay = min(delay * 2, _POLL_MAX_S)
+
 
 #: Segments in flight at once (each waits for the receiver's verification).
 WINDOW = 4
@@ -50,6 +106,7 @@ class LayerStreamer:
         num_cached_tokens: int,
         deadline_s: float,
         receiver_breaks: Collection[int] | None = None,
+        layer_event: EventFactory | None = None,
     ) -> None:
         self._loop = loop
         self._sender = sender
@@ -66,7 +123,10 @@ class LayerStreamer:
         # Per layer, pages below this index are queued already. Pages wholly inside the
         # cached prefix are not computed, so no hook queues them: `queue_prefix` does.
         self._next_page = [num_cached_tokens // self._block_size] * cache.num_layers
-        self._queue: asyncio.Queue[Segment | None] = asyncio.Queue()
+        if layer_event is None and cache.device.type == "cuda":
+            layer_event = cuda_layer_event
+        self._layer_event = layer_event
+        self._queue: asyncio.Queue[Queued | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self.pages_sent = 0
 
@@ -75,7 +135,8 @@ class LayerStreamer:
         self._task = self._loop.create_task(self._send_all(), name=f"stream:{self._request_id}")
 
     def on_layer(self, layer: int, start: int, end: int) -> None:
-        """Runner hook (engine thread): queue the pages of `layer` completed up to `end`."""
+        """Runner hook (engine thread, after the layer's kernels were launched): queue
+        the pages of `layer` completed up to `end`, with the layer's event."""
         del start
         done_pages = len(self._block_table) if end >= self._num_tokens else end // self._block_size
         first = self._next_page[layer]
@@ -87,10 +148,17 @@ class LayerStreamer:
             (layer * num_pages + i, self._cache.page_view(layer, self._block_table[i]))
             for i in range(first, done_pages)
         ]
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, segment)
+        # Recorded here, on the engine thread, so that it follows exactly the kernels
+        # launched so far on the engine's stream.
+        event = self._layer_event() if self._layer_event is not None else None
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, (segment, event))
 
     def queue_prefix(self, cached_pages: int) -> None:
-        """Queue the cached prefix's pages of every layer (they need no compute)."""
+        """Queue the cached prefix's pages of every layer (they need no compute).
+
+        No event: their KV was written by steps that have finished (an engine step
+        ends by reading its results back), or landed by a transfer already committed.
+        """
         num_pages = len(self._block_table)
         for layer in range(self._cache.num_layers):
             segment: Segment = [
@@ -98,7 +166,7 @@ class LayerStreamer:
                 for i in range(cached_pages)
             ]
             if segment:
-                self._queue.put_nowait(segment)
+                self._queue.put_nowait((segment, None))
 
     async def finish(self) -> None:
         """Wait until every queued page is sent, then commit; raises on any failure."""
@@ -128,7 +196,8 @@ class LayerStreamer:
                 first = await self._queue.get()
                 if first is None:
                     break
-                segment = list(first)
+                segment = list(first[0])
+                events = [first[1]] if first[1] is not None else []
                 nbytes = sum(_nbytes(page) for _, page in segment)
                 while (
                     not self._queue.empty()
@@ -139,15 +208,17 @@ class LayerStreamer:
                     if more is None:
                         ended = True
                         break
-                    segment += more
-                    nbytes += sum(_nbytes(page) for _, page in more)
+                    segment += more[0]
+                    if more[1] is not None:
+                        events.append(more[1])
+                    nbytes += sum(_nbytes(page) for _, page in more[0])
                 while len(in_flight) >= WINDOW:
                     done, in_flight = await asyncio.wait(
                         in_flight, return_when=asyncio.FIRST_COMPLETED
                     )
                     for task in done:
                         self.pages_sent += task.result()
-                in_flight.add(asyncio.ensure_future(self._send(segment)))
+                in_flight.add(asyncio.ensure_future(self._send(segment, events)))
             if in_flight:
                 done, in_flight = await asyncio.wait(in_flight)
                 for task in done:
@@ -157,12 +228,16 @@ class LayerStreamer:
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
 
-    async def _send(self, segment: Segment) -> int:
+    async def _send(self, segment: Segment, events: Sequence[LayerEvent]) -> int:
+        deadline = Deadline.after(self._deadline_s)
+        if events:
+            # Not one byte of these pages goes to UCX before their layers finished.
+            await wait_for_events(events, deadline)
         await self._sender.send(
             self._peer,
             self._request_id,
             segment,
-            deadline_s=self._deadline_s,
+            deadline_s=deadline.remaining(),
             receiver_breaks=self._receiver_breaks,
         )
         return len(segment)

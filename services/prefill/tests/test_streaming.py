@@ -1,0 +1,188 @@
+"""Layer streaming's ordering: no page goes to UCX before its layer's event completed.
+
+On CUDA that event is a `torch.cuda.Event` recorded by `on_layer`; here it is a fake
+whose completion the test controls, which tests our logic (what waits for what),
+not a GPU. The sender is a recorder: what matters is when `send` is called and with
+which pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from yb_dataplane.transport import PeerAddress, TransferTimeout
+from yb_prefill.streaming import LayerStreamer, cuda_layer_event
+
+BLOCK = 4
+LAYERS = 2
+
+
+class FakeEvent:
+    """A recorded event: `query()` is False until the test calls `complete()`."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done
+
+    def complete(self) -> None:
+        self.done = True
+
+
+class FakeCache:
+    """What the streamer reads of a `PagedKVCache`."""
+
+    def __init__(self, pages: int, device: str = "cpu") -> None:
+        self.block_size = BLOCK
+        self.num_layers = LAYERS
+        self.device = torch.device(device)
+        self.kv = torch.zeros(LAYERS, pages, 2, BLOCK, 1, 2)
+
+    def page_view(self, layer: int, page: int) -> torch.Tensor:
+        return self.kv[layer, page]
+
+
+class RecordingSender:
+    """Records each segment's reservation indices, in the order `send` was called."""
+
+    def __init__(self) -> None:
+        self.sent: list[list[int]] = []
+        self.commits = 0
+
+    async def send(
+        self,
+        peer: PeerAddress,
+        request_id: str,
+        items: Sequence[tuple[int, Any]],
+        *,
+        deadline_s: float,
+        receiver_breaks: Collection[int] | None = None,
+    ) -> None:
+        assert deadline_s > 0
+        self.sent.append([index for index, _ in items])
+
+    async def commit(self, peer: PeerAddress, request_id: str, *, deadline_s: float) -> None:
+        self.commits += 1
+
+
+async def until(holds: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait until `holds()` (bounded: a broken ordering fails, it does not hang)."""
+    async with asyncio.timeout(timeout_s):
+        while not holds():
+            await asyncio.sleep(0.001)
+
+
+def streamer(
+    sender: RecordingSender,
+    events: list[FakeEvent] | None,
+    *,
+    num_tokens: int = 2 * BLOCK,
+    deadline_s: float = 30.0,
+    cache: Any = None,
+) -> LayerStreamer:
+    def record() -> FakeEvent:
+        assert events is not None
+        event = FakeEvent()
+        events.append(event)
+        return event
+
+    pages = -(-num_tokens // BLOCK)
+    return LayerStreamer(
+        asyncio.get_running_loop(),
+        sender,  # type: ignore[arg-type]
+        PeerAddress("127.0.0.1", 1, b"w"),
+        "req",
+        cache or FakeCache(pages),
+        list(range(pages)),
+        num_tokens,
+        0,
+        deadline_s,
+        layer_event=record if events is not None else None,
+    )
+
+
+async def test_pages_wait_for_their_layers_event() -> None:
+    sender = RecordingSender()
+    events: list[FakeEvent] = []
+    s = streamer(sender, events)
+    s.start()
+    # The runner's hook runs on the engine thread.
+    await asyncio.to_thread(s.on_layer, 0, 0, 2 * BLOCK)
+    assert len(events) == 1
+    # The sending task is waiting on layer 0's event, and has sent nothing.
+    await until(lambda: events[0].queries >= 3)
+    assert sender.sent == []
+
+    await asyncio.to_thread(s.on_layer, 1, 0, 2 * BLOCK)
+    await until(lambda: len(events) == 2 and events[1].queries >= 1)
+    # Layer 1 finishing first releases layer 1 only; layer 0 still waits for its own.
+    events[1].complete()
+    await until(lambda: sender.sent == [[2, 3]])
+    assert events[0].queries >= 1 and not events[0].done
+    events[0].complete()
+    await until(lambda: len(sender.sent) == 2)
+    assert sender.sent == [[2, 3], [0, 1]]
+
+    await s.finish()
+    assert s.pages_sent == 4 and sender.commits == 1
+
+
+async def test_merged_segments_wait_for_every_event_in_them() -> None:
+    sender = RecordingSender()
+    events: list[FakeEvent] = []
+    s = streamer(sender, events)
+    # Both layers are queued before the task runs: one segment, two events.
+    s.on_layer(0, 0, 2 * BLOCK)
+    s.on_layer(1, 0, 2 * BLOCK)
+    s.start()
+    await until(lambda: events[0].queries >= 2)
+    events[0].complete()
+    await until(lambda: events[1].queries >= 2)
+    assert sender.sent == []
+    events[1].complete()
+    await s.finish()
+    assert sender.sent == [[0, 1, 2, 3]]
+
+
+async def test_a_layer_that_never_finishes_fails_at_the_deadline_unsent() -> None:
+    sender = RecordingSender()
+    events: list[FakeEvent] = []
+    s = streamer(sender, events, deadline_s=0.3)
+    s.start()
+    await asyncio.to_thread(s.on_layer, 0, 0, 2 * BLOCK)
+    with pytest.raises(TransferTimeout):
+        await s.finish()
+    assert sender.sent == [] and sender.commits == 0
+
+
+async def test_cpu_records_no_event_and_cuda_does_by_default() -> None:
+    sender = RecordingSender()
+    cpu = streamer(sender, None)
+    assert cpu._layer_event is None
+    cpu.start()
+    await asyncio.to_thread(cpu.on_layer, 0, 0, 2 * BLOCK)
+    await asyncio.to_thread(cpu.on_layer, 1, 0, 2 * BLOCK)
+    await cpu.finish()
+    assert sorted(i for seg in sender.sent for i in seg) == [0, 1, 2, 3]
+    # A CUDA cache gets real CUDA events (not created here: no GPU needed to check).
+    cuda = streamer(sender, None, cache=FakeCache(2, device="cuda"))
+    assert cuda._layer_event is cuda_layer_event
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_layer_event_follows_the_launched_kernels() -> None:
+    a = torch.randn(2048, 2048, device="cuda")
+    for _ in range(8):
+        a = a @ a / 2048
+    event = cuda_layer_event()
+    event.synchronize()  # type: ignore[attr-defined]
+    assert event.query()
