@@ -59,8 +59,8 @@ def cuda_layer_event() -> LayerEvent:
     """A CUDA event recorded now on the calling thread's current stream."""
     import torch
 
-    event = torch.cuda.Event()
-    event.record()
+    event: LayerEvent = torch.cuda.Event()
+    event.record()  # type: ignore[attr-defined]
     return event
 
 
