@@ -8,18 +8,22 @@ instance stream (`Bus.read_instances`): the newest announcement of every instanc
 first, even one the event log has trimmed, then every change as it happens. That
 stream copies the log's announcements a moment after the log took them, which the
 waits below absorb (each has a deadline).
+
+`PreConnector` follows the directory to connect a sender to the peers it may send to
+as soon as they are announced, so that no request pays for the handshake.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Coroutine
+from typing import Any
 
 from yb_core import events as ev
 from yb_core.bus import Bus, EventReader
 from yb_core.telemetry import get_logger
-from yb_dataplane.transport import PeerAddress
+from yb_dataplane.transport import KVSender, PeerAddress
 
 log = get_logger(__name__)
 
@@ -37,6 +41,16 @@ class PeerDirectory:
         # process share one).
         self._workers: dict[str, bytes] = {}
         self._changed = asyncio.Event()
+        self._on_up: list[Callable[[ev.InstanceUp], None]] = []
+
+    def on_up(self, listener: Callable[[ev.InstanceUp], None]) -> None:
+        """Call `listener` with every `InstanceUp` folded from now on (on the loop;
+        it must not block)."""
+        self._on_up.append(listener)
+
+    def instances(self) -> list[ev.InstanceUp]:
+        """The announcements of every instance that is up."""
+        return list(self._up.values())
 
     async def open(self) -> None:
         """Subscribe (the current state is delivered first, then changes)."""
@@ -63,6 +77,11 @@ class PeerDirectory:
                     self._workers[event.instance_id] = address.worker
                 else:
                     self._workers.pop(event.instance_id, None)
+                for listener in self._on_up:
+                    try:
+                        listener(event)
+                    except Exception:  # a listener's bug must not stop the directory
+                        log.exception("instance_up_listener_failed", instance=event.instance_id)
             case ev.InstanceDown():
                 self._workers.pop(event.instance_id, None)
                 self._up.pop(event.instance_id, None)
@@ -117,3 +136,63 @@ class PeerDirectory:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
         return True
+
+
+#: How `PreConnector` starts a task (a `Supervisor.spawn`).
+Spawn = Callable[[str, Coroutine[Any, Any, Any]], Any]
+
+
+class PreConnector:
+    """Connects `sender` to every instance of `roles` (other than `self_id`) that is
+    up, as its `InstanceUp` arrives.
+
+    Start it once this instance is announced: a receiver answers only hellos from
+    instances it knows (`KVReceiver.set_peer_check`). A failed pre-connect is logged
+    by `KVSender.preconnect`, never fatal; the first transfer connects again.
+    """
+
+    def __init__(
+        self,
+        peers: PeerDirectory,
+        sender: KVSender,
+        roles: Collection[str],
+        self_id: str,
+        spawn: Spawn,
+    ) -> None:
+        self._peers = peers
+        self._sender = sender
+        self._roles = frozenset(roles)
+        self._self_id = self_id
+        self._spawn = spawn
+        self._connecting: set[PeerAddress] = set()
+        #: Pre-connects started (one per new address of a matching instance).
+        self.started = 0
+
+    def start(self) -> None:
+        """Pre-connect to the matching instances up now, and to each one announced
+        from now on."""
+        self._peers.on_up(self.on_up)
+        for up in self._peers.instances():
+            self.on_up(up)
+
+    def on_up(self, up: ev.InstanceUp) -> None:
+        """An announcement: pre-connect if it is a peer of a matching role."""
+        if up.role not in self._roles or up.instance_id == self._self_id:
+            return
+        address = self._peers.address(up.instance_id)
+        if address is None or address in self._connecting or self._sender.connected(address):
+            return
+        self._connecting.add(address)
+        try:
+            self._spawn(f"preconnect:{up.instance_id}", self._connect(address))
+        except RuntimeError:  # shutting down: nothing to connect for
+            self._connecting.discard(address)
+            return
+        self.started += 1
+
+    async def _connect(self, address: PeerAddress) -> None:
+        try:
+            if await self._sender.preconnect(address):
+                log.info("preconnected", peer=address.label)
+        finally:
+            self._connecting.discard(address)

@@ -12,8 +12,10 @@ is ever missing.
 Start order: metrics, bus, peer directory (followed at once), receiver, the worker
 (`build`: load a model; then `Worker.open`: its log, its pool), cancellations, the
 worker's own intake (`Worker.serve`), and last the announcement, after which peers
-may send work. A start that fails or is cancelled closes what it opened, in reverse,
-except that the transport closes before the worker does, as in the stop order.
+may send work; then the sender connects to the peers it may send to
+(`Worker.preconnect_roles`), each as it is announced. A start that fails or is
+cancelled closes what it opened, in reverse, except that the transport closes before
+the worker does, as in the stop order.
 
 Stop order (`WorkerShell.stop`; each step says why it comes where it does):
 
@@ -50,7 +52,7 @@ from yb_core.config import YbConfig
 from yb_core.instance import CancellationFollower, Presence
 from yb_core.service import Service, Supervisor
 from yb_core.telemetry import get_logger
-from yb_dataplane.peers import PeerDirectory
+from yb_dataplane.peers import PeerDirectory, PreConnector
 from yb_dataplane.transport import KVReceiver, KVSender, PeerAddress
 
 log = get_logger(__name__)
@@ -104,10 +106,13 @@ class Worker(abc.ABC):
     `follows_cancellations`: whether `on_cancel` hears of every cancelled request.
     `transport_is_intake`: whether work arrives over the transport itself, so the
     shell closes it to stop taking work (step 3) rather than after the tasks.
+    `preconnect_roles`: the roles of the instances this worker's sender may send to;
+    the shell connects to each as soon as it is announced (`PreConnector`).
     """
 
     follows_cancellations: ClassVar[bool] = True
     transport_is_intake: ClassVar[bool] = False
+    preconnect_roles: ClassVar[frozenset[str]] = frozenset()
 
     @abc.abstractmethod
     def capacity(self) -> Capacity:
@@ -239,6 +244,12 @@ class WorkerShell(Service, Generic[W]):
             opened.push_async_callback(presence.retire, "stopped")
             await presence.announce()
             self.tasks.spawn("presence", presence.run())
+            if worker.preconnect_roles:
+                # After the announcement: peers answer hellos only from instances
+                # they know.
+                PreConnector(
+                    peers, self.sender, worker.preconnect_roles, self.instance_id, self.tasks.spawn
+                ).start()
             if cancellations is not None:
                 self.tasks.spawn("cancellations", cancellations.run())
             self._running = _Running(bus, worker, presence, cancellations)

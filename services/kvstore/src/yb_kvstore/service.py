@@ -117,6 +117,8 @@ class KVStoreWorker(Worker):
 
     follows_cancellations = False
     transport_is_intake = True
+    # It sends fetched blocks to engines (prefill) and fetches replicas from stores.
+    preconnect_roles = frozenset({"prefill", "kvstore"})
 
     def __init__(
         self,

@@ -116,6 +116,9 @@ class PrefillMetrics:
 class PrefillWorker(Worker):
     """Runs prefill jobs one at a time on one engine and streams their KV to decode."""
 
+    # It streams KV to decode instances, and puts blocks into / fetches from kvstores.
+    preconnect_roles = frozenset({"decode", "kvstore"})
+
     def __init__(
         self,
         context: WorkerContext,
