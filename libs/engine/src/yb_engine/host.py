@@ -20,7 +20,10 @@ from yb_core.telemetry import get_logger
 from yb_engine.models import load_engine_model
 
 if TYPE_CHECKING:
+    import torch
+
     from yb_engine.kv_cache import PageAllocator, PagedKVCache
+    from yb_engine.kv_sizing import KVSizing
     from yb_engine.loader import LoadedModel
     from yb_engine.runner import ModelRunner
 
@@ -45,9 +48,18 @@ class EngineGauges:
         self.kv_total = Gauge(
             "yb_engine_kv_pages_total", "KV pages in the cache", registry=registry
         )
+        self.attention = Gauge(
+            "yb_engine_attention_backend",
+            "1 for the attention path the engine runs (backend), on its device and dtype",
+            ["backend", "device", "dtype"],
+            registry=registry,
+        )
 
-    def follow(self, allocator: PageAllocator, num_pages: int) -> None:
-        """Read the KV gauges from the allocator itself at every scrape.
+    def follow(
+        self, allocator: PageAllocator, num_pages: int, engine: EngineHost | None = None
+    ) -> None:
+        """Read the KV gauges from the allocator itself at every scrape, and (given the
+        `engine`) say which attention path it runs.
 
         Pages are the resource a fault must not leak, so what `/metrics` says about
         them is the allocator's own count, never a copy that some path forgot to
@@ -55,6 +67,16 @@ class EngineGauges:
         """
         self.kv_total.set(num_pages)
         self.kv_used.set_function(lambda: allocator.num_used)
+        if engine is not None:
+            self.follow_attention(engine)
+
+    def follow_attention(self, engine: EngineHost) -> None:
+        """Export `engine`'s attention backend, device and dtype as a labelled 1."""
+        self.attention.labels(
+            backend=engine.attention_backend,
+            device=str(engine.cache.device),
+            dtype=str(engine.model.dtype).removeprefix("torch."),
+        ).set(1)
 
 
 class EngineHost:
@@ -72,14 +94,25 @@ class EngineHost:
         cache: PagedKVCache,
         allocator: PageAllocator,
         runner: ModelRunner,
-        attention_backend: str,
+        kv: KVSizing,
     ) -> None:
         self._executor = executor
         self.model = model
         self.cache = cache
         self.allocator = allocator
         self.runner = runner
-        self.attention_backend = attention_backend
+        self.kv = kv
+
+    @property
+    def attention_backend(self) -> str:
+        """The attention path the runner uses ("torch-sdpa", "flash-attn", ...)."""
+        return self.runner.attention_backend
+
+    @property
+    def prefix_cache_pages(self) -> int:
+        """Pages the prefill engine's prefix cache may keep (`KVSizing`): at most
+        `prefix_cache_pages`, and only what is left beside one longest request."""
+        return self.kv.prefix_cache_pages
 
     @classmethod
     async def load(cls, cfg: YbConfig, engine: EngineConfig, name: str) -> EngineHost:
@@ -109,10 +142,9 @@ class EngineHost:
 def _load(
     cls: type[EngineHost], executor: ThreadPoolExecutor, cfg: YbConfig, engine: EngineConfig
 ) -> EngineHost:
-    """Engine thread: load the model, allocate its cache, warm it up."""
+    """Engine thread: load the model, size and allocate its cache, warm it up."""
     import torch
 
-    from yb_engine.attention import attention_backend_name
     from yb_engine.kv_cache import PageAllocator, PagedKVCache
     from yb_engine.runner import ModelRunner
 
@@ -125,26 +157,103 @@ def _load(
         cfg.model_cache_dir(),
         progress=lambda msg: log.info("model_progress", message=msg),
     )
+    device = torch.device(model.device)
+    kv = size_kv_cache(cfg, engine, model, device)
+    log.info("kv_cache_sized", device=str(device), **kv.log_fields())
+    if kv.bound == "floor":
+        log.warning(
+            "kv_cache_below_budget_floor",
+            pages=kv.pages,
+            budget_bytes=kv.budget_bytes,
+            consequence="allocating one longest request's pages anyway; lower "
+            "model.max_model_len or give the engine more memory",
+        )
     cache = PagedKVCache(
-        model.config,
-        engine.num_kv_pages,
-        cfg.model.block_size,
-        dtype=model.dtype,
-        device=model.device,
+        model.config, kv.pages, cfg.model.block_size, dtype=model.dtype, device=device
     )
-    allocator = PageAllocator(engine.num_kv_pages)
+    allocator = PageAllocator(kv.pages)
     runner = ModelRunner(model, cache)
-    backend = attention_backend_name(cache.device, cfg.model.block_size, model.dtype)
     _warm_up(runner, allocator, cache)
     log.info(
         "engine_loaded",
         layers=model.config.num_layers,
-        pages=engine.num_kv_pages,
+        pages=kv.pages,
         block_size=cfg.model.block_size,
-        attention=backend,
+        device=str(device),
+        dtype=str(model.dtype).removeprefix("torch."),
+        attention=runner.attention_backend,
         threads=threads,
     )
-    return cls(executor, model, cache, allocator, runner, backend)
+    return cls(executor, model, cache, allocator, runner, kv)
+
+
+def size_kv_cache(
+    cfg: YbConfig, engine: EngineConfig, model: LoadedModel, device: torch.device
+) -> KVSizing:
+    """How many KV pages this engine allocates (`yb_engine.kv_sizing`'s rule), from
+    its settings and the memory of the machine (and device) it runs on."""
+    import torch
+
+    from yb_engine import kv_sizing as ks
+
+    arch = model.config
+    element_size = torch.empty(0, dtype=model.dtype).element_size()
+    block_size = cfg.model.block_size
+    page = ks.page_nbytes(
+        arch.num_layers, arch.num_kv_heads, arch.head_dim, block_size, element_size
+    )
+    if engine.num_kv_pages:
+        return ks.explicit_kv(engine.num_kv_pages, page, engine.prefix_cache_pages)
+    max_len = min(cfg.model.max_model_len, arch.max_position or cfg.model.max_model_len)
+    source: ks.Source
+    if engine.kv_memory_bytes:
+        source, budget = "kv_memory_bytes", engine.kv_memory_bytes
+        reason = f"engine.kv_memory_bytes = {budget}"
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        reserved = torch.cuda.memory_reserved(device)
+        peak = ks.activation_peak_estimate(
+            hidden=arch.hidden,
+            q_size=arch.q_size,
+            kv_size=arch.kv_size,
+            intermediate=arch.intermediate,
+            num_heads=arch.num_heads,
+            head_dim=arch.head_dim,
+            vocab=arch.vocab,
+            chunk_size=engine.chunk_size,
+            max_batch_size=engine.max_batch_size,
+            max_len=max_len,
+            element_size=element_size,
+        )
+        source = "cuda"
+        budget = ks.cuda_budget(
+            total=total,
+            free=free,
+            reserved=reserved,
+            activation_peak=peak,
+            utilization=engine.gpu_memory_utilization,
+        )
+        reason = (
+            f"{engine.gpu_memory_utilization:g} of {device}'s {total} bytes, less "
+            f"{reserved} held (weights) and an activation peak of {peak}; {free} free"
+        )
+    else:
+        available = ks.read_host_memory_available()
+        source = "host_memory"
+        budget = ks.cpu_budget(available, engine.cpu_kv_memory_fraction)
+        reason = (
+            f"{engine.cpu_kv_memory_fraction:g} of the {available} bytes available "
+            "(MemAvailable or the cgroup's limit); as the host's only engine"
+        )
+    return ks.size_kv(
+        budget_bytes=budget,
+        page_nbytes=page,
+        seq_pages=ks.pages_for(max_len, block_size),
+        max_batch_size=engine.max_batch_size,
+        prefix_cache_pages=engine.prefix_cache_pages,
+        source=source,
+        reason=reason,
+    )
 
 
 def _warm_up(runner: ModelRunner, allocator: PageAllocator, cache: PagedKVCache) -> None:
