@@ -105,11 +105,17 @@ def fit_decode(samples: Sequence[tuple[int, int, float]]) -> tuple[DecodeCost, f
     return model, float(np.mean(np.abs(pred - t) / t))
 
 
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
+def _median_time(
+    fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lambda: None
+) -> float:
+    """Median seconds of `fn`; `sync` waits for the device (CUDA runs asynchronously,
+    so a call returns before its kernels finish)."""
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -172,6 +178,14 @@ def profile_engine(
     started = time.monotonic()
     progress(f"loading model {cfg.model.name} ({cfg.model.source})")
     model = load_engine_model(cfg.model, cfg.model_cache_dir(), progress)
+    device = torch.device(model.device)
+    dtype_name = str(model.dtype).removeprefix("torch.")
+    progress(f"on {device} in {dtype_name}, {cfg.model.block_size}-token pages")
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     arch = model.config
     bs = cfg.model.block_size
     max_new = max(n for n, _ in grid.prefill)
@@ -181,6 +195,7 @@ def profile_engine(
     cache = PagedKVCache(arch, num_pages, bs, dtype=model.dtype, device=model.device)
     alloc = PageAllocator(num_pages)
     runner = ModelRunner(model, cache)
+    progress(f"attention: {runner.attention_backend}")
     elem = torch.empty(0, dtype=model.dtype).element_size()
     kv_bytes_per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * elem
     rng = random.Random(0)
@@ -205,7 +220,7 @@ def profile_engine(
         ) -> None:
             runner.prefill(ids, pages, num_cached_tokens=cached, chunk_size=cfg.prefill.chunk_size)
 
-        seconds = _median_time(run_prefill, grid.repeats)
+        seconds = _median_time(run_prefill, grid.repeats, sync)
         alloc.free(pages)
         prefill_samples.append((new, cached, seconds))
         progress(f"prefill new={new:5d} cached={cached:5d}: {seconds * 1e3:8.1f} ms")
@@ -223,7 +238,7 @@ def profile_engine(
             runner.decode(seqs)
 
         run_decode()
-        seconds = _median_time(run_decode, grid.repeats + 2)
+        seconds = _median_time(run_decode, grid.repeats + 2, sync)
         for pages in held:
             alloc.free(pages)
         decode_samples.append((batch, ctx, seconds))
@@ -252,7 +267,7 @@ def profile_engine(
     return CostModel(
         name=f"profile-{cfg.model.name}",
         model=cfg.model.name,
-        device=f"{model.device} x{torch.get_num_threads()} threads, {cfg.model.dtype}",
+        device=f"{model.device} x{torch.get_num_threads()} threads, {dtype_name}",
         source=f"yb profile {'--quick ' if quick else ''}({elapsed:.0f}s)",
         kv_bytes_per_token=int(kv_bytes_per_token),
         prefill=prefill,

@@ -1,6 +1,7 @@
 """`yb`: the one command people use to run and inspect Yuebing.
 
     yb up [--port N] [--data-dir DIR] [--model SOURCE] [--prefill N --decode N --kvstore N]
+          [--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16]
           [--conductors N] [--keep-going]   standbys; stay up when an instance dies
           [--nats-cluster 3]                three NATS nodes, the event stream at R3
     yb status [--data-dir DIR | --nats URL]
@@ -41,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--data-dir", help="NATS store, logs, SSD tier and model cache go here")
     up.add_argument("--model", help="'default', 'tiny-random' or a local HF model directory")
     up.add_argument("--model-name", help="the name clients ask for")
+    add_device_arguments(up)
     up.add_argument("--prefill", type=int, default=2, help="prefill instances (default 2)")
     up.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
     up.add_argument("--kvstore", type=int, default=2, help="kvstore instances (default 2)")
@@ -106,6 +108,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--device` and `--dtype`: `model.device` and `model.dtype` for the engines."""
+    parser.add_argument(
+        "--device",
+        help="where engines run the model: auto (CUDA when torch sees it), cpu, cuda, cuda:N",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights' and KV's dtype (auto: bfloat16 on CUDA, float32 on the CPU)",
+    )
+
+
 def _prepare(cfg: YbConfig) -> int:
     from yb_engine.prepare import prepare_model
 
@@ -129,6 +144,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         model["source"] = args.model
     if getattr(args, "model_name", None):
         model["name"] = args.model_name
+    for key in ("device", "dtype"):
+        if getattr(args, key, None):
+            model[key] = getattr(args, key)
     if model:
         out["model"] = model
     if getattr(args, "nats_port", None) is not None and args.command == "up":

@@ -282,6 +282,51 @@ class Cluster:
             else f"event log bounded at {chosen / 2**30:.0f} GiB (YB_NATS__MAX_BYTES)"
         )
 
+    def _share_kv_memory(self) -> None:
+        """Give each engine its share of one KV budget (`EngineConfig`), since every
+        engine runs on this machine and would otherwise size itself as if alone.
+
+        On the CPU, the memory available is read once, before any engine allocates
+        (each engine zero-fills its pages, so engines reading it one after another
+        would get less and less): each gets `kv_memory_bytes` =
+        `cpu_kv_memory_fraction` of it divided by the number of engines. On CUDA the
+        engines share one device: each gets `gpu_memory_utilization` divided by their
+        number. An engine section with an explicit `num_kv_pages` or
+        `kv_memory_bytes` keeps it.
+        """
+        from yb_engine.kv_sizing import cpu_budget, read_host_memory_available
+
+        engines = [s for s in self.process_specs() if s.role in ("prefill", "decode")]
+        if not engines:
+            return
+        count = len(engines)
+        sections = {"prefill": self.cfg.prefill, "decode": self.cfg.decode}
+        free = {
+            role: section
+            for role, section in sections.items()
+            if not (section.num_kv_pages or section.kv_memory_bytes)
+        }
+        if not free:
+            return
+        if self.cfg.model.cuda_expected():
+            for section in free.values():
+                section.gpu_memory_utilization /= count
+            shares = ", ".join(f"{r} {s.gpu_memory_utilization:.3f}" for r, s in free.items())
+            self.say(
+                f"KV memory: {count} engines share one GPU; gpu_memory_utilization each: {shares}"
+            )
+            return
+        available = read_host_memory_available()
+        for section in free.values():
+            section.kv_memory_bytes = cpu_budget(available, section.cpu_kv_memory_fraction, count)
+        shares = ", ".join(f"{r} {s.kv_memory_bytes / 2**30:.2f} GiB" for r, s in free.items())
+        self.say(
+            f"KV memory: {count} engines share {available / 2**30:.1f} GiB available "
+            f"x cpu_kv_memory_fraction; at most per engine: {shares} (each engine logs "
+            "the pages it takes; YB_DECODE__NUM_KV_PAGES / YB_DECODE__KV_MEMORY_BYTES "
+            "and the prefill ones set them)"
+        )
+
     def _settle_for_failover(self, nodes: int) -> None:
         """Settings a cluster needs so that losing a node changes nothing for clients.
 
@@ -356,6 +401,7 @@ class Cluster:
         """Start every service process in dependency order."""
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        self._share_kv_memory()
         for spec in self.process_specs():
             self._spawn(spec, logs)
         pids = {name: proc.pid for name, proc in self.children.items()}

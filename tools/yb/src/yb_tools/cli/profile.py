@@ -1,6 +1,7 @@
 """`yb profile`: fit the conductor's cost model on this machine's real runner.
 
     yb profile [--quick] [--out FILE] [--model SOURCE] [--threads N] [--network-gbps X]
+               [--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16]
 
 Writes the versioned cost-model file the conductor loads (`conductor.cost_model =
 FILE`, or `YB_CONDUCTOR__COST_MODEL=FILE`). `--quick` measures a small grid in well
@@ -19,12 +20,15 @@ from yb_core.config import YbConfig
 
 def add_parser(sub: Any) -> None:
     """Register `yb profile`."""
+    from yb_tools.cli import add_device_arguments
+
     p = sub.add_parser("profile", help="fit the conductor's cost model on this machine")
     p.add_argument("--quick", action="store_true", help="a small grid (under two minutes)")
     p.add_argument("--out", help="cost model file (default: <data dir>/cost_model.json)")
     p.add_argument("--model", help="'default', 'tiny-random' or a local HF model directory")
     p.add_argument("--data-dir", help="where the model cache and the output live")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
+    add_device_arguments(p)
     p.add_argument(
         "--network-gbps",
         type=float,

@@ -1,0 +1,96 @@
+"""`yb up` and `yb profile` take the device settings, and `yb up` shares one KV budget
+among the engines it starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from yb_core import config as config_module
+from yb_core.config import load_config
+from yb_engine import kv_sizing
+from yb_tools.cli import _overrides, add_device_arguments
+from yb_tools.cli.launcher import Cluster, Topology
+
+GiB = 2**30
+
+
+def parse(*argv: str) -> dict[str, object]:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command")
+    add_device_arguments(parser)
+    return _overrides(parser.parse_args(["up", *argv]))
+
+
+def test_device_and_dtype_flags_reach_the_model_section() -> None:
+    assert parse() == {}
+    overrides = parse("--device", "cuda:1", "--dtype", "float16")
+    assert overrides == {"model": {"device": "cuda:1", "dtype": "float16"}}
+    cfg = load_config(env={}, overrides=overrides)
+    assert (cfg.model.device, cfg.model.dtype, cfg.model.block_size) == ("cuda:1", "float16", 256)
+    assert load_config(env={}, overrides=parse("--device", "cpu")).model.block_size == 64
+    with pytest.raises(SystemExit):
+        parse("--dtype", "fp8")
+
+
+def cluster(env: dict[str, str], topology: Topology) -> tuple[Cluster, list[str]]:
+    said: list[str] = []
+    return Cluster(load_config(env=env), topology, said.append), said
+
+
+def test_on_the_cpu_each_engine_gets_an_equal_share_of_one_reading(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    readings = iter([12 * GiB, 1 * GiB])  # a second reading would be smaller
+    monkeypatch.setattr(kv_sizing, "read_host_memory_available", lambda: next(readings))
+    c, said = cluster(
+        {"YB_MODEL__DEVICE": "cpu", "YB_DATA_DIR": str(tmp_path)}, Topology(prefill=2, decode=1)
+    )
+    c._share_kv_memory()
+    share = int(12 * GiB * 0.3) // 3
+    assert c.cfg.prefill.kv_memory_bytes == c.cfg.decode.kv_memory_bytes == share
+    assert "3 engines" in said[-1]
+    # every engine gets the number in its environment
+    env = c.service_env(c.process_specs()[-2])
+    assert env["YB_DECODE__KV_MEMORY_BYTES"] == str(share)
+    assert env["YB_PREFILL__KV_MEMORY_BYTES"] == str(share)
+
+
+def test_explicit_settings_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_sizing, "read_host_memory_available", lambda: 12 * GiB)
+    c, _ = cluster(
+        {
+            "YB_MODEL__DEVICE": "cpu",
+            "YB_DECODE__NUM_KV_PAGES": "100",
+            "YB_PREFILL__CPU_KV_MEMORY_FRACTION": "0.6",
+        },
+        Topology(prefill=1, decode=1),
+    )
+    c._share_kv_memory()
+    assert (c.cfg.decode.num_kv_pages, c.cfg.decode.kv_memory_bytes) == (100, 0)
+    assert c.cfg.prefill.kv_memory_bytes == int(12 * GiB * 0.6) // 2
+
+
+def test_on_cuda_the_engines_split_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_reading() -> int:
+        raise AssertionError("host memory is not the budget on CUDA")
+
+    monkeypatch.setattr(kv_sizing, "read_host_memory_available", no_reading)
+    monkeypatch.setattr(config_module, "nvidia_gpu_visible", lambda: True)
+    c, said = cluster({}, Topology(prefill=2, decode=2))
+    assert c.cfg.model.block_size == 256  # auto, with a GPU visible
+    c._share_kv_memory()
+    assert c.cfg.decode.gpu_memory_utilization == pytest.approx(0.9 / 4)
+    assert c.cfg.prefill.gpu_memory_utilization == pytest.approx(0.9 / 4)
+    assert c.cfg.decode.kv_memory_bytes == 0
+    assert "share one GPU" in said[-1]
+
+
+def test_no_engines_no_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_sizing, "read_host_memory_available", lambda: 12 * GiB)
+    c, said = cluster({"YB_MODEL__DEVICE": "cpu"}, Topology(prefill=0, decode=0))
+    c._share_kv_memory()
+    assert c.cfg.decode.kv_memory_bytes == 0 and not said
