@@ -95,6 +95,7 @@ SUMMARIES: dict[str, str] = {
 DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
     "engine": [
         ("model", "the model measured"),
+        ("device", "the device the model ran on (`--device`)"),
         ("dtype", "weights' and KV cache's dtype"),
         ("threads", "torch threads"),
         ("block_size", "tokens per KV page"),
@@ -116,7 +117,7 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
             "tokens/s of `DecodeBatcher.step` with {0} sequences (greedy sampling and "
             "detokenization included)",
         ),
-        ("decode_batch_32_vs_1", "decode tokens/s at batch 32 over batch 1"),
+        (r"decode_batch_(\d+)_vs_1", "decode tokens/s at batch {0} over batch 1"),
         ("ttft_full_4096_s", "seconds to prefill a 4,096-token prompt from nothing"),
         (
             "ttft_reuse_3584_of_4096_s",
