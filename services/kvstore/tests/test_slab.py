@@ -58,3 +58,56 @@ def test_block_log_numbers_events_and_inventories() -> None:
     assert {e.epoch for e in (first, stored, evicted)} == {7}
     inv = log.inventory(dram=[2], ssd=[])
     assert (inv.event_id, inv.dram) == (3, [2])
+
+
+def test_the_slab_is_registered_once_allocated_and_says_how() -> None:
+    from yb_kvstore.hostmem import HostMemory
+
+    seen: list[np.ndarray] = []
+
+    def pinning(array: np.ndarray) -> HostMemory:
+        seen.append(array)
+        return HostMemory(True, "pinned (test)")
+
+    slab = DramSlab(4, register=pinning)
+    assert slab.memory is None and seen == []
+    slab.ensure_layout(16)
+    # The whole slab, once: the array every slot is a view of.
+    assert len(seen) == 1 and seen[0].nbytes == 4 * 16
+    view, _ = slab.reserve(1)
+    assert np.shares_memory(view, seen[0])
+    assert slab.memory == HostMemory(True, "pinned (test)")
+    slab.ensure_layout(16)
+    assert len(seen) == 1
+
+
+def test_without_a_cuda_device_the_slab_stays_pageable_and_says_why() -> None:
+    # The real registration on this machine: a CPU-only one stays pageable, with the
+    # reason (no libcudart, or libcudart finding no device).
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present (see the cuda test)")
+    slab = DramSlab(2)
+    slab.ensure_layout(4096)
+    assert slab.memory is not None and not slab.memory.pinned
+    assert slab.memory.how.startswith("pageable (")
+
+
+@pytest.mark.cuda
+def test_with_cuda_the_slab_is_pinned() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    slab = DramSlab(2)
+    slab.ensure_layout(1 << 20)
+    assert slab.memory is not None and slab.memory.pinned, slab.memory
+    # Pinned memory copies to the device asynchronously (pageable would not be
+    # allowed to): a round trip through the GPU gives the same bytes.
+    view, _ = slab.reserve(7)
+    view[:] = np.arange(view.size, dtype=np.uint64).astype(np.uint8)
+    host = torch.from_numpy(view)
+    assert host.is_pinned()
+    back = host.to("cuda", non_blocking=True).cpu()
+    assert torch.equal(back, host)

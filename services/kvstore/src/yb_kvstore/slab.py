@@ -4,16 +4,25 @@ A block is every layer's keys and values for `block_size` tokens, so all blocks 
 model have one size. The slab is allocated on the first put (the store learns the
 block size from its first writer, so it needs no model), and every later put must
 match it. Allocation is `np.zeros`: the kernel maps the pages lazily, so an idle
-store costs little resident memory however many slots it is configured with.
+store costs little resident memory however many slots it is configured with. Where
+a CUDA device is present the slab is then page-locked (`hostmem.register`), so GPUs
+copy blocks in and out by DMA in one copy; that makes all of it resident at once.
+What was chosen, and why, is logged.
 Eviction order comes from a pluggable policy (`policy.EvictionPolicy`, LRU by
 default); a slot pinned by an in-flight transfer is never chosen.
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
+from yb_core.telemetry import get_logger
+from yb_kvstore import hostmem
 from yb_kvstore.eviction import EvictionPolicy, LruPolicy
+
+log = get_logger(__name__)
 
 __all__ = ["DramSlab", "EvictionPolicy", "LruPolicy", "SlabFull"]
 
@@ -25,12 +34,20 @@ class SlabFull(RuntimeError):
 class DramSlab:
     """Fixed slots in one contiguous array; blocks are written and read in place."""
 
-    def __init__(self, num_slots: int, policy: EvictionPolicy | None = None) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        policy: EvictionPolicy | None = None,
+        register: hostmem.Register = hostmem.register,
+    ) -> None:
         if num_slots <= 0:
             raise ValueError("num_slots must be positive")
         self.num_slots = num_slots
         self.policy = policy or LruPolicy()
         self.block_nbytes = 0
+        #: Whether the slab is pinned, and how (None until it is allocated).
+        self.memory: hostmem.HostMemory | None = None
+        self._register = register
         self._data: np.ndarray | None = None
         self._slot_of: dict[int, int] = {}
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
@@ -63,6 +80,16 @@ class DramSlab:
         if self._data is None:
             self._data = np.zeros((self.num_slots, block_nbytes), dtype=np.uint8)
             self.block_nbytes = block_nbytes
+            started = time.monotonic()
+            self.memory = self._register(self._data)
+            log.info(
+                "dram_slab_allocated",
+                nbytes=int(self._data.nbytes),
+                slots=self.num_slots,
+                block_nbytes=block_nbytes,
+                memory=self.memory.how,
+                register_s=round(time.monotonic() - started, 3),
+            )
         elif block_nbytes != self.block_nbytes:
             raise ValueError(
                 f"block of {block_nbytes} bytes does not fit slots of {self.block_nbytes} bytes"
