@@ -10,7 +10,7 @@ that does not wait for the device; the per-layer work only launches kernels.
   reused workspace and calls `scaled_dot_product_attention`.
 - `FlashAttnBackend` (flash-attn 2, CUDA sm80-sm90): `flash_attn_with_kvcache` appends
   the new K/V through the block table and attends, in one kernel per layer.
-- `FlashAttnCuteBackend` (flash-attn 4, `flash_attn.cute`, Hopper/Blackwell): the K/V
+- `FlashAttnCuteBackend` (flash-attn 4, `flash_attn.cute`, sm80-sm120): the K/V
   are written with `index_copy_`, then `flash_attn_varlen_func` attends through
   `page_table` and `seqused_k`.
 
@@ -498,11 +498,12 @@ class FlashAttnCuteBackend:
     It cannot append to the cache, so the chunk's K/V are written with `index_copy_`
     first (the same writer as SDPA's); `flash_attn_varlen_func` then attends through
     `page_table` with `seqused_k` keys per sequence and `cu_seqlens_q` query rows,
-    causal aligned bottom-right (a single row sees every key). Requires Hopper or
-    Blackwell (sm90/sm100/sm110; paged KV on sm90 only in recent releases, which
-    `select_backend`'s probe establishes), fp16/bf16, `heads % kv_heads == 0`,
-    `head_dim <= 256` and a multiple of 8, and a cache in the model's dtype. It has no
-    page-size rule: 128-token pages take its TMA path, other sizes its cp.async path.
+    causal aligned bottom-right (a single row sees every key). Requires compute
+    capability 8.x-12.x (its releases differ: early ones ran on sm90/sm100 only and had
+    no paged KV on sm90, which `select_backend`'s probe finds out), fp16/bf16, `heads %
+    kv_heads == 0`, `head_dim` a multiple of 8 and <= 256 (<= 128 or exactly 256 on
+    sm100/sm110), and a cache in the model's dtype. It has no page-size rule: 128-token
+    pages take its TMA path, other sizes its cp.async path.
 
     `kernels` is the module providing `flash_attn_varlen_func` (default:
     `flash_attn.cute`); tests pass `yb_testkit.flash_standin.CUTE`.
@@ -637,10 +638,16 @@ def _fa2_reason(capability: tuple[int, int], block_size: int | None) -> str | No
     return None
 
 
-def _cute_reason(capability: tuple[int, int]) -> str | None:
+def _cute_reason(capability: tuple[int, int], arch: ArchConfig | None) -> str | None:
     major, minor = capability
-    if major not in (9, 10, 11):
-        return f"runs on sm90/sm100/sm110 only, not sm{major}{minor}"
+    if major not in (8, 9, 10, 11, 12):
+        return f"runs on sm80-sm120 only, not sm{major}{minor}"
+    if (
+        major in (10, 11)
+        and arch is not None
+        and not (arch.head_dim <= 128 or arch.head_dim == 256)
+    ):
+        return f"head_dim {arch.head_dim} unsupported on sm{major}{minor} (<= 128 or 256)"
     return None
 
 
@@ -713,7 +720,12 @@ def _select_flash(
         tuple[str, type[FlashAttnBackend] | type[FlashAttnCuteBackend], str, str | None]
     ] = [
         ("flash-attn", FlashAttnBackend, "flash_attn", _fa2_reason(capability, block_size)),
-        ("flash-attn-cute", FlashAttnCuteBackend, "flash_attn.cute", _cute_reason(capability)),
+        (
+            "flash-attn-cute",
+            FlashAttnCuteBackend,
+            "flash_attn.cute",
+            _cute_reason(capability, arch),
+        ),
     ]
     tried = []
     for name, cls, module, why in candidates:
@@ -748,7 +760,7 @@ def select_backend(
     fp16/bf16, a KV cache in that same dtype (`cache_dtype`; the kernels read the pages
     in place), `heads % kv_heads == 0`, `head_dim <= 256` and a multiple of 8 (`arch`).
     Then flash-attn 2 (`flash_attn`) on sm80-sm90 with `block_size % 256 == 0`, else
-    flash-attn 4 (`flash_attn.cute`) on sm90/sm100/sm110, provided the module imports
+    flash-attn 4 (`flash_attn.cute`) on sm80-sm120, provided the module imports
     (a wheel built against another torch raises at import) and, with `probe`, runs one
     tiny prefill and decode that agree with SDPA (see `probe_backend`).
 
