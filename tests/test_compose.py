@@ -690,3 +690,98 @@ def test_the_real_nats_server_accepts_the_cluster_config(node: str) -> None:
     )
     assert check.returncode != 0
     assert "YB_NATS_ROUTE_PASSWORD" in check.stdout + check.stderr
+
+
+# --- the GPU variant (docker-compose.gpu.yml) -----------------------------------------
+
+GPU_OVERRIDE = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())
+ENGINES = sorted(n for n in BUILT if _build_service(SERVICES[n]) in ("prefill", "decode"))
+ENGINES = [n for n in ENGINES if n != "model-init"]
+
+
+def _deep_merge(base: Any, override: Any) -> Any:
+    """Compose's merge of two service definitions, for the keys the GPU variant sets:
+    mappings merge key by key at every depth, anything else is replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for key, value in override.items():
+            out[key] = _deep_merge(base.get(key), value) if key in base else value
+        return out
+    return override
+
+
+def _gpu_env(name: str) -> dict[str, str]:
+    """The service's environment as compose interpolates it with nothing set: a
+    `${NAME:-default}` is its default (a required `${NAME:?}` secret stays as written)."""
+    return {
+        key: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)
+        for key, value in _env(_gpu_service(name)).items()
+    }
+
+
+def _gpu_service(name: str) -> dict[str, Any]:
+    merged: dict[str, Any] = _deep_merge(SERVICES[name], GPU_OVERRIDE["services"].get(name, {}))
+    return merged
+
+
+@pytest.mark.parametrize("name", [n for n in BUILT if n != "model-init"])
+def test_gpu_variant_environment_is_valid_and_blocks_agree(name: str) -> None:
+    cfg = load_config(env=_gpu_env(name))
+    # One block size for the gateway's hashes, the conductor's index, the kvstores and
+    # the engines' pages, and the one flash-attn's paged KV takes.
+    assert cfg.model.block_size == 256
+    if name in ENGINES:
+        assert cfg.model.device.startswith("cuda")
+
+
+def test_gpu_variant_engines_get_gpus_and_share_their_memory() -> None:
+    for name in ENGINES:
+        devices = _gpu_service(name)["deploy"]["resources"]["reservations"]["devices"]
+        assert devices and all("gpu" in d["capabilities"] for d in devices), name
+    by_device: dict[str, float] = {}
+    for name in ENGINES:
+        cfg = load_config(env=_gpu_env(name))
+        role = _build_service(SERVICES[name])
+        share = getattr(cfg, role).gpu_memory_utilization
+        by_device[cfg.model.device] = by_device.get(cfg.model.device, 0.0) + share
+    # Engines on one GPU must not each plan to fill most of it.
+    assert all(total <= 0.95 for total in by_device.values()), by_device
+
+
+def test_gpu_variant_builds_cuda_torch_and_flash_attn() -> None:
+    global_args, stages = _parse_dockerfile(DOCKERFILE)
+    declared = {
+        _substitute(rest, {}).partition("=")[0]
+        for stage in stages
+        for keyword, rest in stage.instructions
+        if keyword == "ARG"
+    } | set(global_args)
+    for name in [*ENGINES, "model-init"]:
+        args = _gpu_service(name)["build"]["args"]
+        assert set(args) <= declared, f"{name}: {set(args) - declared} not ARGs"
+        assert args["SERVICE"] == _build_service(SERVICES[name])
+        index = args["TORCH_INDEX"]
+        # CUDA 12 torch, as the UCX wheels (ucxx-cu12); a local CPU wheel is not offered.
+        assert re.search(r"/whl/cu12\d$", index.split(":-")[-1].rstrip("}")), index
+        assert "wheels" not in args["TORCH_FIND_LINKS"].replace("no-wheels", "")
+        assert "flash-attn" in args["ENGINE_EXTRAS"]
+    torch_stage = next(s for s in stages if s.name == "torch")
+    run = " ".join(rest for keyword, rest in torch_stage.instructions if keyword == "RUN")
+    assert "mkdir -p /tmp/no-wheels" in run and "--find-links ${TORCH_FIND_LINKS}" in run
+    # GPU images are tagged apart, so a CPU image is never taken for one.
+    images = {_gpu_service(name)["image"] for name in [*ENGINES, "model-init"]}
+    assert all(image.endswith("-gpu") for image in images), images
+
+
+def test_engines_share_one_kv_memory_budget() -> None:
+    # Each container sees the whole host's memory: together the engines may size their
+    # KV from what one engine alone would take.
+    from yb_core.config import EngineConfig
+
+    total = 0.0
+    for name in ENGINES:
+        cfg = load_config(env=_env(SERVICES[name]))
+        engine = getattr(cfg, _build_service(SERVICES[name]))
+        assert engine.num_kv_pages == 0 and engine.kv_memory_bytes == 0  # sized at start
+        total += engine.cpu_kv_memory_fraction
+    assert total <= EngineConfig().cpu_kv_memory_fraction + 1e-9, total
