@@ -2,6 +2,7 @@
 
     python benchmarks/transfer.py --json PATH [--sizes 1,16,64,256] [--repeat 7]
                                   [--page-kib 2048] [--layouts scattered,contiguous]
+                                  [--device cpu|cuda]
 
 The parent process is the sender (`KVSender`); it starts a receiver process
 (`KVReceiver`, this same file with `--role receiver`) whose reservation factory hands
@@ -26,6 +27,16 @@ Figures are the median over `--repeat` runs (after one warm-up); `*_best` keys g
 the fastest run. `memcpy_gbps_*` is `numpy.copyto` of the same number of bytes into a
 pre-faulted destination, in the same run; `xxh3_gbps_*` is one checksum pass over
 them (both ends do one, which is where much of the gap to memcpy goes).
+
+`--device cuda`: the pages are CUDA tensors in both processes (GPU 0, or the one
+`CUDA_VISIBLE_DEVICES` gives each), sent and received by UCX straight from and into
+device memory (cuda_ipc between two processes on one GPU). Device memory is not
+checksummed (see the transport README), so the xxh3 column is absent; the baseline is
+`d2d_gbps_*`, a device-to-device copy of the same bytes within one process
+(`Tensor.copy_`, synchronised), and `ucx_over_d2d_*` the ratio (goal: 0.5 or more).
+The receiver reports the bytes it staged (`receiver_staged_bytes`, which must be 0)
+and a sum of every destination page, which the sender checks against its sources
+(`device_bytes_verified`). Without CUDA it refuses to run.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -95,19 +107,53 @@ def buffers(sizes: list[int], contiguous: bool, fill: int | None) -> list[np.nda
     return out
 
 
+def device_buffers(sizes: list[int], contiguous: bool, fill: int | None) -> list[Any]:
+    """`buffers`, as uint8 CUDA tensors (the same contents)."""
+    import torch
+
+    host = buffers(sizes, contiguous, fill)
+    if not contiguous:
+        out = [torch.from_numpy(b).to("cuda") for b in host]
+    else:
+        whole = torch.from_numpy(np.concatenate(host)).to("cuda")
+        out = list(torch.split(whole, sizes))
+    torch.cuda.synchronize()
+    return out
+
+
+def page_sums(bufs: Sequence[Any]) -> list[int]:
+    """The sum of every page's bytes (a check that each page landed where it belongs)."""
+    import torch
+
+    return [int(b.to(torch.int64).sum()) for b in bufs]
+
+
+def require_cuda() -> str | None:
+    """None if `--device cuda` can run here, else why not."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
+        return f"torch {torch.__version__} ({built}) sees no CUDA device"
+    return None
+
+
 # -- receiver process -------------------------------------------------------------------
 
 
 async def run_receiver(
-    sizes_mb: list[int], page_bytes: int, layouts: list[str], ucx_host: str
+    sizes_mb: list[int], page_bytes: int, layouts: list[str], ucx_host: str, device: str
 ) -> None:
+    make = device_buffers if device == "cuda" else buffers
     destinations = {
-        (mb, name): buffers(layout(mb, page_bytes), name == "contiguous", 0)
+        (mb, name): make(layout(mb, page_bytes), name == "contiguous", 0)
         for mb in sizes_mb
         for name in layouts
     }
 
-    def factory(request_id: str, header: SegmentHeader) -> list[np.ndarray] | None:
+    def factory(request_id: str, header: SegmentHeader) -> list[Any] | None:
         del header
         mb, name, _rep = request_id.split("-")
         return destinations.get((int(mb), name))
@@ -119,13 +165,17 @@ async def run_receiver(
     # Run until the parent closes our stdin.
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     await receiver.close()
+    report: dict[str, Any] = {"staged": receiver.staged_bytes}
+    if device == "cuda":
+        report["sums"] = {f"{mb}-{name}": page_sums(b) for (mb, name), b in destinations.items()}
+    print(json.dumps(report), flush=True)
 
 
 # -- sender (parent) ---------------------------------------------------------------------
 
 
 async def timed_transfer(
-    sender: KVSender, peer: PeerAddress, request_id: str, bufs: list[np.ndarray]
+    sender: KVSender, peer: PeerAddress, request_id: str, bufs: list[Any]
 ) -> float:
     groups = segments(len(bufs), [b.nbytes for b in bufs])
     start = time.perf_counter()
@@ -183,6 +233,25 @@ def perftest_gbps(size: int, total: int) -> float | None:
     return float(rows[-1][5]) * MIB / 1e9
 
 
+def d2d_copy_times(total: int, repeat: int) -> list[float]:
+    """Seconds of each of `repeat` device-to-device copies of `total` bytes (one warm-up)."""
+    import torch
+
+    src = torch.full((total,), 7, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    times = []
+    for rep in range(repeat + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        if rep:
+            times.append(time.perf_counter() - start)
+    del src, dst
+    torch.cuda.empty_cache()
+    return times
+
+
 def best_of(fn: object, repeat: int) -> list[float]:
     assert callable(fn)
     times = []
@@ -194,7 +263,7 @@ def best_of(fn: object, repeat: int) -> list[float]:
 
 
 async def start_receiver(
-    sizes_mb: list[int], page_bytes: int, layouts: list[str]
+    sizes_mb: list[int], page_bytes: int, layouts: list[str], device: str
 ) -> tuple[asyncio.subprocess.Process, PeerAddress]:
     """A receiver process of this same file, and the address it listens on."""
     receiver = await asyncio.create_subprocess_exec(
@@ -208,6 +277,8 @@ async def start_receiver(
         str(page_bytes // 1024),
         "--layouts",
         ",".join(layouts),
+        "--device",
+        device,
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         # Its first line must be its address: UCX's own report would come first.
@@ -224,23 +295,31 @@ async def run_sender(
     layouts: list[str],
     perftest: bool,
     peer_address: str | None,
-) -> dict[str, float]:
+    device: str = "cpu",
+) -> dict[str, Any]:
     """Time the transfers; to a receiver started here, or to `peer_address` (elsewhere,
-    started with the same sizes and layouts; its CPU time is then not measured)."""
+    started with the same sizes, layouts and device; its CPU time is then not measured)."""
     receiver: asyncio.subprocess.Process | None = None
     if peer_address is None:
-        receiver, peer = await start_receiver(sizes_mb, page_bytes, layouts)
+        receiver, peer = await start_receiver(sizes_mb, page_bytes, layouts, device)
     else:
         peer = PeerAddress.parse(peer_address)
+    cuda = device == "cuda"
     sender = KVSender()
-    results: dict[str, float] = {}
+    results: dict[str, Any] = {"device": device}
     rows = []
+    expected: dict[str, list[int]] = {}
     try:
         for name in layouts:
             tag = "" if name == "scattered" else f"_{name}"
             for mb in sizes_mb:
                 total = mb * MIB
-                bufs = buffers(layout(mb, page_bytes), name == "contiguous", None)
+                sizes = layout(mb, page_bytes)
+                if cuda:
+                    bufs = device_buffers(sizes, name == "contiguous", None)
+                    expected[f"{mb}-{name}"] = page_sums(bufs)
+                else:
+                    bufs = buffers(sizes, name == "contiguous", None)
                 await timed_transfer(sender, peer, f"{mb}-{name}-warmup", bufs)
                 rx_pid = None if receiver is None else receiver.pid
                 cpu_before = (cpu_seconds(), cpu_seconds(rx_pid) if rx_pid else 0.0)
@@ -251,17 +330,26 @@ async def run_sender(
                 moved_gb = total * repeat / 1e9
                 cpu_tx = (cpu_seconds() - cpu_before[0]) / moved_gb
                 cpu_rx = (cpu_seconds(rx_pid) - cpu_before[1]) / moved_gb if rx_pid else None
-                src = faulted(total, 7)
-                dst = faulted(total, 0)
-                memcpy = best_of(lambda src=src, dst=dst: np.copyto(dst, src), repeat)
-                xxh3 = best_of(lambda src=src: checksum(src), repeat)
+                if cuda:
+                    copy, xxh3 = d2d_copy_times(total, repeat), None
+                    baseline = "d2d"
+                else:
+                    src = faulted(total, 7)
+                    dst = faulted(total, 0)
+                    copy = best_of(lambda src=src, dst=dst: np.copyto(dst, src), repeat)
+                    xxh3 = best_of(lambda src=src: checksum(src), repeat)
+                    baseline = "memcpy"
+                    del src, dst
                 gbps = {
                     "ucx": total / statistics.median(ucx) / 1e9,
                     "ucx_best": total / min(ucx) / 1e9,
-                    "memcpy": total / statistics.median(memcpy) / 1e9,
-                    "memcpy_best": total / min(memcpy) / 1e9,
-                    "xxh3": total / statistics.median(xxh3) / 1e9,
+                    baseline: total / statistics.median(copy) / 1e9,
+                    f"{baseline}_best": total / min(copy) / 1e9,
                 }
+                if xxh3 is not None:
+                    gbps["xxh3"] = total / statistics.median(xxh3) / 1e9
+                if cuda:
+                    results[f"ucx_over_d2d_{mb}mb{tag}"] = round(gbps["ucx"] / gbps["d2d"], 3)
                 for key, value in gbps.items():
                     if tag and not key.startswith("ucx"):
                         continue  # the baselines do not depend on the layout
@@ -272,28 +360,40 @@ async def run_sender(
                 if cpu_rx is not None:
                     results[f"receiver_cpu_s_per_gb_{mb}mb{tag}"] = round(cpu_rx, 4)
                 rows.append((name, mb, len(bufs), gbps, cpu_tx, cpu_rx))
-                del src, dst, bufs
+                del bufs
     finally:
         await sender.close()
         if receiver is not None:
-            assert receiver.stdin is not None
+            assert receiver.stdin is not None and receiver.stdout is not None
             receiver.stdin.close()
+            report_line = await asyncio.wait_for(receiver.stdout.readline(), 120)
             await asyncio.wait_for(receiver.wait(), 30)
+    if receiver is not None and report_line:
+        report = json.loads(report_line)
+        results["receiver_staged_bytes"] = report["staged"]
+        print(f"receiver staged {report['staged']} bytes (zero-copy: must be 0)")
+        if cuda:
+            verified = report.get("sums") == expected
+            results["device_bytes_verified"] = verified
+            print(f"device pages verified by their sums: {verified}")
 
+    base = "d2d" if cuda else "memcpy"
     print(
         f"{'layout':<11} {'payload':>8} {'buffers':>8} {'ucx GB/s':>9} {'(best)':>7} "
-        f"{'memcpy GB/s':>12} {'ucx/memcpy':>11} {'xxh3 GB/s':>10} {'CPU s/GB tx':>12} "
+        f"{base + ' GB/s':>12} {'ucx/' + base:>11} {'xxh3 GB/s':>10} {'CPU s/GB tx':>12} "
         f"{'rx':>6}"
     )
     for name, mb, count, gbps, cpu_tx, cpu_rx in rows:
+        xxh3_text = f"{gbps['xxh3']:.2f}" if "xxh3" in gbps else "-"
         print(
             f"{name:<11} {mb:>6}MB {count:>8} {gbps['ucx']:>9.2f} {gbps['ucx_best']:>7.2f} "
-            f"{gbps['memcpy']:>12.2f} {gbps['ucx'] / gbps['memcpy']:>10.0%} {gbps['xxh3']:>10.2f} "
+            f"{gbps[base]:>12.2f} {gbps['ucx'] / gbps[base]:>10.0%} {xxh3_text:>10} "
             f"{cpu_tx:>12.3f} {'-' if cpu_rx is None else f'{cpu_rx:.3f}':>6}"
         )
     tls = os.environ.get("UCX_TLS", "all")
     pages = "2 MiB (size/8 under 16 MiB)" if page_bytes == PAGE_BYTES else f"{page_bytes} B"
-    print(f"UCX_TLS={tls}; pages of {pages}, segments of <=16 MiB")
+    where = "CUDA device memory" if cuda else "host memory"
+    print(f"UCX_TLS={tls}; pages of {pages} in {where}, segments of <=16 MiB")
     if perftest:
         for label, size in (("2mib", PAGE_BYTES), ("64mib", 64 * MIB)):
             ceiling = perftest_gbps(size, 512 * MIB)
@@ -321,17 +421,28 @@ def main() -> None:
     parser.add_argument(
         "--ucx-host", default="127.0.0.1", help="receiver: the address UCX listens on and announces"
     )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the pages live in both processes (cuda: against a device-to-device copy)",
+    )
     args = parser.parse_args()
+    if args.device == "cuda":
+        why = require_cuda()
+        if why is not None:
+            parser.error(f"--device cuda needs a CUDA device: {why}")
     sizes_mb = [int(s) for s in args.sizes.split(",")]
     layouts = [name for name in args.layouts.split(",") if name]
     if set(layouts) - {"scattered", "contiguous"}:
         parser.error("--layouts takes scattered and/or contiguous")
     page_bytes = args.page_kib * 1024
     if args.role == "receiver":
-        asyncio.run(run_receiver(sizes_mb, page_bytes, layouts, args.ucx_host))
+        asyncio.run(run_receiver(sizes_mb, page_bytes, layouts, args.ucx_host, args.device))
         return
+    perftest = not args.no_perftest and args.device == "cpu"
     results = asyncio.run(
-        run_sender(sizes_mb, args.repeat, page_bytes, layouts, not args.no_perftest, args.peer)
+        run_sender(sizes_mb, args.repeat, page_bytes, layouts, perftest, args.peer, args.device)
     )
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
