@@ -5,6 +5,12 @@ Starts the cluster with `yb up` (or uses `--url` of a running one), sends the gr
 and reports TTFT and decode tokens/s for the first (cold) request and the median of
 the rest (warm).
 
+When it starts the cluster itself it also reports what `yb up` costs in memory: the
+peak resident memory (VmHWM) of every process of the cluster, the launcher included,
+read just before it stops (`peak_rss_mb_<process>`, and `peak_rss_mb_total`, their
+sum), and the KV pages each engine sized for itself (`kv_pages_<instance>`, from its
+`kv_cache_sized` log line).
+
     python benchmarks/e2e_chat.py --json out.json [--url http://127.0.0.1:8000]
 """
 
@@ -62,6 +68,36 @@ def one_request(
     return first - started, rate, tokens, text
 
 
+def peak_rss_mb(pid: int) -> float:
+    """A process's peak resident memory (VmHWM), MB; 0 when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def cluster_memory(cluster: LocalCluster) -> dict[str, float]:
+    """`peak_rss_mb_*` of every process of a running `yb up` and their sum, and
+    `kv_pages_*` of every engine."""
+    pids = dict(cluster.pids)
+    if cluster.process is not None:
+        pids["yb-up"] = cluster.process.pid
+    figures: dict[str, float] = {}
+    for name, pid in sorted(pids.items()):
+        figures[f"peak_rss_mb_{name.replace('-', '_')}"] = round(peak_rss_mb(pid), 1)
+    figures["peak_rss_mb_total"] = round(sum(figures.values()), 1)
+    for name in sorted(pids):
+        if not name.startswith(("prefill", "decode")):
+            continue
+        for line in cluster.instance_log(name).splitlines():
+            if '"kv_cache_sized"' in line:
+                figures[f"kv_pages_{name.replace('-', '_')}"] = json.loads(line)["pages"]
+    return figures
+
+
 def main() -> int:
     """Run the benchmark and print/write its figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -93,8 +129,11 @@ def main() -> int:
         url = cluster.url
         api_key = cluster.api_key
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    memory: dict[str, float] = {}
     try:
         results = [one_request(url, args.model, args.max_tokens, headers) for _ in range(args.runs)]
+        if cluster is not None:
+            memory = cluster_memory(cluster)
     finally:
         if cluster is not None:
             cluster.stop()
@@ -105,6 +144,7 @@ def main() -> int:
         "decode_tokens_per_s_median": round(statistics.median(r[1] for r in warm), 2),
         "completion_tokens": cold[2],
         "answer_names_paris": all("Paris" in r[3] for r in results),
+        **memory,
     }
     print(f"{'run':>4} {'ttft_s':>8} {'decode_tok/s':>13} {'tokens':>7}  text")
     for i, (ttft, rate, tokens, text) in enumerate(results):

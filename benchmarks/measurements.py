@@ -199,6 +199,13 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         ("decode_tokens_per_s_median", "median decode tokens/s of the later requests"),
         ("completion_tokens", "tokens the first request produced"),
         ("answer_names_paris", 'whether every answer contained "Paris"'),
+        (
+            "peak_rss_mb_total",
+            "`yb up`'s peak resident memory, MB: the sum of every process's own peak "
+            "(VmHWM), the launcher's included",
+        ),
+        (r"peak_rss_mb_(\w+)", "peak resident memory of {0}, MB"),
+        (r"kv_pages_(\w+)", "KV pages {0} sized for itself (its `kv_cache_sized` log line)"),
     ],
     "e2e_reuse": [
         ("ttft_recompute_s", "median seconds to the first token, every token computed"),
