@@ -685,9 +685,15 @@ def probe_backend(
     kv = rand(3, 2, block_size, kv_heads, head_dim)
     ref_kv = kv.clone()
     start, end = block_size - 2, block_size + 3
-    q, k, v = (rand(end - start, h, head_dim) for h in (heads, kv_heads, kv_heads))
+
+    def fused(rows: int) -> tuple[torch.Tensor, ...]:
+        # Views into one projection output, strided like the runner's q/k/v.
+        qkv = rand(rows, heads + 2 * kv_heads, head_dim)
+        return tuple(qkv.split([heads, kv_heads, kv_heads], dim=1))
+
+    q, k, v = fused(end - start)
     tables, positions = [[2, 0], [1]], [end, 3]
-    qd, kd, vd = (rand(2, h, head_dim) for h in (heads, kv_heads, kv_heads))
+    qd, kd, vd = fused(2)
     try:
         out = backend.prefill(kv, q, k, v, backend.plan_prefill([2, 0], start, end, block_size))
         ref = sdpa.prefill(ref_kv, q, k, v, sdpa.plan_prefill([2, 0], start, end, block_size))
