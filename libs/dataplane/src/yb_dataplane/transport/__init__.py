@@ -6,8 +6,9 @@ bytes may arrive for a request it *reserves* destination buffers (`reserve`); a
 sender (prefill, kvstore) then streams *segments*
 (subsets of the reservation's indices, e.g. one layer at a time) with `KVSender.send`
 and finally `commit`s. Bytes move once, from the sender's memory into the reserved
-buffer (UCX rendezvous into a receive posted at the destination); each buffer's xxh3-64
-checksum travels in the segment header and is verified on arrival.
+buffer (UCX rendezvous into a receive posted at the destination), host or device memory; each
+host buffer's xxh3-64 checksum travels in the segment header and is verified on arrival
+(device memory is not hashed: see README.md, Device memory).
 
 The receiver accepts bytes only for a request it reserved, only into indices not yet
 written, of exactly the reserved size; everything else is refused with a typed reason
