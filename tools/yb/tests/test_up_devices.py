@@ -94,3 +94,32 @@ def test_no_engines_no_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     c, said = cluster({"YB_MODEL__DEVICE": "cpu"}, Topology(prefill=0, decode=0))
     c._share_kv_memory()
     assert c.cfg.decode.kv_memory_bytes == 0 and not said
+
+
+def test_status_warns_when_instances_disagree_on_the_block_size() -> None:
+    from yb_core import events as ev
+    from yb_tools.cli.status import InstanceRow, render
+
+    def row(name: str, role: str, block_size: int, down: str = "") -> InstanceRow:
+        up = ev.InstanceUp(
+            instance_id=name,
+            role=role,
+            host="h",
+            block_size=block_size,
+            attention_backend="flash-attn-cute" if block_size == 256 else "torch-sdpa",
+        )
+        return InstanceRow(up=up, down=down, last_seen=0.0)
+
+    agreeing = {
+        "prefill-0": row("prefill-0", "prefill", 256),
+        "decode-0": row("decode-0", "decode", 256),
+        "gateway-0": row("gateway-0", "gateway", 0),
+        "old": row("old", "decode", 64, down="stopped"),
+    }
+    text = render(agreeing, 15.0, 0.0)
+    assert "WARNING" not in text
+    assert "flash-attn-cute " in text  # the widest backend name fits its column
+    disagreeing = {**agreeing, "kvstore-0": row("kvstore-0", "kvstore", 64)}
+    warning = render(disagreeing, 15.0, 0.0).splitlines()[-1]
+    assert warning.startswith("WARNING: instances disagree on model.block_size")
+    assert "64: kvstore-0; 256: decode-0, prefill-0" in warning

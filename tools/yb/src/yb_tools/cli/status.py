@@ -65,7 +65,7 @@ def render(rows: dict[str, InstanceRow], heartbeat_timeout_s: float, now: float)
     """The status table as text."""
     header = (
         f"{'INSTANCE':<14} {'ROLE':<10} {'HOST':<8} {'STATE':<8} {'QUEUE':>5} {'RUN':>4} "
-        f"{'KV USED':>13} {'DRAM':>6} {'SSD':>6} {'ATTENTION':<11} {'SEEN':>6}"
+        f"{'KV USED':>13} {'DRAM':>6} {'SSD':>6} {'ATTENTION':<15} {'SEEN':>6}"
     )
     lines = [header]
     order = {"gateway": 0, "conductor": 1, "prefill": 2, "decode": 3, "kvstore": 4}
@@ -84,11 +84,29 @@ def render(rows: dict[str, InstanceRow], heartbeat_timeout_s: float, now: float)
             f"{up.instance_id:<14} {up.role:<10} {up.host:<8} {state:<8} "
             f"{rep.queued_requests if rep else 0:>5} {rep.running_requests if rep else 0:>4} "
             f"{kv:>13} {rep.dram_blocks if rep else 0:>6} {rep.ssd_blocks if rep else 0:>6} "
-            f"{up.attention_backend or '-':<11} {_age(age):>6}"
+            f"{up.attention_backend or '-':<15} {_age(age):>6}"
         )
     if len(lines) == 1:
         lines.append("(no instances in the log)")
+    lines.extend(block_size_warnings(rows))
     return "\n".join(lines)
+
+
+def block_size_warnings(rows: dict[str, InstanceRow]) -> list[str]:
+    """A warning when the live instances announce different block sizes: prefix
+    hashes, the index and every page must use one (`ModelConfig.block_size`), and a
+    process that resolved its own on another machine breaks reuse silently."""
+    sizes: dict[int, list[str]] = {}
+    for row in rows.values():
+        if not row.down and row.up.block_size:
+            sizes.setdefault(row.up.block_size, []).append(row.up.instance_id)
+    if len(sizes) < 2:
+        return []
+    parts = "; ".join(f"{size}: {', '.join(sorted(ids))}" for size, ids in sorted(sizes.items()))
+    return [
+        f"WARNING: instances disagree on model.block_size ({parts}); every process of a "
+        "cluster must use one (set YB_MODEL__BLOCK_SIZE everywhere)"
+    ]
 
 
 def _age(seconds: float) -> str:
