@@ -123,3 +123,21 @@ def test_cuda_batched_greedy_equals_alone(smol: LoadedModel) -> None:
     together = generate(list(range(len(questions))))
     for i in range(len(questions)):
         assert together[str(i)] == generate([i])[str(i)], questions[i]
+
+
+def test_cuda_forward_launches_without_waiting_on_the_device(smol: LoadedModel) -> None:
+    # Plans go to the device once per step without a host sync, and no layer waits:
+    # torch raises on any synchronising call inside a warm prefill or decode step.
+    cache = PagedKVCache(smol.config, 4, BLOCK, dtype=torch.bfloat16, device="cuda")
+    runner = ModelRunner(smol, cache)
+    ids = chat(smol, "Say hello.")
+    runner.prefill(ids, [0])
+    runner.decode([DecodeSeq([0], len(ids), ids[-1])])  # warm: allocations, kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        runner.prefill(ids, [1])
+        out = runner.decode([DecodeSeq([1], len(ids), ids[-1])])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape == (1, smol.config.vocab)
