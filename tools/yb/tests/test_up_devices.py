@@ -123,3 +123,15 @@ def test_status_warns_when_instances_disagree_on_the_block_size() -> None:
     warning = render(disagreeing, 15.0, 0.0).splitlines()[-1]
     assert warning.startswith("WARNING: instances disagree on model.block_size")
     assert "64: kvstore-0; 256: decode-0, prefill-0" in warning
+
+
+def test_yb_up_refuses_cuda_on_a_machine_without_a_gpu(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from yb_tools.cli import main
+
+    monkeypatch.setattr(config_module, "nvidia_gpu_visible", lambda: False)
+    code = main(["up", "--device", "cuda", "--data-dir", str(tmp_path)])
+    assert code == 2
+    assert "model.device is 'cuda' but this machine shows no NVIDIA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "cluster.json").exists()

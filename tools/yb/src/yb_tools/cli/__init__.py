@@ -175,6 +175,13 @@ def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    from yb_engine.models import DeviceUnavailable
+
+    try:
+        cluster.check_device()
+    except DeviceUnavailable as exc:
+        print(f"yb up: {exc}", file=sys.stderr)
+        return 2
     code = 0
     try:
         say(f"data directory: {cluster.data_dir}")

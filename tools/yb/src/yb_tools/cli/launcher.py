@@ -164,6 +164,20 @@ class Cluster:
         """The service processes in start order: `placement`, else the topology's."""
         return list(self.placement) or self.topology.processes()
 
+    def check_device(self) -> None:
+        """Refuse `model.device` = cuda[:N] on a machine that shows no NVIDIA GPU before
+        anything starts (asked without torch; an engine checks again with torch, which
+        also catches a CPU-only torch). Raises `DeviceUnavailable`."""
+        from yb_core.config import nvidia_gpu_visible
+        from yb_engine.models import DeviceUnavailable
+
+        device = self.cfg.model.device
+        if device.startswith("cuda") and not nvidia_gpu_visible():
+            raise DeviceUnavailable(
+                f"model.device is {device!r} but this machine shows no NVIDIA GPU (no "
+                "/dev/nvidiaN, or CUDA_VISIBLE_DEVICES hides them); use --device cpu or auto"
+            )
+
     def prepare_model(self) -> None:
         """Convert and cache the model before any engine starts (they would wait)."""
         from yb_engine.prepare import prepare_model

@@ -11,6 +11,7 @@ under two minutes; without it the grid is larger and the fit tighter.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,16 +41,21 @@ def add_parser(sub: Any) -> None:
 def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     """`yb profile`."""
     from yb_conductor.cost_model import DEFAULT, save_cost_model
+    from yb_engine.models import DeviceUnavailable
     from yb_tools.profiling import profile_engine
 
     started = time.monotonic()
-    model = profile_engine(
-        cfg,
-        quick=args.quick,
-        threads=args.threads,
-        network_gbps=args.network_gbps or DEFAULT.transfer.dram_remote_gbps,
-        progress=lambda m: print(f"[yb profile] {m}", flush=True),
-    )
+    try:
+        model = profile_engine(
+            cfg,
+            quick=args.quick,
+            threads=args.threads,
+            network_gbps=args.network_gbps or DEFAULT.transfer.dram_remote_gbps,
+            progress=lambda m: print(f"[yb profile] {m}", flush=True),
+        )
+    except DeviceUnavailable as exc:
+        print(f"yb profile: {exc}", file=sys.stderr)
+        return 2
     out = Path(args.out) if args.out else cfg.resolved_data_dir() / "cost_model.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     save_cost_model(model, out)
