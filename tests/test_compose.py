@@ -764,12 +764,18 @@ def test_gpu_variant_builds_cuda_torch_and_flash_attn() -> None:
         # CUDA 12 torch, as the UCX wheels (ucxx-cu12); a local CPU wheel is not offered.
         assert re.search(r"/whl/cu12\d$", index.split(":-")[-1].rstrip("}")), index
         assert "wheels" not in args["TORCH_FIND_LINKS"].replace("no-wheels", "")
-        assert "flash-attn" in args["ENGINE_EXTRAS"]
+        assert "flash-attn" in args["EXTRA_PACKAGES"]
     torch_stage = next(s for s in stages if s.name == "torch")
     run = " ".join(rest for keyword, rest in torch_stage.instructions if keyword == "RUN")
     assert "mkdir -p /tmp/no-wheels" in run and "--find-links ${TORCH_FIND_LINKS}" in run
+    # The kvstores get a CUDA runtime to pin their DRAM tier, and a GPU to pin it for.
+    kvstores = [n for n in BUILT if _build_service(SERVICES[n]) == "kvstore"]
+    for name in kvstores:
+        service = _gpu_service(name)
+        assert "cuda-runtime" in service["build"]["args"]["EXTRA_PACKAGES"]
+        assert service["deploy"]["resources"]["reservations"]["devices"], name
     # GPU images are tagged apart, so a CPU image is never taken for one.
-    images = {_gpu_service(name)["image"] for name in [*ENGINES, "model-init"]}
+    images = {_gpu_service(name)["image"] for name in [*ENGINES, *kvstores, "model-init"]}
     assert all(image.endswith("-gpu") for image in images), images
 
 
