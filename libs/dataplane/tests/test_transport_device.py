@@ -216,7 +216,6 @@ async def test_device_sender_to_a_host_receiver_and_back(
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_cuda_tensor_pages_move_with_nothing_staged(
     receiver: tuple[KVReceiver, CollectorRegistry], sender: KVSender
 ) -> None:

@@ -268,7 +268,7 @@ def test_metrics_name_the_attention_path(tmp_path: Path) -> None:
     try:
         registry = CollectorRegistry()
         gauges = EngineGauges(registry)
-        gauges.follow(host.allocator, host.cache.num_pages, host)
+        gauges.follow(host)
         labels = {"backend": host.attention_backend, "device": "cpu", "dtype": "float32"}
         assert registry.get_sample_value("yb_engine_attention_backend", labels) == 1.0
         assert registry.get_sample_value("yb_engine_kv_pages_total") == 16

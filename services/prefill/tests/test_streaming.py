@@ -178,7 +178,6 @@ async def test_cpu_records_no_event_and_cuda_does_by_default() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_cuda_layer_event_follows_the_launched_kernels() -> None:
     a = torch.randn(2048, 2048, device="cuda")
     for _ in range(8):

@@ -14,7 +14,6 @@ from yb_engine.attention import (
     AttentionBackend,
     FlashAttnBackend,
     TorchSDPABackend,
-    attention_backend_name,
     select_backend,
 )
 from yb_engine.batcher import DecodeBatcher, FinishReason, TokenOutput
@@ -49,7 +48,6 @@ __all__ = [
     "TokenOutput",
     "TorchSDPABackend",
     "UnsupportedModelError",
-    "attention_backend_name",
     "ensure_default_model",
     "find_smollm2_gguf",
     "is_greedy",

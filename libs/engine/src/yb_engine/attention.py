@@ -784,19 +784,3 @@ def select_backend(
     if dev.type == "cuda":
         log.warning("attention_fallback", backend=sdpa.name, reason=reason, device=str(dev))
     return sdpa
-
-
-def attention_backend_name(
-    device: str | torch.device = "cpu",
-    block_size: int | None = None,
-    dtype: torch.dtype | None = None,
-) -> str:
-    """The backend `select_backend` would pick for these settings, without probing.
-
-    Superseded by `ModelRunner.attention_backend`, the backend that actually runs; kept
-    until nothing calls it. Without `dtype` it answers for half precision.
-    """
-    backend, _ = _select_flash(
-        torch.device(device), block_size, dtype or torch.bfloat16, None, None, probe=False
-    )
-    return backend.name if backend is not None else TorchSDPABackend.name

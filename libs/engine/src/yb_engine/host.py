@@ -55,23 +55,17 @@ class EngineGauges:
             registry=registry,
         )
 
-    def follow(
-        self, allocator: PageAllocator, num_pages: int, engine: EngineHost | None = None
-    ) -> None:
-        """Read the KV gauges from the allocator itself at every scrape, and (given the
-        `engine`) say which attention path it runs.
+    def follow(self, engine: EngineHost) -> None:
+        """Read the KV gauges from `engine`'s allocator itself at every scrape, and
+        export its attention backend, device and dtype as a labelled 1.
 
         Pages are the resource a fault must not leak, so what `/metrics` says about
         them is the allocator's own count, never a copy that some path forgot to
         update.
         """
-        self.kv_total.set(num_pages)
+        allocator = engine.allocator
+        self.kv_total.set(engine.cache.num_pages)
         self.kv_used.set_function(lambda: allocator.num_used)
-        if engine is not None:
-            self.follow_attention(engine)
-
-    def follow_attention(self, engine: EngineHost) -> None:
-        """Export `engine`'s attention backend, device and dtype as a labelled 1."""
         self.attention.labels(
             backend=engine.attention_backend,
             device=str(engine.cache.device),

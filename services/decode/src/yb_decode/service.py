@@ -172,7 +172,7 @@ class DecodeWorker(Worker):
         self.engine = engine
         self.batcher = batcher
         self.gauges = gauges
-        self.gauges.follow(engine.allocator, engine.cache.num_pages)
+        self.gauges.follow(engine)
         self.metrics = metrics
         self._pending: dict[str, Pending] = {}
         self._streams: dict[str, Stream] = {}

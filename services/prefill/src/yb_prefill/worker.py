@@ -137,12 +137,12 @@ class PrefillWorker(Worker):
         self.engine = engine
         self.decode = DecodeLink(context.bus)
         self.gauges = gauges
-        self.gauges.follow(engine.allocator, engine.cache.num_pages)
+        self.gauges.follow(engine)
         self.metrics = metrics
         self.block_log = BlockLog(self.instance_id)
         self.cache = PrefixCache(
             engine.allocator,
-            min(self.pcfg.prefix_cache_pages, engine.cache.num_pages),
+            engine.prefix_cache_pages,
             self.block_log,
             self._emit_block_event,
         )

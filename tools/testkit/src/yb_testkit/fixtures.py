@@ -13,6 +13,7 @@ token, the NATS `admin` user), as a client on this machine would read them.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -37,31 +38,44 @@ from yb_core.telemetry import configure_logging
 from yb_tools.natsserver import NatsServer, cluster_nodes
 
 
+def _cuda_asked(config: pytest.Config) -> bool:
+    """The run selects the CUDA suite (`-m cuda`)."""
+    expr = config.option.markexpr or ""
+    return "cuda" in expr and "not cuda" not in expr
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Tests log warnings and worse, as console lines (pytest shows them on failure)."""
+    """Tests log warnings and worse, as console lines (pytest shows them on failure).
+
+    A run that does not ask for the CUDA suite hides every GPU from itself and from the
+    processes it starts (`CUDA_VISIBLE_DEVICES=""`): the CPU suite then tests the same
+    CPU configuration on every machine (`device` auto, 64-token blocks, fp32), GPU or
+    not, and the CUDA suite (`-m cuda`) is where the GPU path runs.
+    """
     configure_logging("test", "test", TelemetryConfig(log_level="warning", log_json=False))
+    if not _cuda_asked(config):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `cuda` skip on a machine without CUDA, saying so, unless the run
-    asked for them (`-m cuda`): then a missing GPU is an error, so a GPU run can never
-    pass without the GPU path having run."""
+    """Tests marked `cuda` run only when the run asks for them (`-m cuda`), and then a
+    missing GPU is an error, so a GPU run never passes without the GPU path running.
+    Elsewhere they skip and say why."""
     cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
     if not cuda_items:
         return
+    if not _cuda_asked(config):
+        skip = pytest.mark.skip(reason="the CUDA suite runs with -m cuda (GPUs are hidden here)")
+        for item in cuda_items:
+            item.add_marker(skip)
+        return
     import torch
 
-    if torch.cuda.is_available():
-        return
-    asked = "cuda" in (config.option.markexpr or "") and "not cuda" not in config.option.markexpr
-    if asked:
+    if not torch.cuda.is_available():
         raise pytest.UsageError(
             f"-m cuda selects {len(cuda_items)} GPU tests, but torch sees no CUDA device "
             f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})"
         )
-    skip = pytest.mark.skip(reason="needs CUDA (torch sees no CUDA device); run with -m cuda")
-    for item in cuda_items:
-        item.add_marker(skip)
 
 
 @pytest.fixture
