@@ -106,6 +106,18 @@ def client_for(
     )
 
 
+def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
+    """The `error` object of an OpenAI error answer, after checking its shape."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}
+    error: dict[str, Any] = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
 # --- the rest of the cluster, played over the bus -------------------------------------
 
 

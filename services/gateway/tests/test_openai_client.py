@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import openai
 import pytest
 from gateway_testkit import API_KEY, MODEL, WORDS, Cluster
@@ -86,3 +88,52 @@ async def test_openai_client_sees_errors(oai: openai.AsyncOpenAI, cluster: Clust
     with pytest.raises(openai.APIError, match="decode OOM"):
         async for _chunk in stream:
             pass
+
+
+async def test_openai_client_gets_refusals_naming_the_field(
+    oai: openai.AsyncOpenAI, cluster: Cluster
+) -> None:
+    messages: list[Any] = [{"role": "user", "content": "hello"}]
+    tool: Any = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    refusals: list[tuple[dict[str, Any], str, str]] = [
+        ({"tools": [tool]}, "tools", "unsupported_parameter"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+        ({"logprobs": True, "top_logprobs": 2}, "logprobs", "unsupported_parameter"),
+        ({"n": 3}, "n", "unsupported_parameter"),
+        ({"extra_body": {"min_tokens": 4}}, "min_tokens", "unknown_parameter"),
+    ]
+    for kwargs, param, code in refusals:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await oai.chat.completions.create(
+                    model=MODEL, messages=messages, stream=stream, **kwargs
+                )
+            assert (refused.value.param, refused.value.code) == (param, code), kwargs
+    with pytest.raises(openai.BadRequestError) as refused:
+        await oai.completions.create(model=MODEL, prompt="Once", echo=True)
+    assert (refused.value.param, refused.value.code) == ("echo", "unsupported_parameter")
+    assert cluster.conductor.admitted == []
+
+
+async def test_openai_client_neutral_values_and_round_trip(
+    oai: openai.AsyncOpenAI, cluster: Cluster
+) -> None:
+    # What frameworks pass as defaults is served, and an answer goes back as history.
+    messages: list[Any] = [{"role": "user", "content": "hello"}]
+    first = await oai.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        n=1,
+        presence_penalty=0,
+        frequency_penalty=0,
+        logprobs=False,
+        response_format={"type": "text"},
+        max_completion_tokens=8,
+    )
+    messages += [first.choices[0].message, {"role": "user", "content": "more"}]
+    second = await oai.chat.completions.create(model=MODEL, messages=messages)
+    assert second.choices[0].message.content == "".join(WORDS)
+    completion = await oai.completions.create(
+        model=MODEL, prompt="Once", n=1, best_of=1, echo=False, presence_penalty=0
+    )
+    assert completion.choices[0].text == "".join(WORDS)

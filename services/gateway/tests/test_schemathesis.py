@@ -23,15 +23,17 @@ from gateway_testkit import API_KEY, Cluster, client_for
 
 from yb_gateway.service import GatewayService
 
-# The checks this test stands for (see the module docstring). `negative_data_rejection`
-# and `positive_data_acceptance` are left out: the API is deliberately lenient where
-# OpenAI's is (unknown fields are ignored), and semantic limits (`max_tokens` against
-# the context length) refuse requests that are valid by the schema alone.
+# The checks this test stands for (see the module docstring), and
+# `negative_data_rejection`: a body the schema does not allow (an unknown field among
+# them, as the request schemas forbid additional properties) is refused.
+# `positive_data_acceptance` is left out: semantic limits (`max_tokens` against the
+# context length) refuse requests that are valid by the schema alone.
 CHECKS = (
     "not_a_server_error",
     "status_code_conformance",
     "content_type_conformance",
     "response_schema_conformance",
+    "negative_data_rejection",
 )
 
 

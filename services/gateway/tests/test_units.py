@@ -37,10 +37,64 @@ def test_decode_body_reports_the_field_path() -> None:
         decode_body(b'{"model": ', CompletionRequest)
     assert info.value.code == "invalid_json"
     request = decode_body(
-        b'{"model": "m", "prompt": [1, 2], "frequency_penalty": 0.5, "stop": "x"}',
+        b'{"model": "m", "prompt": [1, 2], "frequency_penalty": 0, "stop": "x"}',
         CompletionRequest,
     )
-    assert request.prompt == [1, 2] and request.stop == "x"  # unknown fields are ignored
+    assert request.prompt == [1, 2] and request.stop == "x"  # a neutral value passes
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "code"),
+    [
+        (b'{"model": "m", "prompt": "x", "foo": 1}', "foo", "unknown_parameter"),
+        (
+            b'{"model": "m", "prompt": "x", "frequency_penalty": 0.5}',
+            "frequency_penalty",
+            "unsupported_parameter",
+        ),
+        (
+            b'{"model": "m", "prompt": "x", "stream_options": {"x": 1}}',
+            "stream_options.x",
+            "unknown_parameter",
+        ),
+        # A name is one step of the path whatever it holds.
+        (
+            b'{"model": "m", "prompt": "x", "stream_options.include_obfuscation": true}',
+            "stream_options.include_obfuscation",
+            "unknown_parameter",
+        ),
+    ],
+)
+def test_decode_body_names_unknown_and_unsupported_fields(
+    raw: bytes, param: str, code: str
+) -> None:
+    with pytest.raises(ApiError) as info:
+        decode_body(raw, CompletionRequest)
+    assert (info.value.status, info.value.param, info.value.code) == (400, param, code)
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        # Anything under a refused field is that field's refusal, with the indices of
+        # the messages it lies in.
+        (b'{"response_format": {"type": "text", "json_schema": {}}}', "response_format"),
+        (b'{"response_format": {"type": "json_object"}}', "response_format"),
+        (b'{"tools": [{"type": "function"}]}', "tools"),
+        (
+            b'{"messages": [{"role": "user", "tool_calls": [{"id": "c"}]}]}',
+            "messages[0].tool_calls",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": [{"type": "text", "file": {"a": 1}}]}]}',
+            "messages[0].content[0].file",
+        ),
+    ],
+)
+def test_refused_field_is_named_as_sent(raw: bytes, param: str) -> None:
+    with pytest.raises(ApiError) as info:
+        decode_body(raw[:-1] + b', "model": "m", "messages": []}', ChatCompletionRequest)
+    assert (info.value.param, info.value.code) == (param, "unsupported_parameter")
 
 
 def test_tracker_folds_instance_events() -> None:

@@ -52,6 +52,7 @@ from yb_gateway.errors import (
 )
 from yb_gateway.prompt import PromptEncoder
 from yb_gateway.schemas import (
+    REFUSED_FIELDS,
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -93,11 +94,12 @@ _SSE = OpenAPIMediaType(
 
 
 def decode_body(raw: bytes, kind: type[S]) -> S:
-    """Strictly decode a JSON body into `kind`; 400 in OpenAI's format otherwise."""
+    """Strictly decode a JSON body into `kind`; 400 in OpenAI's format otherwise,
+    naming the field that is unknown or not implemented (`REFUSED_FIELDS`)."""
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-        raise from_decode_error(exc) from exc
+        raise from_decode_error(exc, REFUSED_FIELDS.get(kind)) from exc
 
 
 def _inline_schema(kind: type[msgspec.Struct]) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 A request's steps, and why they are ordered so:
 
-1. Parse and check everything that needs no cluster (model, `n`, limits after
-   tokenizing), so a bad request costs no event in the log.
+1. Parse and check everything that needs no cluster (fields unknown or not
+   implemented, which the decoder refuses; the model; limits after tokenizing), so a
+   bad request costs no event in the log.
 2. `RequestSession.start()` — admission, decision, hand-off — runs before any byte of
    the response, so rejection and unavailability are real status codes even for
    `stream: true`. The client may hang up meanwhile: the wait races the connection.

@@ -9,6 +9,7 @@ registered in `exception_handlers`, so a client never sees litestar's default bo
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,7 +27,7 @@ from litestar.status_codes import (
 )
 
 from yb_core.telemetry import get_logger
-from yb_gateway.schemas import ErrorBody, ErrorDetail
+from yb_gateway.schemas import ErrorBody, ErrorDetail, Refused
 
 log = get_logger(__name__)
 
@@ -108,21 +109,64 @@ def rejected(reason: str, retry_after_s: float) -> ApiError:
     )
 
 
-def from_decode_error(exc: msgspec.DecodeError) -> ApiError:
+def from_decode_error(
+    exc: msgspec.DecodeError, refused: Mapping[str, Refused] | None = None
+) -> ApiError:
     """400 for a body that is not valid JSON or does not fit the request schema.
 
     msgspec ends its messages with `- at `$.field[0].x``; that path becomes `param`.
+    An unknown field (`code: unknown_parameter`) and a field of `refused` sent with a
+    value it does not accept (`code: unsupported_parameter`) get messages of their own,
+    with `param` the field's path.
     """
     message = str(exc)
-    param = None
-    head, sep, path = message.rpartition(" - at `$")
+    path = ""
+    head, sep, tail = message.rpartition(" - at `$")
     if sep:
-        param = path.rstrip("`").lstrip(".") or None
+        path = tail.rstrip("`").lstrip(".")
         message = head
-    if isinstance(exc, msgspec.ValidationError):
-        where = f" (at `{param}`)" if param else ""
-        return invalid_request(f"Invalid request body: {message}{where}", param=param)
-    return invalid_request(f"Request body is not valid JSON: {message}", code="invalid_json")
+    if not isinstance(exc, msgspec.ValidationError):
+        return invalid_request(f"Request body is not valid JSON: {message}", code="invalid_json")
+    # The path's steps are struct fields and list indices (the only places msgspec
+    # descends into here), so splitting on dots is exact; an unknown name is one step
+    # whatever it holds.
+    steps = path.split(".") if path else []
+    unknown = _UNKNOWN_FIELD.fullmatch(message)
+    if unknown is not None:
+        steps.append(unknown["name"])
+    if refused and (found := _refused_field(steps, refused)) is not None:
+        field, rule = found
+        return invalid_request(
+            f"Unsupported parameter: `{field}` is defined by {rule.defined_by} but not "
+            f"implemented by this server; it accepts only {rule.accepts}.",
+            param=field,
+            code="unsupported_parameter",
+        )
+    param = ".".join(steps) or None
+    if unknown is not None:
+        return invalid_request(
+            f"Unknown parameter: `{param}` is neither an OpenAI parameter of this endpoint "
+            "nor an extension of this server.",
+            param=param,
+            code="unknown_parameter",
+        )
+    where = f" (at `{param}`)" if param else ""
+    return invalid_request(f"Invalid request body: {message}{where}", param=param)
+
+
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(?P<name>.*)`")
+_INDEX = re.compile(r"(\[\d+\])+$")
+
+
+def _refused_field(steps: list[str], refused: Mapping[str, Refused]) -> tuple[str, Refused] | None:
+    """The refused field at or above `steps`, with its path as sent (indices of the
+    messages it lies in kept, its own value's dropped)."""
+    names = [_INDEX.sub("", step) for step in steps]
+    for key, rule in refused.items():
+        depth = key.count(".") + 1
+        if names[:depth] == key.split("."):
+            return ".".join([*steps[: depth - 1], names[depth - 1]]), rule
+    return None
 
 
 # --- litestar exception handlers ----------------------------------------------------

@@ -110,15 +110,10 @@ class PreparedRequest:
 
 
 def check_common(body: ChatCompletionRequest | CompletionRequest, served_model: str) -> None:
-    """Checks that need no tokenizer: the model and the number of choices."""
+    """Checks that need no tokenizer: the model. (The decoder has refused already
+    what is not implemented, `n` other than 1 among it.)"""
     if body.model != served_model:
         raise model_not_found(body.model, served_model)
-    if body.n != 1:
-        raise invalid_request(
-            f"Only n=1 is supported (got n={body.n}); send separate requests instead.",
-            param="n",
-            code="unsupported_value",
-        )
 
 
 async def prepare(

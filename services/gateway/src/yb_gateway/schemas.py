@@ -2,9 +2,14 @@
 
 Requests are decoded strictly (`msgspec.json.decode(..., strict=True)` by default), so
 `"max_tokens": "10"` is a 400 rather than a silent coercion, and the decoder's error
-names the offending field. Unknown fields are ignored: OpenAI clients send options
-this server does not implement (`frequency_penalty`, `logit_bias`...) and rejecting
-them would break those clients for no benefit.
+names the offending field. Nothing a client sends is silently ignored: a client that
+asks for JSON mode or tools and gets plain text would believe it got what it asked for.
+So every request struct forbids unknown fields, and each field that OpenAI (or vLLM,
+whose extensions load generators send) defines but this server does not implement is
+declared with a type that admits only its neutral values: what asks for nothing
+(`n: 1`, `presence_penalty: 0`, `tools: []`, null), which clients may send as defaults.
+`REFUSED_FIELDS` lists them per request type; `errors.from_decode_error` turns the
+decoder's error on one of them, or on an unknown field, into a 400 naming the field.
 
 Responses follow OpenAI's shapes field for field, including the `null`s clients look
 for (`finish_reason: null` on intermediate chunks), so the structs that carry such
@@ -13,7 +18,8 @@ fields do not omit defaults.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
@@ -21,34 +27,61 @@ import msgspec
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
+# Types of the fields this server does not implement (see `REFUSED_FIELDS`): each admits
+# only the values that ask for nothing.
+_Zero = Annotated[float, msgspec.Meta(ge=0.0, le=0.0)]
+_One = Annotated[float, msgspec.Meta(ge=1.0, le=1.0)]
+_EmptyList = Annotated[list[Any], msgspec.Meta(max_length=0)]
+_EmptyMap = Annotated[dict[str, Any], msgspec.Meta(max_length=0)]
 
-class ContentPart(msgspec.Struct, kw_only=True):
+
+class ContentPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One part of a multi-part message; only `text` parts can be served here."""
 
     type: str
     text: str = ""
+    # Refused: the other kinds of part, and cache hints.
+    image_url: None = None
+    input_audio: None = None
+    file: None = None
+    refusal: None = None
+    prompt_cache_breakpoint: None = None
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One message of a conversation."""
 
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # Refused: tool calls and their results, audio, refusals.
+    tool_calls: _EmptyList | None = None
+    tool_call_id: None = None
+    function_call: None = None
+    refusal: None = None
+    audio: None = None
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`stream_options`: whether the stream ends with a usage chunk."""
 
     include_usage: bool = False
+    # Refused: the stream's chunks carry no padding, and usage comes only at the end.
+    include_obfuscation: Literal[False] | None = None
+    continuous_usage_stats: Literal[False] | None = None  # vLLM's
 
 
-class _GenerationRequest(msgspec.Struct, kw_only=True):
+class TextResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`response_format: {"type": "text"}`, the only one served: unconstrained text."""
+
+    type: Literal["text"]
+
+
+class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by chat and text completions.
 
     Range checks live in the type (`Meta`), so the decoder reports them with the field's
-    path; `n` is checked by the endpoint because its message must say that only 1 is
-    supported, not merely that 2 is out of range.
+    path.
     """
 
     model: str
@@ -61,13 +94,18 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
     user: str | None = None
     # Extension: larger runs earlier when the conductor has to choose.
     priority: int = 0
     # Extension (vLLM's spelling): keep generating past end-of-sequence, up to
     # `max_tokens` (load generators need outputs of a known length).
     ignore_eos: bool = False
+    # Refused (see `REFUSED_FIELDS`).
+    n: Literal[1] | None = 1
+    presence_penalty: _Zero | None = None
+    frequency_penalty: _Zero | None = None
+    logit_bias: _EmptyMap | None = None
+    repetition_penalty: _One | None = None  # vLLM's
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
@@ -75,12 +113,110 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
 
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # Refused (see `REFUSED_FIELDS`).
+    logprobs: Literal[False] | None = None
+    top_logprobs: Literal[0] | None = None
+    response_format: TextResponseFormat | None = None
+    tools: _EmptyList | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: None = None
+    functions: _EmptyList | None = None
+    function_call: Literal["none"] | None = None
+    modalities: (
+        Annotated[list[Literal["text"]], msgspec.Meta(min_length=1, max_length=1)] | None
+    ) = None
+    audio: None = None
+    prediction: None = None
+    reasoning_effort: None = None
+    verbosity: None = None
+    web_search_options: None = None
+    service_tier: Literal["auto", "default"] | None = None
+    store: Literal[False] | None = None
+    metadata: _EmptyMap | None = None
+    moderation: None = None
+    prompt_cache_key: None = None
+    prompt_cache_options: None = None
+    prompt_cache_retention: None = None
+    safety_identifier: None = None
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
     """`POST /v1/completions`: a text prompt or a list of token ids."""
 
     prompt: str | list[int]
+    # Refused (see `REFUSED_FIELDS`).
+    logprobs: None = None
+    echo: Literal[False] | None = None
+    best_of: Literal[1] | None = None
+    suffix: None = None
+
+
+class Refused(NamedTuple):
+    """A request field this server does not implement, and what of it is accepted."""
+
+    accepts: str
+    """The neutral values that pass, as the error message and the docs show them."""
+    defined_by: str = "OpenAI"
+
+
+_NULL = Refused("`null`")
+
+_REFUSED_COMMON: dict[str, Refused] = {
+    "n": Refused("`1` or `null`"),
+    "presence_penalty": Refused("`0` or `null`"),
+    "frequency_penalty": Refused("`0` or `null`"),
+    "logit_bias": Refused("`{}` or `null`"),
+    "repetition_penalty": Refused("`1` or `null`", "vLLM"),
+    "stream_options.include_obfuscation": Refused("`false` or `null`"),
+    "stream_options.continuous_usage_stats": Refused("`false` or `null`", "vLLM"),
+}
+
+# Keys are field paths without list indices (`messages.tool_calls` stands for
+# `messages[i].tool_calls`); a refused field's nested fields are refused with it.
+REFUSED_FIELDS: Mapping[type[msgspec.Struct], Mapping[str, Refused]] = {
+    ChatCompletionRequest: {
+        **_REFUSED_COMMON,
+        "logprobs": Refused("`false` or `null`"),
+        "top_logprobs": Refused("`0` or `null`"),
+        "response_format": Refused('`{"type": "text"}` or `null`'),
+        "tools": Refused("`[]` or `null`"),
+        "tool_choice": Refused('`"none"` or `null`'),
+        "parallel_tool_calls": _NULL,
+        "functions": Refused("`[]` or `null`"),
+        "function_call": Refused('`"none"` or `null`'),
+        "modalities": Refused('`["text"]` or `null`'),
+        "audio": _NULL,
+        "prediction": _NULL,
+        "reasoning_effort": _NULL,
+        "verbosity": _NULL,
+        "web_search_options": _NULL,
+        "service_tier": Refused('`"auto"`, `"default"` or `null`'),
+        "store": Refused("`false` or `null`"),
+        "metadata": Refused("`{}` or `null`"),
+        "moderation": _NULL,
+        "prompt_cache_key": _NULL,
+        "prompt_cache_options": _NULL,
+        "prompt_cache_retention": _NULL,
+        "safety_identifier": _NULL,
+        "messages.tool_calls": Refused("`[]` or `null`"),
+        "messages.tool_call_id": _NULL,
+        "messages.function_call": _NULL,
+        "messages.refusal": _NULL,
+        "messages.audio": _NULL,
+        "messages.content.image_url": _NULL,
+        "messages.content.input_audio": _NULL,
+        "messages.content.file": _NULL,
+        "messages.content.refusal": _NULL,
+        "messages.content.prompt_cache_breakpoint": _NULL,
+    },
+    CompletionRequest: {
+        **_REFUSED_COMMON,
+        "logprobs": _NULL,
+        "echo": Refused("`false` or `null`"),
+        "best_of": Refused("`1` or `null`"),
+        "suffix": _NULL,
+    },
+}
 
 
 # --- responses ----------------------------------------------------------------------
