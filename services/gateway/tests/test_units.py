@@ -201,3 +201,16 @@ async def test_the_app_answers_from_its_view_of_the_gateway() -> None:
         assert (card["id"], card["created"], card["vocab_size"]) == ("tiny", 1_700_000_000, 0)
         metrics = await client.get("/metrics", headers={"Authorization": "Bearer t"})
         assert "yb_test_seen_total 3.0" in metrics.text
+        # The document marks what is not implemented, nested fields too.
+        spec = (
+            await client.get("/schema/openapi.json", headers={"Authorization": "Bearer k"})
+        ).json()
+        chat = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]
+        body = chat["application/json"]["schema"]
+        assert body["additionalProperties"] is False
+        assert body["properties"]["tools"]["description"] == (
+            "Not implemented by this server: accepts only `[]` or `null`."
+        )
+        message = body["properties"]["messages"]["items"]["properties"]
+        assert "accepts only `null`" in message["tool_call_id"]["description"]
+        assert "description" not in body["properties"]["temperature"]

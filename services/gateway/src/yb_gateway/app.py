@@ -14,6 +14,7 @@ route added later unless marked) an API key. The document declares the schemes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -123,7 +124,24 @@ def _inline_schema(kind: type[msgspec.Struct]) -> dict[str, Any]:
         return node
 
     resolved: dict[str, Any] = resolve(schema)
+    for key, rule in REFUSED_FIELDS.get(kind, {}).items():
+        for field in _fields_at(resolved, key.split(".")):
+            field["description"] = f"Not implemented by this server: accepts only {rule.accepts}."
     return resolved
+
+
+def _fields_at(node: Any, names: list[str]) -> Iterator[dict[str, Any]]:
+    """The schemas of the fields at the dotted path `names`, through arrays and unions."""
+    if not isinstance(node, dict):
+        return
+    if not names:
+        yield node
+        return
+    properties = node.get("properties", {})
+    if names[0] in properties:
+        yield from _fields_at(properties[names[0]], names[1:])
+    for inner in [node.get("items"), *node.get("anyOf", [])]:
+        yield from _fields_at(inner, names)
 
 
 def _operation_with_body(kind: type[msgspec.Struct], example: dict[str, Any]) -> type[Operation]:
