@@ -30,7 +30,6 @@ _ASKING_COMMON: dict[str, Any] = {
     "logit_bias": {"50256": -100},
     "repetition_penalty": 1.1,
     "stream_options.include_obfuscation": True,
-    "stream_options.continuous_usage_stats": True,
 }
 ASKING: dict[str, dict[str, Any]] = {
     CHAT: {
@@ -87,7 +86,6 @@ _NEUTRAL_COMMON: dict[str, Any] = {
     "logit_bias": {},
     "repetition_penalty": 1,
     "stream_options.include_obfuscation": False,
-    "stream_options.continuous_usage_stats": None,
 }
 NEUTRAL: dict[str, dict[str, Any]] = {
     CHAT: {

@@ -254,6 +254,7 @@ class CompletionsEndpoint:
         """The SSE body. Ends the exchange on every way out: completion, a broken
         stream, or the client leaving (litestar cancels the iteration)."""
         session, fmt = exchange.session, exchange.fmt
+        continuous = session.prepared.continuous_usage
         status, reason = CLIENT_CLOSED, "client disconnected"
         try:
             if (opening := fmt.opening()) is not None:
@@ -265,11 +266,11 @@ class CompletionsEndpoint:
                     # to its end as if delivered. It ends here, cancelled.
                     return
                 if chunk.text:
-                    yield fmt.delta(chunk.text)
+                    yield fmt.delta(chunk.text, session.usage() if continuous else None)
             # Generation is complete: a client leaving during the last frames is not
             # a cancelled request.
             status, reason = 200, ""
-            yield fmt.closing(session.finish_reason)
+            yield fmt.closing(session.finish_reason, session.usage() if continuous else None)
             if session.prepared.include_usage:
                 yield fmt.usage_frame(session.usage())
             yield SSE_DONE

@@ -102,6 +102,8 @@ class PreparedRequest:
     priority: int
     stream: bool
     include_usage: bool
+    # Every streamed chunk carries the usage so far (vLLM's continuous_usage_stats).
+    continuous_usage: bool = False
 
     @property
     def max_tokens(self) -> int:
@@ -170,13 +172,16 @@ async def prepare(
         stop=stop,
         ignore_eos=body.ignore_eos,
     )
-    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    options = body.stream_options
+    include_usage = bool(body.stream and options and options.include_usage)
     return PreparedRequest(
         token_ids=token_ids,
         sampling=sampling,
         priority=body.priority,
         stream=body.stream,
         include_usage=include_usage,
+        # As vLLM: per-chunk counts only where the final usage chunk is asked for too.
+        continuous_usage=bool(include_usage and options and options.continuous_usage_stats),
     )
 
 

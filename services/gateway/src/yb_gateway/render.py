@@ -55,11 +55,11 @@ class ResponseFormat(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def delta(self, text: str) -> bytes:
-        """A frame carrying new text."""
+    def delta(self, text: str, usage: Usage | None = None) -> bytes:
+        """A frame carrying new text (and the counts so far, when asked for)."""
 
     @abc.abstractmethod
-    def closing(self, finish_reason: str) -> bytes:
+    def closing(self, finish_reason: str, usage: Usage | None = None) -> bytes:
         """The frame that says why generation stopped."""
 
     @abc.abstractmethod
@@ -88,11 +88,12 @@ class ChatFormat(ResponseFormat):
     def opening(self) -> bytes:
         return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
 
-    def delta(self, text: str) -> bytes:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
+    def delta(self, text: str, usage: Usage | None = None) -> bytes:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))], usage)
 
-    def closing(self, finish_reason: str) -> bytes:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)])
+    def closing(self, finish_reason: str, usage: Usage | None = None) -> bytes:
+        choice = ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)
+        return self._chunk([choice], usage)
 
     def usage_frame(self, usage: Usage) -> bytes:
         return self._chunk([], usage)
@@ -125,11 +126,12 @@ class TextFormat(ResponseFormat):
             )
         )
 
-    def delta(self, text: str) -> bytes:
-        return self._completion([CompletionChoice(text=text)])
+    def delta(self, text: str, usage: Usage | None = None) -> bytes:
+        return self._completion([CompletionChoice(text=text)], usage)
 
-    def closing(self, finish_reason: str) -> bytes:
-        return self._completion([CompletionChoice(text="", finish_reason=finish_reason)])
+    def closing(self, finish_reason: str, usage: Usage | None = None) -> bytes:
+        choice = CompletionChoice(text="", finish_reason=finish_reason)
+        return self._completion([choice], usage)
 
     def usage_frame(self, usage: Usage) -> bytes:
         return self._completion([], usage)

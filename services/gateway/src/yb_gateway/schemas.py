@@ -63,12 +63,14 @@ class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """`stream_options`: whether the stream ends with a usage chunk."""
+    """`stream_options`: whether the stream ends with a usage chunk, and (vLLM's
+    `continuous_usage_stats`, with `include_usage`) whether every chunk carries the
+    counts so far, as load generators such as guidellm ask."""
 
     include_usage: bool = False
-    # Refused: the stream's chunks carry no padding, and usage comes only at the end.
+    continuous_usage_stats: bool | None = None
+    # Refused: the stream's chunks carry no padding.
     include_obfuscation: Literal[False] | None = None
-    continuous_usage_stats: Literal[False] | None = None  # vLLM's
 
 
 class TextResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -168,7 +170,6 @@ _REFUSED_COMMON: dict[str, Refused] = {
     "logit_bias": Refused("`{}` or `null`"),
     "repetition_penalty": Refused("`1` or `null`", "vLLM"),
     "stream_options.include_obfuscation": Refused("`false` or `null`"),
-    "stream_options.continuous_usage_stats": Refused("`false` or `null`", "vLLM"),
 }
 
 # Keys are field paths without list indices (`messages.tool_calls` stands for

@@ -234,8 +234,8 @@ class BenchClient:
             "temperature": temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
-            # vLLM's extension, so the output is as long as the workload says; a
-            # gateway that does not know it ignores it (unknown fields are allowed).
+            # vLLM's extension, so the output is as long as the workload says (Yuebing's
+            # gateway serves it; a server that does not know it answers 400).
             "ignore_eos": True,
         }
         try:
