@@ -334,15 +334,33 @@ class TorchSDPABackend:
         return out.reshape(b, heads, dim)
 
 
-class _FlashPlanner:
-    """Plans for the flash backends: int32 tables and lengths in one copy per step."""
+class _PagedFlashBackend:
+    """What the flash backends share: their kernel, read from `kernels` (the real
+    module, `_MODULE`, by default; tests pass a `yb_testkit.flash_standin` one), and
+    their plans: int32 tables and lengths, copied to the device once per step."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    name: str
+    cache_dtype_must_match = True
+    _MODULE: str
+    _FUNCTION: str
 
-    def prefill(
+    def __init__(
+        self,
+        device: str | torch.device = "cuda",
+        dtype: torch.dtype = torch.bfloat16,
+        kernels: Any = None,
+    ) -> None:
+        if kernels is None:
+            kernels = importlib.import_module(self._MODULE)
+        self._fn: Any = getattr(kernels, self._FUNCTION)
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+    def plan_prefill(
         self, block_table: Sequence[int], start: int, end: int, block_size: int
     ) -> PrefillPlan:
+        """int32 table `[1, pages]`; `cache_seqlens = [start]` (flash-attn 2),
+        `seqused_k = [end]` and `cu_seqlens_q` (flash-attn 4); the write rows."""
         n = _pages_needed(block_table, end, block_size, f"{end} tokens")
         ints = host_ints(
             [*block_table[:n], start, end, 0, end - start, 0, 1], torch.int32, self.device
@@ -363,9 +381,11 @@ class _FlashPlanner:
             cu_seqlens_q_last=ints[n + 4 : n + 6],
         )
 
-    def decode(
+    def plan_decode(
         self, block_tables: Sequence[Sequence[int]], positions: Sequence[int], block_size: int
     ) -> DecodePlan:
+        """int32 tables `[B, width]`; `cache_seqlens = positions` (flash-attn 2),
+        `seq_lens` and `cu_seqlens_q = 0..B` (flash-attn 4); the write rows."""
         flat, width = _padded_tables(block_tables, positions, block_size)
         b = len(positions)
         lens = [p + 1 for p in positions]
@@ -398,7 +418,7 @@ def _output(result: Any) -> torch.Tensor:
     return out
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(_PagedFlashBackend):
     """flash-attn 2 over the paged cache, in place.
 
     `flash_attn_with_kvcache` appends the new K/V at `cache_seqlens` through the block
@@ -419,32 +439,8 @@ class FlashAttnBackend:
     """
 
     name = "flash-attn"
-    cache_dtype_must_match = True
-
-    def __init__(
-        self,
-        device: str | torch.device = "cuda",
-        dtype: torch.dtype = torch.bfloat16,
-        kernels: Any = None,
-    ) -> None:
-        if kernels is None:
-            kernels = importlib.import_module("flash_attn")
-        self._fn: Any = kernels.flash_attn_with_kvcache
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self._plans = _FlashPlanner(self.device)
-
-    def plan_prefill(
-        self, block_table: Sequence[int], start: int, end: int, block_size: int
-    ) -> PrefillPlan:
-        """int32 table `[1, pages]`, `cache_seqlens = [start]`, and the write rows."""
-        return self._plans.prefill(block_table, start, end, block_size)
-
-    def plan_decode(
-        self, block_tables: Sequence[Sequence[int]], positions: Sequence[int], block_size: int
-    ) -> DecodePlan:
-        """int32 tables `[B, width]` and `cache_seqlens = positions`."""
-        return self._plans.decode(block_tables, positions, block_size)
+    _MODULE = "flash_attn"
+    _FUNCTION = "flash_attn_with_kvcache"
 
     def prefill(
         self,
@@ -492,7 +488,7 @@ class FlashAttnBackend:
         return _output(out)[:, 0]
 
 
-class FlashAttnCuteBackend:
+class FlashAttnCuteBackend(_PagedFlashBackend):
     """flash-attn 4 (`flash_attn.cute`, CuTe DSL) over the paged cache.
 
     It cannot append to the cache, so the chunk's K/V are written with `index_copy_`
@@ -510,32 +506,8 @@ class FlashAttnCuteBackend:
     """
 
     name = "flash-attn-cute"
-    cache_dtype_must_match = True
-
-    def __init__(
-        self,
-        device: str | torch.device = "cuda",
-        dtype: torch.dtype = torch.bfloat16,
-        kernels: Any = None,
-    ) -> None:
-        if kernels is None:
-            kernels = importlib.import_module("flash_attn.cute")
-        self._fn: Any = kernels.flash_attn_varlen_func
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self._plans = _FlashPlanner(self.device)
-
-    def plan_prefill(
-        self, block_table: Sequence[int], start: int, end: int, block_size: int
-    ) -> PrefillPlan:
-        """int32 page table `[1, pages]`, `seqused_k = [end]`, `cu_seqlens_q`, rows."""
-        return self._plans.prefill(block_table, start, end, block_size)
-
-    def plan_decode(
-        self, block_tables: Sequence[Sequence[int]], positions: Sequence[int], block_size: int
-    ) -> DecodePlan:
-        """int32 page tables `[B, width]`, `seq_lens`, `cu_seqlens_q = 0..B`, rows."""
-        return self._plans.decode(block_tables, positions, block_size)
+    _MODULE = "flash_attn.cute"
+    _FUNCTION = "flash_attn_varlen_func"
 
     def prefill(
         self,
