@@ -68,28 +68,15 @@ def one_request(
     return first - started, rate, tokens, text
 
 
-def peak_rss_mb(pid: int) -> float:
-    """A process's peak resident memory (VmHWM), MB; 0 when it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
 def cluster_memory(cluster: LocalCluster) -> dict[str, float]:
     """`peak_rss_mb_*` of every process of a running `yb up` and their sum, and
     `kv_pages_*` of every engine."""
-    pids = dict(cluster.pids)
-    if cluster.process is not None:
-        pids["yb-up"] = cluster.process.pid
-    figures: dict[str, float] = {}
-    for name, pid in sorted(pids.items()):
-        figures[f"peak_rss_mb_{name.replace('-', '_')}"] = round(peak_rss_mb(pid), 1)
+    peaks = cluster.peak_rss_mb()
+    figures: dict[str, float] = {
+        f"peak_rss_mb_{name.replace('-', '_')}": round(mb, 1) for name, mb in peaks.items()
+    }
     figures["peak_rss_mb_total"] = round(sum(figures.values()), 1)
-    for name in sorted(pids):
+    for name in peaks:
         if not name.startswith(("prefill", "decode")):
             continue
         for line in cluster.instance_log(name).splitlines():

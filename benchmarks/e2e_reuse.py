@@ -151,16 +151,6 @@ async def describe(log: Log, sample: Sample) -> None:
     sample.reused_tokens = done.reused_tokens
 
 
-def peak_rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
 async def run_rounds(
     cluster: LocalCluster, rounds: int, prefix_tokens: int, question_tokens: int
 ) -> tuple[list[Sample], list[Sample]]:
@@ -252,7 +242,8 @@ def main() -> None:
             recompute, reuse = asyncio.run(
                 run_rounds(cluster, args.rounds, args.prefix_tokens, args.question_tokens)
             )
-            memory = {name: peak_rss_mb(pid) for name, pid in sorted(cluster.pids.items())}
+            memory = cluster.peak_rss_mb()
+            memory.pop("yb-up", None)  # the launcher is not what this benchmark reports
         finally:
             code = cluster.stop()
         if code != 0:

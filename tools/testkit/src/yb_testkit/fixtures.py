@@ -316,6 +316,14 @@ class LocalCluster:
         except OSError:
             return ""
 
+    def peak_rss_mb(self) -> dict[str, float]:
+        """Each process's peak resident memory so far (VmHWM), MB, by instance id, the
+        launcher's as `yb-up`; a process that is gone counts 0."""
+        pids = dict(self.pids)
+        if self.process is not None:
+            pids["yb-up"] = self.process.pid
+        return {name: _peak_rss_mb(pid) for name, pid in sorted(pids.items())}
+
     def stop(self, timeout_s: float = 60.0) -> int:
         """Ctrl-C the launcher and wait for it; returns its exit code."""
         if self.process is None:
@@ -335,6 +343,16 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _peak_rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 def pid_alive(pid: int) -> bool:
