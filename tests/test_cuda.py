@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from yb_testkit.fixtures import LocalCluster
+from yb_testkit.reference import single_process_answer
 
 pytestmark = pytest.mark.cuda
 
@@ -81,39 +82,6 @@ async def test_kv_pages_cross_processes_on_one_gpu_over_cuda_ipc() -> None:
     assert "cuda_ipc" in rest, rest
 
 
-def _single_process_answer(device: str) -> str:
-    """Greedy tokens of one process that prefills and decodes on one runner."""
-    import torch
-
-    from yb_core.model_files import default_model_cache_dir
-    from yb_core.protocol import SamplingParams
-    from yb_engine.batcher import DecodeBatcher
-    from yb_engine.kv_cache import PageAllocator, PagedKVCache
-    from yb_engine.loader import ensure_default_model, load_model
-    from yb_engine.runner import ModelRunner
-    from yb_engine.sampling import Sampler
-
-    model = load_model(
-        ensure_default_model(default_model_cache_dir()), dtype=torch.bfloat16, device=device
-    )
-    tok = model.tokenizer
-    text = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
-    prompt = tok.encode(text, add_special_tokens=False)
-    cache = PagedKVCache(model.config, 8, 256, dtype=torch.bfloat16, device=device)
-    allocator = PageAllocator(8)
-    runner = ModelRunner(model, cache)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    pages = allocator.allocate(cache.pages_for(len(prompt)))
-    logits = runner.prefill(prompt, pages)
-    (first,) = Sampler().sample(logits[None], [params], [None])
-    batcher = DecodeBatcher(runner, allocator, tok, max_batch_size=1)
-    batcher.add("r", prompt, pages, first, params)
-    answer = ""
-    while batcher.has_work():
-        answer += "".join(out.text_delta for out in batcher.step())
-    return answer
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_yb_up_on_cuda_answers_as_one_process(tmp_path: Path) -> None:
@@ -140,7 +108,10 @@ def test_yb_up_on_cuda_answers_as_one_process(tmp_path: Path) -> None:
         code = cluster.stop()
     assert code == 0, cluster.output()
     assert "Paris" in text, text
-    assert text == _single_process_answer("cuda"), text
+    reference = single_process_answer(
+        QUESTION, MAX_TOKENS, device="cuda", dtype="bfloat16", block_size=256, num_pages=8
+    )
+    assert text == reference, text
     # Both engines ran on the GPU: the attention path they chose is a CUDA one.
     assert len(loaded) == 2, loaded
     assert all(str(record.get("device")).startswith("cuda") for record in loaded), loaded

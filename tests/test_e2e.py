@@ -18,6 +18,7 @@ import pytest
 from openai import OpenAI
 
 from yb_testkit.fixtures import LocalCluster, pid_alive
+from yb_testkit.reference import single_process_answer
 from yb_tools.cli.launcher import read_cluster_info
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -226,7 +227,7 @@ def test_default_model_answers_paris_with_kv_over_ucx(tmp_path: Path) -> None:
         assert first is not None
         # Disaggregation changes nothing: the same greedy tokens as one process running
         # prefill and decode on the same runner.
-        assert text == _single_process_answer(48), text
+        assert text == single_process_answer(PARIS, 48), text
         print(
             f"\nParis prompt: TTFT {first - started:.3f}s, "
             f"decode {pieces / max(ended - first, 1e-9):.1f} tokens/s, text {text!r}"
@@ -246,34 +247,6 @@ def test_default_model_answers_paris_with_kv_over_ucx(tmp_path: Path) -> None:
     finally:
         code = cluster.stop()
     assert code == 0, cluster.output()
-
-
-def _single_process_answer(max_tokens: int) -> str:
-    from yb_core.model_files import default_model_cache_dir
-    from yb_core.protocol import SamplingParams
-    from yb_engine.batcher import DecodeBatcher
-    from yb_engine.kv_cache import PageAllocator, PagedKVCache
-    from yb_engine.loader import ensure_default_model, load_model
-    from yb_engine.runner import ModelRunner
-    from yb_engine.sampling import Sampler
-
-    model = load_model(ensure_default_model(default_model_cache_dir()))
-    tok = model.tokenizer
-    text = tok.apply_chat_template(PARIS, add_generation_prompt=True, tokenize=False)
-    prompt = tok.encode(text, add_special_tokens=False)
-    cache = PagedKVCache(model.config, 64, 64)
-    allocator = PageAllocator(64)
-    runner = ModelRunner(model, cache)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    pages = allocator.allocate(cache.pages_for(len(prompt)))
-    logits = runner.prefill(prompt, pages)
-    (first,) = Sampler().sample(logits[None], [params], [None])
-    batcher = DecodeBatcher(runner, allocator, tok, max_batch_size=1)
-    batcher.add("r", prompt, pages, first, params)
-    answer = ""
-    while batcher.has_work():
-        answer += "".join(out.text_delta for out in batcher.step())
-    return answer
 
 
 def _metrics_address(cluster: LocalCluster, instance_id: str) -> str:

@@ -1,0 +1,53 @@
+"""What one process answers: the reference that disaggregated serving must equal.
+
+`single_process_answer` runs prefill and decode of the default model on one runner, in
+this process, with greedy sampling; a cluster given the same chat must stream exactly
+this text (tests/test_e2e.py on the CPU, tests/test_cuda.py on a GPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def single_process_answer(
+    messages: list[dict[str, Any]],
+    max_tokens: int,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    block_size: int = 64,
+    num_pages: int = 64,
+) -> str:
+    """The greedy answer of the default model to `messages`, prefilled and decoded by
+    one `ModelRunner` on `device` in `dtype`, with pages of `block_size` tokens."""
+    import torch
+
+    from yb_core.model_files import default_model_cache_dir
+    from yb_core.protocol import SamplingParams
+    from yb_engine.batcher import DecodeBatcher
+    from yb_engine.kv_cache import PageAllocator, PagedKVCache
+    from yb_engine.loader import ensure_default_model, load_model
+    from yb_engine.runner import ModelRunner
+    from yb_engine.sampling import Sampler
+
+    torch_dtype = getattr(torch, dtype)
+    model = load_model(
+        ensure_default_model(default_model_cache_dir()), dtype=torch_dtype, device=device
+    )
+    tok = model.tokenizer
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tok.encode(text, add_special_tokens=False)
+    cache = PagedKVCache(model.config, num_pages, block_size, dtype=torch_dtype, device=device)
+    allocator = PageAllocator(num_pages)
+    runner = ModelRunner(model, cache)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    pages = allocator.allocate(cache.pages_for(len(prompt)))
+    logits = runner.prefill(prompt, pages)
+    (first,) = Sampler().sample(logits[None], [params], [None])
+    batcher = DecodeBatcher(runner, allocator, tok, max_batch_size=1)
+    batcher.add("r", prompt, pages, first, params)
+    answer = ""
+    while batcher.has_work():
+        answer += "".join(out.text_delta for out in batcher.step())
+    return answer
