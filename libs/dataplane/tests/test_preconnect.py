@@ -6,7 +6,7 @@ Real UCX receivers and senders; the directory is fed announcements directly (no 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, cast
 
 import numpy as np
@@ -44,16 +44,6 @@ async def until(holds: Callable[[], bool], timeout_s: float = 20.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not holds():
             await asyncio.sleep(0.005)
-
-
-@pytest.fixture
-async def receiver() -> AsyncIterator[KVReceiver]:
-    rx = KVReceiver()
-    await rx.start()
-    try:
-        yield rx
-    finally:
-        await rx.close()
 
 
 async def test_an_announced_peer_is_connected_before_any_send(receiver: KVReceiver) -> None:

@@ -68,15 +68,6 @@ async def receiver() -> AsyncIterator[tuple[KVReceiver, CollectorRegistry]]:
         await rx.close()
 
 
-@pytest.fixture
-async def sender() -> AsyncIterator[KVSender]:
-    tx = KVSender()
-    try:
-        yield tx
-    finally:
-        await tx.close()
-
-
 def test_device_like_buffers_join_only_when_adjacent() -> None:
     arena = np.zeros(6 * PAGE, np.uint8)
     rows = pages(arena, 6)

@@ -7,7 +7,7 @@ deadlines, close, and the block-store paths (dynamic reservations, fetch).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -31,25 +31,6 @@ from yb_dataplane.transport import (
 )
 
 GUARD = 0xAB
-
-
-@pytest.fixture
-async def receiver() -> AsyncIterator[KVReceiver]:
-    rx = KVReceiver()
-    await rx.start()
-    try:
-        yield rx
-    finally:
-        await rx.close()
-
-
-@pytest.fixture
-async def sender() -> AsyncIterator[KVSender]:
-    tx = KVSender()
-    try:
-        yield tx
-    finally:
-        await tx.close()
 
 
 def arena_views(sizes: Sequence[int], gap: int = 64) -> tuple[np.ndarray, list[np.ndarray]]:

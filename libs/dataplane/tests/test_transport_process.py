@@ -10,7 +10,6 @@ import asyncio
 import json
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -76,16 +75,6 @@ class Peer:
             self.proc.send_signal(signal.SIGCONT)  # in case a test stopped it
             self.proc.kill()
         await self.proc.wait()
-
-
-@pytest.fixture
-async def receiver() -> AsyncIterator[KVReceiver]:
-    rx = KVReceiver()
-    await rx.start()
-    try:
-        yield rx
-    finally:
-        await rx.close()
 
 
 def test_payload_matches_helper() -> None:
