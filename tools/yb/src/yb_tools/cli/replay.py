@@ -3,6 +3,8 @@
     yb replay [--file LOG | --nats URL | --data-dir DIR]        verify every decision
     yb replay ... --export LOG                                   dump the log to a file
     yb replay ... --policy NAME --set key=value [--set ...]      what-if table
+    yb replay ... --report out.html [--since S --for S | --from-seq N --until SEQ]
+                  [--last N] [--policy NAME --set key=value]    timeline report
 
 Verify feeds a fresh conductor the whole log (live stream up to its current end, or
 an exported file) and checks every recorded decision; the first divergence is
@@ -18,6 +20,10 @@ what was trimmed (decisions after the snapshot are verified), or refuses, naming
 the first retained sequence, when no snapshot reaches back to it. A what-if run
 and an exported file that starts past seq 1 are refused the same way (both need
 the log from its beginning).
+
+`--report` writes the timeline of a window of the log as one self-contained HTML
+file (docs/timeline.md): lanes per instance, and each request's decision on a click;
+with `--policy`/`--set`, the what-if decision of every request beside it.
 """
 
 from __future__ import annotations
@@ -101,6 +107,45 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--until", type=int, default=0, metavar="SEQ", help="stop after SEQ")
     p.add_argument("--keep-going", action="store_true", help="list every divergence")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    add_report_args(p)
+
+
+def add_report_args(p: argparse.ArgumentParser) -> None:
+    """`--report` and the flags that choose its window."""
+    from yb_tools.timeline.model import DEFAULT_LAST
+
+    g = p.add_argument_group(
+        "timeline report",
+        "a window of the log as one self-contained HTML file (docs/timeline.md); the "
+        "window is the requests admitted in it (--until bounds it too)",
+    )
+    g.add_argument("--report", metavar="PATH", help="write the timeline of the window here")
+    g.add_argument(
+        "--from-seq", type=int, default=0, metavar="SEQ", help="admissions from this seq on"
+    )
+    g.add_argument(
+        "--since",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="admissions from SECONDS of event time after the log's first event; "
+        "negative: before its last (--since -300: the last five minutes)",
+    )
+    g.add_argument(
+        "--for",
+        dest="for_s",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="the window's length from --since (default: to the end)",
+    )
+    g.add_argument(
+        "--last",
+        type=int,
+        default=DEFAULT_LAST,
+        metavar="N",
+        help=f"at most the window's last N requests (default {DEFAULT_LAST:,}; 0: all)",
+    )
 
 
 def add_source_args(p: argparse.ArgumentParser) -> None:
@@ -217,6 +262,8 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if args.report:
+        return _write_report(cfg, args, loaded, overrides)
     if overrides:
         try:
             report = what_if(records, overrides, cfg=cfg.conductor, until_seq=args.until)
@@ -274,3 +321,44 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
         figures["divergences"] = len(result.divergences)
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
     return 1 if result.divergences else 0
+
+
+def _write_report(
+    cfg: YbConfig, args: argparse.Namespace, loaded: LoadedLog, overrides: dict[str, Any]
+) -> int:
+    """`yb replay --report`: the window's timeline, with what-if decisions when asked."""
+    from yb_conductor.settings import SettingsError
+    from yb_tools.timeline.model import Window
+    from yb_tools.timeline.report import write_report
+
+    window = Window(
+        from_seq=args.from_seq,
+        until_seq=args.until,
+        since_s=args.since,
+        for_s=args.for_s,
+        last=args.last,
+    )
+    if loaded.trimmed:
+        print(f"note: {loaded.gone()}; the report covers what remains")
+    started = time.perf_counter()
+    try:
+        timeline = write_report(
+            loaded.records,
+            args.report,
+            window,
+            source=loaded.source if args.file else "the live stream",
+            overrides=overrides or None,
+            cfg=cfg.conductor,
+        )
+    except (SettingsError, ValueError) as exc:
+        print(f"yb replay: {exc}", file=sys.stderr)
+        return 2
+    meta = timeline.meta
+    print(
+        f"timeline of {meta.requests_shown} requests ({meta.window}"
+        + (f"; what-if {meta.what_if}" if meta.what_if else "")
+        + f") written to {args.report} in {time.perf_counter() - started:.2f}s"
+    )
+    if meta.note:
+        print(f"note: {meta.note}")
+    return 0

@@ -15,8 +15,10 @@ imported only here, so `yb` works without it installed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +26,7 @@ from yb_core.config import YbConfig
 
 if TYPE_CHECKING:
     from yb_tools.sim.params import SimParams
+    from yb_tools.sim.runner import RunSpec
 
 
 def add_parser(sub: Any) -> None:
@@ -110,6 +113,12 @@ def add_parser(sub: Any) -> None:
     out.add_argument("--no-plots", action="store_true", help="write no PNG")
     out.add_argument("--log-dir", metavar="DIR", help="write each run's event log here")
     out.add_argument(
+        "--report",
+        metavar="PATH",
+        help="write each run's timeline (docs/timeline.md) as one HTML file: PATH for one "
+        "run, PATH with the run's label before the suffix for several (out-mooncake.html)",
+    )
+    out.add_argument(
         "--sample-interval", type=float, default=5.0, help="load sampling period, s (5)"
     )
     out.add_argument(
@@ -177,13 +186,20 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
         bar = ProgressBar(label, enabled=not args.quiet)
         return bar, bar.close
 
-    try:
-        report = simulate(
-            args.trace, specs, params, settings=settings, progress=progress, log_dir=args.log_dir
-        )
-    except (OSError, CostModelError, SettingsError, ValueError) as exc:
-        print(f"yb sim: {exc}", file=sys.stderr)
-        return 1
+    with contextlib.ExitStack() as stack:
+        # The report is drawn from each run's log: a temporary one when none is kept.
+        log_dir = args.log_dir
+        if args.report and not log_dir:
+            log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="yb-sim-logs-"))
+        try:
+            report = simulate(
+                args.trace, specs, params, settings=settings, progress=progress, log_dir=log_dir
+            )
+            if args.report:
+                _write_reports(args, specs, Path(log_dir))
+        except (OSError, CostModelError, SettingsError, ValueError) as exc:
+            print(f"yb sim: {exc}", file=sys.stderr)
+            return 1
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report.to_builtins(), indent=1) + "\n")
@@ -203,3 +219,31 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
             print("plots: " + ", ".join(str(p) for p in paths))
     print(f"figures: {out}")
     return 0
+
+
+def report_path(path: str | Path, label: str, runs: int) -> Path:
+    """Where a run's timeline goes: `path` itself for a single run, else the run's
+    label before the suffix (`out.html` -> `out-mooncake-early.html`)."""
+    out = Path(path)
+    if runs == 1:
+        return out
+    return out.with_name(f"{out.stem}-{_file_label(label)}{out.suffix or '.html'}")
+
+
+def _file_label(label: str) -> str:
+    # The name `simulate` gives each run's log in `log_dir`, without the suffix.
+    return label.replace(":", "-")
+
+
+def _write_reports(args: argparse.Namespace, specs: list[RunSpec], log_dir: Path) -> None:
+    from yb_conductor.replay import read_log
+    from yb_tools.timeline.report import write_report
+
+    for spec in specs:
+        records = read_log(log_dir / f"{_file_label(spec.label)}.jsonl")
+        path = report_path(args.report, spec.label, len(specs))
+        timeline = write_report(
+            records, path, title=f"yb sim: {spec.label}", source=f"trace {args.trace}"
+        )
+        note = f" ({timeline.meta.note})" if timeline.meta.note else ""
+        print(f"timeline: {path}{note}")
