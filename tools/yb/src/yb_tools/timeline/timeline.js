@@ -646,16 +646,19 @@
 
   // --- header, legend --------------------------------------------------------------
   document.getElementById("yb-title").textContent = meta.title;
-  const origin = meta.wall_clock ? `; t0 = ${new Date(meta.t0 * 1000).toISOString()}` : "";
+  const origin = meta.wall_clock ? `t0 = ${new Date(meta.t0 * 1000).toISOString()}` : "";
   const counts = {};
   for (const r of requests) {
     const o = meta.outcomes[r[R.outcome]];
     counts[o] = (counts[o] || 0) + 1;
   }
-  document.getElementById("yb-meta").innerHTML =
-    `${esc(meta.source)} \u00b7 ${esc(meta.window)} \u00b7 seq ${meta.first_seq}..${meta.last_seq}` +
-    ` \u00b7 ${requests.length} requests (${Object.entries(counts).map(([k, v]) => `${v} ${esc(k)}`).join(", ")})` +
-    ` \u00b7 policy ${esc(meta.policy || "?")}${meta.what_if ? ` \u00b7 what-if: ${esc(meta.what_if)}` : ""}${esc(origin)}` +
+  const outcomeCounts = Object.entries(counts).map(([k, v]) => `${v} ${k}`).join(", ");
+  const parts = [
+    meta.source, meta.window, `seq ${meta.first_seq}..${meta.last_seq}`,
+    `${requests.length} requests (${outcomeCounts})`, `policy ${meta.policy || "?"}`,
+    meta.what_if ? `what-if: ${meta.what_if}` : "", origin,
+  ].filter(Boolean);
+  document.getElementById("yb-meta").innerHTML = parts.map(esc).join(" \u00b7 ") +
     (meta.note ? ` \u00b7 <span class="note">${esc(meta.note)}</span>` : "");
   const swatch = (color, text) => `<span><i style="background:${color}"></i>${esc(text)}</span>`;
   document.getElementById("yb-legend").innerHTML = [
@@ -691,6 +694,7 @@
     selected: () => (selected >= 0 ? requests[selected][R.id] : null),
     decisions: () => decisionTexts().then(() => true),
     view: () => ({ t0: view.t0, t1: view.t1 }),
+    setView: (t0, t1) => { view.t0 = t0; view.t1 = Math.max(t1, t0 + 1e-4); draw(); },
   };
   resize();
   draw();
