@@ -66,6 +66,11 @@ SUMMARIES: dict[str, str] = {
         "instances, a million unrelated blocks in the index), then the resulting log "
         "decided again and replayed. Medians of `--repeats` runs."
     ),
+    "timeline": (
+        "The scheduling timeline report (`yb replay --report`, docs/timeline.md) of a "
+        "10,000-request simulation log (Mooncake's synthetic trace repeated, 8 prefill and 8 "
+        "decode instances), opened from file:// in fresh tabs of Debian's headless chromium."
+    ),
     "e2e_chat": (
         'One greedy streamed chat request ("What is the capital of France?") through a '
         "whole `yb up` cluster with the default model, sent one at a time."
@@ -192,6 +197,24 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         ("log_events", "events in the log"),
         ("decisions", "admissions in the log"),
         ("index_blocks", "blocks in the conductor's index at the end"),
+    ],
+    "timeline": [
+        ("requests", "requests in the report"),
+        ("log_events", "events in the simulation log"),
+        ("lanes", "instance lanes (prefill, decode, kvstore)"),
+        ("report_mb", "size of the HTML file, MB"),
+        ("build_s", "seconds to build the report from the decoded log"),
+        (
+            "open_ms_median",
+            "median ms from navigation start to the page's ready mark (data parsed, every lane "
+            "drawn, two frames later); the goal is under 2,000",
+        ),
+        ("open_ms_max", "slowest of the same"),
+        (
+            "decision_ms_median",
+            "median ms from a click on a request's bar to its decision in the panel, right "
+            "after the ready mark",
+        ),
     ],
     "e2e_chat": [
         ("ttft_cold_s", "seconds to the first token of the first request"),

@@ -46,6 +46,7 @@ BENCHMARKS = (
     "transfer",
     "containers_transfer",
     "conductor",
+    "timeline",
     "e2e_chat",
     "e2e_reuse",
     "overload",
