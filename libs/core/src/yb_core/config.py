@@ -432,6 +432,16 @@ class KVStoreConfig(_Section):
 class TelemetryConfig(_Section):
     """Logs, traces and metrics.
 
+    Traces: with `otlp_endpoint` set, every service exports its spans to that OTLP
+    receiver (a collector, Jaeger, Tempo) over `otlp_protocol`: `http/protobuf` (the
+    default; the endpoint is the receiver's base URL, usually port 4318, and
+    `/v1/traces` is appended as OTLP's `OTEL_EXPORTER_OTLP_ENDPOINT` convention says,
+    unless the URL already ends with it) or `grpc` (usually port 4317; the path is
+    ignored, `http://` means plaintext). An export waits at most `otlp_timeout_s`,
+    and so does the flush of the spans still buffered when the process exits.
+    Without an endpoint (and without `console_traces`) spans record nothing: the
+    trace context still travels, so log lines keep their trace ids.
+
     Every `/metrics` endpoint (each service's own listener on `metrics_host`, and the
     gateway's route) asks for `Authorization: Bearer <metrics_token>` when a token is
     set (`metrics_token`, or the content of `metrics_token_file`). A metrics listener
@@ -442,6 +452,8 @@ class TelemetryConfig(_Section):
     log_level: str = "info"
     log_json: bool = True
     otlp_endpoint: str = ""
+    otlp_protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    otlp_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     console_traces: bool = False
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
@@ -453,6 +465,28 @@ class TelemetryConfig(_Section):
         if self.metrics_token or not self.metrics_token_file:
             return self.metrics_token
         return read_secret_file(self.metrics_token_file, "telemetry.metrics_token_file")
+
+    def __post_init__(self) -> None:
+        from urllib.parse import urlsplit
+
+        # Checked here as well as by the field's type: a struct built in code is not
+        # validated by msgspec, and a typo must stop the process at start.
+        protocols = next(
+            get_args(f.type) for f in msgspec.structs.fields(self) if f.name == "otlp_protocol"
+        )
+        if self.otlp_protocol not in protocols:
+            raise ConfigError(
+                f"telemetry.otlp_protocol {self.otlp_protocol!r} is not one of "
+                f"{', '.join(protocols)}"
+            )
+        if self.otlp_endpoint:
+            url = urlsplit(self.otlp_endpoint)
+            if url.scheme not in ("http", "https") or not url.hostname:
+                raise ConfigError(
+                    f"telemetry.otlp_endpoint {self.otlp_endpoint!r} is not an http(s) URL "
+                    "with a host, such as http://127.0.0.1:4318 (http/protobuf) or "
+                    "http://127.0.0.1:4317 (grpc)"
+                )
 
 
 class YbConfig(_Section):

@@ -3,9 +3,12 @@
 - Logs are structlog JSON lines on stderr; `bind_request(request_id)` binds the id to
   every line logged in that task (contextvars), so one grep follows a request.
 - Traces are OpenTelemetry spans; their context is injected into NATS headers
-  (`inject_headers`) and extracted on the other side (`extract_context`), so one
-  trace runs gateway -> prefill -> decode. Spans go to an OTLP collector when one is
-  configured, else to stderr when asked, else nowhere (the context still travels).
+  (`inject_headers`, the event log's included) and extracted on the other side
+  (`extract_context`), so one request is one trace: gateway -> conductor, gateway ->
+  prefill -> decode. Spans go to an OTLP receiver when `telemetry.otlp_endpoint` is
+  set (`span_exporter`), to stderr when asked, or nowhere: then they record nothing
+  and cost next to nothing, and only their context travels (trace ids in logs).
+  Buffered spans are flushed at exit, within `telemetry.otlp_timeout_s`.
 - Metrics are Prometheus collectors on a per-process registry served at `/metrics`
   by a `MetricsServer` (the gateway also mounts them on its own HTTP app). The
   listener binds to the configured interface only and asks for the metrics token
@@ -16,10 +19,13 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import importlib
 import logging
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -30,7 +36,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
@@ -39,7 +46,6 @@ from yb_core.config import ConfigError, TelemetryConfig
 from yb_core.netaddr import is_loopback
 
 _configured = threading.Lock()
-_done = False
 
 
 def configure_logging(service: str, instance_id: str, cfg: TelemetryConfig) -> None:
@@ -82,40 +88,146 @@ def bind_request(request_id: str) -> Iterator[None]:
         structlog.contextvars.reset_contextvars(**tokens)
 
 
+#: The span exporters' modules, by `telemetry.otlp_protocol` (both ship with the
+#: `opentelemetry-exporter-otlp` package).
+OTLP_EXPORTER_MODULES = {
+    "http/protobuf": "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "grpc": "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+}
+#: The OTLP/HTTP path of traces, appended to the configured base endpoint.
+OTLP_TRACES_PATH = "/v1/traces"
+
+_provider: TracerProvider | None = None  # installed by `configure_tracing`
+_flushed = False
+_flush_timeout_s = 5.0
+
+
+def otlp_traces_url(endpoint: str, protocol: str) -> str:
+    """Where the exporter for `protocol` sends spans, given `telemetry.otlp_endpoint`.
+
+    OTLP/HTTP: the endpoint is the receiver's base URL and `/v1/traces` is appended
+    (the convention of `OTEL_EXPORTER_OTLP_ENDPOINT`; the Python exporter itself
+    takes the full URL), unless it is there already. gRPC: the URL as given (the
+    exporter keeps its host and port, and `http://` means plaintext).
+    """
+    if protocol != "http/protobuf" or endpoint.rstrip("/").endswith(OTLP_TRACES_PATH):
+        return endpoint
+    return endpoint.rstrip("/") + OTLP_TRACES_PATH
+
+
+def span_exporter(cfg: TelemetryConfig) -> SpanExporter | None:
+    """The OTLP span exporter `cfg` asks for, or None without `otlp_endpoint`.
+
+    Raises `ConfigError` when the exporter package is not installed: a process told
+    to export its traces and unable to must not start and silently export nothing.
+    """
+    if not cfg.otlp_endpoint:
+        return None
+    module_name = OTLP_EXPORTER_MODULES[cfg.otlp_protocol]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"telemetry.otlp_endpoint is set ({cfg.otlp_endpoint}) but the OTLP "
+            f"{cfg.otlp_protocol} span exporter cannot be imported ({exc}): install the "
+            "opentelemetry-exporter-otlp package, or unset telemetry.otlp_endpoint"
+        ) from exc
+    url = otlp_traces_url(cfg.otlp_endpoint, cfg.otlp_protocol)
+    exporter: SpanExporter = module.OTLPSpanExporter(endpoint=url, timeout=cfg.otlp_timeout_s)
+    return exporter
+
+
+def build_tracer_provider(service: str, instance_id: str, cfg: TelemetryConfig) -> TracerProvider:
+    """A tracer provider for one process, exporting where `cfg` says.
+
+    With an exporter (OTLP or the console) spans are sampled as their parent was
+    (a root is always sampled); without one, none is recorded (`ALWAYS_OFF`): a span
+    is then a bare context, which costs no attributes, no events and no export, and
+    still carries the trace id on to the next service and into the logs.
+    """
+    exporters: list[SpanExporter] = []
+    otlp = span_exporter(cfg)
+    if otlp is not None:
+        exporters.append(otlp)
+    if cfg.console_traces:
+        exporters.append(ConsoleSpanExporter(out=sys.stderr))
+    provider = TracerProvider(
+        resource=Resource.create(
+            {"service.name": f"yuebing-{service}", "service.instance.id": instance_id}
+        ),
+        sampler=ParentBased(ALWAYS_ON) if exporters else ALWAYS_OFF,
+        # Flushed by `shutdown_tracing`, with a deadline of ours (the SDK's own exit
+        # hook waits up to 30 s per processor for an unreachable receiver).
+        shutdown_on_exit=False,
+    )
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
 def configure_tracing(service: str, instance_id: str, cfg: TelemetryConfig) -> None:
-    """Install the process's tracer provider once."""
-    global _done
+    """Install the process's tracer provider once; its spans are flushed at exit.
+
+    Raises `ConfigError` when `telemetry.otlp_endpoint` is set and the exporter
+    package is missing.
+    """
+    global _provider, _flush_timeout_s
     with _configured:
-        if _done:
+        if _provider is not None:
             return
-        provider = TracerProvider(
-            resource=Resource.create(
-                {"service.name": f"yuebing-{service}", "service.instance.id": instance_id}
-            )
-        )
-        if cfg.otlp_endpoint:
-            try:
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[import-not-found]
-                    OTLPSpanExporter,
-                )
-            except ImportError:
-                get_logger(__name__).warning(
-                    "otlp_exporter_missing",
-                    hint="pip install opentelemetry-exporter-otlp-proto-http",
-                )
-            else:
-                provider.add_span_processor(
-                    BatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.otlp_endpoint))
-                )
-        if cfg.console_traces:
-            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
+        provider = build_tracer_provider(service, instance_id, cfg)
         trace.set_tracer_provider(provider)
-        _done = True
+        _provider = provider
+        _flush_timeout_s = cfg.otlp_timeout_s
+        atexit.register(shutdown_tracing)
+
+
+def shutdown_tracing(timeout_s: float | None = None) -> bool:
+    """Export the spans still buffered and stop the exporters; idempotent.
+
+    Waits at most `timeout_s` (default: `telemetry.otlp_timeout_s`), so an
+    unreachable receiver cannot hold a stopping process; returns False if the flush
+    did not finish in time. Runs at interpreter exit by itself (registered by
+    `configure_tracing`), so a short run loses none of its spans.
+    """
+    global _flushed
+    with _configured:
+        provider = None if _flushed else _provider
+        _flushed = True
+    if provider is None:
+        return True
+    # In a thread: the SDK's shutdown has no overall deadline of its own.
+    flusher = threading.Thread(target=provider.shutdown, name="yb-trace-flush", daemon=True)
+    flusher.start()
+    flusher.join(_flush_timeout_s if timeout_s is None else timeout_s)
+    return not flusher.is_alive()
 
 
 def tracer(name: str) -> trace.Tracer:
     """The tracer for a module."""
     return trace.get_tracer(name)
+
+
+@contextmanager
+def child_span(module_tracer: trace.Tracer, name: str) -> Iterator[trace.Span]:
+    """A span under the current one, current inside the block.
+
+    When the current span records nothing (tracing off, or the trace not sampled),
+    no span is made and the block gets a non-recording one: callers build their
+    attributes only `if span.is_recording()`. An exception leaving the block is
+    recorded on the span and marks it failed.
+    """
+    if not trace.get_current_span().is_recording():
+        yield trace.INVALID_SPAN
+        return
+    with module_tracer.start_as_current_span(name) as span:
+        yield span
+
+
+def wall_time_ns(monotonic_s: float) -> int:
+    """A `time.monotonic()` reading as the epoch nanoseconds spans are stamped with
+    (to open a span at a moment already past, such as a request's arrival)."""
+    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
 
 
 def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
