@@ -45,6 +45,8 @@ import time
 import nats.errors
 import nats.js.errors
 from nats.js.object_store import ObjectStore
+from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 from prometheus_client import Gauge
 
 from yb_conductor import snapshot
@@ -55,12 +57,13 @@ from yb_conductor.metrics import ConductorMetrics
 from yb_conductor.settings import configured_event
 from yb_conductor.state import BLOCK_HOLDER_ROLES
 from yb_core import events as ev
-from yb_core.bus import Bus, BusError, EventReader
+from yb_core.bus import Bus, BusError, EventReader, LoggedEvent
 from yb_core.config import YbConfig
 from yb_core.service import Service
-from yb_core.telemetry import get_logger
+from yb_core.telemetry import extract_context, get_logger, tracer
 
 log = get_logger(__name__)
+_tracer = tracer(__name__)
 
 # A decision older than this when found unpublished after a restart is not sent: its
 # gateway has given up on it.
@@ -386,8 +389,7 @@ class ConductorService(Service):
             if self._live:
                 if outputs:
                     self.metrics.decided(outputs, time.perf_counter() - started)
-                for out in outputs:
-                    await self._publish_output(out)
+                    await self._publish_outputs(item, outputs, started)
                 await self._publish_wants()
             elif self._active and item.seq >= self._live_from:
                 await self._go_live()
@@ -463,6 +465,20 @@ class ConductorService(Service):
                 recomputed=str(divergence.recomputed),
             )
         self.conductor.divergences.clear()
+
+    async def _publish_outputs(
+        self, item: LoggedEvent, outputs: list[Output], started: float
+    ) -> None:
+        """Publish what the fold made of `item` (applied from `started`, a
+        `perf_counter` reading), under the decision's span when it is an admission."""
+        span = _decision_span(item, outputs, started)
+        # Current while the publishes start: the decision's copy in the log carries
+        # its trace context, as the admission's does.
+        with trace.use_span(
+            span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+        ):
+            for out in outputs:
+                await self._publish_output(out)
 
     async def _publish_output(self, out: Output) -> None:
         """Publish a decision without waiting for its ack before the next event.
@@ -594,3 +610,116 @@ class ConductorService(Service):
                     timeout=2.0,
                 )
             await bus.close()
+
+
+def _decision_span(item: LoggedEvent, outputs: list[Output], started: float) -> trace.Span:
+    """The span of the decision on an admission, ended at once (`INVALID_SPAN` for
+    outputs of any other event).
+
+    Its parent is the gateway's admission span, whose context came with the event
+    in the log's headers. It is made here, in the live service, after the fold:
+    the fold itself (`Conductor.apply`, which replays run) knows nothing of traces,
+    so a replay emits no span and decides exactly as before. Its times are the
+    fold's: from `started` (a `perf_counter` reading) to now.
+    """
+    if not isinstance(item.event, ev.RequestAdmitted):
+        return trace.INVALID_SPAN
+    now_ns = time.time_ns()
+    span = _tracer.start_span(
+        "conductor decide",
+        context=extract_context(item.headers),
+        start_time=now_ns - int((time.perf_counter() - started) * 1e9),
+    )
+    if span.is_recording():
+        span.set_attributes(_decision_attributes(item.seq, outputs))
+        for output in outputs:
+            explain = getattr(output, "explain", None)
+            if explain is not None:
+                _add_candidates(span, explain)
+    span.end(end_time=now_ns)
+    return span
+
+
+def _decision_attributes(seq: int, outputs: list[Output]) -> dict[str, AttributeValue]:
+    """What a trace shows of a decision: the choice, the path, the estimates."""
+    attributes: dict[str, AttributeValue] = {"yb.seq": seq}
+    for output in outputs:
+        match output:
+            case ev.RequestScheduled():
+                attributes |= {
+                    "yb.request_id": output.request_id,
+                    "yb.decision": "scheduled",
+                    "yb.policy": output.policy,
+                    "yb.prefill_instance": output.prefill_instance,
+                    "yb.decode_instance": output.decode_instance,
+                    "yb.prompt_tokens": output.prompt_tokens,
+                    "yb.computed_tokens": output.computed_tokens,
+                    "yb.reused_blocks": output.reused_blocks,
+                    "yb.reuse": [
+                        f"{plan.source_instance}/{plan.tier}:{plan.first_block}+{plan.num_blocks}"
+                        for plan in output.reuse
+                    ],
+                    **_estimate_attributes(output.estimates),
+                }
+                if output.explain is not None:
+                    attributes["yb.path"] = output.explain.branch
+            case ev.RequestRejected():
+                attributes |= {
+                    "yb.request_id": output.request_id,
+                    "yb.decision": "rejected",
+                    "yb.policy": output.policy,
+                    "yb.reason": output.reason,
+                    "yb.retry_after_s": output.retry_after_s,
+                    **_estimate_attributes(output.estimates),
+                }
+                if output.explain is not None:
+                    attributes["yb.path"] = output.explain.branch
+            case ev.LoadPrediction():
+                attributes["yb.predicted_decode_batch"] = output.predicted_batch
+                attributes["yb.predicted_tbt_s"] = output.predicted_tbt_s
+            case ev.ReplicationPlanned():
+                attributes["yb.replication"] = (
+                    f"{output.source_instance} -> {output.target_instance}: "
+                    f"{len(output.block_hashes)} blocks"
+                )
+    return attributes
+
+
+def _estimate_attributes(estimates: ev.Estimates) -> dict[str, AttributeValue]:
+    return {
+        "yb.estimate.queue_s": estimates.queue_s,
+        "yb.estimate.transfer_s": estimates.transfer_s,
+        "yb.estimate.prefill_s": estimates.prefill_s,
+        "yb.estimate.ttft_s": estimates.ttft_s,
+        "yb.estimate.tbt_s": estimates.tbt_s,
+        "yb.estimate.decode_batch": estimates.decode_batch,
+    }
+
+
+def _add_candidates(span: trace.Span, explain: ev.Explanation) -> None:
+    """The candidates the decision weighed, one event each, best first (as `yb
+    explain` prints them)."""
+    for candidate in explain.candidates:
+        span.add_event(
+            "prefill_candidate",
+            {
+                "instance": candidate.instance_id,
+                "option": candidate.option,
+                "reuse_blocks": candidate.reuse_blocks,
+                "source": candidate.source,
+                "queue_s": candidate.queue_s,
+                "transfer_s": candidate.transfer_s,
+                "prefill_s": candidate.prefill_s,
+                "ttft_s": candidate.ttft_s,
+            },
+        )
+    for decode in explain.decode_candidates:
+        span.add_event(
+            "decode_candidate",
+            {
+                "instance": decode.instance_id,
+                "batch": decode.batch,
+                "predicted_batch": decode.predicted_batch,
+                "tbt_s": decode.tbt_s,
+            },
+        )

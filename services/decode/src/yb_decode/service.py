@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING
 import msgspec
 from nats.aio.msg import Msg
 from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from yb_core import events as ev
@@ -94,6 +96,9 @@ class Stream:
     ttft_started: float
     span: trace.Span
     deadline: float = 0.0  # wall clock; 0: none
+    # The span of its phase under `span`: the wait for the first token, then the
+    # stream (non-recording when untraced).
+    phase_span: trace.Span = trace.INVALID_SPAN
     seq: int = 0
     completion_tokens: int = 0
     first_token_at: float = 0.0
@@ -229,9 +234,17 @@ class DecodeWorker(Worker):
             return
         match message:
             case pr.ReserveKV():
-                reply: pr.DecodeReply = await self._reserve(message, trace_carrier(msg.headers))
+                headers = trace_carrier(msg.headers)
+                # A child of the prefill's reservation request (its context came in
+                # the request's headers).
+                with _tracer.start_as_current_span(
+                    "decode reserve", context=extract_context(headers)
+                ) as span:
+                    reply: pr.DecodeReply = await self._reserve(message, headers)
+                    if span.is_recording():
+                        span.set_attributes(_reserve_attributes(message, reply))
             case pr.StartDecode():
-                reply = await self._start(message)
+                reply = await self._start(message, trace_carrier(msg.headers))
             case pr.AbortReservation():
                 await self._drop_pending(message.request_id, message.reason)
                 reply = pr.DecodeAck(request_id=message.request_id, ok=True)
@@ -395,8 +408,14 @@ class DecodeWorker(Worker):
             )
         )
 
-    async def _start(self, start: pr.StartDecode) -> pr.DecodeAck:
-        """Admit a reserved request once its KV is committed, and open its stream."""
+    async def _start(self, start: pr.StartDecode, trace_headers: dict[str, str]) -> pr.DecodeAck:
+        """Admit a reserved request once its KV is committed, and open its stream.
+
+        The stream's span is a child of the prefill's hand-over (`trace_headers`, the
+        reservation's context when they carry none) and opens here, so it includes
+        the commit's verification and the admission into the batch.
+        """
+        started_ns = time.time_ns()
         rid = start.request_id
         pending = self._pending.get(rid)
         if pending is None:
@@ -426,16 +445,41 @@ class DecodeWorker(Worker):
         except ValueError as exc:
             await self.engine.call(self._free, pending.pages)
             return pr.DecodeAck(request_id=rid, ok=False, reason=str(exc))
-        await self._open_stream(pending, start)
+        await self._open_stream(pending, start, trace_headers, started_ns)
         self._work.set()
         return pr.DecodeAck(request_id=rid, ok=True)
 
-    async def _open_stream(self, pending: Pending, start: pr.StartDecode) -> None:
+    async def _open_stream(
+        self,
+        pending: Pending,
+        start: pr.StartDecode,
+        trace_headers: dict[str, str],
+        started_ns: int,
+    ) -> None:
         """Track an admitted request's token stream, traced, and say its KV is in."""
         rid = start.request_id
         reserve = pending.reserve
-        span = _tracer.start_span("decode", context=extract_context(pending.trace_headers))
-        span.set_attribute("yb.request_id", rid)
+        span = _tracer.start_span(
+            "decode",
+            context=extract_context(trace_headers or pending.trace_headers),
+            kind=trace.SpanKind.CONSUMER,
+            start_time=started_ns,
+        )
+        phase_span: trace.Span = trace.INVALID_SPAN
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "yb.request_id": rid,
+                    "yb.prompt_tokens": start.prompt_tokens,
+                    "yb.reused_tokens": start.reused_tokens,
+                    "yb.max_tokens": reserve.sampling.max_tokens,
+                }
+            )
+            phase_span = _tracer.start_span(
+                "decode first token",
+                context=trace.set_span_in_context(span),
+                start_time=started_ns,
+            )
         self._streams[rid] = Stream(
             request_id=rid,
             subject=reserve.token_subject,
@@ -444,6 +488,7 @@ class DecodeWorker(Worker):
             ttft_started=reserve.ttft_started,
             span=span,
             deadline=reserve.deadline,
+            phase_span=phase_span,
         )
         with bind_request(rid):
             log.info(
@@ -530,6 +575,8 @@ class DecodeWorker(Worker):
                 self.metrics.tokens.inc()
                 if not stream.first_token_at:
                     stream.first_token_at = now
+                    if stream.span.is_recording():
+                        _stream_phase(stream, now)
                 else:
                     stream.gaps.append(now - stream.last_token_at)
                 stream.last_token_at = now
@@ -613,9 +660,18 @@ class DecodeWorker(Worker):
     async def _finish(self, stream: Stream, reason: str, error: str) -> None:
         self._streams.pop(stream.request_id, None)
         self.history.finish(stream.request_id)
-        stream.span.set_attribute("yb.completion_tokens", stream.completion_tokens)
-        stream.span.set_attribute("yb.finish_reason", reason)
-        stream.span.end()
+        span = stream.span
+        if span.is_recording():
+            stream.phase_span.end()
+            span.set_attributes(
+                {
+                    "yb.completion_tokens": stream.completion_tokens,
+                    "yb.finish_reason": reason,
+                }
+            )
+            if error:
+                span.set_status(Status(StatusCode.ERROR, error))
+        span.end()
         outcome: ev.RequestOutcome = (
             "cancelled" if reason == "abort" else "failed" if error else "completed"
         )
@@ -649,6 +705,33 @@ class DecodeWorker(Worker):
             kv_total_blocks=self.engine.cache.num_pages,
             last_step_s=batcher.last_step_seconds,
         )
+
+
+def _stream_phase(stream: Stream, first_token_at: float) -> None:
+    """The first token is out (at `first_token_at`, wall clock): its wait ends, the
+    stream's span begins."""
+    at_ns = int(first_token_at * 1e9)
+    stream.phase_span.end(end_time=at_ns)
+    stream.phase_span = _tracer.start_span(
+        "decode stream", context=trace.set_span_in_context(stream.span), start_time=at_ns
+    )
+
+
+def _reserve_attributes(reserve: pr.ReserveKV, reply: pr.DecodeReply) -> dict[str, AttributeValue]:
+    """What a trace shows of a reservation: the request's size and the answer."""
+    attributes: dict[str, AttributeValue] = {
+        "yb.request_id": reserve.request_id,
+        "yb.prefill_instance": reserve.prefill_instance,
+        "yb.prompt_tokens": reserve.num_tokens,
+    }
+    match reply:
+        case pr.KVReserved():
+            attributes["yb.pages"] = reply.num_pages
+            attributes["yb.page_bytes"] = reply.page_nbytes
+            attributes["yb.layers"] = reply.num_layers
+        case pr.ReserveRefused():
+            attributes["yb.refused"] = reply.reason
+    return attributes
 
 
 def _openai_reason(reason: str | None) -> str:

@@ -46,7 +46,7 @@ from yb_core.bus import Bus, BusUnavailable
 from yb_core.config import YbConfig
 from yb_core.hashing import block_hashes
 from yb_core.model_files import identity_of
-from yb_core.telemetry import get_logger, inject_headers, tracer
+from yb_core.telemetry import child_span, get_logger, inject_headers, tracer, wall_time_ns
 from yb_gateway.decisions import DecisionRouter
 from yb_gateway.errors import ApiError, rejected, unavailable
 from yb_gateway.metrics import GatewayMetrics
@@ -168,40 +168,70 @@ class RequestSession:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.finish_reason = "stop"
-        # A client's own `traceparent` makes this span a child of the client's trace.
+        # The request's span: the root of its trace, or a child of the client's own
+        # when it sent a `traceparent`. It opens at the request's arrival, so that
+        # the tokenization done before this session existed shows under it.
+        arrived_ns = wall_time_ns(arrived)
         self.span = _tracer.start_span(
             f"gateway {endpoint}",
             context=trace_parent,
-            attributes={
-                "yb.request_id": request_id,
-                "yb.prompt_tokens": self.prompt_tokens,
-                "yb.max_tokens": prepared.max_tokens,
-            },
+            kind=trace.SpanKind.SERVER,
+            start_time=arrived_ns,
         )
+        if self.span.is_recording():
+            self.span.set_attributes(
+                {
+                    "yb.request_id": request_id,
+                    "yb.prompt_tokens": self.prompt_tokens,
+                    "yb.max_tokens": prepared.max_tokens,
+                }
+            )
+            # Validation, chat template, tokenization and block hashes: from arrival
+            # to now.
+            _tracer.start_span(
+                "gateway tokenize",
+                context=trace.set_span_in_context(self.span),
+                start_time=arrived_ns,
+                attributes={"yb.prompt_tokens": self.prompt_tokens},
+            ).end()
 
     # --- admission and hand-off -----------------------------------------------------
 
     async def start(self) -> None:
         """Admit, wait for the decision, send the job; raises `ApiError` on failure."""
         gcfg = self._cfg.gateway
-        with trace.use_span(self.span, end_on_exit=False):
-            decision = await self._decide(gcfg.decision_timeout_s)
+        span = self.span
+        with trace.use_span(span, end_on_exit=False):
+            # The admission's context rides with `RequestAdmitted` in the log: the
+            # conductor's decision span is its child.
+            with child_span(_tracer, "gateway admission") as admission:
+                decision = await self._decide(gcfg.decision_timeout_s)
+                if admission.is_recording():
+                    admission.set_attribute(
+                        "yb.decision",
+                        "rejected" if isinstance(decision, ev.RequestRejected) else "scheduled",
+                    )
             match decision:
                 case ev.RequestRejected():
                     # The conductor dropped it already: nothing to cancel.
                     self._ended = True
-                    self.span.set_attribute("yb.rejected", decision.reason)
+                    span.set_attribute("yb.rejected", decision.reason)
                     raise rejected(decision.reason, decision.retry_after_s)
                 case ev.RequestScheduled():
                     self.decision = decision
-                    self.span.set_attributes(
-                        {
-                            "yb.prefill_instance": decision.prefill_instance,
-                            "yb.decode_instance": decision.decode_instance,
-                            "yb.reused_blocks": decision.reused_blocks,
-                        }
-                    )
-            await self._hand_off(decision, gcfg.job_timeout_s)
+                    if span.is_recording():
+                        span.set_attributes(
+                            {
+                                "yb.prefill_instance": decision.prefill_instance,
+                                "yb.decode_instance": decision.decode_instance,
+                                "yb.reused_blocks": decision.reused_blocks,
+                            }
+                        )
+            # The job carries the hand-off's context: prefill's spans are its children.
+            with child_span(_tracer, "gateway hand-off") as hand_off:
+                if hand_off.is_recording():
+                    hand_off.set_attribute("yb.prefill_instance", decision.prefill_instance)
+                await self._hand_off(decision, gcfg.job_timeout_s)
 
     async def _decide(self, timeout_s: float) -> ev.Decision:
         if self._aborted is not None:
@@ -552,9 +582,18 @@ class RequestSession:
         except Exception as exc:  # a close that raises would leak the rest of the cleanup
             log.error("session_close_failed", request_id=self.request_id, error=repr(exc))
         finally:
+            span = self.span
             if reason and not self._ended:
-                self.span.set_status(Status(StatusCode.ERROR, reason))
-            self.span.end()
+                span.set_status(Status(StatusCode.ERROR, reason))
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        "yb.completion_tokens": self.completion_tokens,
+                        "yb.cached_tokens": self.cached_tokens,
+                        "yb.finish_reason": self.finish_reason,
+                    }
+                )
+            span.end()
 
     async def _publish_failed(self, reason: str) -> None:
         await self._publish(

@@ -13,6 +13,14 @@ UCX only once the event of its layer has completed. The sending task polls the
 event (`query()`, which never blocks) with short sleeps on the event loop, within the
 transfer's deadline: the loop keeps serving other work, and nothing synchronises the
 device. On CPU the kernels have run when the hook fires, and no event is recorded.
+
+Traced, a stream is one `kv transfer` span, from `start()` to the decode instance's
+verified commit (or the abort), with one `kv_segment_sent` event per UCX message
+(its pages, bytes and layers). Not a span per layer: a prompt of a few chunks on a
+30-layer model makes hundreds of layer hand-offs, and spans that many would bury
+the request's phases in Jaeger; events on one span show the same thing where it
+matters, on the timeline beside the `prefill compute` span: how much of the
+transfer overlapped the compute, and the tail left after it.
 """
 
 from __future__ import annotations
@@ -22,6 +30,10 @@ import contextlib
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Final, Protocol
 
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from yb_core.telemetry import tracer
 from yb_dataplane.transport import KVSender, PeerAddress, TransferTimeout
 from yb_dataplane.transport.deadline import Deadline
 
@@ -48,6 +60,8 @@ EventFactory = Callable[[], LayerEvent]
 
 #: Queued: a segment, and the event its pages must wait for (None: ready now).
 Queued = tuple[Segment, LayerEvent | None]
+
+_tracer = tracer(__name__)
 
 #: Polling of layer events: first sleep, and the longest (seconds). A layer of a
 #: prefill chunk takes a fraction of a millisecond to milliseconds on a GPU.
@@ -129,9 +143,24 @@ class LayerStreamer:
         self._queue: asyncio.Queue[Queued | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self.pages_sent = 0
+        self.bytes_sent = 0  # counted only while traced
+        self._span: trace.Span = trace.INVALID_SPAN
+        self._span_open = False
 
     def start(self) -> None:
-        """Start the sending task (on the event loop)."""
+        """Start the sending task (on the event loop), and the transfer's span as a
+        child of the current one when that one is traced."""
+        if trace.get_current_span().is_recording():
+            self._span = _tracer.start_span("kv transfer", kind=trace.SpanKind.PRODUCER)
+            self._span.set_attributes(
+                {
+                    "yb.request_id": self._request_id,
+                    "yb.peer_host": self._peer.host,
+                    "yb.pages": len(self._block_table),
+                    "yb.layers": self._cache.num_layers,
+                }
+            )
+            self._span_open = True
         self._task = self._loop.create_task(self._send_all(), name=f"stream:{self._request_id}")
 
     def on_layer(self, layer: int, start: int, end: int) -> None:
@@ -171,9 +200,14 @@ class LayerStreamer:
     async def finish(self) -> None:
         """Wait until every queued page is sent, then commit; raises on any failure."""
         assert self._task is not None, "start() first"
-        self._queue.put_nowait(None)
-        await self._task
-        await self._sender.commit(self._peer, self._request_id, deadline_s=self._deadline_s)
+        try:
+            self._queue.put_nowait(None)
+            await self._task
+            await self._sender.commit(self._peer, self._request_id, deadline_s=self._deadline_s)
+        except BaseException as exc:
+            self._end_span(exc)
+            raise
+        self._end_span(None)
 
     async def abort(self) -> None:
         """Stop sending (prefill failed or was cancelled)."""
@@ -181,6 +215,21 @@ class LayerStreamer:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        self._end_span("aborted")
+
+    def _end_span(self, failure: BaseException | str | None) -> None:
+        """End the transfer's span once: its totals, and why it failed if it did."""
+        if not self._span_open:
+            return
+        self._span_open = False
+        span = self._span
+        span.set_attributes({"yb.pages_sent": self.pages_sent, "yb.bytes_sent": self.bytes_sent})
+        if isinstance(failure, BaseException):
+            span.record_exception(failure)
+            span.set_status(Status(StatusCode.ERROR, repr(failure)))
+        elif failure is not None:
+            span.set_status(Status(StatusCode.ERROR, failure))
+        span.end()
 
     async def _send_all(self) -> None:
         """Send queued pages, up to `WINDOW` segments in flight, in queue order.
@@ -240,6 +289,15 @@ class LayerStreamer:
             deadline_s=deadline.remaining(),
             receiver_breaks=self._receiver_breaks,
         )
+        if self._span_open:
+            nbytes = sum(_nbytes(page) for _, page in segment)
+            self.bytes_sent += nbytes
+            num_pages = len(self._block_table)
+            layers = [index // num_pages for index, _ in segment]
+            self._span.add_event(
+                "kv_segment_sent",
+                {"pages": len(segment), "bytes": nbytes, "layers": f"{min(layers)}-{max(layers)}"},
+            )
         return len(segment)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import msgspec
 from nats.aio.msg import Msg
 from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from yb_core import events as ev
@@ -28,11 +29,13 @@ from yb_core.bus import BusError
 from yb_core.failpoints import Failpoints
 from yb_core.telemetry import (
     bind_request,
+    child_span,
     extract_context,
     get_logger,
     trace_carrier,
     trace_id_hex,
     tracer,
+    wall_time_ns,
 )
 from yb_dataplane.transport import PeerAddress, TransferError
 from yb_dataplane.worker import Capacity, Worker, WorkerContext
@@ -287,7 +290,7 @@ class PrefillWorker(Worker):
             self.gauges.batch.set(1)
             try:
                 with bind_request(job.request_id):
-                    await self._run(job, queued.trace_headers)
+                    await self._run(queued)
             except asyncio.CancelledError:
                 await self._fail(job, JobFailed("prefill instance shutting down"))
                 raise
@@ -295,8 +298,13 @@ class PrefillWorker(Worker):
                 self._running = None
                 self.gauges.batch.set(0)
 
-    async def _run(self, job: pr.PrefillJob, trace_headers: dict[str, str]) -> None:
-        """One job, traced, with its outcome counted and a failure reported."""
+    async def _run(self, queued: QueuedJob) -> None:
+        """One job, traced, with its outcome counted and a failure reported.
+
+        Its span is a child of the gateway's hand-off (the context came with the
+        job) and opens when the job was queued: the wait is its first phase.
+        """
+        job, trace_headers = queued.job, queued.trace_headers
         ctx = extract_context(trace_headers)
         log.info(
             "prefill_started",
@@ -304,9 +312,19 @@ class PrefillWorker(Worker):
             decode=job.decision.decode_instance,
             trace_id=trace_id_hex(trace_headers),
         )
-        with _tracer.start_as_current_span("prefill", context=ctx) as span:
-            span.set_attribute("yb.request_id", job.request_id)
-            span.set_attribute("yb.prompt_tokens", len(job.token_ids))
+        queued_ns = wall_time_ns(queued.enqueued_at)
+        with _tracer.start_as_current_span(
+            "prefill", context=ctx, kind=trace.SpanKind.CONSUMER, start_time=queued_ns
+        ) as span:
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        "yb.request_id": job.request_id,
+                        "yb.prompt_tokens": len(job.token_ids),
+                        "yb.decode_instance": job.decision.decode_instance,
+                    }
+                )
+                _tracer.start_span("prefill queue wait", start_time=queued_ns).end()
             started = time.monotonic()
             try:
                 await self._prefill(job, span)
@@ -350,14 +368,20 @@ class PrefillWorker(Worker):
             )
         )
         transfer_deadline = min(self._remaining(job), self.pcfg.transfer_timeout_s)
-        reserved = await self._reserve_on_decode(job, transfer_deadline)
-        prefix = await self._load_prefix(job, transfer_deadline)
+        # The decode instance's spans for this request are children of these two.
+        with child_span(_tracer, "prefill reserve decode"):
+            reserved = await self._reserve_on_decode(job, transfer_deadline)
+        with child_span(_tracer, "prefill prefix load") as loading:
+            prefix = await self._load_prefix(job, transfer_deadline)
+            if loading.is_recording():
+                loading.set_attributes(_prefix_attributes(job, prefix))
         t_loaded = time.monotonic()
         cached_tokens = prefix.reused_blocks * self.engine.cache.block_size
         computed = await self._compute_and_stream(
             job, reserved, prefix, cached_tokens, transfer_deadline, span
         )
-        await self._hand_over(job, computed.first_token, cached_tokens, transfer_deadline)
+        with child_span(_tracer, "prefill hand-over"):
+            await self._hand_over(job, computed.first_token, cached_tokens, transfer_deadline)
         t_done = time.monotonic()
         log.info(
             "prefill_done",
@@ -443,9 +467,17 @@ class PrefillWorker(Worker):
             await self._account_prefix(job, prefix, span)
             streamer = self._start_streaming(job, reserved, prefix, cached_tokens, deadline_s)
             try:
-                first_token = await self._compute_with_holds(
-                    job, prefix.block_table, cached_tokens, streamer
-                )
+                with child_span(_tracer, "prefill compute") as computing:
+                    if computing.is_recording():
+                        computing.set_attributes(
+                            {
+                                "yb.computed_tokens": len(job.token_ids) - cached_tokens,
+                                "yb.chunk_size": self.pcfg.chunk_size,
+                            }
+                        )
+                    first_token = await self._compute_with_holds(
+                        job, prefix.block_table, cached_tokens, streamer
+                    )
                 computed_at = time.monotonic()
                 await self._failpoint(job, "prefill.commit")
                 self._check_alive(job)
@@ -688,6 +720,21 @@ class PrefillWorker(Worker):
 
     async def _publish(self, event: ev.AnyEvent) -> None:
         await self.bus.try_publish(event)
+
+
+def _prefix_attributes(job: pr.PrefillJob, prefix: Prefix) -> dict[str, AttributeValue]:
+    """What a trace shows of a loaded prefix: how much, from where, at what cost."""
+    attributes: dict[str, AttributeValue] = {
+        "yb.planned_blocks": sum(plan.num_blocks for plan in job.decision.reuse),
+        "yb.reused_blocks": prefix.reused_blocks,
+        "yb.engine_blocks": prefix.engine_blocks,
+        "yb.fetched_bytes": prefix.fetched_bytes,
+        "yb.fetch_s": prefix.fetch_s,
+        "yb.fetch_failures": len(prefix.failures),
+    }
+    for tier, tokens in prefix.tokens_by_tier.items():
+        attributes[f"yb.reused_tokens.{tier}"] = tokens
+    return attributes
 
 
 def _engine_barrier() -> None:
