@@ -13,9 +13,10 @@ say() { printf '[setup] %s\n' "$*"; }
 
 # System tools some tests need, from Debian's packages: `ip` and iptables/nftables for the
 # network-namespace hosts of the multi-host and blackhole tests, stress-ng for the
-# stability runs (.ci/stability). Installed only when missing, and only where this user
-# may (root with apt-get); elsewhere the tests that need them skip and say why.
-SYSTEM_PACKAGES=(iproute2 iptables nftables stress-ng)
+# stability runs (.ci/stability), prometheus for the dashboards' test and chromium for
+# the timeline report's. Installed only when missing, and only where this user may (root
+# with apt-get); elsewhere the tests that need them skip and say why.
+SYSTEM_PACKAGES=(iproute2 iptables nftables stress-ng prometheus chromium)
 missing=()
 for package in "${SYSTEM_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "ok installed" || missing+=("$package")

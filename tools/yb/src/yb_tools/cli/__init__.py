@@ -8,6 +8,7 @@
     yb prepare [--model SOURCE]     convert and cache the model (setup.sh runs it)
 
     yb replay [--file LOG] [--export LOG] [--policy P --set k=v]   the conductor's decisions
+    yb replay ... --report out.html [--last N | --since S --for S]  a timeline of decisions
     yb explain REQUEST_ID [--file LOG] [--full]                   why one decision
     yb profile [--quick] [--out FILE]                             fit the cost model here
 
