@@ -43,7 +43,16 @@ from yb_tools.natsserver import (
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-SERVICES: dict[str, Any] = COMPOSE["services"]
+#: The cluster; the observability profile's services (Prometheus, Grafana, Jaeger) are
+#: apart, checked at the end of this file.
+SERVICES: dict[str, Any] = {
+    name: service for name, service in COMPOSE["services"].items() if not service.get("profiles")
+}
+OBSERVABILITY: dict[str, Any] = {
+    name: service
+    for name, service in COMPOSE["services"].items()
+    if "observability" in service.get("profiles", [])
+}
 ROLES = ("conductor", "prefill", "decode", "kvstore", "gateway")
 DOCKERFILE = ROOT / "Dockerfile"
 
@@ -523,6 +532,9 @@ def test_make_env_writes_every_secret_compose_requires(tmp_path: Path) -> None:
     # And what the three-node variant adds (the route password).
     required |= set(REQUIRED_VAR.findall((ROOT / "docker-compose.cluster.yml").read_text()))
     assert "YB_NATS_ROUTE_PASSWORD" in required
+    # Grafana's is optional to compose (only the observability profile's Grafana
+    # refuses to start without it), but make-env writes it.
+    required.add("YB_GRAFANA_ADMIN_PASSWORD")
     out = tmp_path / ".env"
     script = ROOT / "deploy" / "make-env.sh"
     subprocess.run(["sh", str(script), str(out)], check=True, capture_output=True, timeout=30)
@@ -534,6 +546,14 @@ def test_make_env_writes_every_secret_compose_requires(tmp_path: Path) -> None:
     # A second run keeps the secrets (keys handed out stay valid).
     subprocess.run(["sh", str(script), str(out)], check=True, capture_output=True, timeout=30)
     assert dict(line.split("=", 1) for line in out.read_text().splitlines()) == values
+    # A file from an older checkout gains the secrets it lacks and keeps the others.
+    older = {k: v for k, v in values.items() if k != "YB_GRAFANA_ADMIN_PASSWORD"}
+    out.write_text("".join(f"{k}={v}\n" for k, v in older.items()))
+    subprocess.run(["sh", str(script), str(out)], check=True, capture_output=True, timeout=30)
+    upgraded = dict(line.split("=", 1) for line in out.read_text().splitlines())
+    assert set(upgraded) == required
+    assert {k: upgraded[k] for k in older} == older
+    assert len(upgraded["YB_GRAFANA_ADMIN_PASSWORD"]) >= 32
 
 
 # --- the three-node NATS variant (docker-compose.cluster.yml) ------------------------
