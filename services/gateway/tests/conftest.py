@@ -30,8 +30,8 @@ from yb_gateway.service import GatewayService
 
 @pytest.fixture(autouse=True, scope="session")
 def _tracing() -> None:
-    """A real tracer provider, as `run_service` installs: spans are recorded and their
-    context travels in the job's `trace_headers` (exported nowhere)."""
+    """A real tracer provider, as `run_service` installs: with no exporter configured,
+    spans record nothing, but their context still travels in the job's `trace_headers`."""
     configure_tracing("gateway-test", "test", TelemetryConfig())
 
 

@@ -176,7 +176,11 @@ def run_service(
         return 2
     service = factory(cfg)
     configure_logging(role, service.instance_id, cfg.telemetry)
-    configure_tracing(role, service.instance_id, cfg.telemetry)
+    try:
+        configure_tracing(role, service.instance_id, cfg.telemetry)
+    except ConfigError as exc:  # an OTLP endpoint without the exporter package
+        print(f"yb_{role}: {exc}", file=sys.stderr)
+        return 2
     return asyncio.run(_run(service))
 
 
