@@ -20,6 +20,10 @@ reused later; see `yb_core.credentials`). nats-server gets an authorization bloc
 with one user per role and the permissions of `yb_core.nats_auth`; each service
 gets its role's user and the *paths* of its secrets in `YB_*` variables. Every
 listener binds to loopback by default (gateway, metrics, NATS and its monitor, UCX).
+
+Metrics: the launcher keeps a Prometheus scrape config and a file_sd targets file in
+`<data dir>/prometheus/` (see `yb_tools.cli.prometheus_files`), current as instances
+start and stop, and says where they are once the cluster is ready.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import nats.js.errors
 from yb_core.config import (
     DEFAULT_EVENT_LOG_BYTES,
     MIN_EVENT_LOG_BYTES,
+    NatsConfig,
     YbConfig,
     dump_env,
 )
@@ -54,6 +59,15 @@ from yb_core.nats_auth import (
     cluster_users,
     literal_passwords,
     render_authorization,
+)
+from yb_tools.cli.prometheus_files import (
+    PROMETHEUS_DIR,
+    SCRAPE_CONFIG_FILE,
+    TARGETS_FILE,
+    TargetWatcher,
+    scrape_config,
+    write_atomically,
+    write_scrape_config,
 )
 from yb_tools.natsserver import (
     CLUSTER_DECISION_TIMEOUT_S,
@@ -131,6 +145,9 @@ class ClusterInfo(msgspec.Struct):
     metrics_token_file: str = ""
     # Every NATS node's monitor (one per node of a cluster; the first is above too).
     nats_monitor_urls: list[str] = msgspec.field(default_factory=list)
+    # The Prometheus scrape config and the file_sd file it reads (kept current).
+    prometheus_config: str = ""
+    prometheus_targets: str = ""
 
 
 @dataclass
@@ -148,7 +165,12 @@ class Cluster:
     # The processes to run, when not the topology's (tests place them in namespaces).
     placement: list[ProcessSpec] = field(default_factory=list)
     children: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # When each child was started (wall clock): announcements older than that are an
+    # earlier process's.
+    started_at: dict[str, float] = field(default_factory=dict)
     secrets: LocalSecrets | None = None
+    # Keeps the Prometheus targets file current while the cluster runs.
+    prometheus_targets: TargetWatcher | None = None
 
     @property
     def data_dir(self) -> Path:
@@ -203,11 +225,17 @@ class Cluster:
         return Path(configured) if configured else self.ensure_secrets().api_key_path
 
     def access_hint(self) -> list[str]:
-        """What `yb up` prints once ready: where the key is, and a request to paste."""
+        """What `yb up` prints once ready: where the key is, a request to paste, and
+        the Prometheus files with the command that scrapes the cluster."""
         key = self.api_key_file
+        prometheus = self.data_dir / PROMETHEUS_DIR
         return [
             f"API key: {key} (send it as `Authorization: Bearer <key>`)",
             f'try: curl -H "Authorization: Bearer $(cat {key})" {self.gateway_url}/v1/models',
+            f"Prometheus: scrape config {prometheus / SCRAPE_CONFIG_FILE}, targets (kept "
+            f"current) {prometheus / TARGETS_FILE}",
+            f"scrape it: prometheus --config.file={prometheus / SCRAPE_CONFIG_FILE} "
+            f"--storage.tsdb.path={prometheus / 'data'} --web.listen-address=127.0.0.1:9090",
         ]
 
     def start_nats(self) -> None:
@@ -377,13 +405,7 @@ class Cluster:
         """
         from yb_core.bus import Bus, BusError
 
-        ncfg = msgspec.structs.replace(
-            self.cfg.nats,
-            user=ADMIN_USER,
-            password=secrets.nats_passwords[ADMIN_USER],
-            password_file="",
-            creds_file="",
-        )
+        ncfg = self._admin_nats(secrets)
         lease_bucket = f"{self.cfg.conductor.snapshot_bucket}_lease"
 
         async def provision() -> None:
@@ -411,13 +433,25 @@ class Cluster:
 
         asyncio.run(provision())
 
+    def _admin_nats(self, secrets: LocalSecrets) -> NatsConfig:
+        """Client settings for the cluster's NATS as the operator's user."""
+        return msgspec.structs.replace(
+            self.cfg.nats,
+            user=ADMIN_USER,
+            password=secrets.nats_passwords[ADMIN_USER],
+            password_file="",
+            creds_file="",
+        )
+
     def start_services(self) -> None:
-        """Start every service process in dependency order."""
+        """Start every service process in dependency order, then keep the Prometheus
+        targets file current."""
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self._share_kv_memory()
         for spec in self.process_specs():
             self._spawn(spec, logs)
+        config_path, targets_path = self.write_prometheus_files()
         pids = {name: proc.pid for name, proc in self.children.items()}
         for i, node in enumerate(self.nats_nodes):
             if node.process is not None:
@@ -437,8 +471,53 @@ class Cluster:
             pids=pids,
             api_key_file=str(self.api_key_file),
             metrics_token_file=self._metrics_token_file(),
+            prometheus_config=str(config_path),
+            prometheus_targets=str(targets_path),
         )
         (self.data_dir / "cluster.json").write_bytes(msgspec.json.encode(info))
+
+    def write_prometheus_files(self) -> tuple[Path, Path]:
+        """Write the scrape config and start keeping the targets file current (see
+        `yb_tools.cli.prometheus_files`); returns both paths."""
+        directory = self.data_dir / PROMETHEUS_DIR
+        targets_path = directory / TARGETS_FILE
+        config_path = directory / SCRAPE_CONFIG_FILE
+        config = scrape_config(targets_path, self._prometheus_token_file())
+        write_scrape_config(
+            config_path,
+            config,
+            header=(
+                f"Written by `yb up` for the cluster in {self.data_dir}; rewritten at each "
+                "start.\nTargets: every instance's metrics listener, kept current in "
+                f"{TARGETS_FILE}.\nRun: prometheus --config.file={config_path}"
+            ),
+        )
+        if self.prometheus_targets is None:
+            secrets = self.ensure_secrets()
+            self.prometheus_targets = TargetWatcher(
+                self._admin_nats(secrets), targets_path, self.running_instances
+            )
+            self.prometheus_targets.start()
+        return config_path, targets_path
+
+    def _prometheus_token_file(self) -> Path:
+        """The file Prometheus reads the metrics token from: the services' own token
+        file, or, for a token configured as a value, a copy in the secrets directory
+        (mode 0600), so that the scrape config never holds the token."""
+        if path := self._metrics_token_file():
+            return Path(path)
+        copy = Path(self.ensure_secrets().root) / "prometheus_metrics_token"
+        write_atomically(copy, (self.cfg.telemetry.metrics_token + "\n").encode(), mode=0o600)
+        return copy
+
+    def running_instances(self) -> dict[str, float]:
+        """The children running now: instance id -> when it was started (wall clock).
+        Safe to call from another thread."""
+        return {
+            name: self.started_at.get(name, 0.0)
+            for name, proc in list(self.children.items())
+            if proc.poll() is None
+        }
 
     def _metrics_token_file(self) -> str:
         # A token configured explicitly wins (the services resolve it first).
@@ -484,6 +563,7 @@ class Cluster:
         # (and the death signal set below) stay the service's own.
         enter = ["ip", "netns", "exec", spec.netns] if spec.netns else []
         log_path = logs / f"{spec.instance_id}.log"
+        self.started_at[spec.instance_id] = time.time()
         with open(log_path, "ab") as out:
             self.children[spec.instance_id] = subprocess.Popen(
                 [*enter, sys.executable, "-m", f"yb_{spec.role}"],
@@ -525,7 +605,11 @@ class Cluster:
         return [name for name, p in self.children.items() if p.poll() is not None]
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """Stop every child (reverse start order), then NATS; idempotent."""
+        """Stop every child (reverse start order), then NATS; idempotent. The
+        Prometheus targets file is left empty."""
+        if self.prometheus_targets is not None:
+            self.prometheus_targets.stop()
+            self.prometheus_targets = None
         for name in reversed(list(self.children)):
             proc = self.children[name]
             if proc.poll() is None:
