@@ -3,15 +3,28 @@
 The fold (`Conductor`) counts decisions and compares completions with estimates as
 pure data (`DecisionQuality`, `Conductor.outcomes`); this module only exports them, so
 a replay computes exactly the figures the live conductor exported.
+
+The known label values (decision outcomes, placement branches, refusal codes) are
+exported at 0 from the start, so a dashboard has a series for each before the first
+request. `yb_conductor_transfer_failures_total` counts the `TransferFailed` events the
+live conductor folds: every failed KV transfer of the cluster (prefill to decode, and
+prefix fetches from kvstores), by kind.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from yb_conductor.admission import DECODE_KV_FULL, NO_DECODE, NO_PREFILL, TBT_SLO, TTFT_SLO
 from yb_conductor.conductor import Conductor, Output
+from yb_conductor.prefill_placement import LOCAL, RECOMPUTE, TRANSFER
 from yb_conductor.quality import reject_code
 from yb_core import events as ev
+
+#: `TransferFailed` kinds: KV streamed from a prefill engine to a decode engine, and a
+#: planned prefix fetched by a prefill engine from a kvstore.
+TO_DECODE = "to_decode"
+PREFIX_FETCH = "prefix_fetch"
 
 _RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
 
@@ -105,6 +118,21 @@ class ConductorMetrics:
             "Stream sequence of the latest snapshot saved or restored",
             registry=registry,
         )
+        self.transfer_failures = Counter(
+            "yb_conductor_transfer_failures_total",
+            "Failed KV transfers (TransferFailed events), by kind (to_decode, prefix_fetch)",
+            ["kind"],
+            registry=registry,
+        )
+        # Exported at 0 from the start (see the module's docstring).
+        for outcome in ("scheduled", "rejected"):
+            self.decisions.labels(outcome)
+        for branch in (LOCAL, TRANSFER, RECOMPUTE):
+            self.branches.labels(branch)
+        for code in (NO_PREFILL, NO_DECODE, DECODE_KV_FULL, TTFT_SLO, TBT_SLO):
+            self.rejections.labels(code)
+        for kind in (TO_DECODE, PREFIX_FETCH):
+            self.transfer_failures.labels(kind)
 
     def decided(self, outputs: list[Output], seconds: float) -> None:
         """Count the decisions of one admission."""
@@ -123,6 +151,19 @@ class ConductorMetrics:
                     self.rejections.labels(reject_code(out.reason)).inc()
                 case _:
                     pass
+
+    def folded(self, event: ev.AnyEvent, conductor: Conductor) -> None:
+        """Count what one event of the log tells (a failed transfer); the live
+        conductor calls it for each event it folds."""
+        match event:
+            case ev.TransferFailed():
+                # Prefill engines report both kinds: the target is a decode engine
+                # for KV streamed to it, the prefill engine itself for a prefix fetch.
+                target = conductor.state.instances.get(event.target_instance)
+                decode = target is not None and target.role == "decode"
+                self.transfer_failures.labels(TO_DECODE if decode else PREFIX_FETCH).inc()
+            case _:
+                pass
 
     def collect_outcomes(self, conductor: Conductor) -> None:
         """Export the completions the fold compared since the last call."""

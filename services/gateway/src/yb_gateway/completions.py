@@ -16,7 +16,9 @@ A request's steps, and why they are ordered so:
    dropped is noted in the request's state and becomes the cancel's reason.
 
 In every case the session is released exactly once and the request is counted once
-in `yb_gateway_requests_total`.
+in `yb_gateway_requests_total`; a completed one also gets its SLO verdict from the
+times its token chunks went to the client (`metrics.RequestTiming`), and a refused
+one (429, 503) is counted by its error code.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from opentelemetry.context import Context
 from yb_core.config import YbConfig
 from yb_core.telemetry import bind_request, extract_context, get_logger
 from yb_gateway.errors import ApiError, unavailable
-from yb_gateway.metrics import CLIENT_CLOSED, GatewayMetrics
+from yb_gateway.metrics import CLIENT_CLOSED, GatewayMetrics, RequestTiming
 from yb_gateway.prompt import PreparedRequest, PromptEncoder, check_common, prepare
 from yb_gateway.render import SSE_DONE, ChatFormat, ResponseFormat, TextFormat, sse_error
 from yb_gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -87,6 +89,8 @@ class _Exchange:
     # The request's scope state: where the connection notes that it dropped a slow
     # client (`slow_clients.DROPPED_STATE_KEY`).
     state: dict[str, Any]
+    # When its token chunks went out, for its SLO verdict.
+    timing: RequestTiming
     settled: bool = False
 
 
@@ -182,7 +186,10 @@ class CompletionsEndpoint:
             except BaseException as exc:
                 # Nothing reached the bus: only the books need settling.
                 metrics.in_flight.dec()
-                metrics.finished(exc.status if isinstance(exc, ApiError) else 500)
+                if isinstance(exc, ApiError):
+                    metrics.finished(exc.status, exc.code)
+                else:
+                    metrics.finished(500)
                 _tag(exc, request_id)
                 raise
             log.info(
@@ -193,7 +200,9 @@ class CompletionsEndpoint:
                 stream=prepared.stream,
                 user=body.user,
             )
-            exchange = _Exchange(session, fmt, request.scope.setdefault("state", {}))
+            exchange = _Exchange(
+                session, fmt, request.scope.setdefault("state", {}), RequestTiming(arrived)
+            )
             try:
                 await until_disconnect(request, session.start())
                 if prepared.stream:
@@ -208,7 +217,7 @@ class CompletionsEndpoint:
                             self._settle, exchange, CLIENT_CLOSED, "client disconnected"
                         ),
                     )
-                text = await until_disconnect(request, _collect(session))
+                text = await until_disconnect(request, _collect(exchange))
             except ClientDisconnected:
                 await self._settle(exchange, CLIENT_CLOSED, "client disconnected")
                 return Response(b"", status_code=CLIENT_CLOSED)
@@ -216,7 +225,7 @@ class CompletionsEndpoint:
                 await self._settle(exchange, exc.status, exc.message)
                 raise _tag(exc.api_error(), request_id) from exc
             except ApiError as exc:
-                await self._settle(exchange, exc.status, exc.message)
+                await self._settle(exchange, exc.status, exc.message, exc.code)
                 _tag(exc, request_id)
                 raise
             except BaseException as exc:
@@ -229,7 +238,9 @@ class CompletionsEndpoint:
                 headers={"X-Request-Id": request_id},
             )
 
-    async def _settle(self, exchange: _Exchange, status: int, reason: str) -> None:
+    async def _settle(
+        self, exchange: _Exchange, status: int, reason: str, code: str | None = None
+    ) -> None:
         """Count the request once and release its session (cancelling it if unfinished)."""
         if exchange.settled:
             return
@@ -237,8 +248,17 @@ class CompletionsEndpoint:
         if status == CLIENT_CLOSED and (dropped := exchange.state.get(DROPPED_STATE_KEY)):
             reason = f"client dropped: {dropped}"
         self._metrics.in_flight.dec()
-        self._metrics.finished(status)
+        self._metrics.finished(status, code)
         session = exchange.session
+        if status == 200:
+            gcfg = self._cfg.gateway
+            self._metrics.completed(
+                exchange.timing,
+                prompt_tokens=session.prompt_tokens,
+                cached_tokens=session.cached_tokens,
+                ttft_slo_s=gcfg.ttft_slo_s,
+                tbt_slo_s=gcfg.tbt_slo_s,
+            )
         log.info(
             "request_finished",
             request_id=session.request_id,
@@ -265,6 +285,8 @@ class CompletionsEndpoint:
                     # without waiting, so chunks already queued would run the stream
                     # to its end as if delivered. It ends here, cancelled.
                     return
+                if chunk.token_ids or chunk.text:
+                    exchange.timing.token(time.monotonic())
                 if chunk.text:
                     yield fmt.delta(chunk.text, session.usage() if continuous else None)
             # Generation is complete: a client leaving during the last frames is not
@@ -292,6 +314,10 @@ def _tag(exc: BaseException, request_id: str) -> BaseException:
     return exc
 
 
-async def _collect(session: RequestSession) -> str:
-    parts = [chunk.text async for chunk in session.chunks()]
+async def _collect(exchange: _Exchange) -> str:
+    parts = []
+    async for chunk in exchange.session.chunks():
+        if chunk.token_ids or chunk.text:
+            exchange.timing.token(time.monotonic())
+        parts.append(chunk.text)
     return "".join(parts)

@@ -11,9 +11,23 @@ to publish lost chunks again, by what made it ask (`gap`, `reconnect`, `quiet`).
 (`request_timeout`: head or body not in within `body_timeout_s`; `stream_stall`: the
 client did not read for `stream_stall_timeout_s` with every buffer full), and
 `yb_gateway_stalled_connections` the connections whose writes wait for the client now.
+
+Goodput is judged here, per completed request (status 200), as `yb bench` judges it
+from the client's side: within both SLOs when its TTFT is at most
+`gateway.ttft_slo_s` and the 90th percentile of its inter-token gaps at most
+`gateway.tbt_slo_s` (a request with fewer than two token chunks has no gap to judge).
+`yb_gateway_goodput_requests_total` counts those, `yb_gateway_slo_missed_requests_total`
+the others by the SLO they missed (both, for a request that missed both). The prompt
+tokens of completed requests, and those of them whose KV was reused (the
+`cached_tokens` of their usage), are counted for the cache hit ratio.
+`yb_gateway_refused_requests_total` counts requests turned away before any token,
+with 429 (the conductor rejected it) or 503 (nothing could serve it), by error code.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -23,6 +37,26 @@ CLIENT_CLOSED = 499
 # Why the gateway dropped a slow client (`yb_gateway_slow_client_drops_total`).
 REQUEST_TIMEOUT = "request_timeout"
 STREAM_STALL = "stream_stall"
+
+# The SLOs a completed request can miss (`yb_gateway_slo_missed_requests_total`).
+TTFT_SLO = "ttft"
+TBT_SLO = "tbt"
+# A request's TBT, for its SLO verdict: this percentile of its own gaps (as `yb bench`).
+TBT_PERCENTILE = 90.0
+# Statuses that refuse a request before any token: the conductor's rejection, and
+# nothing to serve it.
+REFUSAL_STATUSES = (429, 503)
+# The error codes of those refusals (`yb_gateway.errors`, the session and the
+# endpoints), exported at 0 from the start; a code not listed is counted all the same.
+REFUSAL_CODES = (
+    "request_rejected",
+    "decision_timeout",
+    "bus_unavailable",
+    "no_engine",
+    "job_refused",
+    "tokenizer_not_ready",
+    "shutting_down",
+)
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -75,7 +109,102 @@ class GatewayMetrics:
             "Completion requests being handled now",
             registry=registry,
         )
+        self.goodput = Counter(
+            "yb_gateway_goodput_requests",
+            "Completed requests within both SLOs (TTFT <= gateway.ttft_slo_s, p90 of "
+            "inter-token gaps <= gateway.tbt_slo_s)",
+            registry=registry,
+        )
+        self.slo_missed = Counter(
+            "yb_gateway_slo_missed_requests",
+            "Completed requests that missed an SLO, by the SLO (ttft, tbt)",
+            ["slo"],
+            registry=registry,
+        )
+        for slo in (TTFT_SLO, TBT_SLO):
+            self.slo_missed.labels(slo)  # exported at 0 from the start
+        self.prompt_tokens = Counter(
+            "yb_gateway_prompt_tokens",
+            "Prompt tokens of completed requests",
+            registry=registry,
+        )
+        self.cached_prompt_tokens = Counter(
+            "yb_gateway_cached_prompt_tokens",
+            "Prompt tokens of completed requests whose KV was reused (usage's cached_tokens)",
+            registry=registry,
+        )
+        self.refused = Counter(
+            "yb_gateway_refused_requests",
+            "Requests refused before any token (429 or 503), by error code",
+            ["code"],
+            registry=registry,
+        )
+        for code in REFUSAL_CODES:
+            self.refused.labels(code)  # exported at 0 from the start
 
-    def finished(self, status: int) -> None:
-        """Count one request that ended with `status`."""
+    def finished(self, status: int, code: str | None = None) -> None:
+        """Count one request that ended with `status` (and, for a refusal, its error
+        `code`)."""
         self.requests.labels(str(status)).inc()
+        if status in REFUSAL_STATUSES and code:
+            self.refused.labels(code).inc()
+
+    def completed(
+        self,
+        timing: RequestTiming,
+        *,
+        prompt_tokens: int,
+        cached_tokens: int,
+        ttft_slo_s: float,
+        tbt_slo_s: float,
+    ) -> None:
+        """Count one request that completed (status 200): its SLO verdict and its
+        prompt tokens."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(min(cached_tokens, prompt_tokens))
+        missed = timing.missed_slos(ttft_slo_s, tbt_slo_s)
+        for slo in missed:
+            self.slo_missed.labels(slo).inc()
+        if not missed:
+            self.goodput.inc()
+
+
+class RequestTiming:
+    """When one request arrived and when its token chunks went to the client
+    (monotonic seconds), for its SLO verdict."""
+
+    __slots__ = ("arrived", "first_token_at", "gaps", "last_token_at")
+
+    def __init__(self, arrived: float) -> None:
+        self.arrived = arrived
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.gaps: list[float] = []
+
+    def token(self, now: float) -> None:
+        """A chunk with tokens went out at `now`."""
+        if self.last_token_at is None:
+            self.first_token_at = now
+        else:
+            self.gaps.append(now - self.last_token_at)
+        self.last_token_at = now
+
+    def missed_slos(self, ttft_slo_s: float, tbt_slo_s: float) -> list[str]:
+        """The SLOs this request missed: TTFT (also when no token came at all) and
+        TBT (the `TBT_PERCENTILE`th percentile of its gaps)."""
+        missed = []
+        if self.first_token_at is None or self.first_token_at - self.arrived > ttft_slo_s:
+            missed.append(TTFT_SLO)
+        if self.gaps and percentile(self.gaps, TBT_PERCENTILE) > tbt_slo_s:
+            missed.append(TBT_SLO)
+        return missed
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q`th percentile (0..100) of non-empty `values`, interpolated linearly
+    between closest ranks (numpy's default, and `yb bench`'s)."""
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)

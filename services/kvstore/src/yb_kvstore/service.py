@@ -85,11 +85,21 @@ def _tiers(kcfg: KVStoreConfig, io: ThreadPoolExecutor) -> tuple[DramSlab, SsdTi
 
 
 class StoreMetrics:
-    """What a kvstore exports besides the transport's own."""
+    """What a kvstore exports besides the transport's own.
+
+    Every known label value is exported from the start (an empty store holds 0
+    blocks; no byte has moved yet), so a dashboard has its series before any traffic.
+    """
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.blocks = Gauge(
             "yb_kvstore_blocks", "Blocks held, by tier", ["tier"], registry=registry
+        )
+        self.capacity = Gauge(
+            "yb_kvstore_capacity_blocks",
+            "Blocks the tier can hold, by tier (0: no SSD tier)",
+            ["tier"],
+            registry=registry,
         )
         self.puts = Counter(
             "yb_kvstore_puts_total", "Block puts by outcome", ["outcome"], registry=registry
@@ -106,6 +116,15 @@ class StoreMetrics:
             ["outcome"],
             registry=registry,
         )
+        for tier in ("dram", "ssd"):
+            self.blocks.labels(tier)
+            self.capacity.labels(tier)
+        for outcome in ("stored", "duplicate", "refused", "failed"):
+            self.puts.labels(outcome)
+        for outcome in ("served", "missing", "refused"):
+            self.fetches.labels(outcome)
+        for direction in ("in", "out"):
+            self.bytes.labels(direction)
 
 
 class KVStoreWorker(Worker):
@@ -147,6 +166,8 @@ class KVStoreWorker(Worker):
             context.peers,
             on_outcome=lambda outcome, n: self.metrics.replicated.labels(outcome).inc(n),
         )
+        metrics.capacity.labels("dram").set(dram.num_slots)
+        metrics.capacity.labels("ssd").set(ssd.capacity if ssd is not None else 0)
 
     async def open(self) -> None:
         """Open the block-event log, then the pool (a new epoch)."""
