@@ -387,6 +387,9 @@ class ConductorService(Service):
             outputs = self.conductor.apply(item.seq, item.event)
             self.metrics.applied.inc()
             if self._live:
+                # Counted only live: a conductor catching up on the log would count
+                # failures its predecessor already counted.
+                self.metrics.folded(item.event, self.conductor)
                 if outputs:
                     self.metrics.decided(outputs, time.perf_counter() - started)
                     await self._publish_outputs(item, outputs, started)
