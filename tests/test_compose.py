@@ -57,8 +57,13 @@ ROLES = ("conductor", "prefill", "decode", "kvstore", "gateway")
 DOCKERFILE = ROOT / "Dockerfile"
 
 
-def _env(service: dict[str, Any]) -> dict[str, str]:
-    return {k: str(v) for k, v in (service.get("environment") or {}).items()}
+def _env(service: dict[str, Any], raw: bool = False) -> dict[str, str]:
+    """A service's environment; `${VAR:-default}` as compose makes it with VAR unset
+    (the default), unless `raw`."""
+    env = {k: str(v) for k, v in (service.get("environment") or {}).items()}
+    if raw:
+        return env
+    return {k: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", v) for k, v in env.items()}
 
 
 # --- the one Dockerfile ---------------------------------------------------------------
@@ -811,3 +816,47 @@ def test_engines_share_one_kv_memory_budget() -> None:
         assert engine.num_kv_pages == 0 and engine.kv_memory_bytes == 0  # sized at start
         total += engine.cpu_kv_memory_fraction
     assert total <= EngineConfig().cpu_kv_memory_fraction + 1e-9, total
+
+
+# --- the observability profile (Prometheus, Grafana, Jaeger) --------------------------
+
+
+def test_observability_profile_is_apart_pinned_and_on_loopback() -> None:
+    assert set(OBSERVABILITY) == {"prometheus", "grafana", "jaeger"}
+    for name, service in OBSERVABILITY.items():
+        assert service["profiles"] == ["observability"], name
+        # From a registry for users, pinned, and overridable with a mirror's image.
+        image = re.fullmatch(r"\$\{(YB_\w+_IMAGE):-([^}]+)\}", service["image"])
+        assert image, f"{name}: {service['image']}"
+        assert not image.group(2).endswith(":latest") and ":" in image.group(2), name
+        # Their UIs are for this host, not the network.
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), f"{name}: {port}"
+    # The cluster does not wait for them: `up` without the profile starts none of them.
+    for name, service in SERVICES.items():
+        assert not set(service.get("depends_on") or {}) & set(OBSERVABILITY), name
+
+
+def test_observability_datasources_and_spans_reach_the_profiles_services() -> None:
+    provisioning = ROOT / "deploy" / "grafana" / "provisioning" / "datasources"
+    urls = {
+        ds["type"]: ds["url"]
+        for path in sorted(provisioning.glob("*.yml"))
+        for ds in yaml.safe_load(path.read_text())["datasources"]
+    }
+    assert urls["prometheus"] == "http://prometheus:9090"
+    assert urls["jaeger"] == "http://jaeger:16686"
+    published = {p.rsplit(":", 1)[1] for s in OBSERVABILITY.values() for p in s.get("ports", [])}
+    assert {"9090", "16686", "3000"} <= published
+    # Spans: every Yuebing service takes the endpoint from YB_OTLP_ENDPOINT (empty: none),
+    # and Jaeger's OTLP/HTTP receiver listens beyond its own container.
+    for name, service in SERVICES.items():
+        if name in ("nats", "model-init"):
+            continue
+        assert _env(service, raw=True)["YB_TELEMETRY__OTLP_ENDPOINT"] == "${YB_OTLP_ENDPOINT:-}", name
+    jaeger = " ".join(OBSERVABILITY["jaeger"]["command"])
+    assert "receivers.otlp.protocols.http.endpoint=0.0.0.0:4318" in jaeger
+    # Grafana refuses its default admin password rather than start with it.
+    grafana = OBSERVABILITY["grafana"]
+    assert _env(grafana, raw=True)["GF_SECURITY_ADMIN_PASSWORD"] == "${YB_GRAFANA_ADMIN_PASSWORD:-}"
+    assert "exit 2" in " ".join(grafana["command"])
