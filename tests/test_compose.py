@@ -853,7 +853,8 @@ def test_observability_datasources_and_spans_reach_the_profiles_services() -> No
     for name, service in SERVICES.items():
         if name in ("nats", "model-init"):
             continue
-        assert _env(service, raw=True)["YB_TELEMETRY__OTLP_ENDPOINT"] == "${YB_OTLP_ENDPOINT:-}", name
+        endpoint = _env(service, raw=True)["YB_TELEMETRY__OTLP_ENDPOINT"]
+        assert endpoint == "${YB_OTLP_ENDPOINT:-}", name
     jaeger = " ".join(OBSERVABILITY["jaeger"]["command"])
     assert "receivers.otlp.protocols.http.endpoint=0.0.0.0:4318" in jaeger
     # Grafana refuses its default admin password rather than start with it.
