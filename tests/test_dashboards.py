@@ -336,6 +336,14 @@ def test_every_panel_has_data(
         f"{dashboard} / {panel}: {expr} -> {last.get((dashboard, panel, expr))}"
         for dashboard, panel, expr in pending
     )
+    # The liveness panel: every engine and kvstore alive, and nothing else on it (a
+    # gateway or conductor sends no heartbeat, so the fold's view of it means nothing).
+    alive = {
+        sample["metric"]["exported_instance"]: float(sample["value"][1])
+        for sample in prometheus.query("yb_conductor_instance_alive")
+    }
+    engines = {name for name in instances if not name.startswith(("gateway", "conductor"))}
+    assert alive == dict.fromkeys(engines, 1.0), alive
 
 
 @needs_prometheus

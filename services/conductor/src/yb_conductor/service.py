@@ -55,7 +55,7 @@ from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.lease import Lease
 from yb_conductor.metrics import ConductorMetrics
 from yb_conductor.settings import configured_event
-from yb_conductor.state import BLOCK_HOLDER_ROLES
+from yb_conductor.state import BLOCK_HOLDER_ROLES, HEARTBEAT_ROLES
 from yb_core import events as ev
 from yb_core.bus import Bus, BusError, EventReader, LoggedEvent
 from yb_core.config import YbConfig
@@ -186,7 +186,8 @@ class ConductorService(Service):
         # (a dead kvstore's blocks must leave the index): refreshed on a timer.
         self._m_alive = Gauge(
             "yb_conductor_instance_alive",
-            "1 while the conductor counts the instance as alive",
+            "1 while the conductor counts the engine or kvstore as alive (the roles "
+            "that heartbeat; gateways and conductors are not placement targets)",
             ["instance"],
             registry=self.registry,
         )
@@ -563,6 +564,11 @@ class ConductorService(Service):
         while True:
             state = self.conductor.state
             for inst in list(state.instances.values()):
+                if inst.role not in HEARTBEAT_ROLES:
+                    # A gateway or a conductor sends no heartbeat to the log, so the
+                    # fold stops counting it after heartbeat_timeout_s; a 0 for it
+                    # would read as a death on the liveness panel.
+                    continue
                 self._m_alive.labels(inst.instance_id).set(1 if inst.alive else 0)
                 self._m_index.labels(inst.instance_id).set(
                     state.index.blocks_held(inst.instance_id)
