@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from yb_gateway.metrics import TBT_SLO, TTFT_SLO, GatewayMetrics, RequestTiming, percentile
+from yb_core.stats import percentile
+from yb_gateway.metrics import TBT_SLO, TTFT_SLO, GatewayMetrics, RequestTiming
 
 
 def timing(arrived: float, *token_times: float) -> RequestTiming:

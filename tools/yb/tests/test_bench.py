@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from yb_core.config import load_config
+from yb_core.stats import percentile
 from yb_tools.bench.client import CANCELLED, RequestResult, _sse_events
-from yb_tools.bench.report import Slo, meets_slo, percentile, summarize
+from yb_tools.bench.report import Slo, meets_slo, summarize
 from yb_tools.bench.tokens import TokenBlocks, token_block
 from yb_tools.bench.workloads import (
     Limits,

@@ -26,10 +26,9 @@ with 429 (the conductor rejected it) or 503 (nothing could serve it), by error c
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from yb_core.stats import percentile
 
 # Client disconnected before the answer was complete (nginx's convention).
 CLIENT_CLOSED = 499
@@ -198,13 +197,3 @@ class RequestTiming:
         if self.gaps and percentile(self.gaps, TBT_PERCENTILE) > tbt_slo_s:
             missed.append(TBT_SLO)
         return missed
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The `q`th percentile (0..100) of non-empty `values`, interpolated linearly
-    between closest ranks (numpy's default, and `yb bench`'s)."""
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)

@@ -15,11 +15,11 @@ hit the cache and those that did not.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from yb_core.stats import percentile
 from yb_tools.bench.client import CANCELLED, RequestResult
 
 Figure = float | int | str | None
@@ -35,20 +35,6 @@ class Slo:
     ttft_s: float
     tbt_s: float
     tbt_percentile: float = 90.0
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The `q`-th percentile (0..100), interpolated linearly between closest ranks
-    (numpy's default), of a non-empty sequence."""
-    if not values:
-        raise ValueError("percentile of no values")
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be within 0..100, got {q}")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def request_tbt(result: RequestResult, q: float) -> float | None:
