@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from yb_conductor.cost_model import CostModelError
 from yb_conductor.replay import (
     LogRecord,
     NondeterminismError,
@@ -127,6 +128,19 @@ def test_what_if_reports_how_decisions_move(trace_log: list[LogRecord]) -> None:
     assert "changed decisions" in report.table()
     same = what_if(trace_log, {"explain_top_k": 3})
     assert same.changed == 0
+
+
+def test_what_if_prices_with_the_cost_model_it_names(
+    trace_log: list[LogRecord], tmp_path: Path
+) -> None:
+    # The log records its cost model; a what-if naming another one decides with that
+    # one (it once kept the recorded model and changed nothing).
+    recorded = next(r.event for r in trace_log if isinstance(r.event, ev.ConductorConfigured))
+    other = "dynamo-mocker" if "dynamo" not in recorded.settings_json else "llama2-70b-a800"
+    report = what_if(trace_log, {"cost_model": other})
+    assert report.changed > 0, report.table()
+    with pytest.raises(CostModelError):
+        what_if(trace_log, {"cost_model": str(tmp_path / "missing.json")})
 
 
 def test_explain_prints_the_recorded_candidate_table(trace_log: list[LogRecord]) -> None:

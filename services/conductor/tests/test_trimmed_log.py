@@ -107,17 +107,10 @@ def _sample(service: ConductorService, name: str) -> float:
 
 async def _replay(cfg: YbConfig, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     """`yb replay --nats URL`, as a user runs it (in a thread: it runs its own loop)."""
-    args = argparse.Namespace(
-        file=None,
-        nats=cfg.nats.url,
-        data_dir=None,
-        export=None,
-        policy=None,
-        settings=[],
-        until=0,
-        keep_going=False,
-        json=None,
-    )
+    # Parsed by the command's own parser, so the arguments are the ones `yb` gives.
+    parser = argparse.ArgumentParser()
+    replay_cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["replay", "--nats", cfg.nats.url])
     capsys.readouterr()
     rc = await asyncio.to_thread(replay_cli.run, cfg, args)
     out = capsys.readouterr()

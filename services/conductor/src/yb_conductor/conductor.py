@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from yb_conductor.cost_model import CostModel
+from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.hotness import HotPrefixes
 from yb_conductor.policy import Policy, placement_policy
 from yb_conductor.quality import DecisionQuality
@@ -79,6 +79,11 @@ class Conductor:
     ) -> None:
         self.overrides = dict(overrides or {})
         cfg = with_overrides(cfg or ConductorConfig(), self.overrides)
+        # A setting that names another cost model (a what-if) prices with that model,
+        # not with the one the log recorded; read once, so a bad file fails here.
+        self._cost_override = (
+            load_cost_model(cfg.cost_model) if "cost_model" in self.overrides else None
+        )
         self.policy = policy if policy is not None else placement_policy(cfg, cost)
         self.cfg = cfg
         self.follow_recorded = follow_recorded
@@ -134,7 +139,9 @@ class Conductor:
             case ev.ConductorConfigured():
                 if self.adopt_logged_config:
                     cfg, cost = from_event(event)
-                    self.configure(with_overrides(cfg, self.overrides), cost)
+                    self.configure(
+                        with_overrides(cfg, self.overrides), self._cost_override or cost
+                    )
                 return []
             case ev.RequestFinished():
                 self.state.apply(event)
