@@ -139,9 +139,7 @@ class Conductor:
             case ev.ConductorConfigured():
                 if self.adopt_logged_config:
                     cfg, cost = from_event(event)
-                    self.configure(
-                        with_overrides(cfg, self.overrides), self._cost_override or cost
-                    )
+                    self.configure(with_overrides(cfg, self.overrides), self._cost_override or cost)
                 return []
             case ev.RequestFinished():
                 self.state.apply(event)
