@@ -15,16 +15,17 @@ imported only here, so `yb` works without it installed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from yb_core.config import YbConfig
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from yb_conductor.replay import LogRecord
     from yb_tools.sim.params import SimParams
     from yb_tools.sim.runner import RunSpec
 
@@ -186,20 +187,19 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
         bar = ProgressBar(label, enabled=not args.quiet)
         return bar, bar.close
 
-    with contextlib.ExitStack() as stack:
-        # The report is drawn from each run's log: a temporary one when none is kept.
-        log_dir = args.log_dir
-        if args.report and not log_dir:
-            log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="yb-sim-logs-"))
-        try:
-            report = simulate(
-                args.trace, specs, params, settings=settings, progress=progress, log_dir=log_dir
-            )
-            if args.report:
-                _write_reports(args, specs, Path(log_dir))
-        except (OSError, CostModelError, SettingsError, ValueError) as exc:
-            print(f"yb sim: {exc}", file=sys.stderr)
-            return 1
+    try:
+        report = simulate(
+            args.trace,
+            specs,
+            params,
+            settings=settings,
+            progress=progress,
+            log_dir=args.log_dir,
+            on_log=_report_writer(args, len(specs)) if args.report else None,
+        )
+    except (OSError, CostModelError, SettingsError, ValueError) as exc:
+        print(f"yb sim: {exc}", file=sys.stderr)
+        return 1
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report.to_builtins(), indent=1) + "\n")
@@ -224,26 +224,26 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
 def report_path(path: str | Path, label: str, runs: int) -> Path:
     """Where a run's timeline goes: `path` itself for a single run, else the run's
     label before the suffix (`out.html` -> `out-mooncake-early.html`)."""
+    from yb_tools.sim.runner import file_label
+
     out = Path(path)
     if runs == 1:
         return out
-    return out.with_name(f"{out.stem}-{_file_label(label)}{out.suffix or '.html'}")
+    return out.with_name(f"{out.stem}-{file_label(label)}{out.suffix or '.html'}")
 
 
-def _file_label(label: str) -> str:
-    # The name `simulate` gives each run's log in `log_dir`, without the suffix.
-    return label.replace(":", "-")
-
-
-def _write_reports(args: argparse.Namespace, specs: list[RunSpec], log_dir: Path) -> None:
-    from yb_conductor.replay import read_log
+def _report_writer(
+    args: argparse.Namespace, runs: int
+) -> Callable[[RunSpec, list[LogRecord]], None]:
+    """What writes each run's timeline from its event log, as the run ends."""
     from yb_tools.timeline.report import write_report
 
-    for spec in specs:
-        records = read_log(log_dir / f"{_file_label(spec.label)}.jsonl")
-        path = report_path(args.report, spec.label, len(specs))
+    def write(spec: RunSpec, records: list[LogRecord]) -> None:
+        path = report_path(args.report, spec.label, runs)
         timeline = write_report(
             records, path, title=f"yb sim: {spec.label}", source=f"trace {args.trace}"
         )
         note = f" ({timeline.meta.note})" if timeline.meta.note else ""
         print(f"timeline: {path}{note}")
+
+    return write

@@ -20,7 +20,7 @@ import msgspec
 from yb_conductor.admission import ADMISSIONS
 from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.policy import PLACEMENT_POLICIES
-from yb_conductor.replay import write_log
+from yb_conductor.replay import LogRecord, write_log
 from yb_tools.sim.params import SimParams
 from yb_tools.sim.results import PolicyResult
 from yb_tools.sim.simulator import Progress, Simulation, block_size_for, with_bandwidth
@@ -92,10 +92,11 @@ def simulate(
     settings: Mapping[str, Any] | None = None,
     progress: Callable[[str], tuple[Progress, Callable[[], None]]] | None = None,
     log_dir: str | Path | None = None,
+    on_log: Callable[[RunSpec, list[LogRecord]], None] | None = None,
 ) -> SimReport:
     """Run every spec on the trace. `progress(label)` gives a callback and a closer
-    per run; `log_dir` receives each run's event log (`<label>.jsonl`, replayable with
-    `yb replay --file`)."""
+    per run; `log_dir` receives each run's event log (`log_path`, replayable with
+    `yb replay --file`); `on_log(spec, records)` is handed each run's log as well."""
     cost = resolve_cost(params)
     bs = block_size_for(params, cost)
     items = load_workload(trace, block_size=bs, speedup=params.speedup, limit=params.limit)
@@ -111,7 +112,7 @@ def simulate(
             policy=spec.policy,
             admission=spec.admission,
             label=spec.label,
-            record_log=log_dir is not None,
+            record_log=log_dir is not None or on_log is not None,
             settings=settings,
         )
         callback, close = progress(spec.label) if progress else (None, None)
@@ -120,10 +121,13 @@ def simulate(
         finally:
             if close is not None:
                 close()
-        if log_dir is not None and sim.records is not None:
-            out = Path(log_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            write_log(out / f"{spec.label.replace(':', '-')}.jsonl", sim.records)
+        if sim.records is not None:
+            if log_dir is not None:
+                path = log_path(log_dir, spec.label)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_log(path, sim.records)
+            if on_log is not None:
+                on_log(spec, sim.records)
     wall = time.perf_counter() - started
     simulated = sum(r.simulated_s for r in results.values())
     run_wall = sum(r.wall_s for r in results.values())
@@ -137,3 +141,13 @@ def simulate(
         block_size=bs,
         wall_s=wall,
     )
+
+
+def file_label(label: str) -> str:
+    """A run's label as it appears in file names (`mooncake:early` -> `mooncake-early`)."""
+    return label.replace(":", "-")
+
+
+def log_path(log_dir: str | Path, label: str) -> Path:
+    """Where `simulate` writes the event log of the run labelled `label`."""
+    return Path(log_dir) / f"{file_label(label)}.jsonl"
