@@ -21,7 +21,14 @@ from yb_core.events import RequestScheduled, StrictDecoder, subject_token
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
-    """How a request's tokens are chosen; `temperature == 0` means greedy."""
+    """How a request's tokens are chosen; `temperature == 0` means greedy.
+
+    Everything here is the request's own: the state that sampling builds up as tokens
+    are generated (the random stream's position, the penalties' token counts, the
+    grammar's parse) is never sent. Any engine rebuilds it from these parameters and the
+    tokens generated so far, so prefill and decode, or a second decode instance after a
+    re-plan, draw exactly what one engine running the whole request would.
+    """
 
     max_tokens: int = 256
     temperature: float = 1.0
@@ -30,6 +37,28 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
     seed: int | None = None
     stop: list[str] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
+    #: Choices generated from the one prompt (its KV computed once, its pages shared).
+    n: int = 1
+    #: OpenAI's penalties, -2..2, over the tokens each choice has generated.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: Added to the logits of these token ids before sampling (-100..100).
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    #: None: no logprobs. k >= 0: each generated token's logprob and the k likeliest
+    #: alternatives' (from the model's distribution, before any processing).
+    logprobs: int | None = None
+    #: An llguidance grammar (its JSON form, as the gateway built and checked it) that
+    #: every generated token must follow; "" leaves generation unconstrained.
+    grammar: str = ""
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False, kw_only=True):
+    """A generated token's log-probability and, when asked, its likeliest alternatives
+    (`(token id, logprob)`, likeliest first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = msgspec.field(default_factory=list)
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True, tag=True):
@@ -55,6 +84,13 @@ class PrefillJob(_Msg, tag="prefill_job"):
     token_subject: str
     deadline: float
     trace_headers: dict[str, str] = msgspec.field(default_factory=dict)
+    #: Larger runs earlier: the prefill queue orders by priority, then arrival.
+    priority: int = 0
+    #: 0 for a request's first plan; k after its k-th re-plan.
+    attempt: int = 0
+    #: The last `generated_tokens` of `token_ids` are output the client already has
+    #: (a re-plan continues the request): sampling resumes after them.
+    generated_tokens: int = 0
 
 
 class JobAccepted(_Msg, tag="job_accepted"):
@@ -95,6 +131,11 @@ class ReserveKV(_Msg, tag="reserve_kv"):
     prompt_token_ids: list[int] = msgspec.field(default_factory=list)
     trace_headers: dict[str, str] = msgspec.field(default_factory=dict)
     ttft_started: float = 0.0
+    #: As on `PrefillJob`: decode admits higher priorities first when pages are short;
+    #: a reservation of a newer attempt replaces an older one of the same request.
+    priority: int = 0
+    attempt: int = 0
+    generated_tokens: int = 0
 
 
 class KVReserved(_Msg, tag="kv_reserved"):
@@ -134,6 +175,10 @@ class StartDecode(_Msg, tag="start_decode"):
     first_token: int
     prompt_tokens: int
     reused_tokens: int = 0
+    #: With `n` > 1, every choice's first token (`first_token` is choice 0's).
+    first_tokens: list[int] = msgspec.field(default_factory=list)
+    #: When the request asked for logprobs: one per choice's first token.
+    first_logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
 
 
 class AbortReservation(_Msg, tag="abort_reservation"):
@@ -158,9 +203,14 @@ DecodeReply = KVReserved | ReserveRefused | DecodeAck
 
 
 class TokenChunk(_Msg, tag="token_chunk"):
-    """Newly generated tokens of one request, numbered so loss or reordering shows.
+    """Newly generated tokens of one choice of one request, numbered so loss or
+    reordering shows.
 
-    The last chunk of a stream has `finished` set; an `error` ends it abnormally.
+    `seq` numbers the chunks of one attempt's stream, across its choices, from 0; a
+    re-planned request (`attempt` > 0) streams anew from 0, and its gateway drops what
+    comes late from an older attempt. `finished` ends choice `index`; the stream ends
+    when all `n` choices have finished, and an `error` ends the whole stream.
+    `logprobs`, when the request asked for them, has one entry per token id.
     """
 
     request_id: str
@@ -174,6 +224,9 @@ class TokenChunk(_Msg, tag="token_chunk"):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    index: int = 0
+    attempt: int = 0
+    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
 
 
 # --- gateway -> decode --------------------------------------------------------------
