@@ -17,6 +17,13 @@ from yb_engine.attention import (
     select_backend,
 )
 from yb_engine.batcher import DecodeBatcher, FinishReason, TokenOutput
+from yb_engine.choice_sampling import (
+    ChoiceState,
+    GrammarViolation,
+    Sampled,
+    sample_choices,
+    sample_first_tokens,
+)
 from yb_engine.kv_cache import OutOfPages, PageAllocator, PagedKVCache
 from yb_engine.loader import (
     LoadedModel,
@@ -26,16 +33,24 @@ from yb_engine.loader import (
     tiny_random_model,
 )
 from yb_engine.runner import DecodeSeq, ModelRunner
-from yb_engine.sampling import Sampler, is_greedy, new_generator, skip_draws
+from yb_engine.sampling import (
+    Sampler,
+    choice_generator,
+    is_greedy,
+    new_generator,
+    skip_draws,
+)
 from yb_engine.weights import LayerWeights, ModelWeights
 
 __all__ = [
     "ArchConfig",
     "AttentionBackend",
+    "ChoiceState",
     "DecodeBatcher",
     "DecodeSeq",
     "FinishReason",
     "FlashAttnBackend",
+    "GrammarViolation",
     "LayerWeights",
     "LoadedModel",
     "ModelRunner",
@@ -44,15 +59,19 @@ __all__ = [
     "PageAllocator",
     "PagedKVCache",
     "RopeParams",
+    "Sampled",
     "Sampler",
     "TokenOutput",
     "TorchSDPABackend",
     "UnsupportedModelError",
+    "choice_generator",
     "ensure_default_model",
     "find_smollm2_gguf",
     "is_greedy",
     "load_model",
     "new_generator",
+    "sample_choices",
+    "sample_first_tokens",
     "select_backend",
     "skip_draws",
     "tiny_random_model",

@@ -11,18 +11,28 @@ Policy decisions, stated once:
   reports it (as that request's first `TokenOutput`) and, in the same step, feeds it to
   the model, reporting the second token too. A request's outputs are always in order,
   and no step is spent on a token that is already known.
-- **Admission.** At most `max_batch_size` requests decode together; more wait, first in
-  first out, with their KV parked in their pages (their first token is reported anyway,
-  so time to first token does not depend on a free slot).
-- **Running out of KV pages.** A request that needs a new page when none is free does
+- **Choices.** A request with `n` > 1 decodes as n choices (`TokenOutput.index`), each
+  finishing on its own. They share the prompt's full pages (refcounted: freed when the
+  last choice holding one ends); choices 1..n-1 get their own copy of the last, partly
+  filled prompt page before they write to it.
+- **Admission.** At most `max_batch_size` choices decode together; more wait, higher
+  `priority` first, then first in first out, with their KV parked in their pages
+  (their first token is reported anyway, so time to first token does not depend on a
+  free slot).
+- **Running out of KV pages.** A choice that needs a new page when none is free does
   not wait (a decode engine cannot make room by recomputing, and waiting requests that
-  hold pages could deadlock each other). The newest running request is finished with
-  `finish_reason="kv_exhausted"` and a message, and its pages go to the older ones,
-  which are closer to done; repeated until the page is found or the one asking is the
-  newest. Nothing is ever written to a page the request does not own.
-- **Seeds.** Prefill samples the first token with `new_generator(params)`; the
-  batcher makes its own generator from the same seed and skips that one draw, so a
-  seeded request gives the same tokens as a single generator drawing all of them.
+  hold pages could deadlock each other). The running choice of lowest priority, the
+  newest among those, is finished with `finish_reason="kv_exhausted"` and a message,
+  and its pages go to the others; repeated until the page is found or the one asking
+  is that victim. Nothing is ever written to a page the choice does not own.
+- **Sampling state is rebuilt, not received** (see `choice_sampling`): from the
+  parameters and the tokens generated before (`generated_tokens` of a resumed request,
+  then the first token prefill drew), the batcher derives the random stream's
+  position, the penalties' counts and the grammar's parse, so a request gives the
+  tokens one engine running it whole would.
+- **Resuming** (`generated_tokens` = k): the prompt's last k tokens are output the
+  client has. They are replayed through the detokenizer and the stop filter without
+  being reported, and they count towards `max_tokens`.
 - **Pages are owned from `add` on.** The batcher frees a request's pages when it finishes
   for any reason, including `abort`.
 """
@@ -31,17 +41,16 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
-import torch
 
-from yb_core.protocol import SamplingParams
+from yb_core.protocol import SamplingParams, TokenLogprob
+from yb_engine.choice_sampling import ChoiceState, sample_choices
 from yb_engine.kv_cache import OutOfPages, PageAllocator
 from yb_engine.runner import DecodeSeq, ModelRunner
-from yb_engine.sampling import Sampler, new_generator, skip_draws
+from yb_engine.sampling import Sampler
 from yb_text.detokenize import IncrementalDetokenizer, StopStringFilter
 
 FinishReason = Literal["stop", "length", "abort", "kv_exhausted"]
@@ -62,21 +71,34 @@ class TokenOutput(msgspec.Struct, frozen=True, gc=False):
     finished: bool
     finish_reason: FinishReason | None = None
     message: str | None = None
+    #: The choice (0..n-1) this output is about.
+    index: int = 0
+    #: The token's logprob, when the request asked for them.
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(eq=False)
 class _Request:
+    """One choice of a request being decoded."""
+
     request_id: str
+    index: int
     order: int
-    prompt_len: int
+    priority: int
+    prompt_len: int  # the client's prompt: without a resumed request's output
     block_table: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    state: ChoiceState
     detok: IncrementalDetokenizer
     stops: StopStringFilter
     last_token: int
+    first_logprob: TokenLogprob | None
     num_generated: int = 1  # the first token, sampled by prefill, counts
     first_reported: bool = False
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.request_id, self.index)
 
     @property
     def next_position(self) -> int:
@@ -105,9 +127,11 @@ class DecodeBatcher:
         self.block_size = runner.cache.block_size
         self.max_position = runner.arch.max_position
         self.eos_token_ids = frozenset(runner.arch.eos_token_ids)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[tuple[str, int], _Request] = {}
         self._running: list[_Request] = []
-        self._waiting: deque[_Request] = deque()
+        self._waiting: list[_Request] = []
+        # Prompt pages that several choices of one request read, and how many do.
+        self._page_refs: dict[int, int] = {}
         self._pending: list[TokenOutput] = []
         # Requests left out of the steps, pages kept (a test's failpoint holds them).
         self._parked: set[str] = set()
@@ -128,12 +152,20 @@ class DecodeBatcher:
 
     @property
     def kv_pages_used(self) -> int:
-        """Pages held by this batcher's requests (running and waiting)."""
-        return sum(len(r.block_table) for r in self._requests.values())
+        """Pages held by this batcher's requests (running and waiting; a shared page
+        once)."""
+        return len({p for r in self._requests.values() for p in r.block_table})
 
     def has_work(self) -> bool:
         """Whether `step` would do or report anything (a parked request does not)."""
-        return bool(self._pending) or len(self._requests) > len(self._parked)
+        return bool(self._pending) or any(
+            r.request_id not in self._parked for r in self._requests.values()
+        )
+
+    def copies_needed(self, prompt_len: int, n: int) -> int:
+        """Pages `add` needs besides the prompt's for `n` choices: a copy of the last,
+        partly filled prompt page for each choice but the first."""
+        return (n - 1) if n > 1 and prompt_len % self.block_size else 0
 
     # -- requests ---------------------------------------------------------------------
 
@@ -144,55 +176,132 @@ class DecodeBatcher:
         block_table: list[int],
         first_token: int,
         params: SamplingParams,
+        *,
+        first_tokens: list[int] | None = None,
+        first_logprobs: list[TokenLogprob] | None = None,
+        generated_tokens: int = 0,
+        priority: int = 0,
+        copy_pages: list[int] | None = None,
     ) -> None:
         """Take over a prefilled request: its prompt KV is in `block_table`'s pages.
 
-        From here on the batcher owns those pages (and frees them when the request
-        ends). On a ValueError nothing is taken over.
+        `first_tokens` are the `params.n` choices' first tokens (`[first_token]` when
+        None), `first_logprobs` their logprobs when asked. The last `generated_tokens`
+        of `prompt_token_ids` are output the client already has. `copy_pages` are the
+        pages set aside for the choices' copies of the last prompt page
+        (`copies_needed`; allocated here when None).
+
+        From here on the batcher owns all those pages (and frees them when the
+        request ends). On a ValueError nothing is taken over.
         """
-        if request_id in self._requests:
+        if any(key[0] == request_id for key in self._requests):
             raise ValueError(f"request {request_id!r} is already being decoded")
-        if params.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1 (the first token counts)")
+        firsts = list(first_tokens) if first_tokens else [first_token]
+        n = params.n
+        if len(firsts) != n:
+            raise ValueError(f"{len(firsts)} first tokens for n = {n}")
+        if first_logprobs and len(first_logprobs) != n:
+            raise ValueError(f"{len(first_logprobs)} first logprobs for n = {n}")
+        if not 0 <= generated_tokens < len(prompt_token_ids):
+            raise ValueError(f"generated_tokens {generated_tokens} out of range")
+        if generated_tokens and n > 1:
+            raise ValueError("a request with n > 1 cannot resume")
+        if params.max_tokens < generated_tokens + 1:
+            raise ValueError("max_tokens must leave room for the first token (it counts)")
         prompt_len = len(prompt_token_ids)
-        if prompt_len == 0:
-            raise ValueError("empty prompt")
         if len(block_table) * self.block_size < prompt_len:
             raise ValueError(
                 f"{len(block_table)} pages of {self.block_size} cannot hold {prompt_len} tokens"
             )
-        generator = new_generator(params)
-        skip_draws(generator, 1)  # prefill drew the first token from the same seed
-        req = _Request(
-            request_id=request_id,
-            order=next(self._order),
-            prompt_len=prompt_len,
-            block_table=list(block_table),
-            params=params,
-            generator=generator,
-            detok=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
-            stops=StopStringFilter(params.stop),
-            last_token=first_token,
-        )
-        self._requests[request_id] = req
-        self._waiting.append(req)
+        original = prompt_token_ids[: prompt_len - generated_tokens]
+        generated = prompt_token_ids[prompt_len - generated_tokens :]
+        states = [
+            ChoiceState.rebuild(
+                params,
+                [*generated, first],
+                index=i,
+                tokenizer=self.tokenizer,
+                eos_token_ids=self.eos_token_ids,
+            )
+            for i, first in enumerate(firsts)
+        ]
+        tables = self._choice_tables(prompt_len, block_table, n, copy_pages)
+        for i, (first, state, table) in enumerate(zip(firsts, states, tables, strict=True)):
+            detok = IncrementalDetokenizer(self.tokenizer, original)
+            stops = StopStringFilter(params.stop)
+            # The client has these tokens' text already: replayed for the state they
+            # leave (an incomplete character, a held-back stop prefix), not reported.
+            for token in generated:
+                stops.feed(detok.push(token))
+            req = _Request(
+                request_id=request_id,
+                index=i,
+                order=next(self._order),
+                priority=priority,
+                prompt_len=len(original),
+                block_table=table,
+                params=params,
+                state=state,
+                detok=detok,
+                stops=stops,
+                last_token=first,
+                first_logprob=first_logprobs[i] if first_logprobs else None,
+                num_generated=generated_tokens + 1,
+            )
+            self._requests[req.key] = req
+            self._waiting.append(req)
+
+    def _choice_tables(
+        self, prompt_len: int, block_table: list[int], n: int, copy_pages: list[int] | None
+    ) -> list[list[int]]:
+        """Each choice's block table: the prompt's full pages shared, the partly
+        filled last one copied for choices 1..n-1 (its KV in every layer)."""
+        if n == 1:
+            return [list(block_table)]
+        copies = self.copies_needed(prompt_len, n)
+        if copy_pages is None:
+            try:
+                copy_pages = self.allocator.allocate(copies)
+            except OutOfPages as exc:
+                raise ValueError(f"no pages for {n} choices: {exc}") from exc
+        elif len(copy_pages) != copies:
+            raise ValueError(f"{len(copy_pages)} copy pages for {copies} copies")
+        full = prompt_len // self.block_size
+        shared = block_table[:full]
+        for page in shared:
+            self._page_refs[page] = n
+        tables = [list(block_table)]
+        for copy in copy_pages:
+            self.runner.cache.copy_page(block_table[full], copy)
+            tables.append([*shared, copy])
+        while len(tables) < n:
+            tables.append(list(shared))
+        return tables
 
     def abort(self, request_id: str) -> bool:
         """End a request now and free its pages; the next `step` reports it.
 
         False if the request is unknown or already finished.
         """
-        req = self._requests.get(request_id)
-        if req is None:
-            return False
-        self._finish(req)
-        self._pending.append(TokenOutput(request_id, None, "", True, "abort"))
-        return True
+        choices = [r for r in self._requests.values() if r.request_id == request_id]
+        for req in choices:
+            self._finish(req)
+            self._pending.append(TokenOutput(request_id, None, "", True, "abort", index=req.index))
+        return bool(choices)
+
+    def discard(self, request_id: str) -> bool:
+        """End a request now and free its pages, reporting nothing (its client reads
+        another attempt of it). False if the request is unknown."""
+        choices = [r for r in self._requests.values() if r.request_id == request_id]
+        for req in choices:
+            self._finish(req)
+        self._pending = [o for o in self._pending if o.request_id != request_id]
+        return bool(choices)
 
     def park(self, request_id: str) -> bool:
         """Leave a running request out of the steps until `unpark`; it keeps its pages,
         its KV and its batch slot, and `abort` still ends it. False if unknown."""
-        if request_id not in self._requests:
+        if not any(key[0] == request_id for key in self._requests):
             return False
         self._parked.add(request_id)
         return True
@@ -210,19 +319,20 @@ class DecodeBatcher:
         for req in list(self._requests.values()):
             if not req.first_reported:
                 req.first_reported = True
-                outputs.append(self._emit(req, req.last_token, counted=False))
-        while self._waiting and len(self._running) < self.max_batch_size:
-            self._running.append(self._waiting.popleft())
+                outputs.append(self._emit(req, req.last_token, req.first_logprob, counted=False))
+        if self._waiting and len(self._running) < self.max_batch_size:
+            self._waiting.sort(key=lambda r: (-r.priority, r.order))
+            free = self.max_batch_size - len(self._running)
+            self._running += self._waiting[:free]
+            del self._waiting[:free]
         batch = self._reserve_pages(outputs)
         if batch:
             logits = self.runner.decode(
                 [DecodeSeq(r.block_table, r.next_position, r.last_token) for r in batch]
             )
-            tokens = self.sampler.sample(
-                logits, [r.params for r in batch], [r.generator for r in batch]
-            )
-            for req, token in zip(batch, tokens, strict=True):
-                outputs.append(self._emit(req, token))
+            sampled = sample_choices(logits, [r.state for r in batch], self.sampler)
+            for req, (token, logprob) in zip(batch, sampled, strict=True):
+                outputs.append(self._emit(req, token, logprob))
         self.last_step_seconds = time.perf_counter() - started
         return outputs
 
@@ -230,20 +340,20 @@ class DecodeBatcher:
         """Give every running request a page for its next position, oldest first."""
         batch: list[_Request] = []
         for req in list(self._running):
-            if req.request_id not in self._requests or req.request_id in self._parked:
+            if req.key not in self._requests or req.request_id in self._parked:
                 continue  # finished as a victim earlier in this loop, or parked
             need = req.next_position // self.block_size + 1
             while len(req.block_table) < need:
                 try:
                     req.block_table.extend(self.allocator.allocate(1))
                 except OutOfPages as exc:
-                    victim = max(self._running, key=lambda r: r.order)
+                    victim = max(self._running, key=lambda r: (-r.priority, r.order))
                     outputs.append(self._exhausted(victim, exc))
                     if victim is req:
                         break
-            if req.request_id in self._requests:
+            if req.key in self._requests:
                 batch.append(req)
-        return [r for r in batch if r.request_id in self._requests]
+        return [r for r in batch if r.key in self._requests]
 
     def _exhausted(self, req: _Request, exc: OutOfPages) -> TokenOutput:
         text, _ = req.stops.feed(req.detok.flush())
@@ -253,9 +363,18 @@ class DecodeBatcher:
             f"KV cache exhausted after {req.num_generated} tokens: no free page for "
             f"position {req.next_position + 1} ({exc})"
         )
-        return TokenOutput(req.request_id, None, text, True, "kv_exhausted", message)
+        return TokenOutput(
+            req.request_id, None, text, True, "kv_exhausted", message, index=req.index
+        )
 
-    def _emit(self, req: _Request, token: int, *, counted: bool = True) -> TokenOutput:
+    def _emit(
+        self,
+        req: _Request,
+        token: int,
+        logprob: TokenLogprob | None,
+        *,
+        counted: bool = True,
+    ) -> TokenOutput:
         """Account for a generated token and decide whether the request is done.
 
         `counted=False` is the first token, which `add` already counted.
@@ -267,26 +386,39 @@ class DecodeBatcher:
         is_eos = token in self.eos_token_ids and not params.ignore_eos
         text, stopped = req.stops.feed("" if is_eos else req.detok.push(token))
         reason: FinishReason | None = None
-        if is_eos or stopped:
+        if is_eos or stopped or req.state.grammar_finished:
             reason = "stop"
         elif req.num_generated >= params.max_tokens or req.next_position >= self.max_position:
             reason = "length"
         if reason is None:
-            return TokenOutput(req.request_id, token, text, False)
+            return TokenOutput(req.request_id, token, text, False, index=req.index, logprob=logprob)
         if not stopped:
             tail, stopped = req.stops.feed(req.detok.flush())
             text += tail
             if not stopped:
                 text += req.stops.flush()
         self._finish(req)
-        return TokenOutput(req.request_id, token, text, True, reason)
+        return TokenOutput(
+            req.request_id, token, text, True, reason, index=req.index, logprob=logprob
+        )
 
     def _finish(self, req: _Request) -> None:
-        del self._requests[req.request_id]
-        self._parked.discard(req.request_id)
+        del self._requests[req.key]
+        if not any(key[0] == req.request_id for key in self._requests):
+            self._parked.discard(req.request_id)
         if req in self._running:
             self._running.remove(req)
         else:
             self._waiting.remove(req)
         pages, req.block_table = req.block_table, []
-        self.allocator.free(pages)
+        own = []
+        for page in pages:
+            refs = self._page_refs.get(page)
+            if refs is None:
+                own.append(page)
+            elif refs > 1:
+                self._page_refs[page] = refs - 1
+            else:
+                del self._page_refs[page]
+                own.append(page)
+        self.allocator.free(own)

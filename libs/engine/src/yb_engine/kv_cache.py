@@ -78,6 +78,10 @@ class PagedKVCache:
         """`kv[layer]`, `[num_pages, 2, block_size, num_kv_heads, head_dim]`, a view."""
         return self.kv[layer]
 
+    def copy_page(self, source: int, target: int) -> None:
+        """Copy page `source`'s keys and values, in every layer, into page `target`."""
+        self.kv[:, target].copy_(self.kv[:, source])
+
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)

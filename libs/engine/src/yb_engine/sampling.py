@@ -9,6 +9,7 @@ request (inverse-CDF sampling), which keeps the stream of draws easy to reason a
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -34,6 +35,24 @@ def new_generator(params: SamplingParams) -> torch.Generator | None:
         gen.seed()
     else:
         gen.manual_seed(params.seed)
+    return gen
+
+
+def choice_generator(params: SamplingParams, index: int) -> torch.Generator | None:
+    """The random stream of choice `index` of a request (`n` > 1 draws n of them).
+
+    Choice 0's is `new_generator(params)`, so a request with n = 1 draws what it always
+    did. Choice i > 0 of a seeded request is seeded from a hash of (seed, i): the same
+    on every engine, and unrelated to choice 0's stream and to the stream of seed + i.
+    """
+    if index == 0 or is_greedy(params):
+        return new_generator(params)
+    gen = torch.Generator(device="cpu")
+    if params.seed is None:
+        gen.seed()
+    else:
+        digest = hashlib.blake2b(f"{params.seed}/{index}".encode(), digest_size=8).digest()
+        gen.manual_seed(int.from_bytes(digest, "little") >> 1)
     return gen
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -73,6 +74,8 @@ class Pending:
     pages: list[int]
     reservation: Reservation
     commit: asyncio.Task[bool]
+    # Set aside for the choices' copies of the last prompt page (n > 1).
+    copy_pages: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +90,10 @@ class _Abort:
 
 @dataclass
 class Stream:
-    """A request in the batch: where its tokens go and how many have gone."""
+    """A request in the batch: where its tokens go and how many have gone.
+
+    `completion_tokens` counts every choice's tokens, those a resumed request's client
+    had before this attempt included (the chunks carry the running total)."""
 
     request_id: str
     subject: str
@@ -95,6 +101,9 @@ class Stream:
     reused_tokens: int
     ttft_started: float
     span: trace.Span
+    attempt: int = 0
+    # The choices not finished yet; the stream ends with the last.
+    open_choices: set[int] = field(default_factory=lambda: {0})
     deadline: float = 0.0  # wall clock; 0: none
     # The span of its phase under `span`: the wait for the first token, then the
     # stream (non-recording when untraced).
@@ -319,19 +328,24 @@ class DecodeWorker(Worker):
         rid = req.request_id
         if self._draining:
             return pr.ReserveRefused(request_id=rid, reason="decode instance shutting down")
-        if rid in self._pending or rid in self._streams:
-            return pr.ReserveRefused(request_id=rid, reason="request already reserved here")
-        total = req.num_tokens + req.sampling.max_tokens
+        if refusal := await self._replace_older_attempt(req):
+            return pr.ReserveRefused(request_id=rid, reason=refusal)
+        # max_tokens counts the tokens a resumed request had generated already.
+        total = req.num_tokens - req.generated_tokens + req.sampling.max_tokens
         if total > self.cfg.model.max_model_len:
             return pr.ReserveRefused(
                 request_id=rid,
                 reason=f"prompt plus max_tokens ({total}) exceeds {self.cfg.model.max_model_len}",
             )
         num_pages = cache.pages_for(req.num_tokens)
+        # The choices of n > 1 each need a copy of the last prompt page: set aside now,
+        # so a request admitted is never refused for them after its prefill.
+        copies = self.batcher.copies_needed(req.num_tokens, req.sampling.n)
         try:
-            pages = await self.engine.call(allocator.allocate, num_pages)
+            allocated = await self.engine.call(allocator.allocate, num_pages + copies)
         except Exception as exc:
             return pr.ReserveRefused(request_id=rid, reason=f"out of KV pages: {exc}")
+        pages, copy_pages = allocated[:num_pages], allocated[num_pages:]
         buffers = [
             cache.page_view(layer, page) for layer in range(cache.num_layers) for page in pages
         ]
@@ -345,7 +359,7 @@ class DecodeWorker(Worker):
         reservation = self.receiver.reserve(rid, buffers, deadline_s=deadline_s)
         commit = self.tasks.spawn(f"commit:{rid}", self._await_commit(rid, reservation))
         self._pending[rid] = Pending(
-            req, trace_headers or req.trace_headers, pages, reservation, commit
+            req, trace_headers or req.trace_headers, pages, reservation, commit, copy_pages
         )
         return pr.KVReserved(
             request_id=rid,
@@ -356,6 +370,33 @@ class DecodeWorker(Worker):
             block_size=cache.block_size,
             breaks=reservation.breaks(),
         )
+
+    async def _replace_older_attempt(self, req: pr.ReserveKV) -> str:
+        """Make way for a re-planned request's reservation: an older attempt of it held
+        here (reserved or decoding) is dropped without a word to the gateway, which
+        reads only the newest attempt's stream. Why it is refused ('' if it is not):
+        this attempt or a newer one is here already."""
+        rid = req.request_id
+        pending = self._pending.get(rid)
+        stream = self._streams.get(rid)
+        held = pending.reserve.attempt if pending else stream.attempt if stream else None
+        if held is None:
+            return ""
+        if held >= req.attempt:
+            return f"request already reserved here (attempt {held})"
+        log.info("attempt_replaced", request_id=rid, old=held, new=req.attempt)
+        if pending is not None:
+            await self._drop_pending(rid, f"replaced by attempt {req.attempt}")
+        if stream is not None:
+            await self.engine.call(self.batcher.discard, rid)
+            self._aborts.pop(rid, None)
+            # No `RequestFinished`: the request lives on in the new attempt.
+            self._streams.pop(rid, None)
+            self.history.finish(rid)
+            stream.phase_span.end()
+            stream.span.set_status(Status(StatusCode.ERROR, f"replaced by attempt {req.attempt}"))
+            stream.span.end()
+        return ""
 
     async def _await_commit(self, request_id: str, reservation: Reservation) -> bool:
         """True once the KV is committed; frees a reservation that never commits.
@@ -372,7 +413,7 @@ class DecodeWorker(Worker):
             pending = self._pending.pop(request_id, None)
             if pending is not None:
                 self.receiver.cancel(request_id)
-                await self.engine.call(self._free, pending.pages)
+                await self.engine.call(self._free, pending.pages + pending.copy_pages)
                 await self._fail_reservation(pending, exc)
             return False
 
@@ -393,7 +434,8 @@ class DecodeWorker(Worker):
             finish_reason="error",
             error=reason,
             error_status=503,
-            prompt_tokens=reserve.num_tokens,
+            prompt_tokens=reserve.num_tokens - reserve.generated_tokens,
+            attempt=reserve.attempt,
         )
         await self._emit(reserve.request_id, reserve.token_subject, chunk)
         self.history.finish(reserve.request_id)
@@ -404,7 +446,7 @@ class DecodeWorker(Worker):
                 instance_id=self.instance_id,
                 outcome="failed",
                 reason=reason,
-                prompt_tokens=reserve.num_tokens,
+                prompt_tokens=reserve.num_tokens - reserve.generated_tokens,
             )
         )
 
@@ -435,15 +477,22 @@ class DecodeWorker(Worker):
         reserve = pending.reserve
         try:
             await self.engine.call(
-                self.batcher.add,
-                rid,
-                reserve.prompt_token_ids,
-                pending.pages,
-                start.first_token,
-                reserve.sampling,
+                functools.partial(
+                    self.batcher.add,
+                    rid,
+                    reserve.prompt_token_ids,
+                    pending.pages,
+                    start.first_token,
+                    reserve.sampling,
+                    first_tokens=start.first_tokens or None,
+                    first_logprobs=start.first_logprobs or None,
+                    generated_tokens=reserve.generated_tokens,
+                    priority=reserve.priority,
+                    copy_pages=pending.copy_pages,
+                )
             )
         except ValueError as exc:
-            await self.engine.call(self._free, pending.pages)
+            await self.engine.call(self._free, pending.pages + pending.copy_pages)
             return pr.DecodeAck(request_id=rid, ok=False, reason=str(exc))
         await self._open_stream(pending, start, trace_headers, started_ns)
         self._work.set()
@@ -487,8 +536,11 @@ class DecodeWorker(Worker):
             reused_tokens=start.reused_tokens,
             ttft_started=reserve.ttft_started,
             span=span,
+            attempt=reserve.attempt,
+            open_choices=set(range(reserve.sampling.n)),
             deadline=reserve.deadline,
             phase_span=phase_span,
+            completion_tokens=reserve.generated_tokens,
         )
         with bind_request(rid):
             log.info(
@@ -514,7 +566,7 @@ class DecodeWorker(Worker):
         self.receiver.cancel(request_id)
         if not pending.commit.done():
             pending.commit.cancel()
-        await self.engine.call(self._free, pending.pages)
+        await self.engine.call(self._free, pending.pages + pending.copy_pages)
 
     def _free(self, pages: list[int]) -> None:
         self.engine.allocator.free(pages)
@@ -596,7 +648,9 @@ class DecodeWorker(Worker):
                         reason=out.message or "kv_exhausted",
                     )
                 await self._send(stream, out)
-                await self._finish(stream, out.finish_reason or "stop", "")
+                stream.open_choices.discard(out.index)
+                if not stream.open_choices:
+                    await self._finish(stream, out.finish_reason or "stop", "")
             else:
                 await self._send(stream, out)
                 if (
@@ -638,6 +692,9 @@ class DecodeWorker(Worker):
             prompt_tokens=stream.prompt_tokens,
             completion_tokens=stream.completion_tokens,
             cached_tokens=stream.reused_tokens,
+            index=out.index,
+            attempt=stream.attempt,
+            logprobs=[out.logprob] if out.logprob is not None else [],
         )
         stream.seq += 1
         await self._emit(stream.request_id, stream.subject, chunk)
@@ -652,6 +709,7 @@ class DecodeWorker(Worker):
             finish_reason="error",
             error=error,
             error_status=status,
+            attempt=stream.attempt,
         )
         stream.seq += 1
         await self._emit(stream.request_id, stream.subject, chunk)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 from nats.aio.msg import Msg
@@ -39,9 +39,11 @@ from yb_core.telemetry import (
 )
 from yb_dataplane.transport import PeerAddress, TransferError
 from yb_dataplane.worker import Capacity, Worker, WorkerContext
+from yb_engine.choice_sampling import Sampled, sample_first_tokens
 from yb_engine.host import EngineGauges, EngineHost
 from yb_engine.kv_cache import OutOfPages
 from yb_prefill.decode_link import DecodeLink, JobFailed
+from yb_prefill.job_queue import JobQueue, QueuedJob
 from yb_prefill.prefix_cache import PrefixCache
 from yb_prefill.reuse import Prefix, PrefixLoader
 from yb_prefill.streaming import LayerStreamer
@@ -53,20 +55,11 @@ _tracer = tracer(__name__)
 MAX_QUEUE = 256
 
 
-@dataclass
-class QueuedJob:
-    """A job waiting for the engine."""
-
-    job: pr.PrefillJob
-    trace_headers: dict[str, str]
-    enqueued_at: float = field(default_factory=time.monotonic)
-
-
 @dataclass(frozen=True, slots=True)
 class _Computed:
     """The outcome of the compute phase."""
 
-    first_token: int
+    first: list[Sampled]  # each choice's first token
     at: float  # monotonic time the compute ended (streaming may have gone on)
 
 
@@ -160,8 +153,7 @@ class PrefillWorker(Worker):
         self.uploader = BlockUploader(
             self.cache, engine.cache, self.sender, deadline_s=self.pcfg.transfer_timeout_s
         )
-        self._queue: asyncio.Queue[QueuedJob] = asyncio.Queue(maxsize=MAX_QUEUE)
-        self._queued_tokens = 0
+        self._queue = JobQueue(maxsize=MAX_QUEUE)
         self._running: str | None = None
         self._cancelled: dict[str, str] = {}
         self._draining = False
@@ -209,7 +201,7 @@ class PrefillWorker(Worker):
             instance_id=self.instance_id,
             role="prefill",
             queued_requests=self._queue.qsize(),
-            queued_tokens=self._queued_tokens,
+            queued_tokens=self._queue.queued_tokens,
             running_requests=1 if self._running else 0,
             kv_used_blocks=self.engine.allocator.num_used,
             kv_total_blocks=self.engine.cache.num_pages,
@@ -248,17 +240,16 @@ class PrefillWorker(Worker):
                 ),
             )
             return
-        self._queued_tokens += len(job.token_ids)
         # The trace context comes in the NATS headers (the job's copy is the fallback).
         headers = trace_carrier(msg.headers) or dict(job.trace_headers)
-        self._queue.put_nowait(QueuedJob(job, headers))
+        position = self._queue.put_nowait(QueuedJob(job, headers))
         self.gauges.queue.set(self._queue.qsize())
         await self._reply(
             msg,
             pr.JobAccepted(
                 request_id=job.request_id,
                 instance_id=self.instance_id,
-                queue_position=self._queue.qsize(),
+                queue_position=position,
             ),
         )
 
@@ -285,7 +276,6 @@ class PrefillWorker(Worker):
             queued = await self._queue.get()
             self.gauges.queue.set(self._queue.qsize())
             job = queued.job
-            self._queued_tokens -= len(job.token_ids)
             self._running = job.request_id
             self.gauges.batch.set(1)
             try:
@@ -381,7 +371,7 @@ class PrefillWorker(Worker):
             job, reserved, prefix, cached_tokens, transfer_deadline, span
         )
         with child_span(_tracer, "prefill hand-over"):
-            await self._hand_over(job, computed.first_token, cached_tokens, transfer_deadline)
+            await self._hand_over(job, computed.first, cached_tokens, transfer_deadline)
         t_done = time.monotonic()
         log.info(
             "prefill_done",
@@ -409,6 +399,9 @@ class PrefillWorker(Worker):
             prompt_token_ids=job.token_ids,
             trace_headers=job.trace_headers,
             ttft_started=job.decision.time,
+            priority=job.priority,
+            attempt=job.attempt,
+            generated_tokens=job.generated_tokens,
         )
         reply = await self.decode.reserve(decode_id, reserve, deadline_s)
         cache = self.engine.cache
@@ -462,7 +455,7 @@ class PrefillWorker(Worker):
         first), then commit. A failure aborts the stream and gives the decode
         reservation back; either way the pages are kept (once computed: their KV is
         valid even if the commit failed) or freed after."""
-        first_token: int | None = None
+        first: list[Sampled] | None = None
         try:
             await self._account_prefix(job, prefix, span)
             streamer = self._start_streaming(job, reserved, prefix, cached_tokens, deadline_s)
@@ -475,7 +468,7 @@ class PrefillWorker(Worker):
                                 "yb.chunk_size": self.pcfg.chunk_size,
                             }
                         )
-                    first_token = await self._compute_with_holds(
+                    first = await self._compute_with_holds(
                         job, prefix.block_table, cached_tokens, streamer
                     )
                 computed_at = time.monotonic()
@@ -489,10 +482,11 @@ class PrefillWorker(Worker):
             await self.decode.abort(job.decision.decode_instance, job.request_id, "prefill failed")
             raise
         finally:
-            await self._keep_blocks(job, prefix, first_token is not None)
+            await self._keep_blocks(job, prefix, first is not None)
         self.metrics.tokens.inc(len(job.token_ids) - cached_tokens)
         span.set_attribute("yb.pages_sent", streamer.pages_sent)
-        return _Computed(first_token, computed_at)
+        assert first is not None
+        return _Computed(first, computed_at)
 
     def _start_streaming(
         self,
@@ -520,16 +514,19 @@ class PrefillWorker(Worker):
         return streamer
 
     async def _hand_over(
-        self, job: pr.PrefillJob, first_token: int, cached_tokens: int, deadline_s: float
+        self, job: pr.PrefillJob, first: list[Sampled], cached_tokens: int, deadline_s: float
     ) -> None:
-        """Phase 4: hand the request over; decode verifies the commit before
-        admitting it."""
+        """Phase 4: hand the request over with every choice's first token (and its
+        logprob when asked); decode verifies the commit before admitting it."""
         n = len(job.token_ids)
         start = pr.StartDecode(
             request_id=job.request_id,
-            first_token=first_token,
-            prompt_tokens=n,
+            first_token=first[0].token_id,
+            # The prompt the client sent: a resumed request's tail is its output.
+            prompt_tokens=n - job.generated_tokens,
             reused_tokens=cached_tokens,
+            first_tokens=[s.token_id for s in first] if len(first) > 1 else [],
+            first_logprobs=[s.logprob for s in first if s.logprob is not None],
         )
         await self.decode.start(job.decision.decode_instance, start, deadline_s)
         await self._publish(
@@ -617,7 +614,7 @@ class PrefillWorker(Worker):
 
     async def _compute_with_holds(
         self, job: pr.PrefillJob, pages: list[int], cached: int, streamer: LayerStreamer
-    ) -> int:
+    ) -> list[Sampled]:
         """`_compute` on the engine thread; with failpoint `prefill.chunk` armed at k,
         in two calls (chunks before k, then the rest: the same chunk boundaries) with
         the hold between them, so the engine thread is never the one that waits."""
@@ -654,10 +651,9 @@ class PrefillWorker(Worker):
         pages: list[int],
         num_cached_tokens: int,
         streamer: LayerStreamer,
-    ) -> int:
-        """Engine thread: run the prefill over the uncached suffix, sample the first token."""
-        from yb_engine.sampling import Sampler, new_generator
-
+    ) -> list[Sampled]:
+        """Engine thread: run the prefill over the uncached suffix, sample each choice's
+        first token (with the code the decode batcher samples with)."""
         logits = self.engine.runner.prefill(
             job.token_ids,
             pages,
@@ -665,8 +661,14 @@ class PrefillWorker(Worker):
             chunk_size=self.pcfg.chunk_size,
             layer_hook=streamer.on_layer,
         )
-        (token,) = Sampler().sample(logits[None], [job.sampling], [new_generator(job.sampling)])
-        return int(token)
+        k = job.generated_tokens
+        return sample_first_tokens(
+            logits,
+            job.sampling,
+            job.token_ids[len(job.token_ids) - k :] if k else [],
+            tokenizer=self.engine.model.tokenizer,
+            eos_token_ids=self.engine.runner.arch.eos_token_ids,
+        )
 
     # --- liveness, failure, events --------------------------------------------------
 
@@ -700,7 +702,8 @@ class PrefillWorker(Worker):
             finish_reason="error",
             error=exc.reason,
             error_status=exc.status,
-            prompt_tokens=len(job.token_ids),
+            prompt_tokens=len(job.token_ids) - job.generated_tokens,
+            attempt=job.attempt,
         )
         with contextlib.suppress(BusError):
             await self.bus.publish_core(job.token_subject, pr.encode(chunk))
@@ -711,7 +714,7 @@ class PrefillWorker(Worker):
                 instance_id=self.instance_id,
                 outcome=outcome,
                 reason=exc.reason,
-                prompt_tokens=len(job.token_ids),
+                prompt_tokens=len(job.token_ids) - job.generated_tokens,
             )
         )
 
