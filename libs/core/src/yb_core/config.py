@@ -244,6 +244,10 @@ class GatewayConfig(_Section):
     request_timeout_s: float = 600.0
     default_max_tokens: int = 256
     max_max_tokens: int = 4096
+    # Re-plans per request (`yb_gateway.session`): how many times a stream whose
+    # decode instance (or, before its first token, prefill instance) failed is
+    # continued on a new plan before the client gets the error; 0 turns them off.
+    replan_budget: Annotated[int, msgspec.Meta(ge=0)] = 1
     max_body_bytes: int = 4 * 1024 * 1024
     api_keys: list[str] = msgspec.field(default_factory=list)
     api_keys_file: str = ""

@@ -16,7 +16,7 @@ from typing import Any, Final, Generic, Literal, TypeVar
 
 import msgspec
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 
 Role = Literal["prefill", "decode", "kvstore", "conductor", "gateway"]
 Tier = Literal["engine", "dram", "ssd"]
@@ -143,7 +143,11 @@ class Explanation(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
 
 
 class RequestScheduled(Event, tag="request_scheduled"):
-    """The conductor's placement decision for one admitted request."""
+    """The conductor's placement decision for one admitted request.
+
+    `attempt` is 0 for the decision on its admission and k for the decision on its
+    k-th re-plan (`RequestReplanned`); `admitted_seq` is then the re-plan's position.
+    """
 
     request_id: str
     gateway_id: str
@@ -157,10 +161,12 @@ class RequestScheduled(Event, tag="request_scheduled"):
     prompt_tokens: int = 0
     computed_tokens: int = 0
     explain: Explanation | None = None
+    attempt: int = 0
 
 
 class RequestRejected(Event, tag="request_rejected"):
-    """The conductor refused a request, with the reason and the figures behind it."""
+    """The conductor refused a request (or one of its re-plans, `attempt` > 0), with
+    the reason and the figures behind it."""
 
     request_id: str
     gateway_id: str
@@ -170,10 +176,59 @@ class RequestRejected(Event, tag="request_rejected"):
     policy: str = ""
     admitted_seq: int = 0
     explain: Explanation | None = None
+    attempt: int = 0
 
 
-# The conductor's answer to one admitted request: exactly one of these per admission.
+# The conductor's answer to one admitted request: exactly one of these per admission,
+# and one per re-plan (`RequestReplanned`), told apart by `attempt`.
 Decision = RequestScheduled | RequestRejected
+
+
+class RequestReplanned(Event, tag="request_replanned"):
+    """A gateway asks for a new plan for a request whose engine failed mid-way.
+
+    The request continues where its client is: the new prefill's prompt is the
+    original prompt plus the `generated_tokens` tokens the client already received,
+    so `block_hashes` and `prompt_tokens` describe that longer prompt (the conductor
+    plans reuse of its prefix from the pool as for any admission), and `max_tokens`
+    is what is left to generate. `attempt` is k for the k-th re-plan (the decision
+    answering it carries the same `attempt`); `replans_left` is the budget left
+    after this one. `failed_instance` is the engine that failed (declared down, or
+    whose failure ended the attempt): the new plan avoids it. Everything else is
+    what an admission says, so that the decision needs nothing but the log.
+    """
+
+    request_id: str
+    gateway_id: str
+    attempt: int
+    reason: str
+    model: str
+    block_size: int
+    block_hashes: list[int]
+    prompt_tokens: int
+    max_tokens: int
+    failed_instance: str = ""
+    generated_tokens: int = 0
+    replans_left: int = 0
+    priority: int = 0
+    slo: Slo = msgspec.field(default_factory=Slo)
+    deadline: float = 0.0
+
+    def as_admission(self) -> RequestAdmitted:
+        """The admission a placement policy decides on: this request as it stands."""
+        return RequestAdmitted(
+            time=self.time,
+            request_id=self.request_id,
+            gateway_id=self.gateway_id,
+            model=self.model,
+            block_size=self.block_size,
+            block_hashes=self.block_hashes,
+            prompt_tokens=self.prompt_tokens,
+            max_tokens=self.max_tokens,
+            priority=self.priority,
+            slo=self.slo,
+            deadline=self.deadline,
+        )
 
 
 ProgressStage = Literal[
@@ -408,6 +463,7 @@ AnyEvent = (
     RequestAdmitted
     | RequestScheduled
     | RequestRejected
+    | RequestReplanned
     | RequestProgress
     | RequestFinished
     | RequestCancelled
@@ -483,6 +539,11 @@ def subject_for(event: AnyEvent) -> str:
             return f"yb.ev.block.{tag}.{subject_token(event.instance_id)}"
         case InstanceUp() | InstanceDown() | LoadReport():
             return f"yb.ev.instance.{tag}.{subject_token(event.instance_id)}"
+        case RequestReplanned():
+            # A re-plan is an admission of the request's continuation: it travels
+            # with the admissions (one subject for the conductor's admissions, one
+            # permission for the gateway's publishes).
+            return f"yb.ev.req.{RequestAdmitted.__struct_config__.tag}"
         case PrefixMatchQuery() | PrefixMatchAnswer():
             return f"yb.ev.prefix.{tag}"
         case TransferFailed():
@@ -508,6 +569,10 @@ def message_id_for(event: AnyEvent) -> str:
     match event:
         case BlockEvent():
             return f"{tag}:{event.instance_id}:{event.epoch}:{event.event_id}"
+        case RequestScheduled() | RequestRejected() if event.attempt:
+            return f"{tag}:{event.request_id}:{event.attempt}"
+        case RequestReplanned():
+            return f"{tag}:{event.request_id}:{event.attempt}"
         case (
             RequestAdmitted()
             | RequestScheduled()
@@ -519,7 +584,8 @@ def message_id_for(event: AnyEvent) -> str:
         case RequestProgress():
             return f"{tag}:{event.request_id}:{event.instance_id}:{event.stage}"
         case LoadPrediction() if event.request_id:
-            return f"{tag}:{event.request_id}:{event.instance_id}"
+            # `at_time` tells a re-plan's prediction from the first plan's.
+            return f"{tag}:{event.request_id}:{event.instance_id}:{event.at_time!r}"
         case ReplicationPlanned():
             last = event.block_hashes[-1] if event.block_hashes else 0
             return f"{tag}:{event.target_instance}:{last}:{event.time!r}"

@@ -8,8 +8,13 @@ and the recorded decision wins (the log is the truth), so the state stays the on
 live conductor had. A what-if run (`follow_recorded=False`) does the opposite: it
 ignores the recorded decisions and lives with its own.
 
-A request gets exactly one decision: a repeated admission (a retried publish that
-slipped past JetStream's duplicate window) is answered with nothing.
+A request gets exactly one decision per attempt: a repeated admission (a retried
+publish that slipped past JetStream's duplicate window) is answered with nothing. A
+re-plan (`RequestReplanned`, attempt k) releases the request's old placement and is
+decided like an admission of the request as it stands (its prompt plus the tokens
+already streamed, avoiding the engine that failed); the decision carries `attempt`
+k. Decisions are matched to their recorded copies by request id and attempt; a late
+copy of an earlier attempt's decision changes nothing.
 
 Settings are part of the log too: at a `ConductorConfigured` event the fold adopts
 the settings and cost model it records (a what-if run layers its overrides on top),
@@ -128,6 +133,8 @@ class Conductor:
         match event:
             case ev.RequestAdmitted():
                 return self._admit(seq, event)
+            case ev.RequestReplanned():
+                return self._replan(seq, event)
             case ev.RequestScheduled() | ev.RequestRejected():
                 if self.follow_recorded:
                     self._recorded(seq, event)
@@ -177,14 +184,28 @@ class Conductor:
             if rid not in self.unrecorded and rid not in state.placements:
                 state.admissions.pop(rid, None)
             return []
+        return self._decide(seq, event, 0)
+
+    def _replan(self, seq: int, event: ev.RequestReplanned) -> list[Output]:
+        if attempt_key(event.request_id, event.attempt) in self.decided:
+            return []  # a repeated re-plan: decided already
+        self.state.apply(event)
+        with self.state.avoiding(event.failed_instance):
+            return self._decide(seq, event.as_admission(), event.attempt)
+
+    def _decide(self, seq: int, event: ev.RequestAdmitted, attempt: int) -> list[Output]:
+        state = self.state
+        rid = event.request_id
         info = state.admissions.get(rid)
         decided = self.policy.decide(state, event, seq)
         decision = decided.decision
+        if attempt:
+            decision = msgspec.structs.replace(decision, attempt=attempt)
         if isinstance(decision, ev.RequestScheduled):
             state.place(decision)
         else:
             state.admissions.pop(rid, None)
-        self._remember(rid, decision.time)
+        self._remember(attempt_key(rid, attempt), decision.time)
         self.unrecorded[rid] = decision
         if info is not None:
             self.admission_info[rid] = info
@@ -200,9 +221,9 @@ class Conductor:
             del companions[next(iter(companions))]
         return [decision, *extra]
 
-    def _remember(self, request_id: str, at: float) -> None:
+    def _remember(self, key: str, at: float) -> None:
         decided = self.decided
-        decided[request_id] = at
+        decided[key] = at
         # Oldest first (insertion order): forget what is past any retry's reach.
         horizon = self.state.now - self.cfg.request_timeout_s
         while decided:
@@ -210,8 +231,11 @@ class Conductor:
             if decided[first] >= horizon:
                 break
             del decided[first]
-            self.unrecorded.pop(first, None)
-            self.admission_info.pop(first, None)
+            rid, attempt = split_attempt_key(first)
+            mine = self.unrecorded.get(rid)
+            if mine is not None and mine.attempt == attempt:
+                del self.unrecorded[rid]
+                self.admission_info.pop(rid, None)
 
     def _recorded_companion(self, seq: int, recorded: Companion) -> None:
         key = ev.message_id_for(recorded)
@@ -222,15 +246,22 @@ class Conductor:
 
     def _recorded(self, seq: int, recorded: ev.Decision) -> None:
         rid = recorded.request_id
-        mine = self.unrecorded.pop(rid, None)
+        mine = self.unrecorded.get(rid)
+        if mine is not None and mine.attempt > recorded.attempt:
+            return  # a late copy of an earlier attempt's decision: superseded
+        if mine is not None and mine.attempt < recorded.attempt:
+            mine = None  # ours is for an attempt the log has moved past
+        else:
+            self.unrecorded.pop(rid, None)
         info = self.admission_info.pop(rid, None)
         if self._same(mine, recorded):
             return
         if mine is None:
-            if rid in self.decided:
+            key = attempt_key(rid, recorded.attempt)
+            if key in self.decided:
                 return  # a second copy of a decision already seen: no new load
             # Decided before our log began (a truncated log): adopt it.
-            self._remember(rid, recorded.time)
+            self._remember(key, recorded.time)
         else:
             self.divergences.append(Divergence(seq, rid, recorded, mine))
         # The log is the truth: replace our accounting with the recorded decision's,
@@ -249,3 +280,20 @@ class Conductor:
         return msgspec.structs.replace(mine, explain=None) == msgspec.structs.replace(
             recorded, explain=None
         )
+
+
+# Separates a request id from its attempt in `Conductor.decided`'s keys (request ids
+# are gateway-made and never hold control characters).
+_ATTEMPT_SEPARATOR = "\x1f"
+
+
+def attempt_key(request_id: str, attempt: int) -> str:
+    """The key that de-duplicates the decision on one attempt of a request: its id
+    for the first plan (as before re-plans existed), id and attempt after."""
+    return request_id if not attempt else f"{request_id}{_ATTEMPT_SEPARATOR}{attempt}"
+
+
+def split_attempt_key(key: str) -> tuple[str, int]:
+    """`attempt_key` undone: the request id and the attempt."""
+    rid, _, attempt = key.partition(_ATTEMPT_SEPARATOR)
+    return rid, int(attempt) if attempt else 0

@@ -32,7 +32,9 @@ silent past the heartbeat timeout is declared dead (`InstanceDown`), and the
 requests it orphaned — and those of a gateway that died or restarted — are
 cancelled (`RequestCancelled`), which every engine obeys by freeing them. Both are
 de-duplicated by message id, so a standby that takes over and says it again is
-harmless.
+harmless. A request that a dead engine orphaned while its gateway lives is cancelled
+only once `state.REPLAN_GRACE_S` of event time went by without its gateway re-planning
+or ending it: a cancel logged before the re-plan would end the new attempt too.
 """
 
 from __future__ import annotations
@@ -546,9 +548,12 @@ class ConductorService(Service):
         assert self.bus is not None
         state = self.conductor.state
         wanted = state.cancel_wanted
-        while wanted:
-            request_id = next(iter(wanted))
-            reason = wanted.pop(request_id)
+        waiting = state.cancel_not_before
+        for request_id in list(wanted):
+            if state.now < waiting.get(request_id, 0.0):
+                continue  # its gateway may still re-plan it: asked again after each event
+            reason = wanted.pop(request_id, "")
+            waiting.pop(request_id, None)
             if request_id not in state.placements:
                 continue  # finished meanwhile
             log.warning("request_orphaned", request_id=request_id, reason=reason)
@@ -631,7 +636,7 @@ def _decision_span(item: LoggedEvent, outputs: list[Output], started: float) -> 
     so a replay emits no span and decides exactly as before. Its times are the
     fold's: from `started` (a `perf_counter` reading) to now.
     """
-    if not isinstance(item.event, ev.RequestAdmitted):
+    if not isinstance(item.event, ev.RequestAdmitted | ev.RequestReplanned):
         return trace.INVALID_SPAN
     now_ns = time.time_ns()
     span = _tracer.start_span(
@@ -657,6 +662,7 @@ def _decision_attributes(seq: int, outputs: list[Output]) -> dict[str, Attribute
             case ev.RequestScheduled():
                 attributes |= {
                     "yb.request_id": output.request_id,
+                    "yb.attempt": output.attempt,
                     "yb.decision": "scheduled",
                     "yb.policy": output.policy,
                     "yb.prefill_instance": output.prefill_instance,

@@ -27,10 +27,15 @@ What is tracked, and why:
   or prefilling at a prefill instance that died, those assigned to a decode instance
   that died, and those of a gateway that died or restarted (nobody will read their
   tokens). Only the active conductor publishes them; a replay computes the same.
+  A request orphaned by an engine while its gateway lives is that gateway's first:
+  it re-plans it (`RequestReplanned`, which releases the old placement and so
+  withdraws the cancel) or ends it itself, so its cancel waits `REPLAN_GRACE_S`
+  (`cancel_not_before`): a cancel logged first would also end the new attempt.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 from collections.abc import Iterator
@@ -54,6 +59,9 @@ HEARTBEAT_ROLES: tuple[ev.Role, ...] = ("kvstore", "prefill", "decode")
 # Policies whose estimates carry the learned slowdown (the others price with the
 # cost model alone, so their estimates are the work itself).
 SPEED_AWARE: tuple[str, ...] = ("mooncake",)
+#: Event-time seconds a live gateway has to re-plan (or cancel) a request that a dead
+#: engine orphaned before the conductor cancels it (see the module docstring).
+REPLAN_GRACE_S = 5.0
 
 
 class InstanceState(msgspec.Struct, kw_only=True):
@@ -195,6 +203,9 @@ class ClusterState:
         # that the service announces (see the module docstring).
         self.declared_dead: dict[str, str] = {}
         self.cancel_wanted: dict[str, str] = {}
+        # Request id -> the event time before which its wanted cancel is not
+        # published: its gateway lives and may re-plan it.
+        self.cancel_not_before: dict[str, float] = {}
         self.learned = Learned(decode_time_s=decode_time_s)
         # Completions not yet collected by whoever exports metrics (bounded).
         self.outcomes: list[Outcome] = []
@@ -228,6 +239,8 @@ class ClusterState:
                 self.place(event)
             case ev.RequestRejected():
                 self.admissions.pop(event.request_id, None)
+            case ev.RequestReplanned():
+                self._replanned(event)
             case ev.RequestFinished():
                 self._finished(event)
             case ev.RequestCancelled():
@@ -309,6 +322,35 @@ class ClusterState:
     def unplace(self, request_id: str) -> None:
         """Undo `place` (a recomputed decision that the log overruled)."""
         self._release(request_id)
+
+    def _replanned(self, event: ev.RequestReplanned) -> None:
+        """A gateway continues a request on a new plan: the old placement's load is
+        released (its failed engine is, or soon will be, out of the state anyway) and
+        the re-plan waits for its decision as an admission does."""
+        self._release(event.request_id)
+        self.admissions[event.request_id] = PendingAdmission(
+            max_tokens=event.max_tokens,
+            priority=event.priority,
+            deadline=event.deadline,
+            block_size=event.block_size,
+        )
+
+    @contextlib.contextmanager
+    def avoiding(self, instance_id: str) -> Iterator[None]:
+        """Within the block, `instance_id` counts as not alive (a re-plan avoids the
+        engine whose failure ended the request's last attempt, before any verdict on
+        it reaches the log)."""
+        inst = self.instances.get(instance_id) if instance_id else None
+        if inst is None or not inst.alive:
+            yield
+            return
+        inst.alive = False
+        self._topology_changed()
+        try:
+            yield
+        finally:
+            inst.alive = True
+            self._topology_changed()
 
     def expected_output(self, max_tokens: int) -> int:
         """Output tokens a request is expected to produce: the learned mean, capped."""
@@ -418,8 +460,18 @@ class ClusterState:
             case _:
                 return
         for request_id in orphans:
-            if request_id in self.placements:
-                self.cancel_wanted.setdefault(request_id, reason)
+            placement = self.placements.get(request_id)
+            if placement is None:
+                continue
+            self.cancel_wanted.setdefault(request_id, reason)
+            gateway = self.instances.get(placement.gateway_id)
+            if (
+                inst.role != "gateway"
+                and gateway is not None
+                and gateway.role == "gateway"
+                and gateway.alive
+            ):
+                self.cancel_not_before.setdefault(request_id, self.now + REPLAN_GRACE_S)
 
     def _topology_changed(self) -> None:
         self._live_cache.clear()
@@ -538,6 +590,7 @@ class ClusterState:
     def _release(self, request_id: str) -> None:
         self.admissions.pop(request_id, None)
         self.cancel_wanted.pop(request_id, None)
+        self.cancel_not_before.pop(request_id, None)
         placement = self.placements.pop(request_id, None)
         if placement is None:
             return
