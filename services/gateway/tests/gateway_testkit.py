@@ -49,7 +49,11 @@ GatewayFactory = Callable[..., Awaitable[GatewayService]]
 
 
 def make_config(
-    nats: NatsConfig, *, telemetry: TelemetryConfig | None = None, **gateway: Any
+    nats: NatsConfig,
+    *,
+    telemetry: TelemetryConfig | None = None,
+    max_model_len: int = 256,
+    **gateway: Any,
 ) -> YbConfig:
     """Gateway settings with short deadlines, so failure paths are quick to test."""
     settings: dict[str, Any] = {
@@ -65,7 +69,9 @@ def make_config(
     }
     return YbConfig(
         nats=nats,
-        model=ModelConfig(source="tiny-random", name=MODEL, block_size=4, max_model_len=256),
+        model=ModelConfig(
+            source="tiny-random", name=MODEL, block_size=4, max_model_len=max_model_len
+        ),
         gateway=GatewayConfig(**settings),
         telemetry=telemetry or TelemetryConfig(metrics_token=METRICS_TOKEN),
     )

@@ -18,6 +18,7 @@ from gateway_testkit import (
 
 from yb_core import events as ev
 from yb_core.bus import Bus
+from yb_gateway.schemas import MAX_CHOICES
 from yb_gateway.service import GatewayService
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -78,10 +79,11 @@ async def test_max_tokens_over_server_limit_names_the_limit(client: httpx.AsyncC
     assert error["param"] == "max_tokens" and "max_max_tokens=512" in error["message"]
 
 
-async def test_only_one_choice(client: httpx.AsyncClient) -> None:
-    error = error_of(await client.post("/v1/chat/completions", json={**CHAT, "n": 2}), 400)
-    assert error["param"] == "n" and error["code"] == "unsupported_parameter"
-    assert "accepts only `1` or `null`" in error["message"]
+async def test_at_most_max_choices(client: httpx.AsyncClient) -> None:
+    error = error_of(
+        await client.post("/v1/chat/completions", json={**CHAT, "n": MAX_CHOICES + 1}), 400
+    )
+    assert error["param"] == "n" and f"<= {MAX_CHOICES}" in error["message"]
 
 
 async def test_token_ids_outside_vocabulary(client: httpx.AsyncClient) -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import openai
 import pytest
-from gateway_testkit import API_KEY, MODEL, WORDS, Cluster
+from gateway_testkit import API_KEY, MODEL, WORDS, Cluster, GatewayFactory
 
+from yb_core import protocol
 from yb_gateway.service import GatewayService
+from yb_gateway.structured import render_call
 
 
 @pytest.fixture
@@ -73,7 +76,6 @@ async def test_openai_client_sees_errors(oai: openai.AsyncOpenAI, cluster: Clust
 
     cluster.conductor.mode = "schedule"
     cluster.engine.script = lambda job: []  # accepted, then silence
-    from yb_core import protocol
 
     def broken(job: protocol.PrefillJob) -> list[protocol.TokenChunk]:
         return [
@@ -95,11 +97,11 @@ async def test_openai_client_gets_refusals_naming_the_field(
 ) -> None:
     messages: list[Any] = [{"role": "user", "content": "hello"}]
     tool: Any = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    refusals: list[tuple[dict[str, Any], str, str]] = [
-        ({"tools": [tool]}, "tools", "unsupported_parameter"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
-        ({"logprobs": True, "top_logprobs": 2}, "logprobs", "unsupported_parameter"),
-        ({"n": 3}, "n", "unsupported_parameter"),
+    refusals: list[tuple[dict[str, Any], str, str | None]] = [
+        ({"functions": [tool["function"]]}, "functions", "unsupported_parameter"),
+        ({"extra_body": {"best_of": 2}}, "best_of", "unknown_parameter"),
+        ({"tool_choice": "required"}, "tool_choice", None),
+        ({"top_logprobs": 2}, "top_logprobs", None),
         ({"extra_body": {"min_tokens": 4}}, "min_tokens", "unknown_parameter"),
     ]
     for kwargs, param, code in refusals:
@@ -110,8 +112,8 @@ async def test_openai_client_gets_refusals_naming_the_field(
                 )
             assert (refused.value.param, refused.value.code) == (param, code), kwargs
     with pytest.raises(openai.BadRequestError) as refused:
-        await oai.completions.create(model=MODEL, prompt="Once", echo=True)
-    assert (refused.value.param, refused.value.code) == ("echo", "unsupported_parameter")
+        await oai.completions.create(model=MODEL, prompt="Once", echo=True, logprobs=1)
+    assert refused.value.param == "echo" and "prompt's logprobs" in refused.value.message
     assert cluster.conductor.admitted == []
 
 
@@ -137,3 +139,110 @@ async def test_openai_client_neutral_values_and_round_trip(
         model=MODEL, prompt="Once", n=1, best_of=1, echo=False, presence_penalty=0
     )
     assert completion.choices[0].text == "".join(WORDS)
+
+
+WEATHER_TOOL: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def tool_call_script(pieces: list[str]) -> Any:
+    """An engine that writes `pieces` (one token each, with its logprob) and stops."""
+
+    def script(job: protocol.PrefillJob) -> list[protocol.TokenChunk]:
+        top = job.sampling.logprobs
+        chunks = [
+            protocol.TokenChunk(
+                request_id=job.request_id,
+                seq=i,
+                token_ids=[70 + i],
+                text=piece,
+                logprobs=[]
+                if top is None
+                else [protocol.TokenLogprob(token_id=70 + i, logprob=-0.25, top=[(70 + i, -0.25)])],
+            )
+            for i, piece in enumerate(pieces)
+        ]
+        chunks.append(
+            protocol.TokenChunk(
+                request_id=job.request_id,
+                seq=len(pieces),
+                finished=True,
+                finish_reason="stop",
+                prompt_tokens=len(job.token_ids),
+                completion_tokens=len(pieces),
+            )
+        )
+        return chunks
+
+    return script
+
+
+async def test_openai_client_reads_tool_calls_and_logprobs(
+    gateway_factory: GatewayFactory, cluster: Cluster
+) -> None:
+    # Room for the tools in the prompt (the tiny tokenizer spends a token per byte).
+    gateway = await gateway_factory(max_model_len=2048)
+    oai = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{gateway.port}/v1",
+        api_key=API_KEY,
+        max_retries=0,
+        http_client=openai.DefaultAsyncHttpxClient(trust_env=False),
+    )
+    text = render_call("get_weather", {"city": "Paris"})
+    cluster.engine.script = tool_call_script([text[i : i + 4] for i in range(0, len(text), 4)])
+    messages: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+    whole = await oai.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL], logprobs=True, top_logprobs=1
+    )
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls or []
+    assert len(calls) == 1 and calls[0].type == "function"
+    assert calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
+    assert choice.logprobs is not None and len(choice.logprobs.content or []) == len(
+        range(0, len(text), 4)
+    )
+    # The grammar went to the engine with the sampling parameters.
+    job = cluster.engine.jobs[-1]
+    assert job.sampling.grammar and job.sampling.logprobs == 1
+
+    stream = await oai.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL], stream=True, logprobs=True
+    )
+    names, fragments, finish, streamed_logprobs = [], [], None, 0
+    async for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        for call in delta.tool_calls or []:
+            if call.function and call.function.name:
+                names.append((call.index, call.id, call.function.name))
+            if call.function and call.function.arguments:
+                fragments.append(call.function.arguments)
+        if chunk.choices[0].logprobs is not None:
+            streamed_logprobs += len(chunk.choices[0].logprobs.content or [])
+        finish = chunk.choices[0].finish_reason or finish
+    assert [(i, name) for i, _, name in names] == [(0, "get_weather")]
+    assert names[0][1] is not None and names[0][1].startswith("call_")
+    assert len(fragments) > 1 and json.loads("".join(fragments)) == {"city": "Paris"}
+    assert finish == "tool_calls" and streamed_logprobs == len(range(0, len(text), 4))
+
+    # The conversation goes on with the call and its result.
+    messages += [
+        choice.message,
+        {"role": "tool", "tool_call_id": calls[0].id, "content": '{"sky": "clear"}'},
+    ]
+    cluster.engine.script = tool_call_script(["Clear", " skies."])
+    after = await oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL])
+    assert after.choices[0].message.content == "Clear skies."
+    assert after.choices[0].finish_reason == "stop"

@@ -24,22 +24,12 @@ KINDS = {CHAT: ChatCompletionRequest, TEXT: CompletionRequest}
 
 # A value of each refused field that asks for what the gateway does not do.
 _ASKING_COMMON: dict[str, Any] = {
-    "n": 2,
-    "presence_penalty": 0.5,
-    "frequency_penalty": -0.5,
-    "logit_bias": {"50256": -100},
     "repetition_penalty": 1.1,
     "stream_options.include_obfuscation": True,
 }
 ASKING: dict[str, dict[str, Any]] = {
     CHAT: {
         **_ASKING_COMMON,
-        "logprobs": True,
-        "top_logprobs": 3,
-        "response_format": {"type": "json_object"},
-        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-        "tool_choice": "auto",
-        "parallel_tool_calls": False,
         "functions": [{"name": "f", "parameters": {}}],
         "function_call": "auto",
         "modalities": ["text", "audio"],
@@ -56,10 +46,6 @@ ASKING: dict[str, dict[str, Any]] = {
         "prompt_cache_options": {"mode": "implicit"},
         "prompt_cache_retention": "24h",
         "safety_identifier": "user-1",
-        "messages.tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-        ],
-        "messages.tool_call_id": "c1",
         "messages.function_call": {"name": "f", "arguments": "{}"},
         "messages.refusal": "no",
         "messages.audio": {"id": "a1"},
@@ -71,8 +57,6 @@ ASKING: dict[str, dict[str, Any]] = {
     },
     TEXT: {
         **_ASKING_COMMON,
-        "logprobs": 0,  # 0 asks for the chosen token's logprob: not neutral
-        "echo": True,
         "best_of": 2,
         "suffix": "the end",
     },
@@ -80,22 +64,12 @@ ASKING: dict[str, dict[str, Any]] = {
 
 # The neutral values of each refused field, all sent at once: they must pass.
 _NEUTRAL_COMMON: dict[str, Any] = {
-    "n": 1,
-    "presence_penalty": 0,
-    "frequency_penalty": 0.0,
-    "logit_bias": {},
     "repetition_penalty": 1,
     "stream_options.include_obfuscation": False,
 }
 NEUTRAL: dict[str, dict[str, Any]] = {
     CHAT: {
         **_NEUTRAL_COMMON,
-        "logprobs": False,
-        "top_logprobs": None,
-        "response_format": {"type": "text"},
-        "tools": [],
-        "tool_choice": "none",
-        "parallel_tool_calls": None,
         "functions": None,
         "function_call": "none",
         "modalities": ["text"],
@@ -112,8 +86,6 @@ NEUTRAL: dict[str, dict[str, Any]] = {
         "prompt_cache_options": None,
         "prompt_cache_retention": None,
         "safety_identifier": None,
-        "messages.tool_calls": [],
-        "messages.tool_call_id": None,
         "messages.function_call": None,
         "messages.refusal": None,
         "messages.audio": None,
@@ -123,7 +95,7 @@ NEUTRAL: dict[str, dict[str, Any]] = {
         "messages.content.refusal": None,
         "messages.content.prompt_cache_breakpoint": None,
     },
-    TEXT: {**_NEUTRAL_COMMON, "logprobs": None, "echo": False, "best_of": 1, "suffix": None},
+    TEXT: {**_NEUTRAL_COMMON, "best_of": 1, "suffix": None},
 }
 
 # Fields nobody defines for the endpoint (as their full path, indices included),

@@ -16,7 +16,9 @@ from prometheus_client import CollectorRegistry, Counter
 from yb_core import events as ev
 from yb_core.config import GatewayConfig, ModelConfig, TelemetryConfig, YbConfig
 from yb_core.events import decision_subjects
+from yb_core.protocol import TokenChunk
 from yb_gateway.app import create_app, decode_body
+from yb_gateway.choices import Choices
 from yb_gateway.completions import CompletionsEndpoint
 from yb_gateway.decisions import DecisionRouter
 from yb_gateway.errors import ApiError
@@ -48,8 +50,8 @@ def test_decode_body_reports_the_field_path() -> None:
     [
         (b'{"model": "m", "prompt": "x", "foo": 1}', "foo", "unknown_parameter"),
         (
-            b'{"model": "m", "prompt": "x", "frequency_penalty": 0.5}',
-            "frequency_penalty",
+            b'{"model": "m", "prompt": "x", "best_of": 2}',
+            "best_of",
             "unsupported_parameter",
         ),
         (
@@ -78,12 +80,10 @@ def test_decode_body_names_unknown_and_unsupported_fields(
     [
         # Anything under a refused field is that field's refusal, with the indices of
         # the messages it lies in.
-        (b'{"response_format": {"type": "text", "json_schema": {}}}', "response_format"),
-        (b'{"response_format": {"type": "json_object"}}', "response_format"),
-        (b'{"tools": [{"type": "function"}]}', "tools"),
+        (b'{"functions": [{"name": "f"}]}', "functions"),
         (
-            b'{"messages": [{"role": "user", "tool_calls": [{"id": "c"}]}]}',
-            "messages[0].tool_calls",
+            b'{"messages": [{"role": "user", "function_call": {"name": "f"}}]}',
+            "messages[0].function_call",
         ),
         (
             b'{"messages": [{"role": "user", "content": [{"type": "text", "file": {"a": 1}}]}]}',
@@ -142,7 +142,7 @@ def test_decision_subjects_match_where_decisions_are_published() -> None:
 
 def test_sse_frames_are_openai_shaped() -> None:
     chat = ChatFormat("chatcmpl-1", "m")
-    opening = chat.opening()
+    opening = chat.opening(1)
     assert opening.startswith(b"data: {") and opening.endswith(b"}\n\n")
     first = json.loads(opening[len(b"data: ") :])
     assert first["choices"] == [
@@ -153,12 +153,14 @@ def test_sse_frames_are_openai_shaped() -> None:
             "logprobs": None,
         }
     ]
-    closing = json.loads(chat.closing("length")[len(b"data: ") :])
+    closing = json.loads(chat.closing(0, "length")[len(b"data: ") :])
     assert (
         closing["choices"][0]["delta"] == {} and closing["choices"][0]["finish_reason"] == "length"
     )
     usage = Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
-    whole = msgspec.json.decode(TextFormat("cmpl-1", "m").whole("ab", "stop", usage))
+    choices = Choices(1, "none")
+    choices.add(TokenChunk(request_id="r", seq=0, text="ab", finished=True))
+    whole = msgspec.json.decode(TextFormat("cmpl-1", "m").whole(choices.states, "stop", usage))
     assert whole["object"] == "text_completion" and whole["usage"]["total_tokens"] == 5
     assert SSE_DONE == b"data: [DONE]\n\n"
 
@@ -208,9 +210,10 @@ async def test_the_app_answers_from_its_view_of_the_gateway() -> None:
         chat = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]
         body = chat["application/json"]["schema"]
         assert body["additionalProperties"] is False
-        assert body["properties"]["tools"]["description"] == (
+        assert body["properties"]["functions"]["description"] == (
             "Not implemented by this server: accepts only `[]` or `null`."
         )
         message = body["properties"]["messages"]["items"]["properties"]
-        assert "accepts only `null`" in message["tool_call_id"]["description"]
+        assert "accepts only `null`" in message["function_call"]["description"]
+        assert "description" not in message["tool_call_id"]
         assert "description" not in body["properties"]["temperature"]

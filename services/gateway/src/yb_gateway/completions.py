@@ -37,11 +37,17 @@ from opentelemetry.context import Context
 
 from yb_core.config import YbConfig
 from yb_core.telemetry import bind_request, extract_context, get_logger
+from yb_gateway.choices import Choices
 from yb_gateway.errors import ApiError, unavailable
 from yb_gateway.metrics import CLIENT_CLOSED, GatewayMetrics, RequestTiming
 from yb_gateway.prompt import PreparedRequest, PromptEncoder, check_common, prepare
 from yb_gateway.render import SSE_DONE, ChatFormat, ResponseFormat, TextFormat, sse_error
-from yb_gateway.schemas import ChatCompletionRequest, CompletionRequest
+from yb_gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptTokensDetails,
+    Usage,
+)
 from yb_gateway.session import RequestSession, StreamError
 from yb_gateway.slow_clients import DROPPED_STATE_KEY
 
@@ -86,6 +92,7 @@ class _Exchange:
 
     session: RequestSession
     fmt: ResponseFormat
+    choices: Choices
     # The request's scope state: where the connection notes that it dropped a slow
     # client (`slow_clients.DROPPED_STATE_KEY`).
     state: dict[str, Any]
@@ -175,6 +182,7 @@ class CompletionsEndpoint:
                         code="tokenizer_not_ready",
                     )
                 prepared = await prepare(body, encoder, cfg.model, cfg.gateway)
+                fmt.prepared(prepared.sampling.logprobs, encoder.tokens, prepared.echo)
                 await sessions.wait_for_bus()
                 session = sessions.open_session(
                     request_id,
@@ -201,7 +209,11 @@ class CompletionsEndpoint:
                 user=body.user,
             )
             exchange = _Exchange(
-                session, fmt, request.scope.setdefault("state", {}), RequestTiming(arrived)
+                session,
+                fmt,
+                Choices(prepared.n, prepared.output.tools),
+                request.scope.setdefault("state", {}),
+                RequestTiming(arrived),
             )
             try:
                 await until_disconnect(request, session.start())
@@ -217,7 +229,7 @@ class CompletionsEndpoint:
                             self._settle, exchange, CLIENT_CLOSED, "client disconnected"
                         ),
                     )
-                text = await until_disconnect(request, _collect(exchange))
+                await until_disconnect(request, _collect(exchange))
             except ClientDisconnected:
                 await self._settle(exchange, CLIENT_CLOSED, "client disconnected")
                 return Response(b"", status_code=CLIENT_CLOSED)
@@ -233,7 +245,7 @@ class CompletionsEndpoint:
                 raise
             await self._settle(exchange, 200, "")
             return Response(
-                fmt.whole(text, session.finish_reason, session.usage()),
+                fmt.whole(exchange.choices.states, session.finish_reason, _usage(exchange)),
                 media_type="application/json",
                 headers={"X-Request-Id": request_id},
             )
@@ -273,11 +285,11 @@ class CompletionsEndpoint:
     async def _sse(self, exchange: _Exchange) -> AsyncIterator[bytes]:
         """The SSE body. Ends the exchange on every way out: completion, a broken
         stream, or the client leaving (litestar cancels the iteration)."""
-        session, fmt = exchange.session, exchange.fmt
+        session, fmt, choices = exchange.session, exchange.fmt, exchange.choices
         continuous = session.prepared.continuous_usage
         status, reason = CLIENT_CLOSED, "client disconnected"
         try:
-            if (opening := fmt.opening()) is not None:
+            if (opening := fmt.opening(len(choices.states))) is not None:
                 yield opening
             async for chunk in session.chunks():
                 if DROPPED_STATE_KEY in exchange.state:
@@ -287,14 +299,17 @@ class CompletionsEndpoint:
                     return
                 if chunk.token_ids or chunk.text:
                     exchange.timing.token(time.monotonic())
-                if chunk.text:
-                    yield fmt.delta(chunk.text, session.usage() if continuous else None)
+                update = choices.add(chunk)
+                if not update.empty:
+                    yield fmt.delta(update, _usage(exchange) if continuous else None)
             # Generation is complete: a client leaving during the last frames is not
             # a cancelled request.
             status, reason = 200, ""
-            yield fmt.closing(session.finish_reason, session.usage() if continuous else None)
+            for state in choices.states:
+                finish = state.finish_reason(session.finish_reason)
+                yield fmt.closing(state.index, finish, _usage(exchange) if continuous else None)
             if session.prepared.include_usage:
-                yield fmt.usage_frame(session.usage())
+                yield fmt.usage_frame(_usage(exchange))
             yield SSE_DONE
         except StreamError as exc:
             # The 200 has gone out: the error travels in the stream, which still ends
@@ -314,10 +329,20 @@ def _tag(exc: BaseException, request_id: str) -> BaseException:
     return exc
 
 
-async def _collect(exchange: _Exchange) -> str:
-    parts = []
+async def _collect(exchange: _Exchange) -> None:
     async for chunk in exchange.session.chunks():
         if chunk.token_ids or chunk.text:
             exchange.timing.token(time.monotonic())
-        parts.append(chunk.text)
-    return "".join(parts)
+        exchange.choices.add(chunk)
+
+
+def _usage(exchange: _Exchange) -> Usage:
+    """The request's counts: its prompt once, the completion tokens of all choices."""
+    session = exchange.session
+    completion = exchange.choices.completion_tokens
+    return Usage(
+        prompt_tokens=session.prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=session.prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=session.cached_tokens),
+    )

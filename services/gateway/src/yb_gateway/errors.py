@@ -123,7 +123,9 @@ def from_decode_error(
     path = ""
     head, sep, tail = message.rpartition(" - at `$")
     if sep:
-        path = tail.rstrip("`").lstrip(".")
+        # A map's value is `[...]` in msgspec's paths (`logit_bias[...]`): the field
+        # is the map.
+        path = tail.rstrip("`").lstrip(".").replace("[...]", "")
         message = head
     if not isinstance(exc, msgspec.ValidationError):
         return invalid_request(f"Request body is not valid JSON: {message}", code="invalid_json")

@@ -13,14 +13,22 @@ import asyncio
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from yb_core.config import GatewayConfig, ModelConfig
 from yb_core.protocol import SamplingParams
+from yb_gateway import structured
 from yb_gateway.errors import invalid_request, model_not_found
-from yb_gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from yb_gateway.logprobs import TokenTable
+from yb_gateway.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ToolDefinition,
+)
+from yb_gateway.structured import OutputSpec
 from yb_text.tokenizer import load_tokenizer
 
 T = TypeVar("T")
@@ -29,38 +37,65 @@ T = TypeVar("T")
 class PromptEncoder:
     """The served model's tokenizer, used from its own thread."""
 
-    def __init__(self, tokenizer: Any, executor: ThreadPoolExecutor) -> None:
+    def __init__(self, tokenizer: Any, executor: ThreadPoolExecutor, tokens: TokenTable) -> None:
         self._tokenizer = tokenizer
         self._executor = executor
         self.vocab_size = len(tokenizer)
+        #: Each token's text and bytes, for logprobs.
+        self.tokens = tokens
+        self._template_tools = structured.template_uses_tools(
+            getattr(tokenizer, "chat_template", None)
+        )
 
     @classmethod
     async def load(
         cls, model: ModelConfig, cache_dir: Path, executor: ThreadPoolExecutor
     ) -> PromptEncoder:
-        """Load the tokenizer (seconds: may import torch or convert the model once)."""
+        """Load the tokenizer (seconds: may import torch or convert the model once),
+        with the token table (which also readies the grammar library's view of it)."""
         loop = asyncio.get_running_loop()
         tokenizer = await loop.run_in_executor(executor, load_tokenizer, model, cache_dir)
-        return cls(tokenizer, executor)
+        tokens = await loop.run_in_executor(executor, TokenTable.of, tokenizer)
+        return cls(tokenizer, executor, tokens)
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    async def chat(self, messages: list[ChatMessage]) -> list[int]:
-        """Render the chat template (with the assistant's turn opened) and tokenize it."""
-        conversation = [_template_message(i, m) for i, m in enumerate(messages)]
-        return await self._run(self._encode_chat, conversation)
+    async def chat(
+        self, messages: list[ChatMessage], tools: list[ToolDefinition] | None = None
+    ) -> list[int]:
+        """Render the chat template (with the assistant's turn opened) and tokenize it;
+        `tools` go to the template, or into the system message when it ignores them."""
+        conversation = structured.conversation(
+            messages, tools or [], template_tools=self._template_tools, text_of=_message_text
+        )
+        template_tools = (
+            structured.template_tools_arg(tools) if tools and self._template_tools else None
+        )
+        return await self._run(self._encode_chat, conversation, template_tools)
+
+    async def check_grammar(self, grammar: str) -> None:
+        """Raise `yb_text.grammar.GrammarError` unless `grammar` compiles for this
+        tokenizer."""
+        await self._run(structured.grammar_lib().check_grammar, grammar, self._tokenizer)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of `token_ids` (special tokens included, as they were sent)."""
+        text: str = await self._run(self._tokenizer.decode, token_ids)
+        return text
 
     async def text(self, prompt: str) -> list[int]:
         """Tokenize a raw completion prompt (with the tokenizer's special tokens, as
         `transformers` and vLLM do for `/v1/completions`)."""
         return await self._run(self._tokenizer.encode, prompt, add_special_tokens=True)
 
-    def _encode_chat(self, conversation: list[dict[str, str]]) -> list[int]:
+    def _encode_chat(
+        self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
         try:
             text = self._tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False
+                conversation, tools=tools, add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:  # jinja2 raises its own types, templates `raise_exception`
             raise invalid_request(
@@ -71,26 +106,21 @@ class PromptEncoder:
         return ids
 
 
-def _template_message(index: int, message: ChatMessage) -> dict[str, str]:
+def _message_text(index: int, message: ChatMessage) -> str:
     content = message.content
     if content is None:
-        text = ""
-    elif isinstance(content, str):
-        text = content
-    else:
-        parts = []
-        for part in content:
-            if part.type != "text":
-                raise invalid_request(
-                    f"Content parts of type `{part.type}` are not supported; only `text`.",
-                    param=f"messages[{index}].content",
-                )
-            parts.append(part.text)
-        text = "".join(parts)
-    out = {"role": message.role, "content": text}
-    if message.name:
-        out["name"] = message.name
-    return out
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.type != "text":
+            raise invalid_request(
+                f"Content parts of type `{part.type}` are not supported; only `text`.",
+                param=f"messages[{index}].content",
+            )
+        parts.append(part.text)
+    return "".join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +134,15 @@ class PreparedRequest:
     include_usage: bool
     # Every streamed chunk carries the usage so far (vLLM's continuous_usage_stats).
     continuous_usage: bool = False
+    #: What the output is held to, and whether it is read as tool calls.
+    output: OutputSpec = field(default_factory=OutputSpec)
+    #: Completions' `echo`: the prompt's text, which each choice's text starts with.
+    echo: str | None = None
+
+    @property
+    def n(self) -> int:
+        """How many choices are generated."""
+        return self.sampling.n
 
     @property
     def max_tokens(self) -> int:
@@ -128,14 +167,37 @@ async def prepare(
 
     Raises `ApiError` (400) naming the limit a request goes past.
     """
+    output = OutputSpec()
+    echo: str | None = None
     if isinstance(body, ChatCompletionRequest):
-        token_ids = await encoder.chat(body.messages)
+        output = structured.output_spec(body)
+        token_ids = await encoder.chat(
+            body.messages, body.tools if output.tools != "none" else None
+        )
         requested = body.max_completion_tokens or body.max_tokens
         limit_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        top_logprobs = body.top_logprobs or 0
+        if top_logprobs and not body.logprobs:
+            raise invalid_request("`top_logprobs` needs `logprobs: true`.", param="top_logprobs")
+        logprobs = top_logprobs if body.logprobs else None
     else:
         token_ids = await _completion_prompt(body, encoder)
         requested = body.max_tokens
         limit_param = "max_tokens"
+        logprobs = body.logprobs
+        if body.echo:
+            if logprobs is not None:
+                raise invalid_request(
+                    "`echo` with `logprobs` would need the prompt's logprobs, which this "
+                    "server does not compute; ask for one or the other.",
+                    param="echo",
+                )
+            echo = body.prompt if isinstance(body.prompt, str) else await encoder.decode(token_ids)
+    if output.grammar:
+        try:
+            await encoder.check_grammar(output.grammar)
+        except ValueError as exc:  # yb_text.grammar.GrammarError
+            raise invalid_request(f"Invalid schema: {exc}", param=output.param) from exc
     if not token_ids:
         raise invalid_request("The prompt is empty.", param="prompt")
 
@@ -171,6 +233,12 @@ async def prepare(
         seed=body.seed,
         stop=stop,
         ignore_eos=body.ignore_eos,
+        n=body.n or 1,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=_logit_bias(body.logit_bias or {}, encoder.vocab_size),
+        logprobs=logprobs,
+        grammar=output.grammar,
     )
     options = body.stream_options
     include_usage = bool(body.stream and options and options.include_usage)
@@ -182,7 +250,23 @@ async def prepare(
         include_usage=include_usage,
         # As vLLM: per-chunk counts only where the final usage chunk is asked for too.
         continuous_usage=bool(include_usage and options and options.continuous_usage_stats),
+        output=output,
+        echo=echo,
     )
+
+
+def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
+    """`logit_bias` with its keys as token ids; 400 for a key that is not one."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token_id = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token_id < vocab_size:
+            raise invalid_request(
+                f"`logit_bias` key {key!r} is not a token id in 0..{vocab_size - 1}.",
+                param="logit_bias",
+            )
+        out[token_id] = value
+    return out
 
 
 async def _completion_prompt(body: CompletionRequest, encoder: PromptEncoder) -> list[int]:

@@ -1,6 +1,8 @@
 """The two OpenAI response dialects (chat and text completions), streamed or whole.
 
 Both endpoints relay the same token stream; only the JSON around the text differs.
+Each frame carries one choice's update (`choices.ChoiceUpdate`); with `n` > 1 the
+choices' frames interleave as their chunks arrive, told apart by `index`.
 `ChatFormat` and `TextFormat` build that JSON, and the SSE framing is written here by
 hand: OpenAI frames are `data: <json>\\n\\n`, errors are an `event: error` frame, and the
 stream ends with `data: [DONE]`. Producing the bytes directly keeps the wire format
@@ -14,6 +16,9 @@ import time
 
 import msgspec
 
+from yb_core.protocol import TokenLogprob
+from yb_gateway.choices import ChoiceState, ChoiceUpdate
+from yb_gateway.logprobs import TokenTable, chat_logprobs, completion_logprobs
 from yb_gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -21,8 +26,10 @@ from yb_gateway.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
+    ChoiceLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     ErrorBody,
     Usage,
 )
@@ -43,31 +50,43 @@ def sse_error(error: ErrorBody) -> bytes:
 
 
 class ResponseFormat(abc.ABC):
-    """How one request's answer is shaped."""
+    """How one request's answer is shaped.
+
+    `logprobs` (the number of alternatives per token, None for no logprobs), `tokens`
+    (their text) and `echo` are the request's, set once it is prepared.
+    """
 
     def __init__(self, request_id: str, model: str) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
+        self.logprobs: int | None = None
+        self.tokens: TokenTable | None = None
+        self.echo: str | None = None
 
-    def opening(self) -> bytes | None:
-        """The frame sent before any text (chat announces the assistant's role)."""
+    def prepared(self, logprobs: int | None, tokens: TokenTable, echo: str | None) -> None:
+        """Set what the request asked for that changes its shape."""
+        self.logprobs, self.tokens, self.echo = logprobs, tokens, echo
+
+    def opening(self, n: int = 1) -> bytes | None:
+        """The frames sent before any text (chat announces the assistant's role)."""
         return None
 
     @abc.abstractmethod
-    def delta(self, text: str, usage: Usage | None = None) -> bytes:
-        """A frame carrying new text (and the counts so far, when asked for)."""
+    def delta(self, update: ChoiceUpdate, usage: Usage | None = None) -> bytes:
+        """A frame carrying what one chunk added to a choice (and the counts so far,
+        when asked for)."""
 
     @abc.abstractmethod
-    def closing(self, finish_reason: str, usage: Usage | None = None) -> bytes:
-        """The frame that says why generation stopped."""
+    def closing(self, index: int, finish_reason: str, usage: Usage | None = None) -> bytes:
+        """The frame that says why choice `index` stopped."""
 
     @abc.abstractmethod
     def usage_frame(self, usage: Usage) -> bytes:
         """The optional last frame with the token counts (`include_usage`)."""
 
     @abc.abstractmethod
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> bytes:
+    def whole(self, choices: list[ChoiceState], default_finish: str, usage: Usage) -> bytes:
         """The non-streaming JSON body."""
 
 
@@ -85,28 +104,55 @@ class ChatFormat(ResponseFormat):
             )
         )
 
-    def opening(self) -> bytes:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+    def _logprobs(self, entries: list[TokenLogprob]) -> ChoiceLogprobs | None:
+        if self.logprobs is None or self.tokens is None:
+            return None
+        return chat_logprobs(self.tokens, entries, self.logprobs)
 
-    def delta(self, text: str, usage: Usage | None = None) -> bytes:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))], usage)
+    def opening(self, n: int = 1) -> bytes:
+        return b"".join(
+            self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            for i in range(n)
+        )
 
-    def closing(self, finish_reason: str, usage: Usage | None = None) -> bytes:
-        choice = ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)
+    def delta(self, update: ChoiceUpdate, usage: Usage | None = None) -> bytes:
+        delta = ChatDelta(content=update.content or None, tool_calls=update.tool_calls or None)
+        choice = ChatChunkChoice(
+            index=update.choice.index, delta=delta, logprobs=self._logprobs(update.logprobs)
+        )
+        return self._chunk([choice], usage)
+
+    def closing(self, index: int, finish_reason: str, usage: Usage | None = None) -> bytes:
+        choice = ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=finish_reason)
         return self._chunk([choice], usage)
 
     def usage_frame(self, usage: Usage) -> bytes:
         return self._chunk([], usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> bytes:
+    def whole(self, choices: list[ChoiceState], default_finish: str, usage: Usage) -> bytes:
+        out = []
+        for state in choices:
+            calls = state.parser.tool_calls() if state.parser is not None else []
+            content = "".join(state.content)
+            message = AssistantMessage(
+                role="assistant",
+                content=content if content or not calls else None,
+                tool_calls=calls or None,
+            )
+            out.append(
+                ChatChoice(
+                    index=state.index,
+                    message=message,
+                    finish_reason=state.finish_reason(default_finish),
+                    logprobs=self._logprobs(state.logprobs),
+                )
+            )
         return _json.encode(
             ChatCompletion(
                 id=self.request_id,
                 created=self.created,
                 model=self.model,
-                choices=[
-                    ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
-                ],
+                choices=out,
                 usage=usage,
             )
         )
@@ -126,23 +172,53 @@ class TextFormat(ResponseFormat):
             )
         )
 
-    def delta(self, text: str, usage: Usage | None = None) -> bytes:
-        return self._completion([CompletionChoice(text=text)], usage)
+    def _logprobs(
+        self, state: ChoiceState, entries: list[TokenLogprob]
+    ) -> CompletionLogprobs | None:
+        if self.logprobs is None or self.tokens is None:
+            return None
+        rendered, state.offset = completion_logprobs(
+            self.tokens, entries, self.logprobs, state.offset
+        )
+        return rendered
 
-    def closing(self, finish_reason: str, usage: Usage | None = None) -> bytes:
-        choice = CompletionChoice(text="", finish_reason=finish_reason)
+    def opening(self, n: int = 1) -> bytes | None:
+        if not self.echo:
+            return None
+        return b"".join(
+            self._completion([CompletionChoice(index=i, text=self.echo)]) for i in range(n)
+        )
+
+    def delta(self, update: ChoiceUpdate, usage: Usage | None = None) -> bytes:
+        state = update.choice
+        choice = CompletionChoice(
+            index=state.index, text=update.content, logprobs=self._logprobs(state, update.logprobs)
+        )
+        return self._completion([choice], usage)
+
+    def closing(self, index: int, finish_reason: str, usage: Usage | None = None) -> bytes:
+        choice = CompletionChoice(index=index, text="", finish_reason=finish_reason)
         return self._completion([choice], usage)
 
     def usage_frame(self, usage: Usage) -> bytes:
         return self._completion([], usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> bytes:
+    def whole(self, choices: list[ChoiceState], default_finish: str, usage: Usage) -> bytes:
+        out = [
+            CompletionChoice(
+                index=state.index,
+                text=(self.echo or "") + "".join(state.content),
+                finish_reason=state.finish_reason(default_finish),
+                logprobs=self._logprobs(state, state.logprobs),
+            )
+            for state in choices
+        ]
         return _json.encode(
             Completion(
                 id=self.request_id,
                 created=self.created,
                 model=self.model,
-                choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
+                choices=out,
                 usage=usage,
             )
         )

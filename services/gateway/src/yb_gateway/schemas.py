@@ -7,7 +7,7 @@ asks for JSON mode or tools and gets plain text would believe it got what it ask
 So every request struct forbids unknown fields, and each field that OpenAI (or vLLM,
 whose extensions load generators send) defines but this server does not implement is
 declared with a type that admits only its neutral values: what asks for nothing
-(`n: 1`, `presence_penalty: 0`, `tools: []`, null), which clients may send as defaults.
+(`best_of: 1`, `audio: null`), which clients may send as defaults.
 `REFUSED_FIELDS` lists them per request type; `errors.from_decode_error` turns the
 decoder's error on one of them, or on an unknown field, into a 400 naming the field.
 
@@ -29,10 +29,11 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 # Types of the fields this server does not implement (see `REFUSED_FIELDS`): each admits
 # only the values that ask for nothing.
-_Zero = Annotated[float, msgspec.Meta(ge=0.0, le=0.0)]
 _One = Annotated[float, msgspec.Meta(ge=1.0, le=1.0)]
 _EmptyList = Annotated[list[Any], msgspec.Meta(max_length=0)]
 _EmptyMap = Annotated[dict[str, Any], msgspec.Meta(max_length=0)]
+_Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+_Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
 
 
 class ContentPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -48,15 +49,41 @@ class ContentPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_cache_breakpoint: None = None
 
 
+#: The most choices one request may ask for (`n`).
+MAX_CHOICES = 16
+#: The most alternatives per token: chat's `top_logprobs`, completions' `logprobs`.
+MAX_TOP_LOGPROBS_CHAT = 20
+MAX_LOGPROBS_TEXT = 5
+
+# OpenAI's rule for function names.
+_FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionCallIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The function an earlier assistant turn called; `arguments` is JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A tool call of an earlier assistant turn, sent back as history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One message of a conversation."""
 
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    # Refused: tool calls and their results, audio, refusals.
-    tool_calls: _EmptyList | None = None
-    tool_call_id: None = None
+    #: An assistant turn's tool calls, and (role `tool`) which call a result answers.
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    # Refused: the deprecated function call, audio, refusals.
     function_call: None = None
     refusal: None = None
     audio: None = None
@@ -73,10 +100,73 @@ class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_obfuscation: Literal[False] | None = None
 
 
-class TextResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """`response_format: {"type": "text"}`, the only one served: unconstrained text."""
+class TextResponseFormat(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="text"
+):
+    """`response_format: {"type": "text"}`: unconstrained text."""
 
-    type: Literal["text"]
+
+class JsonObjectFormat(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="json_object"
+):
+    """`response_format: {"type": "json_object"}`: the output is one JSON object."""
+
+
+class JsonSchemaSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The schema of `response_format: {"type": "json_schema"}`.
+
+    `strict` true or false, the output is held to `schema` (a grammar allows nothing
+    else): OpenAI's non-strict mode only promises less.
+    """
+
+    name: _FunctionName
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="json_schema"
+):
+    """`response_format: {"type": "json_schema", "json_schema": {...}}`."""
+
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormatSpec = TextResponseFormat | JsonObjectFormat | JsonSchemaFormat
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A function the model may call: its name, what it does, its JSON-schema
+    parameters (any object when absent)."""
+
+    name: _FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One entry of `tools`."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The function a named `tool_choice` forces."""
+
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -93,7 +183,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     # Extension (vLLM's spelling): 0 or -1 disables top-k.
     top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], msgspec.Meta(max_length=4)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -102,11 +192,12 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     # Extension (vLLM's spelling): keep generating past end-of-sequence, up to
     # `max_tokens` (load generators need outputs of a known length).
     ignore_eos: bool = False
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)] | None = None
+    presence_penalty: _Penalty | None = None
+    frequency_penalty: _Penalty | None = None
+    # Token ids (as strings, JSON keys) to a bias added to their logits.
+    logit_bias: Annotated[dict[str, _Bias], msgspec.Meta(max_length=300)] | None = None
     # Refused (see `REFUSED_FIELDS`).
-    n: Literal[1] | None = 1
-    presence_penalty: _Zero | None = None
-    frequency_penalty: _Zero | None = None
-    logit_bias: _EmptyMap | None = None
     repetition_penalty: _One | None = None  # vLLM's
 
 
@@ -115,13 +206,13 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
 
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS_CHAT)] | None = None
+    response_format: ResponseFormatSpec | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # Refused (see `REFUSED_FIELDS`).
-    logprobs: Literal[False] | None = None
-    top_logprobs: Literal[0] | None = None
-    response_format: TextResponseFormat | None = None
-    tools: _EmptyList | None = None
-    tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: None = None
     functions: _EmptyList | None = None
     function_call: Literal["none"] | None = None
     modalities: (
@@ -146,9 +237,9 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     """`POST /v1/completions`: a text prompt or a list of token ids."""
 
     prompt: str | list[int]
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS_TEXT)] | None = None
+    echo: bool | None = None
     # Refused (see `REFUSED_FIELDS`).
-    logprobs: None = None
-    echo: Literal[False] | None = None
     best_of: Literal[1] | None = None
     suffix: None = None
 
@@ -164,10 +255,6 @@ class Refused(NamedTuple):
 _NULL = Refused("`null`")
 
 _REFUSED_COMMON: dict[str, Refused] = {
-    "n": Refused("`1` or `null`"),
-    "presence_penalty": Refused("`0` or `null`"),
-    "frequency_penalty": Refused("`0` or `null`"),
-    "logit_bias": Refused("`{}` or `null`"),
     "repetition_penalty": Refused("`1` or `null`", "vLLM"),
     "stream_options.include_obfuscation": Refused("`false` or `null`"),
 }
@@ -177,12 +264,6 @@ _REFUSED_COMMON: dict[str, Refused] = {
 REFUSED_FIELDS: Mapping[type[msgspec.Struct], Mapping[str, Refused]] = {
     ChatCompletionRequest: {
         **_REFUSED_COMMON,
-        "logprobs": Refused("`false` or `null`"),
-        "top_logprobs": Refused("`0` or `null`"),
-        "response_format": Refused('`{"type": "text"}` or `null`'),
-        "tools": Refused("`[]` or `null`"),
-        "tool_choice": Refused('`"none"` or `null`'),
-        "parallel_tool_calls": _NULL,
         "functions": Refused("`[]` or `null`"),
         "function_call": Refused('`"none"` or `null`'),
         "modalities": Refused('`["text"]` or `null`'),
@@ -199,8 +280,6 @@ REFUSED_FIELDS: Mapping[type[msgspec.Struct], Mapping[str, Refused]] = {
         "prompt_cache_options": _NULL,
         "prompt_cache_retention": _NULL,
         "safety_identifier": _NULL,
-        "messages.tool_calls": Refused("`[]` or `null`"),
-        "messages.tool_call_id": _NULL,
         "messages.function_call": _NULL,
         "messages.refusal": _NULL,
         "messages.audio": _NULL,
@@ -212,8 +291,6 @@ REFUSED_FIELDS: Mapping[type[msgspec.Struct], Mapping[str, Refused]] = {
     },
     CompletionRequest: {
         **_REFUSED_COMMON,
-        "logprobs": _NULL,
-        "echo": Refused("`false` or `null`"),
         "best_of": Refused("`1` or `null`"),
         "suffix": _NULL,
     },
@@ -238,20 +315,70 @@ class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class AssistantMessage(msgspec.Struct, kw_only=True):
-    """The generated message of a non-streaming chat completion."""
+class TopLogprob(msgspec.Struct, kw_only=True):
+    """One of the likeliest tokens at a position: its text, logprob and UTF-8 bytes."""
 
-    role: Literal["assistant"] = "assistant"
-    content: str = ""
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ContentLogprob(msgspec.Struct, kw_only=True):
+    """A generated token's logprob, with the likeliest alternatives (`top_logprobs`)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(msgspec.Struct, kw_only=True):
+    """A chat choice's `logprobs`: one entry per generated token (per delta, streamed)."""
+
+    content: list[ContentLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """A text completion's `logprobs`, in the legacy shape: parallel lists."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class FunctionCall(msgspec.Struct, kw_only=True):
+    """The function a tool call calls; `arguments` is JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """One tool call of a non-streaming chat completion."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The generated message of a non-streaming chat completion (`tool_calls` only
+    when it called tools; `content` is then null unless text came before the calls)."""
+
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
-    """The one choice of a chat completion (`n` is always 1 here)."""
+    """One choice of a chat completion."""
 
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
@@ -265,20 +392,39 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     usage: Usage
 
 
+class FunctionCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a stream chunk adds to a tool call's function: its name first (with
+    `arguments: ""`), then fragments of the arguments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a stream chunk adds to tool call `index` (its `id` and `type` come once,
+    with the function's name)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What a stream chunk adds to the message; absent fields are left out, as OpenAI does."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
-    """The choice of one chat stream chunk."""
+    """A choice of one chat stream chunk."""
 
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -293,12 +439,12 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
-    """The one choice of a text completion, streamed or not."""
+    """A choice of a text completion, streamed or not."""
 
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(msgspec.Struct, kw_only=True):
