@@ -15,6 +15,13 @@ The placement itself uses the predicted TBT in every admission policy, so that
 switching admission changes only who is refused, not where the others go. An
 instance without room for the request's KV (prompt plus expected output) is not a
 candidate.
+
+Priority: a decode instance short of pages admits the higher priorities first, and
+a request takes its pages there only once its prefill has run. So the room a
+request of priority p finds is the room left by every request assigned there
+except those of a lower priority still waiting for (or in) their prefill: those
+will wait behind it. With one priority everywhere this is the plain room, and
+`priority_order=False` (conductors before engines ordered by priority) ignores it.
 """
 
 from __future__ import annotations
@@ -58,8 +65,9 @@ class DecodeChoice:
 class DecodePlanner:
     """Estimates the decode instances for a request and picks the lowest TBT."""
 
-    def __init__(self, cost: CostModel) -> None:
+    def __init__(self, cost: CostModel, *, priority_order: bool = False) -> None:
         self.cost = cost
+        self.priority_order = priority_order
 
     def choose(
         self,
@@ -70,10 +78,12 @@ class DecodePlanner:
         max_tokens: int,
         block_size: int,
         at_time: float,
+        priority: int = 0,
     ) -> DecodeChoice:
         """Predict every decode instance's batch at `at_time` (when this request's
         prefill should end) with this request added, and pick the lowest TBT among
-        those with KV room (ties: the smaller assigned batch, then by id)."""
+        those with KV room for a request of `priority` (ties: the smaller assigned
+        batch, then by id)."""
         d = self.cost.decode
         base, per_seq, per_ctx = d.base_s, d.per_seq_s, d.per_context_token_s
         out_tokens = state.expected_output(max_tokens)
@@ -81,6 +91,8 @@ class DecodePlanner:
         need_blocks = -(-(prompt_tokens + out_tokens) // max(1, block_size))
         t_d = state.learned.decode_time_s
         placements = state.placements
+        # Below every priority: nothing is left out of the room.
+        floor = priority if self.priority_order else -math.inf
         n = len(decodes)
         fits = [True] * n
         batches = [1] * n
@@ -89,18 +101,21 @@ class DecodePlanner:
         chosen_key = (math.inf, 0)
         for i, inst in enumerate(decodes):
             cap = inst.kv_capacity_blocks
-            fit = not cap or inst.decode_kv_blocks + need_blocks <= cap
+            held = inst.decode_kv_blocks
             batch, ctx = 1, context
             for rid in inst.assigned:
                 p = placements.get(rid)
                 if p is None:
                     continue
+                if p.priority < floor and not p.prefill_done:
+                    held -= p.kv_blocks  # it will wait for pages behind this one
                 start = p.decode_started or p.prefill_end
                 duration = p.duration_cap if p.duration_cap < t_d else t_d
                 if start <= at_time < start + duration:
                     batch += 1
                     ctx += p.context_tokens
             tbt = base + per_seq * batch + per_ctx * ctx
+            fit = not cap or held + need_blocks <= cap
             fits[i] = fit
             batches[i] = batch
             tbts[i] = tbt

@@ -46,16 +46,29 @@ class MooncakePolicy:
 
     name = "mooncake"
 
-    def __init__(self, cfg: ConductorConfig | None = None, cost: CostModel | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ConductorConfig | None = None,
+        cost: CostModel | None = None,
+        *,
+        priority_order: bool | None = None,
+    ) -> None:
         cfg = cfg or ConductorConfig()
         self.cfg = cfg
         self.cost = cost or load_cost_model(cfg.cost_model)
+        # Whether engines run their queues by priority (see `prefill_placement`):
+        # the setting, once `ConductorConfig` carries it; off for a log recorded
+        # before (its engines ran in arrival order).
+        if priority_order is None:
+            priority_order = bool(getattr(cfg, "priority_order", False))
+        self.priority_order = priority_order
         self.prefill = PrefillPlanner(
             self.cost,
             balancing_threshold=cfg.kvcache_balancing_threshold,
             weigh_transfer=cfg.weigh_transfer,
+            priority_order=priority_order,
         )
-        self.decode = DecodePlanner(self.cost)
+        self.decode = DecodePlanner(self.cost, priority_order=priority_order)
         self.admission = AdmissionPolicy(
             cfg.admission,
             shed_step=cfg.shed_step,
@@ -91,6 +104,7 @@ class MooncakePolicy:
             max_tokens=request.max_tokens,
             block_size=bs,
             at_time=state.now + chosen.ttft_s,
+            priority=request.priority,
         )
         ttft_limit, tbt_limit = self.admission.limits(request)
         explain = ev.Explanation(

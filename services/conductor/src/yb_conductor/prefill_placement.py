@@ -20,6 +20,19 @@ no local prefix, usually nearly all of them, share one "best option" cost, so ea
 of them costs one subtraction; only the few on hosts that hold the prefix are
 estimated one by one.
 
+Priority: an engine runs its queue by priority, then arrival, never preempting the
+job at its head (running, or about to). A request therefore waits for the head and
+for the queued work of its own priority or higher; what waits at a lower priority
+it overtakes, so that work is left out of its queue estimate (`overtaken_s`). And
+while it waits, work of a higher priority keeps arriving and overtakes it in turn:
+if such work took a share rho of the prefill pool's time lately (over the last TTFT
+SLO, `overtaking_load`), its wait stretches to wait / (1 - rho), the waiting time
+of a lower class in a non-preemptive priority queue (the load counts placements
+still in flight, the newest `OVERTAKING_LOOKBACK` at most). With one priority
+everywhere this is the plain queue, to the bit; `priority_order=False` prices every
+queue in arrival order, as conductors did before engines ordered by priority (a
+log they recorded replays that way).
+
 Speed: with `learn_speed` an instance's work (transfer and prefill) is its
 estimate times the slowdown the log taught it (`speed`), beside the engines of its
 compute group that are busy now, and its queue is priced at that same speed. The
@@ -32,6 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import islice
 
 from yb_conductor.cost_model import CostModel
 from yb_conductor.state import ClusterState, InstanceState
@@ -135,6 +149,51 @@ class PoolView:
     engines: dict[str, Source]
 
 
+def overtaken_s(
+    state: ClusterState, inst: InstanceState, priority: int, factor: float | None = None
+) -> float:
+    """Seconds of `inst`'s queue that a request of `priority` runs before: the waiting
+    requests of a lower priority (the head is never overtaken).
+
+    `factor`: the queue is priced at `factor` times the cost model's work (as
+    `ClusterState.speed_queue_s` does); None prices it as the state's predicted
+    prefill times (`busy_until`).
+    """
+    placements = state.placements
+    total = 0.0
+    for rid in islice(inst.prefill_queue, 1, None):
+        p = placements.get(rid)
+        if p is not None and p.priority < priority:
+            total += p.prefill_s if factor is None else p.work_s * factor
+    return total
+
+
+# The share of a pool's time beyond which a lower priority is taken to wait as if
+# higher ones filled it (its wait stretched 1 / (1 - this) = 50 times): finite, so
+# that the figures stay numbers.
+MAX_OVERTAKING_LOAD = 0.98
+# Recent placements looked at for the overtaking load, at most (newest first).
+OVERTAKING_LOOKBACK = 256
+
+
+def overtaking_load(state: ClusterState, priority: int, window_s: float, instances: int) -> float:
+    """The share of each prefill instance's time that requests of a priority above
+    `priority`, scheduled over the last `window_s`, took (at most the
+    `OVERTAKING_LOOKBACK` newest placements; capped at `MAX_OVERTAKING_LOAD`)."""
+    if window_s <= 0.0 or instances <= 0:
+        return 0.0
+    since = state.now - window_s
+    work = 0.0
+    # Placements are kept in the order they were scheduled: newest last.
+    for p in islice(reversed(state.placements.values()), OVERTAKING_LOOKBACK):
+        if p.scheduled_at < since:
+            break
+        if p.priority > priority:
+            work += p.prefill_s
+    load = work / (window_s * instances)
+    return load if load < MAX_OVERTAKING_LOAD else MAX_OVERTAKING_LOAD
+
+
 class PrefillPlanner:
     """Estimates every prefill instance for a request and keeps the fastest option."""
 
@@ -144,10 +203,12 @@ class PrefillPlanner:
         *,
         balancing_threshold: float = 1.0,
         weigh_transfer: bool = True,
+        priority_order: bool = False,
     ) -> None:
         self.cost = cost
         self.threshold = balancing_threshold
         self.weigh_transfer = weigh_transfer
+        self.priority_order = priority_order
 
     def view(self, state: ClusterState, request: ev.RequestAdmitted) -> PoolView:
         """Walk the chain once and resolve every holder's prefix."""
@@ -245,6 +306,13 @@ class PrefillPlanner:
         if state.learn_speed:
             factors = [1.0] * n
             counts = state.busy_by_group()
+        priority = request.priority
+        by_priority = self.priority_order
+        stretch = 1.0
+        if by_priority:
+            rho = overtaking_load(state, priority, request.slo.ttft_s, len(prefills))
+            if rho > 0.0:
+                stretch = 1.0 / (1.0 - rho)
         chosen = 0
         chosen_t = math.inf
         for i, inst in enumerate(prefills):
@@ -257,6 +325,13 @@ class PrefillPlanner:
             else:
                 busy = inst.busy_until
                 queue = busy - now if busy > now else 0.0
+            if by_priority and queue > 0.0:
+                if len(inst.prefill_queue) > 1:
+                    speed = factor if factors is not None else None
+                    ahead = queue - overtaken_s(state, inst, priority, speed)
+                    queue = ahead if ahead > 0.0 else 0.0
+                if stretch != 1.0:
+                    queue *= stretch
             work = shared_work
             if any_local:
                 local = host_best.get(inst.host)

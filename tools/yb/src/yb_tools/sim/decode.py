@@ -10,13 +10,16 @@ nothing is stepped: between two changes of the batch, the time of `n` steps is t
 closed form `CostModel.decode_steps_s`, and the instance only wakes (one event) at
 the boundary where a request finishes or a pending one joins. `t0`, `steps`,
 `batch`, `ctx` describe the batch at the last boundary it was materialized at.
+
+Requests waiting for room (the `queue` decode admission) are admitted by priority
+(larger first), then arrival, as the real batcher admits them when pages or batch
+slots are short.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 
 from yb_conductor.cost_model import CostModel
 from yb_tools.sim.job import Job
@@ -42,6 +45,7 @@ class SimDecode:
         "tbt_slo_s",
         "version",
         "waiting",
+        "waits",
         "wake_n",
     )
 
@@ -69,7 +73,9 @@ class SimDecode:
         self.finishing: list[tuple[int, int, Job]] = []
         self.pending: list[Job] = []
         self.pending_ctx = 0
-        self.waiting: deque[Job] = deque()
+        # A heap of (-priority, arrival number, job): the next to admit first.
+        self.waiting: list[tuple[int, int, Job]] = []
+        self.waits = 0
         # A wake is valid only while `version` is the one it was scheduled with.
         self.version = 0
         self.wake_n = 0
@@ -180,7 +186,8 @@ class SimDecode:
 
     def wait(self, job: Job) -> None:
         """Queue `job` until there is room (the `queue` decode admission)."""
-        self.waiting.append(job)
+        self.waits += 1
+        heapq.heappush(self.waiting, (-job.priority, self.waits, job))
 
     def _join(self, job: Job, t: float) -> None:
         item = job.item
@@ -213,8 +220,8 @@ class SimDecode:
         self.pending.clear()
         self.pending_ctx = 0
         joined: list[Job] = []
-        while self.waiting and not self.refusal(self.waiting[0], t):
-            job = self.waiting.popleft()
+        while self.waiting and not self.refusal(self.waiting[0][2], t):
+            job = heapq.heappop(self.waiting)[2]
             self.kv_reserved += job.item.prompt_tokens + job.item.output_tokens
             self._join(job, t)
             joined.append(job)

@@ -19,10 +19,12 @@ class Job:
     `estimated_work_s` its estimate of the prefill's work; `prefill_s` is what the
     prefill instance really spent (loading reused blocks included);
     `reused_local`/`reused_remote` are blocks taken from its own host's pool and
-    pulled from another host's.
+    pulled from another host's. `priority` is what its admission asked for (drawn
+    from the run's priority mix).
     """
 
     item: TraceItem
+    priority: int = 0
     prefill: int = -1
     decode: int = -1
     plan: list[ev.ReusePlan] = field(default_factory=list)

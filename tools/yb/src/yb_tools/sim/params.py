@@ -31,6 +31,12 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     conductor know); the trace's `output_length` is when the engine actually stops.
     0 passes the trace's output length itself, which tells the conductor more than
     production ever does.
+
+    `priority_mix` maps a priority to its share of the requests (shares are
+    normalized; empty: every request at priority 0). Each request's priority is
+    drawn from it with a generator of its own seeded by `seed`, so a mix changes
+    nothing else a run draws. Larger runs earlier: prefill queues and decode
+    admission order by priority, then arrival, and the results break down by it.
     """
 
     prefill: int = 8
@@ -53,3 +59,4 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     jitter: float = 0.0
     seed: int = 0
     limit: int = 0
+    priority_mix: dict[int, float] = msgspec.field(default_factory=dict)

@@ -1,15 +1,17 @@
-"""A prefill instance as the simulator plays it: one job at a time, in arrival order.
+"""A prefill instance as the simulator plays it: one job at a time, by priority.
 
-Like the real engine it reuses the longest prefix its own host's pool holds, pulls
-from another host's pool what the conductor's plan names (when the source still
-holds it when the job starts), and computes the rest; the job takes the loads plus
-the prefill by the cost model. When it ends, the prompt's full blocks go into the
-host's pool.
+Like the real engine it runs its queue by priority (larger first), then arrival,
+never preempting the job it runs; with one priority everywhere that is arrival
+order. It reuses the longest prefix its own host's pool holds, pulls from another
+host's pool what the conductor's plan names (when the source still holds it when
+the job starts), and computes the rest; the job takes the loads plus the prefill by
+the cost model. When it ends, the prompt's full blocks go into the host's pool.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+from collections.abc import Iterator
 
 from yb_tools.sim.job import Job
 from yb_tools.sim.kvstore import SimKvstore
@@ -18,23 +20,32 @@ from yb_tools.sim.kvstore import SimKvstore
 class SimPrefill:
     """One prefill instance and its queue."""
 
-    __slots__ = ("busy_until", "current", "host", "instance_id", "kvstore", "queue")
+    __slots__ = ("arrivals", "busy_until", "current", "host", "instance_id", "kvstore", "queue")
 
     def __init__(self, instance_id: str, host: str, kvstore: SimKvstore) -> None:
         self.instance_id = instance_id
         self.host = host
         self.kvstore = kvstore
-        self.queue: deque[Job] = deque()
+        # A heap of (-priority, arrival number, job): the next job to run first.
+        self.queue: list[tuple[int, int, Job]] = []
+        self.arrivals = 0
         self.current: Job | None = None
         self.busy_until = 0.0
+
+    def push(self, job: Job) -> None:
+        """Queue `job` behind the running one."""
+        self.arrivals += 1
+        heapq.heappush(self.queue, (-job.priority, self.arrivals, job))
+
+    def pop(self) -> Job:
+        """The next job to run (the highest priority, the earliest of it)."""
+        return heapq.heappop(self.queue)[2]
+
+    def queued(self) -> Iterator[Job]:
+        """The waiting jobs (in no particular order)."""
+        return (entry[2] for entry in self.queue)
 
     @property
     def in_flight(self) -> int:
         """Jobs queued or running."""
         return len(self.queue) + (1 if self.current is not None else 0)
-
-    def backlog_s(self, now: float, estimate: dict[int, float]) -> float:
-        """Seconds of work ahead of a new job: the running job's rest plus the queued
-        jobs' estimated work (`estimate` by request index)."""
-        rest = self.busy_until - now if self.current is not None and self.busy_until > now else 0.0
-        return rest + sum(estimate.get(j.item.index, 0.0) for j in self.queue)

@@ -1,4 +1,5 @@
-"""The markdown table `yb sim` prints: one row per policy, the figures that compare."""
+"""The markdown tables `yb sim` prints: one row per policy, the figures that compare;
+and one row per policy and priority class when a run mixes priorities."""
 
 from __future__ import annotations
 
@@ -47,6 +48,52 @@ def markdown_table(report: SimReport) -> str:
             f"{r.transfer_bytes / 1e9:.0f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+PRIORITY_COLUMNS = (
+    "policy",
+    "priority",
+    "requests",
+    "completed",
+    "rejected",
+    "timed out",
+    "TTFT p50 s",
+    "p90",
+    "p99",
+    "max",
+    "TTFT within SLO %",
+    "TBT p90 ms",
+    "SLO %",
+)
+
+
+def priority_table(report: SimReport) -> str:
+    """Each policy's priority classes side by side ("" when no run mixes priorities)."""
+    if all(len(r.by_priority) <= 1 for r in report.policies.values()):
+        return ""
+    lines = [
+        "| " + " | ".join(PRIORITY_COLUMNS) + " |",
+        "| " + " | ".join(["---"] + ["---:"] * (len(PRIORITY_COLUMNS) - 1)) + " |",
+    ]
+    for label, r in report.policies.items():
+        for c in r.by_priority.values():
+            cells = [
+                label,
+                str(c.priority),
+                str(c.requests),
+                str(c.completed),
+                str(c.rejected),
+                str(c.timed_out),
+                f"{c.ttft_p50_s:.2f}",
+                f"{c.ttft_p90_s:.2f}",
+                f"{c.ttft_p99_s:.2f}",
+                f"{c.ttft_max_s:.2f}",
+                f"{c.ttft_within_slo * 100:.1f}",
+                f"{c.tbt_p90_s * 1000:.1f}",
+                f"{c.slo_attainment * 100:.1f}",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -8,7 +8,8 @@ that did, `goodput_rps` their number over the trace's arrival span. Rejections c
 at arrival (the conductor) and at decode admission (after a prefill was paid for:
 that prefill time is `wasted_prefill_s`). `cache_hit_ratio` is the share of prefilled
 prompt tokens taken from a pool instead of computed, local (own host) or remote
-(pulled from another host, whose bytes are `transfer_bytes`).
+(pulled from another host, whose bytes are `transfer_bytes`). `by_priority`
+gives the same judgement per priority class (`PriorityResult`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,25 @@ class LoadSeries(msgspec.Struct, kw_only=True):
     prefill_in_flight: list[int] = msgspec.field(default_factory=list)
     decode_tbt_ratio: list[float] = msgspec.field(default_factory=list)
     decode_running: list[int] = msgspec.field(default_factory=list)
+
+
+class PriorityResult(msgspec.Struct, kw_only=True):
+    """One priority class's figures: its requests' fates, TTFT and TBT percentiles
+    over its completed requests, and the share of its requests meeting the SLO
+    (`ttft_within_slo`: of its completed requests, those whose TTFT met it)."""
+
+    priority: int
+    requests: int
+    completed: int
+    rejected: int
+    timed_out: int
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    ttft_max_s: float
+    tbt_p90_s: float
+    ttft_within_slo: float
+    slo_attainment: float
 
 
 class PolicyResult(msgspec.Struct, kw_only=True):
@@ -75,6 +95,7 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     wall_s: float
     simulated_seconds_per_wall_second: float
     load_over_time: LoadSeries
+    by_priority: dict[int, PriorityResult] = msgspec.field(default_factory=dict)
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -186,4 +207,37 @@ def summarize(
         wall_s=wall_s,
         simulated_seconds_per_wall_second=simulated_s / wall_s if wall_s > 0 else 0.0,
         load_over_time=load,
+        by_priority=by_priority(jobs, ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s),
     )
+
+
+def by_priority(
+    jobs: list[Job], *, ttft_slo_s: float, tbt_slo_s: float
+) -> dict[int, PriorityResult]:
+    """Each priority class's figures, by priority (largest first)."""
+    classes: dict[int, list[Job]] = {}
+    for job in jobs:
+        classes.setdefault(job.priority, []).append(job)
+    out: dict[int, PriorityResult] = {}
+    for priority in sorted(classes, reverse=True):
+        members = classes[priority]
+        done = [j for j in members if j.fate == "completed"]
+        ttfts = sorted(j.ttft_s for j in done)
+        tbts = sorted(j.tbt_s for j in done if j.item.output_tokens > 1)
+        fast = sum(1 for j in done if j.ttft_s <= ttft_slo_s)
+        good = sum(1 for j in done if j.ttft_s <= ttft_slo_s and j.tbt_s <= tbt_slo_s)
+        out[priority] = PriorityResult(
+            priority=priority,
+            requests=len(members),
+            completed=len(done),
+            rejected=sum(1 for j in members if j.fate in ("rejected", "decode_rejected")),
+            timed_out=sum(1 for j in members if j.fate == "timed_out"),
+            ttft_p50_s=percentile(ttfts, 0.5),
+            ttft_p90_s=percentile(ttfts, 0.9),
+            ttft_p99_s=percentile(ttfts, 0.99),
+            ttft_max_s=ttfts[-1] if ttfts else 0.0,
+            tbt_p90_s=percentile(tbts, 0.9),
+            ttft_within_slo=fast / len(done) if done else 0.0,
+            slo_attainment=good / len(members),
+        )
+    return out

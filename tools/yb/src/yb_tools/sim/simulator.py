@@ -29,7 +29,7 @@ import msgspec
 
 from yb_conductor.conductor import Conductor, Output
 from yb_conductor.cost_model import CostModel
-from yb_conductor.policy import placement_policy
+from yb_conductor.policy import MooncakePolicy, placement_policy
 from yb_conductor.replay import LogRecord
 from yb_conductor.settings import configured_event, with_overrides
 from yb_core import events as ev
@@ -40,7 +40,7 @@ from yb_tools.sim.kvstore import SimKvstore
 from yb_tools.sim.params import SimParams
 from yb_tools.sim.prefill import SimPrefill
 from yb_tools.sim.results import LoadSeries, PolicyResult, summarize
-from yb_tools.sim.workload import TraceItem
+from yb_tools.sim.workload import TraceItem, draw_priorities
 
 # Kinds of heap events.
 _PREFILL_DONE, _DECODE_WAKE, _REPORT, _SAMPLE, _REPLICATE = range(5)
@@ -87,10 +87,14 @@ class Simulation:
             base, {**(settings or {}), "policy": policy, "admission": admission}
         )
         # The policy is built here and the logged settings are not re-adopted: peer
-        # policies take parameters the settings do not carry.
-        self.conductor = Conductor(
-            placement_policy(self.cfg, cost), cfg=self.cfg, cost=cost, adopt_logged_config=False
-        )
+        # policies take parameters the settings do not carry. The simulated engines
+        # run their queues by priority, and the conductor is told so.
+        policy_impl = placement_policy(self.cfg, cost)
+        if isinstance(policy_impl, MooncakePolicy) and not policy_impl.priority_order:
+            policy_impl = MooncakePolicy(
+                self.cfg, cost, priority_order=getattr(self.cfg, "priority_order", True)
+            )
+        self.conductor = Conductor(policy_impl, cfg=self.cfg, cost=cost, adopt_logged_config=False)
         self.records: list[LogRecord] | None = [] if record_log else None
         self.rng = random.Random(params.seed)
         self.slo = ev.Slo(ttft_s=params.ttft_slo_s, tbt_s=params.tbt_slo_s)
@@ -118,7 +122,10 @@ class Simulation:
             for j in range(params.decode)
         ]
         self.decode_index = {d.instance_id: j for j, d in enumerate(self.decodes)}
-        self.jobs: list[Job] = [Job(item) for item in items]
+        priorities = draw_priorities(len(items), params.priority_mix, params.seed)
+        self.jobs: list[Job] = [
+            Job(item, priority=priority) for item, priority in zip(items, priorities, strict=True)
+        ]
         self.heap: list[tuple[float, int, int, int, object]] = []
         self.hseq = 0
         self.seq = 0
@@ -260,6 +267,7 @@ class Simulation:
             else item.output_tokens,
             slo=self.slo,
             deadline=t + self.params.request_timeout_s,
+            priority=job.priority,
         )
         for out in self.emit(admitted):
             # The live service publishes the decision; the conductor sees it again.
@@ -285,7 +293,7 @@ class Simulation:
         if inst.current is None:
             self._start(p, job, t)
         else:
-            inst.queue.append(job)
+            inst.push(job)
 
     def _start(self, p: int, job: Job, t: float) -> bool:
         """Start `job` on prefill `p` at `t`; False if it had timed out instead."""
@@ -358,8 +366,7 @@ class Simulation:
             )
         )  # fmt: skip
         self._to_decode(job, t)
-        queue = inst.queue
-        while queue and not self._start(p, queue.popleft(), t):
+        while inst.queue and not self._start(p, inst.pop(), t):
             pass
 
     def _to_decode(self, job: Job, t: float) -> None:
@@ -476,7 +483,7 @@ class Simulation:
         for pf in self.prefills:
             if pf.current is not None and pf.busy_until > t:
                 backlog += pf.busy_until - t
-            backlog += math.fsum(job.estimated_work_s for job in pf.queue)
+            backlog += math.fsum(job.estimated_work_s for job in pf.queued())
             in_flight += pf.in_flight
         slo = self.params.tbt_slo_s
         ratio = math.fsum(d.step_s() for d in self.decodes) / (len(self.decodes) * slo)

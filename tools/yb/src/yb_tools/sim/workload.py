@@ -9,6 +9,10 @@ whole prefix). The keys are computed once and shared by every policy's run.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,3 +75,22 @@ def workload_from(
     ]
     items.sort(key=lambda r: (r.arrival, r.index))
     return items
+
+
+def draw_priorities(n: int, mix: Mapping[int, float], seed: int) -> list[int]:
+    """`n` priorities drawn from `mix` (priority -> share; empty: all 0), the same
+    for the same seed. ValueError on a negative share or none positive."""
+    if not mix:
+        return [0] * n
+    priorities = sorted(mix)
+    shares = [mix[p] for p in priorities]
+    if any(w < 0 for w in shares) or not sum(shares) > 0:
+        raise ValueError(f"priority mix {dict(mix)} needs shares >= 0, at least one > 0")
+    cumulative = list(itertools.accumulate(shares))
+    total = cumulative[-1]
+    # A generator of its own: the mix must not shift the run's other draws.
+    rng = random.Random(f"priority-mix:{seed}")
+    return [
+        priorities[min(bisect.bisect_right(cumulative, rng.random() * total), len(priorities) - 1)]
+        for _ in range(n)
+    ]
