@@ -25,15 +25,9 @@ class ChoiceState:
     content: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     counted_tokens: int = 0
-    reported_tokens: int = 0
     engine_finish: str | None = None
     #: Completions' `text_offset` of the next token.
     offset: int = 0
-
-    @property
-    def completion_tokens(self) -> int:
-        """Tokens generated for this choice (the engine's count when it sent one)."""
-        return max(self.counted_tokens, self.reported_tokens)
 
     def finish_reason(self, default: str = "stop") -> str:
         """OpenAI's finish reason: the engine's, `tool_calls` after calls."""
@@ -62,6 +56,9 @@ class Choices:
     def __init__(self, n: int, tools: ToolMode) -> None:
         self._tools = tools
         self.states = [self._new(i) for i in range(n)]
+        # The engine's running count over all choices (tokens a re-planned request's
+        # client had before included), the authority when it sends one.
+        self._reported_tokens = 0
 
     def _new(self, index: int) -> ChoiceState:
         parser = ToolCallParser(self._tools) if self._tools != "none" else None
@@ -74,7 +71,7 @@ class Choices:
         state = self.states[chunk.index]
         update = ChoiceUpdate(state, logprobs=list(chunk.logprobs), finished=chunk.finished)
         state.counted_tokens += len(chunk.token_ids)
-        state.reported_tokens = max(state.reported_tokens, chunk.completion_tokens)
+        self._reported_tokens = max(self._reported_tokens, chunk.completion_tokens)
         state.logprobs.extend(chunk.logprobs)
         if chunk.text:
             state.text.append(chunk.text)
@@ -92,4 +89,4 @@ class Choices:
     @property
     def completion_tokens(self) -> int:
         """Tokens generated over all choices."""
-        return sum(s.completion_tokens for s in self.states)
+        return max(sum(s.counted_tokens for s in self.states), self._reported_tokens)
