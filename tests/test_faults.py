@@ -2,6 +2,9 @@
 
 One `yb up` cluster with the tiny model and spare instances of every kind (2 prefill,
 2 decode, 2 kvstore, 2 conductors), kept up when an instance dies (`--keep-going`).
+Its gateway re-plans nothing (`gateway.replan_budget` 0): these scenarios check the
+clean error a client gets past its re-plan budget; `tests/test_replan.py` checks the
+streams that survive their engines.
 The scenarios run in file order, the harmless ones first and each destructive one
 taking away an instance the later ones can do without:
 
@@ -132,6 +135,8 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faulty]:
             # No engine tier: reuse comes from the kvstores (the kvstore scenario needs
             # it), and an idle prefill instance holds no page at all.
             "YB_PREFILL__PREFIX_CACHE_PAGES": "0",
+            # A failed engine ends its requests with an error (see the docstring).
+            "YB_GATEWAY__REPLAN_BUDGET": "0",
             # Gates a scenario arms for one request of its own (`Gate.arm`); nothing
             # else ever parks. A prompt of more than one chunk (512) parks after its
             # first chunk; a stream after its 20th token.

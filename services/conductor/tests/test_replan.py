@@ -36,7 +36,7 @@ def replanned(
     failed: str = "",
     generated: int = 0,
 ) -> list[Any]:
-    return c.feed(
+    outputs: list[Any] = c.feed(
         ev.RequestReplanned(
             request_id=rid,
             gateway_id="g",
@@ -51,6 +51,7 @@ def replanned(
             max_tokens=10 - generated,
         )
     )
+    return outputs
 
 
 def only_decision(outputs: list[Any]) -> ev.Decision:

@@ -20,8 +20,20 @@
 `abort()` is how a stopping gateway ends the session from outside: whatever the
 session waits for is interrupted with a 503. `instance_down()` is how it learns that
 an engine the request depends on was declared dead (the decode instance, or the
-prefill instance while no token has come yet): the stream ends with a 503 at once
-rather than at the token timeout, and `close()` cancels it everywhere.
+prefill instance while no token of the current attempt has come yet).
+
+Re-plans. When such an engine is declared dead, or an engine ends the stream with a
+503 (a KV transfer that broke, an engine shutting down), and the request has re-plans
+left (`gateway.replan_budget`, default 1), the stream does not end: the session logs
+`RequestReplanned` (attempt k, the failed instance, the block hashes of the prompt
+plus the tokens the client already received, what is left to generate), waits for
+the conductor's decision for attempt k and hands a `PrefillJob` with those tokens
+(`generated_tokens` of them output already) to the new prefill instance. Each attempt
+streams to a token subject of its own, from seq 0: what an older attempt still sends
+is never read, so no token is lost or repeated. Without re-plans left, or for a
+request of `n` > 1 choices (whose choices' tokens cannot continue as one prompt), the
+stream ends with a 503 at once rather than at the token timeout, and `close()`
+cancels it everywhere. A stream ends when all `n` choices have finished.
 """
 
 from __future__ import annotations
@@ -90,13 +102,25 @@ class _Abort:
 
 
 class _EngineLost:
-    """Queued when an engine the request depends on is declared dead."""
+    """Queued when an engine that attempt `attempt` depends on is declared dead."""
 
-    __slots__ = ("message", "role")
+    __slots__ = ("attempt", "instance_id", "message", "role")
 
-    def __init__(self, role: str, message: str) -> None:
+    def __init__(self, role: str, instance_id: str, attempt: int, message: str) -> None:
         self.role = role
+        self.instance_id = instance_id
+        self.attempt = attempt
         self.message = message
+
+
+class _Tokens:
+    """Queued for each message on an attempt's token subject."""
+
+    __slots__ = ("attempt", "data")
+
+    def __init__(self, attempt: int, data: bytes) -> None:
+        self.attempt = attempt
+        self.data = data
 
 
 class _Reconnected:
@@ -117,7 +141,7 @@ class _ResendAnswer:
         self.error = error
 
 
-_Item = bytes | _Abort | _EngineLost | _Reconnected | _ResendAnswer
+_Item = _Tokens | _Abort | _EngineLost | _Reconnected | _ResendAnswer
 
 
 class RequestSession:
@@ -160,6 +184,14 @@ class RequestSession:
         self._closed = False
         self._last_token_at: float | None = None
         self.decision: ev.RequestScheduled | None = None
+        # Re-plans: the attempt streaming now, how many more may follow, the token ids
+        # the client has received (in order: what a re-plan's prompt continues with),
+        # and whether the current attempt has sent a token yet.
+        self.attempt = 0
+        self.replans_left = cfg.gateway.replan_budget
+        self.received: list[int] = []
+        self._attempt_streaming = False
+        self._finished_choices: set[int] = set()
         # Computed once: the same keys go to the conductor and to the prefill engine.
         self.block_hashes = block_hashes(
             prepared.token_ids, cfg.model.block_size, identity_of(cfg.model)
@@ -233,67 +265,96 @@ class RequestSession:
                     hand_off.set_attribute("yb.prefill_instance", decision.prefill_instance)
                 await self._hand_off(decision, gcfg.job_timeout_s)
 
-    async def _decide(self, timeout_s: float) -> ev.Decision:
+    async def _decide(
+        self, timeout_s: float, event: ev.RequestAdmitted | ev.RequestReplanned | None = None
+    ) -> ev.Decision:
+        """Log the admission (or `event`, a re-plan) and wait for the conductor's
+        decision on the current attempt."""
         if self._aborted is not None:
             raise unavailable(self._aborted, code="shutting_down")
         cfg = self._cfg
         prepared = self.prepared
-        admitted = ev.RequestAdmitted(
-            request_id=self.request_id,
-            gateway_id=self._gateway_id,
-            model=cfg.model.name,
-            block_size=cfg.model.block_size,
-            block_hashes=self.block_hashes,
-            prompt_tokens=len(prepared.token_ids),
-            max_tokens=prepared.max_tokens,
-            priority=prepared.priority,
-            slo=ev.Slo(ttft_s=cfg.gateway.ttft_slo_s, tbt_s=cfg.gateway.tbt_slo_s),
-            deadline=time.time() + cfg.gateway.request_timeout_s,
-        )
+        if event is None:
+            event = ev.RequestAdmitted(
+                request_id=self.request_id,
+                gateway_id=self._gateway_id,
+                model=cfg.model.name,
+                block_size=cfg.model.block_size,
+                block_hashes=self.block_hashes,
+                prompt_tokens=len(prepared.token_ids),
+                max_tokens=prepared.max_tokens,
+                priority=prepared.priority,
+                slo=ev.Slo(ttft_s=cfg.gateway.ttft_slo_s, tbt_s=cfg.gateway.tbt_slo_s),
+                deadline=time.time() + cfg.gateway.request_timeout_s,
+            )
         # Registered before publishing: a fast conductor may answer before `publish`
         # returns.
         self._decision_future = future = self._router.expect(self.request_id)
+        until = time.monotonic() + timeout_s
         try:
             try:
-                await self._bus.publish(
-                    admitted, timeout_s=min(cfg.nats.request_timeout_s, timeout_s)
-                )
+                await self._bus.publish(event, timeout_s=min(cfg.nats.request_timeout_s, timeout_s))
             except BusUnavailable as exc:
                 raise unavailable(
                     f"The event bus is unavailable: {exc}", code="bus_unavailable"
                 ) from exc
             self._admitted = True
-            try:
-                return await asyncio.wait_for(future, timeout=timeout_s)
-            except TimeoutError as exc:
-                raise unavailable(
-                    f"No scheduling decision within decision_timeout_s={timeout_s:g}s.",
-                    code="decision_timeout",
-                ) from exc
+            while True:
+                try:
+                    decision = await asyncio.wait_for(
+                        future, timeout=max(0.001, until - time.monotonic())
+                    )
+                except TimeoutError as exc:
+                    raise unavailable(
+                        f"No scheduling decision within decision_timeout_s={timeout_s:g}s.",
+                        code="decision_timeout",
+                    ) from exc
+                if decision.attempt == self.attempt:
+                    return decision
+                # An earlier attempt's decision read again (the consumer reset itself).
+                self._decision_future = future = self._router.expect(self.request_id)
         finally:
             self._router.forget(self.request_id)
             self._decision_future = None
 
-    async def _hand_off(self, decision: ev.RequestScheduled, timeout_s: float) -> None:
-        subject = protocol.token_subject(self._gateway_id, self.request_id)
+    async def _hand_off(
+        self,
+        decision: ev.RequestScheduled,
+        timeout_s: float,
+        token_ids: list[int] | None = None,
+        hashes: list[int] | None = None,
+    ) -> None:
+        attempt = self.attempt
+        # One subject per attempt: what an older attempt still sends is never read.
+        stream_id = self.request_id if not attempt else f"{self.request_id}-{attempt}"
+        subject = protocol.token_subject(self._gateway_id, stream_id)
+
+        async def on_tokens(msg: Msg) -> None:
+            # nats-py runs this on the subscription's own task. Decoding is left to the
+            # consumer so that a bad payload surfaces as an error in stream order.
+            self._queue.put_nowait(_Tokens(attempt, msg.data))
+
         try:
             # Subscribed before the job leaves: NATS handles one connection's commands
             # in order, so the server knows the subscription before any engine can
             # publish a token to it.
-            self._subscription = await self._bus.subscribe(subject, cb=self._on_token_message)
+            self._subscription = await self._bus.subscribe(subject, cb=on_tokens)
         except nats.errors.Error as exc:
             raise unavailable(
                 f"Cannot subscribe to tokens: {exc!r}", code="bus_unavailable"
             ) from exc
         job = protocol.PrefillJob(
             request_id=self.request_id,
-            token_ids=self.prepared.token_ids,
-            block_hashes=self.block_hashes,
+            token_ids=self.prepared.token_ids if token_ids is None else token_ids,
+            block_hashes=self.block_hashes if hashes is None else hashes,
             sampling=self.prepared.sampling,
             decision=decision,
             token_subject=subject,
             deadline=time.time() + max(0.0, self._deadline - time.monotonic()),
             trace_headers=inject_headers(),
+            priority=self.prepared.priority,
+            attempt=attempt,
+            generated_tokens=len(self.received) if attempt else 0,
         )
         instance = decision.prefill_instance
         try:
@@ -322,11 +383,6 @@ class RequestSession:
         await self._publish_failed(reason)
         raise unavailable(reason, code=code)
 
-    async def _on_token_message(self, msg: Msg) -> None:
-        # nats-py runs this on the subscription's own task. Decoding is left to the
-        # consumer so that a bad payload surfaces as an error in stream order.
-        self._queue.put_nowait(msg.data)
-
     # --- the token stream -----------------------------------------------------------
 
     async def chunks(self) -> AsyncIterator[protocol.TokenChunk]:
@@ -344,16 +400,24 @@ class RequestSession:
                 now = time.monotonic()
                 while (chunk := order.next_ready(now)) is not None:
                     delivered_at = now
-                    self._account(chunk)
                     if chunk.error:
-                        raise StreamError(
-                            chunk.error_status or 502, chunk.error, code="engine_error"
-                        )
+                        failed = self._replan_cause(chunk)
+                        if failed is None:
+                            self._account(chunk)
+                            raise StreamError(
+                                chunk.error_status or 502, chunk.error, code="engine_error"
+                            )
+                        order = await self._continue(chunk.error, failed)
+                        delivered_at = now = time.monotonic()
+                        continue
+                    self._account(chunk)
                     if chunk.finished:
-                        self._ended = True
+                        self._finished_choices.add(chunk.index)
+                        if len(self._finished_choices) >= self.prepared.sampling.n:
+                            self._ended = True
                         self.finish_reason = chunk.finish_reason or "stop"
                     yield chunk
-                    if chunk.finished:
+                    if self._ended:
                         return
                     now = time.monotonic()
                 if order.given_up(now):
@@ -379,14 +443,16 @@ class RequestSession:
                     continue  # something is due: the loop's top decides what
                 now = time.monotonic()
                 match item:
-                    case bytes():
+                    case _Tokens() if item.attempt == self.attempt:
                         try:
-                            chunk = protocol.token_decoder.decode(item)
+                            chunk = protocol.token_decoder.decode(item.data)
                         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                             raise StreamError(
                                 502, f"Unreadable token chunk: {exc}", code="bad_chunk"
                             ) from exc
                         order.add(chunk, now)
+                    case _Tokens():
+                        pass  # queued by an attempt given up since
                     case _ResendAnswer() if item.ask == self._asks:
                         self._resend_over()
                         if item.reply is None:
@@ -403,12 +469,109 @@ class RequestSession:
                         order.reconnected(now)
                     case _Abort():
                         raise StreamError(503, item.reason, code="shutting_down")
+                    case _EngineLost() if item.attempt != self.attempt:
+                        pass  # about an attempt given up since
                     case _EngineLost():
-                        if item.role == "prefill" and order.expected > 0:
+                        if item.role == "prefill" and self._attempt_streaming:
                             continue  # its work was done: decode has the request
-                        raise StreamError(503, item.message, code="engine_failed")
+                        if not self._can_replan():
+                            raise StreamError(503, item.message, code="engine_failed")
+                        order = await self._continue(
+                            f"{item.role} instance {item.instance_id} declared down",
+                            item.instance_id,
+                        )
+                        delivered_at = time.monotonic()
         finally:
             self._cancel_resend()
+
+    # --- re-plans -------------------------------------------------------------------
+
+    def _can_replan(self) -> bool:
+        return (
+            self.replans_left > 0
+            and self.decision is not None
+            and self._aborted is None
+            # n choices share one prompt: they cannot continue as one longer prompt.
+            and self.prepared.sampling.n == 1
+            and len(self.received) < self.prepared.max_tokens
+        )
+
+    def _replan_cause(self, chunk: protocol.TokenChunk) -> str | None:
+        """The instance to blame when an error chunk may be re-planned around: a 503 is
+        an engine's failure (a KV transfer that broke, an engine stopping), not the
+        request's. Before the attempt's first token the KV never arrived (its prefill
+        side failed); after it, decode did. None: end the stream with the error."""
+        decision = self.decision
+        if chunk.error_status != 503 or decision is None or not self._can_replan():
+            return None
+        return decision.decode_instance if self._attempt_streaming else decision.prefill_instance
+
+    async def _continue(self, reason: str, failed_instance: str) -> StreamRecovery:
+        """Re-plan the request (see the module docstring) and hand it to its new
+        prefill instance; the new attempt's stream order. Raises `StreamError` when
+        the conductor refuses the re-plan or no engine takes it."""
+        self._cancel_resend()
+        old, self._subscription = self._subscription, None
+        if old is not None:
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await old.unsubscribe()
+        cfg, prepared = self._cfg, self.prepared
+        self.replans_left -= 1
+        self.attempt += 1
+        self._attempt_streaming = False
+        token_ids = [*prepared.token_ids, *self.received]
+        hashes = block_hashes(token_ids, cfg.model.block_size, identity_of(cfg.model))
+        replan = ev.RequestReplanned(
+            request_id=self.request_id,
+            gateway_id=self._gateway_id,
+            attempt=self.attempt,
+            reason=reason,
+            failed_instance=failed_instance,
+            model=cfg.model.name,
+            block_size=cfg.model.block_size,
+            block_hashes=hashes,
+            prompt_tokens=len(token_ids),
+            generated_tokens=len(self.received),
+            max_tokens=prepared.max_tokens - len(self.received),
+            replans_left=self.replans_left,
+            priority=prepared.priority,
+            slo=ev.Slo(ttft_s=cfg.gateway.ttft_slo_s, tbt_s=cfg.gateway.tbt_slo_s),
+            deadline=time.time() + max(0.0, self._deadline - time.monotonic()),
+        )
+        log.info(
+            "request_replanned",
+            request_id=self.request_id,
+            attempt=self.attempt,
+            failed_instance=failed_instance,
+            generated_tokens=len(self.received),
+            reason=reason,
+        )
+        self.span.add_event(
+            "replanned",
+            {"yb.attempt": self.attempt, "yb.failed_instance": failed_instance, "reason": reason},
+        )
+        gcfg = cfg.gateway
+        try:
+            with (
+                trace.use_span(self.span, end_on_exit=False),
+                child_span(_tracer, "gateway re-plan") as span,
+            ):
+                if span.is_recording():
+                    span.set_attribute("yb.attempt", self.attempt)
+                decision = await self._decide(gcfg.decision_timeout_s, replan)
+                if isinstance(decision, ev.RequestRejected):
+                    raise StreamError(
+                        503,
+                        f"The request's {reason}; its re-plan was refused: {decision.reason}.",
+                        code="replan_rejected",
+                    )
+                self.decision = decision
+                await self._hand_off(decision, gcfg.job_timeout_s, token_ids, hashes)
+        except ApiError as exc:
+            raise StreamError(
+                exc.status, f"The request's {reason}; {exc.message}", code=exc.code or "no_engine"
+            ) from exc
+        return StreamRecovery(time.monotonic())
 
     def bus_reconnected(self) -> None:
         """The bus moved to another NATS node: chunks published meanwhile are lost,
@@ -474,6 +637,10 @@ class RequestSession:
 
     def _account(self, chunk: protocol.TokenChunk) -> None:
         now = time.monotonic()
+        if chunk.token_ids:
+            self._attempt_streaming = True
+            if chunk.index == 0:
+                self.received.extend(chunk.token_ids)
         if chunk.token_ids or chunk.text:
             if self._last_token_at is None:
                 self._metrics.ttft.observe(now - self._arrived)
@@ -536,7 +703,7 @@ class RequestSession:
             return
         if instance_id == decision.decode_instance:
             role = "decode"
-        elif instance_id == decision.prefill_instance and self._last_token_at is None:
+        elif instance_id == decision.prefill_instance and not self._attempt_streaming:
             role = "prefill"
         else:
             return
@@ -544,6 +711,8 @@ class RequestSession:
         self._queue.put_nowait(
             _EngineLost(
                 role,
+                instance_id,
+                self.attempt,
                 f"The {role} instance {instance_id} serving this request failed "
                 f"({reason or 'down'}); the request was cancelled, retry it.",
             )
