@@ -18,7 +18,6 @@ import weakref
 from typing import Any
 
 import llguidance
-import llguidance.hf
 
 #: Tokenizer wrappers by the transformers tokenizer they wrap (building one takes ~0.4 s).
 _wrapped: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
@@ -37,6 +36,10 @@ def grammar_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
     """llguidance's view of a transformers fast tokenizer, built once per tokenizer."""
     wrapped = _wrapped.get(tokenizer)
     if wrapped is None:
+        # Here, not at the top: llguidance.hf imports transformers, which the gateway's
+        # request path must not pay for just to build a grammar.
+        import llguidance.hf
+
         wrapped = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
         _wrapped[tokenizer] = wrapped
     return wrapped
