@@ -16,8 +16,8 @@ switching admission changes only who is refused, not where the others go. An
 instance without room for the request's KV (prompt plus expected output) is not a
 candidate.
 
-Priority: a decode instance short of pages admits the higher priorities first, and
-a request takes its pages there only once its prefill has run. So the room a
+Priority: a decode instance short of pages gives them to the higher priorities
+first, and a request takes its pages there only once its prefill runs. So the room a
 request of priority p finds is the room left by every request assigned there
 except those of a lower priority still waiting for (or in) their prefill: those
 will wait behind it. With one priority everywhere this is the plain room, and
