@@ -65,6 +65,20 @@ def _samples() -> list[ev.AnyEvent]:
         ),
         ev.ConductorConfigured(instance_id="c0", settings_json="{}", cost_model_json="{}"),
         ev.TransferFailed(request_id="r1", source_instance="p0", target_instance="d0", reason="x"),
+        ev.RequestReplanned(
+            request_id="r",
+            gateway_id="g",
+            attempt=1,
+            reason="decode instance declared down",
+            failed_instance="decode-0",
+            model="m",
+            block_size=16,
+            block_hashes=[1, 2],
+            prompt_tokens=40,
+            generated_tokens=8,
+            max_tokens=8,
+            replans_left=0,
+        ),
     ]
 
 

@@ -72,6 +72,8 @@ class Snapshot(msgspec.Struct, kw_only=True):
     admission_info: dict[str, PendingAdmission] = msgspec.field(default_factory=dict)
     declared_dead: dict[str, str] = msgspec.field(default_factory=dict)
     cancel_wanted: dict[str, str] = msgspec.field(default_factory=dict)
+    # Cancels held back for a gateway's re-plan: restored, they still wait their grace.
+    cancel_not_before: dict[str, float] = msgspec.field(default_factory=dict)
     speeds: dict[str, InstanceSpeed] = msgspec.field(default_factory=dict)
     shared_speeds: dict[str, SharedSpeed] = msgspec.field(default_factory=dict)
 
@@ -110,6 +112,7 @@ def take(c: Conductor) -> Snapshot:
         admission_info=c.admission_info,
         declared_dead=s.declared_dead,
         cancel_wanted=s.cancel_wanted,
+        cancel_not_before=s.cancel_not_before,
         speeds=s.speeds,
         shared_speeds=s.shared_speeds,
     )
@@ -151,6 +154,7 @@ def restore(snap: Snapshot, *, follow_recorded: bool = True) -> Conductor:
     s.resync_wanted = dict.fromkeys(snap.resync_wanted)
     s.declared_dead = dict(snap.declared_dead)
     s.cancel_wanted = dict(snap.cancel_wanted)
+    s.cancel_not_before = dict(snap.cancel_not_before)
     s.learned = snap.learned
     s.speeds = dict(snap.speeds)
     s.shared_speeds = dict(snap.shared_speeds)
