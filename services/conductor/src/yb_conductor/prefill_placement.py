@@ -28,7 +28,8 @@ while it waits, work of a higher priority keeps arriving and overtakes it in tur
 if such work took a share rho of the prefill pool's time lately (over the last TTFT
 SLO, `overtaking_load`), its wait stretches to wait / (1 - rho), the waiting time
 of a lower class in a non-preemptive priority queue (the load counts placements
-still in flight, the newest `OVERTAKING_LOOKBACK` at most). With one priority
+still in flight, the newest `OVERTAKING_LOOKBACK` at most, over the time they span
+when that is shorter). With one priority
 everywhere this is the plain queue, to the bit; `priority_order=False` prices every
 queue in arrival order, as conductors did before engines ordered by priority (a
 log they recorded replays that way).
@@ -172,24 +173,36 @@ def overtaken_s(
 # higher ones filled it (its wait stretched 1 / (1 - this) = 50 times): finite, so
 # that the figures stay numbers.
 MAX_OVERTAKING_LOAD = 0.98
-# Recent placements looked at for the overtaking load, at most (newest first).
-OVERTAKING_LOOKBACK = 256
+# Recent placements looked at for the overtaking load, at most (newest first): every
+# decision pays for them (2 us for 64), whatever the priorities.
+OVERTAKING_LOOKBACK = 64
 
 
 def overtaking_load(state: ClusterState, priority: int, window_s: float, instances: int) -> float:
     """The share of each prefill instance's time that requests of a priority above
-    `priority`, scheduled over the last `window_s`, took (at most the
-    `OVERTAKING_LOOKBACK` newest placements; capped at `MAX_OVERTAKING_LOAD`)."""
+    `priority`, scheduled over the last `window_s`, took; capped at
+    `MAX_OVERTAKING_LOAD`. Only the `OVERTAKING_LOOKBACK` newest placements are
+    looked at: when they do not reach back `window_s`, the window is the time they
+    span."""
     if window_s <= 0.0 or instances <= 0:
         return 0.0
-    since = state.now - window_s
+    now = state.now
+    since = now - window_s
     work = 0.0
+    seen = 0
+    oldest = now
     # Placements are kept in the order they were scheduled: newest last.
     for p in islice(reversed(state.placements.values()), OVERTAKING_LOOKBACK):
         if p.scheduled_at < since:
             break
+        seen += 1
+        oldest = p.scheduled_at
         if p.priority > priority:
             work += p.prefill_s
+    if not work:
+        return 0.0
+    if seen == OVERTAKING_LOOKBACK and now - oldest > 0.0:
+        window_s = now - oldest
     load = work / (window_s * instances)
     return load if load < MAX_OVERTAKING_LOAD else MAX_OVERTAKING_LOAD
 
