@@ -20,7 +20,7 @@ import pytest
 from yb_conductor.cost_model import CostModel, DecodeCost, PrefillCost, load_cost_model
 from yb_conductor.replay import replay
 from yb_core.config import ConductorConfig
-from yb_tools.sim.params import SimParams
+from yb_tools.sim.params import SimParams, parse_priority_mix
 from yb_tools.sim.results import PolicyResult
 from yb_tools.sim.simulator import Simulation
 from yb_tools.sim.workload import TraceItem, draw_priorities, load_workload
@@ -109,6 +109,10 @@ def test_a_priority_mix_is_drawn_from_the_seed() -> None:
     assert draw_priorities(5, {}, seed=3) == [0] * 5
     with pytest.raises(ValueError, match="shares"):
         draw_priorities(5, {0: 0.0}, seed=3)
+    assert parse_priority_mix(" 1:0.2, 0:0.8 ") == {1: 0.2, 0: 0.8}
+    assert parse_priority_mix("") == {}
+    with pytest.raises(ValueError, match="'high'"):
+        parse_priority_mix("0:0.8,high")
 
 
 @pytest.fixture(scope="module")

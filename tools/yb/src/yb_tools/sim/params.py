@@ -60,3 +60,20 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     seed: int = 0
     limit: int = 0
     priority_mix: dict[int, float] = msgspec.field(default_factory=dict)
+
+
+def parse_priority_mix(text: str) -> dict[int, float]:
+    """`"1:0.2,0:0.8"` -> `{1: 0.2, 0: 0.8}` (priority:share, comma-separated; "" ->
+    {}). ValueError names the part that does not parse."""
+    mix: dict[int, float] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        priority, sep, share = part.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            mix[int(priority)] = float(share)
+        except ValueError:
+            raise ValueError(f"priority mix wants priority:share, got {part!r}") from None
+    return mix
