@@ -299,7 +299,12 @@ class ConductorConfig(_Section):
     `priority_ceiling` is refused once its estimates pass
     `max(shed_floor, 1 - shed_step * (priority_ceiling - p))` of its SLO, so lower
     classes are shed first. `decode_time_s` seeds `t_d`, the expected decode
-    duration, which completions then teach (`decode_time_alpha`).
+    duration, which completions then teach (`decode_time_alpha`). With
+    `priority_order` (the default) the engines are known to run their queues by
+    priority, then arrival: a request's queue estimate counts only the work it will
+    not overtake, and its decode room leaves out lower priorities still waiting for
+    their prefill; off, every queue is priced in arrival order (how logs recorded
+    before engines ordered by priority replay).
 
     Learned speed (`learn_speed`): each prefill instance's estimates are scaled by
     what its completed prefills took against the cost model, and each decode
@@ -330,6 +335,7 @@ class ConductorConfig(_Section):
     shed_step: float = 0.1
     shed_floor: float = 0.5
     priority_ceiling: int = 0
+    priority_order: bool = True
     decode_time_s: float = 10.0
     decode_time_alpha: float = 0.1
     explain_top_k: int = 8

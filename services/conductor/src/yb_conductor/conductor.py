@@ -105,6 +105,7 @@ class Conductor:
             speed_alpha=cfg.speed_alpha,
             compute_sharing=cfg.compute_sharing,
             sharing_prior=cfg.sharing_prior,
+            priority_order=cfg.priority_order,
         )
         self.last_seq = 0
         # Decisions computed here whose recorded copy has not been seen yet.
@@ -174,6 +175,7 @@ class Conductor:
         state.speed_alpha = cfg.speed_alpha
         state.compute_sharing = cfg.compute_sharing
         state.sharing_prior = cfg.sharing_prior
+        state.priority_order = cfg.priority_order
 
     def _admit(self, seq: int, event: ev.RequestAdmitted) -> list[Output]:
         state = self.state

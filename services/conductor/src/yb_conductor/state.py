@@ -11,10 +11,11 @@ What is tracked, and why:
 - the global block index (`BlockIndex`), guarded per instance by (epoch, event_id):
   a gap or a new epoch voids that instance's entries and asks for an inventory;
 - placements: every scheduled request until it finishes, with what the conductor
-  predicted for it. Per prefill instance a FIFO queue and the predicted time it
-  drains (`busy_until`), re-anchored whenever the engine reports progress, so
-  estimates do not drift; per decode instance the requests assigned to it, those
-  already decoding, and their context;
+  predicted for it. Per prefill instance its queue in the order the engine runs it
+  (with `priority_order`: the head, running, then by priority and arrival; else
+  arrival) and the predicted time it drains (`busy_until`), re-anchored whenever
+  the engine reports progress, so estimates do not drift; per decode instance the
+  requests assigned to it, those already decoding, and their context;
 - what completions teach: `t_d` (the expected decode duration) and the mean output
   length, as moving averages, and each completion's estimate-vs-outcome; with
   `learn_speed`, each engine's speed against the cost model (`speed`), alone and
@@ -179,8 +180,10 @@ class ClusterState:
         speed_alpha: float = 0.3,
         compute_sharing: str = "none",
         sharing_prior: float = 1.0,
+        priority_order: bool = False,
     ) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.priority_order = priority_order
         self.request_timeout_s = request_timeout_s
         self.decode_time_alpha = decode_time_alpha
         self.learn_speed = learn_speed
@@ -308,16 +311,43 @@ class ClusterState:
             if not prefill.prefill_queue:
                 prefill.running_since = self.now
             prefill.prefill_work_s += work_s
-            prefill.prefill_queue[rid] = None
             prefill.prefill_tokens_in_flight += decision.computed_tokens
             prefill.prefill_requests_in_flight += 1
-            prefill.busy_until = placement.prefill_end
+            if not (self.priority_order and self._overtake(prefill, placement)):
+                prefill.prefill_queue[rid] = None
+                prefill.busy_until = placement.prefill_end
         decode = self.instances.get(decision.decode_instance)
         if decode is not None:
             decode.assigned[rid] = None
             decode.decode_requests += 1
             decode.decode_context_tokens += context
             decode.decode_kv_blocks += placement.kv_blocks
+
+    def _overtake(self, inst: InstanceState, placement: Placement) -> bool:
+        """Queue `placement` ahead of the waiting requests of a lower priority (never
+        ahead of the head: it runs), re-timing them; False if it overtakes none."""
+        placements = self.placements
+        order = list(inst.prefill_queue)
+        at = 0
+        for k in range(1, len(order)):
+            p = placements.get(order[k])
+            if p is not None and p.priority < placement.priority:
+                at = k
+                break
+        if not at:
+            return False
+        ahead = placements.get(order[at - 1])
+        start = ahead.prefill_end if ahead is not None else self.now
+        t = placement.prefill_end = max(self.now, start) + placement.prefill_s
+        order.insert(at, placement.request_id)
+        for rid in order[at + 1 :]:
+            p = placements.get(rid)
+            if p is not None:
+                t += p.prefill_s
+                p.prefill_end = t
+        inst.prefill_queue = dict.fromkeys(order)
+        inst.busy_until = t
+        return True
 
     def unplace(self, request_id: str) -> None:
         """Undo `place` (a recomputed decision that the log overruled)."""
@@ -485,8 +515,10 @@ class ClusterState:
             return
         if event.stage == "prefill_started":
             if not placement.prefill_done:
-                self._reanchor(placement.prefill_instance, event.request_id, event.time)
                 inst = self.instances.get(placement.prefill_instance)
+                if self.priority_order and inst is not None:
+                    self._runs_first(inst, event.request_id)
+                self._reanchor(placement.prefill_instance, event.request_id, event.time)
                 if inst is not None:
                     inst.running_since = event.time
                     if self.learn_speed and not placement.started_at:
@@ -501,6 +533,15 @@ class ClusterState:
             if decode is not None:
                 decode.decoding_requests += 1
                 decode.decoding_context_tokens += placement.context_tokens
+
+    @staticmethod
+    def _runs_first(inst: InstanceState, request_id: str) -> None:
+        """The engine started `request_id`: it heads the queue now (the engine's
+        order may differ from ours, as when jobs reached it in another order)."""
+        queue = inst.prefill_queue
+        if request_id in queue and next(iter(queue)) != request_id:
+            del queue[request_id]
+            inst.prefill_queue = {request_id: None, **queue}
 
     def _prefill_finished(self, placement: Placement, at: float) -> None:
         placement.prefill_done = True
