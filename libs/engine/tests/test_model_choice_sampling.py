@@ -368,3 +368,65 @@ def test_discard_frees_and_reports_nothing(model: LoadedModel) -> None:
     engine.batcher.step()
     assert engine.batcher.discard("r") and not engine.batcher.discard("r")
     assert engine.alloc.num_used == 0 and engine.batcher.step() == []
+
+
+# --- the real vocabulary: SmolLM2 -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol() -> LoadedModel:
+    from yb_core.model_files import default_model_cache_dir
+    from yb_engine import ensure_default_model, load_model
+
+    return load_model(ensure_default_model(default_model_cache_dir()))
+
+
+def chat(model: LoadedModel, question: str) -> list[int]:
+    text = model.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+    ids: list[int] = model.tokenizer.encode(text, add_special_tokens=False)
+    return ids
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 30},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "languages": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 20},
+            "maxItems": 3,
+        },
+    },
+    "required": ["name", "age", "languages"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.slow
+@MODES
+def test_smollm2_json_n3_logprobs_through_the_split(
+    smol: LoadedModel, base: SamplingParams
+) -> None:
+    """The real tokenizer's 49k tokens under a JSON schema: every choice's text parses
+    and follows it, the same on one engine and split, to the logprob."""
+    ids = chat(smol, "Describe a fictional programmer as JSON with name, age and languages.")
+    params = with_(
+        base,
+        temperature=base.temperature and 0.8,
+        grammar=json_schema_grammar(PERSON),
+        n=3,
+        logprobs=2,
+        max_tokens=200,
+        ignore_eos=False,
+    )
+    choices = whole(smol, ids, params)
+    same(choices, split(smol, ids, params))
+    for choice in choices:
+        assert choice[-1].finish_reason == "stop"
+        value = json.loads(text(choice))
+        assert set(value) == {"name", "age", "languages"}
+        assert isinstance(value["name"], str) and 0 <= value["age"] <= 130
+        assert all(isinstance(x, str) for x in value["languages"])

@@ -29,18 +29,16 @@ from typing import Any, NamedTuple
 
 import llguidance
 import llguidance.numpy
+import numpy as np
 import torch
 
 from yb_core.protocol import SamplingParams, TokenLogprob
 from yb_engine.sampling import Sampler, choice_generator, skip_draws
 from yb_text.grammar import new_matcher
 
-#: Bit k of a bitmask word is token 32 * word + k.
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
-
-class GrammarViolation(RuntimeError):
-    """A token the choice's grammar refuses (it cannot come from a masked draw)."""
+class GrammarViolation(ValueError):
+    """Tokens given as generated that the choice's grammar refuses."""
 
 
 class Sampled(NamedTuple):
@@ -63,8 +61,12 @@ class ChoiceState:
     matcher: llguidance.LLMatcher | None = None
     #: Tokens the matcher knows (the tokenizer's); logits beyond them are masked.
     grammar_vocab: int = 0
+    #: The matcher refused a sampled token or allowed none: the choice must end.
+    grammar_broken: bool = False
     _bias_ids: torch.Tensor | None = field(default=None, repr=False)
     _bias_values: torch.Tensor | None = field(default=None, repr=False)
+    _bitmask: np.ndarray[Any, np.dtype[np.int32]] | None = field(default=None, repr=False)
+    _eos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     @classmethod
     def rebuild(
@@ -95,8 +97,16 @@ class ChoiceState:
                 raise ValueError("a grammar needs the tokenizer")
             state.matcher = new_matcher(params.grammar, tokenizer)
             state.grammar_vocab = len(tokenizer)
+            state._bitmask = llguidance.numpy.allocate_token_bitmask(1, state.grammar_vocab)
+            state._eos = torch.tensor(
+                sorted(t for t in state.eos_token_ids if t < state.grammar_vocab),
+                dtype=torch.long,
+            )
             for token in generated:
-                state._advance_matcher(token)
+                if not state._advance_matcher(token):
+                    raise GrammarViolation(
+                        f"generated token {token} refused: {state.matcher.get_error()}"
+                    )
         return state
 
     @property
@@ -108,23 +118,25 @@ class ChoiceState:
     @property
     def grammar_finished(self) -> bool:
         """The grammar is complete and allows nothing more: the choice ends ("stop")."""
-        return self.matcher is not None and self.matcher.is_stopped()
+        return self.matcher is not None and (self.grammar_broken or self.matcher.is_stopped())
 
     def accept(self, token: int) -> None:
         """Account for a token this choice generated."""
         if self.counts is not None:
             self.counts[token] += 1
-        if self.matcher is not None:
-            self._advance_matcher(token)
+        # A masked draw cannot pick a refused token; should the matcher refuse one all
+        # the same, the choice ends rather than the batch it shares a step with.
+        if self.matcher is not None and not self._advance_matcher(token):
+            self.grammar_broken = True
 
-    def _advance_matcher(self, token: int) -> None:
+    def _advance_matcher(self, token: int) -> bool:
+        """Feed the matcher a generated token; False if it refuses it."""
         assert self.matcher is not None
         # EOS ends the choice; the masks allowed it only where the grammar accepts,
         # and the matcher's own idea of EOS may be another token.
         if token in self.eos_token_ids or self.matcher.is_stopped():
-            return
-        if not self.matcher.consume_token(token):
-            raise GrammarViolation(f"token {token} refused: {self.matcher.get_error()}")
+            return True
+        return bool(self.matcher.consume_token(token))
 
     def process(self, row: torch.Tensor) -> None:
         """Penalties, bias and grammar mask, in place on one float32 row of logits."""
@@ -144,21 +156,28 @@ class ChoiceState:
 
     def _mask(self, row: torch.Tensor) -> None:
         """Keep only the tokens the grammar allows next; EOS only where it accepts."""
-        assert self.matcher is not None
-        eos = [t for t in self.eos_token_ids if t < row.shape[0]]
-        eos_logits = row[eos].clone()
-        bitmask = llguidance.numpy.allocate_token_bitmask(1, self.grammar_vocab)
-        llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, 0)
-        words = torch.from_numpy(bitmask[0])
-        allowed = ((words[:, None] >> _BIT_SHIFTS) & 1).view(-1)[: self.grammar_vocab].bool()
+        assert self.matcher is not None and self._bitmask is not None
         n = min(self.grammar_vocab, row.shape[0])
-        row[:n].masked_fill_(~allowed[:n], float("-inf"))
-        row[n:] = float("-inf")
-        if eos:
-            accepting = self.matcher.is_accepting()
-            row[eos] = eos_logits if accepting else torch.full_like(eos_logits, float("-inf"))
-        if not bool(torch.isfinite(row).any()):
-            raise GrammarViolation(f"the grammar allows no token: {self.matcher.get_error()}")
+        eos_logits = row.index_select(0, self._eos)
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+        # Bit k of int32 word w is token 32w + k: on a little-endian machine, bit k % 8
+        # of byte 4w + k // 8, which is what unpackbits' little bit order lists.
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[:n]
+        refused = bits == 0
+        row[:n].masked_fill_(torch.from_numpy(refused), float("-inf"))
+        if n < row.shape[0]:
+            row[n:] = float("-inf")  # ids the tokenizer does not have
+        if len(self._eos):
+            if self.matcher.is_accepting():
+                row.index_copy_(0, self._eos, eos_logits)
+                return
+            row.index_fill_(0, self._eos, float("-inf"))
+            refused[self._eos.numpy()] = True
+            if refused.all():
+                # Nothing allowed (a matcher in error): end the choice with EOS rather
+                # than draw from nothing.
+                self.grammar_broken = True
+                row.index_copy_(0, self._eos, eos_logits)
 
 
 def sample_choices(
