@@ -19,7 +19,6 @@ import pytest
 
 from yb_conductor.cost_model import CostModel, DecodeCost, PrefillCost, load_cost_model
 from yb_conductor.replay import replay
-from yb_core.config import ConductorConfig
 from yb_tools.sim.params import SimParams, parse_priority_mix
 from yb_tools.sim.results import PolicyResult
 from yb_tools.sim.simulator import Simulation
@@ -41,12 +40,6 @@ OVERLOAD = SimParams(
     tbt_slo_s=0.1,
     limit=1000,
     priority_mix={0: 0.8, 1: 0.2},
-)
-# The conductor's bookkeeping of queues in the engines' order (`ClusterState`) and
-# its setting come with `ConductorConfig.priority_order`.
-needs_priority_order = pytest.mark.skipif(
-    not hasattr(ConductorConfig(), "priority_order"),
-    reason="needs ConductorConfig.priority_order and the state's priority-ordered queues",
 )
 
 
@@ -133,7 +126,6 @@ def _overload(items: list[TraceItem], **settings: Any) -> tuple[Simulation, Poli
     return sim, sim.run()
 
 
-@needs_priority_order
 def test_under_overload_high_priority_keeps_its_slo_and_low_priority_is_shed(
     items: list[TraceItem],
 ) -> None:

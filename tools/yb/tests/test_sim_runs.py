@@ -155,6 +155,22 @@ def test_the_command_line_refuses_unknown_names(
     assert _cli([*argv, "--quiet", "--limit", "5"]) == 1
 
 
+def test_the_command_line_draws_a_priority_mix_and_prints_each_class(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sim.json"
+    argv = [
+        "--trace", str(TRACE), "--policy", "mooncake", "--admission", "predicted",
+        "--limit", "100", "--json", str(out), "--quiet", "--no-plots",
+    ]  # fmt: skip
+    assert _cli([*argv, "--priority-mix", "1:0.3,0:0.7"]) == 0
+    (run,) = json.loads(out.read_text())["policies"].values()
+    assert set(run["by_priority"]) == {"0", "1"}
+    assert "| priority |" in capsys.readouterr().out
+    assert _cli([*argv, "--priority-mix", "high"]) == 2
+    assert "priority mix wants priority:share" in capsys.readouterr().err
+
+
 def test_plots_are_written(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "sim.json"

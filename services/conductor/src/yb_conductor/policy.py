@@ -56,11 +56,10 @@ class MooncakePolicy:
         cfg = cfg or ConductorConfig()
         self.cfg = cfg
         self.cost = cost or load_cost_model(cfg.cost_model)
-        # Whether engines run their queues by priority (see `prefill_placement`):
-        # the setting, once `ConductorConfig` carries it; off for a log recorded
-        # before (its engines ran in arrival order).
+        # Whether engines run their queues by priority (see `prefill_placement`): the
+        # setting unless told otherwise (a log recorded before it is read as off).
         if priority_order is None:
-            priority_order = bool(getattr(cfg, "priority_order", False))
+            priority_order = cfg.priority_order
         self.priority_order = priority_order
         self.prefill = PrefillPlanner(
             self.cost,

@@ -99,6 +99,12 @@ def add_parser(sub: Any) -> None:
     load.add_argument("--limit", type=int, default=0, help="only the first N requests")
     load.add_argument("--jitter", type=float, default=0.0, help="prefill time noise, +-fraction")
     load.add_argument("--seed", type=int, default=0, help="seed of every random draw (0)")
+    load.add_argument(
+        "--priority-mix",
+        default="",
+        metavar="MIX",
+        help="requests' priorities as priority:share,... e.g. 1:0.2,0:0.8 (all 0)",
+    )
     p.add_argument(
         "--set",
         dest="settings",
@@ -133,7 +139,7 @@ def add_parser(sub: Any) -> None:
 
 def params_from(args: argparse.Namespace) -> SimParams:
     """The simulation parameters the flags describe."""
-    from yb_tools.sim.params import SimParams
+    from yb_tools.sim.params import SimParams, parse_priority_mix
 
     return SimParams(
         prefill=args.prefill,
@@ -156,6 +162,7 @@ def params_from(args: argparse.Namespace) -> SimParams:
         jitter=args.jitter,
         seed=args.seed,
         limit=args.limit,
+        priority_mix=parse_priority_mix(args.priority_mix),
     )
 
 
@@ -169,7 +176,7 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     from yb_conductor.cost_model import CostModelError
     from yb_conductor.settings import SettingsError, parse_assignments
     from yb_tools.sim.progress import ProgressBar
-    from yb_tools.sim.report import markdown_table, summary_line
+    from yb_tools.sim.report import markdown_table, priority_table, summary_line
     from yb_tools.sim.runner import expand, simulate
 
     try:
@@ -206,6 +213,10 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     print(summary_line(report))
     print()
     print(markdown_table(report))
+    by_priority = priority_table(report)
+    if by_priority:
+        print()
+        print(by_priority)
     if not args.no_plots:
         from yb_tools.sim.plots import write_plots
 

@@ -29,7 +29,7 @@ import msgspec
 
 from yb_conductor.conductor import Conductor, Output
 from yb_conductor.cost_model import CostModel
-from yb_conductor.policy import MooncakePolicy, placement_policy
+from yb_conductor.policy import placement_policy
 from yb_conductor.replay import LogRecord
 from yb_conductor.settings import configured_event, with_overrides
 from yb_core import events as ev
@@ -87,13 +87,8 @@ class Simulation:
             base, {**(settings or {}), "policy": policy, "admission": admission}
         )
         # The policy is built here and the logged settings are not re-adopted: peer
-        # policies take parameters the settings do not carry. The simulated engines
-        # run their queues by priority, and the conductor is told so.
+        # policies take parameters the settings do not carry.
         policy_impl = placement_policy(self.cfg, cost)
-        if isinstance(policy_impl, MooncakePolicy) and not policy_impl.priority_order:
-            policy_impl = MooncakePolicy(
-                self.cfg, cost, priority_order=getattr(self.cfg, "priority_order", True)
-            )
         self.conductor = Conductor(policy_impl, cfg=self.cfg, cost=cost, adopt_logged_config=False)
         self.records: list[LogRecord] | None = [] if record_log else None
         self.rng = random.Random(params.seed)
