@@ -308,6 +308,30 @@ def test_n_choices_end_on_their_own_and_free_shared_pages_last(model: LoadedMode
     assert set(ended) == {0, 1, 2} and engine.alloc.num_used == 0
 
 
+def test_n_choices_run_out_of_pages_one_at_a_time(model: LoadedModel) -> None:
+    """Out of pages, the newest choice ends with kv_exhausted; the others go on and the
+    choices that finished hold the same tokens as with pages to spare."""
+    ids = prompt(10, 13)
+    params = with_(SEEDED, n=3, max_tokens=24, temperature=4.0)
+    roomy = whole(model, ids, params)
+    # 3 prompt pages + 2 copies = 5; 11 pages let the choices grow by 6 pages together.
+    engine = Engine(model, num_pages=11)
+    admit(engine, "r", ids, params)
+    small = Engine(model, num_pages=4)
+    pages = small.alloc.allocate(3)
+    with pytest.raises(ValueError, match="no pages for 3 choices"):
+        small.batcher.add("x", ids, pages, 1, params, first_tokens=[1, 2, 3])
+    assert small.alloc.num_used == 3 and not small.batcher.has_work()  # nothing taken
+    outs = engine.run()
+    reasons = [outs[("r", i)][-1].finish_reason for i in range(3)]
+    assert "kv_exhausted" in reasons and "length" in reasons
+    for i, reason in enumerate(reasons):
+        got = tokens(outs[("r", i)])
+        assert got == tokens(roomy[i])[: len(got)]
+        assert (reason == "length") == (len(got) == 24)
+    assert engine.alloc.num_used == 0
+
+
 @MODES
 def test_resume_after_k_tokens_continues_the_same_output(
     model: LoadedModel, base: SamplingParams
