@@ -71,6 +71,12 @@ SUMMARIES: dict[str, str] = {
         "10,000-request simulation log (Mooncake's synthetic trace repeated, 8 prefill and 8 "
         "decode instances), opened from file:// in fresh tabs of Debian's headless chromium."
     ),
+    "grammar": (
+        "Decode steps of the default model on the CPU (float32), B sequences of one chat "
+        "prompt asking for JSON, through `DecodeBatcher.step` (sampling and detokenizing "
+        "included), unconstrained and held to a JSON schema by an llguidance grammar, runs "
+        "interleaved in one process. Medians of `--repeats` runs."
+    ),
     "e2e_chat": (
         'One greedy streamed chat request ("What is the capital of France?") through a '
         "whole `yb up` cluster with the default model, sent one at a time."
@@ -214,6 +220,27 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
             "decision_ms_median",
             "median ms from a click on a request's bar to its decision in the panel, right "
             "after the ready mark",
+        ),
+    ],
+    "grammar": [
+        ("prompt_tokens", "tokens of the prompt"),
+        ("steps", "decode steps per run"),
+        (
+            r"step_ms_batch_(\d+)_unconstrained",
+            "median ms of one decode step, batch {0}, no grammar",
+        ),
+        (
+            r"step_ms_batch_(\d+)_grammar",
+            "median ms of one decode step, batch {0}, every row held to the grammar",
+        ),
+        (
+            r"grammar_step_overhead_pct_batch_(\d+)",
+            "how much longer the constrained step is, batch {0}, %",
+        ),
+        (
+            r"mask_us_per_token_batch_(\d+)",
+            "median µs to build and apply one sequence's token mask (llguidance's bitmask, "
+            "unpacked, applied to its logits row), batch {0}",
         ),
     ],
     "e2e_chat": [

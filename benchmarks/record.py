@@ -47,6 +47,7 @@ BENCHMARKS = (
     "containers_transfer",
     "conductor",
     "timeline",
+    "grammar",
     "e2e_chat",
     "e2e_reuse",
     "overload",
