@@ -223,6 +223,11 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         ),
     ],
     "grammar": [
+        ("model", "the model and its cached conversion"),
+        ("device", "where it ran"),
+        ("dtype", "the weights' and activations' type"),
+        ("threads", "torch threads"),
+        ("grammar", "the grammar the constrained runs follow"),
         ("prompt_tokens", "tokens of the prompt"),
         ("steps", "decode steps per run"),
         (
