@@ -33,6 +33,7 @@ from yb_core import events as ev
 from yb_testkit.faults import (
     FaultRecord,
     Gate,
+    Held,
     decision_of,
     events_of,
     headers,
@@ -180,27 +181,38 @@ def _wait_declared_down(cluster: LocalCluster, instance_id: str) -> None:
     )
 
 
-def test_decode_death_mid_stream_continues_on_another_decode(
-    replanning: tuple[LocalCluster, Gate],
-) -> None:
-    cluster, gate = replanning
-    body = long_stream_body(_tokens(1, 40), max_tokens=60)
-    gate.arm("decode.token")
+def _kill_mid_request(
+    cluster: LocalCluster, gate: Gate, body: dict[str, Any], point: str
+) -> tuple[Held, ev.RequestScheduled, float]:
+    """SIGKILL the instance that holds a greedy streamed request at failpoint `point`;
+    the client must see one uninterrupted stream with the text of an undisturbed run.
+    Returns the hold, the first decision and the stall (kill to the next text)."""
+    gate.arm(point)
     stream = TimedStream(cluster, body)
-    held = gate.wait_held("decode.token", ACT_S)
+    held = gate.wait_held(point, ACT_S)
     first = decision_of(cluster, held.request_id, timeout_s=ACT_S)
-    assert isinstance(first, ev.RequestScheduled) and first.decode_instance == held.instance_id
+    assert isinstance(first, ev.RequestScheduled)
     killed = kill(cluster, held.instance_id)
 
     stream.wait_done(VERDICT_S + ACT_S)
     assert stream.uninterrupted(), stream.describe()
     stall_s = stream.first_text_after(killed)
-    # Greedy: the same text as an undisturbed run of the same request.
+    # The undisturbed run once nothing can be placed on the dead instance any more.
     _wait_declared_down(cluster, held.instance_id)
     undisturbed = TimedStream(cluster, body)
     undisturbed.wait_done(ACT_S)
     assert undisturbed.uninterrupted(), undisturbed.describe()
     assert stream.text() == undisturbed.text()
+    return held, first, stall_s
+
+
+def test_decode_death_mid_stream_continues_on_another_decode(
+    replanning: tuple[LocalCluster, Gate],
+) -> None:
+    cluster, gate = replanning
+    body = long_stream_body(_tokens(1, 40), max_tokens=60)
+    held, first, stall_s = _kill_mid_request(cluster, gate, body, "decode.token")
+    assert first.decode_instance == held.instance_id
 
     (replan,) = _replans(cluster, held.request_id)
     assert replan.attempt == 1 and replan.failed_instance == held.instance_id
@@ -234,22 +246,8 @@ def test_decode_death_mid_stream_continues_on_another_decode(
 def test_prefill_death_mid_prompt_is_replanned(replanning: tuple[LocalCluster, Gate]) -> None:
     cluster, gate = replanning
     body = long_stream_body(_tokens(2, 3000), max_tokens=8)
-    gate.arm("prefill.chunk")
-    stream = TimedStream(cluster, body)
-    held = gate.wait_held("prefill.chunk", ACT_S)
-    first = decision_of(cluster, held.request_id, timeout_s=ACT_S)
-    assert isinstance(first, ev.RequestScheduled) and first.prefill_instance == held.instance_id
-    killed = kill(cluster, held.instance_id)
-
-    stream.wait_done(VERDICT_S + ACT_S)
-    assert stream.uninterrupted(), stream.describe()
-    stall_s = stream.first_text_after(killed)
-    # The undisturbed run once nothing can be placed on the dead instance any more.
-    _wait_declared_down(cluster, held.instance_id)
-    undisturbed = TimedStream(cluster, body)
-    undisturbed.wait_done(ACT_S)
-    assert undisturbed.uninterrupted(), undisturbed.describe()
-    assert stream.text() == undisturbed.text()
+    held, first, stall_s = _kill_mid_request(cluster, gate, body, "prefill.chunk")
+    assert first.prefill_instance == held.instance_id
 
     (replan,) = _replans(cluster, held.request_id)
     assert replan.failed_instance == held.instance_id and replan.generated_tokens == 0

@@ -11,7 +11,6 @@ outcomes, not timings.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -20,6 +19,7 @@ import pytest
 from yb_conductor.cost_model import CostModel, DecodeCost, PrefillCost, load_cost_model
 from yb_conductor.replay import replay
 from yb_tools.sim.params import SimParams, parse_priority_mix
+from yb_tools.sim.priorities import PARAMS, TRACE
 from yb_tools.sim.results import PolicyResult
 from yb_tools.sim.simulator import Simulation
 from yb_tools.sim.workload import TraceItem, draw_priorities, load_workload
@@ -31,16 +31,8 @@ ROUND = CostModel(
     decode=DecodeCost(base_s=0.010, per_seq_s=0.0, per_context_token_s=0.0),
 )
 
-TRACE = Path(__file__).resolve().parents[3] / "benchmarks" / "traces" / "synthetic_trace.jsonl"
-OVERLOAD = SimParams(
-    prefill=4,
-    decode=2,
-    speedup=3.0,
-    ttft_slo_s=10.0,
-    tbt_slo_s=0.1,
-    limit=1000,
-    priority_mix={0: 0.8, 1: 0.2},
-)
+# The overload of docs/priorities.md.
+OVERLOAD = PARAMS
 
 
 def _item(i: int, arrival: float, prompt: int, output: int) -> TraceItem:

@@ -178,19 +178,7 @@ def template_uses_tools(chat_template: str | None) -> bool:
 def tools_system_text(tools: list[ToolDefinition]) -> str:
     """The system text that presents `tools` to a model whose template ignores them,
     and the output format the grammar will hold it to."""
-    listed = "\n".join(
-        json.dumps(
-            {
-                "type": "function",
-                "function": {
-                    "name": t.function.name,
-                    "description": t.function.description or "",
-                    "parameters": t.function.parameters or {"type": "object"},
-                },
-            }
-        )
-        for t in tools
-    )
+    listed = "\n".join(json.dumps(tool) for tool in template_tools_arg(tools))
     return (
         "You may call functions to answer. The functions, as JSON schemas:\n"
         f"<tools>\n{listed}\n</tools>\n"
