@@ -184,31 +184,38 @@ Script = Callable[[protocol.PrefillJob], list[protocol.TokenChunk]]
 
 
 def words_script(words: list[str] = WORDS, *, cached: int = 4) -> Script:
-    """One chunk per word, the last one finished, with the engine's counts."""
+    """One chunk per word for each of the job's `n` choices, each choice's last chunk
+    finished, numbered across choices and counted as decode counts (completion tokens
+    over all choices so far)."""
 
     def script(job: protocol.PrefillJob) -> list[protocol.TokenChunk]:
-        chunks = [
-            protocol.TokenChunk(
-                request_id=job.request_id,
-                seq=i,
-                token_ids=[100 + i],
-                text=word,
-                prompt_tokens=len(job.token_ids),
-                cached_tokens=cached,
+        chunks: list[protocol.TokenChunk] = []
+        for index in range(job.sampling.n):
+            for i, word in enumerate(words):
+                chunks.append(
+                    protocol.TokenChunk(
+                        request_id=job.request_id,
+                        seq=len(chunks),
+                        token_ids=[100 + i],
+                        text=word,
+                        prompt_tokens=len(job.token_ids),
+                        completion_tokens=index * len(words) + i + 1,
+                        cached_tokens=cached,
+                        index=index,
+                    )
+                )
+            chunks.append(
+                protocol.TokenChunk(
+                    request_id=job.request_id,
+                    seq=len(chunks),
+                    finished=True,
+                    finish_reason="stop",
+                    prompt_tokens=len(job.token_ids),
+                    completion_tokens=(index + 1) * len(words),
+                    cached_tokens=cached,
+                    index=index,
+                )
             )
-            for i, word in enumerate(words)
-        ]
-        chunks.append(
-            protocol.TokenChunk(
-                request_id=job.request_id,
-                seq=len(words),
-                finished=True,
-                finish_reason="stop",
-                prompt_tokens=len(job.token_ids),
-                completion_tokens=len(words),
-                cached_tokens=cached,
-            )
-        )
         return chunks
 
     return script

@@ -32,6 +32,7 @@ from yb_gateway.schemas import ChatMessage
 from yb_gateway.service import GatewayService
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello to the world"}]}
+COMPLETION = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 16}
 
 
 async def test_streaming_chat(
@@ -167,6 +168,33 @@ async def test_non_streaming_chat(client: httpx.AsyncClient, cluster: Cluster) -
     assert cluster.engine.jobs[0].sampling.max_tokens == 9
     # The client's trace continues through the gateway to the engines.
     assert trace_id_hex(cluster.engine.jobs[0].trace_headers) == trace_id
+
+
+async def test_n_choices_end_when_the_last_one_finishes(
+    client: httpx.AsyncClient, cluster: Cluster
+) -> None:
+    """The engine streams the choices' chunks interleaved in one numbering; the answer
+    waits for every choice, whole or streamed, and counts the tokens of all of them."""
+    response = await client.post("/v1/completions", json={**COMPLETION, "n": 15})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert [c["index"] for c in body["choices"]] == list(range(15))
+    assert {c["text"] for c in body["choices"]} == {"".join(WORDS)}
+    assert body["usage"]["completion_tokens"] == 15 * len(WORDS)
+    assert cluster.engine.jobs[-1].sampling.n == 15
+
+    body = {**CHAT, "n": 3, "stream": True, "stream_options": {"include_usage": True}}
+    texts = ["", "", ""]
+    async with aconnect_sse(client, "POST", "/v1/chat/completions", json=body) as source:
+        async for sse in source.aiter_sse():
+            if sse.data == "[DONE]":
+                break
+            chunk = json.loads(sse.data)
+            for choice in chunk["choices"]:
+                texts[choice["index"]] += choice["delta"].get("content") or ""
+            usage = chunk.get("usage")
+    assert texts == ["".join(WORDS)] * 3
+    assert usage is not None and usage["completion_tokens"] == 3 * len(WORDS)
 
 
 async def test_models_health_and_metrics(client: httpx.AsyncClient, cluster: Cluster) -> None:
