@@ -203,7 +203,8 @@ async def bus(nats_config: NatsConfig) -> AsyncIterator[Bus]:
 class LocalCluster:
     """`yb up` in a subprocess, as a user runs it, for end-to-end tests and benchmarks.
 
-    `start()` returns once `/readyz` answers; `stop()` sends SIGINT (Ctrl-C) and
+    `start()` returns once `yb up` says the cluster is ready (`/readyz` answered it);
+    `stop()` sends SIGINT (Ctrl-C) and
     returns the launcher's exit code. `pids` lists every process of the cluster.
     `api_key`/`headers` authenticate to the gateway, `metrics_headers` to any
     `/metrics`, and `nats_config()` connects to its NATS as `admin`, all read from the
@@ -267,8 +268,6 @@ class LocalCluster:
 
     def start(self, timeout_s: float = 600.0) -> None:
         """Launch and wait for readiness; raises with the launcher's output on failure."""
-        import httpx
-
         from yb_tools.cli.launcher import read_cluster_info
         from yb_tools.natsserver import die_with_parent, env_without_proxies
 
@@ -291,14 +290,12 @@ class LocalCluster:
             if self.process.poll() is not None:
                 raise RuntimeError(f"yb up exited with {self.process.returncode}:\n{self.output()}")
             info = read_cluster_info(self.data_dir)
-            if info is not None:
+            # `yb up`'s own verdict, not /readyz: until it has seen the cluster ready,
+            # an instance that dies (a test's kill) makes it give up on the cluster.
+            if info is not None and info.ready_at:
                 self.pids = dict(info.pids)
-                try:
-                    if httpx.get(f"{self.url}/readyz", timeout=2.0).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.5)
+                return
+            time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"cluster not ready within {timeout_s}s:\n{self.output()}")
 

@@ -196,6 +196,7 @@ def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
                 say("the cluster did not become ready; see the logs above")
                 code = 1
         else:
+            cluster.mark_ready()
             say(f"ready: {cluster.gateway_url}/v1  (OpenAI-compatible; Ctrl-C stops)")
             for line in cluster.access_hint():
                 say(line)

@@ -148,6 +148,11 @@ class ClusterInfo(msgspec.Struct):
     # The Prometheus scrape config and the file_sd file it reads (kept current).
     prometheus_config: str = ""
     prometheus_targets: str = ""
+    # When `yb up` found the cluster ready (0 while it still waits). Tools that start
+    # a cluster wait for this, not for `/readyz` themselves: `yb up` gives up on a
+    # cluster whose instance dies before *it* saw it ready, so a second observer of
+    # readiness could act (kill an instance, say) in between.
+    ready_at: float = 0.0
 
 
 @dataclass
@@ -171,6 +176,8 @@ class Cluster:
     secrets: LocalSecrets | None = None
     # Keeps the Prometheus targets file current while the cluster runs.
     prometheus_targets: TargetWatcher | None = None
+    # What cluster.json says, once the services are started.
+    info: ClusterInfo | None = None
 
     @property
     def data_dir(self) -> Path:
@@ -474,7 +481,21 @@ class Cluster:
             prometheus_config=str(config_path),
             prometheus_targets=str(targets_path),
         )
-        (self.data_dir / "cluster.json").write_bytes(msgspec.json.encode(info))
+        self.info = info
+        self._write_info()
+
+    def mark_ready(self) -> None:
+        """Record in cluster.json that the cluster is ready (`ClusterInfo.ready_at`)."""
+        if self.info is not None:
+            self.info.ready_at = time.time()
+            self._write_info()
+
+    def _write_info(self) -> None:
+        # Whole or not at all: readers poll this file while it is rewritten.
+        path = self.data_dir / "cluster.json"
+        partial = path.with_suffix(".json.partial")
+        partial.write_bytes(msgspec.json.encode(self.info))
+        partial.replace(path)
 
     def write_prometheus_files(self) -> tuple[Path, Path]:
         """Write the scrape config and start keeping the targets file current (see
