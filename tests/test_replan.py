@@ -210,7 +210,9 @@ def test_decode_death_mid_stream_continues_on_another_decode(
     replanning: tuple[LocalCluster, Gate],
 ) -> None:
     cluster, gate = replanning
-    body = long_stream_body(_tokens(1, 40), max_tokens=60)
+    # Three blocks of 64 and a part: the re-plan must find the prompt's blocks in the
+    # pool, where the first prefill stored them.
+    body = long_stream_body(_tokens(1, 200), max_tokens=60)
     held, first, stall_s = _kill_mid_request(cluster, gate, body, "decode.token")
     assert first.decode_instance == held.instance_id
 
@@ -223,6 +225,7 @@ def test_decode_death_mid_stream_continues_on_another_decode(
     second = next(d for d in decisions if d.attempt == 1)
     assert isinstance(second, ev.RequestScheduled)
     assert second.decode_instance != held.instance_id
+    assert second.reused_blocks >= 200 // 64, second
     record(
         "replan_decode_death",
         FaultRecord(
