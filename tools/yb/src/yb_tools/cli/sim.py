@@ -2,13 +2,17 @@
 
     yb sim --trace FILE --policy NAME[,NAME...] [--admission none|early|predicted[,...]]
            [--prefill N --decode N --profile NAME|FILE --speedup X] --json PATH
+    yb sim --workload shared-prefix[:groups=32,...] [--write-trace PATH] [--json PATH ...]
+    yb sim --matrix [--limit N] [--json PATH]
 
 Simulated prefill, decode and kvstore instances, timed by a cost model (a built-in
 profile, `llama2-70b-a800` or `dynamo-mocker`, or a file from `yb profile`), feed the
 conductor the events production does and obey its decisions. Every policy runs on
 the same workload; `mooncake` runs once per `--admission` value (as
 `mooncake:<admission>` when there are several). Prints a markdown table, writes the
-figures as JSON and PNG plots; a progress bar goes to stderr. The conductor is
+figures as JSON and PNG plots; a progress bar goes to stderr. `--workload`
+generates the requests instead (`sim.workloads`); `--matrix` runs `sim.matrix`.
+The conductor is
 imported only here, so `yb` works without it installed.
 """
 
@@ -33,7 +37,29 @@ if TYPE_CHECKING:
 def add_parser(sub: Any) -> None:
     """Register `yb sim`."""
     p = sub.add_parser("sim", help="simulate a trace around the real conductor")
-    p.add_argument("--trace", required=True, help="Mooncake-format trace (JSON lines)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", help="Mooncake-format trace (JSON lines)")
+    source.add_argument(
+        "--workload",
+        metavar="NAME[:K=V,...]",
+        help="a generated workload instead of a trace: shared-prefix, multi-turn, tool-agent, "
+        "with its parameters (docs/simulation.md), seeded by --seed",
+    )
+    source.add_argument(
+        "--matrix",
+        action="store_true",
+        help="every policy x workload x profile x speed x shape, and whether mooncake wins "
+        "each (--limit caps requests per workload, default 1000; --trace-file is the "
+        "synthetic trace)",
+    )
+    p.add_argument(
+        "--trace-file",
+        default="benchmarks/traces/synthetic_trace.jsonl",
+        help="the synthetic trace the matrix runs (benchmarks/traces/synthetic_trace.jsonl)",
+    )
+    p.add_argument(
+        "--write-trace", metavar="PATH", help="write the --workload's requests here (JSON lines)"
+    )
     p.add_argument(
         "--policy",
         default="mooncake",
@@ -45,7 +71,7 @@ def add_parser(sub: Any) -> None:
         default="predicted",
         help="the conductor's admission policies, comma-separated: none, early, predicted",
     )
-    p.add_argument("--json", required=True, metavar="PATH", help="write the figures here")
+    p.add_argument("--json", metavar="PATH", help="write the figures here")
     cluster = p.add_argument_group("cluster")
     cluster.add_argument("--prefill", type=int, default=8, help="prefill instances (8)")
     cluster.add_argument("--decode", type=int, default=8, help="decode instances (8)")
@@ -96,7 +122,9 @@ def add_parser(sub: Any) -> None:
         help="what each request asks for (0: the trace's output length)",
     )
     load.add_argument("--request-timeout", type=float, default=600.0, help="seconds (600)")
-    load.add_argument("--limit", type=int, default=0, help="only the first N requests")
+    load.add_argument(
+        "--limit", type=int, default=-1, help="only the first N requests (all; matrix 1000)"
+    )
     load.add_argument("--jitter", type=float, default=0.0, help="prefill time noise, +-fraction")
     load.add_argument("--seed", type=int, default=0, help="seed of every random draw (0)")
     load.add_argument(
@@ -161,7 +189,7 @@ def params_from(args: argparse.Namespace) -> SimParams:
         report_interval_s=args.report_interval,
         jitter=args.jitter,
         seed=args.seed,
-        limit=args.limit,
+        limit=max(0, args.limit),
         priority_mix=parse_priority_mix(args.priority_mix),
     )
 
@@ -178,7 +206,25 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     from yb_tools.sim.progress import ProgressBar
     from yb_tools.sim.report import markdown_table, priority_table, summary_line
     from yb_tools.sim.runner import expand, simulate
+    from yb_tools.sim.workloads import generate, write_trace
 
+    if args.matrix:
+        return run_matrix_command(args)
+    records = None
+    try:
+        if args.workload:
+            records = generate(args.workload, seed=args.seed)
+    except ValueError as exc:
+        print(f"yb sim: {exc}", file=sys.stderr)
+        return 2
+    if records is not None and args.write_trace:
+        write_trace(args.write_trace, records)
+        print(f"trace: {args.write_trace} ({len(records)} requests)")
+    if not args.json:
+        if args.write_trace:
+            return 0
+        print("yb sim: --json PATH is required to simulate", file=sys.stderr)
+        return 2
     try:
         specs = expand(_names(args.policy), _names(args.admission))
         settings: dict[str, Any] = parse_assignments(args.settings)
@@ -196,9 +242,10 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
 
     try:
         report = simulate(
-            args.trace,
+            args.trace or args.workload,
             specs,
             params,
+            records=records,
             settings=settings,
             progress=progress,
             log_dir=args.log_dir,
@@ -232,6 +279,35 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def run_matrix_command(args: argparse.Namespace) -> int:
+    """`yb sim --matrix`: print the matrix as it runs and the table; JSON to --json."""
+    from yb_conductor.cost_model import CostModelError
+    from yb_tools.sim.matrix import DEFAULT_LIMIT, matrix_table, run_matrix, setting_row
+
+    base = params_from(args)
+    limit = DEFAULT_LIMIT if args.limit < 0 else args.limit
+    try:
+        matrix = run_matrix(
+            trace=args.trace_file,
+            limit=limit,
+            seed=args.seed,
+            base=base,
+            on_setting=None if args.quiet else lambda s: print(setting_row(s), file=sys.stderr),
+        )
+    except (OSError, CostModelError, ValueError) as exc:
+        print(f"yb sim: {exc}", file=sys.stderr)
+        return 1
+    print(matrix_table(matrix))
+    if args.json:
+        import msgspec
+
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(msgspec.to_builtins(matrix), indent=1) + "\n")
+        print(f"figures: {out}")
+    return 0
+
+
 def report_path(path: str | Path, label: str, runs: int) -> Path:
     """Where a run's timeline goes: `path` itself for a single run, else the run's
     label before the suffix (`out.html` -> `out-mooncake-early.html`)."""
@@ -252,7 +328,10 @@ def _report_writer(
     def write(spec: RunSpec, records: list[LogRecord]) -> None:
         path = report_path(args.report, spec.label, runs)
         timeline = write_report(
-            records, path, title=f"yb sim: {spec.label}", source=f"trace {args.trace}"
+            records,
+            path,
+            title=f"yb sim: {spec.label}",
+            source=f"trace {args.trace or args.workload}",
         )
         note = f" ({timeline.meta.note})" if timeline.meta.note else ""
         print(f"timeline: {path}{note}")

@@ -1,8 +1,10 @@
-"""The markdown tables `yb sim` prints: one row per policy, the figures that compare;
+"""The markdown tables `yb sim` prints: one row per policy, the figures that compare
+(`needless`: rejections that met both SLOs with admission `none`, and their share);
 and one row per policy and priority class when a run mixes priorities."""
 
 from __future__ import annotations
 
+from yb_tools.sim.results import PolicyResult
 from yb_tools.sim.runner import SimReport
 
 COLUMNS = (
@@ -16,6 +18,7 @@ COLUMNS = (
     "goodput rps",
     "rejected",
     "at decode",
+    "needless",
     "wasted prefill s",
     "hit ratio",
     "remote share",
@@ -42,6 +45,7 @@ def markdown_table(report: SimReport) -> str:
             f"{r.goodput_rps:.2f}",
             str(r.rejected),
             str(r.rejected_at_decode),
+            needless_cell(r),
             f"{r.wasted_prefill_s:.0f}",
             f"{r.cache_hit_ratio:.3f}",
             f"{remote:.2f}",
@@ -49,6 +53,13 @@ def markdown_table(report: SimReport) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def needless_cell(r: PolicyResult) -> str:
+    """Needless rejections and their share of the rejections ("0" with none)."""
+    if not r.needless_rejections:
+        return "0"
+    return f"{r.needless_rejections} ({r.needless_rejection_share * 100:.0f}%)"
 
 
 PRIORITY_COLUMNS = (

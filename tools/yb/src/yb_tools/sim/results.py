@@ -10,6 +10,9 @@ that prefill time is `wasted_prefill_s`). `cache_hit_ratio` is the share of pref
 prompt tokens taken from a pool instead of computed, local (own host) or remote
 (pulled from another host, whose bytes are `transfer_bytes`). `by_priority`
 gives the same judgement per priority class (`PriorityResult`).
+`needless_rejections` counts the rejected requests that met both SLOs in the same
+run with admission `none` (`quality`); `needless_rejection_share` is their share of
+`rejected`.
 """
 
 from __future__ import annotations
@@ -96,6 +99,9 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     simulated_seconds_per_wall_second: float
     load_over_time: LoadSeries
     by_priority: dict[int, PriorityResult] = msgspec.field(default_factory=dict)
+    # Filled in by the runner from the run with admission `none` (`quality`).
+    needless_rejections: int = 0
+    needless_rejection_share: float = 0.0
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

@@ -4,7 +4,9 @@ Policy names are the conductor's registered policies; `mooncake` runs once per
 admission policy given, as `mooncake:none`, `mooncake:early`, `mooncake:predicted`
 when there are several (the other policies never refuse on load, so admission does
 not apply to them). Every run starts from the same empty cluster and the same
-workload, so the figures differ only by the policy.
+workload, so the figures differ only by the policy. A run that rejected requests is
+judged against the same policy with admission `none` (run once more if it is not
+among the runs asked for): how many of its rejections were needless (`quality`).
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from yb_conductor.admission import ADMISSIONS
 from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.policy import PLACEMENT_POLICIES
 from yb_conductor.replay import LogRecord, write_log
+from yb_tools.sim.job import Job
 from yb_tools.sim.params import SimParams
+from yb_tools.sim.quality import needless_rejections
 from yb_tools.sim.results import PolicyResult
 from yb_tools.sim.simulator import Progress, Simulation, block_size_for, with_bandwidth
-from yb_tools.sim.workload import load_workload
+from yb_tools.sim.workload import TraceItem, load_workload, workload_from
+from yb_tools.traces import TraceRecord
 
 PAPER_POLICY = "mooncake"
 
@@ -89,20 +94,31 @@ def simulate(
     specs: list[RunSpec],
     params: SimParams,
     *,
+    records: list[TraceRecord] | None = None,
+    cost: CostModel | None = None,
     settings: Mapping[str, Any] | None = None,
     progress: Callable[[str], tuple[Progress, Callable[[], None]]] | None = None,
     log_dir: str | Path | None = None,
     on_log: Callable[[RunSpec, list[LogRecord]], None] | None = None,
 ) -> SimReport:
-    """Run every spec on the trace. `progress(label)` gives a callback and a closer
-    per run; `log_dir` receives each run's event log (`log_path`, replayable with
-    `yb replay --file`); `on_log(spec, records)` is handed each run's log as well."""
-    cost = resolve_cost(params)
+    """Run every spec on the trace (the file `trace`, or `records` when given, which
+    `trace` then only names), timed by `cost` (default: the profile's).
+    `progress(label)` gives a callback and a closer per run; `log_dir` receives each
+    run's event log (`log_path`, replayable with `yb replay --file`);
+    `on_log(spec, records)` is handed each run's log as well."""
+    cost = cost or resolve_cost(params)
     bs = block_size_for(params, cost)
-    items = load_workload(trace, block_size=bs, speedup=params.speedup, limit=params.limit)
+    if records is None:
+        items = load_workload(trace, block_size=bs, speedup=params.speedup, limit=params.limit)
+    else:
+        kept = records[: params.limit] if params.limit > 0 else records
+        items = workload_from(kept, block_size=bs, speedup=params.speedup)
     if not items:
         raise ValueError(f"trace {trace} holds no request")
     results: dict[str, PolicyResult] = {}
+    # Each policy's jobs with admission `none`: the counterfactual of its rejections.
+    admitted: dict[str, list[Job]] = {}
+    rejecting: list[tuple[RunSpec, list[Job]]] = []
     started = time.perf_counter()
     for spec in specs:
         sim = Simulation(
@@ -121,6 +137,10 @@ def simulate(
         finally:
             if close is not None:
                 close()
+        if spec.admission == "none":
+            admitted.setdefault(spec.policy, sim.jobs)
+        if results[spec.label].rejected:
+            rejecting.append((spec, sim.jobs))
         if sim.records is not None:
             if log_dir is not None:
                 path = log_path(log_dir, spec.label)
@@ -128,6 +148,15 @@ def simulate(
                 write_log(path, sim.records)
             if on_log is not None:
                 on_log(spec, sim.records)
+    for spec, jobs in rejecting:
+        if spec.policy not in admitted:
+            admitted[spec.policy] = counterfactual_jobs(items, params, cost, spec, settings)
+        needless = needless_rejections(
+            jobs, admitted[spec.policy], ttft_slo_s=params.ttft_slo_s, tbt_slo_s=params.tbt_slo_s
+        )
+        result = results[spec.label]
+        result.needless_rejections = len(needless)
+        result.needless_rejection_share = len(needless) / result.rejected
     wall = time.perf_counter() - started
     simulated = sum(r.simulated_s for r in results.values())
     run_wall = sum(r.wall_s for r in results.values())
@@ -141,6 +170,22 @@ def simulate(
         block_size=bs,
         wall_s=wall,
     )
+
+
+def counterfactual_jobs(
+    items: list[TraceItem],
+    params: SimParams,
+    cost: CostModel,
+    spec: RunSpec,
+    settings: Mapping[str, Any] | None,
+) -> list[Job]:
+    """Every request's journey in `spec`'s run with admission `none` instead."""
+    sim = Simulation(
+        items, params, cost, policy=spec.policy, admission="none", label=spec.label,
+        settings=settings,
+    )  # fmt: skip
+    sim.run()
+    return sim.jobs
 
 
 def file_label(label: str) -> str:

@@ -1,0 +1,136 @@
+"""Needless rejections on a three-request trace worked out by hand; the generated
+workloads are seeded and share prefixes as they promise.
+
+One prefill and one decode instance; prefill costs 1 ms per token, a decode step
+10 ms plus 50 ms per request in the batch (60 ms alone, 110 ms for two: two
+requests together break the 100 ms TBT SLO). TTFT SLO 2 s. The decode instance
+takes one request at a time and queues the next (`decode_max_batch=1`,
+`decode_admission="queue"`), which the conductor's TBT estimate does not know.
+
+- r0 at t=0: 100 tokens, 100 out. Admitted by every admission: prefill 0.1 s,
+  decodes alone until 0.1 + 99 x 0.06 = 6.04.
+- r1 at t=1: 100 tokens, 2 out. `early` sees r0 decoding: a batch of two, TBT
+  0.11 s > 0.1 s, rejected. With admission `none` its prefill ends at 1.1 (TTFT
+  0.1 s) and it waits for r0 to leave, then decodes alone: TBT 0.06 s. Both SLOs
+  met: a **needless** rejection.
+- r2 at t=2: 3000 tokens, 2 out. Estimated TTFT 3 s > 2 s: rejected by `early`;
+  with `none` its TTFT is 3 s indeed: a rejection that was needed.
+
+So `early` rejects 2, 1 of them needlessly; `none` rejects nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from yb_conductor.cost_model import CostModel, DecodeCost, PrefillCost, TransferCost
+from yb_tools.sim.params import SimParams
+from yb_tools.sim.quality import needless_rejections
+from yb_tools.sim.runner import RunSpec, simulate
+from yb_tools.sim.simulator import Simulation
+from yb_tools.sim.workload import workload_from
+from yb_tools.traces import TraceRecord
+
+COST = CostModel(
+    name="round-batch",
+    kv_bytes_per_token=1000,
+    prefill=PrefillCost(base_s=0.0, per_token_s=0.001, per_pair_s=0.0),
+    decode=DecodeCost(base_s=0.010, per_seq_s=0.050, per_context_token_s=0.0),
+    transfer=TransferCost(setup_s=0.0, dram_local_gbps=50.0, dram_remote_gbps=25.0),
+)
+TRACE = [
+    TraceRecord(timestamp=0, input_length=100, output_length=100, hash_ids=[1]),
+    TraceRecord(timestamp=1000, input_length=100, output_length=2, hash_ids=[2]),
+    TraceRecord(timestamp=2000, input_length=3000, output_length=2, hash_ids=[3, 4, 5, 6, 7, 8]),
+]
+PARAMS = SimParams(
+    prefill=1, decode=1, block_size=512, max_tokens=0, ttft_slo_s=2.0, tbt_slo_s=0.1,
+    decode_max_batch=1, decode_admission="queue",
+)  # fmt: skip
+
+
+def _jobs(admission: str) -> dict[str, object]:
+    sim = Simulation(workload_from(TRACE, block_size=512), PARAMS, COST, policy="mooncake",
+                     admission=admission)  # fmt: skip
+    sim.run()
+    return {j.item.request_id: j for j in sim.jobs}
+
+
+def test_the_hand_computed_fates() -> None:
+    early, none = _jobs("early"), _jobs("none")
+    assert [early[f"req-{i}"].fate for i in range(3)] == ["completed", "rejected", "rejected"]
+    assert [none[f"req-{i}"].fate for i in range(3)] == ["completed"] * 3
+    assert [none[f"req-{i}"].ttft_s for i in range(3)] == pytest.approx([0.1, 0.1, 3.0])
+    assert none["req-1"].tbt_s == pytest.approx(0.06)
+    assert needless_rejections(early.values(), none.values(), ttft_slo_s=2.0, tbt_slo_s=0.1) == [
+        "req-1"
+    ]
+
+
+@pytest.mark.parametrize("with_none", [False, True])
+def test_the_runner_reports_needless_rejections(with_none: bool) -> None:
+    specs = [RunSpec("mooncake:early", "mooncake", "early")]
+    if with_none:  # the counterfactual is then the run asked for, not an extra one
+        specs.append(RunSpec("mooncake:none", "mooncake", "none"))
+    report = simulate("hand", specs, PARAMS, records=TRACE, cost=COST)
+    early = report.policies["mooncake:early"]
+    assert (early.rejected, early.needless_rejections) == (2, 1)
+    assert early.needless_rejection_share == 0.5
+    if with_none:
+        none = report.policies["mooncake:none"]
+        assert (none.rejected, none.needless_rejections) == (0, 0)
+
+
+def test_generated_workloads_are_seeded_and_share_what_they_promise() -> None:
+    from yb_tools.sim.workloads import GENERATORS, generate
+
+    for name in GENERATORS:
+        first = generate(f"{name}:seed=3")
+        assert first == generate(name, seed=3)
+        assert first != generate(name, seed=4)
+        assert [r.timestamp for r in first] == sorted(r.timestamp for r in first)
+        assert all(len(r.hash_ids) == -(-r.input_length // 512) for r in first)
+    groups = generate("shared-prefix:groups=2,users=2,questions=1,system=1024")
+    assert len(groups) == 4
+    prefixes = {tuple(r.hash_ids[:2]) for r in groups}
+    assert len(prefixes) == 2  # two groups, each sharing its two system blocks
+    assert len({r.hash_ids[2] for r in groups}) == 4  # questions share nothing
+    turns = generate("multi-turn:sessions=1,turns=2,spread=0")
+    # turns=2 is a mean: a session runs between 1 and 3 turns; each extends the last.
+    assert len(turns) == 2
+    for before, after in itertools.pairwise(turns):
+        full = before.input_length // 512
+        assert after.hash_ids[:full] == before.hash_ids[:full]
+        assert after.input_length == before.input_length + 300 + 400
+    with pytest.raises(ValueError, match="unknown workload"):
+        generate("chat")
+    with pytest.raises(ValueError, match="key=value"):
+        generate("tool-agent:colour=blue")
+
+
+def test_the_matrix_judges_the_conductor_by_the_best_peer() -> None:
+    from yb_tools.sim.matrix import PolicyFigures, judge, run_matrix
+
+    def figures(
+        mean: float, p90: float, goodput: float, slo: float, rejected: int
+    ) -> PolicyFigures:
+        return PolicyFigures(
+            admission="none", ttft_mean_s=mean, ttft_p90_s=p90, goodput_rps=goodput,
+            slo_attainment=slo, rejected=rejected, needless_rejections=0, cache_hit_ratio=0.0,
+        )  # fmt: skip
+
+    peers = {"a": figures(1.0, 3.0, 5.0, 1.0, 0), "b": figures(2.0, 2.0, 6.0, 0.9, 0)}
+    verdict = judge({**peers, "mooncake": figures(1.0, 2.5, 6.0, 0.99, 1)})
+    assert (verdict.best_ttft_mean_peer, verdict.best_ttft_p90_peer) == ("a", "b")
+    assert (verdict.ttft_mean, verdict.ttft_p90, verdict.goodput) == (True, False, True)
+    assert verdict.peers_meeting_every_slo == ["a"] and not verdict.rejections
+    assert not verdict.wins
+    matrix = run_matrix(
+        trace="", limit=40, workloads=("tool-agent",), profiles=("dynamo-mocker",),
+        speedups=(2.0,), shapes=((2, 1),), peers=("round-robin", "dynamo-kv"),
+    )  # fmt: skip
+    (setting,) = matrix.settings
+    assert list(setting.policies) == ["round-robin", "dynamo-kv", "mooncake"]
+    assert setting.requests == 40 and setting.wins == setting.verdict.wins
