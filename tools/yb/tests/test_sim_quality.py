@@ -1,5 +1,6 @@
 """Needless rejections on a three-request trace worked out by hand; the generated
-workloads are seeded and share prefixes as they promise.
+workloads are seeded and share prefixes as they promise; the matrix's verdict and
+command line.
 
 One prefill and one decode instance; prefill costs 1 ms per token, a decode step
 10 ms plus 50 ms per request in the batch (60 ms alone, 110 ms for two: two
@@ -21,7 +22,10 @@ So `early` rejects 2, 1 of them needlessly; `none` rejects nothing.
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import json
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +35,10 @@ from yb_tools.sim.quality import needless_rejections
 from yb_tools.sim.runner import RunSpec, simulate
 from yb_tools.sim.simulator import Simulation
 from yb_tools.sim.workload import workload_from
-from yb_tools.traces import TraceRecord
+from yb_tools.sim.workloads import generate
+from yb_tools.traces import TraceRecord, read_trace
+
+SYNTHETIC = Path(__file__).resolve().parents[3] / "benchmarks" / "traces" / "synthetic_trace.jsonl"
 
 COST = CostModel(
     name="round-batch",
@@ -84,7 +91,7 @@ def test_the_runner_reports_needless_rejections(with_none: bool) -> None:
 
 
 def test_generated_workloads_are_seeded_and_share_what_they_promise() -> None:
-    from yb_tools.sim.workloads import GENERATORS, generate
+    from yb_tools.sim.workloads import GENERATORS
 
     for name in GENERATORS:
         first = generate(f"{name}:seed=3")
@@ -134,3 +141,27 @@ def test_the_matrix_judges_the_conductor_by_the_best_peer() -> None:
     (setting,) = matrix.settings
     assert list(setting.policies) == ["round-robin", "dynamo-kv", "mooncake"]
     assert setting.requests == 40 and setting.wins == setting.verdict.wins
+
+
+def _cli(argv: list[str]) -> int:
+    from yb_core.config import load_config
+    from yb_tools.cli import sim
+
+    parser = argparse.ArgumentParser(prog="yb")
+    sim.add_parser(parser.add_subparsers(dest="command", required=True))
+    return sim.run(load_config(None), parser.parse_args(["sim", *argv]))
+
+
+def test_the_command_line_writes_a_workload_and_the_matrix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "agent.jsonl"
+    assert _cli(["--workload", "tool-agent:tasks=5,steps=2", "--write-trace", str(trace)]) == 0
+    assert read_trace(trace) == generate("tool-agent:tasks=5,steps=2")
+    out = tmp_path / "matrix.json"
+    argv = ["--matrix", "--limit", "10", "--trace-file", str(SYNTHETIC), "--json", str(out)]
+    assert _cli([*argv, "--quiet"]) == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["settings"]) == 4 * 2 * 2 * 2
+    assert all(s["requests"] == 10 and len(s["policies"]) == 7 for s in doc["settings"])
+    assert f"mooncake wins {doc['wins']} of 32 settings." in capsys.readouterr().out
