@@ -18,7 +18,10 @@ blocks from a kvstore on another host. Engines do not serve other engines.
 Cost: the chain is walked once for all holders (`BlockIndex.match`). Instances with
 no local prefix, usually nearly all of them, share one "best option" cost, so each
 of them costs one subtraction; only the few on hosts that hold the prefix are
-estimated one by one.
+estimated one by one. And only the instances that can win are evaluated at all
+(`candidates`): the holders, those with a queue, and the few fastest of the idle
+rest; the decision and its candidate table are the full scan's, to the bit
+(`full_scan=True` evaluates every instance, to compare).
 
 Priority: an engine runs its queue by priority, then arrival, never preempting the
 job at its head (running, or about to). A request therefore waits for the head and
@@ -126,6 +129,10 @@ class PrefillChoice:
     chosen_index: int
     # Each instance's slowdown on its estimate's work (1.0 without `learn_speed`).
     factors: list[float] | None = None
+    # When only the candidates that can win were evaluated: how many of the fastest
+    # are sure to be the fastest of all, and how to evaluate every instance instead.
+    exact_top: int = 0
+    full: Callable[[], PrefillChoice] | None = None
 
     def option(self, i: int) -> Option:
         """Instance `i`'s option as an object."""
@@ -207,8 +214,22 @@ def overtaking_load(state: ClusterState, priority: int, window_s: float, instanc
     return load if load < MAX_OVERTAKING_LOAD else MAX_OVERTAKING_LOAD
 
 
+# The explanation's default candidate table (`ConductorConfig.explain_top_k`) plus
+# the one its sort looks past the chosen instance.
+DEFAULT_KEEP = 9
+
+
 class PrefillPlanner:
-    """Estimates every prefill instance for a request and keeps the fastest option."""
+    """Estimates the prefill instances that can win a request and keeps the fastest
+    option.
+
+    `default_full_scan` and `default_keep` are what planners built without those
+    arguments use (policies build their planner themselves): benchmarks and tests
+    set them to compare the pruned evaluation with the full scan.
+    """
+
+    default_full_scan: bool = False
+    default_keep: int = DEFAULT_KEEP
 
     def __init__(
         self,
@@ -217,11 +238,19 @@ class PrefillPlanner:
         balancing_threshold: float = 1.0,
         weigh_transfer: bool = True,
         priority_order: bool = False,
+        full_scan: bool | None = None,
+        keep: int | None = None,
     ) -> None:
         self.cost = cost
         self.threshold = balancing_threshold
         self.weigh_transfer = weigh_transfer
         self.priority_order = priority_order
+        # Evaluate every instance (the reference the pruned evaluation must equal).
+        self.full_scan = self.default_full_scan if full_scan is None else full_scan
+        # How many of the fastest idle non-holders a decision evaluates: the
+        # explanation's candidate table (`explain_top_k`) needs its length plus one;
+        # a longer table evaluates every instance.
+        self.keep = max(1, self.default_keep if keep is None else keep)
 
     def view(self, state: ClusterState, request: ev.RequestAdmitted) -> PoolView:
         """Walk the chain once and resolve every holder's prefix."""
@@ -285,11 +314,11 @@ class PrefillPlanner:
         view: PoolView,
         prefills: list[InstanceState],
     ) -> PrefillChoice:
-        """Every instance's best option and the fastest of all.
+        """The best option of every instance that can win, and the fastest of all.
 
         Instances with no local prefix share one estimate (plus their own queue), so
-        the loop stays O(instances) with a tiny constant. Ties go to the first
-        instance by id.
+        each costs a subtraction; of those with nothing queued only the few fastest
+        are evaluated (`candidates`). Ties go to the first instance by id.
         """
         bs = max(1, request.block_size)
         prompt = request.prompt_tokens
@@ -303,9 +332,111 @@ class PrefillPlanner:
                 t = memo[reuse_blocks] = cost.prefill_s(prompt - cached, cached)
             return t
 
+        shared = self.estimate(0, None, None, view.best, prefill_s, bs)
+        subset: list[int] | None = None
+        exact_top = 0
+        if not self.full_scan:
+            picked = self._candidates(state, request.model, view, prefills, shared.work_s)
+            if picked is not None:
+                subset, exact_top = picked
+        choice = self._evaluate(state, request, view, prefills, subset, shared, prefill_s, bs)
+        if subset is not None:
+            choice.exact_top = exact_top
+            choice.full = lambda: self._evaluate(
+                state, request, view, prefills, None, shared, prefill_s, bs
+            )
+        return choice
+
+    def _candidates(
+        self,
+        state: ClusterState,
+        model: str,
+        view: PoolView,
+        prefills: list[InstanceState],
+        shared_work: float,
+    ) -> tuple[list[int], int] | None:
+        """Positions in `prefills` that can win, in order, and how many of the fastest
+        are sure to be the fastest of all; None when every instance must be evaluated
+        (see `candidates` for why it is exact)."""
+        if state.learn_speed and state.compute_sharing != "none":
+            return None  # an idle engine's speed depends on its group's load
+        positions = state.live_positions("prefill", model)
+        if len(positions) != len(prefills):
+            return None
+        picked: set[int] = set()
+        if view.host_best or view.engines:
+            hosts = state.live_by_host()
+            for host in view.host_best:
+                for inst in hosts.get(host, ()):
+                    i = positions.get(inst.instance_id)
+                    if i is not None:
+                        picked.add(i)
+            for instance_id in view.engines:
+                i = positions.get(instance_id)
+                if i is not None:
+                    picked.add(i)
+        index = state.prefill_candidates()
+        queued = index.may_be_queued
+        instances = state.instances
+        now = state.now
+        drained = []
+        for instance_id in queued:
+            found = instances.get(instance_id)
+            if found is None or (not found.prefill_queue and found.busy_until <= now):
+                drained.append(instance_id)
+                continue
+            i = positions.get(instance_id)
+            if i is not None:
+                picked.add(i)
+        for instance_id in drained:
+            del queued[instance_id]
+        # The quiet non-holders, fastest first: each one's TTFT is `0.0 + w * f`.
+        learned = state.learn_speed
+        order = index.by_speed() if learned else ((1.0, i.instance_id) for i in prefills)
+        keep = self.keep
+        taken = 0
+        last_t = -math.inf
+        last_f = math.nan
+        mixed = False  # a tie of TTFTs between different factors (rounding) was taken
+        for factor, instance_id in order:
+            i = positions.get(instance_id)
+            if i is None or i in picked or instance_id in queued:
+                continue
+            t = shared_work * factor if learned else shared_work
+            if taken >= keep:
+                if t > last_t:
+                    return sorted(picked), taken
+                if factor == last_f and not mixed:
+                    # Later ones with this factor tie and come later by id; the next
+                    # factor up must be strictly slower for the rest to be left out.
+                    following = index.next_factor(factor) if learned else None
+                    if following is None or shared_work * following > last_t:
+                        return sorted(picked), taken
+            if t == last_t and factor != last_f:
+                mixed = True
+            picked.add(i)
+            taken += 1
+            last_t, last_f = t, factor
+        return None  # every instance is a candidate
+
+    def _evaluate(
+        self,
+        state: ClusterState,
+        request: ev.RequestAdmitted,
+        view: PoolView,
+        prefills: list[InstanceState],
+        subset: list[int] | None,
+        shared: Estimate,
+        prefill_s: Callable[[int], float],
+        bs: int,
+    ) -> PrefillChoice:
+        """The options of the instances at `subset`'s positions in `prefills` (None:
+        all of them), in that order, and the fastest."""
+        pool = len(prefills)
+        if subset is not None:
+            prefills = [prefills[i] for i in subset]
         now = state.now
         best = view.best
-        shared = self.estimate(0, None, None, best, prefill_s, bs)
         shared_work = shared.work_s
         host_best = view.host_best
         engines = view.engines
@@ -323,7 +454,7 @@ class PrefillPlanner:
         by_priority = self.priority_order
         stretch = 1.0
         if by_priority:
-            rho = overtaking_load(state, priority, request.slo.ttft_s, len(prefills))
+            rho = overtaking_load(state, priority, request.slo.ttft_s, pool)
             if rho > 0.0:
                 stretch = 1.0 / (1.0 - rho)
         chosen = 0
@@ -463,6 +594,8 @@ class PrefillPlanner:
 
     def candidates(self, choice: PrefillChoice, best_blocks: int, top_k: int) -> list[ev.Candidate]:
         """The chosen option first, then the next best by TTFT (`top_k` in all; 0: all)."""
+        if choice.full is not None and (top_k <= 0 or top_k + 1 > choice.exact_top):
+            choice = choice.full()  # a longer table than the candidates evaluated
         ttfts = choice.ttfts
         k = len(ttfts) if top_k <= 0 else top_k
         # A stable sort of indices: ties stay in instance-id order.

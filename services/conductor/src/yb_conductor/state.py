@@ -44,6 +44,7 @@ from collections.abc import Iterator
 import msgspec
 
 from yb_conductor.block_index import BlockIndex
+from yb_conductor.candidates import PrefillCandidates, solo_factor
 from yb_conductor.speed import (
     InstanceSpeed,
     SharedSpeed,
@@ -216,6 +217,9 @@ class ClusterState:
         self._deadlines: list[tuple[float, str]] = []
         self._next_expiry = math.inf
         self._live_cache: dict[tuple[ev.Role, str], list[InstanceState]] = {}
+        self._live_positions: dict[tuple[ev.Role, str], dict[str, int]] = {}
+        # Which prefill instances a decision must evaluate (see `candidates`).
+        self._prefill_candidates = PrefillCandidates()
         self._hosts_cache: dict[str, list[InstanceState]] | None = None
 
     # --- the fold ---------------------------------------------------------------------
@@ -316,6 +320,7 @@ class ClusterState:
             if not (self.priority_order and self._overtake(prefill, placement)):
                 prefill.prefill_queue[rid] = None
                 prefill.busy_until = placement.prefill_end
+            self._prefill_candidates.queued(prefill.instance_id)
         decode = self.instances.get(decision.decode_instance)
         if decode is not None:
             decode.assigned[rid] = None
@@ -429,6 +434,11 @@ class ClusterState:
             if not old.alive and event.role in BLOCK_HOLDER_ROLES:
                 self._forget_blocks(event.instance_id)
         self.instances[event.instance_id] = inst
+        if inst.role == "prefill":
+            self._prefill_candidates.set_speed(
+                inst.instance_id, solo_factor(self.speeds.get(inst.instance_id))
+            )
+            self._prefill_candidates.queued(inst.instance_id)
         self._topology_changed()
         self._next_expiry = min(self._next_expiry, event.time + self.heartbeat_timeout_s)
 
@@ -505,6 +515,7 @@ class ClusterState:
 
     def _topology_changed(self) -> None:
         self._live_cache.clear()
+        self._live_positions.clear()
         self._hosts_cache = None
 
     # --- requests ---------------------------------------------------------------------
@@ -563,6 +574,9 @@ class ClusterState:
             )
             if shared.samples:
                 self.shared_speeds[group] = shared
+            self._prefill_candidates.set_speed(
+                inst.instance_id, solo_factor(self.speeds.get(inst.instance_id))
+            )
         self._dequeue(inst, placement)
         inst.running_since = at
         self._reanchor(placement.prefill_instance, None, at)
@@ -593,6 +607,7 @@ class ClusterState:
             t += p.prefill_s
             p.prefill_end = t
         inst.busy_until = t if inst.prefill_queue else at
+        self._prefill_candidates.queued(instance_id)
 
     def _finished(self, event: ev.RequestFinished) -> None:
         placement = self.placements.get(event.request_id)
@@ -742,6 +757,32 @@ class ClusterState:
                 key=lambda i: i.instance_id,
             )
             self._live_cache[key] = found
+        return found
+
+    def live_positions(self, role: ev.Role, model: str = "") -> dict[str, int]:
+        """Each instance of `live(role, model)` by id, with its position there."""
+        key = (role, model)
+        found = self._live_positions.get(key)
+        if found is None:
+            found = self._live_positions[key] = {
+                inst.instance_id: i for i, inst in enumerate(self.live(role, model))
+            }
+        return found
+
+    def prefill_candidates(self) -> PrefillCandidates:
+        """The structures that say which prefill instances can win a decision
+        (`candidates`), in step with the state."""
+        found = self._prefill_candidates
+        now = self.now
+        found.sync(
+            self.instances,
+            self.speeds,
+            (
+                (i.instance_id, bool(i.prefill_queue) or i.busy_until > now)
+                for i in self.instances.values()
+                if i.role == "prefill"
+            ),
+        )
         return found
 
     def live_by_host(self) -> dict[str, list[InstanceState]]:

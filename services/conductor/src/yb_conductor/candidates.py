@@ -1,0 +1,105 @@
+"""Which prefill instances a decision must evaluate: the ones that can win.
+
+Algorithm 1 prices every prefill instance for every request; at a thousand instances
+that is most of a decision's time. Most of them, though, are alike: no prefix of the
+request anywhere on their host and nothing queued. Such a *quiet non-holder* takes
+the one "best option" every non-holder shares (work `w` at the cost model's speed)
+with no queue, so its TTFT is exactly `0.0 + w * f`, `f` its learned slowdown alone
+(`InstanceSpeed.solo`, 1.0 before it has learned anything). Those TTFTs rank as the
+instances rank by `f`: `w * f` is monotone in `f` in floating point too.
+
+So a decision evaluates, exactly as before:
+- every holder (an engine holding the prefix, every prefill engine on a host whose
+  kvstore does): their estimates are their own;
+- every instance that may have a queue (`may_be_queued`): its TTFT depends on it;
+- the quiet non-holders in (`f`, id) order until `keep` of them are taken and the
+  next one's `w * f` is larger than the last taken one's.
+
+The bound that makes it exact: an instance left out is a quiet non-holder whose
+TTFT is strictly greater than that of at least `keep` evaluated ones, so it is
+neither the fastest nor among the `keep` fastest, ties included (ties go to the
+lower id, and a tie with the last taken is taken too). The decision, the candidate
+table of the explanation (its best `keep - 1` besides the chosen one) and every
+figure in them are the full scan's, to the bit.
+
+What it assumes: the slowdown of a quiet engine is its `solo` alone, so only when
+engines do not share compute (`compute_sharing = "none"`, the default) or speed is
+not learned; otherwise the planner scans every instance.
+
+The structures change with the state, never per decision: the speed order is kept
+sorted as engines learn (one bisect per completed prefill) and the set of possibly
+queued instances grows when a request is placed and shrinks lazily, when a decision
+finds an instance drained. Both are rebuilt from the state when its instances or
+speeds were replaced wholesale (a snapshot restored).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Mapping
+
+from yb_conductor.speed import InstanceSpeed
+
+
+def solo_factor(speed: InstanceSpeed | None) -> float:
+    """An engine's slowdown alone: what `speed.slowdown` gives with no other busy."""
+    return speed.solo if speed is not None else 1.0
+
+
+class PrefillCandidates:
+    """Prefill instances in order of their slowdown alone, and those that may be
+    queued (see the module docstring)."""
+
+    def __init__(self) -> None:
+        # (factor, instance id), sorted; and each id's current key.
+        self._by_speed: list[tuple[float, str]] = []
+        self._key: dict[str, tuple[float, str]] = {}
+        # Instances whose queue may be non-empty or whose busy_until may be ahead of
+        # now: a superset, pruned when a decision finds one drained.
+        self.may_be_queued: dict[str, None] = {}
+        # The state's dicts this was built from (a restored snapshot replaces them).
+        self._instances: object = None
+        self._speeds: object = None
+
+    def sync(
+        self,
+        instances: Mapping[str, object],
+        speeds: Mapping[str, InstanceSpeed],
+        prefill_ids: Iterator[tuple[str, bool]],
+    ) -> None:
+        """Rebuild from the state if its dicts are not the ones indexed.
+
+        `prefill_ids`: every prefill instance's id and whether it may be queued.
+        """
+        if instances is self._instances and speeds is self._speeds:
+            return
+        self._instances, self._speeds = instances, speeds
+        self._by_speed, self._key, self.may_be_queued = [], {}, {}
+        for instance_id, queued in prefill_ids:
+            self.set_speed(instance_id, solo_factor(speeds.get(instance_id)))
+            if queued:
+                self.may_be_queued[instance_id] = None
+
+    def set_speed(self, instance_id: str, factor: float) -> None:
+        """Index a prefill instance (or its new slowdown alone)."""
+        key = (factor, instance_id)
+        old = self._key.get(instance_id)
+        if old == key:
+            return
+        if old is not None:
+            del self._by_speed[bisect.bisect_left(self._by_speed, old)]
+        bisect.insort(self._by_speed, key)
+        self._key[instance_id] = key
+
+    def queued(self, instance_id: str) -> None:
+        """The instance may have a queue now (a request was placed or re-timed there)."""
+        self.may_be_queued[instance_id] = None
+
+    def by_speed(self) -> Iterator[tuple[float, str]]:
+        """Every indexed prefill instance, fastest alone first (then by id)."""
+        return iter(self._by_speed)
+
+    def next_factor(self, factor: float) -> float | None:
+        """The smallest indexed slowdown above `factor` (None: none is)."""
+        at = bisect.bisect_right(self._by_speed, factor, key=lambda entry: entry[0])
+        return self._by_speed[at][0] if at < len(self._by_speed) else None

@@ -1,0 +1,161 @@
+"""The pruned prefill evaluation decides exactly as the full scan does.
+
+`PrefillPlanner` evaluates only the instances that can win (`candidates`); these
+tests make logs with one and replay them with the other, over generated logs and
+over the simulated cluster on the synthetic trace, and require every decision,
+explanation included, to be reproduced.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from yb_conductor.candidates import PrefillCandidates
+from yb_conductor.prefill_placement import PrefillChoice, PrefillPlanner
+from yb_conductor.replay import LogRecord, replay
+from yb_conductor.speed import InstanceSpeed
+from yb_core import events as ev
+from yb_core.config import ConductorConfig
+from yb_tools.tracelog import TraceLog, TraceLogCluster
+from yb_tools.traces import read_trace
+
+ROOT = Path(__file__).resolve().parents[3]
+TRACE = ROOT / "benchmarks" / "traces" / "synthetic_trace.jsonl"
+
+
+def _load_generator() -> Any:
+    """`generated_logs.py` beside this file (test modules are not importable here)."""
+    name = "yb_conductor_test_generated_logs"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "generated_logs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+GEN = _load_generator()
+
+
+class Planners:
+    """Sets how every planner built from now on evaluates, and counts what the pruned
+    ones left out."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.monkeypatch = monkeypatch
+        self.decisions = 0
+        self.pruned = 0
+        options = PrefillPlanner.options
+
+        def counting(planner: PrefillPlanner, *args: Any) -> PrefillChoice:
+            choice = options(planner, *args)
+            self.decisions += 1
+            self.pruned += choice.full is not None and len(choice.instances) < len(args[-1])
+            return choice
+
+        monkeypatch.setattr(PrefillPlanner, "options", counting)
+
+    def full(self) -> None:
+        self.monkeypatch.setattr(PrefillPlanner, "default_full_scan", True)
+
+    def pruned_with(self, keep: int) -> None:
+        self.monkeypatch.setattr(PrefillPlanner, "default_full_scan", False)
+        self.monkeypatch.setattr(PrefillPlanner, "default_keep", keep)
+
+
+@pytest.fixture
+def planners(monkeypatch: pytest.MonkeyPatch) -> Planners:
+    return Planners(monkeypatch)
+
+
+def _same_decisions_both_ways(make: Any, planners: Planners, keep: int) -> list[LogRecord]:
+    """A log made pruned replays under the full scan, and one made under the full
+    scan replays pruned (`replay` raises on the first difference)."""
+    planners.pruned_with(keep)
+    pruned_log = make()
+    planners.full()
+    assert replay(pruned_log).divergences == []
+    full_log = make()
+    planners.pruned_with(keep)
+    assert replay(full_log).divergences == []
+    return pruned_log
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
+@given(st.lists(GEN.steps, max_size=60))
+def test_generated_logs_decide_the_same_pruned_and_full(
+    planners: Planners, plan: list[tuple[object, ...]]
+) -> None:
+    # Three prefill instances: keep one idle non-holder so that pruning happens, and
+    # start with engines that do not share compute (with sharing nothing is pruned;
+    # the plan's own settings steps still switch it).
+    planners.monkeypatch.setattr(
+        GEN, "ConductorConfig", lambda **kw: ConductorConfig(**{**kw, "compute_sharing": "none"})
+    )
+    _same_decisions_both_ways(lambda: GEN.live_log(plan), planners, keep=1)
+
+
+def _trace_log(cfg: ConductorConfig, requests: int = 250) -> list[LogRecord]:
+    log = TraceLog(
+        cfg=cfg,
+        cluster=TraceLogCluster(prefill=24, decode=6, kvstore_blocks=20_000),
+        speedup=2.0,
+        slo=ev.Slo(ttft_s=30.0, tbt_s=0.2),
+        seed=0,
+    )
+    return log.run(read_trace(TRACE, limit=requests))
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ConductorConfig(),
+        ConductorConfig(learn_speed=False),
+        ConductorConfig(priority_order=False, explain_top_k=3),
+        ConductorConfig(compute_sharing="host"),
+    ],
+    ids=["defaults", "no-learned-speed", "arrival-order-short-table", "shared-compute"],
+)
+def test_the_simulated_trace_decides_the_same_pruned_and_full(
+    planners: Planners, cfg: ConductorConfig
+) -> None:
+    log = _same_decisions_both_ways(lambda: _trace_log(cfg), planners, keep=9)
+    assert any(isinstance(r.event, ev.RequestScheduled) for r in log)
+    if cfg.compute_sharing == "none":
+        assert planners.pruned > 0  # the pruning was exercised, not bypassed
+    else:
+        assert planners.pruned == 0  # an idle engine's speed depends on its group
+
+
+def test_speed_order_follows_learning() -> None:
+    index = PrefillCandidates()
+    instances: dict[str, object] = {}
+    speeds = {"p1": InstanceSpeed(solo=1.5)}
+    index.sync(instances, speeds, iter([("p0", False), ("p1", True), ("p2", False)]))
+    assert [i for _, i in index.by_speed()] == ["p0", "p2", "p1"]
+    assert list(index.may_be_queued) == ["p1"]
+    assert index.next_factor(1.0) == 1.5 and index.next_factor(1.5) is None
+    index.set_speed("p0", 2.0)
+    assert [i for _, i in index.by_speed()] == ["p2", "p1", "p0"]
+    # The same dicts: nothing rebuilt; replaced ones (a restored snapshot): rebuilt.
+    index.sync(instances, speeds, iter([]))
+    assert len(list(index.by_speed())) == 3
+    index.sync({}, {}, iter([("p9", False)]))
+    assert [i for _, i in index.by_speed()] == ["p9"]
