@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from yb_conductor.candidates import PrefillCandidates
+from yb_conductor.candidates import Candidates
+from yb_conductor.decode_placement import DecodePlanner
 from yb_conductor.prefill_placement import PrefillChoice, PrefillPlanner
 from yb_conductor.replay import LogRecord, replay
 from yb_conductor.speed import InstanceSpeed
@@ -66,9 +67,11 @@ class Planners:
 
     def full(self) -> None:
         self.monkeypatch.setattr(PrefillPlanner, "default_full_scan", True)
+        self.monkeypatch.setattr(DecodePlanner, "default_full_scan", True)
 
     def pruned_with(self, keep: int) -> None:
         self.monkeypatch.setattr(PrefillPlanner, "default_full_scan", False)
+        self.monkeypatch.setattr(DecodePlanner, "default_full_scan", False)
         self.monkeypatch.setattr(PrefillPlanner, "default_keep", keep)
 
 
@@ -145,7 +148,7 @@ def test_the_simulated_trace_decides_the_same_pruned_and_full(
 
 
 def test_speed_order_follows_learning() -> None:
-    index = PrefillCandidates()
+    index = Candidates()
     instances: dict[str, object] = {}
     speeds = {"p1": InstanceSpeed(solo=1.5)}
     index.sync(instances, speeds, iter([("p0", False), ("p1", True), ("p2", False)]))

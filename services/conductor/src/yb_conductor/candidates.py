@@ -1,4 +1,4 @@
-"""Which prefill instances a decision must evaluate: the ones that can win.
+"""Which instances a decision must evaluate: the ones that can win.
 
 Algorithm 1 prices every prefill instance for every request; at a thousand instances
 that is most of a decision's time. Most of them, though, are alike: no prefix of the
@@ -26,6 +26,14 @@ What it assumes: the slowdown of a quiet engine is its `solo` alone, so only whe
 engines do not share compute (`compute_sharing = "none"`, the default) or speed is
 not learned; otherwise the planner scans every instance.
 
+Decode placement is alike: a decode instance with nothing assigned (and no KV or
+request left accounted there) predicts a batch of one, the same TBT as every other
+such instance, and the smallest assigned count; of those only the first by id can be
+chosen, and their figures in the explanation are that one TBT. So the decode
+planner works out only the instances that may have work (`decode_busy`), and the
+first idle one, provided the request fits every instance's KV (else it looks at
+each).
+
 The structures change with the state, never per decision: the speed order is kept
 sorted as engines learn (one bisect per completed prefill) and the set of possibly
 queued instances grows when a request is placed and shrinks lazily, when a decision
@@ -46,9 +54,9 @@ def solo_factor(speed: InstanceSpeed | None) -> float:
     return speed.solo if speed is not None else 1.0
 
 
-class PrefillCandidates:
-    """Prefill instances in order of their slowdown alone, and those that may be
-    queued (see the module docstring)."""
+class Candidates:
+    """Prefill instances in order of their slowdown alone, those that may be queued,
+    and the decode instances that may have work (see the module docstring)."""
 
     def __init__(self) -> None:
         # (factor, instance id), sorted; and each id's current key.
@@ -57,6 +65,9 @@ class PrefillCandidates:
         # Instances whose queue may be non-empty or whose busy_until may be ahead of
         # now: a superset, pruned when a decision finds one drained.
         self.may_be_queued: dict[str, None] = {}
+        # Decode instances that may have requests assigned, KV or requests accounted:
+        # a superset likewise.
+        self.decode_busy: dict[str, None] = {}
         # The state's dicts this was built from (a restored snapshot replaces them).
         self._instances: object = None
         self._speeds: object = None
@@ -66,15 +77,18 @@ class PrefillCandidates:
         instances: Mapping[str, object],
         speeds: Mapping[str, InstanceSpeed],
         prefill_ids: Iterator[tuple[str, bool]],
+        busy_decode_ids: Iterator[str] = iter(()),
     ) -> None:
         """Rebuild from the state if its dicts are not the ones indexed.
 
-        `prefill_ids`: every prefill instance's id and whether it may be queued.
+        `prefill_ids`: every prefill instance's id and whether it may be queued;
+        `busy_decode_ids`: the decode instances with work.
         """
         if instances is self._instances and speeds is self._speeds:
             return
         self._instances, self._speeds = instances, speeds
         self._by_speed, self._key, self.may_be_queued = [], {}, {}
+        self.decode_busy = dict.fromkeys(busy_decode_ids)
         for instance_id, queued in prefill_ids:
             self.set_speed(instance_id, solo_factor(speeds.get(instance_id)))
             if queued:

@@ -27,6 +27,7 @@ will wait behind it. With one priority everywhere this is the plain room, and
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from yb_conductor.cost_model import CostModel
@@ -63,11 +64,20 @@ class DecodeChoice:
 
 
 class DecodePlanner:
-    """Estimates the decode instances for a request and picks the lowest TBT."""
+    """Estimates the decode instances for a request and picks the lowest TBT.
 
-    def __init__(self, cost: CostModel, *, priority_order: bool = False) -> None:
+    Only the instances with work and the first idle one are worked out (see
+    `candidates`); `full_scan` (default `default_full_scan`) works out each.
+    """
+
+    default_full_scan: bool = False
+
+    def __init__(
+        self, cost: CostModel, *, priority_order: bool = False, full_scan: bool | None = None
+    ) -> None:
         self.cost = cost
         self.priority_order = priority_order
+        self.full_scan = self.default_full_scan if full_scan is None else full_scan
 
     def choose(
         self,
@@ -96,10 +106,20 @@ class DecodePlanner:
         n = len(decodes)
         fits = [True] * n
         batches = [1] * n
-        tbts = [0.0] * n
+        # What an idle instance predicts (a batch of one, this request alone).
+        idle_tbt = base + per_seq * 1 + per_ctx * context
+        tbts = [idle_tbt] * n
         chosen = -1
-        chosen_key = (math.inf, 0)
-        for i, inst in enumerate(decodes):
+        chosen_tbt, chosen_requests = math.inf, 0
+        order: Iterable[int] = range(n)
+        first_idle = -1
+        min_cap = state.min_decode_capacity(decodes)
+        if not self.full_scan and (not min_cap or need_blocks <= min_cap):
+            # Every idle instance fits and predicts `idle_tbt` with nothing assigned:
+            # only the first of them can be chosen (ties go to the lower id).
+            order, first_idle = self._busy(state, decodes)
+        for i in order:
+            inst = decodes[i]
             cap = inst.kv_capacity_blocks
             held = inst.decode_kv_blocks
             batch, ctx = 1, context
@@ -115,16 +135,49 @@ class DecodePlanner:
                     batch += 1
                     ctx += p.context_tokens
             tbt = base + per_seq * batch + per_ctx * ctx
-            fit = not cap or held + need_blocks <= cap
-            fits[i] = fit
             batches[i] = batch
             tbts[i] = tbt
-            if fit:
-                key = (tbt, inst.decode_requests)
-                if key < chosen_key:
-                    chosen_key = key
-                    chosen = i
+            if cap and held + need_blocks > cap:
+                fits[i] = False
+            elif tbt < chosen_tbt or (tbt == chosen_tbt and inst.decode_requests < chosen_requests):
+                chosen_tbt, chosen_requests = tbt, inst.decode_requests
+                chosen = i
+        if first_idle >= 0 and (
+            idle_tbt < chosen_tbt
+            or (
+                idle_tbt == chosen_tbt
+                and (chosen_requests > 0 or (chosen_requests == 0 and first_idle < chosen))
+            )
+        ):
+            chosen = first_idle
         return DecodeChoice(decodes, fits, batches, tbts, chosen, at_time, context)
+
+    @staticmethod
+    def _busy(state: ClusterState, decodes: list[InstanceState]) -> tuple[list[int], int]:
+        """Positions in `decodes` of the instances with work, in order, and the first
+        idle one's (-1: none is idle)."""
+        positions = state.positions(decodes)
+        busy = state.candidates().decode_busy
+        instances = state.instances
+        drained = []
+        found = []
+        for instance_id in busy:
+            inst = instances.get(instance_id)
+            if inst is None or not state.decode_busy(inst):
+                drained.append(instance_id)
+                continue
+            i = positions.get(instance_id)
+            if i is not None:
+                found.append(i)
+        for instance_id in drained:
+            del busy[instance_id]
+        found.sort()
+        first_idle = -1
+        for i, inst in enumerate(decodes):
+            if inst.instance_id not in busy:
+                first_idle = i
+                break
+        return found, first_idle
 
     def estimate(self, choice: DecodeChoice, i: int) -> DecodeEstimate:
         """Instance `i` of a choice at all three horizons."""

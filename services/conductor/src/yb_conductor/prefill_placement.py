@@ -336,7 +336,7 @@ class PrefillPlanner:
         subset: list[int] | None = None
         exact_top = 0
         if not self.full_scan:
-            picked = self._candidates(state, request.model, view, prefills, shared.work_s)
+            picked = self._candidates(state, view, prefills, shared.work_s)
             if picked is not None:
                 subset, exact_top = picked
         choice = self._evaluate(state, request, view, prefills, subset, shared, prefill_s, bs)
@@ -350,7 +350,6 @@ class PrefillPlanner:
     def _candidates(
         self,
         state: ClusterState,
-        model: str,
         view: PoolView,
         prefills: list[InstanceState],
         shared_work: float,
@@ -360,9 +359,7 @@ class PrefillPlanner:
         (see `candidates` for why it is exact)."""
         if state.learn_speed and state.compute_sharing != "none":
             return None  # an idle engine's speed depends on its group's load
-        positions = state.live_positions("prefill", model)
-        if len(positions) != len(prefills):
-            return None
+        positions = state.positions(prefills)
         picked: set[int] = set()
         if view.host_best or view.engines:
             hosts = state.live_by_host()
@@ -375,7 +372,7 @@ class PrefillPlanner:
                 i = positions.get(instance_id)
                 if i is not None:
                     picked.add(i)
-        index = state.prefill_candidates()
+        index = state.candidates()
         queued = index.may_be_queued
         instances = state.instances
         now = state.now

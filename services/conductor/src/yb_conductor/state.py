@@ -44,7 +44,7 @@ from collections.abc import Iterator
 import msgspec
 
 from yb_conductor.block_index import BlockIndex
-from yb_conductor.candidates import PrefillCandidates, solo_factor
+from yb_conductor.candidates import Candidates, solo_factor
 from yb_conductor.speed import (
     InstanceSpeed,
     SharedSpeed,
@@ -217,9 +217,10 @@ class ClusterState:
         self._deadlines: list[tuple[float, str]] = []
         self._next_expiry = math.inf
         self._live_cache: dict[tuple[ev.Role, str], list[InstanceState]] = {}
-        self._live_positions: dict[tuple[ev.Role, str], dict[str, int]] = {}
+        self._live_positions: dict[int, tuple[list[InstanceState], dict[str, int]]] = {}
+        self._min_capacity: dict[int, tuple[list[InstanceState], int]] = {}
         # Which prefill instances a decision must evaluate (see `candidates`).
-        self._prefill_candidates = PrefillCandidates()
+        self._candidates = Candidates()
         self._hosts_cache: dict[str, list[InstanceState]] | None = None
 
     # --- the fold ---------------------------------------------------------------------
@@ -320,9 +321,10 @@ class ClusterState:
             if not (self.priority_order and self._overtake(prefill, placement)):
                 prefill.prefill_queue[rid] = None
                 prefill.busy_until = placement.prefill_end
-            self._prefill_candidates.queued(prefill.instance_id)
+            self._candidates.queued(prefill.instance_id)
         decode = self.instances.get(decision.decode_instance)
         if decode is not None:
+            self._candidates.decode_busy[decode.instance_id] = None
             decode.assigned[rid] = None
             decode.decode_requests += 1
             decode.decode_context_tokens += context
@@ -435,10 +437,12 @@ class ClusterState:
                 self._forget_blocks(event.instance_id)
         self.instances[event.instance_id] = inst
         if inst.role == "prefill":
-            self._prefill_candidates.set_speed(
+            self._candidates.set_speed(
                 inst.instance_id, solo_factor(self.speeds.get(inst.instance_id))
             )
-            self._prefill_candidates.queued(inst.instance_id)
+            self._candidates.queued(inst.instance_id)
+        elif inst.role == "decode" and self.decode_busy(inst):
+            self._candidates.decode_busy[inst.instance_id] = None
         self._topology_changed()
         self._next_expiry = min(self._next_expiry, event.time + self.heartbeat_timeout_s)
 
@@ -516,6 +520,7 @@ class ClusterState:
     def _topology_changed(self) -> None:
         self._live_cache.clear()
         self._live_positions.clear()
+        self._min_capacity.clear()
         self._hosts_cache = None
 
     # --- requests ---------------------------------------------------------------------
@@ -574,7 +579,7 @@ class ClusterState:
             )
             if shared.samples:
                 self.shared_speeds[group] = shared
-            self._prefill_candidates.set_speed(
+            self._candidates.set_speed(
                 inst.instance_id, solo_factor(self.speeds.get(inst.instance_id))
             )
         self._dequeue(inst, placement)
@@ -607,7 +612,7 @@ class ClusterState:
             t += p.prefill_s
             p.prefill_end = t
         inst.busy_until = t if inst.prefill_queue else at
-        self._prefill_candidates.queued(instance_id)
+        self._candidates.queued(instance_id)
 
     def _finished(self, event: ev.RequestFinished) -> None:
         placement = self.placements.get(event.request_id)
@@ -759,31 +764,54 @@ class ClusterState:
             self._live_cache[key] = found
         return found
 
-    def live_positions(self, role: ev.Role, model: str = "") -> dict[str, int]:
-        """Each instance of `live(role, model)` by id, with its position there."""
-        key = (role, model)
-        found = self._live_positions.get(key)
-        if found is None:
-            found = self._live_positions[key] = {
-                inst.instance_id: i for i, inst in enumerate(self.live(role, model))
-            }
-        return found
+    def positions(self, live: list[InstanceState]) -> dict[str, int]:
+        """Each instance of a list `live` gave, by id, with its position there
+        (cached with the live lists)."""
+        found = self._live_positions.get(id(live))
+        if found is None or found[0] is not live:
+            found = self._live_positions[id(live)] = (
+                live,
+                {inst.instance_id: i for i, inst in enumerate(live)},
+            )
+        return found[1]
 
-    def prefill_candidates(self) -> PrefillCandidates:
-        """The structures that say which prefill instances can win a decision
+    def candidates(self) -> Candidates:
+        """The structures that say which instances can win a decision
         (`candidates`), in step with the state."""
-        found = self._prefill_candidates
+        found = self._candidates
         now = self.now
+        instances = self.instances
         found.sync(
-            self.instances,
+            instances,
             self.speeds,
             (
                 (i.instance_id, bool(i.prefill_queue) or i.busy_until > now)
-                for i in self.instances.values()
+                for i in instances.values()
                 if i.role == "prefill"
+            ),
+            (
+                i.instance_id
+                for i in instances.values()
+                if i.role == "decode" and self.decode_busy(i)
             ),
         )
         return found
+
+    @staticmethod
+    def decode_busy(inst: InstanceState) -> bool:
+        """Whether a decode instance has any work accounted (else it is idle: a
+        batch of one, no KV held)."""
+        return bool(inst.assigned or inst.decode_kv_blocks or inst.decode_requests)
+
+    def min_decode_capacity(self, decodes: list[InstanceState]) -> int:
+        """The smallest KV capacity (in blocks) among `decodes` that has one (0: none
+        is bounded); cached with the live lists."""
+        key = id(decodes)
+        found = self._min_capacity.get(key)
+        if found is None or found[0] is not decodes:
+            caps = [i.kv_capacity_blocks for i in decodes if i.kv_capacity_blocks]
+            found = self._min_capacity[key] = (decodes, min(caps) if caps else 0)
+        return found[1]
 
     def live_by_host(self) -> dict[str, list[InstanceState]]:
         """Live block holders (kvstores, engines) per host, by id."""
