@@ -72,6 +72,9 @@ class Planners:
     def pruned_with(self, keep: int) -> None:
         self.monkeypatch.setattr(PrefillPlanner, "default_full_scan", False)
         self.monkeypatch.setattr(DecodePlanner, "default_full_scan", False)
+        # However small the pool: these clusters are small.
+        self.monkeypatch.setattr(PrefillPlanner, "prune_above", 0)
+        self.monkeypatch.setattr(DecodePlanner, "prune_above", 0)
         self.monkeypatch.setattr(PrefillPlanner, "default_keep", keep)
 
 

@@ -44,9 +44,41 @@ speeds were replaced wholesale (a snapshot restored).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypeVar
 
 from yb_conductor.speed import InstanceSpeed
+
+# Pools of at most this many instances are evaluated whole: the candidate sets
+# cost more than they save there (a 64+16 cluster decides about as fast either way).
+PRUNE_ABOVE = 48
+
+
+Instance = TypeVar("Instance")
+
+
+def still_busy(
+    members: dict[str, None],
+    instances: Mapping[str, Instance],
+    busy: Callable[[Instance], bool],
+    positions: Mapping[str, int],
+) -> list[int]:
+    """The positions of the members of a "may be busy" set that still are, in
+    order; those found idle (or gone) leave the set."""
+    drained = []
+    found = []
+    for instance_id in members:
+        inst = instances.get(instance_id)
+        if inst is None or not busy(inst):
+            drained.append(instance_id)
+            continue
+        i = positions.get(instance_id)
+        if i is not None:
+            found.append(i)
+    for instance_id in drained:
+        del members[instance_id]
+    found.sort()
+    return found
 
 
 def solo_factor(speed: InstanceSpeed | None) -> float:

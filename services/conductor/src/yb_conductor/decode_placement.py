@@ -30,6 +30,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from yb_conductor.candidates import PRUNE_ABOVE, still_busy
 from yb_conductor.cost_model import CostModel
 from yb_conductor.state import ClusterState, InstanceState
 
@@ -67,10 +68,12 @@ class DecodePlanner:
     """Estimates the decode instances for a request and picks the lowest TBT.
 
     Only the instances with work and the first idle one are worked out (see
-    `candidates`); `full_scan` (default `default_full_scan`) works out each.
+    `candidates`); `full_scan` (default `default_full_scan`) works out each, and so
+    do pools of at most `prune_above` instances.
     """
 
     default_full_scan: bool = False
+    prune_above: int = PRUNE_ABOVE
 
     def __init__(
         self, cost: CostModel, *, priority_order: bool = False, full_scan: bool | None = None
@@ -114,7 +117,7 @@ class DecodePlanner:
         order: Iterable[int] = range(n)
         first_idle = -1
         min_cap = state.min_decode_capacity(decodes)
-        if not self.full_scan and (not min_cap or need_blocks <= min_cap):
+        if not self.full_scan and n > self.prune_above and (not min_cap or need_blocks <= min_cap):
             # Every idle instance fits and predicts `idle_tbt` with nothing assigned:
             # only the first of them can be chosen (ties go to the lower id).
             order, first_idle = self._busy(state, decodes)
@@ -156,22 +159,8 @@ class DecodePlanner:
     def _busy(state: ClusterState, decodes: list[InstanceState]) -> tuple[list[int], int]:
         """Positions in `decodes` of the instances with work, in order, and the first
         idle one's (-1: none is idle)."""
-        positions = state.positions(decodes)
         busy = state.candidates().decode_busy
-        instances = state.instances
-        drained = []
-        found = []
-        for instance_id in busy:
-            inst = instances.get(instance_id)
-            if inst is None or not state.decode_busy(inst):
-                drained.append(instance_id)
-                continue
-            i = positions.get(instance_id)
-            if i is not None:
-                found.append(i)
-        for instance_id in drained:
-            del busy[instance_id]
-        found.sort()
+        found = still_busy(busy, state.instances, state.decode_busy, state.positions(decodes))
         first_idle = -1
         for i, inst in enumerate(decodes):
             if inst.instance_id not in busy:

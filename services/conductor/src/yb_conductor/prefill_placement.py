@@ -51,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
 
+from yb_conductor.candidates import PRUNE_ABOVE, still_busy
 from yb_conductor.cost_model import CostModel
 from yb_conductor.state import ClusterState, InstanceState
 from yb_core import events as ev
@@ -225,11 +226,13 @@ class PrefillPlanner:
 
     `default_full_scan` and `default_keep` are what planners built without those
     arguments use (policies build their planner themselves): benchmarks and tests
-    set them to compare the pruned evaluation with the full scan.
+    set them to compare the pruned evaluation with the full scan. Pools of at most
+    `prune_above` instances are always scanned in full (it is cheaper there).
     """
 
     default_full_scan: bool = False
     default_keep: int = DEFAULT_KEEP
+    prune_above: int = PRUNE_ABOVE
 
     def __init__(
         self,
@@ -335,7 +338,7 @@ class PrefillPlanner:
         shared = self.estimate(0, None, None, view.best, prefill_s, bs)
         subset: list[int] | None = None
         exact_top = 0
-        if not self.full_scan:
+        if not self.full_scan and len(prefills) > self.prune_above:
             picked = self._candidates(state, view, prefills, shared.work_s)
             if picked is not None:
                 subset, exact_top = picked
@@ -374,19 +377,7 @@ class PrefillPlanner:
                     picked.add(i)
         index = state.candidates()
         queued = index.may_be_queued
-        instances = state.instances
-        now = state.now
-        drained = []
-        for instance_id in queued:
-            found = instances.get(instance_id)
-            if found is None or (not found.prefill_queue and found.busy_until <= now):
-                drained.append(instance_id)
-                continue
-            i = positions.get(instance_id)
-            if i is not None:
-                picked.add(i)
-        for instance_id in drained:
-            del queued[instance_id]
+        picked.update(still_busy(queued, state.instances, state.prefill_busy, positions))
         # The quiet non-holders, fastest first: each one's TTFT is `0.0 + w * f`.
         learned = state.learn_speed
         order = index.by_speed() if learned else ((1.0, i.instance_id) for i in prefills)

@@ -779,13 +779,12 @@ class ClusterState:
         """The structures that say which instances can win a decision
         (`candidates`), in step with the state."""
         found = self._candidates
-        now = self.now
         instances = self.instances
         found.sync(
             instances,
             self.speeds,
             (
-                (i.instance_id, bool(i.prefill_queue) or i.busy_until > now)
+                (i.instance_id, self.prefill_busy(i))
                 for i in instances.values()
                 if i.role == "prefill"
             ),
@@ -796,6 +795,11 @@ class ClusterState:
             ),
         )
         return found
+
+    def prefill_busy(self, inst: InstanceState) -> bool:
+        """Whether a prefill instance would keep a request waiting (a queue, or a
+        predicted drain still ahead); else its queue estimate is 0."""
+        return bool(inst.prefill_queue) or inst.busy_until > self.now
 
     @staticmethod
     def decode_busy(inst: InstanceState) -> bool:
