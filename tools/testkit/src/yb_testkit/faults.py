@@ -259,10 +259,17 @@ def events_of(log: list[LoggedEvent], kind: type[Any] | UnionType) -> Iterator[A
 
 
 def decisions_per_admission(log: list[LoggedEvent]) -> dict[str, list[str]]:
-    """Every admitted request id -> the kinds of the decisions logged for it."""
+    """Every admitted request id, and every re-plan of one (`<id>#<attempt>`) -> the
+    kinds of the decisions logged for it."""
+
+    def key(request_id: str, attempt: int) -> str:
+        return f"{request_id}#{attempt}" if attempt else request_id
+
     decisions: dict[str, list[str]] = {e.request_id: [] for e in events_of(log, ev.RequestAdmitted)}
+    for replan in events_of(log, ev.RequestReplanned):
+        decisions[key(replan.request_id, replan.attempt)] = []
     for e in events_of(log, ev.RequestScheduled | ev.RequestRejected):
-        decisions.setdefault(e.request_id, []).append(type(e).__name__)
+        decisions.setdefault(key(e.request_id, e.attempt), []).append(type(e).__name__)
     return decisions
 
 
