@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from yb_conductor.candidates import Candidates
-from yb_conductor.decode_placement import DecodePlanner
+from yb_conductor.decode_placement import DecodeChoice, DecodePlanner
 from yb_conductor.prefill_placement import PrefillChoice, PrefillPlanner
 from yb_conductor.replay import LogRecord, replay
 from yb_conductor.speed import InstanceSpeed
@@ -64,6 +64,15 @@ class Planners:
             return choice
 
         monkeypatch.setattr(PrefillPlanner, "options", counting)
+        choose = DecodePlanner.choose
+
+        def checked(planner: DecodePlanner, *args: Any, **kwargs: Any) -> DecodeChoice:
+            choice = choose(planner, *args, **kwargs)
+            if choice.evaluated is not None and choice.chosen_index >= 0:
+                assert choice.chosen_index in choice.evaluated
+            return choice
+
+        monkeypatch.setattr(DecodePlanner, "choose", checked)
 
     def full(self) -> None:
         self.monkeypatch.setattr(PrefillPlanner, "default_full_scan", True)

@@ -62,6 +62,9 @@ class DecodeChoice:
     chosen_index: int
     at_time: float
     context: int
+    # The positions worked out one by one, in order (None: all): every other one is
+    # idle and predicts what the first idle one does.
+    evaluated: list[int] | None = None
 
 
 class DecodePlanner:
@@ -115,12 +118,14 @@ class DecodePlanner:
         chosen = -1
         chosen_tbt, chosen_requests = math.inf, 0
         order: Iterable[int] = range(n)
+        evaluated: list[int] | None = None
         first_idle = -1
         min_cap = state.min_decode_capacity(decodes)
         if not self.full_scan and n > self.prune_above and (not min_cap or need_blocks <= min_cap):
             # Every idle instance fits and predicts `idle_tbt` with nothing assigned:
             # only the first of them can be chosen (ties go to the lower id).
             order, first_idle = self._busy(state, decodes)
+            evaluated = sorted([*order, first_idle]) if first_idle >= 0 else list(order)
         for i in order:
             inst = decodes[i]
             cap = inst.kv_capacity_blocks
@@ -153,7 +158,7 @@ class DecodePlanner:
             )
         ):
             chosen = first_idle
-        return DecodeChoice(decodes, fits, batches, tbts, chosen, at_time, context)
+        return DecodeChoice(decodes, fits, batches, tbts, chosen, at_time, context, evaluated)
 
     @staticmethod
     def _busy(state: ClusterState, decodes: list[InstanceState]) -> tuple[list[int], int]:
