@@ -12,9 +12,15 @@ and a decode step 10 ms + 1 ms per sequence.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+# The test modules import `generated_logs` (the replay property tests' log generator)
+# from beside this file.
+sys.path.insert(0, str(Path(__file__).parent))
 
 from yb_conductor.conductor import Conductor, Output
 from yb_conductor.cost_model import CostModel, DecodeCost, PrefillCost, TransferCost

@@ -8,11 +8,10 @@ explanation included, to be reproduced.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
+import generated_logs as GEN
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -29,22 +28,6 @@ from yb_tools.traces import read_trace
 
 ROOT = Path(__file__).resolve().parents[3]
 TRACE = ROOT / "benchmarks" / "traces" / "synthetic_trace.jsonl"
-
-
-def _load_generator() -> Any:
-    """`generated_logs.py` beside this file (test modules are not importable here)."""
-    name = "yb_conductor_test_generated_logs"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "generated_logs.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-GEN = _load_generator()
 
 
 class Planners:

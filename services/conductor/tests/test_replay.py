@@ -3,13 +3,12 @@ logs always reproduce (property), what-if and explain read the same logs."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
+import generated_logs as GEN
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -184,22 +183,6 @@ def test_cli_replays_under_another_hash_seed(tmp_path: Path) -> None:
 
 
 # --- property: any generated log replays to its own decisions ---------------------------
-
-
-def _load_generator() -> Any:
-    """`generated_logs.py` beside this file (test modules are not importable here)."""
-    name = "yb_conductor_test_generated_logs"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "generated_logs.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-GEN = _load_generator()
 
 
 @settings(

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
+import generated_logs as GEN
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,22 +15,6 @@ from yb_conductor.conductor import Conductor
 from yb_conductor.replay import LogRecord, read_log, replay
 
 HERE = Path(__file__).parent
-
-
-def _generator() -> Any:
-    # The generated logs of the replay property test (test modules are not importable).
-    name = "yb_conductor_test_generated_logs"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "generated_logs.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-GEN = _generator()
 
 
 def _run(c: Conductor, records: list[LogRecord]) -> list[Any]:
