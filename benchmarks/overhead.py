@@ -1,0 +1,355 @@
+"""Where a request's time goes: the system's own overhead, with almost no compute.
+
+Starts `yb up` with the tiny random model (or uses `--url` of a running cluster), its
+services exporting their spans to an OTLP receiver in this process, and sends streamed
+`max_tokens: 1` completions: `--requests` one at a time, then `--loaded-requests` with 16
+and with 64 in flight. For each load it reports latency p50/p99 (from sending the request
+to the end of its SSE stream), requests/s and errors (`latency_p50_ms_c1`,
+`requests_per_s_c64`, `errors_c16`, ...).
+
+For the one-at-a-time load it also breaks each request down by hop, from the trace of
+that request (docs/observability.md lists the spans): the hops are the intervals between
+consecutive span boundaries on the request's path, from the gateway's arrival to the end
+of its span, each named after the span it lies in or, between spans, after the two
+boundaries it joins (`hop_ms_<name>_p50`, the median over the requests). What no span
+covers is summed as `hop_ms_unattributed_p50`. The hops of one trace add up to its
+gateway span (`hop_ms_gateway_total_p50`); `hop_ms_outside_gateway_p50` is the rest of
+the client's latency (HTTP, request parsing before the span opens, this client itself).
+
+    python benchmarks/overhead.py --json out.json [--url http://127.0.0.1:8000]
+
+Goals (issue 20, this machine): one at a time p50 <= 15 ms and p99 <= 30 ms; 64 in
+flight >= 250 requests/s with no error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from yb_testkit.fixtures import LocalCluster
+from yb_testkit.otlp import OtlpReceiver, ReceivedSpan
+
+PROMPT = "The capital of France is"
+LOADS = (16, 64)
+GOALS: dict[str, tuple[str, float]] = {
+    "latency_p50_ms_c1": ("<=", 15.0),
+    "latency_p99_ms_c1": ("<=", 30.0),
+    "requests_per_s_c64": (">=", 250.0),
+    "errors_c64": ("<=", 0.0),
+}
+
+#: The request's path as its spans mark it, in the order the request crosses them:
+#: (span name, which end, the hop from there to the next boundary). "gateway" is the
+#: request's root span; a hop named None is time the request spends in no span's hop
+#: (it counts as unattributed). A boundary whose span is missing is skipped.
+PATH: tuple[tuple[str, str, str | None], ...] = (
+    ("gateway", "start", "tokenize"),
+    ("gateway tokenize", "end", None),
+    ("gateway admission", "start", "admission publish"),  # to the log, then to the conductor
+    ("conductor decide", "start", "conductor decide"),
+    ("conductor decide", "end", "decision delivery"),  # to the log, then to the gateway
+    ("gateway admission", "end", None),
+    ("gateway hand-off", "start", "hand-off"),  # the job to prefill's queue
+    ("prefill", "start", "prefill queue wait"),
+    ("prefill queue wait", "end", "prefill own"),
+    ("prefill reserve decode", "start", "reservation request"),
+    ("decode reserve", "start", "decode reserve"),
+    ("decode reserve", "end", "reservation reply"),
+    ("prefill reserve decode", "end", "prefill own"),
+    ("prefill prefix load", "start", "prefix load"),
+    ("prefill prefix load", "end", "prefill own"),
+    ("prefill compute", "start", "compute"),
+    # `kv transfer` runs beside the compute; after it, what is left of the transfer
+    # and decode's verified commit.
+    ("prefill compute", "end", "transfer tail and commit"),
+    ("kv transfer", "end", "prefill own"),
+    ("prefill hand-over", "start", "hand-over"),
+    ("decode", "start", "decode admission"),
+    ("decode first token", "start", "first token"),
+    ("decode first token", "end", "sse"),  # the token back to the gateway and its SSE chunk
+    ("gateway", "end", None),
+)
+#: Each span's own duration is reported too (`span_ms_<name>_p50`).
+SPANS = tuple(dict.fromkeys(name for name, _, _ in PATH if name != "gateway"))
+
+
+@dataclass
+class Load:
+    """What one load measured."""
+
+    in_flight: int
+    latencies_s: list[float] = field(default_factory=list)
+    latency_by_request: dict[str, float] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    def figures(self) -> dict[str, float | int]:
+        c = self.in_flight
+        ms = sorted(x * 1000 for x in self.latencies_s)
+        return {
+            f"latency_p50_ms_c{c}": round(percentile(ms, 50), 2),
+            f"latency_p99_ms_c{c}": round(percentile(ms, 99), 2),
+            f"requests_per_s_c{c}": round(len(ms) / self.elapsed_s, 1) if self.elapsed_s else 0,
+            f"requests_c{c}": len(ms) + len(self.errors),
+            f"errors_c{c}": len(self.errors),
+        }
+
+
+def percentile(sorted_values: list[float], p: float) -> float:
+    """The nearest-rank percentile of an ascending list (0 when empty)."""
+    if not sorted_values:
+        return 0.0
+    rank = max(1, -(-len(sorted_values) * p // 100))
+    return sorted_values[int(rank) - 1]
+
+
+async def one_request(client: httpx.AsyncClient, model: str) -> tuple[float, str]:
+    """(seconds to the stream's `[DONE]`, the request id) of one streamed completion;
+    raises when it fails or its stream ends without a token or `[DONE]`."""
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": 1,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    started = time.perf_counter()
+    request_id = ""
+    done = False
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                request_id = request_id or chunk.get("id", "")
+    if not (done and request_id):
+        raise RuntimeError("the stream ended without a chunk and [DONE]")
+    return time.perf_counter() - started, request_id
+
+
+async def run_load(
+    url: str, headers: dict[str, str], model: str, in_flight: int, requests: int
+) -> Load:
+    """`requests` completions, `in_flight` at a time (each worker sends its next as soon
+    as its last one ended)."""
+    load = Load(in_flight)
+    remaining = requests
+    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, timeout=60, limits=limits
+    ) as client:
+
+        async def worker() -> None:
+            nonlocal remaining
+            while remaining > 0:
+                remaining -= 1
+                try:
+                    latency, request_id = await one_request(client, model)
+                except Exception as error:  # counted, the load goes on
+                    load.errors.append(f"{type(error).__name__}: {error}")
+                    continue
+                load.latencies_s.append(latency)
+                load.latency_by_request[request_id] = latency
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(in_flight)))
+        load.elapsed_s = time.perf_counter() - started
+    return load
+
+
+# --- the breakdown ----------------------------------------------------------------
+
+
+def traces_by_request(
+    spans: list[ReceivedSpan], request_ids: set[str]
+) -> dict[str, list[ReceivedSpan]]:
+    """The spans of each request's trace, by request id."""
+    trace_of = {
+        s.trace_id: str(s.attributes["yb.request_id"])
+        for s in spans
+        if s.service == "yuebing-gateway"
+        and s.parent_span_id == ""
+        and s.attributes.get("yb.request_id") in request_ids
+    }
+    out: dict[str, list[ReceivedSpan]] = {rid: [] for rid in trace_of.values()}
+    for s in spans:
+        if s.trace_id in trace_of:
+            out[trace_of[s.trace_id]].append(s)
+    return out
+
+
+def complete(trace: list[ReceivedSpan]) -> bool:
+    """The trace has its root and every span of the path (its processes exported them)."""
+    return {name for name, _, _ in PATH} <= {_name(s) for s in trace}
+
+
+def _name(span: ReceivedSpan) -> str:
+    # The root is `gateway completions` or `gateway chat.completions`.
+    return "gateway" if span.parent_span_id == "" else span.name
+
+
+def _key(name: str) -> str:
+    return name.replace(" ", "_").replace("-", "_").replace(".", "_")
+
+
+def hops(trace: list[ReceivedSpan]) -> dict[str, float]:
+    """One request's time in ms by hop: from each boundary of PATH to the next, named
+    as PATH names it; `unattributed` sums the intervals PATH names None, and `total` is
+    the gateway's span. A boundary earlier than the one before it (a span that began
+    before the previous one ended) starts its hop at the previous boundary instead."""
+    spans = {_name(s): s for s in trace}
+    points = [
+        (hop, spans[name].start_ns if end == "start" else spans[name].end_ns)
+        for name, end, hop in PATH
+        if name in spans
+    ]
+    out = {hop: 0.0 for _, _, hop in PATH if hop is not None}
+    out["unattributed"] = 0.0
+    at = points[0][1]
+    for (hop, _), (_, t) in itertools.pairwise(points):
+        if t <= at:
+            continue
+        out[hop or "unattributed"] += (t - at) / 1e6
+        at = t
+    root = spans["gateway"]
+    out["gateway total"] = (root.end_ns - root.start_ns) / 1e6
+    return out
+
+
+def breakdown(
+    receiver: OtlpReceiver, serial: Load, timeout_s: float
+) -> tuple[dict[str, float], int]:
+    """Median ms per hop (`hop_ms_*`) and per span (`span_ms_*`) over the requests of
+    `serial` whose traces arrived whole, and their count."""
+    wanted = set(serial.latency_by_request)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        traces = traces_by_request(receiver.spans(), wanted)
+        whole = {rid: t for rid, t in traces.items() if complete(t)}
+        if len(whole) == len(wanted) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    rows: list[dict[str, float]] = []
+    for rid, trace in whole.items():
+        row = {f"hop_ms_{_key(hop)}": ms for hop, ms in hops(trace).items()}
+        # The HTTP exchange around the gateway's span: connection, request parsing
+        # before its arrival time, and the stream's last bytes to the client.
+        row["hop_ms_outside_gateway"] = (
+            serial.latency_by_request[rid] * 1000 - row["hop_ms_gateway_total"]
+        )
+        spans = {_name(s): s for s in trace}
+        for name in SPANS:
+            row[f"span_ms_{_key(name)}"] = (spans[name].end_ns - spans[name].start_ns) / 1e6
+        rows.append(row)
+    medians = {
+        f"{key}_p50": round(statistics.median(row[key] for row in rows), 3)
+        for key in (rows[0] if rows else {})
+    }
+    return medians, len(rows)
+
+
+def dump(trace: list[ReceivedSpan]) -> None:
+    """One trace's spans, relative to its root, on stderr."""
+    t0 = min(s.start_ns for s in trace)
+    for s in sorted(trace, key=lambda s: s.start_ns):
+        began, ended = (s.start_ns - t0) / 1e6, (s.end_ns - t0) / 1e6
+        print(f"  {began:8.3f} {ended:8.3f}  {s.service:<18} {s.name}", file=sys.stderr)
+
+
+def main() -> int:
+    """Run the loads and print/write the figures."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="a running gateway (default: start `yb up`)")
+    parser.add_argument("--api-key", help="the gateway's API key, with --url")
+    parser.add_argument("--model", default="tiny", help="the served model name")
+    parser.add_argument("--requests", type=int, default=100, help="one at a time")
+    parser.add_argument("--loaded-requests", type=int, default=512, help="per loaded run")
+    parser.add_argument("--warmup", type=int, default=5, help="requests before measuring")
+    parser.add_argument("--dump-trace", action="store_true", help="print one trace's spans")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+
+    receiver = OtlpReceiver().start()
+    cluster = None
+    url = args.url
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    if not url:
+        cluster = LocalCluster(
+            Path(tempfile.mkdtemp(prefix="yb-overhead-")),
+            "--model",
+            "tiny-random",
+            "--model-name",
+            args.model,
+            env={
+                "YB_TELEMETRY__OTLP_ENDPOINT": receiver.http_endpoint,
+                "OTEL_BSP_SCHEDULE_DELAY": "1000",
+            },
+        )
+        started = time.perf_counter()
+        cluster.start(timeout_s=300)
+        print(f"cluster ready in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+        url, headers = cluster.url, cluster.headers
+    figures: dict[str, float | int] = {}
+    try:
+        asyncio.run(run_load(url, headers, args.model, 1, args.warmup))
+        serial = asyncio.run(run_load(url, headers, args.model, 1, args.requests))
+        figures |= serial.figures()
+        per_hop, traced = breakdown(receiver, serial, timeout_s=30)
+        figures["traced_requests_c1"] = traced
+        figures |= per_hop
+        if args.dump_trace and serial.latency_by_request:
+            trace = traces_by_request(receiver.spans(), {next(iter(serial.latency_by_request))})
+            for t in trace.values():
+                dump(t)
+        loads = [
+            asyncio.run(run_load(url, headers, args.model, c, args.loaded_requests)) for c in LOADS
+        ]
+        for load in loads:
+            figures |= load.figures()
+        errors = [e for load in [serial, *loads] for e in load.errors]
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        receiver.close()
+    for error in sorted(set(errors))[:10]:
+        print(f"error: {error}", file=sys.stderr)
+
+    print(f"{'load':<16} {'requests/s':>10} {'p50 ms':>9} {'p99 ms':>9} {'errors':>7}")
+    for c in (1, *LOADS):
+        print(
+            f"{f'{c} in flight':<16} {figures[f'requests_per_s_c{c}']:>10} "
+            f"{figures[f'latency_p50_ms_c{c}']:>9} {figures[f'latency_p99_ms_c{c}']:>9} "
+            f"{figures[f'errors_c{c}']:>7}"
+        )
+    print(f"\n{'figure':<44} {'value':>10}  goal")
+    for name, value in figures.items():
+        note = ""
+        if name in GOALS:
+            op, target = GOALS[name]
+            ok = value <= target if op == "<=" else value >= target
+            note = f"{op} {target:g}  {'met' if ok else 'NOT met'}"
+        print(f"{name:<44} {value:>10}  {note}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
