@@ -81,6 +81,13 @@ SUMMARIES: dict[str, str] = {
         'One greedy streamed chat request ("What is the capital of France?") through a '
         "whole `yb up` cluster with the default model, sent one at a time."
     ),
+    "overhead": (
+        "The request path with almost no compute: `max_tokens: 1` completions through a "
+        "`yb up` cluster of the tiny random model, sent by an httpx client one at a time, "
+        "then 16 and 64 in flight, every service exporting its spans to a real OTLP "
+        "receiver; the per-hop breakdown of the one-at-a-time load is read from each "
+        "request's trace (docs/observability.md lists the spans)."
+    ),
     "e2e_reuse": (
         "Time to first token through a `yb up` cluster (2 prefill instances on two logical "
         "hosts, each with its kvstore, 1 decode) for a prompt computed from scratch, against "
@@ -256,6 +263,36 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
             "median µs to build and apply one sequence's token mask (llguidance's bitmask, "
             "unpacked, applied to its logits row), batch {0}",
         ),
+    ],
+    "overhead": [
+        (
+            r"latency_p50_ms_c(\d+)",
+            "median ms from sending a request to the end of its SSE stream, {0} in flight",
+        ),
+        (r"latency_p99_ms_c(\d+)", "99th percentile of the same, {0} in flight"),
+        (r"requests_per_s_c(\d+)", "requests answered per second, {0} in flight"),
+        (r"requests_c(\d+)", "requests sent with {0} in flight"),
+        (
+            r"errors_c(\d+)",
+            "requests that failed with {0} in flight (non-200, error event, no [DONE])",
+        ),
+        ("traced_requests_c1", "one-at-a-time requests whose whole trace arrived"),
+        (
+            "hop_ms_outside_gateway_p50",
+            "median ms of client latency outside the gateway's span: HTTP, parsing before "
+            "the span opens, and the Python client itself",
+        ),
+        ("hop_ms_gateway_total_p50", "median ms of the gateway's root span; the hops add up to it"),
+        (
+            "hop_ms_unattributed_p50",
+            "median ms of the gateway's span that no hop covers",
+        ),
+        (
+            r"hop_ms_(\w+)_p50",
+            "median ms of the hop `{0}`, one request at a time (the gap between the spans "
+            "around it, or a span itself; benchmarks/overhead.py's PATH)",
+        ),
+        (r"span_ms_(\w+)_p50", "median ms of the span `{0}` itself, one request at a time"),
     ],
     "e2e_chat": [
         ("ttft_cold_s", "seconds to the first token of the first request"),

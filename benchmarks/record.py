@@ -50,6 +50,7 @@ BENCHMARKS = (
     "grammar",
     "e2e_chat",
     "e2e_reuse",
+    "overhead",
     "overload",
     "compose",
 )
