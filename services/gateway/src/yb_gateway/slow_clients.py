@@ -133,8 +133,17 @@ class _SlowClientGuard(_ProtocolBase):
         # Our buffer above the kernel's: the transport pauses writing past it.
         transport.set_write_buffer_limits(high=limits.send_buffer_bytes)
         sock = transport.get_extra_info("socket")
-        if limits.socket_send_buffer_bytes and sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limits.socket_send_buffer_bytes)
+        if sock is not None:
+            # An answer is several small writes (the head, each SSE chunk, the last
+            # chunk). Under Nagle's algorithm each waits for the ACK of the one before,
+            # which a client's delayed ACK holds back up to 40 ms: the end of every
+            # answer on a kept-alive connection arrived that much late. uvicorn leaves
+            # the option off on the sockets it accepts.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if limits.socket_send_buffer_bytes:
+                sock.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_SNDBUF, limits.socket_send_buffer_bytes
+                )
         self._arm_read_deadline(None)
 
     def data_received(self, data: bytes) -> None:
