@@ -13,6 +13,7 @@ from typing import Any
 
 from yb_core.protocol import TokenLogprob
 from yb_gateway.schemas import ChoiceLogprobs, CompletionLogprobs, ContentLogprob, TopLogprob
+from yb_text.grammar import grammar_tokenizer
 
 #: What a logprob of -inf (a token the grammar or a bias ruled out) is shown as: JSON
 #: has no infinity, and OpenAI's clients expect a number.
@@ -29,9 +30,6 @@ class TokenTable:
     @classmethod
     def of(cls, tokenizer: Any) -> TokenTable:
         """The table of a transformers tokenizer (tens of milliseconds for 50k tokens)."""
-        # Here, not at the top: see `structured.grammar_lib`.
-        from yb_text.grammar import grammar_tokenizer
-
         wrapped = grammar_tokenizer(tokenizer)
         return cls([wrapped.decode_bytes([i]) for i in range(len(tokenizer))])
 

@@ -29,6 +29,7 @@ from yb_gateway.schemas import (
     ToolDefinition,
 )
 from yb_gateway.structured import OutputSpec
+from yb_text.grammar import check_grammar
 from yb_text.tokenizer import load_tokenizer
 
 T = TypeVar("T")
@@ -78,7 +79,7 @@ class PromptEncoder:
     async def check_grammar(self, grammar: str) -> None:
         """Raise `yb_text.grammar.GrammarError` unless `grammar` compiles for this
         tokenizer."""
-        await self._run(structured.grammar_lib().check_grammar, grammar, self._tokenizer)
+        await self._run(check_grammar, grammar, self._tokenizer)
 
     async def decode(self, token_ids: list[int]) -> str:
         """The text of `token_ids` (special tokens included, as they were sent)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,6 +38,7 @@ from yb_gateway.schemas import (
     ToolCallDelta,
     ToolDefinition,
 )
+from yb_text.grammar import GrammarError, json_schema_grammar, lark_grammar
 
 CALL_OPEN = "<tool_call>\n"
 CALL_CLOSE = "\n</tool_call>"
@@ -86,7 +87,7 @@ def output_spec(body: ChatCompletionRequest) -> OutputSpec:
     if choice == "none" or not tools:
         if text_json is None:
             return OutputSpec()
-        grammar = _compile(lambda: grammar_lib().json_schema_grammar(text_json), "response_format")
+        grammar = _compile(lambda: json_schema_grammar(text_json), "response_format")
         return OutputSpec(grammar=grammar, param="response_format")
     if isinstance(choice, NamedToolChoice):
         named = [t for t in tools if t.function.name == choice.function.name]
@@ -103,17 +104,8 @@ def output_spec(body: ChatCompletionRequest) -> OutputSpec:
         many = body.parallel_tool_calls is not False
     text = None if mode == "required" else (text_json or {})
     lark = tool_call_lark(tools, text=text, many=many)
-    grammar = _compile(lambda: grammar_lib().lark_grammar(lark), "tools")
+    grammar = _compile(lambda: lark_grammar(lark), "tools")
     return OutputSpec(grammar=grammar, tools=mode, param="tools")
-
-
-def grammar_lib() -> Any:
-    """`yb_text.grammar`, imported at the first grammar: it imports llguidance's
-    transformers glue, which the gateway's own import must not pull in (the tokenizer
-    loads transformers on its thread, after start)."""
-    from yb_text import grammar
-
-    return grammar
 
 
 def _response_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
@@ -126,10 +118,10 @@ def _response_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
     return None
 
 
-def _compile(build: Any, param: str) -> str:
+def _compile(build: Callable[[], str], param: str) -> str:
     try:
-        grammar: str = build()
-    except ValueError as exc:  # yb_text.grammar.GrammarError
+        grammar = build()
+    except GrammarError as exc:
         raise invalid_request(f"Invalid schema: {exc}", param=param) from exc
     return grammar
 
