@@ -58,6 +58,20 @@ async def test_durable_reader_resumes_after_ack(bus: Bus) -> None:
     assert [e.seq for e, _ in rest] == [3]
 
 
+async def test_last_event_is_the_newest_on_its_subject_asked_of_the_stream(bus: Bus) -> None:
+    subject = ev.instance_down_subject("decode-0")
+    assert await bus.last_event(subject, timeout_s=30) is None
+    await bus.publish(ev.InstanceDown(instance_id="decode-0", reason="first", time=1.0))
+    await bus.publish(ev.InstanceDown(instance_id="decode-1", reason="other", time=2.0))
+    newest = await bus.publish(ev.InstanceDown(instance_id="decode-0", reason="again", time=3.0))
+    await bus.publish(ev.RequestCancelled(request_id="r1"))
+    found = await bus.last_event(subject, timeout_s=30)
+    assert found is not None
+    assert found.seq == newest
+    assert found.subject == subject
+    assert found.event == ev.InstanceDown(instance_id="decode-0", reason="again", time=3.0)
+
+
 async def test_garbage_on_the_stream_is_skipped(bus: Bus) -> None:
     await bus.jetstream.publish("yb.ev.req.junk", b"\xc1not msgpack")
     await bus.publish(ev.RequestCancelled(request_id="ok"))

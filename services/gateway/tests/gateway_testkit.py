@@ -322,6 +322,13 @@ class Engine:
             )
         await msg.respond(protocol.encode(reply))
 
+    async def go_deaf(self) -> None:
+        """Stop answering resends from now on, as a decode instance cut off would."""
+        sub, self._resend_sub = self._resend_sub, None
+        if sub is not None:
+            await sub.unsubscribe()
+        await self.bus.flush()
+
     async def stop(self) -> None:
         for task in list(self._streams):
             task.cancel()

@@ -312,3 +312,40 @@ async def test_a_verdict_logged_before_admission_never_ends_the_request(
     assert rest[-1] == ("message", "[DONE]"), rest
     kind, data = rest[-2]
     assert kind == "error" and DECODE_ID in json.loads(data)["error"]["message"], rest
+
+
+async def test_a_verdict_the_instance_reader_misses_is_found_in_the_log(
+    gateway_factory: GatewayFactory, cluster: Cluster, bus: Bus
+) -> None:
+    # After a NATS node comes back, a reader's consumer can take many seconds to
+    # deliver again, and the conductor cancels an orphaned request that is not
+    # re-planned within its grace period. A stream whose decode instance went silent
+    # asks the log itself. Here the instance stream stops copying the log, so the
+    # gateway's instance reader never sees the verdict: only the lookup can.
+    cluster.engine.pause_before = 2  # the stream holds after its first two chunks
+    # Idle timeouts far beyond the test's wait: only the verdict can end the stream.
+    gw = await gateway_factory(token_idle_timeout_s=120.0, replan_budget=0)
+    # After the gateway made sure of the stream's settings at its start.
+    info = await bus.jetstream.stream_info(bus.instance_stream)
+    info.config.sources = None
+    await bus.jetstream.update_stream(info.config)
+    async with (
+        client_for(gw) as client,
+        aconnect_sse(
+            client, "POST", "/v1/chat/completions", json={**CHAT, "stream": True}
+        ) as source,
+    ):
+        events = source.aiter_sse()
+        first = await anext(events)
+        assert first.event == "message", first.data
+        await cluster.engine.go_deaf()
+        await bus.publish(ev.InstanceDown(instance_id=DECODE_ID, reason="no heartbeat for 15s"))
+        rest = await asyncio.wait_for(_collect(events), timeout=60)
+    kind, data = rest[-2]
+    error = json.loads(data)["error"]
+    assert kind == "error" and error["code"] == "engine_failed", rest
+    assert DECODE_ID in error["message"], error
+
+
+async def _collect(events: AsyncIterator[Any]) -> list[tuple[str, str]]:
+    return [(e.event, e.data) async for e in events]

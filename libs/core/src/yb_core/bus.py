@@ -451,6 +451,40 @@ class Bus:
                 raise BusError(f"no stream {stream} (see Bus.ensure_stream)") from exc
             return None  # no message on those subjects
 
+    async def last_event(self, subject: str, *, timeout_s: float) -> LoggedEvent | None:
+        """The newest event of the log on `subject` (a single subject, no wildcard),
+        None when the log holds none, asked of the stream itself.
+
+        A lookup, not a consumer: it needs no delivery to be flowing, so it answers
+        even while a reader's consumer is being re-created after a NATS node came back
+        (when verdicts reach followers seconds late). Raises `BusUnavailable` when no
+        answer comes within `timeout_s`.
+        """
+        try:
+            msg = await self._retried(
+                lambda: self._js.get_last_msg(self._cfg.stream, subject),
+                budget_s=timeout_s,
+                attempt_s=timeout_s,
+                what=f"the newest event on {subject}",
+            )
+        except nats.js.errors.NotFoundError as exc:
+            if exc.err_code == JS_STREAM_NOT_FOUND:
+                raise BusError(f"no stream {self._cfg.stream} (see Bus.ensure_stream)") from exc
+            return None
+        try:
+            event = decode_event(msg.data or b"")
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("undecodable_event", subject=subject, error=str(exc))
+            return None
+        data = msg.data or b""
+        return LoggedEvent(
+            seq=int(msg.seq or 0),
+            subject=msg.subject or subject,
+            event=event,
+            headers=dict(msg.headers or {}),
+            size=len(data) + len(subject),
+        )
+
     async def _ensure_event_stream(self) -> api.StreamInfo:
         """Create the event stream, or update it to the configured settings.
 

@@ -518,6 +518,11 @@ def decode_event(data: bytes) -> AnyEvent:
     return _decoder.decode(data)
 
 
+def instance_down_subject(instance_id: str) -> str:
+    """The subject of the verdicts on one instance (`subject_for` of its `InstanceDown`)."""
+    return subject_for(InstanceDown(instance_id=instance_id, reason=""))
+
+
 def subject_for(event: AnyEvent) -> str:
     """The stream subject an event is published on.
 

@@ -20,7 +20,6 @@ import nats.errors
 
 from yb_core import events as ev
 from yb_core.bus import Bus, BusError, EventReader
-from yb_core.events import subject_token
 from yb_core.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -77,7 +76,7 @@ class Presence:
         loop = asyncio.get_running_loop()
         until = loop.time() + self._interval_s
         if self._verdicts is None and self._bus.connected:
-            subject = f"yb.ev.instance.instance_down.{subject_token(self.instance_id)}"
+            subject = ev.instance_down_subject(self.instance_id)
             try:
                 self._verdicts = await self._bus.read_ordered(subject, new_only=True)
             except (BusError, nats.errors.Error, OSError) as exc:

@@ -54,7 +54,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from yb_core import events as ev
 from yb_core import protocol
-from yb_core.bus import Bus, BusUnavailable
+from yb_core.bus import Bus, BusError, BusUnavailable
 from yb_core.config import YbConfig
 from yb_core.hashing import block_hashes
 from yb_core.model_files import identity_of
@@ -602,9 +602,32 @@ class RequestSession:
             reply = protocol.resend_reply_decoder.decode(msg.data)
         except BusUnavailable as exc:
             error = str(exc)
+            await self._look_up_verdict(decode_instance)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             error = f"unreadable answer from {decode_instance}: {exc}"
         self._queue.put_nowait(_ResendAnswer(ask_no, reply, error))
+
+    async def _look_up_verdict(self, instance_id: str) -> None:
+        """Ask the log whether `instance_id`, silent to a resend, was declared dead.
+
+        The gateway learns verdicts from its reader of the instance stream, but a reader
+        whose consumer is being re-created (after a NATS node came back, say) gets them
+        seconds late, and the conductor cancels an orphaned request that is not re-planned
+        within its grace period. The lookup bounds that: a stream whose decode instance
+        stopped answering learns of the verdict within one resend of its publication.
+        """
+        timeout_s = min(RESEND_TIMEOUT_S, self._deadline - time.monotonic())
+        if timeout_s <= 0:
+            return
+        try:
+            logged = await self._bus.last_event(
+                ev.instance_down_subject(instance_id), timeout_s=timeout_s
+            )
+        except BusError as exc:
+            log.info("verdict_lookup_failed", request_id=self.request_id, error=str(exc))
+            return
+        if logged is not None and isinstance(logged.event, ev.InstanceDown):
+            self.instance_down(instance_id, logged.event.reason, logged.seq)
 
     def _resend_over(self) -> None:
         task, self._resend = self._resend, None
