@@ -53,6 +53,9 @@ BENCHMARKS = (
     "overhead",
     "overload",
     "compose",
+    "cpp",
+    "piggyback",
+    "sim_matrix",
 )
 # The longest benchmark (the default model through `yb up`, on a loaded 2-core machine)
 # takes minutes; an hour means something is stuck.
