@@ -194,3 +194,57 @@ def arch_from_hf_config(
         eos_token_ids=tuple(eos),
         bos_token_id=None if bos is None else int(bos),
     )
+
+
+class LayerRange(msgspec.Struct, frozen=True):
+    """The decoder layers `[start, end)` one pipeline stage holds.
+
+    The first stage (start 0) also holds the token embeddings; the last (end = the
+    model's layer count) the final norm and the LM head.
+    """
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise ValueError(f"layer range [{self.start}, {self.end}) is empty or negative")
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def check(self, arch: ArchConfig) -> None:
+        """Raise unless the range lies inside `arch`'s layers."""
+        if self.end > arch.num_layers:
+            raise ValueError(
+                f"layer range [{self.start}, {self.end}) exceeds the {arch.num_layers} "
+                f"layers of {arch.model_id}"
+            )
+
+    @property
+    def is_first(self) -> bool:
+        """The stage that embeds token ids."""
+        return self.start == 0
+
+    def is_last(self, arch: ArchConfig) -> bool:
+        """The stage that computes logits."""
+        return self.end == arch.num_layers
+
+    @classmethod
+    def whole(cls, arch: ArchConfig) -> LayerRange:
+        """Every layer of `arch`: one stage that is the whole model."""
+        return cls(0, arch.num_layers)
+
+    @classmethod
+    def split(cls, num_layers: int, num_stages: int) -> list[LayerRange]:
+        """`num_layers` cut into `num_stages` contiguous ranges whose sizes differ by at
+        most one (the earlier stages take the extra layers)."""
+        if not 1 <= num_stages <= num_layers:
+            raise ValueError(f"cannot cut {num_layers} layers into {num_stages} stages")
+        base, extra = divmod(num_layers, num_stages)
+        ranges, start = [], 0
+        for i in range(num_stages):
+            end = start + base + (1 if i < extra else 0)
+            ranges.append(cls(start, end))
+            start = end
+        return ranges

@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,8 +33,8 @@ from yb_core.model_files import (
     IDENTITY_FILE,
     converted_default_dir,
 )
-from yb_engine.architecture import ArchConfig, arch_from_hf_config
-from yb_engine.weights import ModelWeights
+from yb_engine.architecture import ArchConfig, LayerRange, arch_from_hf_config
+from yb_engine.weights import ModelWeights, StageWeights
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _WEIGHTS_FILE = "model.safetensors"
@@ -254,24 +254,32 @@ def _generation_eos(path: Path) -> list[int]:
     return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
-def load_model(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
-) -> LoadedModel:
-    """Load a local Hugging Face Llama-family directory (safetensors weights).
+def _read_config_and_tokenizer(path: Path) -> tuple[ArchConfig, Any]:
+    """The architecture and tokenizer of a local Hugging Face directory.
 
     The EOS set is the union of config, generation config and tokenizer EOS ids, since
     chat checkpoints often stop on a token (`<|im_end|>`, `<|eot_id|>`) that only one of
     them names.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    path = Path(path).expanduser()
     hf_config = AutoConfig.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     extra_eos = _generation_eos(path)
     if tokenizer.eos_token_id is not None:
         extra_eos.append(int(tokenizer.eos_token_id))
     arch = arch_from_hf_config(hf_config, model_id=_model_id(path), extra_eos_token_ids=extra_eos)
+    return arch, tokenizer
+
+
+def load_model(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> LoadedModel:
+    """Load a local Hugging Face Llama-family directory (safetensors weights)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path).expanduser()
+    arch, tokenizer = _read_config_and_tokenizer(path)
     weights = ModelWeights.from_hf_state_dict(
         _read_state_dict(path), arch, dtype=dtype, device=device
     )
@@ -292,15 +300,115 @@ def load_model(
     )
 
 
+@dataclass(eq=False)
+class LoadedStage:
+    """One pipeline stage of a model: the weights of its layer range, for `StageRunner`.
+
+    `config` is the whole model's architecture. `tensors_read` names every checkpoint
+    tensor the stage read, with its size in bytes: a stage loaded from a directory reads
+    its own layers' tensors (and the embeddings, final norm and head where it needs
+    them) and nothing else.
+    """
+
+    config: ArchConfig
+    weights: StageWeights
+    tokenizer: Any
+    dtype: torch.dtype
+    device: str
+    path: Path | None = None
+    tensors_read: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def layer_range(self) -> LayerRange:
+        """The model's layers this stage computes."""
+        return self.weights.layer_range
+
+    @classmethod
+    def of_model(cls, model: LoadedModel, layer_range: LayerRange) -> LoadedStage:
+        """The stage's share of a model already loaded whole (its tensors, not copies)."""
+        return cls(
+            config=model.config,
+            weights=StageWeights.of_model(model.weights, model.config, layer_range),
+            tokenizer=model.tokenizer,
+            dtype=model.dtype,
+            device=model.device,
+            path=model.path,
+        )
+
+
+class _LazyCheckpoint(Mapping[str, torch.Tensor]):
+    """The tensors of a directory's safetensors files, each read when it is asked for.
+
+    Asking for a tensor reads only its bytes (safetensors maps the file); `read`
+    records what was asked for, in bytes.
+    """
+
+    def __init__(self, path: Path, stack: contextlib.ExitStack) -> None:
+        from safetensors import safe_open
+
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        self._file_of: dict[str, Any] = {}
+        for f in files:
+            handle = stack.enter_context(safe_open(str(f), framework="pt"))
+            for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                self._file_of[name] = handle
+        self.read: dict[str, int] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor: torch.Tensor = self._file_of[name].get_tensor(name)
+        self.read[name] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._file_of
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
+
+
+def load_stage(
+    path: str | Path,
+    layer_range: LayerRange,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> LoadedStage:
+    """Load one pipeline stage, layers `layer_range`, of a local Hugging Face directory,
+    reading from its safetensors files only the tensors that stage needs."""
+    path = Path(path).expanduser()
+    arch, tokenizer = _read_config_and_tokenizer(path)
+    with contextlib.ExitStack() as stack:
+        checkpoint = _LazyCheckpoint(path, stack)
+        weights = StageWeights.from_hf_state_dict(
+            checkpoint, arch, layer_range, dtype=dtype, device=device
+        )
+    return LoadedStage(
+        config=arch,
+        weights=weights,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        device=device,
+        path=path,
+        tensors_read=checkpoint.read,
+    )
+
+
 def tiny_random_model(
     seed: int = 0,
     *,
     qkv_bias: bool = False,
     rope_scaling: dict[str, Any] | None = None,
+    num_layers: int = 2,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> LoadedModel:
-    """A seeded random 2-layer Llama (hidden 64, 4 heads, 2 KV heads) for fast tests.
+    """A seeded random Llama (2 layers unless `num_layers` says otherwise, hidden 64,
+    4 heads, 2 KV heads) for fast tests.
 
     Weights come from a `torch.Generator` seeded with `seed` on the CPU, so they are the
     same in every process and on every machine. The init scale is larger than a trained
@@ -320,7 +428,7 @@ def tiny_random_model(
         "vocab_size": len(tokenizer),
         "hidden_size": 64,
         "intermediate_size": 160,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": num_layers,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 16,
@@ -337,7 +445,8 @@ def tiny_random_model(
     else:
         model_type, extra = "llama", {"attention_bias": False, "mlp_bias": False}
     rope_tag = (rope_scaling or {}).get("rope_type", "default")
-    model_id = f"tiny-random-{model_type}-{rope_tag}@seed{seed}"
+    depth = "" if num_layers == 2 else f"-{num_layers}layers"
+    model_id = f"tiny-random-{model_type}-{rope_tag}{depth}@seed{seed}"
     # Importing transformers' config classes costs seconds (they pull in much of the
     # library); the architecture is read from the same fields without them, and the
     # real config is built only for the lazily created reference model.

@@ -1,0 +1,313 @@
+"""Pipeline stages: one prompt's prefill cut across several engines by layers (CPP).
+
+Mooncake runs a long prompt's prefill over a group of nodes, each holding a contiguous
+range of layers (a stage). The prompt is cut into chunks that flow through the stages in
+order, so stage 2 computes chunk 1 while stage 1 computes chunk 2; stages exchange only
+the hidden states of a chunk at their boundary. With no backward pass the schedule needs
+no more than that: each stage computes its chunks in prompt order, and chunk k attends
+to the KV of chunks < k already in the stage's own pages.
+
+A stage keeps the KV of its own layers only, in its own `PagedKVCache` (`stage_cache`),
+whose layer j is the model's layer `layer_range.start + j`. A cached prefix is reused per
+stage: the caller puts the prefix KV of the stage's layers into its pages and starts the
+first chunk after it, exactly as `ModelRunner.prefill` does with `num_cached_tokens`.
+
+Between stages a chunk's hidden states are a plain contiguous tensor `[T, hidden]` with
+a `HiddenHeader` (msgspec) saying what it is, so a transport can move the bytes as they
+lie (`hidden_bytes`, `hidden_from_buffer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import torch
+import torch.nn.functional as F
+
+from yb_engine.architecture import ArchConfig
+from yb_engine.attention import AttentionBackend, host_ints, select_backend
+from yb_engine.kv_cache import PagedKVCache
+from yb_engine.loader import LoadedStage
+from yb_engine.rope import Rotary
+from yb_engine.runner import LayerHook, ModelRunner, _rms_norm
+
+
+class HiddenHeader(msgspec.Struct, frozen=True, array_like=True):
+    """What a hidden-state buffer between two stages holds.
+
+    The buffer is `shape` elements of `dtype` (a torch dtype name, "float32"), row-major
+    and contiguous: the hidden states of prompt positions `[start, end)`, the chunk
+    number `chunk_index` of a prompt of `prompt_len` tokens.
+    """
+
+    chunk_index: int
+    start: int
+    end: int
+    prompt_len: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def is_last_chunk(self) -> bool:
+        """The chunk that ends the prompt: the last stage returns logits after it."""
+        return self.end == self.prompt_len
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the buffer the header describes."""
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        itemsize: int = _torch_dtype(self.dtype).itemsize
+        return count * itemsize
+
+    @classmethod
+    def of(
+        cls, hidden: torch.Tensor, *, chunk_index: int, start: int, prompt_len: int
+    ) -> HiddenHeader:
+        """The header of `hidden`, the states of positions `[start, start + len(hidden))`."""
+        return cls(
+            chunk_index=chunk_index,
+            start=start,
+            end=start + hidden.shape[0],
+            prompt_len=prompt_len,
+            shape=tuple(hidden.shape),
+            dtype=str(hidden.dtype).removeprefix("torch."),
+        )
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+def hidden_bytes(hidden: torch.Tensor) -> memoryview:
+    """The bytes of a CPU hidden-state tensor as they lie in memory (no copy when it is
+    contiguous), for a transport to send."""
+    if hidden.device.type != "cpu":
+        raise ValueError(f"hidden states on {hidden.device}: copy them to the CPU first")
+    flat = hidden.contiguous().view(-1).view(torch.uint8)
+    return memoryview(flat.numpy())
+
+
+def hidden_from_buffer(
+    header: HiddenHeader, buffer: bytes | bytearray | memoryview, device: str | torch.device
+) -> torch.Tensor:
+    """The tensor `header` describes, from the bytes a transport received."""
+    nbytes = memoryview(buffer).nbytes
+    if nbytes != header.nbytes:
+        raise ValueError(f"hidden-state buffer of {nbytes} bytes; the header says {header.nbytes}")
+    tensor = torch.frombuffer(bytearray(buffer), dtype=_torch_dtype(header.dtype))
+    return tensor.view(header.shape).to(device)
+
+
+def stage_cache(
+    stage: LoadedStage,
+    num_pages: int,
+    block_size: int,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+) -> PagedKVCache:
+    """A page pool for the stage's layers only (its layer j is the model's layer
+    `stage.layer_range.start + j`); dtype and device default to the stage's."""
+    stage_arch = msgspec.structs.replace(stage.config, num_layers=len(stage.layer_range))
+    return PagedKVCache(
+        stage_arch,
+        num_pages,
+        block_size,
+        dtype=stage.dtype if dtype is None else dtype,
+        device=stage.device if device is None else device,
+    )
+
+
+def chunk_spans(prompt_len: int, num_cached_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
+    """The `[start, end)` of each chunk the uncached part of a prompt is computed in."""
+    if not 0 <= num_cached_tokens < prompt_len:
+        raise ValueError(
+            f"num_cached_tokens={num_cached_tokens} must be in [0, {prompt_len}): "
+            "the last prompt token must be computed to get its logits"
+        )
+    if chunk_size <= 0:
+        raise ValueError("chunk_size must be positive")
+    return [
+        (start, min(start + chunk_size, prompt_len))
+        for start in range(num_cached_tokens, prompt_len, chunk_size)
+    ]
+
+
+class _LayerMath(ModelRunner):
+    """The runner's per-layer computation (normed q/k/v with RoPE, then output
+    projection and MLP) over a stage's weights, built without a whole model."""
+
+    def __init__(self, arch: ArchConfig) -> None:
+        # ModelRunner's own __init__ wants a whole model; the layer math reads only arch.
+        self.arch = arch
+
+
+class StageRunner:
+    """Computes chunks of prompts through one stage's layers, over the stage's pages.
+
+    Not thread-safe, like `ModelRunner`: one thread drives it, and leaves
+    `torch.set_num_threads` to the caller.
+    """
+
+    def __init__(
+        self,
+        stage: LoadedStage,
+        cache: PagedKVCache,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        arch = stage.config
+        layer_range = stage.layer_range
+        layer_range.check(arch)
+        if (cache.num_layers, cache.kv.shape[4], cache.kv.shape[5]) != (
+            len(layer_range),
+            arch.num_kv_heads,
+            arch.head_dim,
+        ):
+            raise ValueError(
+                f"KV cache shape {tuple(cache.kv.shape)} does not fit layers "
+                f"[{layer_range.start}, {layer_range.end}) of {arch.model_id}"
+            )
+        self.device = torch.device(stage.device)
+        if cache.device.type != self.device.type:
+            raise ValueError(f"KV cache on {cache.device}, stage on {stage.device}")
+        self.stage = stage
+        self.arch = arch
+        self.layer_range = layer_range
+        self.weights = stage.weights
+        self.cache = cache
+        self.dtype = stage.dtype
+        self.is_first = layer_range.is_first
+        self.is_last = layer_range.is_last(arch)
+        if backend is None:
+            backend = select_backend(
+                self.device, cache.block_size, self.dtype, arch, cache_dtype=cache.dtype
+            )
+        self.backend = backend
+        self.rotary = Rotary(arch.rope, arch.head_dim, self.device)
+        self._math = _LayerMath(arch)
+
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        block_table: Sequence[int],
+        start: int,
+        prompt_len: int,
+        layer_hook: LayerHook | None = None,
+    ) -> torch.Tensor | None:
+        """Compute prompt positions `[start, start + len(inputs))` through this stage.
+
+        `inputs` is the chunk's token ids (int64 `[T]`) on the first stage, the previous
+        stage's hidden states `[T, hidden]` on the others. Positions before `start` must
+        have this stage's KV in `block_table`'s pages already (a cached prefix, earlier
+        chunks); the chunk's KV is written there. After each layer has written it,
+        `layer_hook(layer, start, end)` runs with the model's layer index.
+
+        Returns the chunk's hidden states `[T, hidden]` for the next stage; on the last
+        stage, the float32 logits `[vocab]` after the prompt's last token when the chunk
+        ends the prompt, else None.
+        """
+        arch = self.arch
+        t = inputs.shape[0]
+        end = start + t
+        if t == 0 or start < 0 or end > prompt_len:
+            raise ValueError(
+                f"chunk [{start}, {end}) is empty or outside the prompt [0, {prompt_len})"
+            )
+        if prompt_len > arch.max_position:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens exceeds max_position {arch.max_position}"
+            )
+        expected = (t,) if self.is_first else (t, arch.hidden)
+        if tuple(inputs.shape) != expected:
+            what = "token ids" if self.is_first else "hidden states"
+            raise ValueError(f"{what} of shape {tuple(inputs.shape)}, expected {expected}")
+        final_chunk = end == prompt_len
+        with torch.inference_mode():
+            plan = self.backend.plan_prefill(block_table, start, end, self.cache.block_size)
+            positions = torch.arange(start, end, device=self.device)
+            if self.weights.embed is not None:
+                x = F.embedding(inputs.to(self.device), self.weights.embed)
+            else:
+                x = inputs.to(device=self.device, dtype=self.dtype)
+            cos, sin = self.rotary.cos_sin(positions, self.dtype)
+            math = self._math
+            last_j = len(self.weights.layers) - 1
+            for j, lw in enumerate(self.weights.layers):
+                q, k, v = math._qkv(lw, x, cos, sin)
+                kv_layer = self.cache.kv[j]
+                if not (self.is_last and j == last_j):
+                    attn = self.backend.prefill(kv_layer, q, k, v, plan)
+                    assert attn is not None
+                    x = math._finish_layer(lw, x, attn)
+                elif final_chunk:
+                    # As in ModelRunner: the model's last layer matters only at the
+                    # prompt's last token (its logits); every token's K/V is written.
+                    attn = self.backend.prefill(kv_layer, q[-1:], k, v, plan)
+                    assert attn is not None
+                    x = math._finish_layer(lw, x[-1:], attn)
+                else:
+                    self.backend.prefill(kv_layer, None, k, v, plan)
+                if layer_hook is not None:
+                    layer_hook(self.layer_range.start + j, start, end)
+            if not self.is_last:
+                return x
+            if not final_chunk:
+                return None
+            assert self.weights.final_norm is not None and self.weights.lm_head is not None
+            normed = _rms_norm(x[-1:], self.weights.final_norm, arch.rms_eps)
+            return F.linear(normed, self.weights.lm_head).float()[0]
+
+
+def check_group(stages: Sequence[StageRunner]) -> None:
+    """Raise unless `stages` hold contiguous layer ranges covering the whole model."""
+    if not stages:
+        raise ValueError("a pipeline needs at least one stage")
+    arch = stages[0].arch
+    expected = 0
+    for stage in stages:
+        if stage.arch.model_id != arch.model_id:
+            raise ValueError(f"stages of {arch.model_id} and {stage.arch.model_id} in one group")
+        if stage.layer_range.start != expected:
+            raise ValueError(
+                f"stage [{stage.layer_range.start}, {stage.layer_range.end}) does not "
+                f"follow layer {expected}"
+            )
+        expected = stage.layer_range.end
+    if expected != arch.num_layers:
+        raise ValueError(f"the stages end at layer {expected} of {arch.num_layers}")
+
+
+def run_pipeline(
+    stages: Sequence[StageRunner],
+    token_ids: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    num_cached_tokens: int = 0,
+    chunk_size: int = 512,
+) -> torch.Tensor:
+    """Prefill `token_ids` through a group of stages in one thread; the last stage's
+    logits `[vocab]` after the prompt.
+
+    `block_tables[i]` are stage i's pages for the prompt, holding the stage's KV of the
+    first `num_cached_tokens` tokens already. Each chunk goes through every stage before
+    the next starts; a pipelined run (each stage in its own process) computes the same
+    numbers, since every stage still sees its chunks in prompt order.
+    """
+    check_group(stages)
+    if len(block_tables) != len(stages):
+        raise ValueError(f"{len(block_tables)} block tables for {len(stages)} stages")
+    n = len(token_ids)
+    ids = host_ints(list(token_ids), torch.int64, stages[0].device)
+    logits: torch.Tensor | None = None
+    for start, end in chunk_spans(n, num_cached_tokens, chunk_size):
+        out: torch.Tensor | None = ids[start:end]
+        for stage, table in zip(stages, block_tables, strict=True):
+            assert out is not None
+            out = stage.forward(out, table, start, n)
+        logits = out
+    assert logits is not None
+    return logits
