@@ -35,21 +35,35 @@ Policy decisions, stated once:
   being reported, and they count towards `max_tokens`.
 - **Pages are owned from `add` on.** The batcher frees a request's pages when it finishes
   for any reason, including `abort`.
+- **Prompts inside the decode batch** (`add_prompt`, SARATHI's piggybacked prefill): a
+  request may come with its prompt instead of its KV. Each step then runs the running
+  requests' decode tokens and one chunk of the oldest pending prompt (highest priority
+  first) in one forward pass. With `tbt_slo_s` and requests running, the chunk is the
+  largest whose predicted step time (`step_time`, a model learnt from this batcher's own
+  steps) stays within the SLO, at least one token so the prompt always progresses;
+  otherwise it is `max_chunk_tokens`. After the last chunk the
+  choices' first tokens are sampled as a prefill engine samples them
+  (`sample_first_tokens`) and the request continues exactly as a hand-off through `add`,
+  its first tokens reported in that same step. All its pages are allocated at
+  `add_prompt`; a cached prefix arrives in pages the caller filled, and only the rest is
+  computed.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
+import torch
 
 from yb_core.protocol import SamplingParams, TokenLogprob
-from yb_engine.choice_sampling import ChoiceState, sample_choices
+from yb_engine.choice_sampling import ChoiceState, sample_choices, sample_first_tokens
 from yb_engine.kv_cache import OutOfPages, PageAllocator
-from yb_engine.runner import DecodeSeq, ModelRunner
+from yb_engine.runner import DecodeSeq, ModelRunner, PrefillChunk
 from yb_engine.sampling import Sampler
 from yb_text.detokenize import IncrementalDetokenizer, StopStringFilter
 
@@ -106,6 +120,90 @@ class _Request:
         return self.prompt_len + self.num_generated - 1
 
 
+class StepTimeModel:
+    """Seconds one step takes as a function of the tokens it feeds, learnt from the
+    engine's own steps: a least-squares line `seconds = fixed + per_token * tokens` over
+    the last `window` steps.
+
+    Until the steps seen span two token counts (a decode batch of steady size feeds the
+    same count every step), or when the fitted line does not rise, the time is taken as
+    proportional to the tokens: it overestimates what extra tokens cost (the fixed cost
+    of a step is charged per token), so chunks start small and the steps they add
+    teach the line. With no step seen, there is no prediction (None).
+    """
+
+    def __init__(self, window: int = 256) -> None:
+        if window < 2:
+            raise ValueError("the step-time window needs at least 2 steps")
+        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float] | None = None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Account for a step that fed `tokens` tokens and took `seconds`."""
+        if tokens > 0:
+            self._steps.append((tokens, seconds))
+            self._fit = None
+
+    @property
+    def num_steps(self) -> int:
+        """Steps the model is fitted on."""
+        return len(self._steps)
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """`(fixed_s, per_token_s)` of the line in use; None before any step."""
+        if not self._steps:
+            return None
+        if self._fit is None:
+            self._fit = self._least_squares()
+        return self._fit
+
+    def predict(self, tokens: int) -> float | None:
+        """Predicted seconds of a step feeding `tokens` tokens; None before any step."""
+        fit = self.coefficients()
+        if fit is None:
+            return None
+        fixed, per_token = fit
+        return fixed + per_token * tokens
+
+    def max_tokens_within(self, seconds: float) -> int | None:
+        """The most tokens a step may feed and still be predicted to take at most
+        `seconds` (0 when not even one fits); None before any step."""
+        fit = self.coefficients()
+        if fit is None:
+            return None
+        fixed, per_token = fit
+        # The epsilon keeps a step predicted at exactly `seconds` from rounding down.
+        return max(0, int((seconds - fixed) / per_token + 1e-6))
+
+    def _least_squares(self) -> tuple[float, float]:
+        n = len(self._steps)
+        mean_t = sum(t for t, _ in self._steps) / n
+        mean_s = sum(s for _, s in self._steps) / n
+        var_t = sum((t - mean_t) ** 2 for t, _ in self._steps)
+        if var_t > 0:
+            per_token = sum((t - mean_t) * (s - mean_s) for t, s in self._steps) / var_t
+            fixed = mean_s - per_token * mean_t
+            if per_token > 0 and fixed >= 0:
+                return fixed, per_token
+        return 0.0, max(mean_s / mean_t, 1e-9)
+
+
+@dataclass(eq=False)
+class _Prompt:
+    """A request whose prompt is being computed in the decode batch, chunk by chunk."""
+
+    request_id: str
+    order: int
+    priority: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generated_tokens: int
+    block_table: list[int]
+    copy_pages: list[int]
+    computed: int  # tokens whose KV is in the pages
+    chunks: list[int] = field(default_factory=list)  # each chunk's size, in order
+
+
 class DecodeBatcher:
     """Continuous batching over a `ModelRunner`; see the module doc for the policies."""
 
@@ -116,9 +214,23 @@ class DecodeBatcher:
         tokenizer: Any,
         max_batch_size: int,
         sampler: Sampler | None = None,
+        *,
+        tbt_slo_s: float | None = None,
+        max_chunk_tokens: int = 512,
+        step_time: StepTimeModel | None = None,
     ) -> None:
+        """`tbt_slo_s` bounds the prompt chunk of a step while requests run (None: no
+        bound); `max_chunk_tokens` bounds it always; `step_time` is the step-time model
+        (a fresh one by default)."""
         if max_batch_size <= 0:
             raise ValueError("max_batch_size must be positive")
+        if tbt_slo_s is not None and tbt_slo_s <= 0:
+            raise ValueError("tbt_slo_s must be positive")
+        if max_chunk_tokens <= 0:
+            raise ValueError("max_chunk_tokens must be positive")
+        self.tbt_slo_s = tbt_slo_s
+        self.max_chunk_tokens = max_chunk_tokens
+        self.step_time = step_time or StepTimeModel()
         self.runner = runner
         self.allocator = allocator
         self.tokenizer = tokenizer
@@ -136,6 +248,8 @@ class DecodeBatcher:
         # Requests left out of the steps, pages kept (a test's failpoint holds them).
         self._parked: set[str] = set()
         self._order = itertools.count()
+        # Prompts being computed inside the decode steps, by request id.
+        self._prompts: dict[str, _Prompt] = {}
         self.last_step_seconds = 0.0
 
     # -- introspection ----------------------------------------------------------------
@@ -151,16 +265,55 @@ class DecodeBatcher:
         return len(self._waiting)
 
     @property
+    def num_prefilling(self) -> int:
+        """Requests whose prompt is being computed inside the decode steps."""
+        return len(self._prompts)
+
+    @property
     def kv_pages_used(self) -> int:
-        """Pages held by this batcher's requests (running and waiting; a shared page
-        once)."""
-        return len({p for r in self._requests.values() for p in r.block_table})
+        """Pages held by this batcher's requests (running, waiting and prefilling; a
+        shared page once)."""
+        decoding = {p for r in self._requests.values() for p in r.block_table}
+        prefilling = {p for r in self._prompts.values() for p in r.block_table + r.copy_pages}
+        return len(decoding | prefilling)
 
     def has_work(self) -> bool:
         """Whether `step` would do or report anything (a parked request does not)."""
-        return bool(self._pending) or any(
-            r.request_id not in self._parked for r in self._requests.values()
-        )
+        return bool(self._pending) or any(rid not in self._parked for rid in self._request_ids())
+
+    def _request_ids(self) -> set[str]:
+        return {key[0] for key in self._requests} | set(self._prompts)
+
+    def prompt_chunks(self, request_id: str) -> list[int]:
+        """The sizes of the chunks a prefilling request's prompt was computed in so far."""
+        return list(self._prompts[request_id].chunks)
+
+    def predicted_step_seconds(self, extra_tokens: int = 0) -> float | None:
+        """The step-time model's prediction for the next step with `extra_tokens` more
+        tokens than the running requests' (None before any step)."""
+        return self.step_time.predict(self._batch_tokens() + extra_tokens)
+
+    def prompt_chunk_budget(self) -> int:
+        """Prompt tokens the next step would compute: `max_chunk_tokens` bounded, while
+        requests run and `tbt_slo_s` is set, by the step-time model (at least one; with
+        no step seen yet, one page)."""
+        return self._chunk_budget(self._batch_tokens())
+
+    def _chunk_budget(self, decode_tokens: int) -> int:
+        if self.tbt_slo_s is None or decode_tokens == 0:
+            return self.max_chunk_tokens
+        fit = self.step_time.max_tokens_within(self.tbt_slo_s)
+        if fit is None:
+            return min(self.block_size, self.max_chunk_tokens)
+        return max(1, min(self.max_chunk_tokens, fit - decode_tokens))
+
+    def _batch_tokens(self) -> int:
+        """Decode tokens the next step feeds: the running choices and those a free slot
+        would admit, parked ones left out."""
+        running = sum(1 for r in self._running if r.request_id not in self._parked)
+        free = max(0, self.max_batch_size - len(self._running))
+        waiting = sum(1 for r in self._waiting if r.request_id not in self._parked)
+        return running + min(free, waiting)
 
     def copies_needed(self, prompt_len: int, n: int) -> int:
         """Pages `add` needs besides the prompt's for `n` choices: a copy of the last,
@@ -194,20 +347,13 @@ class DecodeBatcher:
         From here on the batcher owns all those pages (and frees them when the
         request ends). On a ValueError nothing is taken over.
         """
-        if any(key[0] == request_id for key in self._requests):
-            raise ValueError(f"request {request_id!r} is already being decoded")
+        self._check_new(request_id, len(prompt_token_ids), params, generated_tokens)
         firsts = list(first_tokens) if first_tokens else [first_token]
         n = params.n
         if len(firsts) != n:
             raise ValueError(f"{len(firsts)} first tokens for n = {n}")
         if first_logprobs and len(first_logprobs) != n:
             raise ValueError(f"{len(first_logprobs)} first logprobs for n = {n}")
-        if not 0 <= generated_tokens < len(prompt_token_ids):
-            raise ValueError(f"generated_tokens {generated_tokens} out of range")
-        if generated_tokens and n > 1:
-            raise ValueError("a request with n > 1 cannot resume")
-        if params.max_tokens < generated_tokens + 1:
-            raise ValueError("max_tokens must leave room for the first token (it counts)")
         prompt_len = len(prompt_token_ids)
         if len(block_table) * self.block_size < prompt_len:
             raise ValueError(
@@ -251,6 +397,81 @@ class DecodeBatcher:
             self._requests[req.key] = req
             self._waiting.append(req)
 
+    def add_prompt(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cached_pages: list[int] | None = None,
+        num_cached_tokens: int = 0,
+        generated_tokens: int = 0,
+        priority: int = 0,
+    ) -> None:
+        """Take a request with its prompt, to be computed inside the next steps (see
+        the module doc); its first tokens are reported by the step that computes the
+        prompt's last chunk.
+
+        `cached_pages` hold the KV of the prompt's first `num_cached_tokens` tokens (a
+        prefix found in the pool, loaded by the caller); only the rest is computed. The
+        other pages the prompt needs, and the choices' copies of its last page, are
+        allocated now. The last `generated_tokens` of `prompt_token_ids` are output the
+        client already has, as for `add`.
+
+        Raises ValueError when the request cannot run here (among others: a prompt
+        longer than `max_position`, or needing more pages than the whole pool has), and
+        `OutOfPages` when the pages it needs are not free now. Either way nothing is
+        taken over; otherwise the batcher owns `cached_pages` and the new pages.
+        """
+        cached = list(cached_pages or [])
+        prompt_len = len(prompt_token_ids)
+        self._check_new(request_id, prompt_len, params, generated_tokens)
+        if prompt_len > self.max_position:
+            raise ValueError(
+                f"a prompt of {prompt_len} tokens exceeds the model's {self.max_position}"
+            )
+        if not 0 <= num_cached_tokens < prompt_len:
+            raise ValueError(
+                f"num_cached_tokens {num_cached_tokens} must be in [0, {prompt_len}): "
+                "the prompt's last token is computed for its logits"
+            )
+        cache = self.runner.cache
+        if len(cached) != cache.pages_for(num_cached_tokens):
+            raise ValueError(f"{len(cached)} cached pages for {num_cached_tokens} cached tokens")
+        copies = self.copies_needed(prompt_len, params.n)
+        needed = cache.pages_for(prompt_len) + copies
+        if needed > self.allocator.num_pages:
+            raise ValueError(
+                f"a prompt of {prompt_len} tokens (n = {params.n}) needs {needed} KV pages "
+                f"of {self.block_size} tokens; this engine has {self.allocator.num_pages} in all"
+            )
+        fresh = self.allocator.allocate(needed - len(cached))
+        split = len(fresh) - copies
+        self._prompts[request_id] = _Prompt(
+            request_id=request_id,
+            order=next(self._order),
+            priority=priority,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            generated_tokens=generated_tokens,
+            block_table=cached + fresh[:split],
+            copy_pages=fresh[split:],
+            computed=num_cached_tokens,
+        )
+
+    def _check_new(
+        self, request_id: str, prompt_len: int, params: SamplingParams, generated_tokens: int
+    ) -> None:
+        """What `add` and `add_prompt` both refuse."""
+        if request_id in self._request_ids():
+            raise ValueError(f"request {request_id!r} is already being decoded")
+        if not 0 <= generated_tokens < prompt_len:
+            raise ValueError(f"generated_tokens {generated_tokens} out of range")
+        if generated_tokens and params.n > 1:
+            raise ValueError("a request with n > 1 cannot resume")
+        if params.max_tokens < generated_tokens + 1:
+            raise ValueError("max_tokens must leave room for the first token (it counts)")
+
     def _choice_tables(
         self, prompt_len: int, block_table: list[int], n: int, copy_pages: list[int] | None
     ) -> list[list[int]]:
@@ -283,6 +504,13 @@ class DecodeBatcher:
 
         False if the request is unknown or already finished.
         """
+        prompt = self._drop_prompt(request_id)
+        if prompt is not None:
+            self._pending += [
+                TokenOutput(request_id, None, "", True, "abort", index=i)
+                for i in range(prompt.params.n)
+            ]
+            return True
         choices = [r for r in self._requests.values() if r.request_id == request_id]
         for req in choices:
             self._finish(req)
@@ -292,16 +520,25 @@ class DecodeBatcher:
     def discard(self, request_id: str) -> bool:
         """End a request now and free its pages, reporting nothing (its client reads
         another attempt of it). False if the request is unknown."""
+        dropped = self._drop_prompt(request_id) is not None
         choices = [r for r in self._requests.values() if r.request_id == request_id]
         for req in choices:
             self._finish(req)
         self._pending = [o for o in self._pending if o.request_id != request_id]
-        return bool(choices)
+        return dropped or bool(choices)
+
+    def _drop_prompt(self, request_id: str) -> _Prompt | None:
+        """End a prefilling request and free its pages; None if it is not one."""
+        prompt = self._prompts.pop(request_id, None)
+        if prompt is not None:
+            self._parked.discard(request_id)
+            self.allocator.free(prompt.block_table + prompt.copy_pages)
+        return prompt
 
     def park(self, request_id: str) -> bool:
         """Leave a running request out of the steps until `unpark`; it keeps its pages,
         its KV and its batch slot, and `abort` still ends it. False if unknown."""
-        if not any(key[0] == request_id for key in self._requests):
+        if request_id not in self._request_ids():
             return False
         self._parked.add(request_id)
         return True
@@ -316,25 +553,92 @@ class DecodeBatcher:
         """Report new first tokens, run one decode step, report what it produced."""
         started = time.perf_counter()
         outputs, self._pending = self._pending, []
-        for req in list(self._requests.values()):
-            if not req.first_reported:
-                req.first_reported = True
-                outputs.append(self._emit(req, req.last_token, req.first_logprob, counted=False))
+        self._report_first_tokens(outputs)
         if self._waiting and len(self._running) < self.max_batch_size:
             self._waiting.sort(key=lambda r: (-r.priority, r.order))
             free = self.max_batch_size - len(self._running)
             self._running += self._waiting[:free]
             del self._waiting[:free]
         batch = self._reserve_pages(outputs)
+        seqs = [DecodeSeq(r.block_table, r.next_position, r.last_token) for r in batch]
+        prompt = self._next_prompt()
+        chunk = None
+        if prompt is not None:
+            chunk = self._next_chunk(prompt, self._chunk_budget(len(batch)))
+            logits, prompt_logits = self.runner.mixed(seqs, chunk)
+        elif batch:
+            logits = self.runner.decode(seqs)
         if batch:
-            logits = self.runner.decode(
-                [DecodeSeq(r.block_table, r.next_position, r.last_token) for r in batch]
-            )
             sampled = sample_choices(logits, [r.state for r in batch], self.sampler)
             for req, (token, logprob) in zip(batch, sampled, strict=True):
                 outputs.append(self._emit(req, token, logprob))
+        if prompt is not None and chunk is not None:
+            prompt.computed = chunk.end
+            prompt.chunks.append(len(chunk.token_ids))
+            if prompt_logits is not None:
+                self._start_decoding(prompt, prompt_logits, outputs)
         self.last_step_seconds = time.perf_counter() - started
+        fed = len(batch) + (len(chunk.token_ids) if chunk is not None else 0)
+        self.step_time.observe(fed, self.last_step_seconds)
         return outputs
+
+    def _report_first_tokens(self, outputs: list[TokenOutput]) -> None:
+        for req in list(self._requests.values()):
+            if not req.first_reported:
+                req.first_reported = True
+                outputs.append(self._emit(req, req.last_token, req.first_logprob, counted=False))
+
+    def _next_prompt(self) -> _Prompt | None:
+        """The prompt the next chunk is cut from: highest priority, then oldest."""
+        ready = [p for p in self._prompts.values() if p.request_id not in self._parked]
+        return min(ready, key=lambda p: (-p.priority, p.order), default=None)
+
+    def _next_chunk(self, prompt: _Prompt, budget: int) -> PrefillChunk:
+        end = min(len(prompt.prompt_token_ids), prompt.computed + budget)
+        return PrefillChunk(
+            token_ids=prompt.prompt_token_ids[prompt.computed : end],
+            block_table=prompt.block_table,
+            start=prompt.computed,
+            wants_logits=end == len(prompt.prompt_token_ids),
+        )
+
+    def _start_decoding(
+        self, prompt: _Prompt, logits: torch.Tensor, outputs: list[TokenOutput]
+    ) -> None:
+        """Sample a computed prompt's first tokens as a prefill engine does, hand the
+        request to decoding as `add` takes a hand-off, and report those tokens now."""
+        del self._prompts[prompt.request_id]
+        ids, k = prompt.prompt_token_ids, prompt.generated_tokens
+        try:
+            sampled = sample_first_tokens(
+                logits,
+                prompt.params,
+                ids[len(ids) - k :] if k else [],
+                tokenizer=self.tokenizer,
+                eos_token_ids=self.eos_token_ids,
+                sampler=self.sampler,
+            )
+            self.add(
+                prompt.request_id,
+                ids,
+                prompt.block_table,
+                sampled[0].token_id,
+                prompt.params,
+                first_tokens=[s.token_id for s in sampled],
+                first_logprobs=[s.logprob for s in sampled if s.logprob is not None] or None,
+                generated_tokens=k,
+                priority=prompt.priority,
+                copy_pages=prompt.copy_pages,
+            )
+        except ValueError as exc:  # a resumed request's tokens its grammar refuses
+            self.allocator.free(prompt.block_table + prompt.copy_pages)
+            self._parked.discard(prompt.request_id)
+            outputs += [
+                TokenOutput(prompt.request_id, None, "", True, "abort", str(exc), index=i)
+                for i in range(prompt.params.n)
+            ]
+            return
+        self._report_first_tokens(outputs)
 
     def _reserve_pages(self, outputs: list[TokenOutput]) -> list[_Request]:
         """Give every running request a page for its next position, oldest first."""

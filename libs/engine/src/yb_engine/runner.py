@@ -9,8 +9,9 @@ delegated to a backend (`attention.py`). It computes the same function as transf
 reference tests hold it to that within 1e-4.
 
 Tokens are flattened to `[T, hidden]` through every layer: a prefill chunk is T tokens of
-one sequence, a decode step is one token of each of T sequences. Only attention cares
-which is which.
+one sequence, a decode step is one token of each of T sequences, and a mixed step is both
+at once (B decode tokens, then one prefill chunk: SARATHI's piggybacked prefill), so the
+chunk shares the weight reads of the decode batch. Only attention cares which is which.
 """
 
 from __future__ import annotations
@@ -45,6 +46,26 @@ class DecodeSeq(msgspec.Struct, frozen=True):
     block_table: list[int]
     position: int
     token_id: int
+
+
+class PrefillChunk(msgspec.Struct, frozen=True):
+    """Tokens `[start, start + len(token_ids))` of one prompt, computed in a mixed step.
+
+    Tokens before `start` must have their KV in `block_table`'s pages already (earlier
+    chunks, or a cached prefix); `block_table` must hold pages up to the chunk's end.
+    `wants_logits` asks for the next-token logits after the chunk's last token (the
+    prompt's last chunk).
+    """
+
+    token_ids: list[int]
+    block_table: list[int]
+    start: int
+    wants_logits: bool
+
+    @property
+    def end(self) -> int:
+        """The position after the chunk's last token."""
+        return self.start + len(self.token_ids)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -168,6 +189,51 @@ class ModelRunner:
             ids = host_ints([s.token_id for s in batch], torch.int64, self.device)
             return self._logits(self._forward_decode(ids, plan))
 
+    def mixed(
+        self, batch: Sequence[DecodeSeq], chunk: PrefillChunk
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step for `batch` and one prefill chunk, in one forward pass.
+
+        Every linear layer runs once over the B decode tokens and the chunk's tokens
+        together; attention runs per part (the decode plan for the B rows, the prefill
+        plan for the chunk). Each part computes what `decode` and `prefill` compute for
+        it alone (the same function; float sums may round differently with the batch's
+        shape). Returns the decode logits `[B, vocab]` and, when `chunk.wants_logits`,
+        the logits `[vocab]` after the chunk's last token (else None); float32.
+        """
+        n = len(chunk.token_ids)
+        if n == 0:
+            raise ValueError("a prefill chunk needs at least one token")
+        if chunk.start < 0 or chunk.end > self.arch.max_position:
+            raise ValueError(
+                f"chunk [{chunk.start}, {chunk.end}) outside [0, {self.arch.max_position}]"
+            )
+        for seq in batch:
+            if not 0 <= seq.position < self.arch.max_position:
+                raise ValueError(f"position {seq.position} outside [0, {self.arch.max_position})")
+        block_size = self.cache.block_size
+        with torch.inference_mode():
+            prefill_plan = self.backend.plan_prefill(
+                chunk.block_table, chunk.start, chunk.end, block_size
+            )
+            chunk_positions = torch.arange(chunk.start, chunk.end, device=self.device)
+            decode_plan = None
+            positions = chunk_positions
+            if batch:
+                decode_plan = self.backend.plan_decode(
+                    [s.block_table for s in batch], [s.position for s in batch], block_size
+                )
+                positions = torch.cat([decode_plan.positions, chunk_positions])
+            ids = host_ints(
+                [*(s.token_id for s in batch), *chunk.token_ids], torch.int64, self.device
+            )
+            hidden = self._forward_mixed(
+                ids, positions, decode_plan, prefill_plan, chunk.wants_logits
+            )
+            logits = self._logits(hidden)
+            b = len(batch)
+            return logits[:b], (logits[b] if chunk.wants_logits else None)
+
     # -- forward pass -----------------------------------------------------------------
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -225,6 +291,40 @@ class ModelRunner:
                 self.backend.prefill(kv_layer, None, k, v, plan)
             if layer_hook is not None:
                 layer_hook(i, plan.start, plan.end)
+        return x
+
+    def _forward_mixed(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        decode_plan: DecodePlan | None,
+        prefill_plan: PrefillPlan,
+        wants_logits: bool,
+    ) -> torch.Tensor:
+        """Hidden states of the decode rows, then of the chunk's last token when
+        `wants_logits`: `[B (+ 1), hidden]`."""
+        b = 0 if decode_plan is None else int(decode_plan.positions.shape[0])
+        x = F.embedding(ids, self.weights.embed)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        last_layer = self.arch.num_layers - 1
+        for i, lw in enumerate(self.weights.layers):
+            q, k, v = self._qkv(lw, x, cos, sin)
+            kv_layer = self.cache.kv[i]
+            parts = []
+            if decode_plan is not None:
+                parts.append(self.backend.decode(kv_layer, q[:b], k[:b], v[:b], decode_plan))
+            # As in `prefill`: the last layer's output matters only at the chunk's last
+            # token, and only when its logits are wanted; every K/V is still written.
+            if i < last_layer:
+                chunk_q: torch.Tensor | None = q[b:]
+            else:
+                chunk_q = q[-1:] if wants_logits else None
+                x = torch.cat([x[:b], x[-1:]]) if wants_logits else x[:b]
+            attn = self.backend.prefill(kv_layer, chunk_q, k[b:], v[b:], prefill_plan)
+            if attn is not None:
+                parts.append(attn)
+            if parts:  # none: a last layer with no decode row and no logits wanted
+                x = self._finish_layer(lw, x, torch.cat(parts) if len(parts) > 1 else parts[0])
         return x
 
     def _forward_decode(self, ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
