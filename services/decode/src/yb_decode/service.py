@@ -45,6 +45,7 @@ from yb_core import protocol as pr
 from yb_core.bus import BusError
 from yb_core.config import YbConfig
 from yb_core.failpoints import Failpoints
+from yb_core.outbox import Outbox
 from yb_core.telemetry import (
     bind_request,
     extract_context,
@@ -199,6 +200,9 @@ class DecodeWorker(Worker):
         self._hold_at_token = self.failpoints.count("decode.token")
         # What was streamed, for gateways that lost chunks on the way.
         self.history = TokenHistory()
+        # Progress and outcomes reach the log in order without the engine loop or a
+        # first token waiting for them.
+        self.outbox = Outbox(context.bus)
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -216,16 +220,23 @@ class DecodeWorker(Worker):
         # message (a reservation waits for the engine thread).
         await self.bus.subscribe(pr.resend_subject(self.instance_id), cb=self._on_resend)
         self.tasks.spawn("engine", self._engine_loop())
+        self.tasks.spawn("outbox", self.outbox.run())
 
     def refuse_work(self) -> None:
         self._draining = True
 
+    async def settle(self) -> None:
+        """Log the progress and outcomes of the requests served so far."""
+        await self.outbox.flush(self.cfg.nats.request_timeout_s)
+
     async def release(self) -> None:
-        """Free every reservation and end every running stream with an error."""
+        """Free every reservation and end every running stream with an error, and
+        log what is left to say."""
         for request_id in list(self._pending):
             await self._drop_pending(request_id, "decode instance shutting down")
         for stream in list(self._streams.values()):
             await self._end_stream(stream, error="decode instance shutting down", status=503)
+        await self.outbox.flush(self.cfg.nats.request_timeout_s)
 
     async def close(self) -> None:
         self.engine.close()
@@ -440,7 +451,7 @@ class DecodeWorker(Worker):
         await self._emit(reserve.request_id, reserve.token_subject, chunk)
         self.history.finish(reserve.request_id)
         self.metrics.requests.labels("failed").inc()
-        await self._publish(
+        self._log_event(
             ev.RequestFinished(
                 request_id=reserve.request_id,
                 instance_id=self.instance_id,
@@ -548,7 +559,7 @@ class DecodeWorker(Worker):
                 prompt_tokens=start.prompt_tokens,
                 trace_id=trace_id_hex(pending.trace_headers),
             )
-        await self._publish(
+        self._log_event(
             ev.RequestProgress(
                 request_id=rid,
                 instance_id=self.instance_id,
@@ -735,7 +746,7 @@ class DecodeWorker(Worker):
         )
         self.metrics.requests.labels(outcome).inc()
         ttft = stream.first_token_at - stream.ttft_started if stream.ttft_started else 0.0
-        await self._publish(
+        self._log_event(
             ev.RequestFinished(
                 request_id=stream.request_id,
                 instance_id=self.instance_id,
@@ -748,8 +759,8 @@ class DecodeWorker(Worker):
             )
         )
 
-    async def _publish(self, event: ev.AnyEvent) -> None:
-        await self.bus.try_publish(event)
+    def _log_event(self, event: ev.AnyEvent) -> None:
+        self.outbox.put(event)
 
     def load_report(self) -> ev.LoadReport:
         batcher = self.batcher

@@ -27,6 +27,7 @@ from yb_core import protocol as pr
 from yb_core.block_events import AnyBlockEvent, BlockEventPublisher, BlockLog
 from yb_core.bus import BusError
 from yb_core.failpoints import Failpoints
+from yb_core.outbox import Outbox
 from yb_core.telemetry import (
     bind_request,
     child_span,
@@ -132,6 +133,8 @@ class PrefillWorker(Worker):
         self.tasks = context.tasks
         self.engine = engine
         self.decode = DecodeLink(context.bus)
+        # Progress and outcomes reach the log in order without a job waiting for them.
+        self.outbox = Outbox(context.bus)
         self.gauges = gauges
         self.gauges.follow(engine)
         self.metrics = metrics
@@ -182,16 +185,22 @@ class PrefillWorker(Worker):
         self.tasks.spawn("block-events", self.publisher.run_publisher())
         self.tasks.spawn("resyncs", self.publisher.run_resyncs())
         self.tasks.spawn("worker", self._run_queue())
+        self.tasks.spawn("outbox", self.outbox.run())
 
     def refuse_work(self) -> None:
         self._draining = True
 
+    async def settle(self) -> None:
+        """Log the progress and outcomes of the jobs done so far."""
+        await self.outbox.flush(self.cfg.nats.request_timeout_s)
+
     async def release(self) -> None:
         """Fail the jobs still queued (the running one failed when its task was
-        cancelled)."""
+        cancelled), and log what that and the cancelled job left to say."""
         while not self._queue.empty():
             queued = self._queue.get_nowait()
             await self._fail(queued.job, JobFailed("prefill instance shutting down"))
+        await self.outbox.flush(self.cfg.nats.request_timeout_s)
 
     async def close(self) -> None:
         self.engine.close()
@@ -324,7 +333,7 @@ class PrefillWorker(Worker):
                 return
             except TransferError as exc:
                 self.metrics.jobs.labels("failed").inc()
-                await self._publish(
+                self._log_event(
                     ev.TransferFailed(
                         request_id=job.request_id,
                         source_instance=self.instance_id,
@@ -352,7 +361,7 @@ class PrefillWorker(Worker):
         """Reserve on decode, load the prefix, compute and stream, hand over."""
         self._check_alive(job)
         t_start = time.monotonic()
-        await self._publish(
+        self._log_event(
             ev.RequestProgress(
                 request_id=job.request_id, instance_id=self.instance_id, stage="prefill_started"
             )
@@ -529,7 +538,7 @@ class PrefillWorker(Worker):
             first_logprobs=[s.logprob for s in first if s.logprob is not None],
         )
         await self.decode.start(job.decision.decode_instance, start, deadline_s)
-        await self._publish(
+        self._log_event(
             ev.RequestProgress(
                 request_id=job.request_id,
                 instance_id=self.instance_id,
@@ -549,7 +558,7 @@ class PrefillWorker(Worker):
         span.set_attribute("yb.engine_blocks", prefix.engine_blocks)
         for failure in prefix.failures:
             self.metrics.fetch_failures.inc()
-            await self._publish(
+            self._log_event(
                 ev.TransferFailed(
                     request_id=job.request_id,
                     source_instance=failure.source,
@@ -708,7 +717,7 @@ class PrefillWorker(Worker):
         with contextlib.suppress(BusError):
             await self.bus.publish_core(job.token_subject, pr.encode(chunk))
         outcome: ev.RequestOutcome = "cancelled" if exc.status == 499 else "failed"
-        await self._publish(
+        self._log_event(
             ev.RequestFinished(
                 request_id=job.request_id,
                 instance_id=self.instance_id,
@@ -721,8 +730,8 @@ class PrefillWorker(Worker):
     def _emit_block_event(self, event: AnyBlockEvent) -> None:
         self.publisher.emit(event)
 
-    async def _publish(self, event: ev.AnyEvent) -> None:
-        await self.bus.try_publish(event)
+    def _log_event(self, event: ev.AnyEvent) -> None:
+        self.outbox.put(event)
 
 
 def _prefix_attributes(job: pr.PrefillJob, prefix: Prefix) -> dict[str, AttributeValue]:
