@@ -66,6 +66,7 @@ class MooncakePolicy:
             balancing_threshold=cfg.kvcache_balancing_threshold,
             weigh_transfer=cfg.weigh_transfer,
             priority_order=priority_order,
+            stickiness=cfg.prefix_stickiness,
         )
         self.decode = DecodePlanner(self.cost, priority_order=priority_order)
         self.admission = AdmissionPolicy(
@@ -172,6 +173,12 @@ class MooncakePolicy:
         reused = sum(r.num_blocks for r in reuse)
         explain.branch = est.option
         explain.reason = self._why(chosen, decode, view, lag)
+        if self.prefill.stickiness > 0.0:
+            # Only with stickiness, so that older logs explain as they always did.
+            explain.reason = explain.reason.replace("lowest TTFT", "TTFT", 1) + (
+                f"; chosen for the lowest TTFT + copy cost (copy {choice.chosen_copy_s:.3f}s, "
+                f"prefix_stickiness {self.prefill.stickiness:g})"
+            )
         decision = ev.RequestScheduled(
             time=request.time,
             request_id=request.request_id,

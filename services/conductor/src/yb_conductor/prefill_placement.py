@@ -42,6 +42,14 @@ estimate times the slowdown the log taught it (`speed`), beside the engines of i
 compute group that are busy now, and its queue is priced at that same speed. The
 options compare at the cost model's speed; the slowdown then multiplies the
 winner's work, so what is reused and from where stays the cost model's call.
+
+Stickiness (`prefix_stickiness` > 0): instances are ranked by TTFT plus what the
+copy of the prefix they would make costs (`CopyCost`: the blocks it evicts from a
+full pool, at the compute a block saves), ties going to the instance idle longest;
+the estimates and the candidate table stay the TTFT's. Every instance is then
+evaluated (a quiet one's copy cost depends on its host's pool). 0 ranks by TTFT
+alone, ties by id, as conductors did before the setting (a log they recorded
+replays that way).
 """
 
 from __future__ import annotations
@@ -134,6 +142,8 @@ class PrefillChoice:
     # are sure to be the fastest of all, and how to evaluate every instance instead.
     exact_top: int = 0
     full: Callable[[], PrefillChoice] | None = None
+    # With `stickiness`: the pick's copy cost, which it won on TTFT plus.
+    chosen_copy_s: float = 0.0
 
     def option(self, i: int) -> Option:
         """Instance `i`'s option as an object."""
@@ -215,6 +225,46 @@ def overtaking_load(state: ClusterState, priority: int, window_s: float, instanc
     return load if load < MAX_OVERTAKING_LOAD else MAX_OVERTAKING_LOAD
 
 
+class CopyCost:
+    """What placing one request on a host costs beyond its TTFT (`prefix_stickiness`).
+
+    An instance that holds only `held` blocks of the longest prefix held anywhere
+    stores the rest on its host again (pulled or recomputed). What the host's pool
+    has free takes the copy for nothing; past that, the copy evicts as many blocks of
+    other prefixes, whose next use must compute them again. Each evicted block is
+    priced at what one block of this request saves a prefill (the cost model's),
+    times the stickiness. So a prefix moves to another host only when the queue it
+    escapes is worth more than what the copy pushes out.
+    """
+
+    __slots__ = ("_best", "_per_block", "_rooms", "_state")
+
+    def __init__(
+        self,
+        planner: PrefillPlanner,
+        state: ClusterState,
+        view: PoolView,
+        prefill_s: Callable[[int], float],
+    ) -> None:
+        self._state = state
+        self._best = view.best_any_blocks
+        blocks = len(view.keys)
+        saved = (prefill_s(0) - prefill_s(blocks)) / blocks if blocks else 0.0
+        self._per_block = planner.stickiness * saved
+        self._rooms: dict[str, int] = {}
+
+    def seconds(self, host: str, held: int) -> float:
+        """The copy's cost on `host`, whose instance holds `held` blocks of the prefix."""
+        copied = self._best - held
+        if copied <= 0:
+            return 0.0
+        room = self._rooms.get(host)
+        if room is None:
+            room = self._rooms[host] = self._state.pool_room(host)
+        evicted = copied - room
+        return evicted * self._per_block if evicted > 0 else 0.0
+
+
 # The explanation's default candidate table (`ConductorConfig.explain_top_k`) plus
 # the one its sort looks past the chosen instance.
 DEFAULT_KEEP = 9
@@ -243,11 +293,14 @@ class PrefillPlanner:
         priority_order: bool = False,
         full_scan: bool | None = None,
         keep: int | None = None,
+        stickiness: float = 0.0,
     ) -> None:
         self.cost = cost
         self.threshold = balancing_threshold
         self.weigh_transfer = weigh_transfer
         self.priority_order = priority_order
+        # The weight of what a copy of the prefix displaces (`prefix_stickiness`).
+        self.stickiness = stickiness
         # Evaluate every instance (the reference the pruned evaluation must equal).
         self.full_scan = self.default_full_scan if full_scan is None else full_scan
         # How many of the fastest idle non-holders a decision evaluates: the
@@ -362,6 +415,8 @@ class PrefillPlanner:
         (see `candidates` for why it is exact)."""
         if state.learn_speed and state.compute_sharing != "none":
             return None  # an idle engine's speed depends on its group's load
+        if self.stickiness > 0.0:
+            return None  # a quiet engine's copy cost depends on its host's pool
         positions = state.positions(prefills)
         picked: set[int] = set()
         if view.host_best or view.engines:
@@ -446,7 +501,9 @@ class PrefillPlanner:
             if rho > 0.0:
                 stretch = 1.0 / (1.0 - rho)
         chosen = 0
-        chosen_t = math.inf
+        chosen_rank = math.inf
+        sticky = self.stickiness > 0.0
+        copy = CopyCost(self, state, view, prefill_s) if sticky else None
         for i, inst in enumerate(prefills):
             factor = 1.0
             if factors is not None:
@@ -465,6 +522,7 @@ class PrefillPlanner:
                 if stretch != 1.0:
                     queue *= stretch
             work = shared_work
+            held = 0
             if any_local:
                 local = host_best.get(inst.host)
                 engine = engines.get(inst.instance_id)
@@ -476,10 +534,23 @@ class PrefillPlanner:
             t = queue + work * factor if factors is not None else queue + work
             queues[i] = queue
             ttfts[i] = t
-            if t < chosen_t:
-                chosen_t = t
+            if copy is None:
+                if t < chosen_rank:
+                    chosen_rank = t
+                    chosen = i
+                continue
+            rank = t + copy.seconds(inst.host, held)
+            if rank < chosen_rank or (
+                # Ties go to the instance idle longest: new prefixes spread over the
+                # hosts' pools instead of filling the first host's.
+                rank == chosen_rank and inst.busy_until < prefills[chosen].busy_until
+            ):
+                chosen_rank = rank
                 chosen = i
-        return PrefillChoice(prefills, queues, ttfts, estimates, chosen, factors)
+        choice = PrefillChoice(prefills, queues, ttfts, estimates, chosen, factors)
+        if copy is not None:
+            choice.chosen_copy_s = chosen_rank - ttfts[chosen]
+        return choice
 
     def estimate(
         self,

@@ -21,7 +21,11 @@ from yb_core.config import ConductorConfig
 _FIELDS = frozenset(f.name for f in msgspec.structs.fields(ConductorConfig))
 # Settings added after logs were first recorded. Absent from an older record, they
 # take the value that reproduces how that conductor decided, not today's default.
-_ABSENT_MEANS: dict[str, Any] = {"learn_speed": False, "priority_order": False}
+_ABSENT_MEANS: dict[str, Any] = {
+    "learn_speed": False,
+    "priority_order": False,
+    "prefix_stickiness": 0.0,
+}
 
 
 class SettingsError(ValueError):

@@ -827,6 +827,18 @@ class ClusterState:
             self._hosts_cache = hosts
         return self._hosts_cache
 
+    def pool_room(self, host: str) -> int:
+        """Blocks the live kvstores of `host` can still store without evicting (a
+        kvstore that announced no capacity counts as full)."""
+        room = 0
+        index = self.index
+        for inst in self.live_by_host().get(host, ()):
+            if inst.role == "kvstore" and inst.kv_capacity_blocks:
+                free = inst.kv_capacity_blocks - index.blocks_held(inst.instance_id)
+                if free > 0:
+                    room += free
+        return room
+
     def queue_s(self, inst: InstanceState) -> float:
         """Predicted seconds until the instance's prefill queue drains."""
         return inst.busy_until - self.now if inst.busy_until > self.now else 0.0

@@ -1,0 +1,100 @@
+"""Prefix stickiness: a prefix moves to another host only when the queue it escapes
+is worth more than what its copy evicts; ties go to the instance idle longest; a log
+recorded without the setting replays as before."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from yb_conductor.replay import replay
+from yb_conductor.settings import recorded_settings
+from yb_core import events as ev
+
+
+def keys(n: int, base: int = 1000) -> list[int]:
+    return [base + i for i in range(n)]
+
+
+def _scheduled(d: ev.Decision) -> ev.RequestScheduled:
+    assert isinstance(d, ev.RequestScheduled), d
+    assert d.explain is not None
+    return d
+
+
+def _holder_busy(c: Any, kv_capacity: int = 0, queued_blocks: int = 3) -> None:
+    """Two hosts; kv-1 holds a 10-block prefix; p-1 has a job of `queued_blocks`
+    queued, p-0 is idle."""
+    for i in range(2):
+        c.feed(
+            ev.InstanceUp(
+                instance_id=f"kv-{i}",
+                role="kvstore",
+                host=f"h{i}",
+                epoch=1,
+                kv_capacity_blocks=kv_capacity,
+            )
+        )
+        c.feed(ev.BlocksCleared(instance_id=f"kv-{i}", epoch=1, event_id=c._next(f"kv-{i}")))
+        c.prefill(f"p-{i}", f"h{i}")
+    c.decode("d-0")
+    c.store("kv-1", keys(10))
+    assert _scheduled(c.admit("busy0", keys(3, base=9000))).prefill_instance == "p-0"
+    busy1 = _scheduled(c.admit("busy1", keys(queued_blocks, base=7000)))
+    assert busy1.prefill_instance == "p-1"
+    c.progress("busy0", "p-0", "prefill_done")
+
+
+def test_a_full_pool_keeps_the_prefix_where_it_is(crafted: Any) -> None:
+    moving = crafted(prefix_stickiness=0.0)
+    _holder_busy(moving)
+    pulled = _scheduled(moving.admit("r", keys(10)))
+    # By TTFT alone the idle instance pulls the prefix (0.026 s against 0.07 s).
+    assert (pulled.prefill_instance, pulled.explain.branch) == ("p-0", "transfer")
+
+    sticky = crafted(prefix_stickiness=1.0)
+    _holder_busy(sticky)  # kvstores announce no capacity: full
+    kept = _scheduled(sticky.admit("r", keys(10)))
+    assert (kept.prefill_instance, kept.explain.branch) == ("p-1", "local")
+    # The estimates are still the TTFT's; the reason names the copy cost.
+    assert kept.estimates.ttft_s > pulled.estimates.ttft_s
+    assert kept.explain.candidates[0].instance_id == "p-1"
+    assert "copy 0.000s" in kept.explain.reason
+    assert "lowest TTFT + copy cost" in kept.explain.reason
+    for c in (moving, sticky):
+        assert replay(c.records).divergences == []
+
+
+def test_a_pool_with_room_takes_the_copy_for_nothing(crafted: Any) -> None:
+    c = crafted(prefix_stickiness=1.0)
+    _holder_busy(c, kv_capacity=100)
+    d = _scheduled(c.admit("r", keys(10)))
+    assert (d.prefill_instance, d.explain.branch) == ("p-0", "transfer")
+
+
+def test_a_long_queue_is_worth_the_copy(crafted: Any) -> None:
+    c = crafted(prefix_stickiness=1.0)
+    _holder_busy(c, queued_blocks=100)  # 1.6 s queued on p-1, the copy costs 0.16 s
+    d = _scheduled(c.admit("r", keys(10)))
+    assert d.prefill_instance == "p-0" and d.explain.branch == "transfer"
+
+
+def test_ties_go_to_the_instance_idle_longest(crafted: Any) -> None:
+    picks = {}
+    for stickiness in (0.0, 1.0):
+        c = crafted(prefix_stickiness=stickiness)
+        c.hosts(3)
+        assert _scheduled(c.admit("a", keys(4))).prefill_instance == "p-0"
+        c.at(2.0).progress("a", "p-0", "prefill_done")
+        c.at(5.0)
+        picks[stickiness] = _scheduled(c.admit("b", keys(4, base=5000))).prefill_instance
+        assert replay(c.records).divergences == []
+    # All three idle and equally fast: by id without stickiness, else one never used.
+    assert picks == {0.0: "p-0", 1.0: "p-1"}
+
+
+@pytest.mark.parametrize("recorded", ['{"policy": "mooncake"}', "{}", "not json"])
+def test_a_log_recorded_without_the_setting_replays_without_stickiness(recorded: str) -> None:
+    assert recorded_settings(recorded).prefix_stickiness == 0.0
+    assert recorded_settings('{"prefix_stickiness": 0.5}').prefix_stickiness == 0.5
