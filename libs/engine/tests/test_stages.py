@@ -182,6 +182,9 @@ def test_hidden_states_cross_as_header_and_bytes(tiny4: LoadedModel) -> None:
         assert (logits is None) != header.is_last_chunk
     assert logits is not None
     assert rel_err(logits, reference) < TOLERANCE
+    answer = header.describing(logits)  # how the last stage labels its logits
+    assert (answer.chunk_index, answer.start, answer.end) == (header.chunk_index, 64, 90)
+    assert (answer.shape, answer.dtype) == ((tiny4.config.vocab,), "float32")
     with pytest.raises(ValueError, match="the header says"):
         hidden_from_buffer(header, payload[:-4], "cpu")
 

@@ -62,6 +62,13 @@ class HiddenHeader(msgspec.Struct, frozen=True, array_like=True):
         itemsize: int = _torch_dtype(self.dtype).itemsize
         return count * itemsize
 
+    def describing(self, tensor: torch.Tensor) -> HiddenHeader:
+        """The same chunk's header for `tensor`: a stage's output for this input, or
+        the last stage's logits."""
+        return msgspec.structs.replace(
+            self, shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch.")
+        )
+
     @classmethod
     def of(
         cls, hidden: torch.Tensor, *, chunk_index: int, start: int, prompt_len: int
