@@ -271,8 +271,10 @@ class GivenStepTimes(StepTimeModel):
     """A step-time model that keeps the steps the test gives it and ignores the
     engine's own (whose times depend on this machine)."""
 
+    frozen = False
+
     def observe(self, tokens: int, seconds: float) -> None:
-        if not getattr(self, "frozen", False):
+        if not self.frozen:
             super().observe(tokens, seconds)
 
 
