@@ -283,9 +283,10 @@ async def test_reuse_switch_off_ignores_plans(
             tokens = prompt(5, 2 * BLOCK + 3)
             _out, done = await cluster.run("prefill-0", tokens, [plan("kvstore-0", "dram", 0, 2)])
             assert done.reused_tokens == 0
-            # A tried plan's TransferFailed is published (and acknowledged) before the
-            # job's prefill_done, and `run` returned having read prefill_done from the
-            # ordered log: had it been tried, the failure would be in `events` now.
+            # A tried plan's TransferFailed goes to the log before the job's
+            # prefill_done (one outbox, in order), and `run` returned having read
+            # prefill_done from the ordered log: had it been tried, the failure would
+            # be in `events` now.
             assert not [e for e in cluster.events if isinstance(e, ev.TransferFailed)]
         finally:
             follower.cancel()
@@ -296,3 +297,23 @@ async def test_reuse_switch_off_ignores_plans(
         for service in reversed(services):
             with contextlib.suppress(Exception):
                 await service.stop()
+
+
+async def test_a_reservation_refused_while_computing_fails_the_job_and_frees_its_pages(
+    cluster: Cluster,
+) -> None:
+    # The reservation's round trip runs beside the compute: decode refuses this one
+    # (prompt plus max_tokens past max_model_len) while prefill computes. The job ends
+    # with decode's refusal on the token stream, prefill's pages are all given back
+    # (the engine holds exactly its cached blocks again), and the next job is served.
+    worker = cluster.prefill("prefill-0").worker
+    with pytest.raises(AssertionError, match="refused: prompt plus max_tokens"):
+        await cluster.run("prefill-0", prompt(7, 2 * BLOCK + 3), max_tokens=1024)
+    failed = await cluster.wait_for(
+        "the refused job's RequestFinished",
+        lambda e: isinstance(e, ev.RequestFinished) and e.outcome == "failed",
+    )
+    assert isinstance(failed, ev.RequestFinished) and "refused" in failed.reason
+    assert worker.engine.allocator.num_used == len(worker.cache)
+    out, _done = await cluster.run("prefill-0", prompt(8, BLOCK + 1), max_tokens=2)
+    assert len(out) == 2

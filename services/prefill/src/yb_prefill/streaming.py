@@ -105,14 +105,16 @@ class LayerStreamer:
     """Ships each (layer, page) of one request to the decode reservation as it completes.
 
     Index `layer * num_pages + i` of the reservation is page `i` of the request in
-    layer `layer` (the layout `KVReserved` announces).
+    layer `layer` (the layout `KVReserved` announces). Made without a `peer`, it
+    queues what completes until `direct()` says where the reservation is, so that
+    compute need not wait for the reservation's round trip.
     """
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
         sender: KVSender,
-        peer: PeerAddress,
+        peer: PeerAddress | None,
         request_id: str,
         cache: PagedKVCache,
         block_table: Sequence[int],
@@ -133,6 +135,9 @@ class LayerStreamer:
         # The decode pages' layout: a run of pages shares a message only where the
         # decode pages are adjacent too, so each lands there without staging.
         self._receiver_breaks = receiver_breaks
+        self._directed: asyncio.Future[None] = loop.create_future()
+        if peer is not None:
+            self._directed.set_result(None)
         self._block_size = cache.block_size
         # Per layer, pages below this index are queued already. Pages wholly inside the
         # cached prefix are not computed, so no hook queues them: `queue_prefix` does.
@@ -155,13 +160,24 @@ class LayerStreamer:
             self._span.set_attributes(
                 {
                     "yb.request_id": self._request_id,
-                    "yb.peer_host": self._peer.host,
                     "yb.pages": len(self._block_table),
                     "yb.layers": self._cache.num_layers,
                 }
             )
+            if self._peer is not None:
+                self._span.set_attribute("yb.peer_host", self._peer.host)
             self._span_open = True
         self._task = self._loop.create_task(self._send_all(), name=f"stream:{self._request_id}")
+
+    def direct(self, peer: PeerAddress, receiver_breaks: Collection[int] | None) -> None:
+        """Where the reservation is (for a streamer made without a `peer`): what was
+        queued meanwhile goes out now, in order."""
+        assert self._peer is None, "directed twice"
+        self._peer = peer
+        self._receiver_breaks = receiver_breaks
+        if self._span_open:
+            self._span.set_attribute("yb.peer_host", peer.host)
+        self._directed.set_result(None)
 
     def on_layer(self, layer: int, start: int, end: int) -> None:
         """Runner hook (engine thread, after the layer's kernels were launched): queue
@@ -203,6 +219,7 @@ class LayerStreamer:
         try:
             self._queue.put_nowait(None)
             await self._task
+            assert self._peer is not None  # the task ended after `direct()`
             await self._sender.commit(self._peer, self._request_id, deadline_s=self._deadline_s)
         except BaseException as exc:
             self._end_span(exc)
@@ -241,6 +258,7 @@ class LayerStreamer:
         in_flight: set[asyncio.Task[int]] = set()
         ended = False
         try:
+            await self._directed
             while not ended:
                 first = await self._queue.get()
                 if first is None:
@@ -278,6 +296,7 @@ class LayerStreamer:
             await asyncio.gather(*in_flight, return_exceptions=True)
 
     async def _send(self, segment: Segment, events: Sequence[LayerEvent]) -> int:
+        assert self._peer is not None  # `_send_all` waits for `direct()`
         deadline = Deadline.after(self._deadline_s)
         if events:
             # Not one byte of these pages goes to UCX before their layers finished.

@@ -4,9 +4,15 @@ A job runs in four phases, each with a deadline: reserve pages on the decode
 instance the conductor chose (`_reserve_on_decode`), load the planned prefix into
 pages here (`_load_prefix`), compute the rest while streaming every page to decode
 layer by layer and commit (`_compute_and_stream`), and hand the request over with
-its first token (`_hand_over`). Whatever ends a job early gives back what it held:
-the decode reservation, and its pages here (its full blocks stay cached, the new
-ones are uploaded to the host's kvstore in the background).
+its first token (`_hand_over`). The reservation's round trip runs beside the load
+and the compute: what they complete meanwhile is queued, and streamed once decode
+has answered. Compute is wasted only when decode refuses, which the conductor's
+plan makes rare; waiting for the answer before computing would add its round trip
+to every request.
+
+Whatever ends a job early gives back what it held: the decode reservation, and its
+pages here (its full blocks stay cached, the new ones are uploaded to the host's
+kvstore in the background).
 """
 
 from __future__ import annotations
@@ -367,17 +373,19 @@ class PrefillWorker(Worker):
             )
         )
         transfer_deadline = min(self._remaining(job), self.pcfg.transfer_timeout_s)
-        # The decode instance's spans for this request are children of these two.
-        with child_span(_tracer, "prefill reserve decode"):
-            reserved = await self._reserve_on_decode(job, transfer_deadline)
-        with child_span(_tracer, "prefill prefix load") as loading:
-            prefix = await self._load_prefix(job, transfer_deadline)
-            if loading.is_recording():
-                loading.set_attributes(_prefix_attributes(job, prefix))
+        reserving = asyncio.ensure_future(self._reserve_on_decode(job, transfer_deadline))
+        try:
+            with child_span(_tracer, "prefill prefix load") as loading:
+                prefix = await self._load_prefix(job, transfer_deadline)
+                if loading.is_recording():
+                    loading.set_attributes(_prefix_attributes(job, prefix))
+        except BaseException:
+            await self._give_back(job, reserving)
+            raise
         t_loaded = time.monotonic()
         cached_tokens = prefix.reused_blocks * self.engine.cache.block_size
         computed = await self._compute_and_stream(
-            job, reserved, prefix, cached_tokens, transfer_deadline, span
+            job, reserving, prefix, cached_tokens, transfer_deadline, span
         )
         with child_span(_tracer, "prefill hand-over"):
             await self._hand_over(job, computed.first, cached_tokens, transfer_deadline)
@@ -395,8 +403,13 @@ class PrefillWorker(Worker):
         )
 
     async def _reserve_on_decode(self, job: pr.PrefillJob, deadline_s: float) -> pr.KVReserved:
-        """Phase 1: room on the decode instance, before any compute is spent; its
-        pages must have this engine's layout."""
+        """Phase 1: room on the decode instance, whose pages must have this engine's
+        layout. The decode instance's spans for the request are children of this
+        phase's."""
+        with child_span(_tracer, "prefill reserve decode"):
+            return await self._reserve(job, deadline_s)
+
+    async def _reserve(self, job: pr.PrefillJob, deadline_s: float) -> pr.KVReserved:
         decode_id = job.decision.decode_instance
         reserve = pr.ReserveKV(
             request_id=job.request_id,
@@ -430,9 +443,7 @@ class PrefillWorker(Worker):
         return reply
 
     async def _load_prefix(self, job: pr.PrefillJob, deadline_s: float) -> Prefix:
-        """Phase 2: pages here, the planned prefix loaded into them. On failure the
-        decode reservation is given back."""
-        decode_id = job.decision.decode_instance
+        """Phase 2: pages here, the planned prefix loaded into them."""
         plans = job.decision.reuse if self.pcfg.reuse else []
         try:
             await self._failpoint(job, "prefill.load")
@@ -445,41 +456,52 @@ class PrefillWorker(Worker):
                 min(deadline_s, self.pcfg.fetch_timeout_s),
             )
         except OutOfPages as exc:
-            await self.decode.abort(decode_id, job.request_id, "prefill out of pages")
             raise JobFailed(f"prefill instance out of KV pages: {exc}") from exc
-        except BaseException:
-            await self.decode.abort(decode_id, job.request_id, "prefill failed")
-            raise
+
+    async def _give_back(
+        self, job: pr.PrefillJob, reserving: asyncio.Future[pr.KVReserved]
+    ) -> None:
+        """Give back the decode reservation of a job that cannot finish, wherever the
+        reservation is: one still on its way is waited for (2 s at most: a reservation
+        also expires) and aborted all the same; one refused holds nothing."""
+        if not reserving.done():
+            await asyncio.wait({reserving}, timeout=2.0)
+            reserving.cancel()
+        if not reserving.cancelled() and reserving.exception() is not None:
+            return
+        await self.decode.abort(job.decision.decode_instance, job.request_id, "prefill failed")
 
     async def _compute_and_stream(
         self,
         job: pr.PrefillJob,
-        reserved: pr.KVReserved,
+        reserving: asyncio.Future[pr.KVReserved],
         prefix: Prefix,
         cached_tokens: int,
         deadline_s: float,
         span: trace.Span,
     ) -> _Computed:
         """Phase 3: compute the rest with layer-wise streaming (the loaded prefix
-        first), then commit. A failure aborts the stream and gives the decode
+        first; nothing leaves before the reservation is there), then commit. A
+        failure, the reservation's included, aborts the stream and gives the decode
         reservation back; either way the pages are kept (once computed: their KV is
-        valid even if the commit failed) or freed after."""
+        valid even if the commit failed) or freed after (once the engine thread is
+        done with them)."""
         first: list[Sampled] | None = None
         try:
             await self._account_prefix(job, prefix, span)
-            streamer = self._start_streaming(job, reserved, prefix, cached_tokens, deadline_s)
+            streamer = self._start_streaming(job, prefix, cached_tokens, deadline_s)
             try:
-                with child_span(_tracer, "prefill compute") as computing:
-                    if computing.is_recording():
-                        computing.set_attributes(
-                            {
-                                "yb.computed_tokens": len(job.token_ids) - cached_tokens,
-                                "yb.chunk_size": self.pcfg.chunk_size,
-                            }
-                        )
-                    first = await self._compute_with_holds(
-                        job, prefix.block_table, cached_tokens, streamer
-                    )
+                computing = asyncio.ensure_future(
+                    self._compute_traced(job, prefix.block_table, cached_tokens, streamer)
+                )
+                try:
+                    reserved = await reserving
+                    streamer.direct(PeerAddress.parse(reserved.ucx_address), reserved.breaks)
+                    first = await computing
+                except BaseException:
+                    computing.cancel()
+                    await asyncio.gather(computing, return_exceptions=True)
+                    raise
                 computed_at = time.monotonic()
                 await self._failpoint(job, "prefill.commit")
                 self._check_alive(job)
@@ -488,7 +510,7 @@ class PrefillWorker(Worker):
                 await streamer.abort()
                 raise
         except BaseException:
-            await self.decode.abort(job.decision.decode_instance, job.request_id, "prefill failed")
+            await self._give_back(job, reserving)
             raise
         finally:
             await self._keep_blocks(job, prefix, first is not None)
@@ -498,25 +520,20 @@ class PrefillWorker(Worker):
         return _Computed(first, computed_at)
 
     def _start_streaming(
-        self,
-        job: pr.PrefillJob,
-        reserved: pr.KVReserved,
-        prefix: Prefix,
-        cached_tokens: int,
-        deadline_s: float,
+        self, job: pr.PrefillJob, prefix: Prefix, cached_tokens: int, deadline_s: float
     ) -> LayerStreamer:
-        """A streamer into the decode reservation, sending the loaded prefix first."""
+        """A streamer into the decode reservation (directed there once it is known),
+        sending the loaded prefix first."""
         streamer = LayerStreamer(
             asyncio.get_running_loop(),
             self.sender,
-            PeerAddress.parse(reserved.ucx_address),
+            None,
             job.request_id,
             self.engine.cache,
             prefix.block_table,
             len(job.token_ids),
             cached_tokens,
             deadline_s,
-            reserved.breaks,
         )
         streamer.start()
         streamer.queue_prefix(prefix.reused_blocks)
@@ -620,6 +637,20 @@ class PrefillWorker(Worker):
                 self.metrics.puts.labels(outcome).inc(count)
 
     # --- the engine thread ----------------------------------------------------------
+
+    async def _compute_traced(
+        self, job: pr.PrefillJob, pages: list[int], cached: int, streamer: LayerStreamer
+    ) -> list[Sampled]:
+        """`_compute_with_holds` in the `prefill compute` span."""
+        with child_span(_tracer, "prefill compute") as computing:
+            if computing.is_recording():
+                computing.set_attributes(
+                    {
+                        "yb.computed_tokens": len(job.token_ids) - cached,
+                        "yb.chunk_size": self.pcfg.chunk_size,
+                    }
+                )
+            return await self._compute_with_holds(job, pages, cached, streamer)
 
     async def _compute_with_holds(
         self, job: pr.PrefillJob, pages: list[int], cached: int, streamer: LayerStreamer
