@@ -318,6 +318,19 @@ class ConductorConfig(_Section):
     prefills teach the real figure (1.0: they share fairly a machine each of them
     fills alone). A log recorded before these settings existed replays without them.
 
+    Prefix stickiness (`prefix_stickiness`): placing a request where only part of its
+    prefix is held copies the rest to that host (pulled or recomputed), and in a
+    full pool the copy evicts as many blocks of other prefixes. Instances are ranked
+    by their TTFT plus the blocks the copy would evict times the compute a block
+    saves times this weight, so a prefix moves only when the queue it escapes is
+    worth more; ties go to the instance idle longest. 0: the lowest TTFT wins, ties
+    by id; a log recorded before the setting replays with 0.
+    `calibrated_admission`: admission judges the estimated TTFT and TBT by what
+    completed requests observed against their estimates (a line fitted to the
+    outcomes, never above the estimate): a request is refused only when what its
+    estimate is expected to turn out misses the SLO; off, the estimates as they are
+    (how logs recorded before the setting replay).
+
     Hot prefixes: when `hot_replicas` > 0, a prefix wanted by `hot_demand` requests
     within `hot_window_s` and held on fewer than `hot_replicas` hosts gets a
     `ReplicationPlanned` decision (at most once per window per prefix). Snapshots
@@ -352,6 +365,7 @@ class ConductorConfig(_Section):
     compute_sharing: Literal["none", "host", "all"] = "none"
     sharing_prior: float = 1.0
     prefix_stickiness: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    calibrated_admission: bool = True
 
 
 class EngineConfig(_Section):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from yb_conductor.decode_placement import DecodeEstimate
+from yb_conductor.state import Calibration
 from yb_core import events as ev
 
 AdmissionName = Literal["none", "early", "predicted"]
@@ -54,6 +55,12 @@ class Verdict:
     def reason(self) -> str:
         """`code: message`, what `RequestRejected.reason` carries."""
         return f"{self.code}: {self.message}"
+
+
+def _expected(estimate: float, expected: float, digits: int) -> str:
+    """What calibration expects of an estimate, as the refusal's sentence names it
+    (nothing where it is the estimate itself)."""
+    return f" (expected {expected:.{digits}f}s)" if expected != estimate else ""
 
 
 class AdmissionPolicy:
@@ -93,28 +100,35 @@ class AdmissionPolicy:
         ttft_s: float,
         decode: DecodeEstimate,
         drain_s: Callable[[float], float],
+        calibration: tuple[Calibration, Calibration] | None = None,
     ) -> Verdict | None:
         """A refusal, or None to admit. `drain_s(limit)` says how long until the
-        decode batch's TBT falls under `limit` (only asked when refusing on TBT)."""
+        decode batch's TBT falls under `limit` (only asked when refusing on TBT).
+        `calibration`: what outcomes taught of the (TTFT, TBT) estimates (calibrated
+        admission): a request is refused only when what its estimate is expected to
+        turn out misses the SLO."""
         if self.name == "none":
             return None
         ttft_limit, tbt_limit = self.limits(request)
         shed = self._shed_note(request)
-        if ttft_s > ttft_limit:
+        expected_ttft = calibration[0].expected(ttft_s) if calibration else ttft_s
+        if expected_ttft > ttft_limit:
             return Verdict(
                 TTFT_SLO,
-                f"estimated TTFT {ttft_s:.3f}s exceeds {ttft_limit:.3f}s{shed}",
-                self._retry(ttft_s - ttft_limit),
+                f"estimated TTFT {ttft_s:.3f}s{_expected(ttft_s, expected_ttft, 3)} "
+                f"exceeds {ttft_limit:.3f}s{shed}",
+                self._retry(expected_ttft - ttft_limit),
             )
         if self.name == "early":
             tbt, batch, horizon = decode.decoding_tbt_s, decode.decoding_batch, "now"
         else:
             tbt, batch, horizon = decode.predicted_tbt_s, decode.predicted_batch, "at prefill end"
-        if tbt > tbt_limit:
+        expected_tbt = calibration[1].expected(tbt) if calibration else tbt
+        if expected_tbt > tbt_limit:
             return Verdict(
                 TBT_SLO,
-                f"TBT {tbt:.4f}s with batch {batch} {horizon} on "
-                f"{decode.instance.instance_id} exceeds {tbt_limit:.4f}s{shed}",
+                f"TBT {tbt:.4f}s{_expected(tbt, expected_tbt, 4)} with batch {batch} "
+                f"{horizon} on {decode.instance.instance_id} exceeds {tbt_limit:.4f}s{shed}",
                 self._retry(drain_s(tbt_limit)),
             )
         return None

@@ -22,6 +22,13 @@ request of priority p finds is the room left by every request assigned there
 except those of a lower priority still waiting for (or in) their prefill: those
 will wait behind it. With one priority everywhere this is the plain room, and
 `priority_order=False` (conductors before engines ordered by priority) ignores it.
+
+Calibrated room (`calibrated_kv`): the conductor accounts a request's KV as whole
+blocks of its prompt plus expected output from the moment it is placed; what an
+instance reports using for the requests committed there can be less (an engine
+that reserves tokens, not pages). The room then leaves out what the instance's
+reports showed the accounting to overcount (`kv_overcount_blocks`, never more than
+is accounted there, never negative).
 """
 
 from __future__ import annotations
@@ -79,10 +86,16 @@ class DecodePlanner:
     prune_above: int = PRUNE_ABOVE
 
     def __init__(
-        self, cost: CostModel, *, priority_order: bool = False, full_scan: bool | None = None
+        self,
+        cost: CostModel,
+        *,
+        priority_order: bool = False,
+        full_scan: bool | None = None,
+        calibrated_kv: bool = False,
     ) -> None:
         self.cost = cost
         self.priority_order = priority_order
+        self.calibrated_kv = calibrated_kv
         self.full_scan = self.default_full_scan if full_scan is None else full_scan
 
     def choose(
@@ -109,6 +122,7 @@ class DecodePlanner:
         placements = state.placements
         # Below every priority: nothing is left out of the room.
         floor = priority if self.priority_order else -math.inf
+        calibrated = self.calibrated_kv
         n = len(decodes)
         fits = [True] * n
         batches = [1] * n
@@ -145,7 +159,10 @@ class DecodePlanner:
             tbt = base + per_seq * batch + per_ctx * ctx
             batches[i] = batch
             tbts[i] = tbt
-            if cap and held + need_blocks > cap:
+            taken: float = held
+            if calibrated and inst.kv_overcount_blocks > 0.0:
+                taken = max(0.0, held - inst.kv_overcount_blocks)
+            if cap and taken + need_blocks > cap:
                 fits[i] = False
             elif tbt < chosen_tbt or (tbt == chosen_tbt and inst.decode_requests < chosen_requests):
                 chosen_tbt, chosen_requests = tbt, inst.decode_requests

@@ -68,7 +68,9 @@ class MooncakePolicy:
             priority_order=priority_order,
             stickiness=cfg.prefix_stickiness,
         )
-        self.decode = DecodePlanner(self.cost, priority_order=priority_order)
+        self.decode = DecodePlanner(
+            self.cost, priority_order=priority_order, calibrated_kv=cfg.calibrated_admission
+        )
         self.admission = AdmissionPolicy(
             cfg.admission,
             shed_step=cfg.shed_step,
@@ -163,6 +165,9 @@ class MooncakePolicy:
             ttft,
             decode,
             lambda limit: self.decode.drain_time_s(state, decode, limit, dchoice.context),
+            calibration=(
+                (state.learned.ttft, state.learned.tbt) if self.cfg.calibrated_admission else None
+            ),
         )
         if verdict_or_none is not None:
             explain.branch, explain.reason = "reject", verdict_or_none.reason

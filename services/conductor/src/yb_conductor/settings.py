@@ -25,6 +25,7 @@ _ABSENT_MEANS: dict[str, Any] = {
     "learn_speed": False,
     "priority_order": False,
     "prefix_stickiness": 0.0,
+    "calibrated_admission": False,
 }
 
 

@@ -98,6 +98,10 @@ class InstanceState(msgspec.Struct, kw_only=True):
     decoding_requests: int = 0
     decoding_context_tokens: int = 0
     decode_kv_blocks: int = 0
+    # Decode: how many blocks more the conductor accounts for the requests committed
+    # here than the instance reports using (its own page accounting), a moving
+    # average over its load reports (`KV_CALIBRATION_ALPHA`).
+    kv_overcount_blocks: float = 0.0
 
 
 class Placement(msgspec.Struct, kw_only=True):
@@ -159,12 +163,70 @@ class Outcome(msgspec.Struct, kw_only=True, gc=False):
     decode_s: float
 
 
+# Calibration (see `Calibration`): the moving averages' weight per outcome (a slope
+# is a ratio of two noisy averages, so slower than `decode_time_alpha`), and how many
+# outcomes it needs before it is trusted at all.
+CALIBRATION_ALPHA = 0.02
+CALIBRATION_MIN_OUTCOMES = 50
+# The weight of each decode load report in `kv_overcount_blocks`: two counts of the
+# same requests, so little noise, and a report a second.
+KV_CALIBRATION_ALPHA = 0.3
+
+
+class Calibration(msgspec.Struct, kw_only=True, gc=False):
+    """What outcomes say an estimate means: the least-squares line of observed on
+    estimated values over completed requests (exponentially weighted moving means,
+    variance and covariance, weight `CALIBRATION_ALPHA`).
+
+    `expected(estimate)` is the line's value, but never above the estimate: outcomes
+    may show that an estimate overstates (a decode batch predicted large at the end
+    of a prefill shrinks again while the request decodes), never make admission
+    stricter than the estimate itself, which would starve the outcomes it learns from.
+    """
+
+    outcomes: int = 0
+    mean_estimate: float = 0.0
+    mean_observed: float = 0.0
+    var_estimate: float = 0.0
+    covariance: float = 0.0
+
+    def learn(self, estimate: float, observed: float) -> None:
+        """One completed request's estimate and what it observed."""
+        self.outcomes += 1
+        if self.outcomes == 1:
+            self.mean_estimate, self.mean_observed = estimate, observed
+            return
+        a = CALIBRATION_ALPHA
+        de = estimate - self.mean_estimate
+        do = observed - self.mean_observed
+        self.mean_estimate += a * de
+        self.mean_observed += a * do
+        self.var_estimate = (1 - a) * (self.var_estimate + a * de * de)
+        self.covariance = (1 - a) * (self.covariance + a * de * do)
+
+    def expected(self, estimate: float) -> float:
+        """What an estimate of `estimate` is expected to turn out (at most itself)."""
+        if self.outcomes < CALIBRATION_MIN_OUTCOMES or self.var_estimate <= 0.0:
+            return estimate
+        slope = self.covariance / self.var_estimate
+        line = self.mean_observed + (slope if slope > 0.0 else 0.0) * (
+            estimate - self.mean_estimate
+        )
+        return line if line < estimate else estimate
+
+
 class Learned(msgspec.Struct, kw_only=True, gc=False):
-    """Moving averages taught by completions."""
+    """Moving averages taught by completions.
+
+    `ttft` and `tbt`: what completed requests' TTFT and mean TBT were against the
+    conductor's estimates for them; calibrated admission judges by them.
+    """
 
     decode_time_s: float
     output_tokens: float = 64.0
     completions: int = 0
+    ttft: Calibration = msgspec.field(default_factory=Calibration)
+    tbt: Calibration = msgspec.field(default_factory=Calibration)
 
 
 class ClusterState:
@@ -453,6 +515,8 @@ class ClusterState:
         inst.last_report = event
         if event.time > inst.last_seen:
             inst.last_seen = event.time
+        if inst.role == "decode" and event.kv_total_blocks:
+            self._learn_kv_overcount(inst, event.kv_used_blocks)
         if not inst.alive:
             inst.alive = True
             self.declared_dead.pop(inst.instance_id, None)
@@ -460,6 +524,21 @@ class ClusterState:
             if inst.instance_id in self.block_trackers:
                 # Back from the dead: what it holds now is unknown, so ask.
                 self.resync_wanted[inst.instance_id] = None
+
+    def _learn_kv_overcount(self, inst: InstanceState, used_blocks: int) -> None:
+        """Compare the blocks accounted for the requests committed on a decode
+        instance with what it reports using."""
+        placements = self.placements
+        committed = 0
+        for rid in inst.assigned:
+            p = placements.get(rid)
+            if p is not None and p.decode_started:
+                committed += p.kv_blocks
+        if not committed:
+            return  # nothing to compare: an idle instance teaches nothing
+        inst.kv_overcount_blocks += KV_CALIBRATION_ALPHA * (
+            committed - used_blocks - inst.kv_overcount_blocks
+        )
 
     def _instance_down(self, event: ev.InstanceDown) -> None:
         # The log says it now: a standby must not say it again when it takes over.
@@ -627,6 +706,10 @@ class ClusterState:
                 learned.decode_time_s += a * (decode_s - learned.decode_time_s)
             if event.output_tokens > 0:
                 learned.output_tokens += a * (event.output_tokens - learned.output_tokens)
+            if placement.est_ttft_s > 0 and event.ttft_s > 0:
+                learned.ttft.learn(placement.est_ttft_s, event.ttft_s)
+            if placement.est_tbt_s > 0 and event.tbt_mean_s > 0:
+                learned.tbt.learn(placement.est_tbt_s, event.tbt_mean_s)
             learned.completions += 1
             if self.learn_speed and placement.prefill_done_at and event.ttft_s > 0:
                 # TTFT runs from the decision; what follows the prefill's end is the lag.
