@@ -165,8 +165,8 @@ class ModelRunner:
                 end = min(start + chunk_size, n)
                 plan = self.backend.plan_prefill(block_table, start, end, block_size)
                 positions = torch.arange(start, end, device=self.device)
-                hidden = self._forward_prefill_chunk(
-                    ids[start:end], positions, plan, end == n, layer_hook
+                hidden = self._forward_chunk(
+                    ids[start:end], positions, None, plan, end == n, layer_hook
                 )
             return self._logits(hidden[-1:])[0]
 
@@ -227,7 +227,7 @@ class ModelRunner:
             ids = host_ints(
                 [*(s.token_id for s in batch), *chunk.token_ids], torch.int64, self.device
             )
-            hidden = self._forward_mixed(
+            hidden = self._forward_chunk(
                 ids, positions, decode_plan, prefill_plan, chunk.wants_logits
             )
             logits = self._logits(hidden)
@@ -263,46 +263,19 @@ class ModelRunner:
         gate, up = F.linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate).mul_(up), lw.down, lw.down_bias)
 
-    def _forward_prefill_chunk(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        plan: PrefillPlan,
-        is_last_chunk: bool,
-        layer_hook: LayerHook | None,
-    ) -> torch.Tensor:
-        x = F.embedding(ids, self.weights.embed)
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        last_layer = self.arch.num_layers - 1
-        for i, lw in enumerate(self.weights.layers):
-            q, k, v = self._qkv(lw, x, cos, sin)
-            kv_layer = self.cache.kv[i]
-            if i < last_layer:
-                attn = self.backend.prefill(kv_layer, q, k, v, plan)
-                assert attn is not None
-                x = self._finish_layer(lw, x, attn)
-            elif is_last_chunk:
-                # The last layer's output matters only at the last token (its logits);
-                # every token's K/V is still written.
-                attn = self.backend.prefill(kv_layer, q[-1:], k, v, plan)
-                assert attn is not None
-                x = self._finish_layer(lw, x[-1:], attn)
-            else:
-                self.backend.prefill(kv_layer, None, k, v, plan)
-            if layer_hook is not None:
-                layer_hook(i, plan.start, plan.end)
-        return x
-
-    def _forward_mixed(
+    def _forward_chunk(
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
         decode_plan: DecodePlan | None,
         prefill_plan: PrefillPlan,
         wants_logits: bool,
+        layer_hook: LayerHook | None = None,
     ) -> torch.Tensor:
-        """Hidden states of the decode rows, then of the chunk's last token when
-        `wants_logits`: `[B (+ 1), hidden]`."""
+        """A prefill chunk, after the B decode tokens of `decode_plan` when there is one
+        (`ids` and `positions` list the decode rows first). Returns the hidden states of
+        the decode rows, then of the chunk's last token when `wants_logits`:
+        `[B (+ 1), hidden]`. `layer_hook` runs after each layer, as in `prefill`."""
         b = 0 if decode_plan is None else int(decode_plan.positions.shape[0])
         x = F.embedding(ids, self.weights.embed)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
@@ -313,18 +286,22 @@ class ModelRunner:
             parts = []
             if decode_plan is not None:
                 parts.append(self.backend.decode(kv_layer, q[:b], k[:b], v[:b], decode_plan))
-            # As in `prefill`: the last layer's output matters only at the chunk's last
-            # token, and only when its logits are wanted; every K/V is still written.
+            # The last layer's output matters only at the chunk's last token, and only
+            # when its logits are wanted; every token's K/V is still written.
             if i < last_layer:
                 chunk_q: torch.Tensor | None = q[b:]
+            elif wants_logits:
+                chunk_q = q[-1:]
+                x = torch.cat([x[:b], x[-1:]]) if b else x[-1:]
             else:
-                chunk_q = q[-1:] if wants_logits else None
-                x = torch.cat([x[:b], x[-1:]]) if wants_logits else x[:b]
+                chunk_q, x = None, x[:b]
             attn = self.backend.prefill(kv_layer, chunk_q, k[b:], v[b:], prefill_plan)
             if attn is not None:
                 parts.append(attn)
             if parts:  # none: a last layer with no decode row and no logits wanted
                 x = self._finish_layer(lw, x, torch.cat(parts) if len(parts) > 1 else parts[0])
+            if layer_hook is not None:
+                layer_hook(i, prefill_plan.start, prefill_plan.end)
         return x
 
     def _forward_decode(self, ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
