@@ -550,7 +550,8 @@ class DecodeBatcher:
     # -- the loop ---------------------------------------------------------------------
 
     def step(self) -> list[TokenOutput]:
-        """Report new first tokens, run one decode step, report what it produced."""
+        """Report new first tokens, run one decode step (with a chunk of a pending
+        prompt when there is one), report what it produced."""
         started = time.perf_counter()
         outputs, self._pending = self._pending, []
         self._report_first_tokens(outputs)
