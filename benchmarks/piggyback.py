@@ -5,7 +5,7 @@ against a separate prefill engine and a page hand-off, at light load. Engine lev
         [--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16]
         [--block-size N] [--streams 4] [--context 256] [--prompts 32,64,96,128]
         [--rounds 3] [--warmup-rounds 1] [--gap-steps 3] [--tbt-slo 2.0]
-        [--tight-tbt-slo 0.25]
+        [--tight-tbt-slo auto|off|SECONDS]
 
 One process holds two engines over the same weights: a decode engine (runner, pages,
 `DecodeBatcher` with `tbt_slo_s`) running `--streams` greedy streams of `--context`
@@ -28,16 +28,17 @@ streams' time between tokens is each step's duration: `tbt_p99_without_s` over t
 of the separate rounds (plain decode steps: the prefill engine has its own cores),
 `tbt_p99_with_s` over the piggyback rounds' steps. `--tbt-slo` defaults to the gateway's
 default `tbt_slo_s`. Then the piggyback rounds run once more under `--tight-tbt-slo`
-(the step-time model kept): the longer prompts no longer fit one step, so they are cut
-into chunks that keep each step within it.
+(by default twice this run's median plain decode step, so it holds on a loaded machine
+too; the step-time model kept): the longer prompts no longer fit one step, so they are
+cut into chunks that keep each step within it.
 
 Figures (one flat JSON object): `ttft_separate_s`, `ttft_piggyback_s` (medians over every
 prompt), `piggyback_ttft_speedup` (their ratio), `ttft_separate_{N}_s`,
 `ttft_piggyback_{N}_s`, `piggyback_ttft_speedup_{N}` per prompt length,
-`tbt_p99_without_s`, `tbt_p99_with_s`, `tbt_slo_s`, `piggyback_chunks_mean` (steps a
-prompt took), the step-time model's `step_fixed_s` and `step_per_token_s`; under the
-tight SLO `tbt_slo_tight_s`, `ttft_piggyback_tight_s`, `tbt_p99_with_tight_s` and
-`piggyback_chunks_mean_tight`.
+`tbt_p99_without_s`, `tbt_p99_with_s`, `tbt_slo_s`, `decode_step_median_s` (a plain
+step of the streams), `piggyback_chunks_mean` (steps a prompt took), the step-time
+model's `step_fixed_s` and `step_per_token_s`; under the tight SLO `tbt_slo_tight_s`,
+`ttft_piggyback_tight_s`, `tbt_p99_with_tight_s` and `piggyback_chunks_mean_tight`.
 """
 
 from __future__ import annotations
@@ -198,6 +199,7 @@ def run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     figures["ttft_separate_s"] = statistics.median(all_sep)
     figures["ttft_piggyback_s"] = statistics.median(all_pig)
     figures["piggyback_ttft_speedup"] = figures["ttft_separate_s"] / figures["ttft_piggyback_s"]
+    figures["decode_step_median_s"] = statistics.median(steps_without)
     figures["tbt_p99_without_s"] = p99(steps_without)
     figures["tbt_p99_with_s"] = p99(steps_with)
     figures["tbt_slo_s"] = args.tbt_slo
@@ -258,9 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--tight-tbt-slo",
-        type=float,
-        default=0.25,
-        help="a second SLO the piggyback rounds run under again (0: skip)",
+        default="auto",
+        help="a second SLO in seconds the piggyback rounds run under again; auto: twice "
+        "the median plain decode step of this run; off: skip",
     )
     args = parser.parse_args(argv)
     args.prompts = sorted({int(n) for n in args.prompts.split(",") if n.strip()})
@@ -288,7 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         "stream_context_tokens": args.context,
     }
     figures |= run(bench, args)
-    if args.tight_tbt_slo > 0:
+    if args.tight_tbt_slo != "off":
+        tight = args.tight_tbt_slo
+        args.tight_tbt_slo = (
+            2 * figures["decode_step_median_s"] if tight == "auto" else float(tight)
+        )
         figures |= run_tight(bench, args)
     width = max(len(k) for k in figures)
     for key, value in figures.items():
