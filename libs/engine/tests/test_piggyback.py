@@ -289,7 +289,11 @@ def test_the_chunk_keeps_the_step_within_the_tbt_slo(model: LoadedModel) -> None
     # Nothing runs yet, but the three waiting requests will be in the next step.
     assert engine.batcher.prompt_chunk_budget() == 15 - 3
     assert engine.batcher.predicted_step_seconds(12) == pytest.approx(0.025)
+    # 30 tokens: chunks of 12, 12 and 6 beside the 3 decode tokens.
+    assert engine.batcher.predicted_prompt_seconds(30) == pytest.approx(0.025 + 0.025 + 0.019)
     engine.batcher.add_prompt("r", prompt(30, 1), GREEDY)
+    # A second prompt waits for the first's 30 tokens: 60 in chunks of 12.
+    assert engine.batcher.predicted_prompt_seconds(30) == pytest.approx(5 * 0.025)
     engine.step()
     assert engine.batcher.prompt_chunks("r") == [12]
     # A tighter SLO than the decode batch alone meets: one token a step, never none.

@@ -293,6 +293,28 @@ class DecodeBatcher:
         tokens than the running requests' (None before any step)."""
         return self.step_time.predict(self._batch_tokens() + extra_tokens)
 
+    def predicted_prompt_seconds(self, num_tokens: int) -> float | None:
+        """Predicted time from `add_prompt` to the first token of a prompt with
+        `num_tokens` tokens to compute, at the present load: the prompts already
+        pending go first, then its chunks, each a step beside the decode tokens of the
+        requests running now. None before any step."""
+        if num_tokens <= 0:
+            raise ValueError("a prompt computes at least one token")
+        decode_tokens = self._batch_tokens()
+        budget = self._chunk_budget(decode_tokens)
+        left = num_tokens + sum(
+            len(p.prompt_token_ids) - p.computed for p in self._prompts.values()
+        )
+        seconds = 0.0
+        while left > 0:
+            chunk = min(budget, left)
+            step = self.step_time.predict(decode_tokens + chunk)
+            if step is None:
+                return None
+            seconds += step
+            left -= chunk
+        return seconds
+
     def prompt_chunk_budget(self) -> int:
         """Prompt tokens the next step would compute: `max_chunk_tokens` bounded, while
         requests run and `tbt_slo_s` is set, by the step-time model (at least one; with
