@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
+import uvloop
 from prometheus_client import CollectorRegistry
 
 from yb_core.bus import Bus
@@ -181,7 +182,12 @@ def run_service(
     except ConfigError as exc:  # an OTLP endpoint without the exporter package
         print(f"yb_{role}: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_run(service))
+    # uvloop: asyncio's loop in C. Every hop of a request wakes several loops (the
+    # bus client's, the transport's, the service's own tasks), and on a machine whose
+    # cores all run services each wake-up's CPU is what bounds requests per second
+    # (benchmarks/overhead.py measures both).
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(_run(service))
 
 
 async def _run(service: Service) -> int:
