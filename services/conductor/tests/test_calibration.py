@@ -114,3 +114,19 @@ def test_decode_room_follows_what_the_instance_reports_using(crafted: Any) -> No
 def test_a_log_recorded_without_the_setting_replays_uncalibrated() -> None:
     assert recorded_settings('{"policy": "mooncake"}').calibrated_admission is False
     assert recorded_settings('{"calibrated_admission": true}').calibrated_admission is True
+
+
+def test_requests_whose_prefill_ends_later_take_their_pages_later(crafted: Any) -> None:
+    c = crafted(admission="none")
+    c.kvstore("kv-0", "h0")
+    c.prefill("p-0", "h0")
+    c.decode("d-0", kv_blocks=340)
+    c.admit("long", keys(300, base=50_000))  # 301 blocks; its prefill takes 4.8 s
+    for i in range(19):  # 2 blocks each, queued behind it: 339 of 340 accounted
+        c.admit(f"w{i}", keys(1, base=100 * i))
+    c.prefill("p-1", "h1")  # an idle prefill instance: the next prefill ends first
+    r = _request("r", keys(1, base=99_000))
+    assert _verdict(_ask(c, r)) == "admit"
+    assert _verdict(_ask(c, r, calibrated_admission=False)) == "decode_kv_full"
+    assert c.admit("r", keys(1, base=99_000)).prefill_instance == "p-1"
+    assert replay(c.records).divergences == []

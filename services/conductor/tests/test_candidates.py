@@ -143,18 +143,17 @@ def test_the_simulated_trace_decides_the_same_pruned_and_full(
 ) -> None:
     log = _same_decisions_both_ways(lambda: _trace_log(cfg), planners, keep=9)
     assert any(isinstance(r.event, ev.RequestScheduled) for r in log)
-    if cfg.compute_sharing == "none" and cfg.prefix_stickiness == 0.0:
+    if cfg.compute_sharing == "none":
         assert planners.pruned > 0  # the pruning was exercised, not bypassed
     else:
-        # An idle engine's speed depends on its group; its copy cost on its host.
-        assert planners.pruned == 0
+        assert planners.pruned == 0  # an idle engine's speed depends on its group
 
 
 def test_speed_order_follows_learning() -> None:
     index = Candidates()
     instances: dict[str, object] = {}
     speeds = {"p1": InstanceSpeed(solo=1.5)}
-    index.sync(instances, speeds, iter([("p0", False), ("p1", True), ("p2", False)]))
+    index.sync(instances, speeds, iter([("p0", False, 0.0), ("p1", True, 0.0), ("p2", False, 0.0)]))
     assert [i for _, i in index.by_speed()] == ["p0", "p2", "p1"]
     assert list(index.may_be_queued) == ["p1"]
     assert index.next_factor(1.0) == 1.5 and index.next_factor(1.5) is None
@@ -163,5 +162,18 @@ def test_speed_order_follows_learning() -> None:
     # The same dicts: nothing rebuilt; replaced ones (a restored snapshot): rebuilt.
     index.sync(instances, speeds, iter([]))
     assert len(list(index.by_speed())) == 3
-    index.sync({}, {}, iter([("p9", False)]))
+    index.sync({}, {}, iter([("p9", False, 0.0)]))
     assert [i for _, i in index.by_speed()] == ["p9"]
+
+
+def test_idle_order_follows_speed_and_drain_times() -> None:
+    index = Candidates()
+    index.sync({}, {}, iter([("p0", False, 5.0), ("p1", False, 2.0), ("p2", False, 2.0)]))
+    assert list(index.factors()) == [1.0]
+    assert list(index.idle_longest(1.0)) == ["p1", "p2", "p0"]
+    index.set_idle_since("p1", 9.0)  # found drained again, later
+    assert list(index.idle_longest(1.0)) == ["p2", "p0", "p1"]
+    index.set_speed("p2", 1.5)  # keeps its idle time, moves to its slowdown's group
+    assert list(index.factors()) == [1.0, 1.5]
+    assert list(index.idle_longest(1.0)) == ["p0", "p1"]
+    assert list(index.idle_longest(1.5)) == ["p2"]

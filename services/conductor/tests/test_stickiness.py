@@ -25,7 +25,7 @@ def _scheduled(d: ev.Decision) -> ev.RequestScheduled:
 
 def _holder_busy(c: Any, kv_capacity: int = 0, queued_blocks: int = 3) -> None:
     """Two hosts; kv-1 holds a 10-block prefix; p-1 has a job of `queued_blocks`
-    queued, p-0 is idle."""
+    (beyond that prefix) queued, p-0 is idle."""
     for i in range(2):
         c.feed(
             ev.InstanceUp(
@@ -40,10 +40,8 @@ def _holder_busy(c: Any, kv_capacity: int = 0, queued_blocks: int = 3) -> None:
         c.prefill(f"p-{i}", f"h{i}")
     c.decode("d-0")
     c.store("kv-1", keys(10))
-    assert _scheduled(c.admit("busy0", keys(3, base=9000))).prefill_instance == "p-0"
-    busy1 = _scheduled(c.admit("busy1", keys(queued_blocks, base=7000)))
-    assert busy1.prefill_instance == "p-1"
-    c.progress("busy0", "p-0", "prefill_done")
+    busy = _scheduled(c.admit("busy", keys(10) + keys(queued_blocks, base=7000)))
+    assert busy.prefill_instance == "p-1"
 
 
 def test_a_full_pool_keeps_the_prefix_where_it_is(crafted: Any) -> None:
@@ -66,9 +64,9 @@ def test_a_full_pool_keeps_the_prefix_where_it_is(crafted: Any) -> None:
         assert replay(c.records).divergences == []
 
 
-def test_a_pool_with_room_takes_the_copy_for_nothing(crafted: Any) -> None:
+def test_a_pool_with_room_takes_the_copy_almost_for_nothing(crafted: Any) -> None:
     c = crafted(prefix_stickiness=1.0)
-    _holder_busy(c, kv_capacity=100)
+    _holder_busy(c, kv_capacity=100)  # 10 of 200 blocks held: a copy evicts 5% as much
     d = _scheduled(c.admit("r", keys(10)))
     assert (d.prefill_instance, d.explain.branch) == ("p-0", "transfer")
 
@@ -81,17 +79,18 @@ def test_a_long_queue_is_worth_the_copy(crafted: Any) -> None:
 
 
 def test_ties_go_to_the_instance_idle_longest(crafted: Any) -> None:
-    picks = {}
+    picks: dict[float, list[str]] = {}
     for stickiness in (0.0, 1.0):
         c = crafted(prefix_stickiness=stickiness)
         c.hosts(3)
-        assert _scheduled(c.admit("a", keys(4))).prefill_instance == "p-0"
-        c.at(2.0).progress("a", "p-0", "prefill_done")
-        c.at(5.0)
-        picks[stickiness] = _scheduled(c.admit("b", keys(4, base=5000))).prefill_instance
+        picks[stickiness] = []
+        for n in range(4):  # one at a time, all idle, nothing cached: all tie
+            d = _scheduled(c.at(1.0 + n).admit(f"r{n}", keys(4, base=1000 * n)))
+            picks[stickiness].append(d.prefill_instance)
+            c.progress(d.request_id, d.prefill_instance, "prefill_done")
         assert replay(c.records).divergences == []
-    # All three idle and equally fast: by id without stickiness, else one never used.
-    assert picks == {0.0: "p-0", 1.0: "p-1"}
+    assert picks[0.0] == ["p-0"] * 4  # by id: one host's pool takes every new prefix
+    assert picks[1.0] == ["p-0", "p-1", "p-2", "p-0"]
 
 
 @pytest.mark.parametrize("recorded", ['{"policy": "mooncake"}', "{}", "not json"])

@@ -22,6 +22,15 @@ lower id, and a tie with the last taken is taken too). The decision, the candida
 table of the explanation (its best `keep - 1` besides the chosen one) and every
 figure in them are the full scan's, to the bit.
 
+With prefix stickiness the pick is by TTFT plus a copy cost that every quiet
+non-holder pays alike, ties going to the instance idle longest rather than the
+lowest id. The one quiet non-holder that can be picked is then the first quiet
+entry, among the lowest slowdown, of a second order kept beside the first:
+(slowdown, `busy_until` when last found drained, id). An instance whose
+`busy_until` moves is marked as possibly queued first, so a quiet instance's entry
+is always its current `busy_until`. It is evaluated too; the table is the TTFT's,
+as above.
+
 What it assumes: the slowdown of a quiet engine is its `solo` alone, so only when
 engines do not share compute (`compute_sharing = "none"`, the default) or speed is
 not learned; otherwise the planner scans every instance.
@@ -62,15 +71,19 @@ def still_busy(
     instances: Mapping[str, Instance],
     busy: Callable[[Instance], bool],
     positions: Mapping[str, int],
+    on_idle: Callable[[Instance], None] | None = None,
 ) -> list[int]:
     """The positions of the members of a "may be busy" set that still are, in
-    order; those found idle (or gone) leave the set."""
+    order; those found idle (or gone) leave the set, and `on_idle` is told of
+    each one found idle."""
     drained = []
     found = []
     for instance_id in members:
         inst = instances.get(instance_id)
         if inst is None or not busy(inst):
             drained.append(instance_id)
+            if inst is not None and on_idle is not None:
+                on_idle(inst)
             continue
         i = positions.get(instance_id)
         if i is not None:
@@ -86,6 +99,10 @@ def solo_factor(speed: InstanceSpeed | None) -> float:
     return speed.solo if speed is not None else 1.0
 
 
+def _factor(entry: tuple[float, str] | tuple[float, float, str]) -> float:
+    return entry[0]
+
+
 class Candidates:
     """Prefill instances in order of their slowdown alone, those that may be queued,
     and the decode instances that may have work (see the module docstring)."""
@@ -94,6 +111,12 @@ class Candidates:
         # (factor, instance id), sorted; and each id's current key.
         self._by_speed: list[tuple[float, str]] = []
         self._key: dict[str, tuple[float, str]] = {}
+        # (factor, idle since, instance id), sorted, and each id's current key: the
+        # order in which prefix stickiness breaks ties among quiet instances. "Idle
+        # since" is the instance's `busy_until` when it was last found drained (an
+        # instance whose `busy_until` moves is queued first, see `queued`).
+        self._by_idle: list[tuple[float, float, str]] = []
+        self._idle_key: dict[str, tuple[float, float, str]] = {}
         # Instances whose queue may be non-empty or whose busy_until may be ahead of
         # now: a superset, pruned when a decision finds one drained.
         self.may_be_queued: dict[str, None] = {}
@@ -108,21 +131,23 @@ class Candidates:
         self,
         instances: Mapping[str, object],
         speeds: Mapping[str, InstanceSpeed],
-        prefill_ids: Iterator[tuple[str, bool]],
+        prefill_ids: Iterator[tuple[str, bool, float]],
         busy_decode_ids: Iterator[str] = iter(()),
     ) -> None:
         """Rebuild from the state if its dicts are not the ones indexed.
 
-        `prefill_ids`: every prefill instance's id and whether it may be queued;
-        `busy_decode_ids`: the decode instances with work.
+        `prefill_ids`: every prefill instance's id, whether it may be queued, and
+        its `busy_until`; `busy_decode_ids`: the decode instances with work.
         """
         if instances is self._instances and speeds is self._speeds:
             return
         self._instances, self._speeds = instances, speeds
         self._by_speed, self._key, self.may_be_queued = [], {}, {}
+        self._by_idle, self._idle_key = [], {}
         self.decode_busy = dict.fromkeys(busy_decode_ids)
-        for instance_id, queued in prefill_ids:
+        for instance_id, queued, busy_until in prefill_ids:
             self.set_speed(instance_id, solo_factor(speeds.get(instance_id)))
+            self.set_idle_since(instance_id, busy_until)
             if queued:
                 self.may_be_queued[instance_id] = None
 
@@ -136,6 +161,22 @@ class Candidates:
             del self._by_speed[bisect.bisect_left(self._by_speed, old)]
         bisect.insort(self._by_speed, key)
         self._key[instance_id] = key
+        idle = self._idle_key.get(instance_id)
+        self._set_idle_key(instance_id, (factor, idle[1] if idle else 0.0, instance_id))
+
+    def set_idle_since(self, instance_id: str, since: float) -> None:
+        """The instance was found drained with this `busy_until`."""
+        speed = self._key.get(instance_id)
+        self._set_idle_key(instance_id, (speed[0] if speed else 1.0, since, instance_id))
+
+    def _set_idle_key(self, instance_id: str, key: tuple[float, float, str]) -> None:
+        old = self._idle_key.get(instance_id)
+        if old == key:
+            return
+        if old is not None:
+            del self._by_idle[bisect.bisect_left(self._by_idle, old)]
+        bisect.insort(self._by_idle, key)
+        self._idle_key[instance_id] = key
 
     def queued(self, instance_id: str) -> None:
         """The instance may have a queue now (a request was placed or re-timed there)."""
@@ -144,6 +185,25 @@ class Candidates:
     def by_speed(self) -> Iterator[tuple[float, str]]:
         """Every indexed prefill instance, fastest alone first (then by id)."""
         return iter(self._by_speed)
+
+    def factors(self) -> Iterator[float]:
+        """The distinct slowdowns indexed, smallest first."""
+        entries = self._by_speed
+        at = 0
+        while at < len(entries):
+            factor = entries[at][0]
+            yield factor
+            at = bisect.bisect_right(entries, factor, lo=at, key=_factor)
+
+    def idle_longest(self, factor: float) -> Iterator[str]:
+        """The instances indexed at `factor`, idle longest first (then by id)."""
+        entries = self._by_idle
+        lo = bisect.bisect_left(entries, factor, key=_factor)
+        for k in range(lo, len(entries)):
+            entry = entries[k]
+            if entry[0] != factor:
+                return
+            yield entry[2]
 
     def next_factor(self, factor: float) -> float | None:
         """The smallest indexed slowdown above `factor` (None: none is)."""

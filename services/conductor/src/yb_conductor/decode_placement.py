@@ -24,11 +24,13 @@ will wait behind it. With one priority everywhere this is the plain room, and
 `priority_order=False` (conductors before engines ordered by priority) ignores it.
 
 Calibrated room (`calibrated_kv`): the conductor accounts a request's KV as whole
-blocks of its prompt plus expected output from the moment it is placed; what an
-instance reports using for the requests committed there can be less (an engine
-that reserves tokens, not pages). The room then leaves out what the instance's
-reports showed the accounting to overcount (`kv_overcount_blocks`, never more than
-is accounted there, never negative).
+blocks of its prompt plus expected output from the moment it is placed. Two things
+make that more than the instance will hold when this request's pages are taken:
+requests still in a prefill that ends after this one's take their pages after it
+(first come, first served), so they are left out; and what an instance reports
+using for the requests committed there can be less than accounted (an engine that
+reserves tokens, not pages), so the room leaves out what its reports showed the
+accounting to overcount (`kv_overcount_blocks`; never below zero).
 """
 
 from __future__ import annotations
@@ -151,6 +153,8 @@ class DecodePlanner:
                     continue
                 if p.priority < floor and not p.prefill_done:
                     held -= p.kv_blocks  # it will wait for pages behind this one
+                elif calibrated and not p.prefill_done and p.prefill_end > at_time:
+                    held -= p.kv_blocks  # its pages are taken after this one's
                 start = p.decode_started or p.prefill_end
                 duration = p.duration_cap if p.duration_cap < t_d else t_d
                 if start <= at_time < start + duration:

@@ -44,12 +44,11 @@ options compare at the cost model's speed; the slowdown then multiplies the
 winner's work, so what is reused and from where stays the cost model's call.
 
 Stickiness (`prefix_stickiness` > 0): instances are ranked by TTFT plus what the
-copy of the prefix they would make costs (`CopyCost`: the blocks it evicts from a
-full pool, at the compute a block saves), ties going to the instance idle longest;
-the estimates and the candidate table stay the TTFT's. Every instance is then
-evaluated (a quiet one's copy cost depends on its host's pool). 0 ranks by TTFT
-alone, ties by id, as conductors did before the setting (a log they recorded
-replays that way).
+copy of the prefix they would make costs (`CopyCost`: the copied blocks, at the
+compute a block saves, times how full the pool is), ties going to the instance
+idle longest (the earliest `busy_until`); the estimates and the candidate
+table stay the TTFT's. 0 ranks by TTFT alone, ties by id, as conductors did before
+the setting (a log they recorded replays that way).
 """
 
 from __future__ import annotations
@@ -226,18 +225,22 @@ def overtaking_load(state: ClusterState, priority: int, window_s: float, instanc
 
 
 class CopyCost:
-    """What placing one request on a host costs beyond its TTFT (`prefix_stickiness`).
+    """What placing one request on an instance costs beyond its TTFT
+    (`prefix_stickiness`).
 
     An instance that holds only `held` blocks of the longest prefix held anywhere
-    stores the rest on its host again (pulled or recomputed). What the host's pool
-    has free takes the copy for nothing; past that, the copy evicts as many blocks of
-    other prefixes, whose next use must compute them again. Each evicted block is
-    priced at what one block of this request saves a prefill (the cost model's),
-    times the stickiness. So a prefix moves to another host only when the queue it
-    escapes is worth more than what the copy pushes out.
+    stores the rest on its host again (pulled or recomputed). In a pool with free
+    room the copy is free; in a full one it evicts as many blocks of other prefixes,
+    whose next use must compute them again. So each copied block costs what one
+    block of this request saves a prefill (the cost model's), times how full the
+    pool is (`ClusterState.pool_fill`: the chance that storing a block evicts
+    one), times the stickiness. A prefix then moves to another host only when the
+    queue it escapes is worth more than what the copy pushes out. The pool's fill,
+    not the host's: every instance holding nothing of the prefix pays the same, so
+    only the holders and the queued need evaluating one by one (`candidates`).
     """
 
-    __slots__ = ("_best", "_per_block", "_rooms", "_state")
+    __slots__ = ("_best", "_per_block")
 
     def __init__(
         self,
@@ -246,23 +249,15 @@ class CopyCost:
         view: PoolView,
         prefill_s: Callable[[int], float],
     ) -> None:
-        self._state = state
         self._best = view.best_any_blocks
         blocks = len(view.keys)
         saved = (prefill_s(0) - prefill_s(blocks)) / blocks if blocks else 0.0
-        self._per_block = planner.stickiness * saved
-        self._rooms: dict[str, int] = {}
+        self._per_block = planner.stickiness * saved * state.pool_fill() if self._best else 0.0
 
-    def seconds(self, host: str, held: int) -> float:
-        """The copy's cost on `host`, whose instance holds `held` blocks of the prefix."""
+    def seconds(self, held: int) -> float:
+        """The copy's cost on an instance that holds `held` blocks of the prefix."""
         copied = self._best - held
-        if copied <= 0:
-            return 0.0
-        room = self._rooms.get(host)
-        if room is None:
-            room = self._rooms[host] = self._state.pool_room(host)
-        evicted = copied - room
-        return evicted * self._per_block if evicted > 0 else 0.0
+        return copied * self._per_block if copied > 0 else 0.0
 
 
 # The explanation's default candidate table (`ConductorConfig.explain_top_k`) plus
@@ -415,8 +410,60 @@ class PrefillPlanner:
         (see `candidates` for why it is exact)."""
         if state.learn_speed and state.compute_sharing != "none":
             return None  # an idle engine's speed depends on its group's load
-        if self.stickiness > 0.0:
-            return None  # a quiet engine's copy cost depends on its host's pool
+        found = self._table_candidates(state, view, prefills, shared_work)
+        if found is None:
+            return None
+        picked, taken, holding_or_queued = found
+        if self.stickiness <= 0.0:
+            return picked, taken
+        # With stickiness the pick is not always among the fastest by id: ties go to
+        # the instance idle longest. Every quiet non-holder pays the same copy cost,
+        # so the one that ranks first is the fastest, idle longest among equals.
+        winner = self._quiet_winner(state, prefills, holding_or_queued, shared_work)
+        if winner is not None and winner not in picked:
+            picked = sorted([*picked, winner])
+        return picked, taken
+
+    def _quiet_winner(
+        self,
+        state: ClusterState,
+        prefills: list[InstanceState],
+        skip: set[int],
+        shared_work: float,
+    ) -> int | None:
+        """The position of the quiet non-holder (not in `skip`) whose TTFT, `w * f`
+        (`w` without learned speed), is lowest, idle longest among equals (the
+        earliest `busy_until`, then the lowest position: the tie order of
+        `_evaluate`)."""
+        positions = state.positions(prefills)
+        index = state.candidates()
+        queued = index.may_be_queued
+        learned = state.learn_speed
+        best: tuple[float, int] | None = None  # (busy_until, position)
+        best_t = math.inf
+        for factor in index.factors():
+            t = shared_work * factor if learned else shared_work
+            if t > best_t:
+                break  # slower: so is every factor after it
+            for instance_id in index.idle_longest(factor):
+                at = positions.get(instance_id)
+                if at is None or at in skip or instance_id in queued:
+                    continue
+                key = (prefills[at].busy_until, at)
+                if best is None or t < best_t or key < best:
+                    best, best_t = key, t
+                break  # the rest of this slowdown were idle for less long
+        return best[1] if best is not None else None
+
+    def _table_candidates(
+        self,
+        state: ClusterState,
+        view: PoolView,
+        prefills: list[InstanceState],
+        shared_work: float,
+    ) -> tuple[list[int], int, set[int]] | None:
+        """`_candidates` for the explanation's table and the pick by TTFT, with the
+        positions of the holders and the queued."""
         positions = state.positions(prefills)
         picked: set[int] = set()
         if view.host_best or view.engines:
@@ -432,7 +479,16 @@ class PrefillPlanner:
                     picked.add(i)
         index = state.candidates()
         queued = index.may_be_queued
-        picked.update(still_busy(queued, state.instances, state.prefill_busy, positions))
+        picked.update(
+            still_busy(
+                queued,
+                state.instances,
+                state.prefill_busy,
+                positions,
+                lambda inst: index.set_idle_since(inst.instance_id, inst.busy_until),
+            )
+        )
+        holding_or_queued = set(picked)
         # The quiet non-holders, fastest first: each one's TTFT is `0.0 + w * f`.
         learned = state.learn_speed
         order = index.by_speed() if learned else ((1.0, i.instance_id) for i in prefills)
@@ -448,13 +504,13 @@ class PrefillPlanner:
             t = shared_work * factor if learned else shared_work
             if taken >= keep:
                 if t > last_t:
-                    return sorted(picked), taken
+                    return sorted(picked), taken, holding_or_queued
                 if factor == last_f and not mixed:
                     # Later ones with this factor tie and come later by id; the next
                     # factor up must be strictly slower for the rest to be left out.
                     following = index.next_factor(factor) if learned else None
                     if following is None or shared_work * following > last_t:
-                        return sorted(picked), taken
+                        return sorted(picked), taken, holding_or_queued
             if t == last_t and factor != last_f:
                 mixed = True
             picked.add(i)
@@ -502,8 +558,7 @@ class PrefillPlanner:
                 stretch = 1.0 / (1.0 - rho)
         chosen = 0
         chosen_rank = math.inf
-        sticky = self.stickiness > 0.0
-        copy = CopyCost(self, state, view, prefill_s) if sticky else None
+        copy = CopyCost(self, state, view, prefill_s) if self.stickiness > 0.0 else None
         for i, inst in enumerate(prefills):
             factor = 1.0
             if factors is not None:
@@ -539,10 +594,10 @@ class PrefillPlanner:
                     chosen_rank = t
                     chosen = i
                 continue
-            rank = t + copy.seconds(inst.host, held)
+            rank = t + copy.seconds(held)
             if rank < chosen_rank or (
-                # Ties go to the instance idle longest: new prefixes spread over the
-                # hosts' pools instead of filling the first host's.
+                # Ties go to the instance idle longest (then by id): new prefixes
+                # spread over the hosts' pools instead of filling the first host's.
                 rank == chosen_rank and inst.busy_until < prefills[chosen].busy_until
             ):
                 chosen_rank = rank

@@ -262,6 +262,9 @@ class ClusterState:
         self.placements: dict[str, Placement] = {}
         self.admissions: dict[str, PendingAdmission] = {}
         self.index = BlockIndex()
+        # (capacity, blocks held) of the live kvstores that announced a capacity;
+        # None: to be counted again (`pool_fill`).
+        self._pool_totals: tuple[int, int] | None = None
         self.block_trackers: dict[str, BlockTracker] = {}
         # Instances whose block stream broke; the service asks them for an inventory.
         self.resync_wanted: dict[str, None] = {}
@@ -597,6 +600,7 @@ class ClusterState:
                 self.cancel_not_before.setdefault(request_id, self.now + REPLAN_GRACE_S)
 
     def _topology_changed(self) -> None:
+        self._pool_totals = None
         self._live_cache.clear()
         self._live_positions.clear()
         self._min_capacity.clear()
@@ -773,6 +777,12 @@ class ClusterState:
 
     def _block_event(self, event: ev.BlockEvent) -> None:
         instance_id = event.instance_id
+        before = self.index.blocks_held(instance_id)
+        self._apply_block_event(event)
+        self._pool_changed(instance_id, before)
+
+    def _apply_block_event(self, event: ev.BlockEvent) -> None:
+        instance_id = event.instance_id
         tracker = self.block_trackers.get(instance_id)
         if tracker is None:
             tracker = self.block_trackers[instance_id] = BlockTracker()
@@ -801,6 +811,11 @@ class ClusterState:
                 self.index.clear(instance_id)
 
     def _inventory(self, event: ev.BlockInventory) -> None:
+        before = self.index.blocks_held(event.instance_id)
+        self._apply_inventory(event)
+        self._pool_changed(event.instance_id, before)
+
+    def _apply_inventory(self, event: ev.BlockInventory) -> None:
         tracker = self.block_trackers.get(event.instance_id)
         if (
             tracker is not None
@@ -818,8 +833,38 @@ class ClusterState:
         self.index.store(event.instance_id, event.ssd, "ssd")
         self.index.store(event.instance_id, event.engine, "engine")
 
+    def _pool_changed(self, instance_id: str, before: int) -> None:
+        """Keep the pool's totals in step with what one instance's blocks did."""
+        totals = self._pool_totals
+        inst = self.instances.get(instance_id)
+        if totals is None or inst is None or not self._in_pool(inst):
+            return
+        self._pool_totals = (totals[0], totals[1] + self.index.blocks_held(instance_id) - before)
+
+    @staticmethod
+    def _in_pool(inst: InstanceState) -> bool:
+        return inst.alive and inst.role == "kvstore" and inst.kv_capacity_blocks > 0
+
+    def pool_fill(self) -> float:
+        """How full the live kvstores are, together: blocks held over their capacity,
+        at most 1 (1 when none announced a capacity: taken as full)."""
+        totals = self._pool_totals
+        if totals is None:
+            capacity = held = 0
+            for inst in self.instances.values():
+                if self._in_pool(inst):
+                    capacity += inst.kv_capacity_blocks
+                    held += self.index.blocks_held(inst.instance_id)
+            totals = self._pool_totals = (capacity, held)
+        capacity, held = totals
+        if not capacity or held >= capacity:
+            return 1.0
+        return held / capacity
+
     def _forget_blocks(self, instance_id: str) -> None:
+        before = self.index.blocks_held(instance_id)
         self.index.clear(instance_id)
+        self._pool_changed(instance_id, before)
         tracker = self.block_trackers.get(instance_id)
         if tracker is not None:
             # Whatever comes next from it starts a fresh epoch as far as we know.
@@ -867,7 +912,7 @@ class ClusterState:
             instances,
             self.speeds,
             (
-                (i.instance_id, self.prefill_busy(i))
+                (i.instance_id, self.prefill_busy(i), i.busy_until)
                 for i in instances.values()
                 if i.role == "prefill"
             ),
@@ -909,18 +954,6 @@ class ClusterState:
                     hosts.setdefault(inst.host, []).append(inst)
             self._hosts_cache = hosts
         return self._hosts_cache
-
-    def pool_room(self, host: str) -> int:
-        """Blocks the live kvstores of `host` can still store without evicting (a
-        kvstore that announced no capacity counts as full)."""
-        room = 0
-        index = self.index
-        for inst in self.live_by_host().get(host, ()):
-            if inst.role == "kvstore" and inst.kv_capacity_blocks:
-                free = inst.kv_capacity_blocks - index.blocks_held(inst.instance_id)
-                if free > 0:
-                    room += free
-        return room
 
     def queue_s(self, inst: InstanceState) -> float:
         """Predicted seconds until the instance's prefill queue drains."""
