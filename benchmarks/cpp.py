@@ -24,8 +24,13 @@ by the core count (`cores` in the JSON).
 
 Figures (DESIGN.md): `ttft_single_{N}_s`, `ttft_cpp{S}_{N}_s`, `cpp{S}_speedup_{N}`
 (single over group, medians), `cpp{S}_logits_rel_err_{N}` (the group's logits against
-the instance's: max abs difference over max abs logit). A run the model cannot hold
-(TOKENS over its context) is skipped and listed in `skipped`.
+the instance's: max abs difference over max abs logit). On a shared machine the wall
+times depend on what else runs (`load_average_1m`), and S busy processes can take a
+larger share of contended cores than one, so the CPU seconds are given too:
+`cpu_single_{N}_s` (the instance's), `cpu_cpp{S}_{N}_s` (all stages together) and
+`cpu_cpp{S}_slowest_stage_{N}_s`; single over slowest stage bounds the speedup a group
+could reach on idle cores, pipeline fill aside. A run the model cannot hold (TOKENS
+over its context) is skipped and listed in `skipped`.
 """
 
 from __future__ import annotations
@@ -90,11 +95,12 @@ def recv_tensor(conn: Connection) -> tuple[HiddenHeader, torch.Tensor] | None:
     return header, hidden_from_buffer(header, conn.recv_bytes(), "cpu")
 
 
-def worker(spec: WorkerSpec, inbox: Connection, outbox: Connection, ready: Any) -> None:
+def worker(spec: WorkerSpec, inbox: Connection, outbox: Connection, reports: Any) -> None:
     """A stage or instance process: loads its weights, then serves prompts until an
     empty message. A stage hands each chunk's output to a sending thread as soon as it
     is computed (so it computes the next chunk while the bytes go); the last stage (or
-    the instance) sends the logits."""
+    the instance) sends the logits. On `reports` it says when it is ready, then after
+    each prompt the CPU seconds the prompt cost it."""
     torch.set_num_threads(1)
     config = ModelConfig(source=spec.source, device="cpu", dtype="float32")
     pages = -(-spec.max_tokens // spec.block_size)
@@ -110,20 +116,27 @@ def worker(spec: WorkerSpec, inbox: Connection, outbox: Connection, ready: Any) 
     if spec.layers is None:
         model = load_engine_model(config, default_model_cache_dir())
         runner = ModelRunner(model, PagedKVCache(model.config, pages, spec.block_size))
-        ready.put(model.config.num_layers)
+        reports.put(0.0)
         while (message := recv_tensor(inbox)) is not None:
             header, ids = message
+            cpu = time.process_time()
             logits = runner.prefill(ids.tolist(), table, chunk_size=spec.chunk_size)
             outgoing.put((logits, header.describing(logits)))
+            reports.put(time.process_time() - cpu)
     else:
         stage = load_engine_stage(config, default_model_cache_dir(), LayerRange(*spec.layers))
         stage_runner = StageRunner(stage, stage_cache(stage, pages, spec.block_size))
-        ready.put(stage.config.num_layers)
+        reports.put(0.0)
+        cpu = 0.0
         while (message := recv_tensor(inbox)) is not None:
             header, inputs = message
+            if header.chunk_index == 0:
+                cpu = time.process_time()
             out = stage_runner.forward(inputs, table, header.start, header.prompt_len)
             if out is not None:  # None: the last stage, before the prompt's last chunk
                 outgoing.put((out, header.describing(out)))
+            if header.is_last_chunk:
+                reports.put(time.process_time() - cpu)
     outgoing.put(None)
     sender.join()
     outbox.send_bytes(b"")  # the next process stops too
@@ -134,23 +147,24 @@ class Chain:
 
     def __init__(self, specs: list[WorkerSpec]) -> None:
         ctx = mp.get_context("spawn")
-        ready = ctx.Queue()
+        self.reports = ctx.Queue()
         self.processes = []
         first_recv, self.feed = ctx.Pipe(duplex=False)
         inbox = first_recv
         for spec in specs:
             recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=worker, args=(spec, inbox, send, ready), daemon=True)
+            proc = ctx.Process(target=worker, args=(spec, inbox, send, self.reports), daemon=True)
             proc.start()
             self.processes.append(proc)
             inbox = recv
         self.result = inbox
         for _ in specs:
-            ready.get(timeout=600)
+            self.reports.get(timeout=600)  # loaded
         self.chunk_size = specs[0].chunk_size
 
-    def ttft(self, ids: list[int], chunked: bool) -> tuple[float, torch.Tensor]:
-        """Seconds from the first chunk handed over to the logits back, and the logits.
+    def ttft(self, ids: list[int], chunked: bool) -> tuple[float, torch.Tensor, list[float]]:
+        """Seconds from the first chunk handed over to the logits back, the logits, and
+        the CPU seconds each process spent on the prompt.
 
         `chunked`: the prompt goes in chunks (a group), else whole (an instance, which
         chunks it itself)."""
@@ -168,7 +182,8 @@ class Chain:
         message = recv_tensor(self.result)
         elapsed = time.perf_counter() - begin
         assert message is not None
-        return elapsed, message[1]
+        cpu = [self.reports.get(timeout=60) for _ in self.processes]
+        return elapsed, message[1], cpu
 
     def close(self) -> None:
         self.feed.send_bytes(b"")
@@ -229,23 +244,27 @@ def main(argv: list[str] | None = None) -> int:
         ids = [int(t) for t in torch.randint(0, arch.vocab, (tokens,), generator=gen)]
         single.ttft(ids[:WARMUP_TOKENS], chunked=False)
         group.ttft(ids[:WARMUP_TOKENS], chunked=True)
-        single_s, group_s = [], []
+        single_s, group_s, single_cpu, group_cpu = [], [], [], []
         for _ in range(args.repeats):
-            elapsed, reference = single.ttft(ids, chunked=False)
+            elapsed, reference, cpu = single.ttft(ids, chunked=False)
             single_s.append(elapsed)
-            elapsed, logits = group.ttft(ids, chunked=True)
+            single_cpu.append(cpu[0])
+            elapsed, logits, cpu = group.ttft(ids, chunked=True)
             group_s.append(elapsed)
+            group_cpu.append(cpu)
         single.close()
         group.close()
         tag = f"cpp{num_stages}"
-        figures[f"ttft_single_{tokens}_s"] = statistics.median(single_s)
-        figures[f"ttft_{tag}_{tokens}_s"] = statistics.median(group_s)
-        figures[f"{tag}_speedup_{tokens}"] = statistics.median(single_s) / statistics.median(
-            group_s
-        )
+        median = statistics.median
+        figures[f"ttft_single_{tokens}_s"] = median(single_s)
+        figures[f"ttft_{tag}_{tokens}_s"] = median(group_s)
+        figures[f"{tag}_speedup_{tokens}"] = median(single_s) / median(group_s)
         figures[f"{tag}_logits_rel_err_{tokens}"] = float(
             (logits - reference).abs().max() / reference.abs().max()
         )
+        figures[f"cpu_single_{tokens}_s"] = median(single_cpu)
+        figures[f"cpu_{tag}_{tokens}_s"] = median(sum(c) for c in group_cpu)
+        figures[f"cpu_{tag}_slowest_stage_{tokens}_s"] = median(max(c) for c in group_cpu)
     figures["skipped"] = ",".join(skipped)
     figures["load_average_1m"] = os.getloadavg()[0]
 
