@@ -126,7 +126,7 @@ def _trace_log(cfg: ConductorConfig, requests: int = 250) -> list[LogRecord]:
     [
         ConductorConfig(),
         ConductorConfig(learn_speed=False),
-        ConductorConfig(priority_order=False, explain_top_k=3),
+        ConductorConfig(priority_order=False, explain_top_k=3, explain_decode_top_k=2),
         ConductorConfig(compute_sharing="host"),
         ConductorConfig(prefix_stickiness=0.0),
     ],

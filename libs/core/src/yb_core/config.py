@@ -330,6 +330,9 @@ class ConductorConfig(_Section):
     outcomes, never above the estimate): a request is refused only when what its
     estimate is expected to turn out misses the SLO; off, the estimates as they are
     (how logs recorded before the setting replay).
+    `explain_decode_top_k`: how many decode instances a decision's explanation
+    lists (the chosen one, then the lowest predicted TBT; 0: every instance, as
+    logs recorded before the setting do).
 
     Hot prefixes: when `hot_replicas` > 0, a prefix wanted by `hot_demand` requests
     within `hot_window_s` and held on fewer than `hot_replicas` hosts gets a
@@ -366,6 +369,7 @@ class ConductorConfig(_Section):
     sharing_prior: float = 1.0
     prefix_stickiness: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     calibrated_admission: bool = True
+    explain_decode_top_k: Annotated[int, msgspec.Meta(ge=0)] = 8
 
 
 class EngineConfig(_Section):

@@ -35,6 +35,7 @@ accounting to overcount (`kv_overcount_blocks`; never below zero).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -180,6 +181,32 @@ class DecodePlanner:
         ):
             chosen = first_idle
         return DecodeChoice(decodes, fits, batches, tbts, chosen, at_time, context, evaluated)
+
+    @staticmethod
+    def table(state: ClusterState, choice: DecodeChoice, top_k: int) -> list[int]:
+        """The positions the explanation lists: every instance in order (`top_k` 0),
+        else the chosen one first, then the lowest predicted TBT (ties by id), `top_k`
+        in all. Only the evaluated instances and the first idle ones are looked at:
+        every idle one predicts the same, so later ones come after them."""
+        n = len(choice.instances)
+        if top_k <= 0:
+            return list(range(n))
+        pool: Iterable[int] = range(n)
+        if choice.evaluated is not None:
+            busy = state.candidates().decode_busy
+            idle: list[int] = []
+            for i, inst in enumerate(choice.instances):
+                if inst.instance_id not in busy:
+                    idle.append(i)
+                    if len(idle) > top_k:
+                        break
+            pool = {*choice.evaluated, *idle}
+        tbts = choice.predicted_tbts
+        best = heapq.nsmallest(top_k + 1, pool, key=lambda i: (tbts[i], i))
+        chosen = choice.chosen_index
+        order = [chosen] if chosen >= 0 else []
+        order.extend(i for i in best if i != chosen)
+        return order[:top_k]
 
     @staticmethod
     def _busy(state: ClusterState, decodes: list[InstanceState]) -> tuple[list[int], int]:

@@ -120,12 +120,12 @@ class MooncakePolicy:
             ),
             decode_candidates=[
                 ev.DecodeCandidate(
-                    instance_id=inst.instance_id,
-                    batch=inst.decoding_requests + 1,
+                    instance_id=dchoice.instances[i].instance_id,
+                    batch=dchoice.instances[i].decoding_requests + 1,
                     predicted_batch=dchoice.predicted_batches[i],
                     tbt_s=dchoice.predicted_tbts[i],
                 )
-                for i, inst in enumerate(dchoice.instances)
+                for i in self.decode.table(state, dchoice, self.cfg.explain_decode_top_k)
             ],
         )
         if dchoice.chosen_index < 0:

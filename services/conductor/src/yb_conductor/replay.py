@@ -362,8 +362,10 @@ def recompute_decision(
     records: list[LogRecord], request_id: str, *, top_k: int = 0
 ) -> ev.Decision | None:
     """The decision for one request recomputed from the log, with `top_k` candidates
-    in its explanation (0: every instance)."""
-    c = Conductor(overrides={"explain_top_k": top_k}, ignore_explain=True)
+    of each pool in its explanation (0: every instance)."""
+    c = Conductor(
+        overrides={"explain_top_k": top_k, "explain_decode_top_k": top_k}, ignore_explain=True
+    )
     for r in records:
         for out in c.apply(r.seq, r.event):
             if isinstance(out, ev.Decision) and (out.request_id == request_id):
