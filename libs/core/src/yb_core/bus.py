@@ -693,7 +693,12 @@ class Bus:
         return reader
 
     async def _ordered_subscription(
-        self, subjects: list[str], start_seq: int, last_per_subject: bool, stream: str = ""
+        self,
+        subjects: list[str],
+        start_seq: int,
+        last_per_subject: bool,
+        stream: str,
+        cb: Callable[[Msg], Awaitable[None]],
     ) -> JetStreamContext.PushSubscription:
         if last_per_subject:
             config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT)
@@ -715,6 +720,7 @@ class Bus:
             config=config,
             idle_heartbeat=2.0,
             pending_msgs_limit=1_000_000,
+            cb=cb,
         )
 
     async def read_durable(self, durable: str, subject: str = EVENT_SUBJECTS) -> DurableReader:
@@ -812,6 +818,10 @@ class EventReader:
         self._next_seq = start_seq
         self._last_per_subject = last_per_subject
         self._sub: JetStreamContext.PushSubscription | None = None
+        # What the subscription delivered and `next()` has not returned yet, and the
+        # future `next()` waits on while that is empty (see `open`).
+        self._inbox: deque[Msg] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._generation = -1
         self._stale = False  # the consumer is gone and must be opened again
         self._closed = False
@@ -829,8 +839,22 @@ class EventReader:
             sub, self._sub = self._sub, None
             with contextlib.suppress(nats.errors.Error, OSError):
                 await sub.unsubscribe()
+        # A callback subscription: nats-py hands each message to it from one task of
+        # its own, where `next_msg` made two tasks and a timer per message (the
+        # conductor reads every event of the log). Each opening has its own inbox:
+        # what an earlier consumer delivered and was not returned comes again from
+        # the new one, which starts at the next unseen sequence.
+        inbox: deque[Msg] = deque()
+        self._inbox = inbox
+
+        async def deliver(msg: Msg) -> None:
+            inbox.append(msg)
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
         self._sub = await self._bus._ordered_subscription(
-            self._subjects, self._next_seq, self._last_per_subject, self._stream
+            self._subjects, self._next_seq, self._last_per_subject, self._stream, deliver
         )
         self._generation = generation
         self._stale = False
@@ -878,29 +902,19 @@ class EventReader:
                     await asyncio.sleep(min(0.2, remaining))
                     continue
                 return None
-            try:
-                msg = await self._sub.next_msg(timeout=min(remaining, 1.0))
-            except (TimeoutError, nats.errors.TimeoutError):
-                continue
-            except nats.errors.Error as exc:
-                # nats-py turns a cancellation during a closed connection into
-                # ConnectionClosedError: honour the cancellation, and end on close.
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise asyncio.CancelledError from exc
+            if not self._inbox:
                 if self._bus.closed:
                     self._sub = None
                     return None
-                log.debug("reader_next_failed", error=repr(exc))
-                await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+                # Woken by the subscription's callback; at most a second, so that a
+                # reconnect (a new generation) is noticed at the loop's top.
+                self._waiter = waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await asyncio.wait({waiter}, timeout=min(remaining, 1.0))
+                finally:
+                    self._waiter = None
                 continue
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                # A cancel that came as the message did was swallowed by nats-py's
-                # `asyncio.wait_for` (Python 3.11 returns the result instead): honour
-                # it, or the caller's task reads on and its `cancel()` never ends it.
-                raise asyncio.CancelledError
-            logged = _decode_logged(msg)
+            logged = _decode_logged(self._inbox.popleft())
             if logged is not None and logged.seq:
                 self._next_seq = logged.seq + 1
             if logged is not None:
