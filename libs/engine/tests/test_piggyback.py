@@ -248,10 +248,11 @@ def test_abort_while_prefilling_frees_the_pages(model: LoadedModel) -> None:
 
 
 def test_the_step_time_model_learns_a_line() -> None:
-    model = StepTimeModel(window=8)
+    model = StepTimeModel(window=4)
     assert model.predict(10) is None and model.max_tokens_within(1.0) is None
-    # One token count only: proportional, which overestimates the cost of more tokens.
+    # One size class only: proportional, which overestimates the cost of more tokens.
     model.observe(4, 0.020)
+    model.observe(5, 0.020)
     model.observe(4, 0.020)
     assert model.predict(8) == pytest.approx(0.040)
     assert model.max_tokens_within(0.050) == 10
@@ -261,10 +262,14 @@ def test_the_step_time_model_learns_a_line() -> None:
     assert fixed == pytest.approx(0.018) and per_token == pytest.approx(0.0005)
     assert model.max_tokens_within(0.050) == 64
     assert model.max_tokens_within(0.010) == 0
-    # The window forgets: eight steps of a slower engine replace the line.
-    for tokens_fed in (4, 8, 4, 8, 4, 8, 4, 8):
+    # A step slowed by something else does not move a class's median.
+    model.observe(4, 5.0)
+    assert model.predict(4) == pytest.approx(0.020)
+    # The window forgets: a class's last four steps are what it knows.
+    for tokens_fed in (4, 12, 20, 36) * 4:
         model.observe(tokens_fed, 0.010 * tokens_fed)
     assert model.predict(100) == pytest.approx(1.0)
+    assert model.num_steps == 16
 
 
 class GivenStepTimes(StepTimeModel):

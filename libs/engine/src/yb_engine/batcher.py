@@ -52,6 +52,7 @@ Policy decisions, stated once:
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -122,36 +123,40 @@ class _Request:
 
 class StepTimeModel:
     """Seconds one step takes as a function of the tokens it feeds, learnt from the
-    engine's own steps: a least-squares line `seconds = fixed + per_token * tokens` over
-    the last `window` steps.
+    engine's own steps: a least-squares line `seconds = fixed + per_token * tokens`.
 
-    Until the steps seen span two token counts (a decode batch of steady size feeds the
-    same count every step), or when the fitted line does not rise, the time is taken as
-    proportional to the tokens: it overestimates what extra tokens cost (the fixed cost
-    of a step is charged per token), so chunks start small and the steps they add
-    teach the line. With no step seen, there is no prediction (None).
+    Steps are kept by size class (1, 2-3, 4-7, 8-15, ... tokens), the last `window` of
+    each, and the line is fitted through each class's median tokens and median seconds.
+    Classes keep what large chunks cost while many plain decode steps go by, and medians
+    keep a step slowed by something else (a shared CPU, a collection) from bending it.
+    Until the steps span two classes, or when the fitted line does not rise, the time is
+    taken as proportional to the tokens: that overestimates what extra tokens cost (the
+    fixed cost of a step is charged per token), so chunks start small and the steps
+    they add teach the line. With no step seen, there is no prediction (None).
     """
 
-    def __init__(self, window: int = 256) -> None:
-        if window < 2:
-            raise ValueError("the step-time window needs at least 2 steps")
-        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+    def __init__(self, window: int = 32) -> None:
+        if window < 1:
+            raise ValueError("the step-time window needs at least 1 step")
+        self.window = window
+        self._classes: dict[int, deque[tuple[int, float]]] = {}
         self._fit: tuple[float, float] | None = None
 
     def observe(self, tokens: int, seconds: float) -> None:
         """Account for a step that fed `tokens` tokens and took `seconds`."""
         if tokens > 0:
-            self._steps.append((tokens, seconds))
+            steps = self._classes.setdefault(tokens.bit_length(), deque(maxlen=self.window))
+            steps.append((tokens, seconds))
             self._fit = None
 
     @property
     def num_steps(self) -> int:
         """Steps the model is fitted on."""
-        return len(self._steps)
+        return sum(len(steps) for steps in self._classes.values())
 
     def coefficients(self) -> tuple[float, float] | None:
         """`(fixed_s, per_token_s)` of the line in use; None before any step."""
-        if not self._steps:
+        if not self._classes:
             return None
         if self._fit is None:
             self._fit = self._least_squares()
@@ -176,12 +181,16 @@ class StepTimeModel:
         return max(0, int((seconds - fixed) / per_token + 1e-6))
 
     def _least_squares(self) -> tuple[float, float]:
-        n = len(self._steps)
-        mean_t = sum(t for t, _ in self._steps) / n
-        mean_s = sum(s for _, s in self._steps) / n
-        var_t = sum((t - mean_t) ** 2 for t, _ in self._steps)
+        points = [
+            (statistics.median(t for t, _ in steps), statistics.median(s for _, s in steps))
+            for steps in self._classes.values()
+        ]
+        n = len(points)
+        mean_t = sum(t for t, _ in points) / n
+        mean_s = sum(s for _, s in points) / n
+        var_t = sum((t - mean_t) ** 2 for t, _ in points)
         if var_t > 0:
-            per_token = sum((t - mean_t) * (s - mean_s) for t, s in self._steps) / var_t
+            per_token = sum((t - mean_t) * (s - mean_s) for t, s in points) / var_t
             fixed = mean_s - per_token * mean_t
             if per_token > 0 and fixed >= 0:
                 return fixed, per_token
