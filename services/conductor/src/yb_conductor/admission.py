@@ -59,8 +59,9 @@ class Verdict:
 
 def _expected(estimate: float, expected: float, digits: int) -> str:
     """What calibration expects of an estimate, as the refusal's sentence names it
-    (nothing where it is the estimate itself)."""
-    return f" (expected {expected:.{digits}f}s)" if expected != estimate else ""
+    (nothing where it reads as the estimate itself)."""
+    shown = f"{expected:.{digits}f}"
+    return f" (expected {shown}s)" if shown != f"{estimate:.{digits}f}" else ""
 
 
 class AdmissionPolicy:
