@@ -1,14 +1,20 @@
 """Where a request's time goes: the system's own overhead, with almost no compute.
 
-Starts `yb up` with the tiny random model (or uses `--url` of a running cluster), its
-services exporting their spans to an OTLP receiver in this process, and sends streamed
-`max_tokens: 1` completions: `--requests` one at a time, then `--loaded-requests` with 16
-and with 64 in flight. For each load it reports latency p50/p99 (from sending the request
-to the end of its SSE stream), requests/s and errors (`latency_p50_ms_c1`,
-`requests_per_s_c64`, `errors_c16`, ...).
+Starts `yb up` with the tiny random model as a user does (no trace export) and sends
+streamed `max_tokens: 1` completions: `--requests` one at a time, then
+`--loaded-requests` with 16 and with 64 in flight. For each load it reports latency
+p50/p99 (from sending the request to the end of its SSE stream), requests/s and errors
+(`latency_p50_ms_c1`, `requests_per_s_c64`, `errors_c16`, ...).
 
-For the one-at-a-time load it also breaks each request down by hop, from the trace of
-that request (docs/observability.md lists the spans): the hops are the intervals between
+The breakdown comes from a second `yb up` whose services export every span to an OTLP
+receiver in this process: `--requests` one at a time again, whose latency is reported
+as `traced_latency_p50_ms_c1` and `traced_latency_p99_ms_c1` (recording and exporting
+each request's spans costs CPU in every service, so a traced cluster is slower than
+the one measured above). With `--url` (a running cluster, which cannot export to this
+process) there is no traced pass: only the loads are measured.
+
+Each traced request is broken down by hop, from its trace
+(docs/observability.md lists the spans): the hops are the intervals between
 consecutive span boundaries on the request's path, from the gateway's arrival to the end
 of its span, each named after the span it lies in or, between spans, after the two
 boundaries it joins (`hop_ms_<name>_p50`, the median over the requests). What no span
@@ -273,8 +279,75 @@ def dump(trace: list[ReceivedSpan]) -> None:
         print(f"  {began:8.3f} {ended:8.3f}  {s.service:<18} {s.name}", file=sys.stderr)
 
 
+def tiny_cluster(model: str, env: dict[str, str] | None = None) -> LocalCluster:
+    """`yb up` with the tiny random model served as `model`, started (its environment
+    plus `env`)."""
+    cluster = LocalCluster(
+        Path(tempfile.mkdtemp(prefix="yb-overhead-")),
+        "--model",
+        "tiny-random",
+        "--model-name",
+        model,
+        env=env,
+    )
+    started = time.perf_counter()
+    cluster.start(timeout_s=300)
+    print(f"cluster ready in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    return cluster
+
+
+def measure_loads(
+    url: str, headers: dict[str, str], args: argparse.Namespace
+) -> tuple[dict[str, float | int], list[str]]:
+    """The loads' figures on the cluster at `url`, and their errors."""
+    asyncio.run(run_load(url, headers, args.model, 1, args.warmup))
+    loads = [asyncio.run(run_load(url, headers, args.model, 1, args.requests))]
+    loads += [
+        asyncio.run(run_load(url, headers, args.model, c, args.loaded_requests)) for c in LOADS
+    ]
+    figures: dict[str, float | int] = {}
+    for load in loads:
+        figures |= load.figures()
+    return figures, [e for load in loads for e in load.errors]
+
+
+def measure_breakdown(args: argparse.Namespace) -> tuple[dict[str, float | int], list[str]]:
+    """One request at a time through a cluster that exports its spans here: its
+    latency (`traced_*`) and the median hops of the requests whose traces arrived."""
+    receiver = OtlpReceiver().start()
+    cluster = None
+    try:
+        cluster = tiny_cluster(
+            args.model,
+            {
+                "YB_TELEMETRY__OTLP_ENDPOINT": receiver.http_endpoint,
+                "OTEL_BSP_SCHEDULE_DELAY": "1000",
+            },
+        )
+        url, headers = cluster.url, cluster.headers
+        asyncio.run(run_load(url, headers, args.model, 1, args.warmup))
+        serial = asyncio.run(run_load(url, headers, args.model, 1, args.requests))
+        c1 = serial.figures()
+        figures: dict[str, float | int] = {
+            "traced_latency_p50_ms_c1": c1["latency_p50_ms_c1"],
+            "traced_latency_p99_ms_c1": c1["latency_p99_ms_c1"],
+        }
+        per_hop, traced = breakdown(receiver, serial, timeout_s=30)
+        figures["traced_requests_c1"] = traced
+        figures |= per_hop
+        if args.dump_trace and serial.latency_by_request:
+            trace = traces_by_request(receiver.spans(), {next(iter(serial.latency_by_request))})
+            for t in trace.values():
+                dump(t)
+        return figures, serial.errors
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        receiver.close()
+
+
 def main() -> int:
-    """Run the loads and print/write the figures."""
+    """Run the loads and the traced pass, and print/write the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running gateway (default: start `yb up`)")
     parser.add_argument("--api-key", help="the gateway's API key, with --url")
@@ -285,49 +358,18 @@ def main() -> int:
     parser.add_argument("--dump-trace", action="store_true", help="print one trace's spans")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-
-    receiver = OtlpReceiver().start()
-    cluster = None
-    url = args.url
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    if not url:
-        cluster = LocalCluster(
-            Path(tempfile.mkdtemp(prefix="yb-overhead-")),
-            "--model",
-            "tiny-random",
-            "--model-name",
-            args.model,
-            env={
-                "YB_TELEMETRY__OTLP_ENDPOINT": receiver.http_endpoint,
-                "OTEL_BSP_SCHEDULE_DELAY": "1000",
-            },
-        )
-        started = time.perf_counter()
-        cluster.start(timeout_s=300)
-        print(f"cluster ready in {time.perf_counter() - started:.1f}s", file=sys.stderr)
-        url, headers = cluster.url, cluster.headers
-    figures: dict[str, float | int] = {}
-    try:
-        asyncio.run(run_load(url, headers, args.model, 1, args.warmup))
-        serial = asyncio.run(run_load(url, headers, args.model, 1, args.requests))
-        figures |= serial.figures()
-        per_hop, traced = breakdown(receiver, serial, timeout_s=30)
-        figures["traced_requests_c1"] = traced
-        figures |= per_hop
-        if args.dump_trace and serial.latency_by_request:
-            trace = traces_by_request(receiver.spans(), {next(iter(serial.latency_by_request))})
-            for t in trace.values():
-                dump(t)
-        loads = [
-            asyncio.run(run_load(url, headers, args.model, c, args.loaded_requests)) for c in LOADS
-        ]
-        for load in loads:
-            figures |= load.figures()
-        errors = [e for load in [serial, *loads] for e in load.errors]
-    finally:
-        if cluster is not None:
+    if args.url:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        figures, errors = measure_loads(args.url, headers, args)
+    else:
+        cluster = tiny_cluster(args.model)
+        try:
+            figures, errors = measure_loads(cluster.url, cluster.headers, args)
+        finally:
             cluster.stop()
-        receiver.close()
+        traced, traced_errors = measure_breakdown(args)
+        figures |= traced
+        errors += traced_errors
     for error in sorted(set(errors))[:10]:
         print(f"error: {error}", file=sys.stderr)
 
