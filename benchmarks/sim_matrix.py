@@ -49,21 +49,9 @@ BEGIN, END = "<!-- sim-matrix:begin -->", "<!-- sim-matrix:end -->"
 
 def losses(m: Matrix) -> str:
     """The settings lost, each with the criteria it missed."""
-    out = []
-    for s in m.settings:
-        if s.wins:
-            continue
-        v = s.verdict
-        missed = [
-            name
-            for name, ok in (
-                ("mean", v.ttft_mean), ("p90", v.ttft_p90), ("goodput", v.goodput),
-                ("rejections", v.rejections),
-            )
-            if not ok
-        ]  # fmt: skip
-        out.append(f"{label(s)}: {'+'.join(missed)}")
-    return "; ".join(out)
+    return "; ".join(
+        f"{label(s)}: {'+'.join(s.verdict.missed())}" for s in m.settings if not s.wins
+    )
 
 
 def label(s: Setting) -> str:

@@ -8,6 +8,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from test_admission import TBT_SLO, _request
+from test_placement import keys
 
 from yb_conductor.policy import placement_policy
 from yb_conductor.quality import reject_code
@@ -15,12 +17,6 @@ from yb_conductor.replay import replay
 from yb_conductor.settings import recorded_settings
 from yb_conductor.state import CALIBRATION_MIN_OUTCOMES, Calibration
 from yb_core import events as ev
-
-TBT_SLO = 0.030  # the crafted cost model: 10 ms + 1 ms per sequence
-
-
-def keys(n: int, base: int = 1000) -> list[int]:
-    return [base + i for i in range(n)]
 
 
 def _spread(n: int) -> list[float]:
@@ -53,19 +49,6 @@ def _ask(c: Any, request: ev.RequestAdmitted, **settings: Any) -> ev.Decision:
     cfg = msgspec.structs.replace(c.cfg, **settings)
     request.time = c.t
     return placement_policy(cfg, c.cost).decide(c.c.state, request, seq=10_000).decision
-
-
-def _request(rid: str, chain: list[int], max_tokens: int = 10) -> ev.RequestAdmitted:
-    return ev.RequestAdmitted(
-        request_id=rid,
-        gateway_id="g",
-        model="",
-        block_size=16,
-        block_hashes=chain,
-        prompt_tokens=len(chain) * 16 + 1,
-        max_tokens=max_tokens,
-        slo=ev.Slo(ttft_s=100.0, tbt_s=TBT_SLO),
-    )
 
 
 def _verdict(d: ev.Decision) -> str:

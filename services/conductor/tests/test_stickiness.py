@@ -7,20 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from test_placement import _scheduled, keys
 
 from yb_conductor.replay import replay
 from yb_conductor.settings import recorded_settings
 from yb_core import events as ev
-
-
-def keys(n: int, base: int = 1000) -> list[int]:
-    return [base + i for i in range(n)]
-
-
-def _scheduled(d: ev.Decision) -> ev.RequestScheduled:
-    assert isinstance(d, ev.RequestScheduled), d
-    assert d.explain is not None
-    return d
 
 
 def _holder_busy(c: Any, kv_capacity: int = 0, queued_blocks: int = 3) -> None:

@@ -103,6 +103,20 @@ def _factor(entry: tuple[float, str] | tuple[float, float, str]) -> float:
     return entry[0]
 
 
+Key = TypeVar("Key", tuple[float, str], tuple[float, float, str])
+
+
+def _rekey(entries: list[Key], keys: dict[str, Key], instance_id: str, key: Key) -> None:
+    """Move an instance's entry in a sorted list to `key` (or add it)."""
+    old = keys.get(instance_id)
+    if old == key:
+        return
+    if old is not None:
+        del entries[bisect.bisect_left(entries, old)]
+    bisect.insort(entries, key)
+    keys[instance_id] = key
+
+
 class Candidates:
     """Prefill instances in order of their slowdown alone, those that may be queued,
     and the decode instances that may have work (see the module docstring)."""
@@ -153,30 +167,16 @@ class Candidates:
 
     def set_speed(self, instance_id: str, factor: float) -> None:
         """Index a prefill instance (or its new slowdown alone)."""
-        key = (factor, instance_id)
-        old = self._key.get(instance_id)
-        if old == key:
-            return
-        if old is not None:
-            del self._by_speed[bisect.bisect_left(self._by_speed, old)]
-        bisect.insort(self._by_speed, key)
-        self._key[instance_id] = key
+        _rekey(self._by_speed, self._key, instance_id, (factor, instance_id))
         idle = self._idle_key.get(instance_id)
-        self._set_idle_key(instance_id, (factor, idle[1] if idle else 0.0, instance_id))
+        since = idle[1] if idle else 0.0
+        _rekey(self._by_idle, self._idle_key, instance_id, (factor, since, instance_id))
 
     def set_idle_since(self, instance_id: str, since: float) -> None:
         """The instance was found drained with this `busy_until`."""
         speed = self._key.get(instance_id)
-        self._set_idle_key(instance_id, (speed[0] if speed else 1.0, since, instance_id))
-
-    def _set_idle_key(self, instance_id: str, key: tuple[float, float, str]) -> None:
-        old = self._idle_key.get(instance_id)
-        if old == key:
-            return
-        if old is not None:
-            del self._by_idle[bisect.bisect_left(self._by_idle, old)]
-        bisect.insort(self._by_idle, key)
-        self._idle_key[instance_id] = key
+        factor = speed[0] if speed else 1.0
+        _rekey(self._by_idle, self._idle_key, instance_id, (factor, since, instance_id))
 
     def queued(self, instance_id: str) -> None:
         """The instance may have a queue now (a request was placed or re-timed there)."""

@@ -83,6 +83,17 @@ class Verdict(msgspec.Struct, kw_only=True):
         """Every criterion met."""
         return self.ttft_mean and self.ttft_p90 and self.goodput and self.rejections
 
+    def missed(self) -> list[str]:
+        """The criteria not met, by name (mean, p90, goodput, rejections)."""
+        return [
+            name
+            for name, ok in (
+                ("mean", self.ttft_mean), ("p90", self.ttft_p90), ("goodput", self.goodput),
+                ("rejections", self.rejections),
+            )
+            if not ok
+        ]  # fmt: skip
+
 
 class Setting(msgspec.Struct, kw_only=True):
     """One cell of the matrix: what ran, every policy's figures, the verdict."""
@@ -211,14 +222,7 @@ def setting_row(s: Setting) -> str:
     best_mean = s.policies[v.best_ttft_mean_peer]
     best_p90 = s.policies[v.best_ttft_p90_peer]
     best_goodput = s.policies[v.best_goodput_peer]
-    failed = [
-        name
-        for name, ok in (
-            ("mean", v.ttft_mean), ("p90", v.ttft_p90), ("goodput", v.goodput),
-            ("rejections", v.rejections),
-        )
-        if not ok
-    ]  # fmt: skip
+    failed = v.missed()
     cells = [
         s.workload,
         s.profile,
