@@ -69,16 +69,14 @@ PATH: tuple[tuple[str, str, str | None], ...] = (
     ("gateway hand-off", "start", "hand-off"),  # the job to prefill's queue
     ("prefill", "start", "prefill queue wait"),
     ("prefill queue wait", "end", "prefill own"),
-    ("prefill reserve decode", "start", "reservation request"),
-    ("decode reserve", "start", "decode reserve"),
-    ("decode reserve", "end", "reservation reply"),
-    ("prefill reserve decode", "end", "prefill own"),
+    # The reservation on decode runs beside the prefix load and the compute (its spans
+    # are reported on their own, `span_ms_prefill_reserve_decode_p50`), and so does
+    # `kv transfer`; after the compute, what is left of them, and decode's verified
+    # commit.
     ("prefill prefix load", "start", "prefix load"),
     ("prefill prefix load", "end", "prefill own"),
     ("prefill compute", "start", "compute"),
-    # `kv transfer` runs beside the compute; after it, what is left of the transfer
-    # and decode's verified commit.
-    ("prefill compute", "end", "transfer tail and commit"),
+    ("prefill compute", "end", "after compute"),
     ("kv transfer", "end", "prefill own"),
     ("prefill hand-over", "start", "hand-over"),
     ("decode", "start", "decode admission"),
@@ -86,8 +84,13 @@ PATH: tuple[tuple[str, str, str | None], ...] = (
     ("decode first token", "end", "sse"),  # the token back to the gateway and its SSE chunk
     ("gateway", "end", None),
 )
-#: Each span's own duration is reported too (`span_ms_<name>_p50`).
-SPANS = tuple(dict.fromkeys(name for name, _, _ in PATH if name != "gateway"))
+#: Each span's own duration is reported too (`span_ms_<name>_p50`), those beside the
+#: path's included.
+SPANS = (
+    *dict.fromkeys(name for name, _, _ in PATH if name != "gateway"),
+    "prefill reserve decode",
+    "decode reserve",
+)
 
 
 @dataclass
@@ -202,8 +205,9 @@ def traces_by_request(
 
 
 def complete(trace: list[ReceivedSpan]) -> bool:
-    """The trace has its root and every span of the path (its processes exported them)."""
-    return {name for name, _, _ in PATH} <= {_name(s) for s in trace}
+    """The trace has its root and every span of the path and beside it (its processes
+    exported them)."""
+    return {name for name, _, _ in PATH} | set(SPANS) <= {_name(s) for s in trace}
 
 
 def _name(span: ReceivedSpan) -> str:
