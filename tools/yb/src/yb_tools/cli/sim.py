@@ -282,19 +282,22 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
 def run_matrix_command(args: argparse.Namespace) -> int:
     """`yb sim --matrix`: print the matrix as it runs and the table; JSON to --json."""
     from yb_conductor.cost_model import CostModelError
+    from yb_conductor.settings import SettingsError, parse_assignments
     from yb_tools.sim.matrix import DEFAULT_LIMIT, matrix_table, run_matrix, setting_row
 
-    base = params_from(args)
     limit = DEFAULT_LIMIT if args.limit < 0 else args.limit
     try:
+        base = params_from(args)
+        settings: dict[str, Any] = parse_assignments(args.settings)
         matrix = run_matrix(
             trace=args.trace_file,
             limit=limit,
             seed=args.seed,
             base=base,
+            settings=settings,
             on_setting=None if args.quiet else lambda s: print(setting_row(s), file=sys.stderr),
         )
-    except (OSError, CostModelError, ValueError) as exc:
+    except (OSError, CostModelError, ValueError, SettingsError) as exc:
         print(f"yb sim: {exc}", file=sys.stderr)
         return 1
     print(matrix_table(matrix))

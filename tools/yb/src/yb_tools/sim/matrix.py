@@ -17,8 +17,9 @@ gives the same matrix on any machine.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -118,6 +119,7 @@ class Matrix(msgspec.Struct, kw_only=True):
     tbt_slo_s: float
     settings: list[Setting]
     wins: int
+    conductor_settings: dict[str, Any] = msgspec.field(default_factory=dict)
     wall_s: float
 
 
@@ -157,15 +159,17 @@ def run_matrix(
     shapes: tuple[tuple[int, int], ...] = SHAPES,
     peers: tuple[str, ...] = PEERS,
     base: SimParams | None = None,
+    settings: Mapping[str, Any] | None = None,
     on_setting: Callable[[Setting], None] | None = None,
 ) -> Matrix:
-    """Run every setting; `base` gives everything a setting does not (SLOs, pools).
-    `on_setting` is handed each setting as it completes."""
+    """Run every setting; `base` gives everything a setting does not (SLOs, pools),
+    `settings` the conductor settings every run takes (`--set`). `on_setting` is
+    handed each setting as it completes."""
     base = base or SimParams()
     specs = [RunSpec(name, name, "none") for name in peers]
     specs.append(RunSpec(PAPER_POLICY, PAPER_POLICY, ConductorConfig().admission))
     started = time.perf_counter()
-    settings: list[Setting] = []
+    cells: list[Setting] = []
     for workload in workloads:
         records = workload_records(workload, trace, seed)
         for profile in profiles:
@@ -175,7 +179,7 @@ def run_matrix(
                         base, profile=profile, speedup=speedup, prefill=prefill,
                         decode=decode, limit=limit, seed=seed,
                     )  # fmt: skip
-                    report = simulate(workload, specs, params, records=records)
+                    report = simulate(workload, specs, params, records=records, settings=settings)
                     figures = {k: PolicyFigures.of(r) for k, r in report.policies.items()}
                     verdict = judge(figures)
                     setting = Setting(
@@ -183,7 +187,7 @@ def run_matrix(
                         decode=decode, requests=report.requests, policies=figures,
                         verdict=verdict, wins=verdict.wins,
                     )  # fmt: skip
-                    settings.append(setting)
+                    cells.append(setting)
                     if on_setting is not None:
                         on_setting(setting)
     return Matrix(
@@ -191,8 +195,9 @@ def run_matrix(
         seed=seed,
         ttft_slo_s=base.ttft_slo_s,
         tbt_slo_s=base.tbt_slo_s,
-        settings=settings,
-        wins=sum(s.wins for s in settings),
+        settings=cells,
+        wins=sum(s.wins for s in cells),
+        conductor_settings=dict(settings or {}),
         wall_s=time.perf_counter() - started,
     )
 
