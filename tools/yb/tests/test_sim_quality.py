@@ -165,3 +165,10 @@ def test_the_command_line_writes_a_workload_and_the_matrix(
     assert len(doc["settings"]) == 4 * 2 * 2 * 2
     assert all(s["requests"] == 10 and len(s["policies"]) == 7 for s in doc["settings"])
     assert f"mooncake wins {doc['wins']} of 32 settings." in capsys.readouterr().out
+    # Conductor settings reach every run, and are recorded; an unknown one is refused.
+    settings = ["--set", "prefix_stickiness=0", "--set", "calibrated_admission=false"]
+    assert _cli([*argv, "--quiet", *settings]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["conductor_settings"] == {"prefix_stickiness": "0", "calibrated_admission": "false"}
+    assert _cli([*argv, "--quiet", "--set", "no_such_setting=1"]) == 1
+    assert _cli([*argv, "--quiet", "--set", "prefix_stickiness=-1"]) == 1  # built, refused
