@@ -169,11 +169,8 @@ def test_speed_order_follows_learning() -> None:
 def test_idle_order_follows_speed_and_drain_times() -> None:
     index = Candidates()
     index.sync({}, {}, iter([("p0", False, 5.0), ("p1", False, 2.0), ("p2", False, 2.0)]))
-    assert list(index.factors()) == [1.0]
-    assert list(index.idle_longest(1.0)) == ["p1", "p2", "p0"]
+    assert [i for _, _, i in index.by_idle()] == ["p1", "p2", "p0"]
     index.set_idle_since("p1", 9.0)  # found drained again, later
-    assert list(index.idle_longest(1.0)) == ["p2", "p0", "p1"]
+    assert [i for _, _, i in index.by_idle()] == ["p2", "p0", "p1"]
     index.set_speed("p2", 1.5)  # keeps its idle time, moves to its slowdown's group
-    assert list(index.factors()) == [1.0, 1.5]
-    assert list(index.idle_longest(1.0)) == ["p0", "p1"]
-    assert list(index.idle_longest(1.5)) == ["p2"]
+    assert index.by_idle() == [(1.0, 5.0, "p0"), (1.0, 9.0, "p1"), (1.5, 2.0, "p2")]

@@ -186,24 +186,10 @@ class Candidates:
         """Every indexed prefill instance, fastest alone first (then by id)."""
         return iter(self._by_speed)
 
-    def factors(self) -> Iterator[float]:
-        """The distinct slowdowns indexed, smallest first."""
-        entries = self._by_speed
-        at = 0
-        while at < len(entries):
-            factor = entries[at][0]
-            yield factor
-            at = bisect.bisect_right(entries, factor, lo=at, key=_factor)
-
-    def idle_longest(self, factor: float) -> Iterator[str]:
-        """The instances indexed at `factor`, idle longest first (then by id)."""
-        entries = self._by_idle
-        lo = bisect.bisect_left(entries, factor, key=_factor)
-        for k in range(lo, len(entries)):
-            entry = entries[k]
-            if entry[0] != factor:
-                return
-            yield entry[2]
+    def by_idle(self) -> list[tuple[float, float, str]]:
+        """Every indexed prefill instance as (slowdown alone, idle since, id), in that
+        order (the list itself: read it, do not change it)."""
+        return self._by_idle
 
     def next_factor(self, factor: float) -> float | None:
         """The smallest indexed slowdown above `factor` (None: none is)."""

@@ -53,6 +53,7 @@ the setting (a log they recorded replays that way).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -260,6 +261,10 @@ class CopyCost:
         return copied * self._per_block if copied > 0 else 0.0
 
 
+def _slowdown(entry: tuple[float, float, str]) -> float:
+    return entry[0]
+
+
 # The explanation's default candidate table (`ConductorConfig.explain_top_k`) plus
 # the one its sort looks past the chosen instance.
 DEFAULT_KEEP = 9
@@ -441,18 +446,24 @@ class PrefillPlanner:
         learned = state.learn_speed
         best: tuple[float, int] | None = None  # (busy_until, position)
         best_t = math.inf
-        for factor in index.factors():
+        # One pass over (slowdown, idle since, id): the first quiet entry of a
+        # slowdown beats the rest of it, so the pass jumps to the next slowdown, which
+        # can only tie (without learned speed, or by rounding) or lose.
+        entries = index.by_idle()
+        k = 0
+        while k < len(entries):
+            factor, _, instance_id = entries[k]
             t = shared_work * factor if learned else shared_work
             if t > best_t:
-                break  # slower: so is every factor after it
-            for instance_id in index.idle_longest(factor):
-                at = positions.get(instance_id)
-                if at is None or at in skip or instance_id in queued:
-                    continue
-                key = (prefills[at].busy_until, at)
-                if best is None or t < best_t or key < best:
-                    best, best_t = key, t
-                break  # the rest of this slowdown were idle for less long
+                break  # slower: so is every entry after it
+            at = positions.get(instance_id)
+            if at is None or at in skip or instance_id in queued:
+                k += 1
+                continue
+            key = (prefills[at].busy_until, at)
+            if best is None or t < best_t or key < best:
+                best, best_t = key, t
+            k = bisect.bisect_right(entries, factor, lo=k, key=_slowdown)
         return best[1] if best is not None else None
 
     def _table_candidates(
