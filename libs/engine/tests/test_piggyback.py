@@ -248,7 +248,7 @@ def test_abort_while_prefilling_frees_the_pages(model: LoadedModel) -> None:
 
 
 def test_the_step_time_model_learns_a_line() -> None:
-    model = StepTimeModel(window=4)
+    model = StepTimeModel(window=10)
     assert model.predict(10) is None and model.max_tokens_within(1.0) is None
     # One size class only: proportional, which overestimates the cost of more tokens.
     model.observe(4, 0.020)
@@ -262,14 +262,19 @@ def test_the_step_time_model_learns_a_line() -> None:
     assert fixed == pytest.approx(0.018) and per_token == pytest.approx(0.0005)
     assert model.max_tokens_within(0.050) == 64
     assert model.max_tokens_within(0.010) == 0
-    # A step slowed by something else does not move a class's median.
+    # The line goes through each class's 90th-percentile step: one slowed step in ten
+    # does not move it, two do.
+    for _ in range(6):
+        model.observe(4, 0.020)
     model.observe(4, 5.0)
     assert model.predict(4) == pytest.approx(0.020)
-    # The window forgets: a class's last four steps are what it knows.
-    for tokens_fed in (4, 12, 20, 36) * 4:
+    model.observe(4, 0.030)
+    assert (model.predict(4) or 0.0) > 0.020
+    # The window forgets: a class's last ten steps are what it knows.
+    for tokens_fed in (4, 12, 20, 36) * 10:
         model.observe(tokens_fed, 0.010 * tokens_fed)
     assert model.predict(100) == pytest.approx(1.0)
-    assert model.num_steps == 16
+    assert model.num_steps == 40
 
 
 class GivenStepTimes(StepTimeModel):

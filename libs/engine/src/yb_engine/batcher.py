@@ -52,6 +52,7 @@ Policy decisions, stated once:
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 import time
 from collections import deque
@@ -126,9 +127,11 @@ class StepTimeModel:
     engine's own steps: a least-squares line `seconds = fixed + per_token * tokens`.
 
     Steps are kept by size class (1, 2-3, 4-7, 8-15, ... tokens), the last `window` of
-    each, and the line is fitted through each class's median tokens and median seconds.
-    Classes keep what large chunks cost while many plain decode steps go by, and medians
-    keep a step slowed by something else (a shared CPU, a collection) from bending it.
+    each, and the line is fitted through each class's median tokens and 90th-percentile
+    seconds (nearest rank): a step predicted within a TBT SLO keeps within it nine times
+    in ten, the percentile the gateway judges a request's TBT at. Classes keep what
+    large chunks cost while many plain decode steps go by, and the percentile keeps the
+    odd step slowed by something else (a shared CPU, a collection) from bending it.
     Until the steps span two classes, or when the fitted line does not rise, the time is
     taken as proportional to the tokens: that overestimates what extra tokens cost (the
     fixed cost of a step is charged per token), so chunks start small and the steps
@@ -182,7 +185,7 @@ class StepTimeModel:
 
     def _least_squares(self) -> tuple[float, float]:
         points = [
-            (statistics.median(t for t, _ in steps), statistics.median(s for _, s in steps))
+            (statistics.median(t for t, _ in steps), _percentile_90([s for _, s in steps]))
             for steps in self._classes.values()
         ]
         n = len(points)
@@ -195,6 +198,12 @@ class StepTimeModel:
             if per_token > 0 and fixed >= 0:
                 return fixed, per_token
         return 0.0, max(mean_s / mean_t, 1e-9)
+
+
+def _percentile_90(values: list[float]) -> float:
+    """The nearest-rank 90th percentile."""
+    ordered = sorted(values)
+    return ordered[math.ceil(0.9 * len(ordered)) - 1]
 
 
 @dataclass(eq=False)
