@@ -46,6 +46,21 @@ def test_a_request_draws_the_same_alone_and_in_a_batch() -> None:
     assert alone == batched
 
 
+def test_an_unfiltered_request_draws_the_same_beside_one_that_filters() -> None:
+    # A plain-temperature row used to be drawn through the sorted order whenever another
+    # row of its step filtered (top-k or top-p), so its token depended on its neighbours.
+    logits = logits_for(40, seed=4)
+    target = SamplingParams(seed=5, temperature=1.0)
+    alone = draw(target, logits, 40)
+    filtering = SamplingParams(seed=9, top_p=0.95)
+    gens = [new_generator(target), new_generator(filtering)]
+    beside = [
+        Sampler().sample(logits[i : i + 1].expand(2, -1), [target, filtering], gens)[0]
+        for i in range(40)
+    ]
+    assert alone == beside
+
+
 def test_top_k_and_top_p_restrict_the_support() -> None:
     logits = logits_for(1, vocab=30, seed=5)
     ranked = logits[0].argsort(descending=True).tolist()

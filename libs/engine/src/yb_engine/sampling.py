@@ -71,8 +71,9 @@ class Sampler:
     """Greedy, temperature, top-k and top-p (nucleus) sampling over a batch.
 
     Rows of the batch may use different settings; greedy rows take the argmax, the
-    others are filtered together (one sort for the batch) and then drawn from their own
-    generators.
+    rows that filter (top-k, top-p) are sorted and filtered together, and every sampled
+    row draws from its own generator: a row's token depends on its logits, settings and
+    generator only, never on the rows beside it.
     """
 
     def sample(
@@ -98,43 +99,68 @@ class Sampler:
                 out[i] = int(tok)
         if not random_rows:
             return out
-
-        rows = [params[i] for i in random_rows]
-        device = logits.device
-        temps = torch.tensor([p.temperature for p in rows], dtype=torch.float32, device=device)
-        scaled = logits[random_rows].float() / temps[:, None]
-        needs_filter = any((0 < p.top_k < vocab) or p.top_p < 1.0 for p in rows)
-        if needs_filter:
-            # Sorted descending (stable, so ties break the same way every time): top-k and
-            # top-p both keep a prefix of this order.
-            scaled, order = scaled.sort(dim=-1, descending=True, stable=True)
-            ranks = torch.arange(vocab, device=device)
-            top_k = torch.tensor(
-                [p.top_k if 0 < p.top_k < vocab else vocab for p in rows], device=device
-            )
-            scaled = scaled.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
-            probs = torch.softmax(scaled, dim=-1)
-            top_p = torch.tensor([p.top_p for p in rows], dtype=torch.float32, device=device)
-            # Drop a token once the mass before it already reaches top_p; the first
-            # token always stays.
-            before = probs.cumsum(dim=-1) - probs
-            probs = probs.masked_fill(before >= top_p[:, None], 0.0)
-        else:
-            order = None
-            probs = torch.softmax(scaled, dim=-1)
-        cdf = probs.cumsum(dim=-1)
-        draws = []
-        for i in random_rows:
-            gen = generators[i]
-            if gen is None:
-                raise ValueError(f"row {i} samples but has no generator (see new_generator)")
-            draws.append(float(torch.rand((), generator=gen)))
-        targets = torch.tensor(draws, dtype=cdf.dtype, device=device)[:, None] * cdf[:, -1:]
-        # right=True picks the first index whose cumulative mass exceeds the target, so a
-        # token with zero probability (filtered) can never be chosen.
-        picks = torch.searchsorted(cdf, targets, right=True).clamp_(max=vocab - 1)
-        if order is not None:
-            picks = order.gather(1, picks)
-        for i, tok in zip(random_rows, picks[:, 0].tolist(), strict=True):
-            out[i] = int(tok)
+        # Rows that filter draw through the descending order of their logits, the others
+        # through the vocabulary's order. Each group is drawn on its own: were the whole
+        # batch sorted because one row filters, an unfiltered row's token would depend
+        # on its neighbours.
+        filtered = [i for i in random_rows if needs_filter(params[i], vocab)]
+        plain = [i for i in random_rows if not needs_filter(params[i], vocab)]
+        for group, sort in ((filtered, True), (plain, False)):
+            if group:
+                picks = _draw(
+                    logits[group], [params[i] for i in group], [generators[i] for i in group], sort
+                )
+                for i, tok in zip(group, picks, strict=True):
+                    out[i] = tok
         return out
+
+
+def needs_filter(params: SamplingParams, vocab: int) -> bool:
+    """Whether a sampled row keeps only part of the vocabulary (top-k or top-p)."""
+    return 0 < params.top_k < vocab or params.top_p < 1.0
+
+
+def _draw(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    sort: bool,
+) -> list[int]:
+    """One token per row of `logits[...]` by inverse-CDF sampling: one uniform number
+    from each row's generator, over the descending order of its logits when `sort`
+    (filtering by top-k and top-p keeps a prefix of that order), else over the
+    vocabulary's order."""
+    vocab = logits.shape[-1]
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in rows], dtype=torch.float32, device=device)
+    scaled = logits.float() / temps[:, None]
+    order: torch.Tensor | None = None
+    if sort:
+        # Stable, so ties break the same way every time.
+        scaled, order = scaled.sort(dim=-1, descending=True, stable=True)
+        ranks = torch.arange(vocab, device=device)
+        top_k = torch.tensor(
+            [p.top_k if 0 < p.top_k < vocab else vocab for p in rows], device=device
+        )
+        scaled = scaled.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        top_p = torch.tensor([p.top_p for p in rows], dtype=torch.float32, device=device)
+        # Drop a token once the mass before it already reaches top_p; the first
+        # token always stays.
+        before = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(before >= top_p[:, None], 0.0)
+    else:
+        probs = torch.softmax(scaled, dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    draws = []
+    for gen in generators:
+        if gen is None:
+            raise ValueError("a sampled row has no generator (see new_generator)")
+        draws.append(float(torch.rand((), generator=gen)))
+    targets = torch.tensor(draws, dtype=cdf.dtype, device=device)[:, None] * cdf[:, -1:]
+    # right=True picks the first index whose cumulative mass exceeds the target, so a
+    # token with zero probability (filtered) can never be chosen.
+    picks = torch.searchsorted(cdf, targets, right=True).clamp_(max=vocab - 1)
+    if order is not None:
+        picks = order.gather(1, picks)
+    return [int(t) for t in picks[:, 0].tolist()]
