@@ -41,6 +41,34 @@ PAGE = ROOT / "docs" / "measurements.md"
 
 # What each benchmark measures, in a sentence or two (its module docstring has the rest).
 SUMMARIES: dict[str, str] = {
+    "cpp": (
+        "Chunked pipeline parallelism at the engine level: time to first token of a long "
+        "prompt over a group of stage processes (each holding only its layers, one torch "
+        "thread each, chunks pipelined, hidden states passed as a header plus raw bytes "
+        "over a local pipe, not UCX) against one process holding the whole model, "
+        "alternating in the same run. A group of more processes than the machine has "
+        "cores cannot run its stages in parallel; the CPU seconds show what idle cores "
+        "would allow."
+    ),
+    "piggyback": (
+        "Short prompts prefilled inside a decode engine's batch (mixed steps) against a "
+        "separate prefill engine and an in-process page hand-off (no UCX, no messages, no "
+        "queue), at light load, interleaved in one process: time to first token of "
+        "32-128-token prompts, and the running streams' time between tokens with and "
+        "without piggybacking, under the gateway's default TBT SLO and a tight one."
+    ),
+    "sim_matrix": (
+        "The scheduling matrix of `yb sim --matrix`: the conductor (`mooncake`) against "
+        "every peer policy on the synthetic trace and three generated workloads "
+        "(shared-prefix, multi-turn, tool-agent), both engine models, 1x and 2x speed, "
+        "8P+8D and 8P+1D. A setting is won when the conductor's mean and p90 TTFT are at "
+        "or below the best peer's, its goodput at or above it, and it rejects nothing "
+        "where some peer meets every SLO. Plus the setting Dynamo published a replay of "
+        "(synthetic trace, `dynamo-mocker`, 8+8, admission `none`; Dynamo 1.6.1: mean "
+        "TTFT 168.5 ms, hit ratio 0.529). Simulated in virtual time with fixed seeds: "
+        "only the wall-clock figures depend on the machine. The whole matrix is in "
+        "docs/sim_matrix.json and its table in docs/simulation.md."
+    ),
     "engine": (
         "Prefill and decode throughput of the model runner (`yb_engine`) in one process, "
         "against transformers' own forward pass of the same model on the same tokens, "
@@ -84,9 +112,10 @@ SUMMARIES: dict[str, str] = {
     "overhead": (
         "The request path with almost no compute: `max_tokens: 1` completions through a "
         "`yb up` cluster of the tiny random model, sent by an httpx client one at a time, "
-        "then 16 and 64 in flight, every service exporting its spans to a real OTLP "
-        "receiver; the per-hop breakdown of the one-at-a-time load is read from each "
-        "request's trace (docs/observability.md lists the spans)."
+        "then 16 and 64 in flight, on a cluster that exports no spans (as users run it); "
+        "the per-hop breakdown of the one-at-a-time load comes from a second `yb up` whose "
+        "services export every span to a real OTLP receiver, read from each request's "
+        "trace (docs/observability.md lists the spans)."
     ),
     "e2e_reuse": (
         "Time to first token through a `yb up` cluster (2 prefill instances on two logical "
@@ -111,6 +140,97 @@ SUMMARIES: dict[str, str] = {
 # (key pattern, meaning): the first pattern that matches the whole key describes it; the
 # meaning may name the pattern's groups as {0}, {1}.
 DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
+    "cpp": [
+        ("model", "the model measured"),
+        ("chunk_size", "prompt tokens per chunk"),
+        ("block_size", "tokens per KV page"),
+        ("threads_per_process", "torch threads of each process"),
+        ("cores", "CPU cores of the machine"),
+        ("transport", "how hidden states go between stage processes"),
+        ("dtype", "weights' and KV cache's dtype"),
+        ("repeats", "times each way was timed (medians reported)"),
+        (r"ttft_single_(\d+)_s", "seconds to the first token of a {0}-token prompt, one process"),
+        (
+            r"ttft_cpp(\d+)_(\d+)_s",
+            "seconds to the first token of a {1}-token prompt over {0} stage processes",
+        ),
+        (r"cpp(\d+)_speedup_(\d+)", "one process over {0} stages, {1} tokens (goal >= 1.6 at 2)"),
+        (
+            r"cpp(\d+)_logits_rel_err_(\d+)",
+            "{0} stages against one process, {1} tokens: max abs logit difference over "
+            "max abs logit",
+        ),
+        (r"cpu_single_(\d+)_s", "CPU seconds of the one process, {0} tokens"),
+        (r"cpu_cpp(\d+)_(\d+)_s", "CPU seconds of all {0} stages together, {1} tokens"),
+        (
+            r"cpu_cpp(\d+)_slowest_stage_(\d+)_s",
+            "CPU seconds of the slowest of {0} stages, {1} tokens",
+        ),
+        ("skipped", "runs the model could not hold"),
+        ("load_average_1m", "the machine's 1-minute load average when the run ended"),
+    ],
+    "piggyback": [
+        ("model", "the model measured"),
+        ("device", "the device"),
+        ("dtype", "weights' and KV cache's dtype"),
+        ("threads", "torch threads"),
+        ("block_size", "tokens per KV page"),
+        ("attention_backend", "the attention backend"),
+        ("streams", "running decode streams"),
+        ("stream_context_tokens", "context tokens of each running stream"),
+        (
+            r"ttft_separate_(\d+)_s",
+            "median s to the first token of a {0}-token prompt, separate prefill",
+        ),
+        (
+            r"ttft_piggyback_(\d+)_s",
+            "median s to the first token of a {0}-token prompt, piggybacked",
+        ),
+        (r"piggyback_ttft_speedup_(\d+)", "separate over piggybacked TTFT, {0}-token prompts"),
+        ("ttft_separate_s", "median s to the first token over every prompt, separate prefill"),
+        ("ttft_piggyback_s", "median s to the first token over every prompt, piggybacked"),
+        ("piggyback_ttft_speedup", "separate over piggybacked TTFT (goal >= 1.5)"),
+        ("decode_step_median_s", "median s of a plain decode step of the running streams"),
+        (
+            "tbt_p99_without_s",
+            "p99 s between the running streams' tokens, no prompt in their batch",
+        ),
+        ("tbt_p99_with_s", "p99 s between the running streams' tokens, prompts piggybacked"),
+        ("tbt_slo_s", "the TBT SLO the chunks are bounded by (the gateway's default)"),
+        ("piggyback_chunks_mean", "mean chunks a prompt took under `tbt_slo_s`"),
+        ("step_fixed_s", "the learnt step-time model's fixed cost per step, s"),
+        ("step_per_token_s", "the learnt step-time model's cost per token in the step, s"),
+        ("tbt_slo_tight_s", "the tight TBT SLO: twice the run's median plain decode step"),
+        ("ttft_piggyback_tight_s", "median s to the first token, piggybacked under the tight SLO"),
+        ("tbt_p99_with_tight_s", "p99 s between the running streams' tokens under the tight SLO"),
+        ("tbt_p99_plain_tight_s", "p99 s of the plain steps of the tight rounds"),
+        ("tight_steps_within_slo", "share of the tight rounds' steps within the tight SLO"),
+        ("piggyback_chunks_mean_tight", "mean chunks a prompt took under the tight SLO"),
+    ],
+    "sim_matrix": [
+        ("wins", "settings the conductor wins on all three criteria"),
+        ("settings", "settings in the matrix"),
+        ("losses", "the settings lost, with the criteria missed (workload/profile/speed/shape)"),
+        ("matrix_wall_s", "wall-clock seconds the matrix took"),
+        ("limit", "requests per workload (0: every request)"),
+        (
+            r"dynamo_setting_(mooncake|dynamo_kv)_ttft_mean_s",
+            "Dynamo's setting: mean TTFT of `{0}`, s",
+        ),
+        (
+            r"dynamo_setting_(mooncake|dynamo_kv)_ttft_p90_s",
+            "Dynamo's setting: p90 TTFT of `{0}`, s",
+        ),
+        (
+            r"dynamo_setting_(mooncake|dynamo_kv)_hit_ratio",
+            "Dynamo's setting: prefix hit ratio of `{0}` (Dynamo's own replay: 0.529)",
+        ),
+        (
+            "simulated_seconds_per_wall_second",
+            "simulated seconds per wall-clock second of the conductor's run in Dynamo's "
+            "setting (goal >= 250)",
+        ),
+    ],
     "engine": [
         ("model", "the model measured"),
         ("device", "the device the model ran on (`--device`)"),
@@ -277,6 +397,11 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
             "requests that failed with {0} in flight (non-200, error event, no [DONE])",
         ),
         ("traced_requests_c1", "one-at-a-time requests whose whole trace arrived"),
+        (
+            "traced_latency_p50_ms_c1",
+            "median ms one at a time through the second `yb up`, whose services export every span",
+        ),
+        ("traced_latency_p99_ms_c1", "99th percentile of the same"),
         (
             "hop_ms_outside_gateway_p50",
             "median ms of client latency outside the gateway's span: HTTP, parsing before "
