@@ -36,7 +36,6 @@ over its context) is skipped and listed in `skipped`.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -49,6 +48,7 @@ from typing import Any
 
 import msgspec
 import torch
+from figures import emit
 
 from yb_core.config import ModelConfig
 from yb_core.model_files import DEFAULT, TINY_RANDOM, default_model_cache_dir
@@ -268,12 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     figures["skipped"] = ",".join(skipped)
     figures["load_average_1m"] = os.getloadavg()[0]
 
-    width = max(len(k) for k in figures)
-    for key, value in figures.items():
-        shown = f"{value:,.3f}" if isinstance(value, float) else str(value)
-        print(f"{key:<{width}}  {shown:>28}")
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    emit(figures, args.json, decimals=3)
     return 0
 
 

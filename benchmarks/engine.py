@@ -28,7 +28,6 @@ interleaved runs are the fairest comparison available.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from figures import emit
 
 from yb_core.config import ModelConfig
 from yb_core.model_files import DEFAULT, TINY_RANDOM, default_model_cache_dir
@@ -227,12 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     figures |= bench_reuse(model, runner, args.chunk_size, args.repeats)
 
-    width = max(len(k) for k in figures)
-    for key, value in figures.items():
-        shown = f"{value:,.2f}" if isinstance(value, float) else str(value)
-        print(f"{key:<{width}}  {shown:>16}")
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    emit(figures, args.json, decimals=2)
     return 0
 
 

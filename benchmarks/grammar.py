@@ -25,13 +25,13 @@ machine may be shared, so medians of interleaved runs are the fairest comparison
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from figures import emit
 
 from yb_core.config import ModelConfig
 from yb_core.model_files import DEFAULT, TINY_RANDOM, default_model_cache_dir
@@ -192,12 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         figures[f"grammar_step_overhead_pct_batch_{batch}"] = (grammar_ms / plain_ms - 1) * 100
         figures[f"mask_us_per_token_batch_{batch}"] = statistics.median(mask_us)
 
-    width = max(len(k) for k in figures)
-    for key, value in figures.items():
-        shown = f"{value:,.2f}" if isinstance(value, float) else str(value)
-        print(f"{key:<{width}}  {shown:>16}")
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    emit(figures, args.json, decimals=2)
     return 0
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from figures import emit
 from record import flatten
 
 from yb_testkit.fixtures import LocalCluster, pid_alive
@@ -372,12 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     # One flat object, as every benchmark writes: `memory_mb_<role>_<before|peak|after>`,
     # `later_bursts_<n>_<figure>` for the (n+1)-th burst.
     figures = flatten(figures)
-    width = max(len(k) for k in figures)
-    for key, value in figures.items():
-        shown = f"{value:,.3f}" if isinstance(value, float) else json.dumps(value)
-        print(f"{key:<{width}}  {shown}")
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    emit(figures, args.json, decimals=3)
     return 0
 
 

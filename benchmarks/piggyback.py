@@ -47,7 +47,6 @@ model's `step_fixed_s` and `step_per_token_s`; under the tight SLO `tbt_slo_tigh
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -55,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from figures import emit
 
 from yb_core.config import ModelConfig
 from yb_core.model_files import DEFAULT, TINY_RANDOM, default_model_cache_dir
@@ -307,12 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             2 * figures["decode_step_median_s"] if tight == "auto" else float(tight)
         )
         figures |= run_tight(bench, args)
-    width = max(len(k) for k in figures)
-    for key, value in figures.items():
-        shown = f"{value:,.4f}" if isinstance(value, float) else str(value)
-        print(f"{key:<{width}}  {shown:>16}")
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    emit(figures, args.json, decimals=4)
     return 0
 
 

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -290,18 +290,12 @@ async def test_a_verdict_logged_before_admission_never_ends_the_request(
 
     async def stream_with_a_verdict(seq: int) -> list[tuple[str, str]]:
         cluster.engine.resume.clear()
-        async with (
-            client_for(gw) as client,
-            aconnect_sse(
-                client, "POST", "/v1/chat/completions", json={**CHAT, "stream": True}
-            ) as source,
-        ):
-            events = source.aiter_sse()
-            first = await anext(events)
-            assert first.event == "message", first.data
+
+        async def verdict() -> None:
             await gw._follow_instances(late(old, seq))  # type: ignore[arg-type]
             cluster.engine.resume.set()
-            return [(e.event, e.data) async for e in events]
+
+        return await rest_of_a_stream_after(gw, verdict)
 
     # Logged before the request was admitted: the conductor knew it. The stream goes on.
     rest = await stream_with_a_verdict(old_seq)
@@ -329,6 +323,23 @@ async def test_a_verdict_the_instance_reader_misses_is_found_in_the_log(
     info = await bus.jetstream.stream_info(bus.instance_stream)
     info.config.sources = None
     await bus.jetstream.update_stream(info.config)
+
+    async def cut_off() -> None:
+        await cluster.engine.go_deaf()
+        await bus.publish(ev.InstanceDown(instance_id=DECODE_ID, reason="no heartbeat for 15s"))
+
+    rest = await rest_of_a_stream_after(gw, cut_off)
+    kind, data = rest[-2]
+    error = json.loads(data)["error"]
+    assert kind == "error" and error["code"] == "engine_failed", rest
+    assert DECODE_ID in error["message"], error
+
+
+async def rest_of_a_stream_after(
+    gw: GatewayService, happening: Callable[[], Awaitable[None]]
+) -> list[tuple[str, str]]:
+    """(event, data) of a streamed chat completion's SSE events after its first
+    message, which `happening()` runs after (within a minute)."""
     async with (
         client_for(gw) as client,
         aconnect_sse(
@@ -338,14 +349,9 @@ async def test_a_verdict_the_instance_reader_misses_is_found_in_the_log(
         events = source.aiter_sse()
         first = await anext(events)
         assert first.event == "message", first.data
-        await cluster.engine.go_deaf()
-        await bus.publish(ev.InstanceDown(instance_id=DECODE_ID, reason="no heartbeat for 15s"))
-        rest = await asyncio.wait_for(_collect(events), timeout=60)
-    kind, data = rest[-2]
-    error = json.loads(data)["error"]
-    assert kind == "error" and error["code"] == "engine_failed", rest
-    assert DECODE_ID in error["message"], error
+        await happening()
 
+        async def rest() -> list[tuple[str, str]]:
+            return [(e.event, e.data) async for e in events]
 
-async def _collect(events: AsyncIterator[Any]) -> list[tuple[str, str]]:
-    return [(e.event, e.data) async for e in events]
+        return await asyncio.wait_for(rest(), timeout=60)
