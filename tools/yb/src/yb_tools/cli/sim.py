@@ -4,6 +4,7 @@
            [--prefill N --decode N --profile NAME|FILE --speedup X] --json PATH
     yb sim --workload shared-prefix[:groups=32,...] [--write-trace PATH] [--json PATH ...]
     yb sim --matrix [--limit N] [--json PATH]
+    yb sim --trace FILE --policy coupled,mooncake --capacity [--json PATH]
 
 Simulated prefill, decode and kvstore instances, timed by a cost model (a built-in
 profile, `llama2-70b-a800` or `dynamo-mocker`, or a file from `yb profile`), feed the
@@ -11,7 +12,8 @@ conductor the events production does and obey its decisions. Every policy runs o
 the same workload; `mooncake` runs once per `--admission` value (as
 `mooncake:<admission>` when there are several). Prints a markdown table, writes the
 figures as JSON and PNG plots; a progress bar goes to stderr. `--workload`
-generates the requests instead (`sim.workloads`); `--matrix` runs `sim.matrix`.
+generates the requests instead (`sim.workloads`); `--matrix` runs `sim.matrix`;
+`--capacity` searches each policy's highest rate within the SLOs (`sim.capacity`).
 The conductor is
 imported only here, so `yb` works without it installed.
 """
@@ -64,7 +66,8 @@ def add_parser(sub: Any) -> None:
         "--policy",
         default="mooncake",
         help="policies, comma-separated: random, round-robin, least-loaded, local-prefix, "
-        "sglang-cache-aware, dynamo-kv, mooncake (default mooncake)",
+        "sglang-cache-aware, dynamo-kv, mooncake, and coupled (the paper's vLLM baseline on "
+        "--prefill + --decode instances) (default mooncake)",
     )
     p.add_argument(
         "--admission",
@@ -72,6 +75,25 @@ def add_parser(sub: Any) -> None:
         help="the conductor's admission policies, comma-separated: none, early, predicted",
     )
     p.add_argument("--json", metavar="PATH", help="write the figures here")
+    capacity = p.add_argument_group("capacity search (--capacity)")
+    capacity.add_argument(
+        "--capacity",
+        action="store_true",
+        help="for each policy, the highest arrival rate (by --speedup, bisected) at which "
+        ">= 90%% of requests meet both SLOs; --speedup is then ignored",
+    )
+    capacity.add_argument(
+        "--capacity-min-speedup", type=float, default=0.125, help="search from (0.125)"
+    )
+    capacity.add_argument(
+        "--capacity-max-speedup", type=float, default=32.0, help="search up to (32)"
+    )
+    capacity.add_argument(
+        "--capacity-iterations",
+        type=int,
+        default=8,
+        help="bisections after both ends (8): a policy costs this + 2 runs",
+    )
     cluster = p.add_argument_group("cluster")
     cluster.add_argument("--prefill", type=int, default=8, help="prefill instances (8)")
     cluster.add_argument("--decode", type=int, default=8, help="decode instances (8)")
@@ -210,6 +232,8 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
 
     if args.matrix:
         return run_matrix_command(args)
+    if args.capacity:
+        return run_capacity_command(args)
     records = None
     try:
         if args.workload:
@@ -307,6 +331,55 @@ def run_matrix_command(args: argparse.Namespace) -> int:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(msgspec.to_builtins(matrix), indent=1) + "\n")
+        print(f"figures: {out}")
+    return 0
+
+
+def run_capacity_command(args: argparse.Namespace) -> int:
+    """`yb sim --capacity`: each policy's capacity; the table, JSON to --json."""
+    from yb_conductor.cost_model import CostModelError
+    from yb_conductor.settings import SettingsError, parse_assignments
+    from yb_tools.sim.capacity import capacity_table, run_capacity
+    from yb_tools.sim.runner import expand
+    from yb_tools.sim.workloads import generate
+    from yb_tools.traces import read_trace
+
+    try:
+        specs = expand(_names(args.policy), _names(args.admission))
+        settings: dict[str, Any] = parse_assignments(args.settings)
+        params = params_from(args)
+        if params.prefill < 1 or params.decode < 1:
+            raise ValueError("need at least one prefill and one decode instance")
+        records = generate(args.workload, seed=args.seed) if args.workload else None
+        if records is None:
+            records = read_trace(args.trace)
+        report = run_capacity(
+            args.trace or args.workload,
+            records,
+            specs,
+            params,
+            settings=settings,
+            min_speedup=args.capacity_min_speedup,
+            max_speedup=args.capacity_max_speedup,
+            iterations=args.capacity_iterations,
+            on_run=None
+            if args.quiet
+            else lambda label, point: print(
+                f"{label}: speedup {point.speedup:.4g} ({point.rate_rps:.3f} req/s): "
+                f"{point.slo_attainment:.3f} within SLOs",
+                file=sys.stderr,
+            ),
+        )
+    except (OSError, CostModelError, SettingsError, ValueError) as exc:
+        print(f"yb sim: {exc}", file=sys.stderr)
+        return 2
+    print(capacity_table(report))
+    if args.json:
+        import msgspec
+
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(msgspec.to_builtins(report), indent=1) + "\n")
         print(f"figures: {out}")
     return 0
 

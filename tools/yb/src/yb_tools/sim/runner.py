@@ -3,7 +3,9 @@
 Policy names are the conductor's registered policies; `mooncake` runs once per
 admission policy given, as `mooncake:none`, `mooncake:early`, `mooncake:predicted`
 when there are several (the other policies never refuse on load, so admission does
-not apply to them). Every run starts from the same empty cluster and the same
+not apply to them). `coupled` is no conductor policy but the paper's vLLM baseline
+(`sim.coupled`): as many coupled instances as the cluster's prefill and decode
+instances together. Every run starts from the same empty cluster and the same
 workload, so the figures differ only by the policy. A run that rejected requests is
 judged against the same policy with admission `none` (run once more if it is not
 among the runs asked for): how many of its rejections were needless (`quality`).
@@ -23,6 +25,7 @@ from yb_conductor.admission import ADMISSIONS
 from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.policy import PLACEMENT_POLICIES
 from yb_conductor.replay import LogRecord, write_log
+from yb_tools.sim.coupled import COUPLED_POLICY, CoupledSimulation
 from yb_tools.sim.job import Job
 from yb_tools.sim.params import SimParams
 from yb_tools.sim.quality import needless_rejections
@@ -71,8 +74,11 @@ def expand(policies: list[str], admissions: list[str]) -> list[RunSpec]:
             raise ValueError(f"unknown admission {adm!r}; known: {', '.join(ADMISSIONS)}")
     specs: list[RunSpec] = []
     for name in policies:
+        if name == COUPLED_POLICY:
+            specs.append(RunSpec(name, name, "none"))
+            continue
         if name not in PLACEMENT_POLICIES:
-            known = ", ".join(sorted(PLACEMENT_POLICIES))
+            known = ", ".join(sorted([*PLACEMENT_POLICIES, COUPLED_POLICY]))
             raise ValueError(f"unknown policy {name!r}; known: {known}")
         if name == PAPER_POLICY and len(admissions) > 1:
             specs.extend(RunSpec(f"{name}:{adm}", name, adm) for adm in admissions)
@@ -121,6 +127,17 @@ def simulate(
     rejecting: list[tuple[RunSpec, list[Job]]] = []
     started = time.perf_counter()
     for spec in specs:
+        if spec.policy == COUPLED_POLICY:
+            if log_dir is not None or on_log is not None:
+                raise ValueError("the coupled policy has no conductor, so no event log")
+            coupled = CoupledSimulation(items, params, cost, label=spec.label)
+            callback, close = progress(spec.label) if progress else (None, None)
+            try:
+                results[spec.label] = coupled.run(callback)
+            finally:
+                if close is not None:
+                    close()
+            continue
         sim = Simulation(
             items,
             params,
