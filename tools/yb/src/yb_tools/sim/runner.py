@@ -127,33 +127,30 @@ def simulate(
     rejecting: list[tuple[RunSpec, list[Job]]] = []
     started = time.perf_counter()
     for spec in specs:
+        sim: Simulation | CoupledSimulation
         if spec.policy == COUPLED_POLICY:
             if log_dir is not None or on_log is not None:
                 raise ValueError("the coupled policy has no conductor, so no event log")
-            coupled = CoupledSimulation(items, params, cost, label=spec.label)
-            callback, close = progress(spec.label) if progress else (None, None)
-            try:
-                results[spec.label] = coupled.run(callback)
-            finally:
-                if close is not None:
-                    close()
-            continue
-        sim = Simulation(
-            items,
-            params,
-            cost,
-            policy=spec.policy,
-            admission=spec.admission,
-            label=spec.label,
-            record_log=log_dir is not None or on_log is not None,
-            settings=settings,
-        )
+            sim = CoupledSimulation(items, params, cost, label=spec.label)
+        else:
+            sim = Simulation(
+                items,
+                params,
+                cost,
+                policy=spec.policy,
+                admission=spec.admission,
+                label=spec.label,
+                record_log=log_dir is not None or on_log is not None,
+                settings=settings,
+            )
         callback, close = progress(spec.label) if progress else (None, None)
         try:
             results[spec.label] = sim.run(callback)
         finally:
             if close is not None:
                 close()
+        if isinstance(sim, CoupledSimulation):
+            continue
         if spec.admission == "none":
             admitted.setdefault(spec.policy, sim.jobs)
         if results[spec.label].rejected:
