@@ -41,6 +41,14 @@ PAGE = ROOT / "docs" / "measurements.md"
 
 # What each benchmark measures, in a sentence or two (its module docstring has the rest).
 SUMMARIES: dict[str, str] = {
+    "sim_capacity": (
+        "Request capacity in `yb sim` (`--capacity`): the highest arrival rate at which at "
+        "least 90% of the synthetic trace's requests meet both SLOs, for the conductor "
+        "(8 prefill + 8 decode) and for the paper's vLLM baseline `coupled` on the same "
+        "16 instances (each prefilling and decoding its own requests, chunked prefill "
+        "piggybacked on decode steps, a prefix cache each), with the paper's engine model. "
+        "Simulated in virtual time: the same code gives the same figures on any machine."
+    ),
     "cpp": (
         "Chunked pipeline parallelism at the engine level: time to first token of a long "
         "prompt over a group of stage processes (each holding only its layers, one torch "
@@ -140,6 +148,21 @@ SUMMARIES: dict[str, str] = {
 # (key pattern, meaning): the first pattern that matches the whole key describes it; the
 # meaning may name the pattern's groups as {0}, {1}.
 DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
+    "sim_capacity": [
+        ("profile", "the engine model"),
+        ("prefill_instances", "the conductor's prefill instances"),
+        ("decode_instances", "the conductor's decode instances"),
+        ("coupled_instances", "the baseline's instances (the same total)"),
+        ("requests", "requests of the trace"),
+        ("ttft_slo_s", "the TTFT SLO, s"),
+        ("tbt_slo_s", "the TBT SLO, s"),
+        ("target_attainment", "the share of requests within both SLOs a rate must keep"),
+        (r"(coupled|mooncake)_capacity_rps", "capacity of `{0}`, requests/s"),
+        (r"(coupled|mooncake)_speedup", "the trace's speedup at `{0}`'s capacity"),
+        (r"(coupled|mooncake)_slo_attainment", "share of requests within both SLOs there"),
+        (r"(coupled|mooncake)_capped", "whether `{0}` held even at the search's top rate"),
+        ("capacity_ratio", "the conductor's capacity over the baseline's (goal >= 1.28)"),
+    ],
     "cpp": [
         ("model", "the model measured"),
         ("chunk_size", "prompt tokens per chunk"),

@@ -56,6 +56,7 @@ BENCHMARKS = (
     "cpp",
     "piggyback",
     "sim_matrix",
+    "sim_capacity",
 )
 # The longest benchmark (the default model through `yb up`, on a loaded 2-core machine)
 # takes minutes; an hour means something is stuck.
