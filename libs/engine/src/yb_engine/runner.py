@@ -22,6 +22,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from yb_engine.architecture import ArchConfig
 from yb_engine.attention import (
     AttentionBackend,
     DecodePlan,
@@ -240,29 +241,6 @@ class ModelRunner:
         normed = _rms_norm(hidden, self.weights.final_norm, self.arch.rms_eps)
         return F.linear(normed, self.weights.lm_head).float()
 
-    def _qkv(
-        self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        arch = self.arch
-        t = x.shape[0]
-        h = _rms_norm(x, lw.attn_norm, arch.rms_eps)
-        qkv = F.linear(h, lw.qkv, lw.qkv_bias)
-        qk_heads = arch.num_heads + arch.num_kv_heads
-        # Queries and keys sit side by side in each row of the fused output, so one
-        # rotation covers both (half the small ops of rotating them separately).
-        qk = Rotary.apply(
-            qkv[:, : qk_heads * arch.head_dim].view(t, qk_heads, arch.head_dim), cos, sin
-        )
-        q, k = qk.split([arch.num_heads, arch.num_kv_heads], dim=1)
-        v = qkv[:, qk_heads * arch.head_dim :].view(t, arch.num_kv_heads, arch.head_dim)
-        return q, k, v
-
-    def _finish_layer(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + F.linear(attn.reshape(x.shape[0], self.arch.q_size), lw.o, lw.o_bias)
-        h = _rms_norm(x, lw.mlp_norm, self.arch.rms_eps)
-        gate, up = F.linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate).mul_(up), lw.down, lw.down_bias)
-
     def _forward_chunk(
         self,
         ids: torch.Tensor,
@@ -281,7 +259,7 @@ class ModelRunner:
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         last_layer = self.arch.num_layers - 1
         for i, lw in enumerate(self.weights.layers):
-            q, k, v = self._qkv(lw, x, cos, sin)
+            q, k, v = attention_inputs(self.arch, lw, x, cos, sin)
             kv_layer = self.cache.kv[i]
             parts = []
             if decode_plan is not None:
@@ -299,7 +277,7 @@ class ModelRunner:
             if attn is not None:
                 parts.append(attn)
             if parts:  # none: a last layer with no decode row and no logits wanted
-                x = self._finish_layer(lw, x, torch.cat(parts) if len(parts) > 1 else parts[0])
+                x = finish_layer(self.arch, lw, x, torch.cat(parts) if len(parts) > 1 else parts[0])
             if layer_hook is not None:
                 layer_hook(i, prefill_plan.start, prefill_plan.end)
         return x
@@ -308,7 +286,35 @@ class ModelRunner:
         x = F.embedding(ids, self.weights.embed)
         cos, sin = self.rotary.cos_sin(plan.positions, self.dtype)
         for i, lw in enumerate(self.weights.layers):
-            q, k, v = self._qkv(lw, x, cos, sin)
+            q, k, v = attention_inputs(self.arch, lw, x, cos, sin)
             attn = self.backend.decode(self.cache.kv[i], q, k, v, plan)
-            x = self._finish_layer(lw, x, attn)
+            x = finish_layer(self.arch, lw, x, attn)
         return x
+
+
+def attention_inputs(
+    arch: ArchConfig, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's queries, keys and values for hidden states `x` `[T, hidden]`: normed,
+    projected, queries and keys rotated at the positions of `cos`/`sin`."""
+    t = x.shape[0]
+    h = _rms_norm(x, lw.attn_norm, arch.rms_eps)
+    qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+    qk_heads = arch.num_heads + arch.num_kv_heads
+    # Queries and keys sit side by side in each row of the fused output, so one
+    # rotation covers both (half the small ops of rotating them separately).
+    qk = Rotary.apply(qkv[:, : qk_heads * arch.head_dim].view(t, qk_heads, arch.head_dim), cos, sin)
+    q, k = qk.split([arch.num_heads, arch.num_kv_heads], dim=1)
+    v = qkv[:, qk_heads * arch.head_dim :].view(t, arch.num_kv_heads, arch.head_dim)
+    return q, k, v
+
+
+def finish_layer(
+    arch: ArchConfig, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor
+) -> torch.Tensor:
+    """The rest of a layer after attention: output projection and residual, then the
+    MLP and its residual."""
+    x = x + F.linear(attn.reshape(x.shape[0], arch.q_size), lw.o, lw.o_bias)
+    h = _rms_norm(x, lw.mlp_norm, arch.rms_eps)
+    gate, up = F.linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate).mul_(up), lw.down, lw.down_bias)

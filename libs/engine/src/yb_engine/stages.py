@@ -25,12 +25,11 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from yb_engine.architecture import ArchConfig
 from yb_engine.attention import AttentionBackend, host_ints, select_backend
 from yb_engine.kv_cache import PagedKVCache
 from yb_engine.loader import LoadedStage
 from yb_engine.rope import Rotary
-from yb_engine.runner import LayerHook, ModelRunner, _rms_norm
+from yb_engine.runner import LayerHook, _rms_norm, attention_inputs, finish_layer
 
 
 class HiddenHeader(msgspec.Struct, frozen=True, array_like=True):
@@ -145,15 +144,6 @@ def chunk_spans(prompt_len: int, num_cached_tokens: int, chunk_size: int) -> lis
     ]
 
 
-class _LayerMath(ModelRunner):
-    """The runner's per-layer computation (normed q/k/v with RoPE, then output
-    projection and MLP) over a stage's weights, built without a whole model."""
-
-    def __init__(self, arch: ArchConfig) -> None:
-        # ModelRunner's own __init__ wants a whole model; the layer math reads only arch.
-        self.arch = arch
-
-
 class StageRunner:
     """Computes chunks of prompts through one stage's layers, over the stage's pages.
 
@@ -196,7 +186,6 @@ class StageRunner:
             )
         self.backend = backend
         self.rotary = Rotary(arch.rope, arch.head_dim, self.device)
-        self._math = _LayerMath(arch)
 
     def forward(
         self,
@@ -242,21 +231,20 @@ class StageRunner:
             else:
                 x = inputs.to(device=self.device, dtype=self.dtype)
             cos, sin = self.rotary.cos_sin(positions, self.dtype)
-            math = self._math
             last_j = len(self.weights.layers) - 1
             for j, lw in enumerate(self.weights.layers):
-                q, k, v = math._qkv(lw, x, cos, sin)
+                q, k, v = attention_inputs(arch, lw, x, cos, sin)
                 kv_layer = self.cache.kv[j]
                 if not (self.is_last and j == last_j):
                     attn = self.backend.prefill(kv_layer, q, k, v, plan)
                     assert attn is not None
-                    x = math._finish_layer(lw, x, attn)
+                    x = finish_layer(arch, lw, x, attn)
                 elif final_chunk:
                     # As in ModelRunner: the model's last layer matters only at the
                     # prompt's last token (its logits); every token's K/V is written.
                     attn = self.backend.prefill(kv_layer, q[-1:], k, v, plan)
                     assert attn is not None
-                    x = math._finish_layer(lw, x[-1:], attn)
+                    x = finish_layer(arch, lw, x[-1:], attn)
                 else:
                     self.backend.prefill(kv_layer, None, k, v, plan)
                 if layer_hook is not None:
