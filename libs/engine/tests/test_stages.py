@@ -168,11 +168,18 @@ def test_hidden_states_cross_as_header_and_bytes(tiny4: LoadedModel) -> None:
         hidden = first.forward(torch.tensor(ids[start:end]), tables[0], start, len(ids))
         assert hidden is not None
         header_bytes = encoder.encode(
-            HiddenHeader.of(hidden, chunk_index=index, start=start, prompt_len=len(ids))
+            HiddenHeader.of(
+                hidden, request_id="r1", chunk_index=index, start=start, prompt_len=len(ids)
+            )
         )
         payload = bytes(hidden_bytes(hidden))
         header = decoder.decode(header_bytes)
-        assert (header.chunk_index, header.start, header.end) == (index, start, end)
+        assert (header.request_id, header.chunk_index, header.start, header.end) == (
+            "r1",
+            index,
+            start,
+            end,
+        )
         assert header.shape == (end - start, tiny4.config.hidden)
         assert header.dtype == "float32"
         assert header.nbytes == len(payload)

@@ -14,12 +14,18 @@ first chunk after it, exactly as `ModelRunner.prefill` does with `num_cached_tok
 
 Between stages a chunk's hidden states are a plain contiguous tensor `[T, hidden]` with
 a `HiddenHeader` (msgspec) saying what it is, so a transport can move the bytes as they
-lie (`hidden_bytes`, `hidden_from_buffer`).
+lie (`hidden_bytes`, `hidden_from_buffer`). `serve_stage_request` runs one request
+through a stage between two such transports (`ChunkSource` in, `ChunkSink` out: the data
+plane's `ActivationReceiver` and `ActivationSender` are both), streaming the stage's KV
+pages to a `PageSink` as it goes; `prefill_over_stages` is the driver's side of a group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Coroutine, Sequence
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import torch
@@ -37,9 +43,10 @@ class HiddenHeader(msgspec.Struct, frozen=True, array_like=True):
 
     The buffer is `shape` elements of `dtype` (a torch dtype name, "float32"), row-major
     and contiguous: the hidden states of prompt positions `[start, end)`, the chunk
-    number `chunk_index` of a prompt of `prompt_len` tokens.
+    number `chunk_index` of request `request_id`'s prompt of `prompt_len` tokens.
     """
 
+    request_id: str
     chunk_index: int
     start: int
     end: int
@@ -70,10 +77,17 @@ class HiddenHeader(msgspec.Struct, frozen=True, array_like=True):
 
     @classmethod
     def of(
-        cls, hidden: torch.Tensor, *, chunk_index: int, start: int, prompt_len: int
+        cls,
+        hidden: torch.Tensor,
+        *,
+        request_id: str,
+        chunk_index: int,
+        start: int,
+        prompt_len: int,
     ) -> HiddenHeader:
         """The header of `hidden`, the states of positions `[start, start + len(hidden))`."""
         return cls(
+            request_id=request_id,
             chunk_index=chunk_index,
             start=start,
             end=start + hidden.shape[0],
@@ -306,3 +320,214 @@ def run_pipeline(
         logits = out
     assert logits is not None
     return logits
+
+
+T = TypeVar("T")
+
+
+class ChunkSource(Protocol):
+    """Where a stage takes its chunks from (the previous stage, or the driver)."""
+
+    async def receive(
+        self, request_id: str, chunk_index: int, *, deadline_s: float
+    ) -> tuple[HiddenHeader, Any]:
+        """Chunk `chunk_index` of `request_id`: its header and its bytes."""
+        ...
+
+    async def wait_closed(self, request_id: str, *, deadline_s: float) -> bool:
+        """Wait for the sender to end `request_id`: True when it sent every chunk."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is held for `request_id`."""
+        ...
+
+
+class ChunkSink(Protocol):
+    """Where a stage sends its chunks (the next stage, or the driver for the logits)."""
+
+    async def open(self, request_id: str, *, deadline_s: float) -> None:
+        """Announce `request_id` before its first chunk."""
+        ...
+
+    async def send(
+        self,
+        request_id: str,
+        chunk_index: int,
+        header: HiddenHeader,
+        payload: Any,
+        *,
+        deadline_s: float,
+    ) -> None:
+        """Send one chunk; `payload` must not change until this returns."""
+        ...
+
+    async def close(self, request_id: str, *, complete: bool, deadline_s: float) -> None:
+        """End `request_id`: every chunk sent (`complete`), or given up."""
+        ...
+
+
+class PageSink(Protocol):
+    """One request's KV reservation at decode (or the kvstore), laid out as the KV
+    protocol says: buffer `layer * num_pages + i` is page i of the request in the
+    model's layer `layer`."""
+
+    async def send(self, items: Sequence[tuple[int, Any]], *, deadline_s: float) -> None:
+        """Send (index, page) items; the pages must not change until this returns."""
+        ...
+
+    async def commit(self, *, deadline_s: float) -> None:
+        """Declare the reservation complete."""
+        ...
+
+
+class UpstreamFailed(RuntimeError):
+    """The previous stage ended a request without sending all of it."""
+
+
+def _raise_failed(tasks: set[asyncio.Task[None]]) -> None:
+    """Forget the transfers in `tasks` that finished; raise the first one's error."""
+    for task in [t for t in tasks if t.done()]:
+        tasks.discard(task)
+        task.result()
+
+
+async def _unless_failed(work: Awaitable[T], moving: set[asyncio.Task[None]]) -> T:
+    """`work`'s result, unless a transfer in `moving` fails first: then its error."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            _raise_failed(moving)
+            if task.done():
+                return task.result()
+            await asyncio.wait({task, *moving}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()
+
+
+async def serve_stage_request(
+    runner: StageRunner,
+    request_id: str,
+    block_table: Sequence[int],
+    inbound: ChunkSource,
+    outbound: ChunkSink,
+    *,
+    wait_s: float,
+    kv: PageSink | None = None,
+    commit_kv: bool = False,
+) -> None:
+    """Run request `request_id` through `runner`'s stage: chunks from `inbound`, in
+    prompt order, the stage's output to `outbound`.
+
+    Each chunk is computed on a worker thread while the previous chunk's output and KV
+    pages still move, so this stage computes chunk i+1 while the next stage computes
+    chunk i. With `kv`, the stage's pages go there as soon as the chunks filled them
+    (its layers only); `commit_kv` (the last stage's job) commits that reservation
+    once every earlier stage closed the request complete, which each does only after
+    its own pages were sent, so every stage's layers are in.
+
+    Every wait is bounded by `wait_s`. Failing (the neighbour's connection broke, a
+    deadline, an upstream abort), the request is closed downstream as aborted, so the
+    stages after this one end it too, and the error is raised.
+    """
+    cache = runner.cache
+    moving: set[asyncio.Task[None]] = set()
+
+    def spawn(work: Coroutine[Any, Any, None]) -> None:
+        moving.add(asyncio.ensure_future(work))
+
+    await outbound.open(request_id, deadline_s=wait_s)
+    try:
+        pages_sent = 0
+        chunk_index = 0
+        while True:
+            # A transfer of an earlier chunk that fails (the next stage died) ends the
+            # request now, not when the next chunk comes.
+            header, payload = await _unless_failed(
+                inbound.receive(request_id, chunk_index, deadline_s=wait_s), moving
+            )
+            inputs = hidden_from_buffer(header, payload, runner.device)
+            out = await asyncio.to_thread(
+                runner.forward, inputs, block_table, header.start, header.prompt_len
+            )
+            _raise_failed(moving)
+            if out is not None:
+                out = out.cpu()
+                spawn(
+                    outbound.send(
+                        request_id,
+                        chunk_index,
+                        header.describing(out),
+                        hidden_bytes(out),
+                        deadline_s=wait_s,
+                    )
+                )
+            if kv is not None:
+                # Only whole pages (and the prompt's last, partial one): a page the next
+                # chunk still writes into must not move yet.
+                num_pages = cache.pages_for(header.prompt_len)
+                filled = num_pages if header.is_last_chunk else header.end // cache.block_size
+                for j in range(len(runner.layer_range)):
+                    layer = runner.layer_range.start + j
+                    items = [
+                        (layer * num_pages + i, cache.page_view(j, block_table[i]))
+                        for i in range(pages_sent, filled)
+                    ]
+                    if items:
+                        spawn(kv.send(items, deadline_s=wait_s))
+                pages_sent = max(pages_sent, filled)
+            if header.is_last_chunk:
+                break
+            chunk_index += 1
+        await asyncio.gather(*moving)
+        moving.clear()
+        if not await inbound.wait_closed(request_id, deadline_s=wait_s):
+            raise UpstreamFailed(f"the previous stage aborted {request_id}")
+        if kv is not None and commit_kv:
+            await kv.commit(deadline_s=wait_s)
+        await outbound.close(request_id, complete=True, deadline_s=wait_s)
+    except BaseException:
+        for task in moving:
+            task.cancel()
+        await asyncio.gather(*moving, return_exceptions=True)
+        # The next stage may be what failed: telling it is best effort.
+        with contextlib.suppress(Exception):
+            await outbound.close(request_id, complete=False, deadline_s=wait_s)
+        raise
+    finally:
+        inbound.forget(request_id)
+
+
+async def prefill_over_stages(
+    first: ChunkSink,
+    last: ChunkSource,
+    request_id: str,
+    token_ids: Sequence[int],
+    *,
+    num_cached_tokens: int = 0,
+    chunk_size: int = 512,
+    wait_s: float,
+) -> torch.Tensor:
+    """The driver's side of a group: feed `token_ids` in chunks to the first stage
+    (`first`) and return the logits `[vocab]` the last stage sends back (`last`).
+
+    The stages must hold the KV of the first `num_cached_tokens` tokens already.
+    """
+    n = len(token_ids)
+    spans = chunk_spans(n, num_cached_tokens, chunk_size)
+    ids = torch.tensor(list(token_ids), dtype=torch.int64)
+    await first.open(request_id, deadline_s=wait_s)
+    try:
+        for index, (start, end) in enumerate(spans):
+            piece = ids[start:end]
+            header = HiddenHeader.of(
+                piece, request_id=request_id, chunk_index=index, start=start, prompt_len=n
+            )
+            await first.send(request_id, index, header, hidden_bytes(piece), deadline_s=wait_s)
+        await first.close(request_id, complete=True, deadline_s=wait_s)
+        header, payload = await last.receive(request_id, len(spans) - 1, deadline_s=wait_s)
+        if not await last.wait_closed(request_id, deadline_s=wait_s):
+            raise UpstreamFailed(f"the last stage aborted {request_id}")
+        return hidden_from_buffer(header, payload, "cpu")
+    finally:
+        last.forget(request_id)
