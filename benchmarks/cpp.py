@@ -7,20 +7,21 @@ against one instance, in the same run.
 Each `--runs` entry `TOKENS:STAGES` times one prompt of TOKENS random tokens two ways,
 alternating, `--repeats` times each:
 
-- one instance: a process holding the whole model, `ModelRunner.prefill` in chunks of
-  `--chunk-size` tokens;
+- one instance: one process holding the whole model (a stage of every layer,
+  `LayerRange(0, num_layers)`, which computes what `ModelRunner.prefill` does);
 - a group: STAGES processes, stage i holding only its layers (`load_engine_stage`, the
-  layers cut as evenly as `LayerRange.split` does), chunks of `--chunk-size` tokens
-  pipelined: stage i computes chunk k while stage i+1 computes chunk k-1.
+  layers cut as evenly as `LayerRange.split` does).
 
-Every process has ONE torch thread (an engine owns its cores; this machine has few), on
-the CPU in float32. Hidden states go between stage processes as a `HiddenHeader`
-(msgpack) and the tensor's raw bytes over a `multiprocessing` pipe (a local socket),
-NOT over UCX: the figures include that hand-off, which the JSON names (`transport`).
-TTFT is from the first chunk handed to the first process to the last position's logits
-back in the driver; loading and a warm-up prompt come before. A group of more processes
-than the machine has cores cannot run its stages in parallel, so its speedup is bounded
-by the core count (`cores` in the JSON).
+Both run `serve_stage_request`: chunks of `--chunk-size` tokens come in over UCX, each is
+computed while the previous one's output moves on, so in a group stage i computes chunk
+k while stage i+1 computes chunk k-1. Token ids go from the driver to the first process,
+hidden states from stage to stage and the logits back to the driver over the data plane
+(`yb_dataplane.activations`: real UCX, one reservation per chunk), as `transport` in the
+JSON says. Every process has ONE torch thread (an engine owns its cores; this machine has
+few), on the CPU in float32. TTFT is from the driver opening the request to the last
+position's logits back in the driver; loading and a warm-up prompt come before. A group
+of more processes than the machine has cores cannot run its stages in parallel, so its
+speedup is bounded by the core count (`cores` in the JSON).
 
 Figures (DESIGN.md): `ttft_single_{N}_s`, `ttft_cpp{S}_{N}_s`, `cpp{S}_speedup_{N}`
 (single over group, medians), `cpp{S}_logits_rel_err_{N}` (the group's logits against
@@ -36,11 +37,11 @@ over its context) is skipped and listed in `skipped`.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
 import multiprocessing as mp
 import os
-import queue
 import statistics
-import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -52,149 +53,165 @@ from figures import emit
 
 from yb_core.config import ModelConfig
 from yb_core.model_files import DEFAULT, TINY_RANDOM, default_model_cache_dir
-from yb_engine import ModelRunner, PagedKVCache
+from yb_dataplane.activations import ActivationReceiver, ActivationSender
+from yb_dataplane.transport import KVReceiver, KVSender, PeerAddress
 from yb_engine.architecture import ArchConfig, LayerRange
-from yb_engine.models import load_engine_model, load_engine_stage
+from yb_engine.models import load_engine_stage
 from yb_engine.stages import (
     HiddenHeader,
     StageRunner,
-    chunk_spans,
-    hidden_bytes,
-    hidden_from_buffer,
+    prefill_over_stages,
+    serve_stage_request,
     stage_cache,
 )
 
-TRANSPORT = "multiprocessing-pipe"
+TRANSPORT = "ucx"
 WARMUP_TOKENS = 256
+#: Bound on every wait of a stage or the driver: far above a prompt's time here.
+WAIT_S = 3600.0
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
-    """What one worker process runs: a stage (`layers`) or the whole model (None)."""
+    """What one worker process runs: the stage of layers `[layers[0], layers[1])`."""
 
     source: str
-    layers: tuple[int, int] | None
+    layers: tuple[int, int]
     max_tokens: int
     block_size: int
-    chunk_size: int
 
 
-_header_encoder = msgspec.msgpack.Encoder()
-_header_decoder = msgspec.msgpack.Decoder(HiddenHeader)
+def worker(spec: WorkerSpec, control: Connection, reports: Any) -> None:
+    """A stage process: loads its weights, starts its receiver and reports its address;
+    then, given the next hop's address on `control`, serves prompts until terminated,
+    reporting after each the CPU seconds it cost."""
+    asyncio.run(_serve(spec, control, reports))
 
 
-def send_tensor(conn: Connection, tensor: torch.Tensor, header: HiddenHeader) -> None:
-    conn.send_bytes(_header_encoder.encode(header))
-    conn.send_bytes(hidden_bytes(tensor))
-
-
-def recv_tensor(conn: Connection) -> tuple[HiddenHeader, torch.Tensor] | None:
-    raw = conn.recv_bytes()
-    if not raw:
-        return None
-    header = _header_decoder.decode(raw)
-    return header, hidden_from_buffer(header, conn.recv_bytes(), "cpu")
-
-
-def worker(spec: WorkerSpec, inbox: Connection, outbox: Connection, reports: Any) -> None:
-    """A stage or instance process: loads its weights, then serves prompts until an
-    empty message. A stage hands each chunk's output to a sending thread as soon as it
-    is computed (so it computes the next chunk while the bytes go); the last stage (or
-    the instance) sends the logits. On `reports` it says when it is ready, then after
-    each prompt the CPU seconds the prompt cost it."""
+async def _serve(spec: WorkerSpec, control: Connection, reports: Any) -> None:
     torch.set_num_threads(1)
     config = ModelConfig(source=spec.source, device="cpu", dtype="float32")
     pages = -(-spec.max_tokens // spec.block_size)
     table = list(range(pages))
-    outgoing: queue.Queue[tuple[torch.Tensor, HiddenHeader] | None] = queue.Queue()
-
-    def send_loop() -> None:
-        while (item := outgoing.get()) is not None:
-            send_tensor(outbox, item[0], item[1])
-
-    sender = threading.Thread(target=send_loop, daemon=True)
-    sender.start()
-    if spec.layers is None:
-        model = load_engine_model(config, default_model_cache_dir())
-        runner = ModelRunner(model, PagedKVCache(model.config, pages, spec.block_size))
-        reports.put(0.0)
-        while (message := recv_tensor(inbox)) is not None:
-            header, ids = message
-            cpu = time.process_time()
-            logits = runner.prefill(ids.tolist(), table, chunk_size=spec.chunk_size)
-            outgoing.put((logits, header.describing(logits)))
-            reports.put(time.process_time() - cpu)
-    else:
-        stage = load_engine_stage(config, default_model_cache_dir(), LayerRange(*spec.layers))
-        stage_runner = StageRunner(stage, stage_cache(stage, pages, spec.block_size))
-        reports.put(0.0)
-        cpu = 0.0
-        while (message := recv_tensor(inbox)) is not None:
-            header, inputs = message
-            if header.chunk_index == 0:
-                cpu = time.process_time()
-            out = stage_runner.forward(inputs, table, header.start, header.prompt_len)
-            if out is not None:  # None: the last stage, before the prompt's last chunk
-                outgoing.put((out, header.describing(out)))
-            if header.is_last_chunk:
-                reports.put(time.process_time() - cpu)
-    outgoing.put(None)
-    sender.join()
-    outbox.send_bytes(b"")  # the next process stops too
+    stage = load_engine_stage(config, default_model_cache_dir(), LayerRange(*spec.layers))
+    runner = StageRunner(stage, stage_cache(stage, pages, spec.block_size))
+    receiver = KVReceiver()
+    reports.put(str(await receiver.start()))
+    inbound = ActivationReceiver(receiver, HiddenHeader)
+    next_hop = PeerAddress.parse(await asyncio.to_thread(control.recv))
+    outbound = ActivationSender[HiddenHeader](KVSender(), next_hop)
+    while True:
+        request_id = await inbound.next_request(deadline_s=WAIT_S)
+        cpu = time.process_time()
+        await serve_stage_request(runner, request_id, table, inbound, outbound, wait_s=WAIT_S)
+        reports.put(time.process_time() - cpu)
 
 
 class Chain:
-    """Worker processes joined by pipes: the driver feeds the first, reads the last."""
+    """Stage processes joined over UCX: the driver feeds the first, hears the last."""
 
-    def __init__(self, specs: list[WorkerSpec]) -> None:
+    def __init__(self, specs: list[WorkerSpec], chunk_size: int) -> None:
         ctx = mp.get_context("spawn")
+        self.chunk_size = chunk_size
         self.reports = ctx.Queue()
         self.processes = []
-        first_recv, self.feed = ctx.Pipe(duplex=False)
-        inbox = first_recv
+        self.controls = []
+        self.addresses = []
         for spec in specs:
-            recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=worker, args=(spec, inbox, send, self.reports), daemon=True)
+            # One at a time: each report is the address of the process just started.
+            receive_end, send_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=worker, args=(spec, receive_end, self.reports), daemon=True)
             proc.start()
             self.processes.append(proc)
-            inbox = recv
-        self.result = inbox
-        for _ in specs:
-            self.reports.get(timeout=600)  # loaded
-        self.chunk_size = specs[0].chunk_size
+            self.controls.append(send_end)
+            self.addresses.append(PeerAddress.parse(self.reports.get(timeout=600)))
+        self._ids = itertools.count()
 
-    def ttft(self, ids: list[int], chunked: bool) -> tuple[float, torch.Tensor, list[float]]:
-        """Seconds from the first chunk handed over to the logits back, the logits, and
-        the CPU seconds each process spent on the prompt.
+    async def __aenter__(self) -> Chain:
+        self.receiver = KVReceiver()
+        self.sender = KVSender()
+        driver_address = await self.receiver.start()
+        self.inbound = ActivationReceiver(self.receiver, HiddenHeader)
+        self.first = ActivationSender[HiddenHeader](self.sender, self.addresses[0])
+        for control, next_hop in zip(
+            self.controls, [*self.addresses[1:], driver_address], strict=True
+        ):
+            control.send(str(next_hop))
+        return self
 
-        `chunked`: the prompt goes in chunks (a group), else whole (an instance, which
-        chunks it itself)."""
-        n = len(ids)
-        tensor = torch.tensor(ids, dtype=torch.int64)
-        spans = chunk_spans(n, 0, self.chunk_size) if chunked else [(0, n)]
-        begin = time.perf_counter()
-        for index, (start, end) in enumerate(spans):
-            piece = tensor[start:end]
-            send_tensor(
-                self.feed,
-                piece,
-                HiddenHeader.of(piece, chunk_index=index, start=start, prompt_len=n),
-            )
-        message = recv_tensor(self.result)
-        elapsed = time.perf_counter() - begin
-        assert message is not None
-        cpu = [self.reports.get(timeout=60) for _ in self.processes]
-        return elapsed, message[1], cpu
-
-    def close(self) -> None:
-        self.feed.send_bytes(b"")
+    async def __aexit__(self, *exc: object) -> None:
+        await self.sender.close()
+        await self.receiver.close()
         for proc in self.processes:
+            proc.terminate()
             proc.join(timeout=60)
+
+    async def ttft(self, ids: list[int]) -> tuple[float, torch.Tensor, list[float]]:
+        """Seconds from the request opened to the logits back, the logits, and the CPU
+        seconds each process spent on the prompt."""
+        begin = time.perf_counter()
+        logits = await prefill_over_stages(
+            self.first,
+            self.inbound,
+            f"p{next(self._ids)}",
+            ids,
+            chunk_size=self.chunk_size,
+            wait_s=WAIT_S,
+        )
+        elapsed = time.perf_counter() - begin
+        cpu = [await asyncio.to_thread(self.reports.get, timeout=60) for _ in self.processes]
+        return elapsed, logits, cpu
 
 
 def model_arch(source: str) -> ArchConfig:
     """The model's architecture (read with a one-layer stage, the cheapest load)."""
     config = ModelConfig(source=source, device="cpu", dtype="float32")
     return load_engine_stage(config, default_model_cache_dir(), LayerRange(0, 1)).config
+
+
+async def measure(
+    figures: dict[str, Any],
+    source: str,
+    arch: ArchConfig,
+    tokens: int,
+    num_stages: int,
+    chunk_size: int,
+    block_size: int,
+    repeats: int,
+) -> None:
+    """Time one `TOKENS:STAGES` run, one instance against the group, into `figures`."""
+    common = {"source": source, "max_tokens": tokens, "block_size": block_size}
+    single_chain = Chain([WorkerSpec(layers=(0, arch.num_layers), **common)], chunk_size)
+    group_chain = Chain(
+        [
+            WorkerSpec(layers=(r.start, r.end), **common)
+            for r in LayerRange.split(arch.num_layers, num_stages)
+        ],
+        chunk_size,
+    )
+    gen = torch.Generator().manual_seed(tokens)
+    ids = [int(t) for t in torch.randint(0, arch.vocab, (tokens,), generator=gen)]
+    single_s, group_s, single_cpu, group_cpu = [], [], [], []
+    async with single_chain as single, group_chain as group:
+        await single.ttft(ids[:WARMUP_TOKENS])
+        await group.ttft(ids[:WARMUP_TOKENS])
+        for _ in range(repeats):
+            elapsed, reference, cpu = await single.ttft(ids)
+            single_s.append(elapsed)
+            single_cpu.append(cpu[0])
+            elapsed, logits, cpu = await group.ttft(ids)
+            group_s.append(elapsed)
+            group_cpu.append(cpu)
+    tag = f"cpp{num_stages}"
+    median = statistics.median
+    figures[f"ttft_single_{tokens}_s"] = median(single_s)
+    figures[f"ttft_{tag}_{tokens}_s"] = median(group_s)
+    figures[f"{tag}_speedup_{tokens}"] = median(single_s) / median(group_s)
+    figures[f"{tag}_logits_rel_err_{tokens}"] = float(
+        (logits - reference).abs().max() / reference.abs().max()
+    )
+    figures[f"cpu_single_{tokens}_s"] = median(single_cpu)
+    figures[f"cpu_{tag}_{tokens}_s"] = median(sum(c) for c in group_cpu)
+    figures[f"cpu_{tag}_slowest_stage_{tokens}_s"] = median(max(c) for c in group_cpu)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,39 +249,18 @@ def main(argv: list[str] | None = None) -> int:
         if tokens > arch.max_position or num_stages > arch.num_layers:
             skipped.append(f"{tokens}:{num_stages}")
             continue
-        common = {"source": source, "max_tokens": tokens, "block_size": args.block_size}
-        single = Chain([WorkerSpec(layers=None, chunk_size=args.chunk_size, **common)])
-        group = Chain(
-            [
-                WorkerSpec(layers=(r.start, r.end), chunk_size=args.chunk_size, **common)
-                for r in LayerRange.split(arch.num_layers, num_stages)
-            ]
+        asyncio.run(
+            measure(
+                figures,
+                source,
+                arch,
+                tokens,
+                num_stages,
+                args.chunk_size,
+                args.block_size,
+                args.repeats,
+            )
         )
-        gen = torch.Generator().manual_seed(tokens)
-        ids = [int(t) for t in torch.randint(0, arch.vocab, (tokens,), generator=gen)]
-        single.ttft(ids[:WARMUP_TOKENS], chunked=False)
-        group.ttft(ids[:WARMUP_TOKENS], chunked=True)
-        single_s, group_s, single_cpu, group_cpu = [], [], [], []
-        for _ in range(args.repeats):
-            elapsed, reference, cpu = single.ttft(ids, chunked=False)
-            single_s.append(elapsed)
-            single_cpu.append(cpu[0])
-            elapsed, logits, cpu = group.ttft(ids, chunked=True)
-            group_s.append(elapsed)
-            group_cpu.append(cpu)
-        single.close()
-        group.close()
-        tag = f"cpp{num_stages}"
-        median = statistics.median
-        figures[f"ttft_single_{tokens}_s"] = median(single_s)
-        figures[f"ttft_{tag}_{tokens}_s"] = median(group_s)
-        figures[f"{tag}_speedup_{tokens}"] = median(single_s) / median(group_s)
-        figures[f"{tag}_logits_rel_err_{tokens}"] = float(
-            (logits - reference).abs().max() / reference.abs().max()
-        )
-        figures[f"cpu_single_{tokens}_s"] = median(single_cpu)
-        figures[f"cpu_{tag}_{tokens}_s"] = median(sum(c) for c in group_cpu)
-        figures[f"cpu_{tag}_slowest_stage_{tokens}_s"] = median(max(c) for c in group_cpu)
     figures["skipped"] = ",".join(skipped)
     figures["load_average_1m"] = os.getloadavg()[0]
 
