@@ -32,12 +32,20 @@ def chunk(seed: int, size: int = 4096) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
-async def test_chunks_arrive_with_their_headers_in_any_order(
+async def opened(
     receiver: KVReceiver, sender: KVSender
-) -> None:
+) -> tuple[ActivationReceiver[Header], ActivationSender[Header]]:
+    """Both ends of a channel into `receiver`, with request "r" open."""
     inbound = ActivationReceiver(receiver, Header)
     outbound = ActivationSender[Header](sender, receiver.address)
     await outbound.open("r", deadline_s=10)
+    return inbound, outbound
+
+
+async def test_chunks_arrive_with_their_headers_in_any_order(
+    receiver: KVReceiver, sender: KVSender
+) -> None:
+    inbound, outbound = await opened(receiver, sender)
     assert await inbound.next_request(deadline_s=10) == "r"
     for index in range(3):
         header = Header("r", index, f"chunk {index}")
@@ -56,9 +64,7 @@ async def test_chunks_arrive_with_their_headers_in_any_order(
 async def test_an_aborted_request_ends_the_wait_for_its_next_chunk(
     receiver: KVReceiver, sender: KVSender
 ) -> None:
-    inbound = ActivationReceiver(receiver, Header)
-    outbound = ActivationSender[Header](sender, receiver.address)
-    await outbound.open("r", deadline_s=10)
+    inbound, outbound = await opened(receiver, sender)
     await outbound.send("r", 0, Header("r", 0, ""), chunk(0), deadline_s=10)
     await inbound.receive("r", 0, deadline_s=10)
     await outbound.close("r", complete=False, deadline_s=10)

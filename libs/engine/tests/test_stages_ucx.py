@@ -55,6 +55,8 @@ scrambled_table, whole_prefill = _single.scrambled_table, _single.whole_prefill
 WAIT_S = 120.0
 #: How long a test waits for a failure to show: a small part of WAIT_S.
 FAIL_FAST_S = 20.0
+#: Chunk size of the requests the process tests cut short.
+CUT_CHUNK = 32
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +266,22 @@ class ProcessGroup:
         self.first = ActivationSender[HiddenHeader](self.sender, first)
         return self
 
+    async def send_chunk(self, request_id: str, ids: list[int], index: int) -> None:
+        """Chunk `index` (of CUT_CHUNK tokens) of prompt `ids` to the first stage."""
+        start = index * CUT_CHUNK
+        piece = torch.tensor(ids[start : start + CUT_CHUNK])
+        header = HiddenHeader.of(
+            piece, request_id=request_id, chunk_index=index, start=start, prompt_len=len(ids)
+        )
+        await self.first.send(request_id, index, header, piece.numpy(), deadline_s=WAIT_S)
+
+    async def start_cut(self, ids: list[int]) -> None:
+        """Request "cut" with its first chunk only: returns once the second stage
+        computed it and waits for chunk 1, which the caller does not send yet."""
+        await self.first.open("cut", deadline_s=WAIT_S)
+        await self.send_chunk("cut", ids, 0)
+        await self.stages[1].expect("waiting 1")
+
     async def __aexit__(self, *exc: Any) -> None:
         for stage in self.stages:
             await stage.stop()
@@ -285,12 +303,7 @@ async def test_stage_processes_give_the_logits_and_a_killed_one_ends_the_request
         # The next request: chunk 0 goes through both stages, then the first dies
         # while the second waits for chunk 1.
         first, second = pg.stages
-        n = len(ids)
-        await pg.first.open("cut", deadline_s=WAIT_S)
-        piece = torch.tensor(ids[:32])
-        header = HiddenHeader.of(piece, request_id="cut", chunk_index=0, start=0, prompt_len=n)
-        await pg.first.send("cut", 0, header, piece.numpy(), deadline_s=WAIT_S)
-        await second.expect("waiting 1")
+        await pg.start_cut(ids)
         await first.stop()
         error = await second.expect("error", timeout=FAIL_FAST_S)
         assert error.startswith("error PeerUnreachable") and "cut" in error, error
@@ -304,16 +317,9 @@ async def test_a_killed_next_stage_fails_the_sending_stage_at_once() -> None:
     ids = prompt(model, 100, seed=8)
     async with ProcessGroup() as pg:
         first, second = pg.stages
-        n = len(ids)
-        await pg.first.open("cut", deadline_s=WAIT_S)
-        piece = torch.tensor(ids[:32])
-        header = HiddenHeader.of(piece, request_id="cut", chunk_index=0, start=0, prompt_len=n)
-        await pg.first.send("cut", 0, header, piece.numpy(), deadline_s=WAIT_S)
-        await second.expect("waiting 1")
+        await pg.start_cut(ids)
         await second.stop()
-        piece = torch.tensor(ids[32:64])
-        header = HiddenHeader.of(piece, request_id="cut", chunk_index=1, start=32, prompt_len=n)
-        await pg.first.send("cut", 1, header, piece.numpy(), deadline_s=WAIT_S)
+        await pg.send_chunk("cut", ids, 1)
         error = await first.expect("error", timeout=FAIL_FAST_S)
         assert error.startswith("error PeerUnreachable"), error
         # The driver's side of the dead stage fails too, from the broken connection.
