@@ -138,7 +138,9 @@ class ActivationReceiver(Generic[H]):
     Installs itself as `receiver`'s reservation factory: the receiver serves this
     channel only. `request_deadline_s` bounds how long a request may stay open (its
     `open` reservation's deadline); `max_chunk_bytes` refuses larger payloads.
-    Call everything on the receiver's event loop.
+    Call everything on the receiver's event loop. Every opened request id also queues
+    for `next_request`: a side that takes requests by id only (a driver hearing back
+    from the last stage) leaves those few bytes per request there.
     """
 
     def __init__(

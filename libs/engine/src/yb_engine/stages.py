@@ -524,6 +524,13 @@ async def prefill_over_stages(
                 piece, request_id=request_id, chunk_index=index, start=start, prompt_len=n
             )
             await first.send(request_id, index, header, hidden_bytes(piece), deadline_s=wait_s)
+    except BaseException:
+        # The stages end the request too, rather than wait for chunks that will not come.
+        with contextlib.suppress(Exception):
+            await first.close(request_id, complete=False, deadline_s=wait_s)
+        last.forget(request_id)
+        raise
+    try:
         await first.close(request_id, complete=True, deadline_s=wait_s)
         header, payload = await last.receive(request_id, len(spans) - 1, deadline_s=wait_s)
         if not await last.wait_closed(request_id, deadline_s=wait_s):
