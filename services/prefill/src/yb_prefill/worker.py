@@ -10,6 +10,12 @@ has answered. Compute is wasted only when decode refuses, which the conductor's
 plan makes rare; waiting for the answer before computing would add its round trip
 to every request.
 
+The engine runs one job at a time, but a job needs it only to compute: once its
+compute has ended, the next job in the queue starts while the KV still on its way to
+decode is committed and the request handed over (at most `MAX_FINISHING` jobs at once
+past their compute). Those ends are round trips to the decode instance; waiting for
+them before the next compute made the engine idle for most of each job under load.
+
 Whatever ends a job early gives back what it held: the decode reservation, and its
 pages here (its full blocks stay cached, the new ones are uploaded to the host's
 kvstore in the background).
@@ -60,6 +66,9 @@ log = get_logger(__name__)
 _tracer = tracer(__name__)
 
 MAX_QUEUE = 256
+#: Jobs past their compute whose commit and hand-over may still be under way while
+#: the next job computes; the queue waits for one of them to end beyond this.
+MAX_FINISHING = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +172,9 @@ class PrefillWorker(Worker):
             self.cache, engine.cache, self.sender, deadline_s=self.pcfg.transfer_timeout_s
         )
         self._queue = JobQueue(maxsize=MAX_QUEUE)
+        # The jobs started and not ended (one computes, the others finish their
+        # transfer), and the request on the engine, if any.
+        self._jobs: set[asyncio.Task[None]] = set()
         self._running: str | None = None
         self._cancelled: dict[str, str] = {}
         self._draining = False
@@ -217,7 +229,7 @@ class PrefillWorker(Worker):
             role="prefill",
             queued_requests=self._queue.qsize(),
             queued_tokens=self._queue.queued_tokens,
-            running_requests=1 if self._running else 0,
+            running_requests=len(self._jobs),
             kv_used_blocks=self.engine.allocator.num_used,
             kv_total_blocks=self.engine.cache.num_pages,
         )
@@ -287,23 +299,47 @@ class PrefillWorker(Worker):
     # --- the engine loop ------------------------------------------------------------
 
     async def _run_queue(self) -> None:
-        while True:
-            queued = await self._queue.get()
-            self.gauges.queue.set(self._queue.qsize())
-            job = queued.job
-            self._running = job.request_id
-            self.gauges.batch.set(1)
-            try:
-                with bind_request(job.request_id):
-                    await self._run(queued)
-            except asyncio.CancelledError:
-                await self._fail(job, JobFailed("prefill instance shutting down"))
-                raise
-            finally:
-                self._running = None
-                self.gauges.batch.set(0)
+        """Start the queue's jobs in its order, each once the engine is free of the one
+        before (its compute ended) and fewer than `MAX_FINISHING` others are still
+        finishing. Cancelled (shutdown), it cancels every job started, which fails it."""
+        try:
+            while True:
+                if len(self._jobs) >= MAX_FINISHING:
+                    await asyncio.wait(self._jobs, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                queued = await self._queue.get()
+                self.gauges.queue.set(self._queue.qsize())
+                left_engine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                self._running = queued.job.request_id
+                self.gauges.batch.set(1)
+                task = asyncio.create_task(self._run_job(queued, left_engine))
+                self._jobs.add(task)
+                task.add_done_callback(self._jobs.discard)
+                try:
+                    await left_engine
+                finally:
+                    self._running = None
+                    self.gauges.batch.set(0)
+        finally:
+            jobs = list(self._jobs)
+            for task in jobs:
+                task.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
 
-    async def _run(self, queued: QueuedJob) -> None:
+    async def _run_job(self, queued: QueuedJob, left_engine: asyncio.Future[None]) -> None:
+        """One job to its end; `left_engine` is resolved once it no longer needs the
+        engine (its compute ended, or the job did)."""
+        job = queued.job
+        try:
+            with bind_request(job.request_id):
+                await self._run(queued, left_engine)
+        except asyncio.CancelledError:
+            await self._fail(job, JobFailed("prefill instance shutting down"))
+            raise
+        finally:
+            _resolve(left_engine)
+
+    async def _run(self, queued: QueuedJob, left_engine: asyncio.Future[None]) -> None:
         """One job, traced, with its outcome counted and a failure reported.
 
         Its span is a child of the gateway's hand-off (the context came with the
@@ -315,6 +351,7 @@ class PrefillWorker(Worker):
             "prefill_started",
             prompt_tokens=len(job.token_ids),
             decode=job.decision.decode_instance,
+            queued_s=round(time.monotonic() - queued.enqueued_at, 4),
             trace_id=trace_id_hex(trace_headers),
         )
         queued_ns = wall_time_ns(queued.enqueued_at)
@@ -332,7 +369,7 @@ class PrefillWorker(Worker):
                 _tracer.start_span("prefill queue wait", start_time=queued_ns).end()
             started = time.monotonic()
             try:
-                await self._prefill(job, span)
+                await self._prefill(job, span, left_engine)
             except JobFailed as exc:
                 self.metrics.jobs.labels("failed").inc()
                 await self._fail(job, exc)
@@ -363,7 +400,9 @@ class PrefillWorker(Worker):
 
     # --- one job's phases -----------------------------------------------------------
 
-    async def _prefill(self, job: pr.PrefillJob, span: trace.Span) -> None:
+    async def _prefill(
+        self, job: pr.PrefillJob, span: trace.Span, left_engine: asyncio.Future[None]
+    ) -> None:
         """Reserve on decode, load the prefix, compute and stream, hand over."""
         self._check_alive(job)
         t_start = time.monotonic()
@@ -385,7 +424,7 @@ class PrefillWorker(Worker):
         t_loaded = time.monotonic()
         cached_tokens = prefix.reused_blocks * self.engine.cache.block_size
         computed = await self._compute_and_stream(
-            job, reserving, prefix, cached_tokens, transfer_deadline, span
+            job, reserving, prefix, cached_tokens, transfer_deadline, span, left_engine
         )
         with child_span(_tracer, "prefill hand-over"):
             await self._hand_over(job, computed.first, cached_tokens, transfer_deadline)
@@ -479,13 +518,15 @@ class PrefillWorker(Worker):
         cached_tokens: int,
         deadline_s: float,
         span: trace.Span,
+        left_engine: asyncio.Future[None],
     ) -> _Computed:
         """Phase 3: compute the rest with layer-wise streaming (the loaded prefix
         first; nothing leaves before the reservation is there), then commit. A
         failure, the reservation's included, aborts the stream and gives the decode
         reservation back; either way the pages are kept (once computed: their KV is
         valid even if the commit failed) or freed after (once the engine thread is
-        done with them)."""
+        done with them). `left_engine` is resolved when the compute has ended: the
+        commit no longer needs the engine."""
         first: list[Sampled] | None = None
         try:
             await self._account_prefix(job, prefix, span)
@@ -494,6 +535,7 @@ class PrefillWorker(Worker):
                 computing = asyncio.ensure_future(
                     self._compute_traced(job, prefix.block_table, cached_tokens, streamer)
                 )
+                computing.add_done_callback(lambda _: _resolve(left_engine))
                 try:
                     reserved = await reserving
                     streamer.direct(PeerAddress.parse(reserved.ucx_address), reserved.breaks)
@@ -778,6 +820,12 @@ def _prefix_attributes(job: pr.PrefillJob, prefix: Prefix) -> dict[str, Attribut
     for tier, tokens in prefix.tokens_by_tier.items():
         attributes[f"yb.reused_tokens.{tier}"] = tokens
     return attributes
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    """Resolve `future` unless it is already."""
+    if not future.done():
+        future.set_result(None)
 
 
 def _engine_barrier() -> None:
