@@ -22,6 +22,20 @@ covers is summed as `hop_ms_unattributed_p50`. The hops of one trace add up to i
 gateway span (`hop_ms_gateway_total_p50`); `hop_ms_outside_gateway_p50` is the rest of
 the client's latency (HTTP, request parsing before the span opens, this client itself).
 
+Where the CPU goes under load: each process of the cluster, and this client, is read
+its user + system CPU time (/proc/<pid>/stat) before and after each loaded run; the
+difference over the requests answered is `cpu_ms_per_request_<process>_c<in flight>`,
+the process as `yb up` names it (`gateway_0`, `conductor_0`, `prefill_0`, `decode_0`,
+`nats_server`, ...), `client` for this benchmark's own HTTP client and `total` for the
+cluster's sum (the client's left out). The cluster and the client share the machine's
+cores, so 2 cores answer at most 2000 / (total + client) requests per second. Not
+measured with `--url` (the processes are not this benchmark's to read).
+
+The client is one keep-alive HTTP/1.1 connection per request in flight, its answers
+parsed by httptools, on uvloop (`Connection`): it costs about 0.5 ms of CPU per
+request, where httpx costs about 5 ms at 64 in flight: CPU taken from the cluster.
+Plain HTTP only (a `--url` of `https:` is refused).
+
     python benchmarks/overhead.py --json out.json [--url http://127.0.0.1:8000]
 
 Goals (issue 20, this machine): one at a time p50 <= 15 ms and p99 <= 30 ms; 64 in
@@ -34,20 +48,29 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
-import httpx
+import httptools
+import uvloop
 
 from yb_testkit.fixtures import LocalCluster
 from yb_testkit.otlp import OtlpReceiver, ReceivedSpan
 
+T = TypeVar("T")
+
 PROMPT = "The capital of France is"
 LOADS = (16, 64)
+#: A request that takes longer than this counts as an error.
+REQUEST_TIMEOUT_S = 60.0
 GOALS: dict[str, tuple[str, float]] = {
     "latency_p50_ms_c1": ("<=", 15.0),
     "latency_p99_ms_c1": ("<=", 30.0),
@@ -115,6 +138,45 @@ class Load:
         }
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # After the command's closing parenthesis: state is field 3, utime 14, stime 15.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_request(
+    before: dict[str, float], after: dict[str, float], answered: int, in_flight: int
+) -> dict[str, float]:
+    """`cpu_ms_per_request_<process>_c<in_flight>` from two readings of CPU seconds by
+    process (`client` is this process, left out of `total`)."""
+    if not answered:
+        return {}
+    ms = {name: (after[name] - before[name]) * 1000 / answered for name in before}
+    ms["total"] = sum(v for name, v in ms.items() if name != "client")
+    return {
+        f"cpu_ms_per_request_{_key(name)}_c{in_flight}": round(v, 2)
+        for name, v in sorted(ms.items())
+    }
+
+
+def cpu_readings(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each of `pids` and of this process (`client`)."""
+    readings = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    readings["client"] = cpu_seconds(os.getpid())
+    return readings
+
+
+def run(coroutine: Coroutine[Any, Any, T]) -> T:
+    """`coroutine` to its end on uvloop, the loop the services run on (the client's
+    CPU is the machine's too)."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coroutine)
+
+
 def percentile(sorted_values: list[float], p: float) -> float:
     """The nearest-rank percentile of an ascending list (0 when empty)."""
     if not sorted_values:
@@ -123,63 +185,134 @@ def percentile(sorted_values: list[float], p: float) -> float:
     return sorted_values[int(rank) - 1]
 
 
-async def one_request(client: httpx.AsyncClient, model: str) -> tuple[float, str]:
+class Connection:
+    """One keep-alive HTTP/1.1 connection to the gateway, its answers parsed by
+    httptools (the C parser the gateway's uvicorn uses).
+
+    The client shares the machine's cores with the cluster it measures, so it must
+    cost little: httpx spent about 5 ms of CPU per request at 64 in flight, a third of
+    the whole cluster's; this costs a fraction of a millisecond
+    (`cpu_ms_per_request_client_c64`).
+    """
+
+    def __init__(self, url: str, headers: dict[str, str]) -> None:
+        parsed = urlsplit(url)
+        if parsed.scheme != "http":
+            raise ValueError(f"{url}: this client speaks plain HTTP only")
+        self.host = parsed.hostname or "127.0.0.1"
+        self.port = parsed.port or 80
+        self._head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """(status, body) of one POST, on this connection (opened when it is not)."""
+        if self._writer is None:
+            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+        assert self._reader is not None
+        self._writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self._head}"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        answer = _Answer()
+        parser = httptools.HttpResponseParser(answer)
+        try:
+            while not answer.complete:
+                data = await self._reader.read(65536)
+                if not data:
+                    raise ConnectionError("the gateway closed the connection mid-answer")
+                parser.feed_data(data)
+        except BaseException:
+            self.close()
+            raise
+        if not parser.should_keep_alive():
+            self.close()
+        return parser.get_status_code(), b"".join(answer.body)
+
+    def close(self) -> None:
+        """Drop the connection (the next request opens another)."""
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None
+
+
+class _Answer:
+    """httptools' callbacks for one response: its body, and when it is complete."""
+
+    def __init__(self) -> None:
+        self.body: list[bytes] = []
+        self.complete = False
+
+    def on_body(self, data: bytes) -> None:
+        self.body.append(data)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+
+async def one_request(connection: Connection, model: str) -> tuple[float, str]:
     """(seconds to the stream's `[DONE]`, the request id) of one streamed completion;
     raises when it fails or its stream ends without a token or `[DONE]`."""
-    body = {
-        "model": model,
-        "prompt": PROMPT,
-        "max_tokens": 1,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": 1,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
     started = time.perf_counter()
+    status, answer = await connection.post("/v1/completions", body)
+    elapsed = time.perf_counter() - started
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}: {answer[:200]!r}")
     request_id = ""
     done = False
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"stream error: {chunk['error']}")
-                request_id = request_id or chunk.get("id", "")
+    for line in answer.decode().splitlines():
+        if line == "data: [DONE]":
+            done = True
+        elif line.startswith("data: {"):
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            request_id = request_id or chunk.get("id", "")
     if not (done and request_id):
         raise RuntimeError("the stream ended without a chunk and [DONE]")
-    return time.perf_counter() - started, request_id
+    return elapsed, request_id
 
 
 async def run_load(
     url: str, headers: dict[str, str], model: str, in_flight: int, requests: int
 ) -> Load:
-    """`requests` completions, `in_flight` at a time (each worker sends its next as soon
-    as its last one ended)."""
+    """`requests` completions, `in_flight` at a time: as many workers, each on its own
+    connection, each sending its next request as soon as its last one ended."""
     load = Load(in_flight)
     remaining = requests
-    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
-    async with httpx.AsyncClient(
-        base_url=url, headers=headers, timeout=60, limits=limits
-    ) as client:
 
-        async def worker() -> None:
-            nonlocal remaining
+    async def worker() -> None:
+        nonlocal remaining
+        connection = Connection(url, headers)
+        try:
             while remaining > 0:
                 remaining -= 1
                 try:
-                    latency, request_id = await one_request(client, model)
+                    latency, request_id = await asyncio.wait_for(
+                        one_request(connection, model), REQUEST_TIMEOUT_S
+                    )
                 except Exception as error:  # counted, the load goes on
                     load.errors.append(f"{type(error).__name__}: {error}")
                     continue
                 load.latencies_s.append(latency)
                 load.latency_by_request[request_id] = latency
+        finally:
+            connection.close()
 
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(in_flight)))
-        load.elapsed_s = time.perf_counter() - started
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(in_flight)))
+    load.elapsed_s = time.perf_counter() - started
     return load
 
 
@@ -301,18 +434,22 @@ def tiny_cluster(model: str, env: dict[str, str] | None = None) -> LocalCluster:
 
 
 def measure_loads(
-    url: str, headers: dict[str, str], args: argparse.Namespace
+    url: str, headers: dict[str, str], args: argparse.Namespace, pids: dict[str, int]
 ) -> tuple[dict[str, float | int], list[str]]:
-    """The loads' figures on the cluster at `url`, and their errors."""
-    asyncio.run(run_load(url, headers, args.model, 1, args.warmup))
-    loads = [asyncio.run(run_load(url, headers, args.model, 1, args.requests))]
-    loads += [
-        asyncio.run(run_load(url, headers, args.model, c, args.loaded_requests)) for c in LOADS
-    ]
+    """The loads' figures on the cluster at `url`, and their errors; with the `pids` of
+    its processes, their CPU per request at the highest load."""
+    run(run_load(url, headers, args.model, 1, args.warmup))
+    loads = [run(run_load(url, headers, args.model, 1, args.requests))]
+    cpu: dict[str, float] = {}
+    for c in LOADS:
+        before = cpu_readings(pids)
+        loads.append(run(run_load(url, headers, args.model, c, args.loaded_requests)))
+        if pids:
+            cpu |= cpu_per_request(before, cpu_readings(pids), len(loads[-1].latencies_s), c)
     figures: dict[str, float | int] = {}
     for load in loads:
         figures |= load.figures()
-    return figures, [e for load in loads for e in load.errors]
+    return figures | cpu, [e for load in loads for e in load.errors]
 
 
 def measure_breakdown(args: argparse.Namespace) -> tuple[dict[str, float | int], list[str]]:
@@ -329,8 +466,8 @@ def measure_breakdown(args: argparse.Namespace) -> tuple[dict[str, float | int],
             },
         )
         url, headers = cluster.url, cluster.headers
-        asyncio.run(run_load(url, headers, args.model, 1, args.warmup))
-        serial = asyncio.run(run_load(url, headers, args.model, 1, args.requests))
+        run(run_load(url, headers, args.model, 1, args.warmup))
+        serial = run(run_load(url, headers, args.model, 1, args.requests))
         c1 = serial.figures()
         figures: dict[str, float | int] = {
             "traced_latency_p50_ms_c1": c1["latency_p50_ms_c1"],
@@ -363,12 +500,14 @@ def main() -> int:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     if args.url:
+        if urlsplit(args.url).scheme != "http":
+            parser.error(f"--url {args.url}: plain http:// only (the client speaks no TLS)")
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        figures, errors = measure_loads(args.url, headers, args)
+        figures, errors = measure_loads(args.url, headers, args, {})
     else:
         cluster = tiny_cluster(args.model)
         try:
-            figures, errors = measure_loads(cluster.url, cluster.headers, args)
+            figures, errors = measure_loads(cluster.url, cluster.headers, args, cluster.pids)
         finally:
             cluster.stop()
         traced, traced_errors = measure_breakdown(args)
