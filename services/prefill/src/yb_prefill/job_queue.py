@@ -72,6 +72,11 @@ class JobQueue:
 
     async def get(self) -> QueuedJob:
         """The next job, waiting for one."""
+        await self.peek()
+        return self.get_nowait()
+
+    async def peek(self) -> QueuedJob:
+        """The next job, waiting for one, left in the queue."""
         while not self._heap:
             await self._nonempty.wait()
-        return self.get_nowait()
+        return self._heap[0][2]

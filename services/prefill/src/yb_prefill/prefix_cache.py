@@ -101,6 +101,12 @@ class PrefixCache:
 
     # --- pages ----------------------------------------------------------------------
 
+    @property
+    def room(self) -> int:
+        """How many fresh pages `allocate` can give now (free, or idle cached blocks
+        it would evict)."""
+        return self.allocator.num_free + len(self._idle)
+
     def allocate(self, n: int) -> list[int]:
         """`n` fresh pages, evicting idle cached blocks if too few are free.
 
@@ -109,7 +115,7 @@ class PrefixCache:
         short = n - self.allocator.num_free
         if short > 0:
             if short > len(self._idle):
-                raise OutOfPages(needed=n, free=self.allocator.num_free + len(self._idle))
+                raise OutOfPages(needed=n, free=self.room)
             self._evict(short)
         return self.allocator.allocate(n)
 

@@ -300,14 +300,23 @@ class PrefillWorker(Worker):
 
     async def _run_queue(self) -> None:
         """Start the queue's jobs in its order, each once the engine is free of the one
-        before (its compute ended) and fewer than `MAX_FINISHING` others are still
-        finishing. Cancelled (shutdown), it cancels every job started, which fails it."""
+        before (its compute ended), fewer than `MAX_FINISHING` others are still
+        finishing, and the engine has the pages for its whole prompt or nothing else
+        to wait for (the pages of jobs still finishing come back when they end: a job
+        that could have them must not fail for want of them). Cancelled (shutdown),
+        it cancels every job started, which fails it."""
         try:
             while True:
                 if len(self._jobs) >= MAX_FINISHING:
                     await asyncio.wait(self._jobs, return_when=asyncio.FIRST_COMPLETED)
                     continue
-                queued = await self._queue.get()
+                queued = await self._queue.peek()
+                if self._jobs and self.cache.room < self.engine.cache.pages_for(
+                    len(queued.job.token_ids)
+                ):
+                    await asyncio.wait(self._jobs, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                queued = self._queue.get_nowait()
                 self.gauges.queue.set(self._queue.qsize())
                 left_engine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
                 self._running = queued.job.request_id
