@@ -1,9 +1,9 @@
-"""KV transfer between Docker containers over UCX, against memcpy, three ways in one run.
+"""KV transfer between Docker containers over UCX, against memcpy, two ways in one run.
 
     python benchmarks/containers_transfer.py --json PATH [--image yuebing-kvstore]
                                              [--sizes 16,64,256] [--repeat 5]
 
-Runs benchmarks/transfer.py with the sender and the receiver placed four ways:
+Runs benchmarks/transfer.py with the sender and the receiver placed three ways:
 
 - `host`: two processes on this host, with this interpreter (no container): the
   baseline. UCX counts them as one node; the receiver reads the sender's pages with
@@ -12,11 +12,12 @@ Runs benchmarks/transfer.py with the sender and the receiver placed four ways:
   nothing else) on a bridge network, as the compose files run the services. Separate
   PID and IPC namespaces make UCX count them as separate nodes, so the KV crosses the
   bridge over TCP.
-- `sysv`: the same two containers sharing the receiver's PID and IPC namespaces
-  (`--pid`/`--ipc container:`, a 1 GiB /dev/shm): UCX counts them as one node again,
-  but Docker's default seccomp profile refuses `process_vm_readv` to a container
-  without CAP_SYS_PTRACE, so UCX copies through System V shared memory instead.
-- `cma`: as `sysv`, plus `--cap-add SYS_PTRACE` on both: CMA, as on the host.
+- `cma`: the same two containers sharing the receiver's PID and IPC namespaces
+  (`--pid`/`--ipc container:`) with `--cap-add SYS_PTRACE` on both (Docker's default
+  seccomp profile refuses `process_vm_readv` without it): UCX counts them as one node
+  again and reads the sender's pages with CMA, as on the host. (Without ptrace they
+  would talk TCP: the data plane leaves UCX's shared-memory FIFOs out, see
+  yb_dataplane.transport.ucx_env.)
 
 Every sender also times `numpy.copyto` of the same bytes in its own container, in the
 same run (`{variant}_memcpy_gbps_*`), and `{variant}_over_memcpy_*` divides the two.
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any, Final
 
 ROOT: Final = Path(__file__).resolve().parents[1]
-VARIANTS: Final = ("host", "tcp", "sysv", "cma")
+VARIANTS: Final = ("host", "tcp", "cma")
 #: Bounds on each docker call: starting a container, and one variant's whole run.
 START_TIMEOUT_S: Final = 60.0
 RUN_TIMEOUT_S: Final = 900.0
@@ -138,7 +139,7 @@ def run_variant(
     rx_extra: list[str] = []
     tx_extra: list[str] = []
     if variant != "tcp":
-        rx_extra += ["--ipc", "shareable", "--shm-size", "1g"]
+        rx_extra += ["--ipc", "shareable"]
         tx_extra += ["--pid", f"container:{rx_name}", "--ipc", f"container:{rx_name}"]
     if variant == "cma":
         rx_extra += ["--cap-add", "SYS_PTRACE"]

@@ -90,11 +90,11 @@ SUMMARIES: dict[str, str] = {
     ),
     "containers_transfer": (
         "The same KV transfer (`benchmarks/transfer.py`, 2 MiB pages) between two Docker "
-        "containers of the kvstore image, placed three ways, against two processes on the "
+        "containers of the kvstore image, placed two ways, against two processes on the "
         "host, each with memcpy timed in the same run: `tcp` is how the compose files run "
-        "the services (separate namespaces, a bridge network); `sysv` and `cma` share the "
-        "receiver's PID and IPC namespaces, `cma` with CAP_SYS_PTRACE as well. Medians "
-        "over `--repeat` runs."
+        "the services (separate namespaces, a bridge network); `cma` shares the "
+        "receiver's PID and IPC namespaces, with CAP_SYS_PTRACE. Medians over `--repeat` "
+        "runs."
     ),
     "conductor": (
         "The conductor alone on one pinned core: Mooncake's synthetic trace replayed through "
@@ -314,24 +314,24 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
     ],
     "containers_transfer": [
         (
-            r"(host|tcp|sysv|cma)_rendezvous_transport",
+            r"(host|tcp|cma)_rendezvous_transport",
             "the UCX lane that carried large messages ({0}), as UCX_PROTO_INFO reported it",
         ),
         (
-            r"(host|tcp|sysv|cma)_ucx_gbps_(\d+)mb",
+            r"(host|tcp|cma)_ucx_gbps_(\d+)mb",
             "{0}: GB/s of one {1} MiB transfer, every page its own allocation",
         ),
         (
-            r"(host|tcp|sysv|cma)_ucx_gbps_(\d+)mb_contiguous",
+            r"(host|tcp|cma)_ucx_gbps_(\d+)mb_contiguous",
             "{0}: GB/s of one {1} MiB transfer, pages adjacent in one array",
         ),
-        (r"(host|tcp|sysv|cma)_memcpy_gbps_(\d+)mb", "{0}: GB/s of `numpy.copyto` of {1} MiB"),
+        (r"(host|tcp|cma)_memcpy_gbps_(\d+)mb", "{0}: GB/s of `numpy.copyto` of {1} MiB"),
         (
-            r"(host|tcp|sysv|cma)_over_memcpy_(\d+)mb",
+            r"(host|tcp|cma)_over_memcpy_(\d+)mb",
             "{0}: UCX transfer over memcpy, {1} MiB, same run",
         ),
         (
-            r"(host|tcp|sysv|cma)_sender_cpu_s_per_gb_(\d+)mb(_contiguous)?",
+            r"(host|tcp|cma)_sender_cpu_s_per_gb_(\d+)mb(_contiguous)?",
             "{0}: sender's CPU seconds per GB moved, {1} MiB payloads",
         ),
     ],

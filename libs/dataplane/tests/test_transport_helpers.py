@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -88,6 +89,8 @@ async def run_receiver(spec: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> None:
+    # The parent's test output carries this stderr: the steps of a handshake that hangs.
+    logging.basicConfig(level=logging.DEBUG, format="helper %(name)s: %(message)s")
     role, spec = argv[1], json.loads(argv[2])
     asyncio.run(run_sender(spec) if role == "sender" else run_receiver(spec))
 

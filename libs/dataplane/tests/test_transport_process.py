@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -45,30 +46,38 @@ class Peer:
         self.lines: list[str] = []
 
     @classmethod
-    async def start(cls, role: str, spec: dict[str, Any]) -> Peer:
+    async def start(
+        cls, role: str, spec: dict[str, Any], env: dict[str, str] | None = None
+    ) -> Peer:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             str(HELPER),
             role,
             json.dumps(spec),
             stdout=asyncio.subprocess.PIPE,
+            env=None if env is None else {**os.environ, **env},
         )
         return cls(proc)
 
     async def expect(self, prefix: str, timeout: float = 20.0) -> str:
         """The next line starting with `prefix`; fails on EOF, timeout or an error line."""
         assert self.proc.stdout is not None
-        async with asyncio.timeout(timeout):
-            while True:
-                raw = await self.proc.stdout.readline()
-                if not raw:
-                    raise AssertionError(f"helper exited before {prefix!r}: {self.lines}")
-                line = raw.decode().strip()
-                self.lines.append(line)
-                if line.startswith(prefix):
-                    return line
-                if line.startswith("error"):
-                    raise AssertionError(f"helper failed while waiting for {prefix!r}: {line}")
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    raw = await self.proc.stdout.readline()
+                    if not raw:
+                        raise AssertionError(f"helper exited before {prefix!r}: {self.lines}")
+                    line = raw.decode().strip()
+                    self.lines.append(line)
+                    if line.startswith(prefix):
+                        return line
+                    if line.startswith("error"):
+                        raise AssertionError(f"helper failed while waiting for {prefix!r}: {line}")
+        except TimeoutError:
+            raise AssertionError(
+                f"no {prefix!r} from the helper in {timeout}s; it said {self.lines}"
+            ) from None
 
     async def stop(self) -> None:
         if self.proc.returncode is None:
@@ -236,3 +245,33 @@ async def test_receiver_process_gets_exact_bytes() -> None:
     finally:
         await sender.close()
         await peer.stop()
+
+
+@pytest.mark.asyncio
+async def test_processes_share_no_shared_memory_fifo(tmp_path: Path) -> None:
+    # UCX's shared-memory transports (`mm`: sysv, posix) carry small messages through
+    # one FIFO per receiving process that every sender on the host writes into, and
+    # the receiver reads it in order. A sender killed between taking a slot and
+    # filling it leaves a slot that never fills: from then on no message from any
+    # process on the host reaches that receiver. So the data plane keeps small
+    # messages on TCP and bulk bytes on CMA (`ucx_env.UCX_ENV_DEFAULTS`); UCX's own
+    # report of the protocols a receiver process chose is what this checks.
+    report = tmp_path / "ucx.log"
+    sizes = [64, 4096, 1 << 20]
+    spec = {"request_id": "lanes", "sizes": sizes, "deadline_s": 30}
+    peer = await Peer.start(
+        "receiver", spec, env={"UCX_PROTO_INFO": "y", "UCX_LOG_FILE": str(report)}
+    )
+    sender = KVSender()
+    try:
+        address = PeerAddress.parse((await peer.expect("address")).split()[1])
+        sources = [payload(4, i, size) for i, size in enumerate(sizes)]
+        await sender.send(address, "lanes", list(enumerate(sources)), deadline_s=10)
+        await sender.commit(address, "lanes", deadline_s=10)
+        await peer.expect("committed")
+    finally:
+        await sender.close()
+        await peer.stop()
+    lanes = report.read_text()
+    assert "tcp/" in lanes, lanes  # the report is there, and it names the small-message lane
+    assert "sysv/" not in lanes and "posix/" not in lanes, lanes

@@ -70,6 +70,7 @@ async def connect(
     except (UCXError, RuntimeError, ValueError) as exc:
         forget_traceback(exc)
         raise PeerUnreachable(f"cannot reach {peer.label}: {exc}") from None
+    log.debug("%s: endpoint made; saying hello", name)
     link = Link(
         endpoint, name, recv_base=new_tag_base(), peer_worker=peer.worker, on_abort=on_abort
     )

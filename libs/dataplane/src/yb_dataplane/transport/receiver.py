@@ -496,6 +496,7 @@ class KVReceiver:
             if not isinstance(message, Hello):
                 log.warning("refused a %s sent as a hello", type(message).__name__)
                 continue
+            log.debug("hello from %r", message.name)
             task = asyncio.get_running_loop().create_task(
                 self._welcome(message), name=f"welcome:{message.name}"
             )
@@ -530,6 +531,7 @@ class KVReceiver:
             forget_traceback(exc)
             log.warning("cannot connect back to %r: %s", hello.name, exc)
             return
+        log.debug("connected back to %r", hello.name)
         if hello.version != PROTOCOL_VERSION or not hello.recv_base:
             why = f"protocol version {hello.version}; this receiver speaks {PROTOCOL_VERSION}"
             log.warning("refused a hello from %r: %s", hello.name, why)

@@ -7,13 +7,18 @@ is only a default (`os.environ.setdefault`): an operator can still override any 
 
 Why each setting:
 
-- `UCX_MM_ERROR_HANDLING=y`: the data plane needs peer-failure detection (a killed
+- No `UCX_MM_ERROR_HANDLING`: the data plane needs peer-failure detection (a killed
   sender must fail the transfer, not hang it), so every endpoint is created with error
-  handling. UCX then drops every transport that does not *claim* error-handling
-  support, and by default the shared-memory transports (posix, sysv) do not: all
-  intra-host traffic would fall back to TCP over loopback (measured: 0.6-0.9 GB/s).
-  Their failure detection works through the keepalive lane and the TCP connection
-  manager, which is what we rely on anyway.
+  handling, and UCX then leaves out the transports that do not claim it. By default
+  its shared-memory FIFO transports (`mm`: sysv, posix) do not, and they must stay out:
+  every sender on the host writes its small messages into one FIFO per receiving
+  process, which the receiver reads in order, and a sender killed between taking a
+  slot and filling it leaves a slot that never fills. From then on no message from any
+  process on the host reaches that receiver (seen: a killed prefill's successor could
+  not even say hello to its decode instance). Small messages and handshakes therefore
+  go over TCP on loopback, and bulk bytes still move zero-copy by CMA (below);
+  `test_processes_share_no_shared_memory_fifo` reads UCX's own protocol report to
+  check it.
 - `UCX_CMA_MEMORY_INVALIDATE=y`: with error handling, UCX only picks the zero-copy
   rendezvous *get* (the receiver reads the sender's pages with one
   `process_vm_readv`) if the memory domain can revoke remote access to memory whose
@@ -75,7 +80,6 @@ from typing import Any, Final, TypeVar
 T = TypeVar("T")
 
 UCX_ENV_DEFAULTS: Final[dict[str, str]] = {
-    "UCX_MM_ERROR_HANDLING": "y",
     "UCX_CMA_MEMORY_INVALIDATE": "y",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
     "UCX_KEEPALIVE_INTERVAL": "1s",
