@@ -95,10 +95,14 @@ async def test_client_disconnect_cancels_the_request(
     assert event.reason == "client disconnected"
     await cancelled.close()
     await wait_for(lambda: gateway.in_flight == 0, 5, "the session to be released")
-    # The token subscription is gone too (nats-py keeps no public count of them).
+    # Its token route is gone too, and the only token subscription is the gateway's
+    # own for all its requests (nats-py keeps no public list of them).
+    assert len(gateway.tokens) == 0
     assert gateway.bus is not None
     subjects = [s.subject for s in gateway.bus.client._subs.values()]
-    assert not any(s.startswith("yb.tok.") for s in subjects)
+    assert [s for s in subjects if s.startswith("yb.tok.")] == [
+        protocol.token_subjects(gateway.instance_id)
+    ]
     metrics = (await client.get("/metrics", headers=METRICS_AUTH)).text
     assert 'yb_gateway_requests_total{status="499"} 1.0' in metrics
     assert "yb_gateway_in_flight_requests 0.0" in metrics

@@ -285,6 +285,11 @@ def token_subject(gateway_id: str, request_id: str) -> str:
     return f"{TOKEN_SUBJECT_PREFIX}.{subject_token(gateway_id)}.{subject_token(request_id)}"
 
 
+def token_subjects(gateway_id: str) -> str:
+    """The token subjects of every request of one gateway (a wildcard)."""
+    return f"{TOKEN_SUBJECT_PREFIX}.{subject_token(gateway_id)}.*"
+
+
 def resend_subject(decode_instance: str) -> str:
     """Where a decode instance takes `ResendTokens` from gateways.
 

@@ -36,6 +36,7 @@ import uvicorn
 from opentelemetry.context import Context
 
 from yb_core import events as ev
+from yb_core import protocol
 from yb_core.bus import Bus, BusError, BusUnavailable, EventReader, backoff_delays
 from yb_core.config import YbConfig
 from yb_core.events import decision_subjects
@@ -52,6 +53,7 @@ from yb_gateway.prompt import PreparedRequest, PromptEncoder
 from yb_gateway.readiness import INSTANCE_SUBJECTS, InstanceTracker
 from yb_gateway.session import RequestSession
 from yb_gateway.slow_clients import ClientLimits, guarded_protocol
+from yb_gateway.token_routes import TokenRoutes
 
 log = get_logger(__name__)
 
@@ -92,6 +94,7 @@ class GatewayService(Service):
         self.metrics = GatewayMetrics(self.registry)
         self.started_at = int(time.time())
         self.decisions = DecisionRouter()
+        self.tokens = TokenRoutes()
         self.instances = InstanceTracker(cfg.model.name, cfg.conductor.heartbeat_timeout_s)
         self.completions = CompletionsEndpoint(self, cfg, self.metrics)
         self.encoder: PromptEncoder | None = None
@@ -270,6 +273,11 @@ class GatewayService(Service):
         # Only the newest event per instance subject: the current state, not history,
         # from the instance stream, which keeps it whatever the event log trimmed.
         instances = await bus.read_instances(INSTANCE_SUBJECTS)
+        # Likewise every token subject of this gateway: one subscription for all its
+        # requests (`token_routes`).
+        tokens = await bus.subscribe(
+            protocol.token_subjects(self.instance_id), cb=self.tokens.deliver
+        )
         self.bus = bus
         self.decisions.ready = True
         log.info("bus_ready", url=self.cfg.nats.url)
@@ -288,6 +296,8 @@ class GatewayService(Service):
                 self._presence = None
             await decisions.close()
             await instances.close()
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await tokens.unsubscribe()
 
     def _new_presence(self, bus: Bus) -> Presence:
         # The gateway takes no placement, but `yb status` lists what the log says is
@@ -370,6 +380,7 @@ class GatewayService(Service):
             gateway_id=self.instance_id,
             cfg=self.cfg,
             router=self.decisions,
+            tokens=self.tokens,
             metrics=self.metrics,
             arrived=arrived,
             trace_parent=trace_parent,

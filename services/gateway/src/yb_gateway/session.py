@@ -3,7 +3,8 @@
 `RequestSession` is the only place that talks to the cluster for a request:
 
 1. `start()` publishes `RequestAdmitted`, waits (bounded) for the conductor's
-   decision, subscribes to the request's token subject and hands the `PrefillJob` to
+   decision, routes the request's token subject to itself (`TokenRoutes`: the gateway
+   has one subscription for all of them) and hands the `PrefillJob` to
    the chosen prefill instance. Everything that can fail here fails before the HTTP
    response has started, so it becomes a proper status code (429, 503).
 2. `chunks()` yields the decode instance's `TokenChunk`s in order, each wait bounded
@@ -14,7 +15,7 @@
    session asks the decode instance to publish them again (`yb_gateway.recovery`),
    and only a gap that cannot be filled ends the stream with `token_stream_gap`.
 3. `close()` always runs (the endpoint guarantees it even when the client vanished):
-   it unsubscribes and, when the request did not finish on its own, publishes
+   it stops routing its tokens and, when the request did not finish on its own, publishes
    `RequestCancelled` so every engine frees it. It never raises.
 
 `abort()` is how a stopping gateway ends the session from outside: whatever the
@@ -39,15 +40,11 @@ cancels it everywhere. A stream ends when all `n` choices have finished.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-import nats.errors
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
@@ -65,6 +62,7 @@ from yb_gateway.metrics import GatewayMetrics
 from yb_gateway.prompt import PreparedRequest
 from yb_gateway.recovery import RESEND_TIMEOUT_S, StreamRecovery
 from yb_gateway.schemas import ErrorBody, ErrorDetail, PromptTokensDetails, Usage
+from yb_gateway.token_routes import TokenRoutes
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)
@@ -157,6 +155,7 @@ class RequestSession:
         gateway_id: str,
         cfg: YbConfig,
         router: DecisionRouter,
+        tokens: TokenRoutes,
         metrics: GatewayMetrics,
         arrived: float,
         trace_parent: Context | None = None,
@@ -167,6 +166,7 @@ class RequestSession:
         self._gateway_id = gateway_id
         self._cfg = cfg
         self._router = router
+        self._tokens = tokens
         self._metrics = metrics
         self._arrived = arrived  # monotonic
         self._deadline = arrived + cfg.gateway.request_timeout_s
@@ -177,7 +177,7 @@ class RequestSession:
         self._ending_resends: set[asyncio.Task[None]] = set()
         self._asks = 0  # numbers resend requests: a superseded one's answer is ignored
         self._decision_future: asyncio.Future[ev.Decision] | None = None
-        self._subscription: Subscription | None = None
+        self._stream_subject: str | None = None  # routed to this session's queue
         self._aborted: str | None = None
         self._admitted = False
         self._ended = False  # finished on its own: nobody needs to be told to cancel
@@ -329,20 +329,15 @@ class RequestSession:
         stream_id = self.request_id if not attempt else f"{self.request_id}-{attempt}"
         subject = protocol.token_subject(self._gateway_id, stream_id)
 
-        async def on_tokens(msg: Msg) -> None:
-            # nats-py runs this on the subscription's own task. Decoding is left to the
-            # consumer so that a bad payload surfaces as an error in stream order.
-            self._queue.put_nowait(_Tokens(attempt, msg.data))
+        def on_tokens(data: bytes) -> None:
+            # Decoding is left to the consumer so that a bad payload surfaces as an
+            # error in stream order.
+            self._queue.put_nowait(_Tokens(attempt, data))
 
-        try:
-            # Subscribed before the job leaves: NATS handles one connection's commands
-            # in order, so the server knows the subscription before any engine can
-            # publish a token to it.
-            self._subscription = await self._bus.subscribe(subject, cb=on_tokens)
-        except nats.errors.Error as exc:
-            raise unavailable(
-                f"Cannot subscribe to tokens: {exc!r}", code="bus_unavailable"
-            ) from exc
+        # Routed before the job leaves (the gateway's subscription to every token
+        # subject of its own exists since it connected), so no chunk arrives unrouted.
+        self._tokens.route(subject, on_tokens)
+        self._stream_subject = subject
         job = protocol.PrefillJob(
             request_id=self.request_id,
             token_ids=self.prepared.token_ids if token_ids is None else token_ids,
@@ -511,10 +506,7 @@ class RequestSession:
         prefill instance; the new attempt's stream order. Raises `StreamError` when
         the conductor refuses the re-plan or no engine takes it."""
         self._cancel_resend()
-        old, self._subscription = self._subscription, None
-        if old is not None:
-            with contextlib.suppress(nats.errors.Error, OSError):
-                await old.unsubscribe()
+        self._forget_stream()
         cfg, prepared = self._cfg, self.prepared
         self.replans_left -= 1
         self.attempt += 1
@@ -751,8 +743,15 @@ class RequestSession:
             future.set_exception(unavailable(reason, code="shutting_down"))
         self._queue.put_nowait(_Abort(reason))
 
+    def _forget_stream(self) -> None:
+        """Stop routing the current attempt's token subject here."""
+        if self._stream_subject is not None:
+            self._tokens.forget(self._stream_subject)
+            self._stream_subject = None
+
     async def close(self, reason: str) -> None:
-        """Unsubscribe and, if the request is still running somewhere, cancel it.
+        """Stop routing its tokens and, if the request is still running somewhere,
+        cancel it.
 
         Idempotent and never raises: it runs on every path out of a request,
         including a client that vanished and a gateway that is stopping.
@@ -765,10 +764,7 @@ class RequestSession:
             self._cancel_resend()
             if self._ending_resends:
                 await asyncio.gather(*self._ending_resends, return_exceptions=True)
-            if self._subscription is not None:
-                with contextlib.suppress(nats.errors.Error, OSError):
-                    await self._subscription.unsubscribe()
-                self._subscription = None
+            self._forget_stream()
             if self._admitted and not self._ended:
                 await self._publish(ev.RequestCancelled(request_id=self.request_id, reason=reason))
         except Exception as exc:  # a close that raises would leak the rest of the cleanup
