@@ -1,7 +1,7 @@
 """Conductor benchmark: decision latency, decisions per second, replay speed.
 
     python benchmarks/conductor.py --json PATH [--requests N] [--prefill 64] [--decode 16]
-        [--full-scan | --compare]
+        [--full-scan | --compare] [--shapes 1024x256,...]
 
 The cluster is simulated around the real conductor (`yb_tools.tracelog`): the
 trace's requests (Mooncake's synthetic trace, benchmarks/traces/, with its prefix
@@ -24,6 +24,10 @@ The planners evaluate only the instances that can win (`yb_conductor.candidates`
 `--full-scan` times them evaluating every instance, as Algorithm 1 reads, and
 `--compare` times both on the same log (the full scan's figures get the prefix
 `full_scan_`): the decisions are the same, only their cost differs.
+
+`--shapes PxD,...` measures further clusters in the same run, each on a log of its own
+(P prefill instances with their kvstores, D decode instances): their figures get the
+suffix `_PxD` (`decisions_per_s_1024x256`), with `--compare` too.
 
 Before the trace starts, `--pool-blocks` (default a million) unrelated blocks are
 stored across the kvstores, so the index the decisions walk is production-sized.
@@ -128,38 +132,19 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", help="write the figures here")
-    parser.add_argument("--trace", default=str(TRACE))
-    parser.add_argument("--requests", type=int, default=0, help="first N requests (0: all)")
-    parser.add_argument("--prefill", type=int, default=64)
-    parser.add_argument("--decode", type=int, default=16)
-    parser.add_argument("--speedup", type=float, default=1.0, help="compress the trace's time")
-    parser.add_argument("--cost-model", default="llama2-70b-a800")
-    parser.add_argument("--admission", default="predicted")
-    parser.add_argument("--ttft-slo", type=float, default=30.0)
-    parser.add_argument("--tbt-slo", type=float, default=0.2)
-    parser.add_argument(
-        "--pool-blocks",
-        type=int,
-        default=1_000_000,
-        help="unrelated blocks stored across the kvstores first (an index of production size)",
-    )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-pin", action="store_true", help="do not pin to one core")
-    scan = parser.add_mutually_exclusive_group()
-    scan.add_argument(
-        "--full-scan", action="store_true", help="evaluate every instance for every decision"
-    )
-    scan.add_argument(
-        "--compare", action="store_true", help="also time the full scan on the same log"
-    )
-    args = parser.parse_args()
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """`1024x256,256x64` as [(1024, 256), (256, 64)]."""
+    shapes = []
+    for part in filter(None, text.split(",")):
+        prefill, sep, decode = part.strip().partition("x")
+        if not sep or not prefill.isdigit() or not decode.isdigit():
+            raise argparse.ArgumentTypeError(f"a shape is PREFILLxDECODE, not {part!r}")
+        shapes.append((int(prefill), int(decode)))
+    return shapes
 
-    if not args.no_pin and hasattr(os, "sched_setaffinity"):
-        core = max(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {core})
+
+def measure(args: argparse.Namespace) -> dict[str, float | int | bool]:
+    """Build the log of one cluster shape and time its decisions (and the full scan's)."""
     full_scan(args.full_scan)
     records, log, build_s = build_log(args)
     kinds = Counter(type(r.event).__name__ for r in records)
@@ -187,20 +172,65 @@ def main() -> int:
         full_scan(True)
         figures.update({f"full_scan_{k}": v for k, v in timed(records, args.repeats).items()})
         full_scan(False)
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--trace", default=str(TRACE))
+    parser.add_argument("--requests", type=int, default=0, help="first N requests (0: all)")
+    parser.add_argument("--prefill", type=int, default=64)
+    parser.add_argument("--decode", type=int, default=16)
+    parser.add_argument("--speedup", type=float, default=1.0, help="compress the trace's time")
+    parser.add_argument("--cost-model", default="llama2-70b-a800")
+    parser.add_argument("--admission", default="predicted")
+    parser.add_argument("--ttft-slo", type=float, default=30.0)
+    parser.add_argument("--tbt-slo", type=float, default=0.2)
+    parser.add_argument(
+        "--pool-blocks",
+        type=int,
+        default=1_000_000,
+        help="unrelated blocks stored across the kvstores first (an index of production size)",
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-pin", action="store_true", help="do not pin to one core")
+    scan = parser.add_mutually_exclusive_group()
+    scan.add_argument(
+        "--full-scan", action="store_true", help="evaluate every instance for every decision"
+    )
+    scan.add_argument(
+        "--compare", action="store_true", help="also time the full scan on the same log"
+    )
+    parser.add_argument(
+        "--shapes",
+        type=parse_shapes,
+        default=[],
+        help="further clusters to measure, PREFILLxDECODE comma-separated (keys get _PxD)",
+    )
+    args = parser.parse_args()
+
+    if not args.no_pin and hasattr(os, "sched_setaffinity"):
+        core = max(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {core})
+    figures = measure(args)
+    for prefill, decode in args.shapes:
+        shape = argparse.Namespace(**{**vars(args), "prefill": prefill, "decode": decode})
+        figures.update({f"{k}_{prefill}x{decode}": v for k, v in measure(shape).items()})
     goals = {
         "decision_latency_p99_ms": ("<", 1.0),
         "decisions_per_s": (">=", 10000.0),
         "replay_events_per_s": (">=", 50000.0),
     }
-    print(f"\n{'figure':<28} {'value':>12}  goal")
+    print(f"\n{'figure':<44} {'value':>12}  goal")
     for name, value in figures.items():
-        goal = goals.get(name)
+        goal = goals.get(name) or goals.get(name.rsplit("_", 1)[0])
         note = ""
         if goal:
             op, target = goal
             ok = value < target if op == "<" else value >= target
             note = f"{op} {target:g}  {'met' if ok else 'NOT met'}"
-        print(f"{name:<28} {value:>12}  {note}")
+        print(f"{name:<44} {value:>12}  {note}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
     return 0

@@ -199,6 +199,25 @@ class BlockIndex:
         ssd, engine = self._ssd, self._engine
         count_tiers = bool(ssd or engine)
         n = len(keys)
+        if not count_tiers:
+            # Every block in DRAM (the common case): only where prefixes end.
+            get = holders.get
+            for i in range(1, n):
+                nxt = alive & get(keys[i], 0)
+                if nxt != alive:
+                    dropped = alive ^ nxt
+                    while dropped:
+                        low = dropped & -dropped
+                        lengths[low.bit_length() - 1] = i
+                        dropped ^= low
+                    alive = nxt
+                    if not alive:
+                        break
+            while alive:
+                low = alive & -alive
+                lengths[low.bit_length() - 1] = n
+                alive ^= low
+            return ChainMatch(lengths, ssd_counts, engine_counts)
         i = 0
         while True:
             if count_tiers:

@@ -53,6 +53,7 @@ speeds were replaced wholesale (a snapshot restored).
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
@@ -141,6 +142,10 @@ class Candidates:
         self._instances: object = None
         self._speeds: object = None
 
+    def indexes(self, instances: Mapping[str, object], speeds: Mapping[str, InstanceSpeed]) -> bool:
+        """Whether these are the state's dicts this was built from (else `sync`)."""
+        return instances is self._instances and speeds is self._speeds
+
     def sync(
         self,
         instances: Mapping[str, object],
@@ -193,5 +198,6 @@ class Candidates:
 
     def next_factor(self, factor: float) -> float | None:
         """The smallest indexed slowdown above `factor` (None: none is)."""
-        at = bisect.bisect_right(self._by_speed, factor, key=lambda entry: entry[0])
+        # (the next float up,) sorts before every entry of that slowdown or more.
+        at = bisect.bisect_left(self._by_speed, (math.nextafter(factor, math.inf),))
         return self._by_speed[at][0] if at < len(self._by_speed) else None

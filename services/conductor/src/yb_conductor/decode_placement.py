@@ -35,7 +35,6 @@ accounting to overcount (`kv_overcount_blocks`; never below zero).
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -202,7 +201,9 @@ class DecodePlanner:
                         break
             pool = {*choice.evaluated, *idle}
         tbts = choice.predicted_tbts
-        best = heapq.nsmallest(top_k + 1, pool, key=lambda i: (tbts[i], i))
+        # (TBT, position) pairs sort by TBT, ties by id, without a key call each.
+        ranked = sorted([(tbts[i], i) for i in pool])
+        best = [i for _, i in ranked[: top_k + 1]]
         chosen = choice.chosen_index
         order = [chosen] if chosen >= 0 else []
         order.extend(i for i in best if i != chosen)

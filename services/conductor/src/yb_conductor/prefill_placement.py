@@ -61,6 +61,7 @@ from itertools import islice
 
 from yb_conductor.candidates import PRUNE_ABOVE, still_busy
 from yb_conductor.cost_model import CostModel
+from yb_conductor.speed import InstanceSpeed
 from yb_conductor.state import ClusterState, InstanceState
 from yb_core import events as ev
 
@@ -557,31 +558,45 @@ class PrefillPlanner:
         estimates = [shared] * n
         factors: list[float] | None = None
         counts: dict[str, tuple[int, int]] = {}
+        # Without shared compute an engine's slowdown is its `solo` alone.
+        solo: dict[str, InstanceSpeed] | None = None
         if state.learn_speed:
             factors = [1.0] * n
-            counts = state.busy_by_group()
+            if state.compute_sharing == "none":
+                solo = state.speeds
+            else:
+                counts = state.busy_by_group()
         priority = request.priority
         by_priority = self.priority_order
         stretch = 1.0
+        overtakes = False
         if by_priority:
-            rho = overtaking_load(state, priority, request.slo.ttft_s, pool)
-            if rho > 0.0:
-                stretch = 1.0 / (1.0 - rho)
+            lowest, highest = state.priorities_placed()
+            # Work is overtaken only when placed at a lower priority, and overtakes
+            # only from a higher one: elsewhere both terms are exactly zero.
+            overtakes = priority > lowest
+            if priority < highest:
+                rho = overtaking_load(state, priority, request.slo.ttft_s, pool)
+                if rho > 0.0:
+                    stretch = 1.0 / (1.0 - rho)
         chosen = 0
         chosen_rank = math.inf
         copy = CopyCost(self, state, view, prefill_s) if self.stickiness > 0.0 else None
         for i, inst in enumerate(prefills):
             factor = 1.0
             if factors is not None:
-                factor = factors[i] = state.prefill_slowdown(
-                    inst, state.busy_others(inst, counts=counts)
-                )
-                queue = state.speed_queue_s(inst, factor)
+                if solo is not None:
+                    learned = solo.get(inst.instance_id)
+                    factor = learned.solo if learned is not None else 1.0
+                else:
+                    factor = state.prefill_slowdown(inst, state.busy_others(inst, counts=counts))
+                factors[i] = factor
+                queue = state.speed_queue_s(inst, factor) if inst.prefill_queue else 0.0
             else:
                 busy = inst.busy_until
                 queue = busy - now if busy > now else 0.0
             if by_priority and queue > 0.0:
-                if len(inst.prefill_queue) > 1:
+                if overtakes and len(inst.prefill_queue) > 1:
                     speed = factor if factors is not None else None
                     ahead = queue - overtaken_s(state, inst, priority, speed)
                     queue = ahead if ahead > 0.0 else 0.0
@@ -727,29 +742,33 @@ class PrefillPlanner:
         order = sorted(range(len(ttfts)), key=ttfts.__getitem__)
         picked = [choice.chosen_index]
         picked.extend(i for i in order[: k + 1] if i != choice.chosen_index)
-        return [self._candidate(choice.option(i), best_blocks) for i in picked[:k]]
+        return [self._candidate(choice, i, best_blocks) for i in picked[:k]]
 
     @staticmethod
-    def _candidate(opt: Option, best_blocks: int) -> ev.Candidate:
-        est = opt.est
+    def _candidate(choice: PrefillChoice, i: int, best_blocks: int) -> ev.Candidate:
+        """Instance `i` of a choice as a row of the explanation's table."""
+        est = choice.estimates[i]
+        instance_id = choice.instances[i].instance_id
+        factor = choice.factors[i] if choice.factors is not None else 1.0
         source = ""
         if est.option == TRANSFER and est.remote is not None:
             source = est.remote.instance.instance_id
         elif est.option == LOCAL:
             # The plan takes what the engine holds first (free), the rest from the host.
             if est.engine is not None and est.engine.blocks >= est.reuse_blocks:
-                source = opt.instance.instance_id
+                source = instance_id
             elif est.local is not None:
                 source = est.local.instance.instance_id
         return ev.Candidate(
-            instance_id=opt.instance.instance_id,
+            instance_id=instance_id,
             option=est.option,
             local_blocks=est.local_blocks,
             best_blocks=best_blocks,
             reuse_blocks=est.reuse_blocks,
             source=source,
-            queue_s=opt.queue_s,
-            transfer_s=opt.transfer_s,
-            prefill_s=opt.prefill_s,
-            ttft_s=opt.ttft_s,
+            queue_s=choice.queues[i],
+            # As `Option` prices them: the estimate's work at the instance's speed.
+            transfer_s=est.transfer_s * factor,
+            prefill_s=est.prefill_s * factor,
+            ttft_s=choice.ttfts[i],
         )

@@ -287,6 +287,10 @@ class ClusterState:
         # Which prefill instances a decision must evaluate (see `candidates`).
         self._candidates = Candidates()
         self._hosts_cache: dict[str, list[InstanceState]] | None = None
+        # The lowest and highest priority placed into `placements` (that dict, by
+        # identity: a restored snapshot brings its own), never narrowed as placements
+        # leave (see `priorities_placed`).
+        self._priorities: tuple[dict[str, Placement], int, int] | None = None
 
     # --- the fold ---------------------------------------------------------------------
 
@@ -376,6 +380,12 @@ class ClusterState:
             work_s=work_s,
         )
         self.placements[rid] = placement
+        priorities = self._priorities
+        if priorities is not None and priorities[0] is self.placements:
+            _, lo, hi = priorities
+            priority = placement.priority
+            if priority < lo or priority > hi:
+                self._priorities = (self.placements, min(lo, priority), max(hi, priority))
         heapq.heappush(self._deadlines, (deadline, rid))
         if prefill is not None:
             if not prefill.prefill_queue:
@@ -903,11 +913,29 @@ class ClusterState:
             )
         return found[1]
 
+    def priorities_placed(self) -> tuple[int, int]:
+        """Bounds on the priorities of the requests placed now: every placement's
+        priority lies within them (0, 0 when none is placed). A request of a
+        priority at or below the lower bound overtakes nobody's work, and at or above
+        the upper one is overtaken by none."""
+        priorities = self._priorities
+        placements = self.placements
+        if priorities is None or priorities[0] is not placements:
+            found = [p.priority for p in placements.values()]
+            priorities = self._priorities = (
+                placements,
+                min(found, default=0),
+                max(found, default=0),
+            )
+        return priorities[1], priorities[2]
+
     def candidates(self) -> Candidates:
         """The structures that say which instances can win a decision
         (`candidates`), in step with the state."""
         found = self._candidates
         instances = self.instances
+        if found.indexes(instances, self.speeds):
+            return found
         found.sync(
             instances,
             self.speeds,
