@@ -264,6 +264,9 @@ class BlockIndex:
 
     def tier_runs(self, keys: Sequence[int], first: int, end: int, slot: int) -> list[TierRun]:
         """Blocks `[first, end)` of `keys` on one slot, cut into runs of one tier."""
+        if not self._ssd and not self._engine:
+            # No block anywhere is in another tier: one run in DRAM.
+            return [TierRun("dram", first, end - first)] if end > first else []
         bit = 1 << slot
         runs: list[TierRun] = []
         run_tier: ev.Tier | None = None
