@@ -311,3 +311,42 @@ async def test_a_resend_of_an_unknown_or_not_yet_started_request_says_so(
     await control(bus, pr.AbortReservation(request_id=played.request_id, reason="test over"))
     await pages_back(decode)
     assert (await resend(bus, played.request_id, 0)).state == "unknown"
+
+
+async def test_a_hand_over_waiting_for_its_commit_does_not_hold_other_reservations(
+    decode: DecodeService, bus: Bus
+) -> None:
+    # The hand-over of `first` reaches decode before any of its KV (one connection's
+    # messages arrive in order), so decode waits for its commit; `second` is reserved
+    # meanwhile, and only then does `first`'s KV come. Handled one at a time, the
+    # reservation would wait behind the hand-over, which would wait for a commit
+    # sent after the reservation's answer: it would end "KV not committed".
+    first = await reserve(bus)
+    # Published and flushed (the server has it) before `second`'s reservation leaves.
+    inbox = bus.client.new_inbox()
+    replies = await bus.client.subscribe(inbox, max_msgs=1)
+    rid = first.request_id
+    hand_over = pr.StartDecode(request_id=rid, first_token=7, prompt_tokens=len(PROMPT))
+    await bus.client.publish(
+        pr.decode_control_subject("decode-0"), pr.encode(hand_over), reply=inbox
+    )
+    await bus.flush()
+    second = await reserve(bus)
+    sender = KVSender()
+    try:
+        await sender.send(
+            PeerAddress.parse(first.reserved.ucx_address),
+            first.request_id,
+            pages(first),
+            deadline_s=DEADLINE_S,
+            commit=True,
+        )
+    finally:
+        await sender.close()
+    ack = pr.decode_reply_decoder.decode((await replies.next_msg(timeout=DEADLINE_S)).data)
+    assert isinstance(ack, pr.DecodeAck) and ack.ok, ack
+    await start(bus, second)
+    for played in (first, second):
+        while not (chunk := await played.next_chunk()).finished:
+            pass
+        assert chunk.error is None or chunk.error == "", chunk

@@ -195,6 +195,8 @@ class DecodeWorker(Worker):
         self._aborts: dict[str, _Abort] = {}
         self._work = asyncio.Event()
         self._draining = False
+        # The newest control message being handled of each request (`_on_control`).
+        self._controls: dict[str, asyncio.Task[None]] = {}
         # Test-only fault injection: inert (None) unless YB_FAILPOINTS arms it.
         self.failpoints = Failpoints.from_text(self.cfg.failpoints, self.instance_id)
         self._hold_at_token = self.failpoints.count("decode.token")
@@ -244,6 +246,10 @@ class DecodeWorker(Worker):
     # --- control messages from prefill ---------------------------------------------
 
     async def _on_control(self, msg: Msg) -> None:
+        """Take a control message and handle it in a task of its own, after the earlier
+        ones of its request: nats-py runs this callback for one message at a time, and
+        handling them here would make every reservation and hand-over wait for the
+        engine thread's calls and the commits of all those before it."""
         try:
             message = pr.decode_control_decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -252,6 +258,29 @@ class DecodeWorker(Worker):
                 msg, pr.DecodeAck(request_id="", ok=False, reason=f"malformed message: {exc}")
             )
             return
+        rid = message.request_id
+        before = self._controls.get(rid)
+        task = self.tasks.spawn(f"control:{rid}", self._control(msg, message, before))
+        self._controls[rid] = task
+        task.add_done_callback(functools.partial(self._control_done, rid))
+
+    def _control_done(self, request_id: str, task: asyncio.Task[None]) -> None:
+        if self._controls.get(request_id) is task:
+            del self._controls[request_id]
+
+    async def _control(
+        self, msg: Msg, message: pr.DecodeControl, before: asyncio.Task[None] | None
+    ) -> None:
+        """Handle one control message and answer it, once `before` (the previous
+        message of the same request) has been handled."""
+        if before is not None:
+            await asyncio.wait({before})
+        try:
+            await self._handle_control(msg, message)
+        except Exception as exc:  # one message's bug must not stop the instance
+            log.exception("control_failed", request_id=message.request_id, error=repr(exc))
+
+    async def _handle_control(self, msg: Msg, message: pr.DecodeControl) -> None:
         match message:
             case pr.ReserveKV():
                 headers = trace_carrier(msg.headers)
