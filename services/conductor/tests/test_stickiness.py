@@ -88,3 +88,43 @@ def test_ties_go_to_the_instance_idle_longest(crafted: Any) -> None:
 def test_a_log_recorded_without_the_setting_replays_without_stickiness(recorded: str) -> None:
     assert recorded_settings(recorded).prefix_stickiness == 0.0
     assert recorded_settings('{"prefix_stickiness": 0.5}').prefix_stickiness == 0.5
+
+
+def _evict_unwanted(c: Any, blocks: int) -> None:
+    """kv-0 stores `blocks` blocks of a prefix nobody asks for, then evicts them."""
+    chain = keys(blocks, base=5000)
+    c.store("kv-0", chain)
+    c.feed(
+        ev.BlockEvicted(instance_id="kv-0", epoch=1, event_id=c._next("kv-0"), block_hashes=chain)
+    )
+
+
+def test_evicting_what_nobody_wants_again_makes_a_copy_cheap(crafted: Any) -> None:
+    decided = {}
+    for regret in (False, True):
+        c = crafted(prefix_stickiness=1.0, eviction_regret=regret)
+        _holder_busy(c)  # kvstores announce no capacity: full
+        _evict_unwanted(c, 19)
+        assert c.c.state.eviction_regret() == pytest.approx(1 / 20)
+        d = _scheduled(c.admit("r", keys(10)))
+        decided[regret] = (d.prefill_instance, d.explain.branch)
+        assert replay(c.records).divergences == []
+    # Priced by the share of evicted blocks wanted again (none of 19), the copy costs
+    # a twentieth of what it did: the idle instance pulls the prefix.
+    assert decided == {False: ("p-1", "local"), True: ("p-0", "transfer")}
+
+
+def test_evicted_blocks_asked_for_again_raise_the_regret(crafted: Any) -> None:
+    c = crafted(prefix_stickiness=1.0)
+    _holder_busy(c)
+    assert c.c.state.eviction_regret() == 1.0  # nothing evicted yet
+    _evict_unwanted(c, 19)
+    c.admit("again", keys(19, base=5000))  # all 19 wanted again
+    assert c.c.state.eviction_regret() == 1.0
+    assert replay(c.records).divergences == []
+
+
+@pytest.mark.parametrize("recorded", ['{"policy": "mooncake"}', "{}", "not json"])
+def test_a_log_recorded_without_eviction_regret_replays_without_it(recorded: str) -> None:
+    assert recorded_settings(recorded).eviction_regret is False
+    assert recorded_settings('{"eviction_regret": true}').eviction_regret is True

@@ -325,6 +325,11 @@ class ConductorConfig(_Section):
     saves times this weight, so a prefix moves only when the queue it escapes is
     worth more; ties go to the instance idle longest. 0: the lowest TTFT wins, ties
     by id; a log recorded before the setting replays with 0.
+    `eviction_regret`: the blocks a copy evicts are priced by the share of evicted
+    blocks that requests later asked for while no kvstore held them (learnt from
+    the log, 1 until something was evicted); off, every evicted block counts as
+    one its next request must compute again (how logs recorded before the setting
+    replay).
     `calibrated_admission`: admission judges the estimated TTFT and TBT by what
     completed requests observed against their estimates (a line fitted to the
     outcomes, never above the estimate): a request is refused only when what its
@@ -369,6 +374,7 @@ class ConductorConfig(_Section):
     sharing_prior: float = 1.0
     prefix_stickiness: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     calibrated_admission: bool = True
+    eviction_regret: bool = True
     explain_decode_top_k: Annotated[int, msgspec.Meta(ge=0)] = 8
 
 

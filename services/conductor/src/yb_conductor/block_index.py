@@ -249,6 +249,10 @@ class BlockIndex:
             alive ^= low
         return ChainMatch(lengths, ssd_counts, engine_counts)
 
+    def held(self, key: int) -> bool:
+        """Whether any instance holds the block."""
+        return key in self._holders
+
     def prefix_length(self, keys: Sequence[int], instance_id: str) -> int:
         """How many leading blocks of `keys` one instance holds (any tier)."""
         slot = self._slot_of.get(instance_id)

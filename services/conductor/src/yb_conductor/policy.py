@@ -67,6 +67,7 @@ class MooncakePolicy:
             weigh_transfer=cfg.weigh_transfer,
             priority_order=priority_order,
             stickiness=cfg.prefix_stickiness,
+            eviction_regret=cfg.eviction_regret,
         )
         self.decode = DecodePlanner(
             self.cost, priority_order=priority_order, calibrated_kv=cfg.calibrated_admission

@@ -236,8 +236,11 @@ class CopyCost:
     whose next use must compute them again. So each copied block costs what one
     block of this request saves a prefill (the cost model's), times how full the
     pool is (`ClusterState.pool_fill`: the chance that storing a block evicts
-    one), times the stickiness. A prefix then moves to another host only when the
-    queue it escapes is worth more than what the copy pushes out. The pool's fill,
+    one), times the stickiness; with `eviction_regret`, also times the share of
+    evicted blocks that a request asked for again (`ClusterState.eviction_regret`),
+    since an evicted block nobody wants again costs nothing. A prefix then moves to
+    another host only when the queue it escapes is worth more than what the copy
+    pushes out. The pool's fill and the pool's regret,
     not the host's: every instance holding nothing of the prefix pays the same, so
     only the holders and the queued need evaluating one by one (`candidates`).
     """
@@ -254,7 +257,10 @@ class CopyCost:
         self._best = view.best_any_blocks
         blocks = len(view.keys)
         saved = (prefill_s(0) - prefill_s(blocks)) / blocks if blocks else 0.0
-        self._per_block = planner.stickiness * saved * state.pool_fill() if self._best else 0.0
+        per_block = planner.stickiness * saved * state.pool_fill() if self._best else 0.0
+        if planner.eviction_regret and per_block:
+            per_block *= state.eviction_regret()
+        self._per_block = per_block
 
     def seconds(self, held: int) -> float:
         """The copy's cost on an instance that holds `held` blocks of the prefix."""
@@ -295,6 +301,7 @@ class PrefillPlanner:
         full_scan: bool | None = None,
         keep: int | None = None,
         stickiness: float = 0.0,
+        eviction_regret: bool = False,
     ) -> None:
         self.cost = cost
         self.threshold = balancing_threshold
@@ -302,6 +309,9 @@ class PrefillPlanner:
         self.priority_order = priority_order
         # The weight of what a copy of the prefix displaces (`prefix_stickiness`).
         self.stickiness = stickiness
+        # Whether an evicted block costs the share of them wanted again
+        # (`eviction_regret`), rather than each one its recompute.
+        self.eviction_regret = eviction_regret
         # Evaluate every instance (the reference the pruned evaluation must equal).
         self.full_scan = self.default_full_scan if full_scan is None else full_scan
         # How many of the fastest idle non-holders a decision evaluates: the

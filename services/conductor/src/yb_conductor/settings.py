@@ -26,6 +26,7 @@ _ABSENT_MEANS: dict[str, Any] = {
     "priority_order": False,
     "prefix_stickiness": 0.0,
     "calibrated_admission": False,
+    "eviction_regret": False,
     "explain_decode_top_k": 0,
 }
 

@@ -76,6 +76,10 @@ class Snapshot(msgspec.Struct, kw_only=True):
     cancel_not_before: dict[str, float] = msgspec.field(default_factory=dict)
     speeds: dict[str, InstanceSpeed] = msgspec.field(default_factory=dict)
     shared_speeds: dict[str, SharedSpeed] = msgspec.field(default_factory=dict)
+    # Eviction regret: the evicted blocks still remembered (oldest first) and the counts.
+    evicted_unheld: list[int] = msgspec.field(default_factory=list)
+    evicted_blocks: int = 0
+    evicted_wanted: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -115,6 +119,9 @@ def take(c: Conductor) -> Snapshot:
         cancel_not_before=s.cancel_not_before,
         speeds=s.speeds,
         shared_speeds=s.shared_speeds,
+        evicted_unheld=list(s.evicted_unheld),
+        evicted_blocks=s.evicted_blocks,
+        evicted_wanted=s.evicted_wanted,
     )
     # Round-trip through bytes: the snapshot must not alias the live state.
     return _decoder.decode(_encoder.encode(snap))
@@ -158,6 +165,9 @@ def restore(snap: Snapshot, *, follow_recorded: bool = True) -> Conductor:
     s.learned = snap.learned
     s.speeds = dict(snap.speeds)
     s.shared_speeds = dict(snap.shared_speeds)
+    s.evicted_unheld = dict.fromkeys(snap.evicted_unheld)
+    s.evicted_blocks = snap.evicted_blocks
+    s.evicted_wanted = snap.evicted_wanted
     s.expired_placements = snap.expired_placements
     s._deadlines = list(snap.deadlines)
     s._next_expiry = snap.next_expiry if not math.isnan(snap.next_expiry) else math.inf

@@ -66,6 +66,10 @@ SPEED_AWARE: tuple[str, ...] = ("mooncake",)
 REPLAN_GRACE_S = 5.0
 
 
+# Evicted blocks remembered for `eviction_regret`, at most (the oldest are forgotten).
+MAX_EVICTED_TRACKED = 1 << 20
+
+
 class InstanceState(msgspec.Struct, kw_only=True):
     """One instance as the log describes it, and the load the conductor sent it."""
 
@@ -287,6 +291,13 @@ class ClusterState:
         # Which prefill instances a decision must evaluate (see `candidates`).
         self._candidates = Candidates()
         self._hosts_cache: dict[str, list[InstanceState]] | None = None
+        # Eviction regret (`eviction_regret`): blocks evicted from the last instance
+        # holding them and not asked for since (oldest first, at most
+        # `MAX_EVICTED_TRACKED`), how many blocks were so evicted, and how many of
+        # them an admission asked for afterwards.
+        self.evicted_unheld: dict[int, None] = {}
+        self.evicted_blocks = 0
+        self.evicted_wanted = 0
         # The lowest and highest priority placed into `placements` (that dict, by
         # identity: a restored snapshot brings its own), never narrowed as placements
         # leave (see `priorities_placed`).
@@ -306,6 +317,8 @@ class ClusterState:
             case ev.BlockStored() | ev.BlockEvicted() | ev.BlockMoved() | ev.BlocksCleared():
                 self._block_event(event)
             case ev.RequestAdmitted():
+                if self.evicted_unheld:
+                    self._wanted_again(event.block_hashes)
                 self.admissions[event.request_id] = PendingAdmission(
                     max_tokens=event.max_tokens,
                     priority=event.priority,
@@ -817,6 +830,7 @@ class ClusterState:
                 self.index.move(instance_id, event.block_hashes, event.to_tier)
             case ev.BlockEvicted():
                 self.index.evict(instance_id, event.block_hashes)
+                self._evicted(event.block_hashes)
             case ev.BlocksCleared():
                 self.index.clear(instance_id)
 
@@ -854,6 +868,32 @@ class ClusterState:
     @staticmethod
     def _in_pool(inst: InstanceState) -> bool:
         return inst.alive and inst.role == "kvstore" and inst.kv_capacity_blocks > 0
+
+    def _evicted(self, keys: list[int]) -> None:
+        """Remember the blocks that no instance holds any more."""
+        lost = self.evicted_unheld
+        index = self.index
+        for key in keys:
+            if not index.held(key):
+                lost[key] = None
+                self.evicted_blocks += 1
+        while len(lost) > MAX_EVICTED_TRACKED:
+            del lost[next(iter(lost))]
+
+    def _wanted_again(self, keys: list[int]) -> None:
+        """Count the blocks of an admitted chain that were evicted and are wanted."""
+        lost = self.evicted_unheld
+        for key in keys:
+            if key in lost:
+                del lost[key]
+                self.evicted_wanted += 1
+
+    def eviction_regret(self) -> float:
+        """The share of blocks evicted from their last holder that a request asked
+        for afterwards: what a block a copy evicts is expected to cost (1 until a
+        block was evicted; at most 1)."""
+        share = (self.evicted_wanted + 1) / (self.evicted_blocks + 1)
+        return share if share < 1.0 else 1.0
 
     def pool_fill(self) -> float:
         """How full the live kvstores are, together: blocks held over their capacity,
