@@ -2,9 +2,10 @@
 
 One `yb up` cluster with one prefill instance. A first request is parked at the
 failpoint `prefill.commit` (its prompt computed, its KV not yet committed on decode);
-a second request sent then must complete while the first is still parked, which it
-could not if the prefill instance waited for each job's commit and hand-over before
-starting the next. Released, the first completes too.
+the job of a second request sent then must start while the first is still parked,
+which it could not if the prefill instance waited for each job's commit and hand-over
+before starting the next. Released, both complete (the second's KV goes to the same
+decode instance after the first's).
 
 The prefill engine has `PAGES` pages, no prefix cache and no upload: a job whose prompt does not
 fit beside the parked one's pages waits in the queue for them (the engine's queue
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from yb_testkit.faults import Gate, Scraper, SseClient, wait_until
@@ -58,33 +58,39 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalClust
         cluster.stop()
 
 
-def test_the_next_job_completes_while_one_waits_for_its_commit(
+def test_the_next_job_starts_while_one_waits_for_its_commit(
     gated: tuple[LocalCluster, Gate],
 ) -> None:
     cluster, gate = gated
     gate.arm("prefill.commit")
-    parked = SseClient(
-        cluster,
-        {"model": MODEL, "prompt": "parked", "max_tokens": 1, "stream": True},
-        timeout_s=ACT_S * 2,
-    )
+    body = {"model": MODEL, "prompt": "parked", "max_tokens": 1, "stream": True}
+    parked = SseClient(cluster, body, timeout_s=ACT_S * 2)
     try:
         held = gate.wait_held("prefill.commit", ACT_S)
-        r = httpx.post(
-            f"{cluster.url}/v1/completions",
-            json={"model": MODEL, "prompt": "next", "max_tokens": 1, "temperature": 0},
-            headers=cluster.headers,
-            timeout=ACT_S,
+        following = SseClient(cluster, {**body, "prompt": "next"}, timeout_s=ACT_S * 2)
+        following.started.wait(ACT_S)
+        assert following.request_id, following.describe()
+        (prefill,) = [i for i in cluster.pids if i.startswith("prefill")]
+        wait_until(
+            lambda: _started(cluster.instance_log(prefill), following.request_id),
+            ACT_S,
+            "the next job to start while the first is parked",
         )
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["finish_reason"] == "length"
-        assert not parked.done.is_set(), "the parked request ended before its release"
+        # Its KV waits for the parked one's transfer to the same decode instance.
+        assert not parked.done.is_set(), parked.describe()
         gate.release(held)
         parked.wait_done(ACT_S)
+        following.wait_done(ACT_S)
     finally:
         gate.release_everything()
-    assert parked.status == 200 and parked.failure is None, parked.describe()
-    assert parked.frames[-1] == "[DONE]" and not parked.errors, parked.describe()
+    for client in (parked, following):
+        assert client.status == 200 and client.failure is None, client.describe()
+        assert client.frames[-1] == "[DONE]" and not client.errors, client.describe()
+
+
+def _started(log: str, request_id: str) -> bool:
+    """Whether the prefill instance's log says it started `request_id`'s job."""
+    return any('"prefill_started"' in line and request_id in line for line in log.splitlines())
 
 
 def test_a_job_that_needs_the_pages_of_one_finishing_waits_for_them(

@@ -136,6 +136,9 @@ class LayerStreamer:
         # decode pages are adjacent too, so each lands there without staging.
         self._receiver_breaks = receiver_breaks
         self._directed: asyncio.Future[None] = loop.create_future()
+        #: Resolved once a segment of this stream was verified by the receiver (the
+        #: connection carries data now), or the stream ended either way.
+        self.flowing: asyncio.Future[None] = loop.create_future()
         if peer is not None:
             self._directed.set_result(None)
         self._block_size = cache.block_size
@@ -224,6 +227,8 @@ class LayerStreamer:
         except BaseException as exc:
             self._end_span(exc)
             raise
+        finally:
+            _resolve(self.flowing)
         self._end_span(None)
 
     async def abort(self) -> None:
@@ -232,6 +237,7 @@ class LayerStreamer:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        _resolve(self.flowing)
         self._end_span("aborted")
 
     def _end_span(self, failure: BaseException | str | None) -> None:
@@ -308,6 +314,7 @@ class LayerStreamer:
             deadline_s=deadline.remaining(),
             receiver_breaks=self._receiver_breaks,
         )
+        _resolve(self.flowing)
         if self._span_open:
             nbytes = sum(_nbytes(page) for _, page in segment)
             self.bytes_sent += nbytes
@@ -318,6 +325,11 @@ class LayerStreamer:
                 {"pages": len(segment), "bytes": nbytes, "layers": f"{min(layers)}-{max(layers)}"},
             )
         return len(segment)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _nbytes(page: torch.Tensor) -> int:

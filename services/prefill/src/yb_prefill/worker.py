@@ -15,6 +15,8 @@ compute has ended, the next job in the queue starts while the KV still on its wa
 decode is committed and the request handed over (at most `MAX_FINISHING` jobs at once
 past their compute). Those ends are round trips to the decode instance; waiting for
 them before the next compute made the engine idle for most of each job under load.
+A job's KV goes out once the stream before it to the same decode instance carries
+data (see `_compute_and_stream`): meanwhile it computes, and what it computes waits.
 
 Whatever ends a job early gives back what it held: the decode reservation, and its
 pages here (its full blocks stay cached, the new ones are uploaded to the host's
@@ -175,6 +177,8 @@ class PrefillWorker(Worker):
         # The jobs started and not ended (one computes, the others finish their
         # transfer), and the request on the engine, if any.
         self._jobs: set[asyncio.Task[None]] = set()
+        # The stream that started last to each decode instance (`_compute_and_stream`).
+        self._streams: dict[str, LayerStreamer] = {}
         self._running: str | None = None
         self._cancelled: dict[str, str] = {}
         self._draining = False
@@ -537,9 +541,18 @@ class PrefillWorker(Worker):
         done with them). `left_engine` is resolved when the compute has ended: the
         commit no longer needs the engine."""
         first: list[Sampled] | None = None
+        decode_id = job.decision.decode_instance
+        streamer: LayerStreamer | None = None
         try:
             await self._account_prefix(job, prefix, span)
             streamer = self._start_streaming(job, prefix, cached_tokens, deadline_s)
+            # Its pages go out once the stream before it to the same decode instance
+            # carries data: they share one UCX connection, which a transfer that fails
+            # closes (a peer cut off from this host leaves every send on it hanging
+            # until its deadline); a stream that waited connects afresh instead of
+            # failing with the one before.
+            before = self._streams.get(decode_id)
+            self._streams[decode_id] = streamer
             try:
                 computing = asyncio.ensure_future(
                     self._compute_traced(job, prefix.block_table, cached_tokens, streamer)
@@ -547,6 +560,9 @@ class PrefillWorker(Worker):
                 computing.add_done_callback(lambda _: _resolve(left_engine))
                 try:
                     reserved = await reserving
+                    if before is not None:
+                        # Bounded by that stream's own deadline, and by this one's.
+                        await asyncio.wait({before.flowing}, timeout=deadline_s)
                     streamer.direct(PeerAddress.parse(reserved.ucx_address), reserved.breaks)
                     first = await computing
                 except BaseException:
@@ -564,6 +580,8 @@ class PrefillWorker(Worker):
             await self._give_back(job, reserving)
             raise
         finally:
+            if streamer is not None and self._streams.get(decode_id) is streamer:
+                del self._streams[decode_id]
             await self._keep_blocks(job, prefix, first is not None)
         self.metrics.tokens.inc(len(job.token_ids) - cached_tokens)
         span.set_attribute("yb.pages_sent", streamer.pages_sent)
