@@ -21,6 +21,7 @@ import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Final
 
 from record import (
     BENCHMARKS,
@@ -52,11 +53,13 @@ SUMMARIES: dict[str, str] = {
     "cpp": (
         "Chunked pipeline parallelism at the engine level: time to first token of a long "
         "prompt over a group of stage processes (each holding only its layers, one torch "
-        "thread each, chunks pipelined, hidden states passed as a header plus raw bytes "
-        "over a local pipe, not UCX) against one process holding the whole model, "
+        "thread each, chunks pipelined, hidden states passed over UCX as a msgspec header "
+        "plus the raw bytes, one reservation per chunk: `yb_dataplane.activations`) "
+        "against one process that is a single stage of every layer, served the same way, "
         "alternating in the same run. A group of more processes than the machine has "
-        "cores cannot run its stages in parallel; the CPU seconds show what idle cores "
-        "would allow."
+        "cores cannot run its stages in parallel, and on a busy machine the ratio also "
+        "depends on how the scheduler shares the cores between the two ways; the CPU "
+        "seconds show what idle cores would allow."
     ),
     "piggyback": (
         "Short prompts prefilled inside a decode engine's batch (mixed steps) against a "
@@ -533,12 +536,21 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
 }
 
 
+#: Benchmarks that measure further cluster shapes in one run (`--shapes`): a figure
+#: suffixed `_<prefill>x<decode>` means what the unsuffixed one means, at that shape.
+SHAPED: Final = frozenset({"conductor"})
+
+
 def describe(benchmark: str, key: str) -> str:
     """The meaning of `key` in `benchmark`'s figures; KeyError names an undescribed one."""
     for pattern, meaning in DESCRIPTIONS.get(benchmark, []):
         match = re.fullmatch(pattern, key)
         if match:
             return meaning.format(*(g or "" for g in match.groups()))
+    shaped = re.fullmatch(r"(\w+?)_(\d+)x(\d+)", key) if benchmark in SHAPED else None
+    if shaped:
+        base, prefill, decode = shaped.groups()
+        return f"{describe(benchmark, base)}; at {prefill} prefill + {decode} decode"
     raise KeyError(f"{benchmark}: no description for figure {key!r} (add it in {__file__})")
 
 
