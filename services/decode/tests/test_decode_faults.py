@@ -140,8 +140,8 @@ def pages(played: Played) -> list[tuple[int, np.ndarray]]:
     return [(i, np.zeros(r.page_nbytes, np.uint8)) for i in range(r.num_layers * r.num_pages)]
 
 
-async def start(bus: Bus, played: Played) -> None:
-    """Send every page, commit, and hand the request over (as prefill does)."""
+async def send_kv(played: Played) -> None:
+    """Send every page and commit (as prefill does)."""
     sender = KVSender()
     try:
         await sender.send(
@@ -153,6 +153,11 @@ async def start(bus: Bus, played: Played) -> None:
         )
     finally:
         await sender.close()
+
+
+async def start(bus: Bus, played: Played) -> None:
+    """Send every page, commit, and hand the request over (as prefill does)."""
+    await send_kv(played)
     message = pr.StartDecode(request_id=played.request_id, first_token=7, prompt_tokens=len(PROMPT))
     ack = await control(bus, message)
     assert isinstance(ack, pr.DecodeAck) and ack.ok, ack
@@ -332,17 +337,7 @@ async def test_a_hand_over_waiting_for_its_commit_does_not_hold_other_reservatio
     )
     await bus.flush()
     second = await reserve(bus)
-    sender = KVSender()
-    try:
-        await sender.send(
-            PeerAddress.parse(first.reserved.ucx_address),
-            first.request_id,
-            pages(first),
-            deadline_s=DEADLINE_S,
-            commit=True,
-        )
-    finally:
-        await sender.close()
+    await send_kv(first)
     ack = pr.decode_reply_decoder.decode((await replies.next_msg(timeout=DEADLINE_S)).data)
     assert isinstance(ack, pr.DecodeAck) and ack.ok, ack
     await start(bus, second)
