@@ -61,6 +61,14 @@ class ChainMatch:
     engine: dict[int, int]
 
 
+def _set_lengths(lengths: dict[int, int], slots: int, length: int) -> None:
+    """Each slot whose bit is set in `slots` holds a prefix of `length` blocks."""
+    while slots:
+        low = slots & -slots
+        lengths[low.bit_length() - 1] = length
+        slots ^= low
+
+
 class BlockIndex:
     """Key -> holder bitmask, per-tier exceptions, and per-slot key sets."""
 
@@ -197,57 +205,37 @@ class BlockIndex:
         if not alive:
             return ChainMatch(lengths, ssd_counts, engine_counts)
         ssd, engine = self._ssd, self._engine
+        # Tiers are counted only where some block anywhere is not in DRAM.
         count_tiers = bool(ssd or engine)
         n = len(keys)
-        if not count_tiers:
-            # Every block in DRAM (the common case): only where prefixes end.
-            get = holders.get
-            for i in range(1, n):
-                nxt = alive & get(keys[i], 0)
-                if nxt != alive:
-                    dropped = alive ^ nxt
-                    while dropped:
-                        low = dropped & -dropped
-                        lengths[low.bit_length() - 1] = i
-                        dropped ^= low
-                    alive = nxt
-                    if not alive:
-                        break
-            while alive:
-                low = alive & -alive
-                lengths[low.bit_length() - 1] = n
-                alive ^= low
-            return ChainMatch(lengths, ssd_counts, engine_counts)
-        i = 0
-        while True:
+        get = holders.get
+        for i in range(1, n):
             if count_tiers:
-                key = keys[i]
-                for tier_map, counts in ((ssd, ssd_counts), (engine, engine_counts)):
-                    if tier_map:
-                        m = tier_map.get(key, 0) & alive
-                        while m:
-                            low = m & -m
-                            s = low.bit_length() - 1
-                            counts[s] = counts.get(s, 0) + 1
-                            m ^= low
-            i += 1
-            if i == n:
-                break
-            nxt = alive & holders.get(keys[i], 0)
+                self._count_tiers(keys[i - 1], alive, ssd_counts, engine_counts)
+            nxt = alive & get(keys[i], 0)
             if nxt != alive:
-                dropped = alive ^ nxt
-                while dropped:
-                    low = dropped & -dropped
-                    lengths[low.bit_length() - 1] = i
-                    dropped ^= low
+                _set_lengths(lengths, alive ^ nxt, i)
                 alive = nxt
                 if not alive:
                     break
-        while alive:
-            low = alive & -alive
-            lengths[low.bit_length() - 1] = n
-            alive ^= low
+        else:
+            if count_tiers:
+                self._count_tiers(keys[n - 1], alive, ssd_counts, engine_counts)
+        _set_lengths(lengths, alive, n)
         return ChainMatch(lengths, ssd_counts, engine_counts)
+
+    def _count_tiers(
+        self, key: int, alive: int, ssd_counts: dict[int, int], engine_counts: dict[int, int]
+    ) -> None:
+        """Count the block in the SSD and engine tiers of the `alive` slots holding it."""
+        for tier_map, counts in ((self._ssd, ssd_counts), (self._engine, engine_counts)):
+            if tier_map:
+                m = tier_map.get(key, 0) & alive
+                while m:
+                    low = m & -m
+                    s = low.bit_length() - 1
+                    counts[s] = counts.get(s, 0) + 1
+                    m ^= low
 
     def held(self, key: int) -> bool:
         """Whether any instance holds the block."""
