@@ -122,8 +122,10 @@ class DecodePlanner:
         need_blocks = -(-(prompt_tokens + out_tokens) // max(1, block_size))
         t_d = state.learned.decode_time_s
         placements = state.placements
-        # Below every priority: nothing is left out of the room.
+        # Below every priority: nothing is left out of the room (nor when nothing is
+        # placed below this request's priority).
         floor = priority if self.priority_order else -math.inf
+        waits_behind = floor > state.priorities_placed()[0]
         calibrated = self.calibrated_kv
         n = len(decodes)
         fits = [True] * n
@@ -151,7 +153,7 @@ class DecodePlanner:
                 p = placements.get(rid)
                 if p is None:
                     continue
-                if p.priority < floor and not p.prefill_done:
+                if waits_behind and p.priority < floor and not p.prefill_done:
                     held -= p.kv_blocks  # it will wait for pages behind this one
                 elif calibrated and not p.prefill_done and p.prefill_end > at_time:
                     held -= p.kv_blocks  # its pages are taken after this one's
