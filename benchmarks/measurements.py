@@ -122,7 +122,8 @@ SUMMARIES: dict[str, str] = {
     ),
     "overhead": (
         "The request path with almost no compute: `max_tokens: 1` completions through a "
-        "`yb up` cluster of the tiny random model, sent by an httpx client one at a time, "
+        "`yb up` cluster of the tiny random model, sent by a keep-alive HTTP/1.1 client "
+        "(httptools on uvloop, one connection per request in flight) one at a time, "
         "then 16 and 64 in flight, on a cluster that exports no spans (as users run it); "
         "the per-hop breakdown of the one-at-a-time load comes from a second `yb up` whose "
         "services export every span to a real OTLP receiver, read from each request's "
@@ -421,6 +422,19 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         (
             r"errors_c(\d+)",
             "requests that failed with {0} in flight (non-200, error event, no [DONE])",
+        ),
+        (
+            r"cpu_ms_per_request_total_c(\d+)",
+            "CPU ms (user+system) the whole cluster spent per request answered, {0} in "
+            "flight (the client left out)",
+        ),
+        (
+            r"cpu_ms_per_request_client_c(\d+)",
+            "CPU ms the benchmark's own HTTP client spent per request, {0} in flight",
+        ),
+        (
+            r"cpu_ms_per_request_(\w+?)_c(\d+)",
+            "CPU ms (user+system) {0} spent per request answered, {1} in flight",
         ),
         ("traced_requests_c1", "one-at-a-time requests whose whole trace arrived"),
         (
