@@ -122,6 +122,36 @@ def test_without_an_exporter_spans_record_nothing_but_the_context_travels() -> N
     provider.shutdown()
 
 
+def test_a_sample_ratio_records_that_share_of_new_traces_and_keeps_a_callers_choice() -> None:
+    cfg = TelemetryConfig(console_traces=True, trace_sample_ratio=0.25)
+    provider = build_tracer_provider("gateway", "gateway-0", cfg)
+    tracer = provider.get_tracer("test")
+    recorded = 0
+    for _ in range(2000):
+        with tracer.start_as_current_span("request") as span:
+            recorded += span.is_recording()
+            if not span.is_recording():
+                # The rest of a dropped trace is dropped too, here and downstream.
+                with tracer.start_as_current_span("phase") as child:
+                    assert not child.is_recording()
+    # Trace ids are random: 500 expected; the bounds are 9 standard deviations wide.
+    assert 330 < recorded < 670
+    for ratio in (0.0, 1.0):
+        kept = build_tracer_provider(
+            "gateway", "gateway-0", TelemetryConfig(console_traces=True, trace_sample_ratio=ratio)
+        ).get_tracer("test")
+        with kept.start_as_current_span("request") as span:
+            assert span.is_recording() is (ratio == 1.0)
+    provider.shutdown()
+
+
+def test_a_sample_ratio_outside_0_to_1_is_refused() -> None:
+    with pytest.raises(ConfigError, match="trace_sample_ratio"):
+        TelemetryConfig(trace_sample_ratio=1.5)
+    with pytest.raises(ConfigError, match="trace_sample_ratio"):
+        load_config(env={"YB_TELEMETRY__TRACE_SAMPLE_RATIO": "-0.1"})
+
+
 # --- spans on the wire ----------------------------------------------------------------
 
 

@@ -475,7 +475,10 @@ class TelemetryConfig(_Section):
     ignored, `http://` means plaintext). An export waits at most `otlp_timeout_s`,
     and so does the flush of the spans still buffered when the process exits.
     Without an endpoint (and without `console_traces`) spans record nothing: the
-    trace context still travels, so log lines keep their trace ids.
+    trace context still travels, so log lines keep their trace ids. With one,
+    `trace_sample_ratio` of the traces that start here are recorded (1.0: all; chosen
+    by trace id, so every service keeps or drops the same traces), and a trace that
+    arrives with its sampling decision keeps it.
 
     Every `/metrics` endpoint (each service's own listener on `metrics_host`, and the
     gateway's route) asks for `Authorization: Bearer <metrics_token>` when a token is
@@ -490,6 +493,7 @@ class TelemetryConfig(_Section):
     otlp_protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
     otlp_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     console_traces: bool = False
+    trace_sample_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
     metrics_token: str = ""
@@ -513,6 +517,10 @@ class TelemetryConfig(_Section):
             raise ConfigError(
                 f"telemetry.otlp_protocol {self.otlp_protocol!r} is not one of "
                 f"{', '.join(protocols)}"
+            )
+        if not 0.0 <= self.trace_sample_ratio <= 1.0:
+            raise ConfigError(
+                f"telemetry.trace_sample_ratio {self.trace_sample_ratio} is not within 0..1"
             )
         if self.otlp_endpoint:
             url = urlsplit(self.otlp_endpoint)

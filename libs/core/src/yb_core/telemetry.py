@@ -37,7 +37,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
@@ -140,8 +140,9 @@ def span_exporter(cfg: TelemetryConfig) -> SpanExporter | None:
 def build_tracer_provider(service: str, instance_id: str, cfg: TelemetryConfig) -> TracerProvider:
     """A tracer provider for one process, exporting where `cfg` says.
 
-    With an exporter (OTLP or the console) spans are sampled as their parent was
-    (a root is always sampled); without one, none is recorded (`ALWAYS_OFF`): a span
+    With an exporter (OTLP or the console) spans are sampled as their parent was, and
+    a root by its trace id with probability `trace_sample_ratio` (the same id gives
+    the same answer in every service); without one, none is recorded (`ALWAYS_OFF`): a span
     is then a bare context, which costs no attributes, no events and no export, and
     still carries the trace id on to the next service and into the logs.
     """
@@ -155,7 +156,7 @@ def build_tracer_provider(service: str, instance_id: str, cfg: TelemetryConfig) 
         resource=Resource.create(
             {"service.name": f"yuebing-{service}", "service.instance.id": instance_id}
         ),
-        sampler=ParentBased(ALWAYS_ON) if exporters else ALWAYS_OFF,
+        sampler=ParentBased(TraceIdRatioBased(cfg.trace_sample_ratio)) if exporters else ALWAYS_OFF,
         # Flushed by `shutdown_tracing`, with a deadline of ours (the SDK's own exit
         # hook waits up to 30 s per processor for an unreachable receiver).
         shutdown_on_exit=False,
