@@ -103,7 +103,9 @@ SUMMARIES: dict[str, str] = {
         "The conductor alone on one pinned core: Mooncake's synthetic trace replayed through "
         "a simulated cluster (64 prefill instances each with its host's kvstore, 16 decode "
         "instances, a million unrelated blocks in the index), then the resulting log "
-        "decided again and replayed. Medians of `--repeats` runs."
+        "decided again and replayed. Medians of `--repeats` runs. Figures suffixed "
+        "`_<P>x<D>` are the same run repeated at P prefill and D decode instances "
+        "(`--shapes`)."
     ),
     "timeline": (
         "The scheduling timeline report (`yb replay --report`, docs/timeline.md) of a "
