@@ -7,6 +7,12 @@ block straight from the engine's pages. That is off the request's critical path:
 runs as a background task while the next request computes. The pages stay
 referenced in the engine cache until their put is done, so nothing reuses them
 meanwhile. A put the store refuses as a duplicate means the block is there already.
+
+While a job waits for pages (`pages_wanted`), puts not yet posted are skipped as
+their turn comes, without a round trip: their pages come back as soon as a put in
+flight ends. A put already posted is waited for, never cancelled: the
+transport may still be reading its pages, and a page reused meanwhile could be
+committed in the store under the block's key with another request's KV in it.
 """
 
 from __future__ import annotations
@@ -59,6 +65,11 @@ class BlockUploader:
         self.sender = sender
         self.deadline_s = deadline_s
         self._slots = asyncio.Semaphore(max(1, concurrency))
+        #: Set by the engine loop while a job waits for pages: puts not yet posted
+        #: are skipped (a cache fill is worth less than a request's first token).
+        self.pages_wanted = False
+        #: Set each time a put gives its page's reference back.
+        self.released = asyncio.Event()
 
     async def upload(self, store: PeerAddress | None, keys: Sequence[int]) -> UploadResult:
         """Put `keys` (each referenced in the cache by the caller) into `store`.
@@ -78,7 +89,7 @@ class BlockUploader:
             nonlocal broken
             try:
                 async with self._slots:
-                    if broken:
+                    if broken or self.pages_wanted:
                         result.skipped += 1
                         return
                     await self._put(store, key)
@@ -97,6 +108,7 @@ class BlockUploader:
                 log.warning("block_put_failed", key=f"{key:x}", error=str(exc))
             finally:
                 self.cache.release([key])
+                self.released.set()
 
         await asyncio.gather(*(one(k) for k in pending))
         return result

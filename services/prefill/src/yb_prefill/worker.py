@@ -177,6 +177,8 @@ class PrefillWorker(Worker):
         # The jobs started and not ended (one computes, the others finish their
         # transfer), and the request on the engine, if any.
         self._jobs: set[asyncio.Task[None]] = set()
+        # The uploads to the kvstore in flight: each holds its blocks' pages.
+        self._uploads: set[asyncio.Task[None]] = set()
         # The stream that started last to each decode instance (`_compute_and_stream`).
         self._streams: dict[str, LayerStreamer] = {}
         self._running: str | None = None
@@ -306,20 +308,20 @@ class PrefillWorker(Worker):
         """Start the queue's jobs in its order, each once the engine is free of the one
         before (its compute ended), fewer than `MAX_FINISHING` others are still
         finishing, and the engine has the pages for its whole prompt or nothing else
-        to wait for (the pages of jobs still finishing come back when they end: a job
-        that could have them must not fail for want of them). Cancelled (shutdown),
-        it cancels every job started, which fails it."""
+        to wait for (the pages of jobs still finishing, and of uploads in flight, come
+        back when they end: a job that could have them must not fail for want of
+        them; `_must_wait_for_pages`). Cancelled (shutdown), it cancels every job
+        started, which fails it."""
         try:
             while True:
                 if len(self._jobs) >= MAX_FINISHING:
                     await asyncio.wait(self._jobs, return_when=asyncio.FIRST_COMPLETED)
                     continue
                 queued = await self._queue.peek()
-                if self._jobs and self.cache.room < self.engine.cache.pages_for(
-                    len(queued.job.token_ids)
-                ):
-                    await asyncio.wait(self._jobs, return_when=asyncio.FIRST_COMPLETED)
+                if self._must_wait_for_pages(queued.job):
+                    await self._wait_for_pages(self._remaining(queued.job))
                     continue
+                self.uploader.pages_wanted = False
                 queued = self._queue.get_nowait()
                 self.gauges.queue.set(self._queue.qsize())
                 left_engine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -338,6 +340,33 @@ class PrefillWorker(Worker):
             for task in jobs:
                 task.cancel()
             await asyncio.gather(*jobs, return_exceptions=True)
+
+    def _must_wait_for_pages(self, job: pr.PrefillJob) -> bool:
+        """Whether `job` waits in the queue for pages that jobs finishing or uploads
+        in flight hold: it does while its prompt does not fit in the room left, could
+        fit in the whole engine, and its deadline has not passed (a prompt bigger
+        than the engine starts, and fails "out of KV pages", at once)."""
+        needed = self.engine.cache.pages_for(len(job.token_ids))
+        return (
+            bool(self._jobs or self._uploads)
+            and self.cache.room < needed <= self.engine.cache.num_pages
+            and self._remaining(job) > 0
+        )
+
+    async def _wait_for_pages(self, timeout_s: float) -> None:
+        """Until a job ends, an upload gives a page back, or `timeout_s`; puts not
+        yet posted are skipped meanwhile (`BlockUploader.pages_wanted`)."""
+        self.uploader.pages_wanted = True
+        self.uploader.released.clear()
+        released = asyncio.ensure_future(self.uploader.released.wait())
+        try:
+            await asyncio.wait(
+                {*self._jobs, *self._uploads, released},
+                timeout=timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            released.cancel()
 
     async def _run_job(self, queued: QueuedJob, left_engine: asyncio.Future[None]) -> None:
         """One job to its end; `left_engine` is resolved once it no longer needs the
@@ -691,7 +720,9 @@ class PrefillWorker(Worker):
         cache.release([k for k in keys if k not in uploading])
         if upload:
             address = self.peers.address(store.instance_id)
-            self.tasks.spawn(f"upload:{job.request_id}", self._upload(address, upload))
+            task = self.tasks.spawn(f"upload:{job.request_id}", self._upload(address, upload))
+            self._uploads.add(task)
+            task.add_done_callback(self._uploads.discard)
 
     async def _upload(self, address: PeerAddress | None, keys: list[int]) -> None:
         """Owned background task: put blocks into the host's kvstore; never raises."""
