@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -55,24 +56,39 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         cluster.stop()
 
 
-def test_a_job_that_needs_the_pages_of_an_upload_waits_for_them(cluster: LocalCluster) -> None:
+BODY = {"model": MODEL, "max_tokens": 1, "stream": True}
+
+
+@contextmanager
+def _upload_held(cluster: LocalCluster, first: list[int]) -> Iterator[SseClient]:
+    """With every kvstore SIGSTOPped (resumed on the way out), the finished stream of
+    prompt `first`, whose full blocks its upload then holds (a put waits for the
+    store's answer)."""
     (prefill,) = [i for i in cluster.pids if i.startswith("prefill")]
     kvstores = [i for i in cluster.pids if i.startswith("kvstore")]
     assert kvstores, cluster.pids
     scraper = Scraper(cluster)
-    body = {"model": MODEL, "max_tokens": 1, "stream": True}
     for kvstore in kvstores:
         signal_instance(cluster, kvstore, signal.SIGSTOP)
     try:
-        first = SseClient(cluster, {**body, "prompt": _prompt(10)}, timeout_s=ACT_S * 2)
-        first.wait_done(ACT_S)
-        # Its stream has ended; its full blocks are still held by their upload.
+        client = SseClient(cluster, {**BODY, "prompt": first}, timeout_s=ACT_S * 2)
+        client.wait_done(ACT_S)
         wait_until(
             lambda: scraper.pages_used(prefill) == UPLOADED_BLOCKS,
             ACT_S,
-            "the first prompt's full blocks to be held by their upload alone",
+            "the prompt's full blocks to be held by their upload alone",
         )
-        second = SseClient(cluster, {**body, "prompt": _prompt(20)}, timeout_s=ACT_S * 2)
+        yield client
+    finally:
+        for kvstore in kvstores:
+            signal_instance(cluster, kvstore, signal.SIGCONT)
+
+
+def test_a_job_that_needs_the_pages_of_an_upload_waits_for_them(cluster: LocalCluster) -> None:
+    (prefill,) = [i for i in cluster.pids if i.startswith("prefill")]
+    scraper = Scraper(cluster)
+    with _upload_held(cluster, _prompt(10)) as first:
+        second = SseClient(cluster, {**BODY, "prompt": _prompt(20)}, timeout_s=ACT_S * 2)
         wait_until(
             lambda: scraper.value(prefill, "yb_engine_queue_requests") == 1 or second.done.is_set(),
             ACT_S,
@@ -80,9 +96,6 @@ def test_a_job_that_needs_the_pages_of_an_upload_waits_for_them(cluster: LocalCl
         )
         assert not second.done.is_set(), second.describe()
         assert scraper.pages_used(prefill) == UPLOADED_BLOCKS
-    finally:
-        for kvstore in kvstores:
-            signal_instance(cluster, kvstore, signal.SIGCONT)
     second.wait_done(ACT_S)
     _assert_completed(first, second)
     # Both uploads end. The first's puts that were posted were waited for, not given
@@ -103,28 +116,14 @@ def test_a_prompt_bigger_than_the_engine_fails_at_once_while_uploads_hold_pages(
     cluster: LocalCluster,
 ) -> None:
     (prefill,) = [i for i in cluster.pids if i.startswith("prefill")]
-    kvstores = [i for i in cluster.pids if i.startswith("kvstore")]
     scraper = Scraper(cluster)
-    body = {"model": MODEL, "max_tokens": 1, "stream": True}
-    for kvstore in kvstores:
-        signal_instance(cluster, kvstore, signal.SIGSTOP)
-    try:
-        first = SseClient(cluster, {**body, "prompt": _prompt(30)}, timeout_s=ACT_S * 2)
-        first.wait_done(ACT_S)
-        wait_until(
-            lambda: scraper.pages_used(prefill) == UPLOADED_BLOCKS,
-            ACT_S,
-            "the prompt's full blocks to be held by their upload alone",
-        )
+    with _upload_held(cluster, _prompt(30)) as first:
         # One page more than the whole engine: waiting for the upload cannot help.
         too_long = [40 + i % 200 for i in range(PAGES * BLOCK + 1)]
-        refused = SseClient(cluster, {**body, "prompt": too_long}, timeout_s=ACT_S * 2)
+        refused = SseClient(cluster, {**BODY, "prompt": too_long}, timeout_s=ACT_S * 2)
         refused.wait_done(ACT_S)
         # Still held: the refusal did not wait for the upload.
         assert scraper.pages_used(prefill) == UPLOADED_BLOCKS
-    finally:
-        for kvstore in kvstores:
-            signal_instance(cluster, kvstore, signal.SIGCONT)
     _assert_completed(first)
     assert any("out of KV pages" in error for error in refused.errors), refused.describe()
 
