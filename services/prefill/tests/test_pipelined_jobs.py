@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from yb_testkit.faults import Gate, Scraper, SseClient, wait_until
+from yb_testkit.faults import Gate, Scraper, SseClient, assert_completed, wait_until
 from yb_testkit.fixtures import LocalCluster
 
 MODEL = "tiny"
@@ -83,7 +83,7 @@ def test_the_next_job_starts_while_one_waits_for_its_commit(
         following.wait_done(ACT_S)
     finally:
         gate.release_everything()
-    _assert_completed(parked, following)
+    assert_completed(parked, following)
 
 
 def _started(log: str, request_id: str) -> bool:
@@ -115,11 +115,4 @@ def test_a_job_that_needs_the_pages_of_one_finishing_waits_for_them(
         waiting.wait_done(ACT_S)
     finally:
         gate.release_everything()
-    _assert_completed(parked, waiting)
-
-
-def _assert_completed(*clients: SseClient) -> None:
-    """Each stream was answered 200 and ended with `[DONE]`, without an error."""
-    for client in clients:
-        assert client.status == 200 and client.failure is None, client.describe()
-        assert client.frames[-1] == "[DONE]" and not client.errors, client.describe()
+    assert_completed(parked, waiting)

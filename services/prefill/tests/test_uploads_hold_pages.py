@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from yb_testkit.faults import Scraper, SseClient, signal_instance, wait_until
+from yb_testkit.faults import Scraper, SseClient, assert_completed, signal_instance, wait_until
 from yb_testkit.fixtures import LocalCluster
 
 MODEL = "tiny"
@@ -97,7 +97,7 @@ def test_a_job_that_needs_the_pages_of_an_upload_waits_for_them(cluster: LocalCl
         assert not second.done.is_set(), second.describe()
         assert scraper.pages_used(prefill) == UPLOADED_BLOCKS
     second.wait_done(ACT_S)
-    _assert_completed(first, second)
+    assert_completed(first, second)
     # Both uploads end. The first's puts that were posted were waited for, not given
     # up (none failed, at least one stored beside the second's six); those not yet
     # posted when the second job began to wait were skipped.
@@ -124,12 +124,5 @@ def test_a_prompt_bigger_than_the_engine_fails_at_once_while_uploads_hold_pages(
         refused.wait_done(ACT_S)
         # Still held: the refusal did not wait for the upload.
         assert scraper.pages_used(prefill) == UPLOADED_BLOCKS
-    _assert_completed(first)
+    assert_completed(first)
     assert any("out of KV pages" in error for error in refused.errors), refused.describe()
-
-
-def _assert_completed(*clients: SseClient) -> None:
-    """Each stream was answered 200 and ended with `[DONE]`, without an error."""
-    for client in clients:
-        assert client.status == 200 and client.failure is None, client.describe()
-        assert client.frames[-1] == "[DONE]" and not client.errors, client.describe()

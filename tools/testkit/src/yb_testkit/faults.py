@@ -393,6 +393,12 @@ class Gate:
         return sorted(p.name for p in self.dir.glob("*.arm"))
 
 
+def assert_completed(*clients: SseClient) -> None:
+    """Each stream was answered 200 and ended with `[DONE]`, without an error."""
+    for client in clients:
+        assert client.completed, client.describe()
+
+
 class SseClient:
     """One streamed completion read on its own thread, as a client sees it.
 
@@ -454,6 +460,17 @@ class SseClient:
     def wait_done(self, timeout_s: float) -> float:
         """Until the stream has ended; the seconds waited."""
         return wait_until(self.done.is_set, timeout_s, f"the stream to end ({self.describe()})")
+
+    @property
+    def completed(self) -> bool:
+        """Answered 200 and ended with `[DONE]`, without an error event or a break."""
+        return (
+            self.status == 200
+            and self.failure is None
+            and not self.errors
+            and bool(self.frames)
+            and self.frames[-1] == "[DONE]"
+        )
 
     @property
     def ended_cleanly_with_error(self) -> bool:
