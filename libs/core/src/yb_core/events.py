@@ -12,6 +12,7 @@ the log is durable and must not hold user content.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final, Generic, Literal, TypeVar
 
 import msgspec
@@ -570,34 +571,49 @@ def message_id_for(event: AnyEvent) -> str:
     JetStream drops a second publish with the same `Nats-Msg-Id` inside its duplicate
     window, so a retried publish never appears twice in the log.
     """
-    tag = type(event).__struct_config__.tag
-    match event:
-        case BlockEvent():
-            return f"{tag}:{event.instance_id}:{event.epoch}:{event.event_id}"
-        case RequestScheduled() | RequestRejected() if event.attempt:
-            return f"{tag}:{event.request_id}:{event.attempt}"
-        case RequestReplanned():
-            return f"{tag}:{event.request_id}:{event.attempt}"
-        case (
-            RequestAdmitted()
-            | RequestScheduled()
-            | RequestRejected()
-            | RequestFinished()
-            | RequestCancelled()
-        ):
-            return f"{tag}:{event.request_id}"
-        case RequestProgress():
-            return f"{tag}:{event.request_id}:{event.instance_id}:{event.stage}"
-        case LoadPrediction() if event.request_id:
-            # `at_time` tells a re-plan's prediction from the first plan's.
-            return f"{tag}:{event.request_id}:{event.instance_id}:{event.at_time!r}"
-        case ReplicationPlanned():
-            last = event.block_hashes[-1] if event.block_hashes else 0
-            return f"{tag}:{event.target_instance}:{last}:{event.time!r}"
-        case _:
-            # Periodic events are distinct occurrences; time makes them unique per
-            # publisher and stable across a retry of the same object.
-            return f"{tag}:{getattr(event, 'instance_id', '')}:{event.time!r}"
+    cls = type(event)
+    format_id = _MESSAGE_ID_FORMATS.get(cls)
+    if format_id is None:
+        format_id = _MESSAGE_ID_FORMATS[cls] = _message_id_format(cls)
+    return format_id(event)
+
+
+# The id's format for each event class, chosen once per class: the conductor asks for
+# one with every decision, and a chain of class tests per call costs more than the id.
+_MESSAGE_ID_FORMATS: dict[type, Callable[[Any], str]] = {}
+
+
+def _message_id_format(cls: type) -> Callable[[Any], str]:
+    """How `message_id_for` writes the id of an event of class `cls`."""
+    tag = cls.__struct_config__.tag  # type: ignore[attr-defined]
+
+    def periodic(e: Any) -> str:
+        # Periodic events are distinct occurrences; time makes them unique per
+        # publisher and stable across a retry of the same object.
+        return f"{tag}:{getattr(e, 'instance_id', '')}:{e.time!r}"
+
+    if issubclass(cls, BlockEvent):
+        return lambda e: f"{tag}:{e.instance_id}:{e.epoch}:{e.event_id}"
+    if issubclass(cls, (RequestScheduled, RequestRejected)):
+        return lambda e: (
+            f"{tag}:{e.request_id}:{e.attempt}" if e.attempt else f"{tag}:{e.request_id}"
+        )
+    if issubclass(cls, RequestReplanned):
+        return lambda e: f"{tag}:{e.request_id}:{e.attempt}"
+    if issubclass(cls, (RequestAdmitted, RequestFinished, RequestCancelled)):
+        return lambda e: f"{tag}:{e.request_id}"
+    if issubclass(cls, RequestProgress):
+        return lambda e: f"{tag}:{e.request_id}:{e.instance_id}:{e.stage}"
+    if issubclass(cls, LoadPrediction):
+        # `at_time` tells a re-plan's prediction from the first plan's.
+        return lambda e: (
+            f"{tag}:{e.request_id}:{e.instance_id}:{e.at_time!r}" if e.request_id else periodic(e)
+        )
+    if issubclass(cls, ReplicationPlanned):
+        return lambda e: (
+            f"{tag}:{e.target_instance}:{e.block_hashes[-1] if e.block_hashes else 0}:{e.time!r}"
+        )
+    return periodic
 
 
 def subject_token(name: str) -> str:

@@ -209,9 +209,19 @@ class BlockIndex:
         count_tiers = bool(ssd or engine)
         n = len(keys)
         get = holders.get
+        if not count_tiers:
+            # The usual case, walked without the tiers' test per block.
+            for i, key in enumerate(keys[1:], 1):
+                nxt = alive & get(key, 0)
+                if nxt != alive:
+                    _set_lengths(lengths, alive ^ nxt, i)
+                    alive = nxt
+                    if not alive:
+                        break
+            _set_lengths(lengths, alive, n)
+            return ChainMatch(lengths, ssd_counts, engine_counts)
         for i in range(1, n):
-            if count_tiers:
-                self._count_tiers(keys[i - 1], alive, ssd_counts, engine_counts)
+            self._count_tiers(keys[i - 1], alive, ssd_counts, engine_counts)
             nxt = alive & get(keys[i], 0)
             if nxt != alive:
                 _set_lengths(lengths, alive ^ nxt, i)
@@ -219,8 +229,7 @@ class BlockIndex:
                 if not alive:
                     break
         else:
-            if count_tiers:
-                self._count_tiers(keys[n - 1], alive, ssd_counts, engine_counts)
+            self._count_tiers(keys[n - 1], alive, ssd_counts, engine_counts)
         _set_lengths(lengths, alive, n)
         return ChainMatch(lengths, ssd_counts, engine_counts)
 

@@ -201,11 +201,10 @@ class DecodePlanner:
                     idle.append(i)
                     if len(idle) > top_k:
                         break
-            pool = {*choice.evaluated, *idle}
-        tbts = choice.predicted_tbts
-        # (TBT, position) pairs sort by TBT, ties by id, without a key call each.
-        ranked = sorted([(tbts[i], i) for i in pool])
-        best = [i for _, i in ranked[: top_k + 1]]
+            pool = sorted({*choice.evaluated, *idle})
+        # Positions in order, then a stable sort by TBT: ties stay in id order (and
+        # sorting positions by a key beats sorting (TBT, position) pairs).
+        best = sorted(pool, key=choice.predicted_tbts.__getitem__)[: top_k + 1]
         chosen = choice.chosen_index
         order = [chosen] if chosen >= 0 else []
         order.extend(i for i in best if i != chosen)
