@@ -349,6 +349,16 @@ async def test_only_the_conductor_owns_its_buckets_and_only_admin_destroys_the_l
         assert first is not None and isinstance(first.event, ev.RequestAdmitted)
         await reader.close()
         assert await admin.last_sequence() >= 1
+        # And look one subject's newest event up (how a stream finds a verdict that
+        # its reader has not delivered yet).
+        for role in ROLES:
+            bus = await connect(auth_nats_server, role)
+            try:
+                found = await bus.last_event(ev.subject_for(admitted("r-keep")), timeout_s=5)
+                assert found is not None and isinstance(found.event, ev.RequestAdmitted), role
+                assert not bus.permission_errors, (role, bus.permission_errors)
+            finally:
+                await bus.close()
     finally:
         for bus in (gateway, conductor, admin):
             await bus.close()

@@ -111,10 +111,12 @@ def _block_event_tags() -> list[str]:
 def event_log_api(stream: str) -> tuple[str, ...]:
     """What every service does with the event stream through the JetStream API: look
     it up, create or update it to its settings (`Bus.ensure_stream`), open ordered
-    consumers and answer their flow control. Not delete, purge or remove messages."""
+    consumers and answer their flow control, read the newest message on a subject
+    (`Bus.last_event`). Not delete, purge or remove messages."""
     return (
         "$JS.API.INFO",
         f"$JS.API.STREAM.INFO.{stream}",
+        f"$JS.API.STREAM.MSG.GET.{stream}",
         f"$JS.API.STREAM.CREATE.{stream}",
         f"$JS.API.STREAM.UPDATE.{stream}",
         f"$JS.API.CONSUMER.CREATE.{stream}",
