@@ -1033,19 +1033,26 @@ def test_a_blackhole_between_prefill_and_decode_costs_transfers_not_instances(
         source.heal()
     healed = time.monotonic()
     # Over the same path again, once healed: a request placed on decode-0 is answered.
+    # One caught on a connection the blackhole broke (UCX retires it only when its
+    # keepalive fails, which can come just after the heal) may still end with the
+    # transfer-failure error; anything else, or anywhere else, must be answered.
     recovered_s = 0.0
+    failed_after_heal: list[str] = []
     seed = 3000 + (0 if direction == "both" else 500)
     for _ in range(8):
         outcomes = _placed_outcomes(mh, 4, seed)
         seed += 4
-        on_path = [r for decode, r in outcomes if decode == "decode-0"]
-        assert all(r.status_code == 200 for _, r in outcomes), [
-            (d, r.status_code, _error_message(r)) for d, r in outcomes
-        ]
-        if on_path:
+        for decode, r in outcomes:
+            if r.status_code != 200 and decode == "decode-0" and not recovered_s:
+                assert "transfer" in _error_message(r).lower(), (r.status_code, _error_message(r))
+                failed_after_heal.append(_error_message(r))
+                continue
+            assert r.status_code == 200, (decode, r.status_code, _error_message(r))
+        if recovered_s:
+            break  # the batch after the path's first success was answered whole
+        if any(decode == "decode-0" and r.status_code == 200 for decode, r in outcomes):
             recovered_s = time.monotonic() - healed
-            break
-    assert recovered_s, "no request was placed on decode-0 after the heal"
+    assert recovered_s, f"decode-0 answered nothing after the heal: {failed_after_heal}"
     downs = [
         i.event.instance_id
         for i in mh.log()
@@ -1067,5 +1074,6 @@ def test_a_blackhole_between_prefill_and_decode_costs_transfers_not_instances(
             "instances_declared_down": downs,
             "blackhole_lasted_s": round(healed - blackholed, 3),
             "first_success_on_the_path_after_heal_s": round(recovered_s, 3),
+            "transfer_failures_on_the_path_after_heal": len(failed_after_heal),
         },
     )
