@@ -372,7 +372,7 @@ class ConductorConfig(_Section):
     speed_alpha: float = 0.3
     compute_sharing: Literal["none", "host", "all"] = "none"
     sharing_prior: float = 1.0
-    prefix_stickiness: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    prefix_stickiness: Annotated[float, msgspec.Meta(ge=0)] = 0.5
     calibrated_admission: bool = True
     eviction_regret: bool = True
     explain_decode_top_k: Annotated[int, msgspec.Meta(ge=0)] = 8
