@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from yb_conductor.replay import replay
+from yb_conductor.settings import recorded_settings
 from yb_core import events as ev
 
 
@@ -224,7 +225,7 @@ def test_decode_without_kv_room_is_not_a_candidate(crafted: Any) -> None:
 
 
 def test_rejects_when_ttft_estimate_exceeds_the_slo(crafted: Any) -> None:
-    c = crafted()
+    c = crafted(admit_unqueued_overrun=False)
     c.hosts(1)
     d = c.admit("r", keys(10), ttft_slo=0.1)  # needs 0.161 s
     assert isinstance(d, ev.RequestRejected)
@@ -233,6 +234,35 @@ def test_rejects_when_ttft_estimate_exceeds_the_slo(crafted: Any) -> None:
     assert d.retry_after_s == 1.0  # 61 ms over: retry as soon as allowed
     assert d.explain is not None and d.explain.branch == "reject"
     assert d.explain.candidates[0].instance_id == "p-0"
+
+
+def test_a_ttft_overrun_with_nothing_queued_ahead_is_admitted(crafted: Any) -> None:
+    c = crafted()  # admit_unqueued_overrun on by default
+    c.hosts(1)
+    # Alone on an idle instance the prompt needs 0.161 s: waiting cannot help it and
+    # a refusal sheds no load, so it is admitted and its reason says why.
+    d = c.admit("r", keys(10), ttft_slo=0.1)
+    assert isinstance(d, ev.RequestScheduled)
+    assert d.estimates.queue_s == 0.0 and d.estimates.ttft_s == pytest.approx(0.161)
+    assert d.explain is not None
+    assert "admitted over its TTFT limit 0.100s (estimated 0.161s)" in d.explain.reason
+    assert "admit_unqueued_overrun" in d.explain.reason
+    # The same prompt behind it waits for that prefill: now the wait is what misses
+    # the SLO, and it is refused.
+    queued = c.admit("r2", keys(10, base=50_000), ttft_slo=0.1)
+    assert isinstance(queued, ev.RequestRejected)
+    assert queued.reason.startswith("ttft_slo:") and queued.estimates.queue_s > 0.0
+    # A request within its SLO carries no such note.
+    fine = crafted()
+    fine.hosts(1)
+    ok = fine.admit("r", keys(10), ttft_slo=1.0)
+    assert isinstance(ok, ev.RequestScheduled) and ok.explain is not None
+    assert "TTFT limit" not in ok.explain.reason
+
+
+def test_logs_recorded_before_unqueued_overruns_replay_refusing_them() -> None:
+    assert recorded_settings("{}").admit_unqueued_overrun is False
+    assert recorded_settings('{"admit_unqueued_overrun": true}').admit_unqueued_overrun is True
 
 
 def test_no_live_instances_rejects_with_a_code(crafted: Any) -> None:

@@ -335,6 +335,11 @@ class ConductorConfig(_Section):
     outcomes, never above the estimate): a request is refused only when what its
     estimate is expected to turn out misses the SLO; off, the estimates as they are
     (how logs recorded before the setting replay).
+    `admit_unqueued_overrun`: a request whose TTFT misses its SLO on the chosen
+    prefill instance with nothing queued ahead of it there is admitted, not refused:
+    no wait caused the miss, so the refusal would shed no load, and the prefill puts
+    the prompt's prefix in the pool for the requests that share it; off, it is
+    refused (how logs recorded before the setting replay).
     `explain_decode_top_k`: how many decode instances a decision's explanation
     lists (the chosen one, then the lowest predicted TBT; 0: every instance, as
     logs recorded before the setting do).
@@ -376,6 +381,7 @@ class ConductorConfig(_Section):
     calibrated_admission: bool = True
     eviction_regret: bool = True
     explain_decode_top_k: Annotated[int, msgspec.Meta(ge=0)] = 8
+    admit_unqueued_overrun: bool = True
 
 
 class EngineConfig(_Section):

@@ -12,6 +12,11 @@ Three policies, switchable (`ConductorConfig.admission`), as Mooncake §7 compar
 - `predicted`: as `early`, but the TBT is the one predicted for the moment this
   request's prefill ends (see `decode_placement`).
 
+A TTFT that misses the limit on an instance with nothing queued ahead of the request
+(`admit_unqueued_overrun`) is not refused: no wait caused it, so refusing sheds no
+load, and the prefill puts the prompt's prefix in the pool for the requests that
+share it. The TBT check still applies.
+
 Priority classes: a request below `priority_ceiling` gets a tighter limit,
 `max(shed_floor, 1 - shed_step * (priority_ceiling - priority))` of its SLO, so as
 load rises the lowest class is refused first, then the next. Requests at or above
@@ -24,6 +29,7 @@ drains in real time), for TBT the time until enough of the batch has finished.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -75,6 +81,7 @@ class AdmissionPolicy:
         shed_floor: float = 0.5,
         priority_ceiling: int = 0,
         max_retry_after_s: float = 30.0,
+        admit_unqueued_overrun: bool = False,
     ) -> None:
         if name not in ADMISSIONS:
             raise ValueError(f"unknown admission policy {name!r}; known: {', '.join(ADMISSIONS)}")
@@ -83,6 +90,7 @@ class AdmissionPolicy:
         self.shed_floor = shed_floor
         self.priority_ceiling = priority_ceiling
         self.max_retry_after_s = max_retry_after_s
+        self.admit_unqueued_overrun = admit_unqueued_overrun
 
     def factor(self, priority: int) -> float:
         """The share of its SLO a request of this priority may use."""
@@ -102,18 +110,20 @@ class AdmissionPolicy:
         decode: DecodeEstimate,
         drain_s: Callable[[float], float],
         calibration: tuple[Calibration, Calibration] | None = None,
+        queue_s: float = math.inf,
     ) -> Verdict | None:
         """A refusal, or None to admit. `drain_s(limit)` says how long until the
         decode batch's TBT falls under `limit` (only asked when refusing on TBT).
         `calibration`: what outcomes taught of the (TTFT, TBT) estimates (calibrated
         admission): a request is refused only when what its estimate is expected to
-        turn out misses the SLO."""
+        turn out misses the SLO. `queue_s`: the wait ahead of the request on its
+        prefill instance (`admit_unqueued_overrun`)."""
         if self.name == "none":
             return None
         ttft_limit, tbt_limit = self.limits(request)
         shed = self._shed_note(request)
         expected_ttft = calibration[0].expected(ttft_s) if calibration else ttft_s
-        if expected_ttft > ttft_limit:
+        if expected_ttft > ttft_limit and not self.overrun_admitted(queue_s):
             return Verdict(
                 TTFT_SLO,
                 f"estimated TTFT {ttft_s:.3f}s{_expected(ttft_s, expected_ttft, 3)} "
@@ -133,6 +143,31 @@ class AdmissionPolicy:
                 self._retry(drain_s(tbt_limit)),
             )
         return None
+
+    def overrun_admitted(self, queue_s: float) -> bool:
+        """Whether a TTFT over the limit is admitted with `queue_s` queued ahead."""
+        return self.admit_unqueued_overrun and queue_s <= 0.0
+
+    def overrun_note(
+        self,
+        request: ev.RequestAdmitted,
+        ttft_s: float,
+        queue_s: float,
+        calibration: tuple[Calibration, Calibration] | None = None,
+    ) -> str:
+        """For an admitted request: what the decision's reason adds when its TTFT was
+        admitted over the limit (`admit_unqueued_overrun`), else ""."""
+        if self.name == "none" or not self.overrun_admitted(queue_s):
+            return ""
+        ttft_limit = self.limits(request)[0]
+        expected_ttft = calibration[0].expected(ttft_s) if calibration else ttft_s
+        if expected_ttft <= ttft_limit:
+            return ""
+        return (
+            f"; admitted over its TTFT limit {ttft_limit:.3f}s (estimated {ttft_s:.3f}s"
+            f"{_expected(ttft_s, expected_ttft, 3)}): nothing is queued ahead of it, so "
+            "a refusal would shed no load (admit_unqueued_overrun)"
+        )
 
     def _shed_note(self, request: ev.RequestAdmitted) -> str:
         f = self.factor(request.priority)

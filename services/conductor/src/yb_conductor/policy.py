@@ -78,6 +78,7 @@ class MooncakePolicy:
             shed_floor=cfg.shed_floor,
             priority_ceiling=cfg.priority_ceiling,
             max_retry_after_s=cfg.max_retry_after_s,
+            admit_unqueued_overrun=cfg.admit_unqueued_overrun,
         )
 
     def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decided:
@@ -161,14 +162,16 @@ class MooncakePolicy:
                     current_batch=decode.decoding_batch - 1,
                 )
             )
+        calibration = (
+            (state.learned.ttft, state.learned.tbt) if self.cfg.calibrated_admission else None
+        )
         verdict_or_none = self.admission.check(
             request,
             ttft,
             decode,
             lambda limit: self.decode.drain_time_s(state, decode, limit, dchoice.context),
-            calibration=(
-                (state.learned.ttft, state.learned.tbt) if self.cfg.calibrated_admission else None
-            ),
+            calibration=calibration,
+            queue_s=chosen.queue_s,
         )
         if verdict_or_none is not None:
             explain.branch, explain.reason = "reject", verdict_or_none.reason
@@ -179,6 +182,7 @@ class MooncakePolicy:
         reused = sum(r.num_blocks for r in reuse)
         explain.branch = est.option
         explain.reason = self._why(chosen, decode, view, lag)
+        explain.reason += self.admission.overrun_note(request, ttft, chosen.queue_s, calibration)
         if self.prefill.stickiness > 0.0:
             # Only with stickiness, so that older logs explain as they always did.
             explain.reason = explain.reason.replace("lowest TTFT", "TTFT", 1) + (

@@ -28,6 +28,7 @@ _ABSENT_MEANS: dict[str, Any] = {
     "calibrated_admission": False,
     "eviction_regret": False,
     "explain_decode_top_k": 0,
+    "admit_unqueued_overrun": False,
 }
 
 
