@@ -174,3 +174,28 @@ def test_idle_order_follows_speed_and_drain_times() -> None:
     assert [i for _, _, i in index.by_idle()] == ["p2", "p0", "p1"]
     index.set_speed("p2", 1.5)  # keeps its idle time, moves to its slowdown's group
     assert index.by_idle() == [(1.0, 5.0, "p0"), (1.0, 9.0, "p1"), (1.5, 2.0, "p2")]
+
+
+def test_a_cluster_with_prefill_groups_decides_the_same_pruned_and_full(
+    planners: Planners,
+) -> None:
+    from yb_conductor.cost_model import LLAMA2_70B_A800
+    from yb_tools.sim.params import SimParams
+    from yb_tools.sim.simulator import Simulation
+    from yb_tools.sim.workload import load_workload
+
+    params = SimParams(prefill=24, decode=6, prefill_groups=[2, 2, 3], speedup=2.0)
+    items = load_workload(TRACE, block_size=512, speedup=2.0, limit=250)
+
+    def make() -> list[LogRecord]:
+        sim = Simulation(items, params, LLAMA2_70B_A800, policy="mooncake", record_log=True)
+        sim.run()
+        assert sim.records is not None
+        return sim.records
+
+    log = _same_decisions_both_ways(make, planners, keep=9)
+    grouped = [
+        r.event for r in log if isinstance(r.event, ev.RequestScheduled) and r.event.prefill_stages
+    ]
+    assert grouped  # the groups took work, so they were weighed both ways
+    assert planners.pruned > 0

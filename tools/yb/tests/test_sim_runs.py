@@ -179,3 +179,47 @@ def test_plots_are_written(tmp_path: Path) -> None:
     assert _cli(argv) == 0
     for name in ("sim_ttft.png", "sim_load.png", "sim_cache.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prefill_groups_take_the_long_prompts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sim.json"
+    argv = [
+        "--trace", str(TRACE), "--policy", "mooncake", "--prefill", "4", "--decode", "2",
+        "--limit", "300", "--json", str(out), "--quiet", "--no-plots",
+    ]  # fmt: skip
+    assert _cli([*argv, "--prefill-groups", "2"]) == 0
+    (run,) = json.loads(out.read_text())["policies"].values()
+    assert run["group_requests"] > 0
+    # The pipeline pays off on long prompts: those are the ones the group gets.
+    assert run["group_prompt_p50"] > run["whole_prompt_p50"]
+    printed = capsys.readouterr().out
+    assert "prefill groups of 2 stages (chunks of 2048 tokens)" in printed
+    assert "| on groups |" in printed
+    # Without groups nothing is reported of them.
+    assert _cli(argv) == 0
+    (plain,) = json.loads(out.read_text())["policies"].values()
+    assert plain["group_requests"] == 0
+    assert "| on groups |" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("groups", "message"),
+    [
+        ("1", "at least 2 stages"),
+        ("3,2", "more than the 4 prefill instances"),
+        ("two", "stage counts"),
+    ],
+)
+def test_prefill_groups_that_do_not_fit_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], groups: str, message: str
+) -> None:
+    argv = [
+        "--trace", str(TRACE), "--prefill", "4", "--limit", "5", "--quiet", "--no-plots",
+        "--json", str(tmp_path / "x.json"), "--prefill-groups", groups,
+    ]  # fmt: skip
+    assert _cli(argv) == 2
+    assert message in capsys.readouterr().err
+    assert _cli([*argv[:-1], "2", "--policy", "coupled"]) == 1
+    assert "no prefill groups" in capsys.readouterr().err

@@ -100,7 +100,8 @@ class Candidate(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
     longest prefix anywhere; `option`: what the estimate assumes ("local": load the
     local prefix, "transfer": also pull the rest of the best prefix from `source`,
     "recompute": compute the whole prompt); `reuse_blocks`: the blocks that option
-    reuses.
+    reuses. `stages`: how many pipeline stages compute it when the candidate is a
+    prefill group (`instance_id` is then its lead stage; 0: one instance).
     """
 
     instance_id: str
@@ -113,6 +114,7 @@ class Candidate(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
     transfer_s: float = 0.0
     prefill_s: float = 0.0
     ttft_s: float = 0.0
+    stages: int = 0
 
 
 class DecodeCandidate(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
@@ -148,6 +150,9 @@ class RequestScheduled(Event, tag="request_scheduled"):
 
     `attempt` is 0 for the decision on its admission and k for the decision on its
     k-th re-plan (`RequestReplanned`); `admitted_seq` is then the re-plan's position.
+    `prefill_stages`: when the prefill runs over a prefill group, its stage
+    instances in layer order (`prefill_instance` is the first); empty for one
+    instance.
     """
 
     request_id: str
@@ -163,6 +168,7 @@ class RequestScheduled(Event, tag="request_scheduled"):
     computed_tokens: int = 0
     explain: Explanation | None = None
     attempt: int = 0
+    prefill_stages: list[str] = msgspec.field(default_factory=list)
 
 
 class RequestRejected(Event, tag="request_rejected"):
@@ -364,6 +370,12 @@ class InstanceUp(Event, tag="instance_up"):
     `ucx_address` is its KV receiver's `PeerAddress` (`"ucx://host/tag/worker"`;
     empty for instances without a data plane); `host` groups instances that share a
     kvstore.
+
+    A prefill instance that is one stage of a prefill group (chunked pipeline
+    parallelism) names its `group`, the layers it holds, `[layer_start, layer_end)` of
+    the model's `num_layers`, and the group's chunk size in tokens (`chunk_tokens`).
+    The group serves requests once live stages cover every layer; the stage holding
+    layer 0 leads it (the job goes there). Empty `group`: a whole-model instance.
     """
 
     instance_id: str
@@ -377,6 +389,11 @@ class InstanceUp(Event, tag="instance_up"):
     attention_backend: str = ""
     epoch: int = 0
     metrics_address: str = ""
+    group: str = ""
+    layer_start: int = 0
+    layer_end: int = 0
+    num_layers: int = 0
+    chunk_tokens: int = 0
 
 
 class InstanceDown(Event, tag="instance_down"):

@@ -22,7 +22,16 @@ to "absent" so that a version-1 file means exactly what it meant:
   (engines whose fitted curve ignores the cached context, such as Dynamo's mocker);
 - decode as a function of KV utilisation `u = context / kv_capacity_tokens`:
   `+ per_util * u + per_util_sq * u**2`, never below `floor_s`;
-- `block_size`: the engine's KV block size, when the model is tied to one.
+- `block_size`: the engine's KV block size, when the model is tied to one;
+- `hidden_bytes_per_token`: the size of one token's hidden state, what a pipeline
+  stage hands the next one per token (0: unknown, a hand-off costs `setup_s`).
+
+A prompt prefilled over a group of pipeline stages (chunked pipeline parallelism,
+`pipeline_prefill_s`) is cut into chunks that flow through the stages in order:
+chunk k on stage s starts once stage s finished chunk k-1 and stage s-1 handed it
+chunk k, and takes that stage's share of the layers times the whole model's time for
+the chunk at its context (`prefill_s(chunk, cached + tokens before it)`). So the
+pipeline fills, then advances one chunk per slowest-stage chunk time.
 
 The file is JSON, versioned (`version`); a reader refuses a newer version instead
 of guessing, and a model is saved with the lowest version that expresses it, so a
@@ -35,6 +44,7 @@ documenting in its `notes` how it was derived.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Final
@@ -113,6 +123,7 @@ class CostModel(msgspec.Struct, kw_only=True):
     transfer: TransferCost = msgspec.field(default_factory=TransferCost)
     fit: FitReport = msgspec.field(default_factory=FitReport)
     block_size: int = 0
+    hidden_bytes_per_token: int = 0
     notes: list[str] = msgspec.field(default_factory=list)
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
@@ -138,6 +149,38 @@ class CostModel(msgspec.Struct, kw_only=True):
         full, rest = divmod(new_tokens, step)
         passes = full + (1 if rest else 0)
         return t + (passes - 1) * p.base_s + p.per_token_sq_s * (full * step * step + rest * rest)
+
+    def pipeline_prefill_s(
+        self,
+        new_tokens: int,
+        cached_tokens: int,
+        shares: Sequence[float],
+        chunk_tokens: int,
+    ) -> float:
+        """Seconds to prefill `new_tokens` on top of `cached_tokens` over pipeline
+        stages holding `shares` of the layers (in order), in chunks of `chunk_tokens`
+        (see the module docstring): the last stage's finish of the last chunk."""
+        if new_tokens <= 0:
+            return 0.0
+        chunk = chunk_tokens if chunk_tokens > 0 else new_tokens
+        handoff = self.handoff_s(min(chunk, new_tokens))
+        finish = [0.0] * len(shares)
+        done = 0
+        while done < new_tokens:
+            n = min(chunk, new_tokens - done)
+            whole = self.prefill_s(n, cached_tokens + done)
+            ready = 0.0  # when this chunk's hidden states reach the next stage
+            for s, share in enumerate(shares):
+                start = finish[s] if finish[s] > ready else ready
+                finish[s] = start + whole * share
+                ready = finish[s] + handoff
+            done += n
+        return finish[-1]
+
+    def handoff_s(self, tokens: int) -> float:
+        """Seconds to hand one chunk of `tokens` hidden states to the next stage."""
+        nbytes = tokens * self.hidden_bytes_per_token
+        return self.transfer.setup_s + nbytes / (self.transfer.dram_remote_gbps * 1e9)
 
     def tbt_s(self, batch: int, context_tokens: int) -> float:
         """Seconds between tokens for a batch of `batch` sequences of `context_tokens`."""
@@ -203,6 +246,7 @@ class CostModel(msgspec.Struct, kw_only=True):
             or d.floor_s
             or d.kv_capacity_tokens
             or self.block_size
+            or self.hidden_bytes_per_token
         )
         return 2 if v2 else 1
 
@@ -218,12 +262,17 @@ class CostModel(msgspec.Struct, kw_only=True):
                 return t.ssd_remote_gbps if remote else t.ssd_local_gbps
         return t.dram_remote_gbps
 
-    def load_s(self, blocks: int, block_size: int, tier: ev.Tier, remote: bool) -> float:
-        """Seconds to bring `blocks` blocks from `tier` into a prefill engine's pages."""
+    def load_s(
+        self, blocks: int, block_size: int, tier: ev.Tier, remote: bool, share: float = 1.0
+    ) -> float:
+        """Seconds to bring `blocks` blocks from `tier` into a prefill engine's pages
+        (`share`: the part of each block's layers it loads, a pipeline stage's)."""
         if blocks <= 0 or tier == "engine":
             return 0.0
         gbps = self.bandwidth_gbps(tier, remote)
         nbytes = blocks * block_size * self.kv_bytes_per_token
+        if share != 1.0:
+            return self.transfer.setup_s + nbytes * share / (gbps * 1e9)
         return self.transfer.setup_s + nbytes / (gbps * 1e9)
 
 

@@ -203,6 +203,7 @@ class MooncakePolicy:
             prompt_tokens=request.prompt_tokens,
             computed_tokens=request.prompt_tokens - reused * bs,
             explain=explain,
+            prefill_stages=list(chosen.instance.stages),
         )
         return Decided(decision, predictions)
 
@@ -222,6 +223,9 @@ class MooncakePolicy:
             what = f"recomputes: faster than loading any of the {view.best_any_blocks} cached"
         else:
             what = "recomputes: no prefix cached anywhere"
+        stages = chosen.instance.stages
+        if stages:
+            inst = f"{inst} (prefill group over {len(stages)} stages: {', '.join(stages)})"
         ttft = (
             f"lowest TTFT {chosen.ttft_s:.3f}s = queue {chosen.queue_s:.3f} "
             f"+ transfer {chosen.transfer_s:.3f} + prefill {chosen.prefill_s:.3f}"

@@ -43,6 +43,14 @@ compute group that are busy now, and its queue is priced at that same speed. The
 options compare at the cost model's speed; the slowdown then multiplies the
 winner's work, so what is reused and from where stays the cost model's call.
 
+Prefill groups (chunked pipeline parallelism): a group's lead stands for the group
+(`ClusterState.live`) and is always evaluated. Its options are the same three, priced
+for the pipeline: the prefill by `CostModel.pipeline_prefill_s` over its stages'
+shares of the layers and its chunk size, and a load by its slowest stage, each stage
+loading its share of every reused block (from its own host's kvstore locally, from
+any other over the network). Its local prefix is what its lead's host holds: the
+group stores what it computes there.
+
 Stickiness (`prefix_stickiness` > 0): instances are ranked by TTFT plus what the
 copy of the prefix they would make costs (`CopyCost`: the copied blocks, at the
 compute a block saves, times how full the pool is), ties going to the instance
@@ -362,16 +370,19 @@ class PrefillPlanner:
 
     # --- estimates -------------------------------------------------------------------
 
-    def _load_s(self, src: Source, blocks: int, block_size: int, remote: bool) -> float:
-        """Seconds to load `blocks` of a source's prefix (its SSD share pro rata)."""
+    def _load_s(
+        self, src: Source, blocks: int, block_size: int, remote: bool, share: float = 1.0
+    ) -> float:
+        """Seconds to load `blocks` of a source's prefix (its SSD share pro rata;
+        `share` of each block's layers, a pipeline stage's)."""
         if blocks <= 0 or src.instance.role != "kvstore":
             return 0.0
         ssd = round(blocks * src.ssd_blocks / src.blocks) if src.ssd_blocks else 0
         dram = blocks - ssd
         cost = self.cost
-        t = cost.load_s(dram, block_size, "dram", remote) if dram else 0.0
+        t = cost.load_s(dram, block_size, "dram", remote, share) if dram else 0.0
         if ssd:
-            t += cost.load_s(ssd, block_size, "ssd", remote)
+            t += cost.load_s(ssd, block_size, "ssd", remote, share)
         return t
 
     def options(
@@ -510,6 +521,11 @@ class PrefillPlanner:
                 lambda inst: index.set_idle_since(inst.instance_id, inst.busy_until),
             )
         )
+        # A group's options are its own (the pipeline's): never the shared one.
+        for lead in state.group_leads():
+            i = positions.get(lead)
+            if i is not None:
+                picked.add(i)
         holding_or_queued = set(picked)
         # The quiet non-holders, fastest first: each one's TTFT is `0.0 + w * f`.
         learned = state.learn_speed
@@ -614,7 +630,12 @@ class PrefillPlanner:
                     queue *= stretch
             work = shared_work
             held = 0
-            if any_local:
+            if inst.stages:
+                est = self.group_estimate(inst, view, request.prompt_tokens, bs)
+                estimates[i] = est
+                work = est.transfer_s + est.prefill_s
+                held = est.local_blocks
+            elif any_local:
                 local = host_best.get(inst.host)
                 engine = engines.get(inst.instance_id)
                 if local is not None or engine is not None:
@@ -699,6 +720,61 @@ class PrefillPlanner:
                 chosen = est
         return chosen
 
+    def group_estimate(self, lead: InstanceState, view: PoolView, prompt: int, bs: int) -> Estimate:
+        """The option a prefill group takes (see the module docstring): as `estimate`,
+        with the pipeline's prefill and each stage loading its share of the blocks."""
+        cost = self.cost
+        shares, hosts, chunk = lead.stage_shares, lead.stage_hosts, lead.chunk_tokens
+
+        def prefill_s(reuse_blocks: int) -> float:
+            cached = reuse_blocks * bs
+            return cost.pipeline_prefill_s(prompt - cached, cached, shares, chunk)
+
+        def load_s(parts: list[tuple[Source, int]]) -> float:
+            """The slowest stage's load of `parts` ((source, blocks) each)."""
+            worst = 0.0
+            for share, host in zip(shares, hosts, strict=True):
+                t = 0.0
+                for src, blocks in parts:
+                    t += self._load_s(src, blocks, bs, src.instance.host != host, share)
+                if t > worst:
+                    worst = t
+            return worst
+
+        local = view.host_best.get(lead.host)
+        held = local.blocks if local is not None else 0
+        recompute = Estimate(RECOMPUTE, held, 0, 0.0, prefill_s(0))
+        local_est: Estimate | None = None
+        local_parts: list[tuple[Source, int]] = []
+        if local is not None and held > 0:
+            local_parts = [(local, held)]
+            local_est = Estimate(
+                LOCAL, held, held, load_s(local_parts), prefill_s(held), local=local
+            )
+        best = view.best
+        transfer_est: Estimate | None = None
+        if (
+            best is not None
+            and best.blocks > held
+            and (held == 0 or best.blocks / held > self.threshold)
+        ):
+            transfer_est = Estimate(
+                TRANSFER,
+                held,
+                best.blocks,
+                load_s([*local_parts, (best, best.blocks - held)]),
+                prefill_s(best.blocks),
+                local=local,
+                remote=best,
+            )
+        if not self.weigh_transfer:
+            return transfer_est or local_est or recompute
+        chosen = recompute
+        for est in (local_est, transfer_est):
+            if est is not None and est.work_s < chosen.work_s:
+                chosen = est
+        return chosen
+
     # --- the plan --------------------------------------------------------------------
 
     def reuse_plan(self, state: ClusterState, view: PoolView, opt: Option) -> list[ev.ReusePlan]:
@@ -758,7 +834,8 @@ class PrefillPlanner:
     def _candidate(choice: PrefillChoice, i: int, best_blocks: int) -> ev.Candidate:
         """Instance `i` of a choice as a row of the explanation's table."""
         est = choice.estimates[i]
-        instance_id = choice.instances[i].instance_id
+        inst = choice.instances[i]
+        instance_id = inst.instance_id
         factor = choice.factors[i] if choice.factors is not None else 1.0
         source = ""
         if est.option == TRANSFER and est.remote is not None:
@@ -781,4 +858,5 @@ class PrefillPlanner:
             transfer_s=est.transfer_s * factor,
             prefill_s=est.prefill_s * factor,
             ttft_s=choice.ttfts[i],
+            stages=len(inst.stages),
         )

@@ -106,6 +106,19 @@ class InstanceState(msgspec.Struct, kw_only=True):
     # here than the instance reports using (its own page accounting), a moving
     # average over its load reports (`KV_CALIBRATION_ALPHA`).
     kv_overcount_blocks: float = 0.0
+    # Prefill: a stage of a prefill group (`InstanceUp.group`), its layers and the
+    # group's chunk size.
+    group: str = ""
+    layer_start: int = 0
+    layer_end: int = 0
+    num_layers: int = 0
+    chunk_tokens: int = 0
+    # A group's lead while live stages cover every layer (`ClusterState.live`): the
+    # stages in layer order (the lead first), each one's share of the layers, and
+    # their hosts. Empty on every other instance.
+    stages: list[str] = msgspec.field(default_factory=list)
+    stage_shares: list[float] = msgspec.field(default_factory=list)
+    stage_hosts: list[str] = msgspec.field(default_factory=list)
 
 
 class Placement(msgspec.Struct, kw_only=True):
@@ -291,6 +304,8 @@ class ClusterState:
         # Which prefill instances a decision must evaluate (see `candidates`).
         self._candidates = Candidates()
         self._hosts_cache: dict[str, list[InstanceState]] | None = None
+        # The leads of the prefill groups that can run (`_resolve_groups`).
+        self._group_leads: list[str] = []
         # Eviction regret (`eviction_regret`): blocks evicted from the last instance
         # holding them and not asked for since (oldest first, at most
         # `MAX_EVICTED_TRACKED`), how many blocks were so evicted, and how many of
@@ -501,6 +516,11 @@ class ClusterState:
             epoch=event.epoch,
             up_since=event.time,
             last_seen=event.time,
+            group=event.group,
+            layer_start=event.layer_start,
+            layer_end=event.layer_end,
+            num_layers=event.num_layers,
+            chunk_tokens=event.chunk_tokens,
         )
         if old is not None:
             # Requests in flight there stay accounted until they finish or expire.
@@ -600,7 +620,12 @@ class ClusterState:
         match inst.role:
             case "prefill":
                 # Those whose prefill had not ended there; the others are in decode.
+                # A stage's group runs its requests on every stage (queued at the lead).
                 orphans = list(inst.prefill_queue)
+                if inst.group:
+                    for other in self.instances.values():
+                        if other.group == inst.group and other is not inst:
+                            orphans.extend(other.prefill_queue)
             case "decode":
                 orphans = list(inst.assigned)
             case "gateway":
@@ -926,21 +951,63 @@ class ClusterState:
     def live(self, role: ev.Role, model: str = "") -> list[InstanceState]:
         """Live instances of a role (serving `model`, when given), by id for determinism.
 
-        Cached until the topology changes: the policy asks on every admission.
+        A prefill group counts as one instance, its lead, while its live stages cover
+        every layer (`stages` set); its other stages, and the stages of a group that
+        cannot run, are left out. Cached until the topology changes: the policy asks
+        on every admission.
         """
         key = (role, model)
         found = self._live_cache.get(key)
         if found is None:
+            if role == "prefill":
+                self._resolve_groups()
             found = sorted(
                 (
                     i
                     for i in self.instances.values()
-                    if i.alive and i.role == role and (not model or not i.model or i.model == model)
+                    if i.alive
+                    and i.role == role
+                    and (not model or not i.model or i.model == model)
+                    and (not i.group or i.stages)
                 ),
                 key=lambda i: i.instance_id,
             )
             self._live_cache[key] = found
         return found
+
+    def _resolve_groups(self) -> None:
+        """Set each prefill group's lead and stages from its live members: the chain
+        of stages from layer 0 to the last, each starting where the one before ends
+        (the lowest id first among equals); none where a layer is left uncovered."""
+        groups: dict[str, list[InstanceState]] = {}
+        for inst in self.instances.values():
+            if inst.group and inst.role == "prefill":
+                inst.stages, inst.stage_shares, inst.stage_hosts = [], [], []
+                if inst.alive:
+                    groups.setdefault(inst.group, []).append(inst)
+        self._group_leads = []
+        for members in groups.values():
+            members.sort(key=lambda i: (i.layer_start, i.instance_id))
+            layers = members[0].num_layers
+            chain: list[InstanceState] = []
+            end = 0
+            for inst in members:
+                if inst.layer_start == end and inst.layer_end > end and inst.num_layers == layers:
+                    chain.append(inst)
+                    end = inst.layer_end
+            if not chain or layers <= 0 or end != layers:
+                continue
+            lead = chain[0]
+            lead.stages = [i.instance_id for i in chain]
+            lead.stage_shares = [(i.layer_end - i.layer_start) / layers for i in chain]
+            lead.stage_hosts = [i.host for i in chain]
+            self._group_leads.append(lead.instance_id)
+        self._group_leads.sort()
+
+    def group_leads(self) -> list[str]:
+        """The leads of the prefill groups that can run, by id."""
+        self.live("prefill")
+        return self._group_leads
 
     def positions(self, live: list[InstanceState]) -> dict[str, int]:
         """Each instance of a list `live` gave, by id, with its position there

@@ -42,6 +42,11 @@ def render(seq: int, decision: ev.Decision) -> str:
             f"reuses {decision.reused_blocks} blocks, computes {decision.computed_tokens} "
             f"of {decision.prompt_tokens} tokens"
         )
+        if decision.prefill_stages:
+            head += (
+                f"\n  prefill group: {len(decision.prefill_stages)} pipeline stages, "
+                f"{' -> '.join(decision.prefill_stages)}"
+            )
     else:
         head = (
             f"request {decision.request_id}: REJECTED at seq {seq} "
@@ -70,16 +75,19 @@ def render(seq: int, decision: ev.Decision) -> str:
     )
     lines.append(f"  why: {x.reason}")
     lines.append("")
+    # A stages column only where a prefill group was weighed (groups are rare).
+    grouped = any(c.stages for c in x.candidates)
     lines.append(
         f"  {'prefill':<16} {'option':<9} {'local':>5} {'best':>5} {'reuse':>5} "
         f"{'source':<14} {'queue_s':>8} {'xfer_s':>8} {'prefill_s':>9} {'ttft_s':>8}"
+        + (f" {'stages':>6}" if grouped else "")
     )
     for i, c in enumerate(x.candidates):
         mark = "*" if i == 0 and isinstance(decision, ev.RequestScheduled) else " "
         lines.append(
             f"{mark} {c.instance_id:<16} {c.option:<9} {c.local_blocks:>5} {c.best_blocks:>5} "
             f"{c.reuse_blocks:>5} {c.source or '-':<14} {c.queue_s:>8.4f} {c.transfer_s:>8.4f} "
-            f"{c.prefill_s:>9.4f} {c.ttft_s:>8.4f}"
+            f"{c.prefill_s:>9.4f} {c.ttft_s:>8.4f}" + (f" {c.stages or 1:>6}" if grouped else "")
         )
     if x.decode_candidates:
         lines.append("")

@@ -133,6 +133,19 @@ def add_parser(sub: Any) -> None:
         help="a decode instance without room (or over the TBT SLO) rejects the request "
         "after its prefill (reject, the paper's baseline) or queues it",
     )
+    cluster.add_argument(
+        "--prefill-groups",
+        default="",
+        metavar="N,N,...",
+        help="prefill groups (chunked pipeline parallelism) formed of the first prefill "
+        "instances: stage counts, e.g. 2,2 (none)",
+    )
+    cluster.add_argument(
+        "--chunk-tokens", type=int, default=2048, help="a prefill group's chunk, tokens (2048)"
+    )
+    cluster.add_argument(
+        "--model-layers", type=int, default=80, help="layers a group's stages split (80)"
+    )
     load = p.add_argument_group("load and objectives")
     load.add_argument("--speedup", type=float, default=1.0, help="arrival speed-up (1)")
     load.add_argument("--ttft-slo", type=float, default=30.0, help="TTFT SLO, s (30)")
@@ -189,7 +202,7 @@ def add_parser(sub: Any) -> None:
 
 def params_from(args: argparse.Namespace) -> SimParams:
     """The simulation parameters the flags describe."""
-    from yb_tools.sim.params import SimParams, parse_priority_mix
+    from yb_tools.sim.params import SimParams, parse_groups, parse_priority_mix
 
     return SimParams(
         prefill=args.prefill,
@@ -213,6 +226,9 @@ def params_from(args: argparse.Namespace) -> SimParams:
         seed=args.seed,
         limit=max(0, args.limit),
         priority_mix=parse_priority_mix(args.priority_mix),
+        prefill_groups=parse_groups(args.prefill_groups),
+        chunk_tokens=args.chunk_tokens,
+        model_layers=args.model_layers,
     )
 
 
@@ -226,7 +242,7 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     from yb_conductor.cost_model import CostModelError
     from yb_conductor.settings import SettingsError, parse_assignments
     from yb_tools.sim.progress import ProgressBar
-    from yb_tools.sim.report import markdown_table, priority_table, summary_line
+    from yb_tools.sim.report import group_table, markdown_table, priority_table, summary_line
     from yb_tools.sim.runner import expand, simulate
     from yb_tools.sim.workloads import generate, write_trace
 
@@ -253,6 +269,7 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
         specs = expand(_names(args.policy), _names(args.admission))
         settings: dict[str, Any] = parse_assignments(args.settings)
         params = params_from(args)
+        params.check_groups()
     except (ValueError, SettingsError) as exc:
         print(f"yb sim: {exc}", file=sys.stderr)
         return 2
@@ -288,6 +305,10 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     if by_priority:
         print()
         print(by_priority)
+    groups = group_table(report)
+    if groups:
+        print()
+        print(groups)
     if not args.no_plots:
         from yb_tools.sim.plots import write_plots
 

@@ -20,11 +20,13 @@ class Job:
     prefill instance really spent (loading reused blocks included);
     `reused_local`/`reused_remote` are blocks taken from its own host's pool and
     pulled from another host's. `priority` is what its admission asked for (drawn
-    from the run's priority mix).
+    from the run's priority mix). `stages`: the pipeline stages of the prefill group
+    it was placed on (0: a whole-model instance).
     """
 
     item: TraceItem
     priority: int = 0
+    stages: int = 0
     prefill: int = -1
     decode: int = -1
     plan: list[ev.ReusePlan] = field(default_factory=list)

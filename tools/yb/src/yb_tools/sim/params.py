@@ -32,6 +32,13 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     0 passes the trace's output length itself, which tells the conductor more than
     production ever does.
 
+    `prefill_groups` forms prefill groups (chunked pipeline parallelism) out of the
+    first prefill instances, in order: `[2, 2]` makes prefill-0 and -1 one group of two
+    pipeline stages, prefill-2 and -3 another; the rest stay whole-model instances.
+    Each group splits `model_layers` as evenly as it can (earlier stages take the
+    extra layers) and cuts prompts into chunks of `chunk_tokens`. A group's stages
+    keep their hosts; what the group computes goes into its first stage's host pool.
+
     `priority_mix` maps a priority to its share of the requests (shares are
     normalized; empty: every request at priority 0). Each request's priority is
     drawn from it with a generator of its own seeded by `seed`, so a mix changes
@@ -60,6 +67,50 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     seed: int = 0
     limit: int = 0
     priority_mix: dict[int, float] = msgspec.field(default_factory=dict)
+    prefill_groups: list[int] = msgspec.field(default_factory=list)
+    chunk_tokens: int = 2048
+    model_layers: int = 80
+
+    def check_groups(self) -> None:
+        """ValueError when `prefill_groups` does not fit the cluster."""
+        if not self.prefill_groups:
+            return
+        if any(size < 2 for size in self.prefill_groups):
+            raise ValueError("a prefill group needs at least 2 stages")
+        if sum(self.prefill_groups) > self.prefill:
+            raise ValueError(
+                f"prefill groups of {'+'.join(map(str, self.prefill_groups))} stages need "
+                f"more than the {self.prefill} prefill instances"
+            )
+        if max(self.prefill_groups) > self.model_layers:
+            raise ValueError(f"more stages than the model's {self.model_layers} layers")
+        if self.chunk_tokens < 1:
+            raise ValueError("chunk_tokens must be at least 1")
+
+
+def stage_layers(stages: int, layers: int) -> list[tuple[int, int]]:
+    """`[start, end)` of each of `stages` stages over `layers` layers, as even as they
+    can be (the first ones take the extra layers)."""
+    base, extra = divmod(layers, stages)
+    spans = []
+    start = 0
+    for s in range(stages):
+        end = start + base + (1 if s < extra else 0)
+        spans.append((start, end))
+        start = end
+    return spans
+
+
+def parse_groups(text: str) -> list[int]:
+    """`"2,2"` -> `[2, 2]` ("" -> []); ValueError names the part that does not parse."""
+    sizes = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if not part.isdigit():
+            raise ValueError(f"prefill groups are stage counts, comma-separated, not {part!r}")
+        sizes.append(int(part))
+    return sizes
 
 
 def parse_priority_mix(text: str) -> dict[int, float]:

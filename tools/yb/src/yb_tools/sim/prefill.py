@@ -5,7 +5,10 @@ never preempting the job it runs; with one priority everywhere that is arrival
 order. It reuses the longest prefix its own host's pool holds, pulls from another
 host's pool what the conductor's plan names (when the source still holds it when
 the job starts), and computes the rest; the job takes the loads plus the prefill by
-the cost model. When it ends, the prompt's full blocks go into the host's pool.
+the cost model. When it ends, the prompt's full blocks go into the host's pool. A
+prefill group's lead runs the group's jobs: every stage loads its share of each
+reused block (the slowest stage's load counts) and the prefill is the cost model's
+pipeline over the stages (`CostModel.pipeline_prefill_s`).
 """
 
 from __future__ import annotations
@@ -18,14 +21,28 @@ from yb_tools.sim.kvstore import SimKvstore
 
 
 class SimPrefill:
-    """One prefill instance and its queue."""
+    """One prefill instance and its queue. The lead of a prefill group also holds the
+    group's stages: each one's share of the layers and its host (`shares`, `hosts`,
+    the lead's first; empty for a whole-model instance)."""
 
-    __slots__ = ("arrivals", "busy_until", "current", "host", "instance_id", "kvstore", "queue")
+    __slots__ = (
+        "arrivals",
+        "busy_until",
+        "current",
+        "host",
+        "hosts",
+        "instance_id",
+        "kvstore",
+        "queue",
+        "shares",
+    )
 
     def __init__(self, instance_id: str, host: str, kvstore: SimKvstore) -> None:
         self.instance_id = instance_id
         self.host = host
         self.kvstore = kvstore
+        self.shares: list[float] = []
+        self.hosts: list[str] = []
         # A heap of (-priority, arrival number, job): the next job to run first.
         self.queue: list[tuple[int, int, Job]] = []
         self.arrivals = 0

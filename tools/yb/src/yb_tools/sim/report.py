@@ -108,13 +108,37 @@ def priority_table(report: SimReport) -> str:
     return "\n".join(lines)
 
 
+def group_table(report: SimReport) -> str:
+    """Which requests each policy put on the prefill groups ("" when none did)."""
+    runs = [(label, r) for label, r in report.policies.items() if r.group_requests]
+    if not runs:
+        return ""
+    lines = [
+        "| policy | on groups | prompt p50 (groups) | TTFT mean s (groups) "
+        "| prompt p50 (whole) | TTFT mean s (whole) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for label, r in runs:
+        lines.append(
+            f"| {label} | {r.group_requests} | {r.group_prompt_p50:,.0f} | "
+            f"{r.group_ttft_mean_s:.2f} | {r.whole_prompt_p50:,.0f} | {r.whole_ttft_mean_s:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def summary_line(report: SimReport) -> str:
     """What ran, on what, how fast."""
     p = report.params
     return (
         f"{report.requests} requests, {p.prefill} prefill + {p.decode} decode instances, "
-        f"profile {report.cost_model}, block {report.block_size}, speedup {p.speedup:g}x, "
-        f"SLO TTFT {p.ttft_slo_s:g}s / TBT {p.tbt_slo_s * 1000:g}ms: "
+        f"profile {report.cost_model}, block {report.block_size}, speedup {p.speedup:g}x"
+        + (
+            f", prefill groups of {'+'.join(map(str, p.prefill_groups))} stages "
+            f"(chunks of {p.chunk_tokens} tokens)"
+            if p.prefill_groups
+            else ""
+        )
+        + f", SLO TTFT {p.ttft_slo_s:g}s / TBT {p.tbt_slo_s * 1000:g}ms: "
         f"{report.simulated_seconds_per_wall_second:,.0f} simulated s per wall s "
         f"({report.wall_s:.1f}s wall)"
     )

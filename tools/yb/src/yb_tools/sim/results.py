@@ -12,12 +12,15 @@ prompt tokens taken from a pool instead of computed, local (own host) or remote
 gives the same judgement per priority class (`PriorityResult`).
 `needless_rejections` counts the rejected requests that met both SLOs in the same
 run with admission `none` (`quality`); `needless_rejection_share` is their share of
-`rejected`.
+`rejected`. With prefill groups, `group_requests` were placed on a group, and the
+median prompt and mean TTFT of the completed ones on groups and on whole-model
+instances show which requests the conductor gave the pipeline.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import msgspec
 
@@ -102,6 +105,11 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     # Filled in by the runner from the run with admission `none` (`quality`).
     needless_rejections: int = 0
     needless_rejection_share: float = 0.0
+    group_requests: int = 0
+    group_prompt_p50: float = 0.0
+    group_ttft_mean_s: float = 0.0
+    whole_prompt_p50: float = 0.0
+    whole_ttft_mean_s: float = 0.0
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -214,7 +222,31 @@ def summarize(
         simulated_seconds_per_wall_second=simulated_s / wall_s if wall_s > 0 else 0.0,
         load_over_time=load,
         by_priority=by_priority(jobs, ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s),
+        **group_use(jobs),
     )
+
+
+def group_use(jobs: list[Job]) -> dict[str, Any]:
+    """Where the prefill groups were used (empty when no request was placed on one)."""
+    placed = [j for j in jobs if j.prefill >= 0]
+    grouped = [j for j in placed if j.stages]
+    if not grouped:
+        return {}
+    whole = [j for j in placed if not j.stages]
+
+    def prompt_p50(js: list[Job]) -> float:
+        return percentile(sorted(float(j.item.prompt_tokens) for j in js), 0.5)
+
+    def ttft_mean(js: list[Job]) -> float:
+        return _mean([j.ttft_s for j in js if j.fate == "completed"])
+
+    return {
+        "group_requests": len(grouped),
+        "group_prompt_p50": prompt_p50(grouped),
+        "group_ttft_mean_s": ttft_mean(grouped),
+        "whole_prompt_p50": prompt_p50(whole),
+        "whole_ttft_mean_s": ttft_mean(whole),
+    }
 
 
 def by_priority(

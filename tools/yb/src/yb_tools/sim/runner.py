@@ -131,6 +131,8 @@ def simulate(
         if spec.policy == COUPLED_POLICY:
             if log_dir is not None or on_log is not None:
                 raise ValueError("the coupled policy has no conductor, so no event log")
+            if params.prefill_groups:
+                raise ValueError("the coupled policy has no prefill pool, so no prefill groups")
             sim = CoupledSimulation(items, params, cost, label=spec.label)
         else:
             sim = Simulation(

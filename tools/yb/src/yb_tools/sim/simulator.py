@@ -37,7 +37,7 @@ from yb_core.config import ConductorConfig
 from yb_tools.sim.decode import SimDecode
 from yb_tools.sim.job import Job
 from yb_tools.sim.kvstore import SimKvstore
-from yb_tools.sim.params import SimParams
+from yb_tools.sim.params import SimParams, stage_layers
 from yb_tools.sim.prefill import SimPrefill
 from yb_tools.sim.results import LoadSeries, PolicyResult, summarize
 from yb_tools.sim.workload import TraceItem, draw_priorities
@@ -103,6 +103,19 @@ class Simulation:
             SimPrefill(f"prefill-{i}", kv.host, kv) for i, kv in enumerate(self.kvstores)
         ]
         self.prefill_index = {p.instance_id: i for i, p in enumerate(self.prefills)}
+        params.check_groups()
+        # (group, [start, end) layers) of each prefill instance in a group.
+        self.stage_of: dict[str, tuple[str, tuple[int, int]]] = {}
+        first = 0
+        for g, size in enumerate(params.prefill_groups):
+            members = self.prefills[first : first + size]
+            spans = stage_layers(size, params.model_layers)
+            for member, span in zip(members, spans, strict=True):
+                self.stage_of[member.instance_id] = (f"group-{g}", span)
+            lead = members[0]
+            lead.shares = [(end - start) / params.model_layers for start, end in spans]
+            lead.hosts = [m.host for m in members]
+            first += size
         kv_tokens = params.decode_kv_tokens or cost.decode.kv_capacity_tokens
         self.decode_kv_tokens = kv_tokens or DEFAULT_DECODE_KV_TOKENS
         self.decodes = [
@@ -229,10 +242,13 @@ class Simulation:
                 )
             )  # fmt: skip
             emit(kv.cleared(0.0))
+            group, (start, end) = self.stage_of.get(pf.instance_id, ("", (0, 0)))
             emit(
                 ev.InstanceUp(
                     instance_id=pf.instance_id, role="prefill", host=pf.host, epoch=1,
-                    block_size=bs, max_batch_size=1,
+                    block_size=bs, max_batch_size=1, group=group, layer_start=start,
+                    layer_end=end, num_layers=self.params.model_layers if group else 0,
+                    chunk_tokens=self.params.chunk_tokens if group else 0,
                 )
             )  # fmt: skip
         for j, d in enumerate(self.decodes):
@@ -283,6 +299,7 @@ class Simulation:
         job.prefill = p
         job.decode = self.decode_index[d.decode_instance]
         job.plan = d.reuse
+        job.stages = len(d.prefill_stages)
         job.estimated_work_s = d.estimates.transfer_s + d.estimates.prefill_s
         inst = self.prefills[p]
         if inst.current is None:
@@ -323,15 +340,27 @@ class Simulation:
             if have > local + pulled:
                 pulled, source = have - local, holder
         cost = self.cost
-        work = 0.0
         if local:
             kv.touch(keys[:local])
-            work += cost.load_s(local, bs, "dram", remote=False)
         if pulled and source is not None:
             source.touch(keys[local : local + pulled])
-            work += cost.load_s(pulled, bs, "dram", remote=True)
         cached = (local + pulled) * bs
-        work += cost.prefill_s(item.prompt_tokens - cached, cached)
+        new = item.prompt_tokens - cached
+        if inst.shares:
+            # Each stage loads its share of every block; the slowest stage's load
+            # counts. Then the pipeline.
+            work = 0.0
+            for share, host in zip(inst.shares, inst.hosts, strict=True):
+                load = cost.load_s(local, bs, "dram", host != inst.host, share) if local else 0.0
+                if pulled:
+                    load += cost.load_s(pulled, bs, "dram", True, share)
+                work = max(work, load)
+            work += cost.pipeline_prefill_s(new, cached, inst.shares, self.params.chunk_tokens)
+        else:
+            work = cost.load_s(local, bs, "dram", remote=False) if local else 0.0
+            if pulled:
+                work += cost.load_s(pulled, bs, "dram", remote=True)
+            work += cost.prefill_s(new, cached)
         jitter = self.params.jitter
         if jitter:
             work *= 1.0 + jitter * (2.0 * self.rng.random() - 1.0)
