@@ -152,7 +152,9 @@ class RequestScheduled(Event, tag="request_scheduled"):
     k-th re-plan (`RequestReplanned`); `admitted_seq` is then the re-plan's position.
     `prefill_stages`: when the prefill runs over a prefill group, its stage
     instances in layer order (`prefill_instance` is the first); empty for one
-    instance.
+    instance. `piggyback`: the decode instance prefills the prompt inside its batch
+    (`prefill_instance` is then the decode instance), loading the `reuse` plan's
+    blocks itself.
     """
 
     request_id: str
@@ -169,6 +171,7 @@ class RequestScheduled(Event, tag="request_scheduled"):
     explain: Explanation | None = None
     attempt: int = 0
     prefill_stages: list[str] = msgspec.field(default_factory=list)
+    piggyback: bool = False
 
 
 class RequestRejected(Event, tag="request_rejected"):
@@ -376,6 +379,10 @@ class InstanceUp(Event, tag="instance_up"):
     the model's `num_layers`, and the group's chunk size in tokens (`chunk_tokens`).
     The group serves requests once live stages cover every layer; the stage holding
     layer 0 leads it (the job goes there). Empty `group`: a whole-model instance.
+
+    A decode instance with `piggyback` takes prompts into its batch: it prefills them
+    in chunks inside its decode steps (SARATHI's chunked prefill), loading their
+    cached prefix from the pool itself.
     """
 
     instance_id: str
@@ -394,6 +401,7 @@ class InstanceUp(Event, tag="instance_up"):
     layer_end: int = 0
     num_layers: int = 0
     chunk_tokens: int = 0
+    piggyback: bool = False
 
 
 class InstanceDown(Event, tag="instance_down"):

@@ -25,11 +25,22 @@ from yb_conductor.admission import (
 from yb_conductor.baselines import BASELINES
 from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.decode_placement import DecodeEstimate, DecodePlanner
+from yb_conductor.piggyback import PiggybackEstimate, plan_steps
 from yb_conductor.policy_base import Decided, Policy, PolicyFactory, reject
-from yb_conductor.prefill_placement import LOCAL, TRANSFER, Option, PoolView, PrefillPlanner
-from yb_conductor.state import ClusterState
+from yb_conductor.prefill_placement import (
+    LOCAL,
+    TRANSFER,
+    Estimate,
+    Option,
+    PoolView,
+    PrefillPlanner,
+)
+from yb_conductor.state import ClusterState, InstanceState
 from yb_core import events as ev
 from yb_core.config import ConductorConfig
+
+# The branch (and candidate option) of a prompt prefilled inside a decode batch.
+PIGGYBACK = "piggyback"
 
 __all__ = [
     "PLACEMENT_POLICIES",
@@ -149,6 +160,24 @@ class MooncakePolicy:
             tbt_s=decode.predicted_tbt_s,
             decode_batch=decode.predicted_batch,
         )
+        queue_s = chosen.queue_s
+        piggy = None
+        if decode.instance.piggyback:
+            piggy = self._piggyback(state, request, view, decode.instance, tbt_limit)
+        on_decode = piggy is not None and piggy.ttft_s < ttft
+        if piggy is not None:
+            row = self._piggyback_row(decode.instance, view, piggy)
+            explain.candidates.insert(0 if on_decode else min(1, len(explain.candidates)), row)
+            if on_decode:
+                prefill_ttft, ttft, queue_s = ttft, piggy.ttft_s, piggy.wait_s
+                estimates = ev.Estimates(
+                    queue_s=piggy.wait_s,
+                    transfer_s=piggy.load_s,
+                    prefill_s=piggy.prefill_s,
+                    ttft_s=ttft,
+                    tbt_s=decode.predicted_tbt_s,
+                    decode_batch=decode.predicted_batch,
+                )
         predictions: list[ev.LoadPrediction] = []
         if self.admission.name == "predicted":
             predictions.append(
@@ -171,13 +200,18 @@ class MooncakePolicy:
             decode,
             lambda limit: self.decode.drain_time_s(state, decode, limit, dchoice.context),
             calibration=calibration,
-            queue_s=chosen.queue_s,
+            queue_s=queue_s,
         )
         if verdict_or_none is not None:
             explain.branch, explain.reason = "reject", verdict_or_none.reason
             return Decided(
                 reject(request, seq, name, verdict_or_none, estimates, explain), predictions
             )
+        if on_decode and piggy is not None:
+            return self._piggybacked(
+                state, request, seq, view, decode, piggy, estimates, explain, predictions,
+                f"against {prefill_ttft:.3f}s on {chosen.instance.instance_id}",
+            )  # fmt: skip
         reuse = self.prefill.reuse_plan(state, view, chosen)
         reused = sum(r.num_blocks for r in reuse)
         explain.branch = est.option
@@ -204,6 +238,109 @@ class MooncakePolicy:
             computed_tokens=request.prompt_tokens - reused * bs,
             explain=explain,
             prefill_stages=list(chosen.instance.stages),
+        )
+        return Decided(decision, predictions)
+
+    def _piggyback(
+        self,
+        state: ClusterState,
+        request: ev.RequestAdmitted,
+        view: PoolView,
+        inst: InstanceState,
+        limit_s: float,
+    ) -> PiggybackEstimate | None:
+        """The request prefilled inside decode instance `inst`'s batch (see
+        `piggyback`): reusing the best prefix in the pool or computing it all,
+        whichever is faster; None when its steps cannot keep within `limit_s`."""
+        bs = max(1, request.block_size)
+        prompt = request.prompt_tokens
+        cost = self.cost
+        batch, context = inst.decoding_requests, inst.decoding_context_tokens
+        now = state.now
+        wait = inst.busy_until - now if inst.busy_until > now else 0.0
+        if batch:
+            wait += cost.tbt_s(batch, context) * 0.5
+        best = view.best
+        options = [(0, 0.0)]
+        if best is not None and best.blocks:
+            remote = best.instance.host != inst.host
+            options.append((best.blocks, self.prefill.load_s(best, best.blocks, bs, remote)))
+        found: PiggybackEstimate | None = None
+        for blocks, load in options:
+            steps = plan_steps(
+                cost, batch=batch, context=context, new_tokens=prompt - blocks * bs,
+                cached_tokens=blocks * bs, limit_s=limit_s, block_size=bs,
+            )  # fmt: skip
+            if steps is None:
+                continue
+            est = PiggybackEstimate(wait, load, steps, blocks)
+            if found is None or est.ttft_s < found.ttft_s:
+                found = est
+        return found
+
+    @staticmethod
+    def _piggyback_row(
+        inst: InstanceState, view: PoolView, piggy: PiggybackEstimate
+    ) -> ev.Candidate:
+        """The piggyback option as a row of the candidate table."""
+        source = view.best.instance.instance_id if piggy.reuse_blocks and view.best else ""
+        return ev.Candidate(
+            instance_id=inst.instance_id,
+            option=PIGGYBACK,
+            best_blocks=view.best_any_blocks,
+            reuse_blocks=piggy.reuse_blocks,
+            source=source,
+            queue_s=piggy.wait_s,
+            transfer_s=piggy.load_s,
+            prefill_s=piggy.prefill_s,
+            ttft_s=piggy.ttft_s,
+        )
+
+    def _piggybacked(
+        self,
+        state: ClusterState,
+        request: ev.RequestAdmitted,
+        seq: int,
+        view: PoolView,
+        decode: DecodeEstimate,
+        piggy: PiggybackEstimate,
+        estimates: ev.Estimates,
+        explain: ev.Explanation,
+        predictions: list[ev.LoadPrediction],
+        against: str,
+    ) -> Decided:
+        """The decision that the decode instance prefills the request in its batch."""
+        inst = decode.instance
+        bs = max(1, request.block_size)
+        reuse: list[ev.ReusePlan] = []
+        if piggy.reuse_blocks and view.best is not None:
+            plan = Estimate(TRANSFER, 0, piggy.reuse_blocks, piggy.load_s, 0.0, remote=view.best)
+            reuse = self.prefill.reuse_plan(state, view, Option(inst, 0.0, plan, 0.0))
+        reused = sum(r.num_blocks for r in reuse)
+        largest = max(chunk for chunk, _ in piggy.steps)
+        explain.branch = PIGGYBACK
+        explain.reason = (
+            f"{inst.instance_id} prefills it inside its batch of {inst.decoding_requests}: "
+            f"{len(piggy.steps)} step(s) of at most {largest} tokens within the TBT limit "
+            f"{explain.tbt_limit_s:.4f}s, reusing {piggy.reuse_blocks} blocks; TTFT "
+            f"{piggy.ttft_s:.3f}s = wait {piggy.wait_s:.3f} + load {piggy.load_s:.3f} + "
+            f"steps {piggy.prefill_s:.3f}, {against}"
+        )
+        decision = ev.RequestScheduled(
+            time=request.time,
+            request_id=request.request_id,
+            gateway_id=request.gateway_id,
+            prefill_instance=inst.instance_id,
+            decode_instance=inst.instance_id,
+            reused_blocks=reused,
+            reuse=reuse,
+            estimates=estimates,
+            policy=self.name,
+            admitted_seq=seq,
+            prompt_tokens=request.prompt_tokens,
+            computed_tokens=request.prompt_tokens - reused * bs,
+            explain=explain,
+            piggyback=True,
         )
         return Decided(decision, predictions)
 

@@ -370,7 +370,7 @@ class PrefillPlanner:
 
     # --- estimates -------------------------------------------------------------------
 
-    def _load_s(
+    def load_s(
         self, src: Source, blocks: int, block_size: int, remote: bool, share: float = 1.0
     ) -> float:
         """Seconds to load `blocks` of a source's prefix (its SSD share pro rata;
@@ -679,7 +679,7 @@ class PrefillPlanner:
         engine_blocks = engine.blocks if engine else 0
         local_load = 0.0
         if local is not None and local.blocks > engine_blocks:
-            local_load = self._load_s(local, local.blocks - engine_blocks, bs, remote=False)
+            local_load = self.load_s(local, local.blocks - engine_blocks, bs, remote=False)
         recompute = Estimate(RECOMPUTE, local_blocks, 0, 0.0, prefill_s(0))
         local_est: Estimate | None = None
         if local_blocks > 0:
@@ -700,7 +700,7 @@ class PrefillPlanner:
             and best.blocks > local_blocks
             and (local_blocks == 0 or best.blocks / local_blocks > self.threshold)
         ):
-            remote_load = self._load_s(best, best.blocks - local_blocks, bs, remote=True)
+            remote_load = self.load_s(best, best.blocks - local_blocks, bs, remote=True)
             transfer_est = Estimate(
                 TRANSFER,
                 local_blocks,
@@ -736,7 +736,7 @@ class PrefillPlanner:
             for share, host in zip(shares, hosts, strict=True):
                 t = 0.0
                 for src, blocks in parts:
-                    t += self._load_s(src, blocks, bs, src.instance.host != host, share)
+                    t += self.load_s(src, blocks, bs, src.instance.host != host, share)
                 if t > worst:
                     worst = t
             return worst

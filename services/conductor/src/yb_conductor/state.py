@@ -119,6 +119,9 @@ class InstanceState(msgspec.Struct, kw_only=True):
     stages: list[str] = msgspec.field(default_factory=list)
     stage_shares: list[float] = msgspec.field(default_factory=list)
     stage_hosts: list[str] = msgspec.field(default_factory=list)
+    # Decode: it takes prompts into its batch (`InstanceUp.piggyback`); they queue
+    # there as a prefill instance's jobs do (`prefill_queue`, `busy_until`).
+    piggyback: bool = False
 
 
 class Placement(msgspec.Struct, kw_only=True):
@@ -424,7 +427,8 @@ class ClusterState:
             if not (self.priority_order and self._overtake(prefill, placement)):
                 prefill.prefill_queue[rid] = None
                 prefill.busy_until = placement.prefill_end
-            self._candidates.queued(prefill.instance_id)
+            if prefill.role == "prefill":
+                self._candidates.queued(prefill.instance_id)
         decode = self.instances.get(decision.decode_instance)
         if decode is not None:
             self._candidates.decode_busy[decode.instance_id] = None
@@ -521,6 +525,7 @@ class ClusterState:
             layer_end=event.layer_end,
             num_layers=event.num_layers,
             chunk_tokens=event.chunk_tokens,
+            piggyback=event.piggyback,
         )
         if old is not None:
             # Requests in flight there stay accounted until they finish or expire.
@@ -696,7 +701,7 @@ class ClusterState:
         inst = self.instances.get(placement.prefill_instance)
         if inst is None:
             return
-        if self.learn_speed and placement.started_at:
+        if self.learn_speed and placement.started_at and inst.role == "prefill":
             others = (placement.others_at_start + self.busy_others(inst, forward=False)) / 2
             group = self._group(inst)
             shared = self.shared_speeds.get(group) or SharedSpeed(per_busy=self.sharing_prior)
@@ -743,7 +748,8 @@ class ClusterState:
             t += p.prefill_s
             p.prefill_end = t
         inst.busy_until = t if inst.prefill_queue else at
-        self._candidates.queued(instance_id)
+        if inst.role == "prefill":
+            self._candidates.queued(instance_id)
 
     def _finished(self, event: ev.RequestFinished) -> None:
         placement = self.placements.get(event.request_id)

@@ -42,6 +42,8 @@ def render(seq: int, decision: ev.Decision) -> str:
             f"reuses {decision.reused_blocks} blocks, computes {decision.computed_tokens} "
             f"of {decision.prompt_tokens} tokens"
         )
+        if decision.piggyback:
+            head += f"\n  prefilled inside {decision.decode_instance}'s decode batch (piggyback)"
         if decision.prefill_stages:
             head += (
                 f"\n  prefill group: {len(decision.prefill_stages)} pipeline stages, "

@@ -141,6 +141,11 @@ def add_parser(sub: Any) -> None:
         "instances: stage counts, e.g. 2,2 (none)",
     )
     cluster.add_argument(
+        "--piggyback",
+        action="store_true",
+        help="decode instances take prompts into their batch (chunked prefill in decode steps)",
+    )
+    cluster.add_argument(
         "--chunk-tokens", type=int, default=2048, help="a prefill group's chunk, tokens (2048)"
     )
     cluster.add_argument(
@@ -227,6 +232,7 @@ def params_from(args: argparse.Namespace) -> SimParams:
         limit=max(0, args.limit),
         priority_mix=parse_priority_mix(args.priority_mix),
         prefill_groups=parse_groups(args.prefill_groups),
+        piggyback=args.piggyback,
         chunk_tokens=args.chunk_tokens,
         model_layers=args.model_layers,
     )

@@ -14,14 +14,24 @@ the boundary where a request finishes or a pending one joins. `t0`, `steps`,
 Requests waiting for room (the `queue` decode admission) are admitted by priority
 (larger first), then arrival, as the real batcher admits them when pages or batch
 slots are short.
+
+Piggybacked prompts (`add_prompt`): a prompt placed on the instance itself waits
+until its prefix is loaded, then, one prompt at a time, is computed in chunks inside
+the decode steps (`yb_conductor.piggyback`): each step decodes the batch and computes
+one chunk, as large as fits the TBT SLO beside the batch's own step (at least one
+block, so a prompt always advances). While a prompt is computed the instance steps
+one step at a time (its steps are no longer alike); the step that computes the last
+chunk yields the first token and the request joins the batch there.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 
 from yb_conductor.cost_model import CostModel
+from yb_conductor.piggyback import chunk_within
 from yb_tools.sim.job import Job
 
 
@@ -29,7 +39,10 @@ class SimDecode:
     """One decode instance: KV room, batch room, and the batch in flight."""
 
     __slots__ = (
+        "active",
+        "active_done",
         "batch",
+        "block_size",
         "cost",
         "ctx",
         "enforce_slo",
@@ -40,6 +53,9 @@ class SimDecode:
         "max_batch",
         "pending",
         "pending_ctx",
+        "prompts",
+        "step_chunk",
+        "step_s_now",
         "steps",
         "t0",
         "tbt_slo_s",
@@ -58,8 +74,17 @@ class SimDecode:
         max_batch: int,
         tbt_slo_s: float,
         enforce_slo: bool,
+        block_size: int = 1,
     ) -> None:
         self.instance_id = instance_id
+        self.block_size = block_size
+        # Piggybacked prompts: (ready at, cached tokens, job) waiting, in order; the
+        # one being computed, its tokens done, and the current step's chunk and time.
+        self.prompts: deque[tuple[float, int, Job]] = deque()
+        self.active: Job | None = None
+        self.active_done = 0
+        self.step_chunk = 0
+        self.step_s_now = 0.0
         self.cost = cost
         self.kv_capacity = kv_capacity
         self.max_batch = max_batch
@@ -87,6 +112,9 @@ class SimDecode:
 
     def _boundary_after(self, t: float) -> tuple[int, float]:
         """The first step boundary at or after `t`: (steps after t0, its time)."""
+        if self.active is not None:
+            # One step at a time while a prompt is computed.
+            return (0, self.t0) if t <= self.t0 else (1, self.t0 + self.step_s_now)
         if self.batch == 0 or t <= self.t0:
             return 0, self.t0 if t <= self.t0 else t
         target = t - self.t0
@@ -133,11 +161,18 @@ class SimDecode:
     def next_wake(self) -> float:
         """When this instance must be woken next (inf: nothing to do); bumps `version`."""
         self.version += 1
+        if self.active is not None:
+            self.wake_n = 1
+            return self.t0 + self.step_s_now
         wake = math.inf
         n_wake = 0
+        if self.prompts:
+            n_wake, wake = self._boundary_after(self.prompts[0][0])
         if self.finishing and self.batch:
             n = self.finishing[0][0] - self.steps
-            wake, n_wake = self.t0 + self._span(n), n
+            at = self.t0 + self._span(n)
+            if at < wake:
+                wake, n_wake = at, n
         if self.pending:
             n, t = self._boundary_after(self.pending[-1].prefill_end)
             if t < wake:
@@ -151,6 +186,8 @@ class SimDecode:
         """The batch's context at time `t` (the last boundary before it)."""
         if not self.batch:
             return 0
+        if self.active is not None:
+            return self.ctx
         n, bt = self._boundary_after(t)
         if bt > t and n:
             n -= 1
@@ -177,12 +214,19 @@ class SimDecode:
         once when the instance is idle."""
         item = job.item
         self.kv_reserved += item.prompt_tokens + item.output_tokens
-        if self.batch == 0 and not self.pending:
+        if self.batch == 0 and not self.pending and self.active is None:
             self.t0 = t
             self._join(job, t)
             return
         self.pending.append(job)
         self.pending_ctx += item.prompt_tokens + 1
+
+    def add_prompt(self, job: Job, ready_at: float, cached_tokens: int) -> None:
+        """Take `job`'s prompt into the batch (its prefix loaded by `ready_at`): its KV
+        is reserved now, its chunks computed after the prompts before it."""
+        item = job.item
+        self.kv_reserved += item.prompt_tokens + item.output_tokens
+        self.prompts.append((ready_at, cached_tokens, job))
 
     def wait(self, job: Job) -> None:
         """Queue `job` until there is room (the `queue` decode admission)."""
@@ -197,14 +241,24 @@ class SimDecode:
         self.batch += 1
         self.ctx += item.prompt_tokens + 1
 
-    def wake(self, t: float) -> tuple[list[Job], list[Job]]:
-        """At the boundary scheduled by the last `next_wake`: finish and join. Returns
-        the requests that finished (at `t`) and those that waited for room and joined."""
+    def wake(self, t: float) -> tuple[list[Job], list[Job], list[Job], list[Job]]:
+        """At the boundary scheduled by the last `next_wake`: finish and join, and
+        advance the piggybacked prompts. Returns the requests that finished (at `t`),
+        those that waited for room and joined, the prompts whose computing started,
+        and those whose last chunk was computed (their first token: a prompt with
+        one token to give finishes there, the others joined the batch)."""
         n = self.wake_n
         if self.batch:
             self.steps += n
             self.ctx += self.batch * n
         self.t0 = t
+        prompted: list[Job] = []
+        active = self.active
+        if active is not None:
+            self.active_done += self.step_chunk
+            if self.active_done >= active.item.prompt_tokens:
+                self.active = None
+                prompted.append(active)
         done: list[Job] = []
         finishing = self.finishing
         while finishing and finishing[0][0] <= self.steps:
@@ -219,13 +273,39 @@ class SimDecode:
             self._join(job, t)
         self.pending.clear()
         self.pending_ctx = 0
+        for job in prompted:
+            item = job.item
+            if item.output_tokens <= 1:
+                self.kv_reserved -= item.prompt_tokens + item.output_tokens
+            else:
+                self._join(job, t)
         joined: list[Job] = []
         while self.waiting and not self.refusal(self.waiting[0][2], t):
             job = heapq.heappop(self.waiting)[2]
             self.kv_reserved += job.item.prompt_tokens + job.item.output_tokens
             self._join(job, t)
             joined.append(job)
-        return done, joined
+        started: list[Job] = []
+        if self.active is None and self.prompts and self.prompts[0][0] <= t:
+            _, cached, job = self.prompts.popleft()
+            self.active, self.active_done = job, cached
+            started.append(job)
+        if self.active is not None:
+            self._plan_step()
+        return done, joined, started, prompted
+
+    def _plan_step(self) -> None:
+        """The next step's chunk of the active prompt and its time: as large as fits
+        the TBT SLO beside the batch's step, at least one block."""
+        assert self.active is not None
+        cost = self.cost
+        done = self.active_done
+        left = self.active.item.prompt_tokens - done
+        decode_s = cost.tbt_s(self.batch, self.ctx) if self.batch else 0.0
+        chunk = chunk_within(cost, self.tbt_slo_s - decode_s, done, left)
+        chunk = max(chunk, min(left, self.block_size))
+        self.step_chunk = chunk
+        self.step_s_now = decode_s + cost.prefill_s(chunk, done)
 
     @property
     def running(self) -> int:
@@ -234,4 +314,6 @@ class SimDecode:
 
     def step_s(self) -> float:
         """The current step time (0 when idle)."""
+        if self.active is not None:
+            return self.step_s_now
         return self.cost.tbt_s(self.batch, self.ctx) if self.batch else 0.0

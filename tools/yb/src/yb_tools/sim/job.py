@@ -15,18 +15,20 @@ Fate = Literal["", "completed", "rejected", "decode_rejected", "timed_out"]
 class Job:
     """A request in flight: where the conductor put it and what happened to it.
 
-    Times are simulated seconds. `plan` is the decision's reuse plan and
-    `estimated_work_s` its estimate of the prefill's work; `prefill_s` is what the
-    prefill instance really spent (loading reused blocks included);
-    `reused_local`/`reused_remote` are blocks taken from its own host's pool and
-    pulled from another host's. `priority` is what its admission asked for (drawn
-    from the run's priority mix). `stages`: the pipeline stages of the prefill group
-    it was placed on (0: a whole-model instance).
+        Times are simulated seconds. `plan` is the decision's reuse plan and
+        `estimated_work_s` its estimate of the prefill's work; `prefill_s` is what the
+        prefill instance really spent (loading reused blocks included);
+        `reused_local`/`reused_remote` are blocks taken from its own host's pool and
+        pulled from another host's. `priority` is what its admission asked for (drawn
+        from the run's priority mix). `stages`: the pipeline stages of the prefill group
+        it was placed on (0: a whole-model instance); `piggyback`: its prompt was prefilled
+    inside its decode instance's batch.
     """
 
     item: TraceItem
     priority: int = 0
     stages: int = 0
+    piggyback: bool = False
     prefill: int = -1
     decode: int = -1
     plan: list[ev.ReusePlan] = field(default_factory=list)

@@ -39,6 +39,9 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     extra layers) and cuts prompts into chunks of `chunk_tokens`. A group's stages
     keep their hosts; what the group computes goes into its first stage's host pool.
 
+    `piggyback`: the decode instances take prompts into their batch (the conductor
+    sends one there when its TTFT is lower than through the prefill pool).
+
     `priority_mix` maps a priority to its share of the requests (shares are
     normalized; empty: every request at priority 0). Each request's priority is
     drawn from it with a generator of its own seeded by `seed`, so a mix changes
@@ -68,6 +71,7 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     limit: int = 0
     priority_mix: dict[int, float] = msgspec.field(default_factory=dict)
     prefill_groups: list[int] = msgspec.field(default_factory=list)
+    piggyback: bool = False
     chunk_tokens: int = 2048
     model_layers: int = 80
 

@@ -109,20 +109,29 @@ def priority_table(report: SimReport) -> str:
 
 
 def group_table(report: SimReport) -> str:
-    """Which requests each policy put on the prefill groups ("" when none did)."""
-    runs = [(label, r) for label, r in report.policies.items() if r.group_requests]
+    """Where each policy's prompts were prefilled, when some went to prefill groups
+    or into decode batches ("" when none did): requests, median prompt, mean TTFT."""
+    runs = [
+        (label, r)
+        for label, r in report.policies.items()
+        if r.group_requests or r.piggyback_requests
+    ]
     if not runs:
         return ""
     lines = [
-        "| policy | on groups | prompt p50 (groups) | TTFT mean s (groups) "
-        "| prompt p50 (whole) | TTFT mean s (whole) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| policy | where | requests | prompt p50 | TTFT mean s |",
+        "| --- | --- | ---: | ---: | ---: |",
     ]
     for label, r in runs:
-        lines.append(
-            f"| {label} | {r.group_requests} | {r.group_prompt_p50:,.0f} | "
-            f"{r.group_ttft_mean_s:.2f} | {r.whole_prompt_p50:,.0f} | {r.whole_ttft_mean_s:.2f} |"
-        )
+        piggy = (r.piggyback_requests, r.piggyback_prompt_p50, r.piggyback_ttft_mean_s)
+        placed = [
+            ("prefill groups", r.group_requests, r.group_prompt_p50, r.group_ttft_mean_s),
+            ("decode batches", *piggy),
+            ("whole-model instances", r.whole_requests, r.whole_prompt_p50, r.whole_ttft_mean_s),
+        ]
+        for where, n, prompt, ttft in placed:
+            if n:
+                lines.append(f"| {label} | {where} | {n} | {prompt:,.0f} | {ttft:.2f} |")
     return "\n".join(lines)
 
 

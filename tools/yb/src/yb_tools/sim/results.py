@@ -14,7 +14,8 @@ gives the same judgement per priority class (`PriorityResult`).
 run with admission `none` (`quality`); `needless_rejection_share` is their share of
 `rejected`. With prefill groups, `group_requests` were placed on a group, and the
 median prompt and mean TTFT of the completed ones on groups and on whole-model
-instances show which requests the conductor gave the pipeline.
+instances show which requests the conductor gave the pipeline; likewise
+`piggyback_requests` were prefilled inside a decode instance's batch.
 """
 
 from __future__ import annotations
@@ -108,8 +109,12 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     group_requests: int = 0
     group_prompt_p50: float = 0.0
     group_ttft_mean_s: float = 0.0
+    whole_requests: int = 0
     whole_prompt_p50: float = 0.0
     whole_ttft_mean_s: float = 0.0
+    piggyback_requests: int = 0
+    piggyback_prompt_p50: float = 0.0
+    piggyback_ttft_mean_s: float = 0.0
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -227,10 +232,12 @@ def summarize(
 
 
 def group_use(jobs: list[Job]) -> dict[str, Any]:
-    """Where the prefill groups were used (empty when no request was placed on one)."""
+    """Where the prompts were prefilled, when not all on whole-model prefill
+    instances: on prefill groups, inside decode batches (empty when neither)."""
     placed = [j for j in jobs if j.prefill >= 0]
     grouped = [j for j in placed if j.stages]
-    if not grouped:
+    piggybacked = [j for j in jobs if j.piggyback]
+    if not grouped and not piggybacked:
         return {}
     whole = [j for j in placed if not j.stages]
 
@@ -244,8 +251,12 @@ def group_use(jobs: list[Job]) -> dict[str, Any]:
         "group_requests": len(grouped),
         "group_prompt_p50": prompt_p50(grouped),
         "group_ttft_mean_s": ttft_mean(grouped),
+        "whole_requests": len(whole),
         "whole_prompt_p50": prompt_p50(whole),
         "whole_ttft_mean_s": ttft_mean(whole),
+        "piggyback_requests": len(piggybacked),
+        "piggyback_prompt_p50": prompt_p50(piggybacked),
+        "piggyback_ttft_mean_s": ttft_mean(piggybacked),
     }
 
 

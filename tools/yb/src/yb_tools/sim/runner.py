@@ -133,6 +133,11 @@ def simulate(
                 raise ValueError("the coupled policy has no conductor, so no event log")
             if params.prefill_groups:
                 raise ValueError("the coupled policy has no prefill pool, so no prefill groups")
+            if params.piggyback:
+                raise ValueError(
+                    "the coupled policy prefills inside its batches by itself; --piggyback "
+                    "is for the decode pool"
+                )
             sim = CoupledSimulation(items, params, cost, label=spec.label)
         else:
             sim = Simulation(

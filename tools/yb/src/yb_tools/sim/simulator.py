@@ -126,6 +126,7 @@ class Simulation:
                 max_batch=params.decode_max_batch,
                 tbt_slo_s=params.tbt_slo_s,
                 enforce_slo=params.decode_admission == "reject",
+                block_size=bs,
             )
             for j in range(params.decode)
         ]
@@ -256,7 +257,7 @@ class Simulation:
                 ev.InstanceUp(
                     instance_id=d.instance_id, role="decode", host=f"decode-host-{j}",
                     epoch=1, block_size=bs, max_batch_size=d.max_batch,
-                    kv_capacity_blocks=d.kv_capacity // bs,
+                    kv_capacity_blocks=d.kv_capacity // bs, piggyback=self.params.piggyback,
                 )
             )  # fmt: skip
 
@@ -295,12 +296,15 @@ class Simulation:
                 self._replicate(out, t)
 
     def _schedule(self, job: Job, d: ev.RequestScheduled, t: float) -> None:
-        p = self.prefill_index[d.prefill_instance]
-        job.prefill = p
         job.decode = self.decode_index[d.decode_instance]
         job.plan = d.reuse
-        job.stages = len(d.prefill_stages)
         job.estimated_work_s = d.estimates.transfer_s + d.estimates.prefill_s
+        if d.piggyback:
+            self._piggyback(job, t)
+            return
+        p = self.prefill_index[d.prefill_instance]
+        job.prefill = p
+        job.stages = len(d.prefill_stages)
         inst = self.prefills[p]
         if inst.current is None:
             self._start(p, job, t)
@@ -372,6 +376,39 @@ class Simulation:
         inst.busy_until = t + work
         self._push(t + work, _PREFILL_DONE, p, job)
         return True
+
+    def _piggyback(self, job: Job, t: float) -> None:
+        """The decode instance takes the prompt into its batch: it loads the plan's
+        blocks from the pool (when the source still holds them), then computes the
+        rest in its steps."""
+        d = self.decodes[job.decode]
+        item = job.item
+        job.piggyback = True
+        refusal = d.refusal(job, t)
+        if refusal:
+            job.fate = "decode_rejected"
+            job.reason = refusal
+            self._left(t)
+            self.emit(
+                ev.RequestFinished(
+                    time=t, request_id=item.request_id, instance_id=d.instance_id,
+                    outcome="rejected", reason=refusal, prompt_tokens=item.prompt_tokens,
+                )
+            )  # fmt: skip
+            return
+        bs = self.bs
+        keys = item.keys[: (item.prompt_tokens - 1) // bs]
+        cached = 0
+        for run in job.plan:
+            holder = self.kvstore_by_id.get(run.source_instance)
+            if holder is not None:
+                cached = max(cached, holder.prefix(keys[: run.first_block + run.num_blocks]))
+                holder.touch(keys[:cached])
+        load = self.cost.load_s(cached, bs, "dram", remote=True) if cached else 0.0
+        job.reused_remote = cached
+        job.prefill_start = t
+        d.add_prompt(job, t + load, cached * bs)
+        self._wake_later(job.decode)
 
     def _prefill_done(self, p: int, job: Job, t: float) -> None:
         inst = self.prefills[p]
@@ -448,12 +485,35 @@ class Simulation:
 
     def _decode_wake(self, j: int, t: float) -> None:
         d = self.decodes[j]
-        done, joined = d.wake(t)
+        done, joined, started, prompted = d.wake(t)
         for job in done:
             self._finished(job, d, t)
         # Requests that waited for room (the `queue` admission) took their place now.
         for job in joined:
             self._committed(job, d, t)
+        for job in prompted:
+            item = job.item
+            job.prefill_end = t
+            job.prefill_s = t - job.prefill_start
+            cached = job.reused_remote * self.bs
+            self.emit(
+                ev.RequestProgress(
+                    time=t, request_id=item.request_id, instance_id=d.instance_id,
+                    stage="prefill_done", computed_tokens=item.prompt_tokens - cached,
+                    reused_tokens=cached,
+                )
+            )  # fmt: skip
+            self._committed(job, d, t)
+            if item.output_tokens <= 1:
+                job.finish_time = t
+                self._finished(job, d, t)
+        for job in started:
+            self.emit(
+                ev.RequestProgress(
+                    time=t, request_id=job.item.request_id, instance_id=d.instance_id,
+                    stage="prefill_started",
+                )
+            )  # fmt: skip
         self._wake_later(j)
 
     # --- replication, reports, samples -----------------------------------------------------
