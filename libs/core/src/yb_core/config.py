@@ -447,6 +447,20 @@ class PrefillEngineConfig(EngineConfig):
     max_batch_size: int = 1
 
 
+class DecodeEngineConfig(EngineConfig):
+    """A decode engine (`EngineConfig`).
+
+    `piggyback` (off by default): the instance takes short prompts into its batch.
+    It announces so in its `InstanceUp`, the conductor may then plan a request there
+    (`RequestScheduled.piggyback`), and the instance takes such a job on its prefill
+    job subject: it loads the planned prefix from the kvstores (within
+    `fetch_timeout_s`, honouring `reuse`), then computes the prompt a chunk per
+    decode step, each step within the TBT limit the decision was planned with.
+    """
+
+    piggyback: bool = False
+
+
 class KVStoreConfig(_Section):
     """The host's KV block pool: a DRAM slab and an SSD tier.
 
@@ -554,7 +568,7 @@ class YbConfig(_Section):
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     conductor: ConductorConfig = msgspec.field(default_factory=ConductorConfig)
     prefill: PrefillEngineConfig = msgspec.field(default_factory=PrefillEngineConfig)
-    decode: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    decode: DecodeEngineConfig = msgspec.field(default_factory=DecodeEngineConfig)
     kvstore: KVStoreConfig = msgspec.field(default_factory=KVStoreConfig)
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
     # Test-only fault injection (`yb_core.failpoints`, `YB_FAILPOINTS`); '' = inert.
