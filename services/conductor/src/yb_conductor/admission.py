@@ -13,7 +13,8 @@ Three policies, switchable (`ConductorConfig.admission`), as Mooncake §7 compar
   request's prefill ends (see `decode_placement`).
 
 A TTFT that misses the limit on an instance with nothing queued ahead of the request
-(`admit_unqueued_overrun`) is not refused: no wait caused it, so refusing sheds no
+(no request there whose prefill has not ended, and no wait estimated:
+`admit_unqueued_overrun`) is not refused: no wait caused it, so refusing sheds no
 load, and the prefill puts the prompt's prefix in the pool for the requests that
 share it. The TBT check still applies.
 
@@ -29,7 +30,6 @@ drains in real time), for TBT the time until enough of the batch has finished.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -110,20 +110,20 @@ class AdmissionPolicy:
         decode: DecodeEstimate,
         drain_s: Callable[[float], float],
         calibration: tuple[Calibration, Calibration] | None = None,
-        queue_s: float = math.inf,
+        queued: bool = True,
     ) -> Verdict | None:
         """A refusal, or None to admit. `drain_s(limit)` says how long until the
         decode batch's TBT falls under `limit` (only asked when refusing on TBT).
         `calibration`: what outcomes taught of the (TTFT, TBT) estimates (calibrated
         admission): a request is refused only when what its estimate is expected to
-        turn out misses the SLO. `queue_s`: the wait ahead of the request on its
-        prefill instance (`admit_unqueued_overrun`)."""
+        turn out misses the SLO. `queued`: whether anything is queued ahead of the
+        request on its prefill instance (`admit_unqueued_overrun`)."""
         if self.name == "none":
             return None
         ttft_limit, tbt_limit = self.limits(request)
         shed = self._shed_note(request)
         expected_ttft = calibration[0].expected(ttft_s) if calibration else ttft_s
-        if expected_ttft > ttft_limit and not self.overrun_admitted(queue_s):
+        if expected_ttft > ttft_limit and not self.overrun_admitted(queued):
             return Verdict(
                 TTFT_SLO,
                 f"estimated TTFT {ttft_s:.3f}s{_expected(ttft_s, expected_ttft, 3)} "
@@ -144,20 +144,21 @@ class AdmissionPolicy:
             )
         return None
 
-    def overrun_admitted(self, queue_s: float) -> bool:
-        """Whether a TTFT over the limit is admitted with `queue_s` queued ahead."""
-        return self.admit_unqueued_overrun and queue_s <= 0.0
+    def overrun_admitted(self, queued: bool) -> bool:
+        """Whether a TTFT over the limit is admitted (`queued`: with anything queued
+        ahead of it)."""
+        return self.admit_unqueued_overrun and not queued
 
     def overrun_note(
         self,
         request: ev.RequestAdmitted,
         ttft_s: float,
-        queue_s: float,
+        queued: bool,
         calibration: tuple[Calibration, Calibration] | None = None,
     ) -> str:
         """For an admitted request: what the decision's reason adds when its TTFT was
         admitted over the limit (`admit_unqueued_overrun`), else ""."""
-        if self.name == "none" or not self.overrun_admitted(queue_s):
+        if self.name == "none" or not self.overrun_admitted(queued):
             return ""
         ttft_limit = self.limits(request)[0]
         expected_ttft = calibration[0].expected(ttft_s) if calibration else ttft_s

@@ -160,7 +160,9 @@ class MooncakePolicy:
             tbt_s=decode.predicted_tbt_s,
             decode_batch=decode.predicted_batch,
         )
-        queue_s = chosen.queue_s
+        # Anything queued ahead on the instance that would prefill it (by the log,
+        # not only by the estimate): a refusal would then shed load.
+        queued = bool(chosen.instance.prefill_queue) or chosen.queue_s > 0.0
         piggy = None
         if decode.instance.piggyback:
             piggy = self._piggyback(state, request, view, decode.instance, tbt_limit)
@@ -169,7 +171,8 @@ class MooncakePolicy:
             row = self._piggyback_row(decode.instance, view, piggy)
             explain.candidates.insert(0 if on_decode else min(1, len(explain.candidates)), row)
             if on_decode:
-                prefill_ttft, ttft, queue_s = ttft, piggy.ttft_s, piggy.wait_s
+                prefill_ttft, ttft = ttft, piggy.ttft_s
+                queued = bool(decode.instance.prefill_queue) or piggy.wait_s > 0.0
                 estimates = ev.Estimates(
                     queue_s=piggy.wait_s,
                     transfer_s=piggy.load_s,
@@ -200,7 +203,7 @@ class MooncakePolicy:
             decode,
             lambda limit: self.decode.drain_time_s(state, decode, limit, dchoice.context),
             calibration=calibration,
-            queue_s=queue_s,
+            queued=queued,
         )
         if verdict_or_none is not None:
             explain.branch, explain.reason = "reject", verdict_or_none.reason
@@ -216,7 +219,7 @@ class MooncakePolicy:
         reused = sum(r.num_blocks for r in reuse)
         explain.branch = est.option
         explain.reason = self._why(chosen, decode, view, lag)
-        explain.reason += self.admission.overrun_note(request, ttft, chosen.queue_s, calibration)
+        explain.reason += self.admission.overrun_note(request, ttft, queued, calibration)
         if self.prefill.stickiness > 0.0:
             # Only with stickiness, so that older logs explain as they always did.
             explain.reason = explain.reason.replace("lowest TTFT", "TTFT", 1) + (
