@@ -79,6 +79,8 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     max_batch_size: int = 0
     attention_backend: str = ""
     epoch: int = 0
+    # Decode: it takes prompts into its batch (`InstanceUp.piggyback`).
+    piggyback: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +270,7 @@ class WorkerShell(Service, Generic[W]):
             attention_backend=capacity.attention_backend,
             epoch=capacity.epoch,
             metrics_address=self.metrics_address,
+            piggyback=capacity.piggyback,
         )
 
     async def stop(self) -> None:

@@ -1,0 +1,247 @@
+"""Pulling a request's planned prefix blocks from the kvstores into an engine's pages.
+
+The conductor's `RequestScheduled.reuse` lists runs of prefix blocks and where each
+comes from: the engine's own page cache (tier "engine") or a kvstore (tiers
+"dram"/"ssd", on this host or another). `plan_runs` reads the plan as the contiguous
+prefix it describes; `BlockFetcher.fetch` pulls its kvstore runs over UCX straight
+into the pages the caller chose, one fetch per source, all sources at once. Both the
+prefill engine (`yb_prefill.reuse`) and a decode engine that prefills inside its
+batch (piggybacking, `yb_decode`) load prefixes with it.
+
+Only a prefix can be reused: the loaded blocks count up to the first block that is
+not loaded (`Fetched.reaches`). A fetch that fails is recorded (`FetchFailure`, for
+the caller's `TransferFailed` event); its pages are left to the caller, who computes
+those blocks there. The receives of a failed fetch are cancelled first, so nothing
+writes into those pages afterwards. At least the last prompt token is always
+computed (its logits are needed), so a prompt made only of full blocks reuses all but
+its last block (`reusable_blocks`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from yb_core import events as ev
+from yb_core.telemetry import get_logger
+from yb_dataplane.peers import PeerDirectory
+from yb_dataplane.transport import (
+    BufferLike,
+    KVReceiver,
+    KVSender,
+    PeerUnreachable,
+    TransferError,
+)
+from yb_dataplane.transport.blocks import fetch_request_id, key_text
+
+log = get_logger(__name__)
+
+#: How long a fetch waits to learn the address of a source it has not seen announced.
+ANNOUNCE_WAIT_S = 0.5
+
+
+class PagedBuffers(Protocol):
+    """An engine's paged KV memory as the transport sees it (the engine's
+    `PagedKVCache` is one): per layer, one buffer per page."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def page_nbytes(self) -> int: ...
+
+    def page_view(self, layer: int, page: int) -> BufferLike:
+        """The buffer of `page` in `layer` (what a UCX receive writes into)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class FetchRun:
+    """Blocks `[first, first + count)` pulled from one kvstore in one fetch."""
+
+    source: str
+    first: int
+    count: int
+    tiers: tuple[ev.Tier, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FetchFailure:
+    """A planned fetch that did not deliver."""
+
+    source: str
+    first: int
+    count: int
+    reason: str
+
+
+@dataclass
+class Fetched:
+    """What a `BlockFetcher.fetch` delivered: where each fetched block came from, the
+    fetches that failed, the bytes and the time it took."""
+
+    loaded_from: dict[int, str] = field(default_factory=dict)
+    failures: list[FetchFailure] = field(default_factory=list)
+    fetched_bytes: int = 0
+    fetch_s: float = 0.0
+
+    def reaches(self, start: int) -> int:
+        """The prefix end without a gap: blocks before `start` are loaded already,
+        then every block fetched in a row."""
+        end = start
+        while end in self.loaded_from:
+            end += 1
+        return end
+
+
+def reusable_blocks(num_tokens: int, num_keys: int, block_size: int) -> int:
+    """Most leading blocks a prompt may reuse: full blocks, the last token computed."""
+    return max(0, min(num_keys, (num_tokens - 1) // block_size))
+
+
+def plan_runs(
+    plans: Sequence[ev.ReusePlan], instance_id: str, limit: int
+) -> tuple[int, list[FetchRun]]:
+    """The contiguous planned prefix: (engine blocks, kvstore runs), at most `limit`.
+
+    Engine blocks must come first and be this instance's own (engines do not serve
+    each other). Adjacent kvstore runs of one source merge into one fetch (a source's
+    prefix may be cut into DRAM and SSD runs).
+    """
+    engine = 0
+    runs: list[FetchRun] = []
+    covered = 0
+    for plan in sorted(plans, key=lambda p: p.first_block):
+        if plan.first_block != covered or plan.num_blocks <= 0 or covered >= limit:
+            break
+        count = min(plan.num_blocks, limit - covered)
+        if plan.tier == "engine":
+            if plan.source_instance != instance_id or runs:
+                break
+            engine += count
+        elif runs and runs[-1].source == plan.source_instance:
+            last = runs[-1]
+            tiers = last.tiers if plan.tier in last.tiers else (*last.tiers, plan.tier)
+            runs[-1] = FetchRun(last.source, last.first, last.count + count, tiers)
+        else:
+            runs.append(FetchRun(plan.source_instance, covered, count, (plan.tier,)))
+        covered += count
+    return engine, runs
+
+
+class BlockFetcher:
+    """Pulls runs of blocks from kvstores into an engine's pages over UCX."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        kv: PagedBuffers,
+        peers: PeerDirectory,
+        receiver: KVReceiver,
+        sender: KVSender,
+    ) -> None:
+        self.instance_id = instance_id
+        self.kv = kv
+        self.peers = peers
+        self.receiver = receiver
+        self.sender = sender
+
+    async def fetch(
+        self,
+        request_id: str,
+        runs: Sequence[FetchRun],
+        keys: Sequence[int],
+        block_table: Sequence[int],
+        deadline_s: float,
+    ) -> Fetched:
+        """Every run at once, each into its blocks' pages of `block_table`, within
+        `deadline_s`. A failed transfer is recorded, not raised; any other failure
+        (a bug) is re-raised once every fetch has ended."""
+        fetched = Fetched()
+        if not runs:
+            return fetched
+        started = time.monotonic()
+        results = await asyncio.gather(
+            *(self._fetch(request_id, run, keys, block_table, deadline_s) for run in runs),
+            return_exceptions=True,
+        )
+        fetched.fetch_s = time.monotonic() - started
+        page_bytes = self.kv.num_layers * self.kv.page_nbytes
+        for run, result in zip(runs, results, strict=True):
+            if isinstance(result, BaseException):
+                if not isinstance(result, TransferError | OSError):
+                    raise result
+                fetched.failures.append(FetchFailure(run.source, run.first, run.count, str(result)))
+                continue
+            for i in range(run.first, run.first + run.count):
+                fetched.loaded_from[i] = run.source
+            fetched.fetched_bytes += run.count * page_bytes
+        return fetched
+
+    def tokens_by_tier(self, runs: Sequence[FetchRun], reused: int) -> dict[str, int]:
+        """Tokens of the runs loaded within the first `reused` blocks, by where they
+        came from: `dram`/`ssd` on this host, `remote_dram`/`remote_ssd` beyond it."""
+        out: dict[str, int] = {}
+        for run in runs:
+            loaded = max(0, min(run.first + run.count, reused) - run.first)
+            if loaded:
+                tier = "ssd" if run.tiers == ("ssd",) else run.tiers[0]
+                name = tier if self._is_local(run.source) else f"remote_{tier}"
+                out[name] = out.get(name, 0) + loaded * self.kv.block_size
+        return out
+
+    def _is_local(self, source: str) -> bool:
+        up = self.peers.get(source)
+        me = self.peers.get(self.instance_id)
+        return up is not None and me is not None and up.host == me.host
+
+    async def _fetch(
+        self,
+        request_id: str,
+        run: FetchRun,
+        keys: Sequence[int],
+        block_table: Sequence[int],
+        deadline_s: float,
+    ) -> None:
+        """Pull one run of blocks from its kvstore straight into their pages."""
+        address = self.peers.address(run.source)
+        if address is None:
+            # The decision may be newer than what this instance has read of the log.
+            await self.peers.wait_for(run.source, min(deadline_s, ANNOUNCE_WAIT_S))
+            address = self.peers.address(run.source)
+        if address is None:
+            raise PeerUnreachable(f"kvstore {run.source} is not up (or has no UCX address)")
+        layers = self.kv.num_layers
+        pages = block_table[run.first : run.first + run.count]
+        buffers = [self.kv.page_view(layer, page) for page in pages for layer in range(layers)]
+        rid = fetch_request_id(f"fetch.{request_id}.{run.first}.{uuid.uuid4().hex[:6]}", layers)
+        reservation = self.receiver.reserve(rid, buffers, deadline_s=deadline_s)
+        try:
+            await self.sender.request_fetch(
+                address,
+                rid,
+                [key_text(k) for k in keys[run.first : run.first + run.count]],
+                reply_to=self.receiver.address,
+                deadline_s=deadline_s,
+                breaks=reservation.breaks(),
+            )
+            await reservation.wait_committed()
+        except BaseException as exc:
+            # Closes the connection if receives are still posted into these pages, so
+            # nothing writes into them once they are computed (or freed) instead.
+            self.receiver.cancel(rid)
+            log.warning(
+                "prefix_fetch_failed",
+                source=run.source,
+                first_block=run.first,
+                blocks=run.count,
+                error=str(exc),
+            )
+            raise
