@@ -16,6 +16,7 @@ from yb_engine import (
     LoadedModel,
     ModelRunner,
     PagedKVCache,
+    PrefillSeq,
     tiny_random_model,
 )
 from yb_engine.architecture import arch_from_hf_config
@@ -203,6 +204,56 @@ def test_batched_decode_equals_single_sequence_decode() -> None:
         assert rel_err(batched[i], solo[0]) < 1e-5
         ids = prompt(model, lengths[i] + 1, seed=10 + i)
         assert rel_err(solo[0], reference_logits(model, ids)[-1]) < TOL
+
+
+def test_batched_prefill_equals_one_prompt_at_a_time() -> None:
+    """Prompts of different lengths, some with a cached prefix, in one forward pass:
+    each gets its solo logits (and greedy token) and the same KV in its pages, and
+    its layer hook runs after each layer with its own range."""
+    model = tiny_random_model(6)
+    lengths = [5, 40, 1, 33, 17]
+    cached = [0, 16, 0, 32, 0]
+    batched_cache = PagedKVCache(model.config, 64, BLOCK)
+    solo_cache = PagedKVCache(model.config, 64, BLOCK)
+    batched_runner = ModelRunner(model, batched_cache)
+    solo_runner = ModelRunner(model, solo_cache)
+    calls: list[tuple[int, int, int, int]] = []
+    seqs: list[PrefillSeq] = []
+    tables: list[list[int]] = []
+    solo: list[torch.Tensor] = []
+    next_page = 0
+    for i, (n, c) in enumerate(zip(lengths, cached, strict=True)):
+        ids = prompt(model, n, seed=20 + i)
+        table = list(range(next_page, next_page + batched_cache.pages_for(n)))
+        next_page += len(table)
+        tables.append(table)
+        if c:  # the prefix's KV in both caches already
+            batched_runner.prefill(ids[:c], table)
+            solo_runner.prefill(ids[:c], table)
+        solo.append(solo_runner.prefill(ids, table, num_cached_tokens=c))
+
+        def hook(layer: int, start: int, end: int, i: int = i) -> None:
+            calls.append((i, layer, start, end))
+
+        seqs.append(PrefillSeq(ids, table, c, hook))
+    logits = batched_runner.prefill_batch(seqs)
+    assert logits.shape == (len(seqs), model.config.vocab) and logits.dtype == torch.float32
+    for i, seq in enumerate(seqs):
+        assert rel_err(logits[i], solo[i]) < 1e-5
+        assert int(logits[i].argmax()) == int(solo[i].argmax())
+        assert rel_err(logits[i], reference_logits(model, list(seq.token_ids))[-1]) < TOL
+        for layer in range(model.config.num_layers):
+            for page in tables[i]:
+                solo_kv = solo_cache.page_view(layer, page)
+                assert rel_err(batched_cache.page_view(layer, page), solo_kv) < 1e-5
+    assert calls == [
+        (i, layer, c, n)
+        for layer in range(model.config.num_layers)
+        for i, (n, c) in enumerate(zip(lengths, cached, strict=True))
+    ]
+    assert batched_runner.prefill_batch([]).shape == (0, model.config.vocab)
+    with pytest.raises(ValueError, match="last prompt token"):
+        batched_runner.prefill_batch([PrefillSeq(prompt(model, 4), [0], 4)])
 
 
 def test_prefill_rejects_what_it_cannot_compute() -> None:

@@ -26,7 +26,14 @@ from nats.aio.msg import Msg
 from yb_core import events as ev
 from yb_core import protocol as pr
 from yb_core.bus import Bus
-from yb_core.config import EngineConfig, ModelConfig, NatsConfig, TelemetryConfig, YbConfig
+from yb_core.config import (
+    EngineConfig,
+    ModelConfig,
+    NatsConfig,
+    PrefillEngineConfig,
+    TelemetryConfig,
+    YbConfig,
+)
 from yb_core.hashing import block_hashes, model_identity
 from yb_core.service import Service
 from yb_decode.service import DecodeService
@@ -56,10 +63,10 @@ def cfg(nats: NatsConfig, instance: str) -> YbConfig:
         host="h0",
         nats=nats,
         model=MODEL,
-        prefill=EngineConfig(
+        prefill=PrefillEngineConfig(
             num_kv_pages=64, threads=1, chunk_size=CHUNK, load_report_interval_s=0.5
         ),
-        decode=EngineConfig(num_kv_pages=128, threads=1, load_report_interval_s=0.5),
+        decode=DecodeEngineConfig(num_kv_pages=128, threads=1, load_report_interval_s=0.5),
         telemetry=TelemetryConfig(log_json=False),
     )
 

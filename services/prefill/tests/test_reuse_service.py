@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +30,7 @@ from yb_core.config import (
     KVStoreConfig,
     ModelConfig,
     NatsConfig,
+    PrefillEngineConfig,
     TelemetryConfig,
     YbConfig,
 )
@@ -46,7 +48,7 @@ MODEL = ModelConfig(source="tiny-random", name="tiny", block_size=BLOCK, max_mod
 
 
 def cfg(nats: NatsConfig, instance: str, host: str, tmp: Path, **engine: object) -> YbConfig:
-    prefill = EngineConfig(
+    prefill = PrefillEngineConfig(
         num_kv_pages=64, threads=1, chunk_size=32, load_report_interval_s=0.5, **engine
     )  # type: ignore[arg-type]
     return YbConfig(
@@ -255,6 +257,43 @@ async def test_reuse_from_every_tier_gives_the_same_tokens(cluster: Cluster) -> 
     assert isinstance(failed, ev.TransferFailed)
     assert (failed.source_instance, failed.target_instance) == ("kvstore-1", "prefill-1")
     assert "not held" in failed.reason
+
+
+async def test_short_prompts_queued_together_compute_together(cluster: Cluster) -> None:
+    """Jobs that queued while the engine was busy start as one group and compute in one
+    forward pass, each giving the tokens it gives alone."""
+    worker = cluster.prefill("prefill-0").worker
+    prompts = [prompt(30 + i, 2 + 2 * i) for i in range(5)]  # the last four: 30 tokens
+    alone = [(await cluster.run("prefill-0", p))[0] for p in prompts]
+
+    def batches_of(most: int) -> float:
+        value = worker.metrics.batch_jobs.collect()[0].samples
+        return next(s.value for s in value if s.labels.get("le") == f"{float(most)}")
+
+    solo, up_to_four = batches_of(1), batches_of(4)
+    release = threading.Event()
+    held = worker.engine.submit(release.wait, DEADLINE_S)
+    try:
+        # The first job starts alone (its compute waits behind the held engine); the
+        # others arrive meanwhile and wait in the queue.
+        runs = [asyncio.ensure_future(cluster.run("prefill-0", prompts[0]))]
+        await wait_until(lambda: len(worker._jobs) == 1 and worker._queue.empty())
+        runs += [asyncio.ensure_future(cluster.run("prefill-0", p)) for p in prompts[1:]]
+        await wait_until(lambda: worker._queue.qsize() == len(prompts) - 1)
+    finally:
+        release.set()
+    await held
+    together = [out for out, _ in await asyncio.gather(*runs)]
+    assert together == alone
+    # One group of one, then one of four.
+    assert batches_of(1) == solo + 1
+    assert batches_of(4) == up_to_four + 2
+
+
+async def wait_until(condition: Callable[[], bool]) -> None:
+    async with asyncio.timeout(DEADLINE_S):
+        while not condition():
+            await asyncio.sleep(0.01)
 
 
 async def test_reuse_switch_off_ignores_plans(

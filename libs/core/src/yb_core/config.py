@@ -447,11 +447,17 @@ class EngineConfig(_Section):
 
 
 class PrefillEngineConfig(EngineConfig):
-    """A prefill engine (`EngineConfig`). It runs one job at a time, so it holds at
-    most one request's pages beside its prefix cache: `max_batch_size` 1 keeps its
-    auto-sized KV to that (one longest request plus `prefix_cache_pages`)."""
+    """A prefill engine (`EngineConfig`). It computes one long prompt at a time, so it
+    holds at most one such request's pages beside its prefix cache: `max_batch_size`
+    1 keeps its auto-sized KV to that (one longest request plus `prefix_cache_pages`).
+
+    Short prompts queued together compute together: up to `batch_jobs` jobs from the
+    head of the queue whose prompts add up to at most `chunk_size` tokens, and whose
+    pages are free, run in one forward pass (1: every job alone).
+    """
 
     max_batch_size: int = 1
+    batch_jobs: Annotated[int, msgspec.Meta(ge=1)] = 16
 
 
 class DecodeEngineConfig(EngineConfig):

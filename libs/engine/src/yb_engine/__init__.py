@@ -32,7 +32,7 @@ from yb_engine.loader import (
     load_model,
     tiny_random_model,
 )
-from yb_engine.runner import DecodeSeq, ModelRunner
+from yb_engine.runner import DecodeSeq, ModelRunner, PrefillSeq
 from yb_engine.sampling import (
     Sampler,
     choice_generator,
@@ -58,6 +58,7 @@ __all__ = [
     "OutOfPages",
     "PageAllocator",
     "PagedKVCache",
+    "PrefillSeq",
     "RopeParams",
     "Sampled",
     "Sampler",

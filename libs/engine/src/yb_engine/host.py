@@ -125,8 +125,12 @@ class EngineHost:
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the engine thread and await its result."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, fn, *args)
+        return await self.submit(fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Queue `fn(*args)` on the engine thread; the future of its result (no task
+        of its own: cancelling the future does not stop a call already running)."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def close(self) -> None:
         """Stop the engine thread after the work already submitted."""

@@ -17,6 +17,7 @@ chunk shares the weight reads of the decode batch. Only attention cares which is
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -47,6 +48,23 @@ class DecodeSeq(msgspec.Struct, frozen=True):
     block_table: list[int]
     position: int
     token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSeq:
+    """One prompt of a batched prefill (`ModelRunner.prefill_batch`): its tokens, the
+    pages that hold them, how many of them already have their KV there, and the hook
+    run after each layer wrote its KV (as `prefill`'s `layer_hook`)."""
+
+    token_ids: Sequence[int]
+    block_table: Sequence[int]
+    num_cached_tokens: int = 0
+    layer_hook: LayerHook | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        """The tokens the prefill computes."""
+        return len(self.token_ids) - self.num_cached_tokens
 
 
 class PrefillChunk(msgspec.Struct, frozen=True):
@@ -147,19 +165,11 @@ class ModelRunner:
         Returns float32 logits `[vocab]` for the token after the prompt. At least the
         last prompt token must be computed (its logits are not cached anywhere).
         """
-        n = len(token_ids)
-        if not 0 <= num_cached_tokens < n:
-            raise ValueError(
-                f"num_cached_tokens={num_cached_tokens} must be in [0, {n}): "
-                "the last prompt token must be computed to get its logits"
-            )
-        if n > self.arch.max_position:
-            raise ValueError(f"prompt of {n} tokens exceeds max_position {self.arch.max_position}")
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
+        self.check_prefill(token_ids, block_table, num_cached_tokens)
+        n = len(token_ids)
         block_size = self.cache.block_size
-        if len(block_table) * block_size < n:
-            raise ValueError(f"{len(block_table)} pages of {block_size} cannot hold {n} tokens")
         with torch.inference_mode():
             ids = host_ints(list(token_ids), torch.int64, self.device)
             for start in range(num_cached_tokens, n, chunk_size):
@@ -170,6 +180,54 @@ class ModelRunner:
                     ids[start:end], positions, None, plan, end == n, layer_hook
                 )
             return self._logits(hidden[-1:])[0]
+
+    def check_prefill(
+        self, token_ids: Sequence[int], block_table: Sequence[int], num_cached_tokens: int
+    ) -> None:
+        """Raise ValueError unless `prefill` can compute this prompt (checked before
+        anything is computed or written)."""
+        n = len(token_ids)
+        if not 0 <= num_cached_tokens < n:
+            raise ValueError(
+                f"num_cached_tokens={num_cached_tokens} must be in [0, {n}): "
+                "the last prompt token must be computed to get its logits"
+            )
+        if n > self.arch.max_position:
+            raise ValueError(f"prompt of {n} tokens exceeds max_position {self.arch.max_position}")
+        block_size = self.cache.block_size
+        if len(block_table) * block_size < n:
+            raise ValueError(f"{len(block_table)} pages of {block_size} cannot hold {n} tokens")
+
+    def prefill_batch(self, seqs: Sequence[PrefillSeq]) -> torch.Tensor:
+        """`prefill` of several prompts in one forward pass; float32 logits `[N, vocab]`,
+        row i after the last token of `seqs[i]`.
+
+        Each prompt's uncached tokens are computed as one chunk: every linear layer
+        runs once over all the prompts' tokens, attention per prompt (each sees only its
+        own pages). So N short prompts cost about what one does, where one at a time
+        each pays the whole per-layer overhead. Each prompt gets what `prefill` computes
+        for it alone (the same function; float sums may round differently with the
+        batch's shape). Each one's `layer_hook` runs after each layer.
+        """
+        if not seqs:
+            return torch.empty(0, self.arch.vocab, dtype=torch.float32, device=self.device)
+        block_size = self.cache.block_size
+        for seq in seqs:
+            self.check_prefill(seq.token_ids, seq.block_table, seq.num_cached_tokens)
+        with torch.inference_mode():
+            plans = [
+                self.backend.plan_prefill(
+                    seq.block_table, seq.num_cached_tokens, len(seq.token_ids), block_size
+                )
+                for seq in seqs
+            ]
+            ids = host_ints(
+                [t for seq in seqs for t in seq.token_ids[seq.num_cached_tokens :]],
+                torch.int64,
+                self.device,
+            )
+            positions = torch.cat([torch.arange(p.start, p.end, device=self.device) for p in plans])
+            return self._logits(self._forward_prefills(ids, positions, plans, seqs))
 
     def decode(self, batch: Sequence[DecodeSeq]) -> torch.Tensor:
         """One decode step for every sequence of `batch`; float32 logits `[B, vocab]`.
@@ -280,6 +338,40 @@ class ModelRunner:
                 x = finish_layer(self.arch, lw, x, torch.cat(parts) if len(parts) > 1 else parts[0])
             if layer_hook is not None:
                 layer_hook(i, prefill_plan.start, prefill_plan.end)
+        return x
+
+    def _forward_prefills(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        plans: Sequence[PrefillPlan],
+        seqs: Sequence[PrefillSeq],
+    ) -> torch.Tensor:
+        """Several prompts' chunks, one after the other in `ids`; the hidden states of
+        each chunk's last token, `[N, hidden]`."""
+        x = F.embedding(ids, self.weights.embed)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        bounds = [0]
+        for plan in plans:
+            bounds.append(bounds[-1] + plan.end - plan.start)
+        lasts = torch.tensor([b - 1 for b in bounds[1:]], device=self.device)
+        last_layer = self.arch.num_layers - 1
+        for i, lw in enumerate(self.weights.layers):
+            q, k, v = attention_inputs(self.arch, lw, x, cos, sin)
+            kv_layer = self.cache.kv[i]
+            parts = []
+            for plan, lo, hi in zip(plans, bounds, bounds[1:], strict=False):
+                # The last layer's output matters only at each chunk's last token.
+                chunk_q = q[lo:hi] if i < last_layer else q[hi - 1 : hi]
+                attn = self.backend.prefill(kv_layer, chunk_q, k[lo:hi], v[lo:hi], plan)
+                assert attn is not None
+                parts.append(attn)
+            if i == last_layer:
+                x = x.index_select(0, lasts)
+            x = finish_layer(self.arch, lw, x, torch.cat(parts) if len(parts) > 1 else parts[0])
+            for plan, seq in zip(plans, seqs, strict=True):
+                if seq.layer_hook is not None:
+                    seq.layer_hook(i, plan.start, plan.end)
         return x
 
     def _forward_decode(self, ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:

@@ -70,6 +70,11 @@ class JobQueue:
             self._nonempty.clear()
         return queued
 
+    def head(self, n: int) -> list[QueuedJob]:
+        """The next `n` jobs (fewer when fewer wait), in the order `get` gives them,
+        left in the queue."""
+        return [entry[2] for entry in heapq.nsmallest(n, self._heap)]
+
     async def get(self) -> QueuedJob:
         """The next job, waiting for one."""
         await self.peek()

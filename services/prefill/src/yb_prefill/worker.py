@@ -10,11 +10,13 @@ has answered. Compute is wasted only when decode refuses, which the conductor's
 plan makes rare; waiting for the answer before computing would add its round trip
 to every request.
 
-The engine runs one job at a time, but a job needs it only to compute: once its
-compute has ended, the next job in the queue starts while the KV still on its way to
-decode is committed and the request handed over (at most `MAX_FINISHING` jobs at once
-past their compute). Those ends are round trips to the decode instance; waiting for
-them before the next compute made the engine idle for most of each job under load.
+The engine runs one group of jobs at a time (one job, or several short prompts
+computed in one forward pass: `batching.py`), but a job needs it only to compute:
+once its group's compute has ended, the next group in the queue starts while the KV
+still on its way to decode is committed and the request handed over (at most
+`MAX_FINISHING` groups' worth of jobs at once). Those ends are round trips to the
+decode instance; waiting for them before the next compute made the engine idle for
+most of each job under load.
 A job's KV goes out once the stream before it to the same decode instance carries
 data (see `_compute_and_stream`): meanwhile it computes, and what it computes waits.
 
@@ -29,6 +31,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 from nats.aio.msg import Msg
@@ -57,6 +60,8 @@ from yb_dataplane.worker import Capacity, Worker, WorkerContext
 from yb_engine.choice_sampling import Sampled, sample_first_tokens
 from yb_engine.host import EngineGauges, EngineHost
 from yb_engine.kv_cache import OutOfPages
+from yb_engine.runner import PrefillSeq
+from yb_prefill.batching import ComputeBatch, Outcome, take_group
 from yb_prefill.decode_link import DecodeLink, JobFailed
 from yb_prefill.job_queue import JobQueue, QueuedJob
 from yb_prefill.prefix_cache import PrefixCache
@@ -64,13 +69,20 @@ from yb_prefill.reuse import Prefix, PrefixLoader
 from yb_prefill.streaming import LayerStreamer
 from yb_prefill.uploads import BlockUploader
 
+if TYPE_CHECKING:
+    import torch
+
 log = get_logger(__name__)
 _tracer = tracer(__name__)
 
 MAX_QUEUE = 256
-#: Jobs past their compute whose commit and hand-over may still be under way while
-#: the next job computes; the queue waits for one of them to end beyond this.
+#: Groups past their compute whose commits and hand-overs may still be under way
+#: while the next group computes: the queue starts no job while `MAX_FINISHING` times
+#: `batch_jobs` jobs are started and not ended.
 MAX_FINISHING = 4
+
+#: A job's compute on the engine thread: (job, its pages, tokens cached, its stream).
+_Part = tuple[pr.PrefillJob, list[int], int, LayerStreamer]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +131,12 @@ class PrefillMetrics:
             "Blocks put into the host's kvstore, by outcome",
             ["outcome"],
             registry=registry,
+        )
+        self.batch_jobs = Histogram(
+            "yb_prefill_batch_jobs",
+            "Jobs started together, whose prompts compute in one forward pass",
+            registry=registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64),
         )
         self.cached = Gauge(
             "yb_prefill_engine_cache_blocks",
@@ -181,7 +199,8 @@ class PrefillWorker(Worker):
         self._uploads: set[asyncio.Task[None]] = set()
         # The stream that started last to each decode instance (`_compute_and_stream`).
         self._streams: dict[str, LayerStreamer] = {}
-        self._running: str | None = None
+        # The batch each job of a group of several computes in (by id of the job).
+        self._batch_of: dict[int, ComputeBatch[_Part, list[Sampled]]] = {}
         self._cancelled: dict[str, str] = {}
         self._draining = False
         # Test-only fault injection: inert unless YB_FAILPOINTS arms it.
@@ -305,16 +324,20 @@ class PrefillWorker(Worker):
     # --- the engine loop ------------------------------------------------------------
 
     async def _run_queue(self) -> None:
-        """Start the queue's jobs in its order, each once the engine is free of the one
-        before (its compute ended), fewer than `MAX_FINISHING` others are still
-        finishing, and the engine has the pages for its whole prompt or nothing else
-        to wait for (the pages of jobs still finishing, and of uploads in flight, come
-        back when they end: a job that could have them must not fail for want of
-        them; `_must_wait_for_pages`). Cancelled (shutdown), it cancels every job
-        started, which fails it."""
+        """Start the queue's jobs in its order, a group at a time (`_take_group`: the
+        head, and the short prompts behind it that compute with it), each group once
+        the engine is free of the one before (its compute ended), fewer than
+        `MAX_FINISHING` groups' worth of jobs are still finishing, and the engine has
+        the pages for the head's whole prompt or nothing else to wait for (the pages
+        of jobs still finishing, and of uploads in flight, come back when they end: a
+        job that could have them must not fail for want of them;
+        `_must_wait_for_pages`). Cancelled (shutdown), it cancels every job started,
+        which fails it."""
+        limit = MAX_FINISHING * self.pcfg.batch_jobs
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                if len(self._jobs) >= MAX_FINISHING:
+                if len(self._jobs) >= limit:
                     await asyncio.wait(self._jobs, return_when=asyncio.FIRST_COMPLETED)
                     continue
                 queued = await self._queue.peek()
@@ -322,24 +345,47 @@ class PrefillWorker(Worker):
                     await self._wait_for_pages(self._remaining(queued.job))
                     continue
                 self.uploader.pages_wanted = False
-                queued = self._queue.get_nowait()
+                size = self._take_group(limit - len(self._jobs))
+                group = [self._queue.get_nowait() for _ in range(size)]
                 self.gauges.queue.set(self._queue.qsize())
-                left_engine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                self._running = queued.job.request_id
-                self.gauges.batch.set(1)
-                task = asyncio.create_task(self._run_job(queued, left_engine))
-                self._jobs.add(task)
-                task.add_done_callback(self._jobs.discard)
+                batch = None
+                if size > 1:
+                    batch = ComputeBatch([q.job for q in group], self._run_batch)
+                computing: list[asyncio.Future[None]] = []
+                for queued in group:
+                    left_engine: asyncio.Future[None] = loop.create_future()
+                    computing.append(left_engine)
+                    if batch is not None:
+                        self._batch_of[id(queued.job)] = batch
+                    task = asyncio.create_task(self._run_job(queued, left_engine))
+                    self._jobs.add(task)
+                    task.add_done_callback(self._jobs.discard)
+                self.gauges.batch.set(size)
+                self.metrics.batch_jobs.observe(size)
                 try:
-                    await left_engine
+                    await asyncio.wait(computing)
                 finally:
-                    self._running = None
                     self.gauges.batch.set(0)
         finally:
             jobs = list(self._jobs)
             for task in jobs:
                 task.cancel()
             await asyncio.gather(*jobs, return_exceptions=True)
+
+    def _take_group(self, max_jobs: int) -> int:
+        """How many jobs from the queue's head start together (`take_group`): alone
+        while the test failpoint `prefill.chunk` is armed (it holds one compute
+        between chunks)."""
+        if self.failpoints.count("prefill.chunk") is not None:
+            max_jobs = 1
+        max_jobs = min(max_jobs, self.pcfg.batch_jobs)
+        return take_group(
+            [q.job for q in self._queue.head(max_jobs)],
+            max_jobs=max_jobs,
+            max_tokens=self.pcfg.chunk_size,
+            room_pages=self.cache.room,
+            pages_for=self.engine.cache.pages_for,
+        )
 
     def _must_wait_for_pages(self, job: pr.PrefillJob) -> bool:
         """Whether `job` waits in the queue for pages that jobs finishing or uploads
@@ -379,6 +425,8 @@ class PrefillWorker(Worker):
             await self._fail(job, JobFailed("prefill instance shutting down"))
             raise
         finally:
+            if (batch := self._batch_of.pop(id(job), None)) is not None:
+                batch.leave(job)
             _resolve(left_engine)
 
     async def _run(self, queued: QueuedJob, left_engine: asyncio.Future[None]) -> None:
@@ -758,6 +806,9 @@ class PrefillWorker(Worker):
         """`_compute` on the engine thread; with failpoint `prefill.chunk` armed at k,
         in two calls (chunks before k, then the rest: the same chunk boundaries) with
         the hold between them, so the engine thread is never the one that waits."""
+        batch = self._batch_of.get(id(job))
+        if batch is not None:
+            return await batch.compute(job, (job, pages, cached, streamer))
         k = self.failpoints.count("prefill.chunk")
         split = cached + k * self.pcfg.chunk_size if k is not None else len(job.token_ids)
         if split < len(job.token_ids):
@@ -801,6 +852,11 @@ class PrefillWorker(Worker):
             chunk_size=self.pcfg.chunk_size,
             layer_hook=streamer.on_layer,
         )
+        return self._sample_first(job, logits)
+
+    def _sample_first(self, job: pr.PrefillJob, logits: torch.Tensor) -> list[Sampled]:
+        """Engine thread: each choice's first token from the logits after the prompt
+        (with the code the decode batcher samples with)."""
         k = job.generated_tokens
         return sample_first_tokens(
             logits,
@@ -809,6 +865,40 @@ class PrefillWorker(Worker):
             tokenizer=self.engine.model.tokenizer,
             eos_token_ids=self.engine.runner.arch.eos_token_ids,
         )
+
+    def _run_batch(self, parts: list[_Part]) -> asyncio.Future[list[Outcome[list[Sampled]]]]:
+        """A group's computes, queued on the engine thread as one call."""
+        return self.engine.submit(self._compute_batch, parts)
+
+    def _compute_batch(self, parts: list[_Part]) -> list[Outcome[list[Sampled]]]:
+        """Engine thread: the prompts of `parts` in one forward pass, then each one's
+        first tokens; one outcome per part, in order. A prompt the engine cannot
+        compute fails alone (checked before anything is computed); the pass failing
+        fails them all."""
+        runner = self.engine.runner
+        outcomes: list[Outcome[list[Sampled]] | None] = [None] * len(parts)
+        seqs: list[PrefillSeq] = []
+        computed: list[int] = []
+        for i, (job, pages, cached, streamer) in enumerate(parts):
+            try:
+                runner.check_prefill(job.token_ids, pages, cached)
+            except ValueError as exc:
+                outcomes[i] = exc
+                continue
+            seqs.append(PrefillSeq(job.token_ids, pages, cached, streamer.on_layer))
+            computed.append(i)
+        try:
+            logits = runner.prefill_batch(seqs)
+        except Exception as exc:
+            for i in computed:
+                outcomes[i] = exc
+        else:
+            for row, i in enumerate(computed):
+                try:
+                    outcomes[i] = self._sample_first(parts[i][0], logits[row])
+                except Exception as exc:
+                    outcomes[i] = exc
+        return [o for o in outcomes if o is not None]  # every part has its outcome
 
     # --- liveness, failure, events --------------------------------------------------
 
