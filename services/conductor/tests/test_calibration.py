@@ -74,7 +74,7 @@ def test_a_tbt_the_outcomes_show_overstated_is_not_refused(crafted: Any) -> None
 
 
 def test_decode_room_follows_what_the_instance_reports_using(crafted: Any) -> None:
-    c = crafted(admission="none", admit_unqueued_kv_short=False)
+    c = crafted(admission="none")
     c.kvstore("kv-0", "h0")
     c.prefill("p-0", "h0")
     c.decode("d-0", kv_blocks=40)
@@ -100,7 +100,7 @@ def test_a_log_recorded_without_the_setting_replays_uncalibrated() -> None:
 
 
 def test_requests_whose_prefill_ends_later_take_their_pages_later(crafted: Any) -> None:
-    c = crafted(admission="none", admit_unqueued_kv_short=False)
+    c = crafted(admission="none")
     c.kvstore("kv-0", "h0")
     c.prefill("p-0", "h0")
     c.decode("d-0", kv_blocks=340)

@@ -216,34 +216,12 @@ def test_decode_without_kv_room_is_not_a_candidate(crafted: Any) -> None:
     c.decode("d-large", kv_blocks=100)
     d = _scheduled(c.admit("r", keys(10)))
     assert d.decode_instance == "d-large"
-    c2 = crafted(admit_unqueued_kv_short=False)
+    c2 = crafted()
     c2.hosts(1, decodes=0)
     c2.decode("d-small", kv_blocks=4)
     rejected = c2.admit("r", keys(10))
     assert isinstance(rejected, ev.RequestRejected)
     assert rejected.reason.startswith("decode_kv_full")
-
-
-def test_no_predicted_kv_room_with_nothing_queued_leaves_it_to_the_decode(
-    crafted: Any,
-) -> None:
-    c = crafted()  # admit_unqueued_kv_short on by default
-    c.hosts(2, decodes=0)
-    c.decode("d-small", kv_blocks=4)
-    c.decode("d-smaller", kv_blocks=2)
-    # 11 blocks fit neither, but the prefill instance is idle: refusing sheds no
-    # load, so the decode instance decides when the KV arrives (the lowest TBT).
-    d = _scheduled(c.admit("r", keys(10)))
-    assert d.decode_instance == "d-small" and d.prefill_instance == "p-0"
-    assert "admit_unqueued_kv_short" in d.explain.reason
-    assert "no decode instance is predicted to have KV room" in d.explain.reason
-    # Behind a queued prefill it is refused: that prefill would delay another.
-    c.admit("r2", keys(10, base=5000))  # on p-1, now queued too
-    refused = c.admit("r3", keys(10, base=9000))
-    assert isinstance(refused, ev.RequestRejected)
-    assert refused.reason.startswith("decode_kv_full")
-    assert replay(c.records).divergences == []
-    assert recorded_settings("{}").admit_unqueued_kv_short is False
 
 
 def test_rejects_when_ttft_estimate_exceeds_the_slo(crafted: Any) -> None:

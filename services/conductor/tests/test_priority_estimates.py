@@ -125,7 +125,7 @@ def test_the_estimates_of_one_priority_are_those_of_arrival_order(crafted: Any) 
 
 
 def test_decode_room_leaves_out_lower_priorities_before_their_prefill(crafted: Any) -> None:
-    c = _aware(crafted, admit_unqueued_kv_short=False)
+    c = _aware(crafted)
     c.hosts(1, decodes=0)
     c.decode("d-0", kv_blocks=20)
     # 161 prompt + 10 output tokens: 11 blocks of the 20, not yet prefilled.

@@ -340,12 +340,6 @@ class ConductorConfig(_Section):
     no wait caused the miss, so the refusal would shed no load, and the prefill puts
     the prompt's prefix in the pool for the requests that share it; off, it is
     refused (how logs recorded before the setting replay).
-    `admit_unqueued_kv_short`: likewise, a request for which no decode instance is
-    predicted to have KV room at its prefill's end is admitted when nothing is
-    queued ahead of it on its prefill instance, to the decode instance with the
-    lowest predicted TBT, which decides with the room it really has when the KV
-    arrives; off, it is refused at once (how logs recorded before the setting
-    replay).
     `explain_decode_top_k`: how many decode instances a decision's explanation
     lists (the chosen one, then the lowest predicted TBT; 0: every instance, as
     logs recorded before the setting do).
@@ -388,7 +382,6 @@ class ConductorConfig(_Section):
     eviction_regret: bool = True
     explain_decode_top_k: Annotated[int, msgspec.Meta(ge=0)] = 8
     admit_unqueued_overrun: bool = True
-    admit_unqueued_kv_short: bool = True
 
 
 class EngineConfig(_Section):

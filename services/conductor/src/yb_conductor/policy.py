@@ -121,16 +121,6 @@ class MooncakePolicy:
             at_time=state.now + chosen.ttft_s,
             priority=request.priority,
         )
-        # Anything queued ahead on the instance that would prefill it (by the log,
-        # not only by the estimate): a refusal would then shed load.
-        queued = bool(chosen.instance.prefill_queue) or chosen.queue_s > 0.0
-        kv_short = dchoice.chosen_index < 0
-        if kv_short and self.cfg.admit_unqueued_kv_short and not queued:
-            # No decode instance is predicted to have room at the prefill's end, but
-            # refusing sheds no load: the decode instance decides with the room it
-            # has when the KV arrives. The lowest predicted TBT (ties: the first).
-            tbts = dchoice.predicted_tbts
-            dchoice.chosen_index = min(range(len(tbts)), key=tbts.__getitem__)
         ttft_limit, tbt_limit = self.admission.limits(request)
         explain = ev.Explanation(
             admission=self.admission.name,
@@ -170,6 +160,9 @@ class MooncakePolicy:
             tbt_s=decode.predicted_tbt_s,
             decode_batch=decode.predicted_batch,
         )
+        # Anything queued ahead on the instance that would prefill it (by the log,
+        # not only by the estimate): a refusal would then shed load.
+        queued = bool(chosen.instance.prefill_queue) or chosen.queue_s > 0.0
         piggy = None
         if decode.instance.piggyback:
             piggy = self._piggyback(state, request, view, decode.instance, tbt_limit)
@@ -227,13 +220,6 @@ class MooncakePolicy:
         explain.branch = est.option
         explain.reason = self._why(chosen, decode, view, lag)
         explain.reason += self.admission.overrun_note(request, ttft, queued, calibration)
-        if kv_short:
-            explain.reason += (
-                f"; no decode instance is predicted to have KV room at the prefill's end, "
-                f"but nothing is queued ahead on {chosen.instance.instance_id}: "
-                f"{decode.instance.instance_id} decides with the room it has when the KV "
-                "arrives (admit_unqueued_kv_short)"
-            )
         if self.prefill.stickiness > 0.0:
             # Only with stickiness, so that older logs explain as they always did.
             explain.reason = explain.reason.replace("lowest TTFT", "TTFT", 1) + (

@@ -29,7 +29,6 @@ _ABSENT_MEANS: dict[str, Any] = {
     "eviction_regret": False,
     "explain_decode_top_k": 0,
     "admit_unqueued_overrun": False,
-    "admit_unqueued_kv_short": False,
 }
 
 
