@@ -19,7 +19,7 @@ import pytest
 
 from yb_core import events as ev
 from yb_core.bus import Bus
-from yb_core.config import EngineConfig, NatsConfig, TelemetryConfig, YbConfig
+from yb_core.config import DecodeEngineConfig, NatsConfig, TelemetryConfig, YbConfig
 from yb_dataplane.transport import KVSender, PeerAddress, TransferCancelled
 from yb_dataplane.worker import Capacity, Worker, WorkerContext, WorkerShell
 
@@ -148,7 +148,7 @@ def config(nats: NatsConfig) -> YbConfig:
     return YbConfig(
         instance_id=INSTANCE,
         nats=nats,
-        decode=EngineConfig(load_report_interval_s=0.2),
+        decode=DecodeEngineConfig(load_report_interval_s=0.2),
         telemetry=TelemetryConfig(log_json=False),
     )
 

@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 from yb_core import events as ev
 from yb_core import protocol as pr
 from yb_core.bus import Bus, EventReader
-from yb_core.config import EngineConfig, ModelConfig, NatsConfig, TelemetryConfig, YbConfig
+from yb_core.config import DecodeEngineConfig, ModelConfig, NatsConfig, TelemetryConfig, YbConfig
 from yb_core.failpoints import safe_name
 from yb_dataplane.transport import KVSender, PeerAddress
 from yb_decode.service import DecodeService
@@ -51,7 +51,7 @@ async def decode(nats_config: NatsConfig, gate: Path) -> AsyncIterator[DecodeSer
             instance_id="decode-0",
             nats=nats_config,
             model=MODEL,
-            decode=EngineConfig(num_kv_pages=256, threads=1, load_report_interval_s=0.5),
+            decode=DecodeEngineConfig(num_kv_pages=256, threads=1, load_report_interval_s=0.5),
             telemetry=TelemetryConfig(log_json=False),
             # A request parks after its HOLD_AT-th token only when the test armed the
             # gate for it (`arm`): it is then in flight, by construction, until the

@@ -27,7 +27,7 @@ from yb_core import events as ev
 from yb_core import protocol as pr
 from yb_core.bus import Bus
 from yb_core.config import (
-    EngineConfig,
+    DecodeEngineConfig,
     ModelConfig,
     NatsConfig,
     PrefillEngineConfig,

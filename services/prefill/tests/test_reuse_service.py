@@ -26,6 +26,7 @@ from yb_core import events as ev
 from yb_core import protocol as pr
 from yb_core.bus import Bus
 from yb_core.config import (
+    DecodeEngineConfig,
     EngineConfig,
     KVStoreConfig,
     ModelConfig,
@@ -57,7 +58,7 @@ def cfg(nats: NatsConfig, instance: str, host: str, tmp: Path, **engine: object)
         nats=nats,
         model=MODEL,
         prefill=prefill,
-        decode=EngineConfig(num_kv_pages=128, threads=1, load_report_interval_s=0.5),
+        decode=DecodeEngineConfig(num_kv_pages=128, threads=1, load_report_interval_s=0.5),
         kvstore=KVStoreConfig(
             dram_blocks=32, ssd_blocks=64, ssd_dir=str(tmp / instance), load_report_interval_s=0.5
         ),

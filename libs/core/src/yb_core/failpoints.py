@@ -33,6 +33,9 @@ The points (`POINTS`), with what `N` counts:
 - `decode.token` (N >= 1): decode, right after it published a request's Nth
   generated token (the first token, sampled by prefill, counts). The request keeps
   its KV pages and its place in the batch; only it stops stepping.
+- `decode.prompt` (no N): decode with `piggyback`, once a piggybacked prompt's prefix
+  is loaded and the prompt is in the batch, before any chunk of it is computed. It
+  keeps its pages; the rest of the batch goes on stepping.
 - `prefill.load` (no N): prefill, once decode has reserved the request's pages and
   before it loads the prefix the decision planned to reuse (the plan is fixed:
   break a kvstore it names, then release).
@@ -71,6 +74,7 @@ log = get_logger(__name__)
 #: Every failpoint: its name -> (whether `hold` takes a count, the least count).
 POINTS: dict[str, tuple[bool, int]] = {
     "decode.token": (True, 1),
+    "decode.prompt": (False, 0),
     "prefill.load": (False, 0),
     "prefill.chunk": (True, 0),
     "prefill.commit": (False, 0),

@@ -17,7 +17,8 @@ snapshot buckets), so that a role cannot speak for another:
   (`yb.tok.<its id>.*`) and nothing else;
 - prefill and decode publish progress and completion, stream tokens and answer the
   requests sent to their own job subject (`allow_responses`); prefill alone sends
-  decode control messages; decode also takes resend requests on its own
+  decode control messages; decode also takes the jobs planned inside its batch
+  (piggybacked) on its own `yb.job.prefill.<its id>`, and resend requests on its own
   `yb.resend.<its id>` (the chunks go again to the stream's token subject, so a
   gateway that asks for another gateway's request still cannot read its tokens);
 - prefill and kvstore instances publish block events for their own instance id;
@@ -196,6 +197,8 @@ def role_permissions(
         case "decode":
             publish += [*progress, transfer_failed, "yb.tok.>"]
             subscribe += [f"yb.job.decode.{i}" for i in ids]
+            # Jobs the conductor planned inside its batch (`decode.piggyback`).
+            subscribe += [f"yb.job.prefill.{i}" for i in ids]
             subscribe += [f"yb.resend.{i}" for i in ids]
             responds = True
         case "kvstore":

@@ -19,6 +19,10 @@ passed) is freed and its gateway told at once with an error chunk, and a request
 still decoding at its deadline is ended there (its gateway gave up on it then), so
 even a request whose gateway vanished without a word frees its pages.
 
+With `decode.piggyback` on it also takes short prompts into its batch, as the
+conductor plans them (`yb_decode.piggyback`): the gateway hands such a job to
+`yb.job.prefill.<id>` as to a prefill instance, and its tokens stream as any other.
+
 The bus, presence, cancellations, peers, the UCX transport and the shutdown order are
 the data-plane shell's (`yb_dataplane.worker.WorkerShell`); `DecodeWorker` is what is
 decode's own.
@@ -30,8 +34,9 @@ import asyncio
 import contextlib
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from nats.aio.msg import Msg
@@ -54,10 +59,20 @@ from yb_core.telemetry import (
     trace_id_hex,
     tracer,
 )
+from yb_dataplane.prefix_fetch import BlockFetcher
 from yb_dataplane.transport import Reservation, TransferError
 from yb_dataplane.worker import Capacity, Worker, WorkerContext, WorkerShell
 from yb_decode.history import TokenHistory
+from yb_decode.piggyback import (
+    JobFailed,
+    LoadedPrefix,
+    Piggybacked,
+    PromptLoader,
+    planned_blocks,
+    refusal,
+)
 from yb_engine.host import EngineGauges, EngineHost
+from yb_engine.kv_cache import OutOfPages
 
 if TYPE_CHECKING:
     from yb_engine.batcher import DecodeBatcher, TokenOutput
@@ -87,6 +102,26 @@ class _Abort:
     message: str
     status: int
     finish: str
+
+
+@dataclass
+class Loading:
+    """A piggybacked job whose prefix is being loaded, and why it is being given up
+    (None: it is not; `silent`: replaced by a newer attempt, nobody is told)."""
+
+    job: pr.PrefillJob
+    task: asyncio.Task[None]
+    why: JobFailed | None = None
+    silent: bool = False
+
+
+@dataclass
+class _Held:
+    """What a piggybacked job holds while it loads: its pages, until the batcher owns
+    them with the prompt (`in_batch`). Changed only on the engine thread."""
+
+    pages: list[int] = field(default_factory=list)
+    in_batch: bool = False
 
 
 @dataclass
@@ -165,6 +200,19 @@ class DecodeMetrics:
             "Prompt KV bytes received over UCX into reserved pages (verified commits)",
             registry=registry,
         )
+        self.prompts = Counter(
+            "yb_decode_piggybacked_jobs",
+            "Piggybacked jobs (prompts prefilled inside the batch) by outcome: "
+            "accepted, refused, failed",
+            ["outcome"],
+            registry=registry,
+        )
+        self.reused = Counter(
+            "yb_decode_reused_tokens",
+            "Piggybacked prompt tokens loaded from the pool instead of computed, by tier",
+            ["tier"],
+            registry=registry,
+        )
 
 
 class DecodeWorker(Worker):
@@ -205,6 +253,18 @@ class DecodeWorker(Worker):
         # Progress and outcomes reach the log in order without the engine loop or a
         # first token waiting for them.
         self.outbox = Outbox(context.bus)
+        # Piggybacking: jobs loading their prefix, prompts in the batch until their
+        # first token.
+        self.piggyback = self.cfg.decode.piggyback
+        self.loader = PromptLoader(
+            self.instance_id,
+            BlockFetcher(
+                self.instance_id, engine.cache, context.peers, context.receiver, context.sender
+            ),
+            engine.cache.block_size,
+        )
+        self._loading: dict[str, Loading] = {}
+        self._prompts: dict[str, Piggybacked] = {}
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -213,11 +273,15 @@ class DecodeWorker(Worker):
             kv_capacity_blocks=self.engine.cache.num_pages,
             max_batch_size=self.cfg.decode.max_batch_size,
             attention_backend=self.engine.attention_backend,
+            piggyback=self.piggyback,
         )
 
     async def serve(self) -> None:
-        """Take control messages and resend requests, and step the batch."""
+        """Take control messages, resend requests and (piggybacking) jobs, and step the
+        batch."""
         await self.bus.subscribe(pr.decode_control_subject(self.instance_id), cb=self._on_control)
+        if self.piggyback:
+            await self.bus.subscribe(pr.prefill_job_subject(self.instance_id), cb=self._on_job)
         # Its own subscription, so its callback task never waits behind a control
         # message (a reservation waits for the engine thread).
         await self.bus.subscribe(pr.resend_subject(self.instance_id), cb=self._on_resend)
@@ -303,6 +367,314 @@ class DecodeWorker(Worker):
         with contextlib.suppress(Exception):
             await msg.respond(pr.encode(reply))
 
+    # --- piggybacked jobs (prompts prefilled inside the batch) ------------------------
+
+    async def _on_job(self, msg: Msg) -> None:
+        """Take a job the conductor planned inside this batch, or refuse it (see
+        `yb_decode.piggyback`); once accepted, its prefix loads in a task of its own."""
+        try:
+            job = pr.job_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("malformed_job", error=str(exc))
+            malformed = pr.JobRefused(
+                request_id="",
+                instance_id=self.instance_id,
+                reason=f"malformed job: {exc}",
+                retryable=False,
+            )
+            await self._reply(msg, malformed)
+            return
+        rid = job.request_id
+        refused = refusal(
+            job,
+            self.instance_id,
+            enabled=self.piggyback,
+            draining=self._draining,
+            max_model_len=self.cfg.model.max_model_len,
+            now=time.time(),
+        )
+        if refused is None and (older := await self._replace_older_attempt(rid, job.attempt)):
+            refused = older, False
+        if refused is not None:
+            reason, retryable = refused
+            log.info("job_refused", request_id=rid, reason=reason)
+            self.metrics.prompts.labels("refused").inc()
+            await self._reply(
+                msg,
+                pr.JobRefused(
+                    request_id=rid,
+                    instance_id=self.instance_id,
+                    reason=reason,
+                    retryable=retryable,
+                ),
+            )
+            return
+        headers = trace_carrier(msg.headers) or dict(job.trace_headers)
+        task = self.tasks.spawn(f"prompt:{rid}", self._take_prompt(job, headers))
+        self._loading[rid] = Loading(job, task)
+        self.metrics.prompts.labels("accepted").inc()
+        await self._reply(msg, pr.JobAccepted(request_id=rid, instance_id=self.instance_id))
+
+    async def _reply(self, msg: Msg, reply: pr.JobReply) -> None:
+        with contextlib.suppress(Exception):
+            await msg.respond(pr.encode(reply))
+
+    async def _take_prompt(self, job: pr.PrefillJob, trace_headers: dict[str, str]) -> None:
+        """Load the planned prefix, then hand the prompt to the batcher. A cancel, the
+        deadline, a full engine or the instance's shutdown fails the job with its
+        error chunk (a cancel from a newer attempt silently); its pages are freed on
+        every way out, wherever it was."""
+        rid = job.request_id
+        started_ns = time.time_ns()
+        dcfg = self.cfg.decode
+        block_size = self.engine.cache.block_size
+        held = _Held()
+        try:
+            with bind_request(rid):
+                planned = planned_blocks(job, self.instance_id, block_size, dcfg.reuse)
+                await self._settled(self._allocate, held, planned)
+                left = job.deadline - time.time() if job.deadline else dcfg.fetch_timeout_s
+                deadline_s = max(0.0, min(left, dcfg.fetch_timeout_s))
+                prefix = await self.loader.load(job, held.pages, dcfg.reuse, deadline_s)
+                # Blocks past the first one not loaded are computed in fresh pages.
+                await self._settled(self._keep, held, prefix.reused_blocks)
+                self._account_prefix(job, prefix)
+                if job.deadline and job.deadline < time.time():
+                    raise JobFailed("request deadline passed while its prefix loaded", status=504)
+                cached = prefix.reused_blocks * block_size
+                limit = job.decision.explain.tbt_limit_s if job.decision.explain else 0.0
+                armed = self.failpoints.count("decode.prompt") is not None
+                await self._settled(self._add_prompt, job, held, cached, limit, armed)
+                del self._loading[rid]
+                self._open_prompt_stream(job, trace_headers, cached, started_ns)
+                if armed:
+                    self.tasks.spawn(f"hold:{rid}", self._hold(self.batcher, rid, "decode.prompt"))
+                self._work.set()
+        except asyncio.CancelledError:
+            loading = self._loading.pop(rid, None)
+            await self._give_back(rid, held)
+            if loading is not None and loading.silent:
+                return  # a newer attempt replaced it: nobody is told
+            why = loading.why if loading is not None else None
+            await self._fail_job(job, why or JobFailed("decode instance shutting down"))
+            if why is None:
+                raise  # the shutdown's cancel, not one of this request
+        except (JobFailed, OutOfPages, ValueError) as exc:
+            self._loading.pop(rid, None)
+            await self._give_back(rid, held)
+            if isinstance(exc, OutOfPages):
+                exc = JobFailed(f"decode instance out of KV pages: {exc}")
+            elif isinstance(exc, ValueError):
+                exc = JobFailed(f"decode instance cannot run the prompt: {exc}", status=500)
+            await self._fail_job(job, exc)
+        except Exception as exc:  # one job's bug must not take the instance down
+            log.exception("piggyback_crashed", request_id=rid, error=repr(exc))
+            self._loading.pop(rid, None)
+            await self._give_back(rid, held)
+            await self._fail_job(job, JobFailed(f"decode instance failed the prompt: {exc}", 500))
+
+    async def _settled(self, fn: Callable[..., None], *args: Any) -> None:
+        """`fn(*args)` on the engine thread, run to its end even when the caller is
+        cancelled meanwhile (then the cancel is raised after it): what it did to the
+        pages is always known."""
+        done = self.engine.submit(fn, *args)
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            await asyncio.wait({done})
+            raise
+
+    def _allocate(self, held: _Held, count: int) -> None:
+        """Engine thread: pages for the blocks a job fetches (OutOfPages: none)."""
+        held.pages = self.engine.allocator.allocate(count) if count else []
+
+    def _keep(self, held: _Held, count: int) -> None:
+        """Engine thread: keep the first `count` pages (the loaded prefix), free the rest."""
+        self.engine.allocator.free(held.pages[count:])
+        held.pages = held.pages[:count]
+
+    def _add_prompt(
+        self, job: pr.PrefillJob, held: _Held, cached: int, tbt_limit_s: float, park: bool
+    ) -> None:
+        """Engine thread: the prompt into the batch with its loaded pages, its steps
+        within the TBT limit its decision was planned with; held out of the steps when
+        a test armed `decode.prompt` (in this same call, so no step takes a chunk
+        first)."""
+        batcher = self.batcher
+        if tbt_limit_s > 0:
+            batcher.tbt_slo_s = tbt_limit_s
+        batcher.add_prompt(
+            job.request_id,
+            job.token_ids,
+            job.sampling,
+            cached_pages=held.pages,
+            num_cached_tokens=cached,
+            generated_tokens=job.generated_tokens,
+            priority=job.priority,
+        )
+        held.pages, held.in_batch = [], True
+        if park:
+            batcher.park(job.request_id)
+
+    async def _give_back(self, request_id: str, held: _Held) -> None:
+        """Free what a job that cannot go on holds: its pages, or its place in the
+        batch (reporting nothing there: the job's own error chunk says why)."""
+        with contextlib.suppress(RuntimeError):  # the engine is shut down: so is all
+            if held.in_batch:
+                await self.engine.call(self.batcher.discard, request_id)
+            elif held.pages:
+                await self.engine.call(self._free, held.pages)
+        held.pages, held.in_batch = [], False
+
+    def _account_prefix(self, job: pr.PrefillJob, prefix: LoadedPrefix) -> None:
+        """Metrics and `TransferFailed` events for a loaded prefix."""
+        for tier, tokens in prefix.tokens_by_tier.items():
+            self.metrics.reused.labels(tier).inc(tokens)
+        for failure in prefix.fetched.failures:
+            self._log_event(
+                ev.TransferFailed(
+                    request_id=job.request_id,
+                    source_instance=failure.source,
+                    target_instance=self.instance_id,
+                    reason=f"prefix blocks {failure.first}..{failure.first + failure.count - 1}: "
+                    f"{failure.reason}",
+                )
+            )
+
+    def _open_prompt_stream(
+        self, job: pr.PrefillJob, trace_headers: dict[str, str], cached: int, started_ns: int
+    ) -> None:
+        """Track a piggybacked prompt's token stream from its acceptance, traced."""
+        rid = job.request_id
+        prompt_tokens = len(job.token_ids) - job.generated_tokens
+        span = _tracer.start_span(
+            "decode piggyback",
+            context=extract_context(trace_headers),
+            kind=trace.SpanKind.CONSUMER,
+            start_time=started_ns,
+        )
+        phase_span: trace.Span = trace.INVALID_SPAN
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "yb.request_id": rid,
+                    "yb.prompt_tokens": prompt_tokens,
+                    "yb.reused_tokens": cached,
+                    "yb.max_tokens": job.sampling.max_tokens,
+                }
+            )
+            phase_span = _tracer.start_span(
+                "decode first token",
+                context=trace.set_span_in_context(span),
+                start_time=started_ns,
+            )
+        self._streams[rid] = Stream(
+            request_id=rid,
+            subject=job.token_subject,
+            prompt_tokens=prompt_tokens,
+            reused_tokens=cached,
+            ttft_started=job.decision.time,
+            span=span,
+            attempt=job.attempt,
+            open_choices=set(range(job.sampling.n)),
+            deadline=job.deadline,
+            phase_span=phase_span,
+            completion_tokens=job.generated_tokens,
+        )
+        self._prompts[rid] = Piggybacked(job, cached)
+        log.info(
+            "piggyback_accepted",
+            request_id=rid,
+            prompt_tokens=prompt_tokens,
+            reused_tokens=cached,
+            trace_id=trace_id_hex(trace_headers),
+        )
+
+    def _prompt_progress(self, outputs: list[TokenOutput]) -> None:
+        """Log the piggybacked prompts' progress as a prefill's: `prefill_started` at
+        their first chunk, `prefill_done` and `kv_committed` at their first token."""
+        firsts = {o.request_id for o in outputs if o.token_id is not None}
+        ended = {o.request_id for o in outputs if o.finished}
+        for rid, prompt in list(self._prompts.items()):
+            if rid in firsts:
+                del self._prompts[rid]
+                self._prompt_started(prompt)
+                self._prompt_done(prompt)
+            elif rid in ended:
+                del self._prompts[rid]  # aborted before its first token
+            elif not prompt.started:
+                with contextlib.suppress(KeyError):  # aborted meanwhile
+                    if self.batcher.prompt_chunks(rid):
+                        self._prompt_started(prompt)
+
+    def _prompt_started(self, prompt: Piggybacked) -> None:
+        if prompt.started:
+            return
+        prompt.started = True
+        job = prompt.job
+        log.info("prefill_started", request_id=job.request_id, piggyback=True)
+        self._log_event(
+            ev.RequestProgress(
+                request_id=job.request_id, instance_id=self.instance_id, stage="prefill_started"
+            )
+        )
+
+    def _prompt_done(self, prompt: Piggybacked) -> None:
+        job, cached = prompt.job, prompt.cached_tokens
+        rid = job.request_id
+        n = len(job.token_ids)
+        log.info(
+            "prefill_done", request_id=rid, piggyback=True, prompt_tokens=n, reused_tokens=cached
+        )
+        self._log_event(
+            ev.RequestProgress(
+                request_id=rid,
+                instance_id=self.instance_id,
+                stage="prefill_done",
+                computed_tokens=n - cached,
+                reused_tokens=cached,
+            )
+        )
+        self._log_event(
+            ev.RequestProgress(
+                request_id=rid,
+                instance_id=self.instance_id,
+                stage="kv_committed",
+                computed_tokens=n - job.generated_tokens,
+                reused_tokens=cached,
+            )
+        )
+
+    async def _fail_job(self, job: pr.PrefillJob, exc: JobFailed) -> None:
+        """End a piggybacked job that never reached the batch: an error chunk (a 503
+        the gateway may re-plan) and an event."""
+        rid = job.request_id
+        log.warning("piggyback_failed", request_id=rid, reason=exc.reason)
+        self.metrics.prompts.labels("failed").inc()
+        prompt_tokens = len(job.token_ids) - job.generated_tokens
+        chunk = pr.TokenChunk(
+            request_id=rid,
+            seq=0,
+            finished=True,
+            finish_reason="error",
+            error=exc.reason,
+            error_status=exc.status,
+            prompt_tokens=prompt_tokens,
+            attempt=job.attempt,
+        )
+        await self._emit(rid, job.token_subject, chunk)
+        self.history.finish(rid)
+        outcome: ev.RequestOutcome = "cancelled" if exc.status == 499 else "failed"
+        self._log_event(
+            ev.RequestFinished(
+                request_id=rid,
+                instance_id=self.instance_id,
+                outcome=outcome,
+                reason=exc.reason,
+                prompt_tokens=prompt_tokens,
+            )
+        )
+
     # --- resends to gateways that lost chunks ---------------------------------------
 
     async def _on_resend(self, msg: Msg) -> None:
@@ -325,7 +697,7 @@ class DecodeWorker(Worker):
             state: pr.StreamState = "unknown"
             if rid in self._streams:
                 state = "streaming"
-            elif rid in self._pending:
+            elif rid in self._pending or rid in self._loading:
                 state = "pending"
             await self._respond(msg, pr.TokensResent(request_id=rid, state=state))
             return
@@ -368,8 +740,8 @@ class DecodeWorker(Worker):
         rid = req.request_id
         if self._draining:
             return pr.ReserveRefused(request_id=rid, reason="decode instance shutting down")
-        if refusal := await self._replace_older_attempt(req):
-            return pr.ReserveRefused(request_id=rid, reason=refusal)
+        if refused := await self._replace_older_attempt(rid, req.attempt):
+            return pr.ReserveRefused(request_id=rid, reason=refused)
         # max_tokens counts the tokens a resumed request had generated already.
         total = req.num_tokens - req.generated_tokens + req.sampling.max_tokens
         if total > self.cfg.model.max_model_len:
@@ -411,30 +783,44 @@ class DecodeWorker(Worker):
             breaks=reservation.breaks(),
         )
 
-    async def _replace_older_attempt(self, req: pr.ReserveKV) -> str:
-        """Make way for a re-planned request's reservation: an older attempt of it held
-        here (reserved or decoding) is dropped without a word to the gateway, which
-        reads only the newest attempt's stream. Why it is refused ('' if it is not):
-        this attempt or a newer one is here already."""
-        rid = req.request_id
+    async def _replace_older_attempt(self, rid: str, attempt: int) -> str:
+        """Make way for a re-planned request's reservation or piggybacked job: an older
+        attempt of it held here (reserved, loading its prefix, prefilling or
+        decoding) is dropped without a word to the gateway, which reads only the
+        newest attempt's stream. Why it is refused ('' if it is not): this attempt or
+        a newer one is here already."""
         pending = self._pending.get(rid)
+        loading = self._loading.get(rid)
         stream = self._streams.get(rid)
-        held = pending.reserve.attempt if pending else stream.attempt if stream else None
+        held = (
+            pending.reserve.attempt
+            if pending
+            else loading.job.attempt
+            if loading
+            else stream.attempt
+            if stream
+            else None
+        )
         if held is None:
             return ""
-        if held >= req.attempt:
+        if held >= attempt:
             return f"request already reserved here (attempt {held})"
-        log.info("attempt_replaced", request_id=rid, old=held, new=req.attempt)
+        log.info("attempt_replaced", request_id=rid, old=held, new=attempt)
         if pending is not None:
-            await self._drop_pending(rid, f"replaced by attempt {req.attempt}")
+            await self._drop_pending(rid, f"replaced by attempt {attempt}")
+        if loading is not None:
+            loading.silent = True
+            loading.task.cancel()
+            await asyncio.wait({loading.task})
         if stream is not None:
             await self.engine.call(self.batcher.discard, rid)
+            self._prompts.pop(rid, None)
             self._aborts.pop(rid, None)
             # No `RequestFinished`: the request lives on in the new attempt.
             self._streams.pop(rid, None)
             self.history.finish(rid)
             stream.phase_span.end()
-            stream.span.set_status(Status(StatusCode.ERROR, f"replaced by attempt {req.attempt}"))
+            stream.span.set_status(Status(StatusCode.ERROR, f"replaced by attempt {attempt}"))
             stream.span.end()
         return ""
 
@@ -612,7 +998,12 @@ class DecodeWorker(Worker):
         self.engine.allocator.free(pages)
 
     def on_cancel(self, request_id: str, reason: str) -> None:
-        if request_id in self._pending:
+        loading = self._loading.get(request_id)
+        if loading is not None:
+            if loading.why is None:
+                loading.why = JobFailed(f"cancelled: {reason or 'cancelled'}", status=499)
+                loading.task.cancel()
+        elif request_id in self._pending:
             self.tasks.spawn(
                 f"cancel:{request_id}", self._drop_pending(request_id, f"cancelled: {reason}")
             )
@@ -653,7 +1044,9 @@ class DecodeWorker(Worker):
             outputs = await self.engine.call(batcher.step)
             self.metrics.step.observe(batcher.last_step_seconds)
             self.gauges.batch.set(batcher.num_running)
-            self.gauges.queue.set(batcher.num_waiting)
+            self.gauges.queue.set(batcher.num_waiting + batcher.num_prefilling)
+            if self._prompts:
+                self._prompt_progress(outputs)
             await self._deliver(outputs)
 
     async def _deliver(self, outputs: list[TokenOutput]) -> None:
@@ -711,9 +1104,11 @@ class DecodeWorker(Worker):
         if await self.engine.call(batcher.park, request_id):
             self.tasks.spawn(f"hold:{request_id}", self._hold(batcher, request_id))
 
-    async def _hold(self, batcher: DecodeBatcher, request_id: str) -> None:
+    async def _hold(
+        self, batcher: DecodeBatcher, request_id: str, point: str = "decode.token"
+    ) -> None:
         outcome = await self.failpoints.hold(
-            "decode.token",
+            point,
             request_id,
             cancelled=lambda: request_id not in self._streams or request_id in self._aborts,
         )
@@ -797,7 +1192,10 @@ class DecodeWorker(Worker):
         return ev.LoadReport(
             instance_id=self.instance_id,
             role="decode",
-            queued_requests=len(self._pending) + batcher.num_waiting,
+            queued_requests=len(self._pending)
+            + len(self._loading)
+            + batcher.num_waiting
+            + batcher.num_prefilling,
             running_requests=batcher.num_running,
             kv_used_blocks=allocator.num_used,
             kv_total_blocks=self.engine.cache.num_pages,

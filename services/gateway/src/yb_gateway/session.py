@@ -35,6 +35,13 @@ is never read, so no token is lost or repeated. Without re-plans left, or for a
 request of `n` > 1 choices (whose choices' tokens cannot continue as one prompt), the
 stream ends with a 503 at once rather than at the token timeout, and `close()`
 cancels it everywhere. A stream ends when all `n` choices have finished.
+
+A piggybacked decision (`RequestScheduled.piggyback`) names the decode instance as
+its prefill instance too. Nothing changes here: the job goes to that instance's
+prefill job subject, its death is a decode instance's at any point of the stream
+(`instance_down` tests the decode instance first), an engine error before the first
+token blames it as the prefill side, and resends and cancels go where they go for
+any request.
 """
 
 from __future__ import annotations
@@ -351,25 +358,25 @@ class RequestSession:
             attempt=attempt,
             generated_tokens=len(self.received) if attempt else 0,
         )
+        # A piggybacked decision names the decode instance as its prefill instance too:
+        # it takes the job on its prefill job subject, exactly as a prefill would.
         instance = decision.prefill_instance
+        who = f"{'Decode' if decision.piggyback else 'Prefill'} instance {instance}"
         try:
             msg = await self._bus.request(
                 protocol.prefill_job_subject(instance), protocol.encode(job), timeout_s=timeout_s
             )
             reply = protocol.job_reply_decoder.decode(msg.data)
         except BusUnavailable as exc:
-            reason, code = f"Prefill instance {instance} did not take the job: {exc}", "no_engine"
+            reason, code = f"{who} did not take the job: {exc}", "no_engine"
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            reason, code = (
-                f"Prefill instance {instance} sent an unreadable reply: {exc}",
-                "no_engine",
-            )
+            reason, code = f"{who} sent an unreadable reply: {exc}", "no_engine"
         else:
             match reply:
                 case protocol.JobAccepted():
                     return
                 case protocol.JobRefused():
-                    reason = f"Prefill instance {instance} refused the job: {reply.reason}"
+                    reason = f"{who} refused the job: {reply.reason}"
                     code = "job_refused"
                     # Nobody holds the request: the failure needs no cancel after it.
                     self._ended = True

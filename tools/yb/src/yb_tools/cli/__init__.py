@@ -48,6 +48,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
     up.add_argument("--kvstore", type=int, default=2, help="kvstore instances (default 2)")
     up.add_argument(
+        "--piggyback",
+        action="store_true",
+        help="decode instances take short prompts into their batch when the conductor "
+        "predicts that faster (decode.piggyback)",
+    )
+    up.add_argument(
         "--conductors", type=int, default=1, help="conductors: one active, the rest standby"
     )
     up.add_argument(
@@ -150,6 +156,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
             model[key] = getattr(args, key)
     if model:
         out["model"] = model
+    if getattr(args, "piggyback", False):
+        out["decode"] = {"piggyback": True}
     if getattr(args, "nats_port", None) is not None and args.command == "up":
         out["nats"] = {"url": f"nats://127.0.0.1:{args.nats_port}"}
     return out
