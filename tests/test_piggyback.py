@@ -1,0 +1,288 @@
+"""Short prompts prefilled inside a decode batch (piggybacking), on a real cluster.
+
+One `yb up --piggyback` cluster (tiny model; 1 prefill, 2 decode, 2 kvstore; re-plan
+budget 1), kept up when an instance dies. The conductor sends a prompt to a decode
+instance only when its TTFT there is predicted lower than through the prefill pool,
+so each scenario arranges its path by construction:
+
+- the conductor's cost model (written here) prices attention heavily: a 3000-token
+  prompt's prefill is predicted at 90 s, a 200-token one's at 0.4 s, and learned
+  speed is off, so the estimates are the cost model's alone;
+- the module's first request takes the normal path: with both pools idle the two
+  options price the same (one step of the same prefill), and a tie goes to the
+  prefill pool;
+- `busy_prefill` parks a 3000-token prompt between its chunks (failpoint
+  `prefill.chunk`): the prefill pool's queue is then predicted 90 s long, longer
+  than any scenario runs, while an idle decode instance has no wait, so a
+  short prompt goes there (the long one itself can never be piggybacked: no step
+  could take a block of it within the TBT limit).
+
+In file order: a piggybacked prompt gives the normal path's greedy tokens, its
+decision has `piggyback` set and the decode instance logs its progress as a prefill
+would; a prompt whose prefix is in the pool reuses it (`cached_tokens`); SIGKILL of
+the decode instance while it holds a piggybacked prompt in its batch (failpoint
+`decode.prompt`, before any chunk) re-plans the request, which completes with the
+same tokens; the log replays to the same decisions.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from yb_conductor.cost_model import load_cost_model, save_cost_model
+from yb_conductor.replay import LogRecord, replay
+from yb_core import events as ev
+from yb_testkit.faults import (
+    FaultRecord,
+    Gate,
+    SseClient,
+    decision_of,
+    events_of,
+    kill,
+    long_stream_body,
+    read_log,
+    record,
+)
+from yb_testkit.fixtures import LocalCluster
+
+BLOCK = 64
+HEARTBEAT_S = 4.0
+ACT_S = 60.0
+VERDICT_S = 30.0
+MAX_TOKENS = 12
+PROMPT = 200  # three full blocks and a part
+LONG = 3000
+
+
+def _cost_model(path: Path) -> Path:
+    """The default cost model with attention priced high (see the module docstring)."""
+    model = load_cost_model("")
+    prefill = msgspec.structs.replace(model.prefill, base_s=0.01, per_token_s=1e-4, per_pair_s=2e-5)
+    decode = msgspec.structs.replace(model.decode, base_s=0.005, per_seq_s=0.001)
+    save_cost_model(msgspec.structs.replace(model, prefill=prefill, decode=decode), path)
+    return path
+
+
+pytestmark = [pytest.mark.timeout(300, func_only=True)]
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 250) for _ in range(n)]
+
+
+class Piggy:
+    """The module's cluster, its gate and the normal path's answer to `prompt`."""
+
+    def __init__(self, cluster: LocalCluster, gate: Gate) -> None:
+        self.cluster = cluster
+        self.gate = gate
+        self.prompt = _tokens(1, PROMPT)
+        self.baseline: dict[str, Any] = {}
+
+
+def _complete(cluster: LocalCluster, prompt: list[int]) -> dict[str, Any]:
+    r = httpx.post(
+        f"{cluster.url}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0},
+        headers=cluster.headers,
+        timeout=ACT_S,
+    )
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
+@pytest.fixture(scope="module")
+def piggy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Piggy]:
+    root = tmp_path_factory.mktemp("piggyback")
+    gate = Gate(root / "gate")
+    cluster = LocalCluster(
+        root / "cluster",
+        *("--model", "tiny-random", "--model-name", "tiny"),
+        *("--prefill", "1", "--decode", "2", "--kvstore", "2"),
+        "--piggyback",
+        "--keep-going",
+        env={
+            "YB_CONDUCTOR__HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S),
+            "YB_PREFILL__LOAD_REPORT_INTERVAL_S": "0.5",
+            "YB_DECODE__LOAD_REPORT_INTERVAL_S": "0.5",
+            "YB_KVSTORE__LOAD_REPORT_INTERVAL_S": "0.5",
+            # Prefixes are reused from the kvstores, the only pool a decode instance reads.
+            "YB_PREFILL__PREFIX_CACHE_PAGES": "0",
+            "YB_FAILPOINTS": gate.spec("prefill.chunk=hold(1)", "decode.prompt=hold"),
+            "YB_CONDUCTOR__COST_MODEL": str(_cost_model(root / "cost-model.json")),
+            "YB_CONDUCTOR__LEARN_SPEED": "false",
+            # The long prompt's predicted TTFT is no reason to refuse it.
+            "YB_GATEWAY__TTFT_SLO_S": "3600",
+        },
+    )
+    cluster.start(timeout_s=300)
+    try:
+        state = Piggy(cluster, gate)
+        # The normal path, while nothing has finished yet (see the module docstring).
+        state.baseline = _complete(cluster, state.prompt)
+        first = decision_of(cluster, state.baseline["id"])
+        assert isinstance(first, ev.RequestScheduled) and not first.piggyback, first
+        assert first.prefill_instance == "prefill-0"
+        yield state
+    finally:
+        gate.release_everything()
+        cluster.stop()
+
+
+@contextmanager
+def busy_prefill(piggy: Piggy, seed: int) -> Iterator[None]:
+    """The prefill pool busy: a long prompt parked after its first chunk, let go (and
+    answered) on the way out."""
+    cluster, gate = piggy.cluster, piggy.gate
+    gate.arm("prefill.chunk")
+    parked = SseClient(cluster, long_stream_body(_tokens(seed, LONG), max_tokens=4))
+    held = gate.wait_held("prefill.chunk", ACT_S)
+    try:
+        yield
+    finally:
+        gate.release(held)
+        parked.wait_done(ACT_S)
+    assert parked.completed, parked.describe()
+
+
+def _text(body: dict[str, Any]) -> str:
+    text: str = body["choices"][0]["text"]
+    return text
+
+
+def _cached(body: dict[str, Any]) -> int:
+    cached: int = body["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return cached
+
+
+def _piggybacked(cluster: LocalCluster, request_id: str) -> ev.RequestScheduled:
+    decision = decision_of(cluster, request_id)
+    assert isinstance(decision, ev.RequestScheduled), decision
+    assert decision.piggyback, decision.explain.reason if decision.explain else decision
+    assert decision.prefill_instance == decision.decode_instance
+    assert decision.decode_instance.startswith("decode-")
+    return decision
+
+
+def _piggybacked_or_not(cluster: LocalCluster, request_id: str) -> bool:
+    decision = decision_of(cluster, request_id)
+    assert isinstance(decision, ev.RequestScheduled), decision
+    return decision.piggyback
+
+
+def test_a_piggybacked_prompt_gives_the_normal_paths_tokens(piggy: Piggy) -> None:
+    cluster = piggy.cluster
+    # In no pool yet, and longer than one chunk of the decode batch (512 tokens).
+    prompt = _tokens(3, 700)
+    with busy_prefill(piggy, seed=10):
+        body = _complete(cluster, prompt)
+    decision = _piggybacked(cluster, body["id"])
+    assert decision.explain is not None and decision.explain.branch == "piggyback"
+    assert decision.reused_blocks == 0 and _cached(body) == 0
+    assert body["usage"]["completion_tokens"] == MAX_TOKENS
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+    # Both pools idle now: the same prompt takes the normal path.
+    normal = _complete(cluster, prompt)
+    second = decision_of(cluster, normal["id"])
+    assert isinstance(second, ev.RequestScheduled) and not second.piggyback, second
+    assert _text(body) == _text(normal)
+
+    log = read_log(cluster)
+    rid, where = body["id"], decision.decode_instance
+    progress = [e for e in events_of(log, ev.RequestProgress) if e.request_id == rid]
+    assert [(e.instance_id, e.stage) for e in progress] == [
+        (where, "prefill_started"),
+        (where, "prefill_done"),
+        (where, "kv_committed"),
+    ]
+    assert (progress[1].computed_tokens, progress[1].reused_tokens) == (len(prompt), 0)
+    (finished,) = [e for e in events_of(log, ev.RequestFinished) if e.request_id == rid]
+    assert finished.instance_id == where and finished.outcome == "completed"
+    assert finished.output_tokens == MAX_TOKENS and finished.ttft_s > 0
+
+
+def test_a_piggybacked_prompt_reuses_its_prefix_from_the_pool(piggy: Piggy) -> None:
+    cluster = piggy.cluster
+    # The baseline's three full blocks are in the kvstores; a new tail follows them.
+    prompt = piggy.prompt[: 3 * BLOCK] + _tokens(2, 40)
+    with busy_prefill(piggy, seed=20):
+        body = _complete(cluster, prompt)
+    decision = _piggybacked(cluster, body["id"])
+    assert decision.reused_blocks == 3 and decision.reuse, decision
+    assert all(plan.tier in ("dram", "ssd") for plan in decision.reuse)
+    assert _cached(body) == 3 * BLOCK, body["usage"]
+    normal = _complete(cluster, prompt)
+    assert not _piggybacked_or_not(cluster, normal["id"])
+    assert _text(body) == _text(normal)
+    (done,) = [
+        e
+        for e in events_of(read_log(cluster), ev.RequestProgress)
+        if e.request_id == body["id"] and e.stage == "prefill_done"
+    ]
+    assert (done.computed_tokens, done.reused_tokens) == (len(prompt) - 3 * BLOCK, 3 * BLOCK)
+
+
+def test_decode_death_while_prefilling_a_piggybacked_prompt_is_replanned(piggy: Piggy) -> None:
+    cluster, gate = piggy.cluster, piggy.gate
+    body = long_stream_body(piggy.prompt, max_tokens=MAX_TOKENS)
+    with busy_prefill(piggy, seed=30):
+        gate.arm("decode.prompt")
+        stream = SseClient(cluster, body)
+        held = gate.wait_held("decode.prompt", ACT_S)
+        first = _piggybacked(cluster, held.request_id)
+        assert first.decode_instance == held.instance_id
+        kill(cluster, held.instance_id)
+        stream.wait_done(VERDICT_S + ACT_S)
+    assert stream.completed, stream.describe()
+
+    log = read_log(cluster)
+    rid = held.request_id
+    (replan,) = [e for e in events_of(log, ev.RequestReplanned) if e.request_id == rid]
+    assert replan.attempt == 1 and replan.failed_instance == held.instance_id
+    assert replan.generated_tokens == 0
+    second = next(d for d in events_of(log, ev.Decision) if d.request_id == rid and d.attempt)
+    assert isinstance(second, ev.RequestScheduled)
+    assert held.instance_id not in (second.prefill_instance, second.decode_instance)
+    # The same greedy tokens as the undisturbed normal path.
+    text = "".join(
+        choice.get("text", "")
+        for frame in stream.frames
+        if frame != "[DONE]"
+        for choice in (json.loads(frame).get("choices") or [])
+    )
+    assert text == _text(piggy.baseline)
+    record(
+        "piggyback_decode_death",
+        FaultRecord(
+            fault="decode instance dies while it prefills a piggybacked prompt",
+            caused_by=f"SIGKILL {held.instance_id} while the prompt is in its batch before "
+            "any chunk (failpoint decode.prompt)",
+            client_saw="one uninterrupted SSE stream, the normal path's greedy text",
+            cleaned_up=f"the gateway logged RequestReplanned (attempt 1); the conductor "
+            f"placed it on {second.prefill_instance} / {second.decode_instance}"
+            f"{' (piggybacked)' if second.piggyback else ''}",
+            checked_by="the client's text against the normal path's; RequestReplanned and "
+            "the decisions in the log",
+            recovery_s=0.0,
+            details={"heartbeat_timeout_s": HEARTBEAT_S},
+        ),
+    )
+
+
+def test_the_log_replays_to_the_same_decisions(piggy: Piggy) -> None:
+    logged = read_log(piggy.cluster)
+    decisions = list(events_of(logged, ev.RequestScheduled))
+    assert sum(d.piggyback for d in decisions) >= 3, decisions
+    result = replay([LogRecord(seq=item.seq, event=item.event) for item in logged])
+    assert result.divergences == []
