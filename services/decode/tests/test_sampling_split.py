@@ -6,7 +6,9 @@ from its token subject) and must give what one engine running it whole in this p
 gives: the same tokens, text and finish per choice, logprobs equal to 1e-4, with
 greedy and seeded sampling. Covered: a JSON-schema grammar with logprobs, n = 3 with
 logprobs, and a re-planned request resuming after k delivered tokens; and a decode
-instance making way for a newer attempt of a request it holds.
+instance making way for a newer attempt of a request it holds. Last, a decode instance
+with `piggyback` taking jobs itself: refusing those it cannot run in its batch, and
+giving one engine's output for one whose planned prefix it cannot fetch.
 """
 
 from __future__ import annotations
@@ -320,3 +322,116 @@ async def test_decode_makes_way_for_a_newer_attempt(split: Split) -> None:
         pr.decode_control_subject("decode-0"), pr.encode(abort), timeout_s=DEADLINE_S
     )
     assert worker.engine.allocator.num_used == 0
+
+
+# --- the same request prefilled inside the decode batch (piggybacking) ----------------
+#
+# A decode instance with `piggyback` takes jobs on its prefill job subject: a job of a
+# decision that is not piggybacked, or of a prefill group, is refused with its reason;
+# a piggybacked job whose planned prefix cannot be fetched (its kvstore is not up)
+# computes those blocks instead and gives one engine's tokens.
+
+DECODE = "decode-0"
+
+
+def piggyback_cfg(nats: NatsConfig) -> YbConfig:
+    config = cfg(nats, DECODE)
+    config.decode = msgspec.structs.replace(config.decode, piggyback=True)
+    return config
+
+
+@pytest.fixture
+async def decode(nats_config: NatsConfig) -> AsyncIterator[DecodeService]:
+    service = DecodeService(piggyback_cfg(nats_config))
+    await service.start()
+    try:
+        yield service
+    finally:
+        with contextlib.suppress(Exception):
+            await service.stop()
+
+
+def job(ids: list[int], params: pr.SamplingParams, decision: ev.RequestScheduled) -> pr.PrefillJob:
+    return pr.PrefillJob(
+        request_id=decision.request_id,
+        token_ids=ids,
+        block_hashes=block_hashes(ids, BLOCK, model_identity(MODEL.name)),
+        sampling=params,
+        decision=decision,
+        token_subject=pr.token_subject("gw", decision.request_id),
+        deadline=time.time() + 2 * DEADLINE_S,
+    )
+
+
+def decision(**fields: object) -> ev.RequestScheduled:
+    base = ev.RequestScheduled(
+        request_id=f"req-{uuid.uuid4().hex[:8]}",
+        gateway_id="gw",
+        prefill_instance=DECODE,
+        decode_instance=DECODE,
+        time=time.time(),
+        piggyback=True,
+    )
+    return msgspec.structs.replace(base, **fields)
+
+
+async def hand(bus: Bus, sent: pr.PrefillJob) -> pr.JobReply:
+    reply = await bus.request(pr.prefill_job_subject(DECODE), pr.encode(sent), timeout_s=DEADLINE_S)
+    return pr.job_reply_decoder.decode(reply.data)
+
+
+async def test_jobs_it_cannot_run_inside_its_batch_are_refused_with_the_reason(
+    bus: Bus, decode: DecodeService
+) -> None:
+    ids = prompt(1, 40)
+    params = pr.SamplingParams(temperature=0.0, max_tokens=4)
+    cases = {
+        "not piggybacked": decision(piggyback=False, prefill_instance="prefill-0"),
+        "planned for prefill-1 and decode-0": decision(prefill_instance="prefill-1"),
+        "prefill group": decision(prefill_stages=[DECODE, "prefill-1"]),
+    }
+    for expected, planned in cases.items():
+        reply = await hand(bus, job(ids, params, planned))
+        assert isinstance(reply, pr.JobRefused), (expected, reply)
+        assert expected in reply.reason and not reply.retryable, (expected, reply.reason)
+    too_long = msgspec.structs.replace(params, max_tokens=MODEL.max_model_len)
+    reply = await hand(bus, job(ids, too_long, decision()))
+    assert isinstance(reply, pr.JobRefused) and "exceeds" in reply.reason, reply
+
+
+async def test_a_prefix_it_cannot_fetch_is_computed_and_the_tokens_are_one_engines(
+    bus: Bus, decode: DecodeService
+) -> None:
+    ids = prompt(2, 3 * BLOCK + 5)
+    params = pr.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, n=2, logprobs=2)
+    # Two blocks planned from a kvstore that never announced itself.
+    plan = [ev.ReusePlan(source_instance="kvstore-9", tier="dram", first_block=0, num_blocks=2)]
+    sent = job(ids, params, decision(reuse=plan, reused_blocks=2))
+    chunks: asyncio.Queue[pr.TokenChunk] = asyncio.Queue()
+
+    async def on_chunk(msg: Msg) -> None:
+        chunks.put_nowait(pr.token_decoder.decode(msg.data))
+
+    sub = await bus.subscribe(sent.token_subject, cb=on_chunk)
+    try:
+        assert isinstance(await hand(bus, sent), pr.JobAccepted)
+        choices = [Choice() for _ in range(params.n)]
+        seq = 0
+        async with asyncio.timeout(DEADLINE_S):
+            while any(c.finish is None for c in choices):
+                chunk = await chunks.get()
+                assert not chunk.error, chunk.error
+                assert chunk.seq == seq and chunk.cached_tokens == 0
+                assert chunk.prompt_tokens == len(ids)
+                seq += 1
+                choice = choices[chunk.index]
+                choice.tokens += chunk.token_ids
+                choice.text += chunk.text
+                choice.logprobs += chunk.logprobs
+                if chunk.finished:
+                    choice.finish = chunk.finish_reason
+    finally:
+        await sub.unsubscribe()
+    assert_same(choices, one_engine(decode.worker.engine.model, ids, params))
+    # Nothing is held once the request ended.
+    assert decode.worker.engine.allocator.num_used == 0
