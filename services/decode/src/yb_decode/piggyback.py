@@ -28,11 +28,27 @@ instance's shutdown ends it with a 503, which the gateway may re-plan.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+import msgspec
+from nats.aio.msg import Msg
+
+from yb_core import events as ev
 from yb_core import protocol as pr
+from yb_core.telemetry import bind_request, get_logger, trace_carrier
 from yb_dataplane.prefix_fetch import BlockFetcher, Fetched, plan_runs, reusable_blocks
+from yb_engine.kv_cache import OutOfPages
+
+if TYPE_CHECKING:
+    from yb_decode.service import DecodeWorker
+    from yb_engine.batcher import TokenOutput
+
+log = get_logger(__name__)
 
 
 class JobFailed(Exception):
@@ -141,3 +157,308 @@ class Piggybacked:
     job: pr.PrefillJob
     cached_tokens: int
     started: bool = False
+
+
+@dataclass
+class Loading:
+    """A piggybacked job whose prefix is being loaded, and why it is being given up
+    (None: it is not; `silent`: replaced by a newer attempt, nobody is told)."""
+
+    job: pr.PrefillJob
+    task: asyncio.Task[None]
+    why: JobFailed | None = None
+    silent: bool = False
+
+
+@dataclass
+class _Held:
+    """What a piggybacked job holds while it loads: its pages, until the batcher owns
+    them with the prompt (`in_batch`). Changed only on the engine thread."""
+
+    pages: list[int] = field(default_factory=list)
+    in_batch: bool = False
+
+
+class PiggybackJobs:
+    """The piggybacked jobs of one decode instance (see the module docstring): those
+    loading their prefix (`loading`) and the prompts in the batch until their first
+    token (`prompts`). Their streams are the worker's, as any other."""
+
+    def __init__(self, host: DecodeWorker, fetcher: BlockFetcher) -> None:
+        self.host = host
+        self.loader = PromptLoader(host.instance_id, fetcher, host.engine.cache.block_size)
+        self.loading: dict[str, Loading] = {}
+        self.prompts: dict[str, Piggybacked] = {}
+
+    def cancel(self, request_id: str, reason: str) -> bool:
+        """Give up a job whose prefix is loading (False: none is); its task frees the
+        pages and tells the gateway."""
+        loading = self.loading.get(request_id)
+        if loading is None:
+            return False
+        if loading.why is None:
+            loading.why = JobFailed(f"cancelled: {reason or 'cancelled'}", status=499)
+            loading.task.cancel()
+        return True
+
+    async def on_job(self, msg: Msg) -> None:
+        """Take a job the conductor planned inside this batch, or refuse it (see
+        `yb_decode.piggyback`); once accepted, its prefix loads in a task of its own."""
+        try:
+            job = pr.job_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("malformed_job", error=str(exc))
+            malformed = pr.JobRefused(
+                request_id="",
+                instance_id=self.host.instance_id,
+                reason=f"malformed job: {exc}",
+                retryable=False,
+            )
+            await self._reply(msg, malformed)
+            return
+        rid = job.request_id
+        refused = refusal(
+            job,
+            self.host.instance_id,
+            enabled=self.host.piggyback,
+            draining=self.host.draining,
+            max_model_len=self.host.cfg.model.max_model_len,
+            now=time.time(),
+        )
+        if refused is None and (older := await self.host.replace_older_attempt(rid, job.attempt)):
+            refused = older, False
+        if refused is not None:
+            reason, retryable = refused
+            log.info("job_refused", request_id=rid, reason=reason)
+            self.host.metrics.prompts.labels("refused").inc()
+            await self._reply(
+                msg,
+                pr.JobRefused(
+                    request_id=rid,
+                    instance_id=self.host.instance_id,
+                    reason=reason,
+                    retryable=retryable,
+                ),
+            )
+            return
+        headers = trace_carrier(msg.headers) or dict(job.trace_headers)
+        task = self.host.tasks.spawn(f"prompt:{rid}", self._take_prompt(job, headers))
+        self.loading[rid] = Loading(job, task)
+        self.host.metrics.prompts.labels("accepted").inc()
+        await self._reply(msg, pr.JobAccepted(request_id=rid, instance_id=self.host.instance_id))
+
+    async def _reply(self, msg: Msg, reply: pr.JobReply) -> None:
+        with contextlib.suppress(Exception):
+            await msg.respond(pr.encode(reply))
+
+    async def _take_prompt(self, job: pr.PrefillJob, trace_headers: dict[str, str]) -> None:
+        """Load the planned prefix, then hand the prompt to the batcher. A cancel, the
+        deadline, a full engine or the instance's shutdown fails the job with its
+        error chunk (a cancel from a newer attempt silently); its pages are freed on
+        every way out, wherever it was."""
+        rid = job.request_id
+        started_ns = time.time_ns()
+        dcfg = self.host.cfg.decode
+        block_size = self.host.engine.cache.block_size
+        held = _Held()
+        try:
+            with bind_request(rid):
+                planned = planned_blocks(job, self.host.instance_id, block_size, dcfg.reuse)
+                await self._settled(self._allocate, held, planned)
+                left = job.deadline - time.time() if job.deadline else dcfg.fetch_timeout_s
+                deadline_s = max(0.0, min(left, dcfg.fetch_timeout_s))
+                prefix = await self.loader.load(job, held.pages, dcfg.reuse, deadline_s)
+                # Blocks past the first one not loaded are computed in fresh pages.
+                await self._settled(self._keep, held, prefix.reused_blocks)
+                self._account_prefix(job, prefix)
+                if job.deadline and job.deadline < time.time():
+                    raise JobFailed("request deadline passed while its prefix loaded", status=504)
+                cached = prefix.reused_blocks * block_size
+                limit = job.decision.explain.tbt_limit_s if job.decision.explain else 0.0
+                armed = self.host.failpoints.count("decode.prompt") is not None
+                await self._settled(self._add_prompt, job, held, cached, limit, armed)
+                del self.loading[rid]
+                self.host.open_prompt_stream(job, trace_headers, cached, started_ns)
+                self.prompts[rid] = Piggybacked(job, cached)
+                if armed:
+                    self.host.tasks.spawn(
+                        f"hold:{rid}", self.host.hold(self.host.batcher, rid, "decode.prompt")
+                    )
+                self.host.wake()
+        except asyncio.CancelledError:
+            loading = self.loading.pop(rid, None)
+            await self._give_back(rid, held)
+            if loading is not None and loading.silent:
+                return  # a newer attempt replaced it: nobody is told
+            why = loading.why if loading is not None else None
+            await self.fail_job(job, why or JobFailed("decode instance shutting down"))
+            if why is None:
+                raise  # the shutdown's cancel, not one of this request
+        except (JobFailed, OutOfPages, ValueError) as exc:
+            self.loading.pop(rid, None)
+            await self._give_back(rid, held)
+            if isinstance(exc, OutOfPages):
+                exc = JobFailed(f"decode instance out of KV pages: {exc}")
+            elif isinstance(exc, ValueError):
+                exc = JobFailed(f"decode instance cannot run the prompt: {exc}", status=500)
+            await self.fail_job(job, exc)
+        except Exception as exc:  # one job's bug must not take the instance down
+            log.exception("piggyback_crashed", request_id=rid, error=repr(exc))
+            self.loading.pop(rid, None)
+            await self._give_back(rid, held)
+            await self.fail_job(job, JobFailed(f"decode instance failed the prompt: {exc}", 500))
+
+    async def _settled(self, fn: Callable[..., None], *args: Any) -> None:
+        """`fn(*args)` on the engine thread, run to its end even when the caller is
+        cancelled meanwhile (then the cancel is raised after it): what it did to the
+        pages is always known."""
+        done = self.host.engine.submit(fn, *args)
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            await asyncio.wait({done})
+            raise
+
+    def _allocate(self, held: _Held, count: int) -> None:
+        """Engine thread: pages for the blocks a job fetches (OutOfPages: none)."""
+        held.pages = self.host.engine.allocator.allocate(count) if count else []
+
+    def _keep(self, held: _Held, count: int) -> None:
+        """Engine thread: keep the first `count` pages (the loaded prefix), free the rest."""
+        self.host.engine.allocator.free(held.pages[count:])
+        held.pages = held.pages[:count]
+
+    def _add_prompt(
+        self, job: pr.PrefillJob, held: _Held, cached: int, tbt_limit_s: float, park: bool
+    ) -> None:
+        """Engine thread: the prompt into the batch with its loaded pages, its steps
+        within the TBT limit its decision was planned with; held out of the steps when
+        a test armed `decode.prompt` (in this same call, so no step takes a chunk
+        first)."""
+        batcher = self.host.batcher
+        if tbt_limit_s > 0:
+            batcher.tbt_slo_s = tbt_limit_s
+        batcher.add_prompt(
+            job.request_id,
+            job.token_ids,
+            job.sampling,
+            cached_pages=held.pages,
+            num_cached_tokens=cached,
+            generated_tokens=job.generated_tokens,
+            priority=job.priority,
+        )
+        held.pages, held.in_batch = [], True
+        if park:
+            batcher.park(job.request_id)
+
+    async def _give_back(self, request_id: str, held: _Held) -> None:
+        """Free what a job that cannot go on holds: its pages, or its place in the
+        batch (reporting nothing there: the job's own error chunk says why)."""
+        with contextlib.suppress(RuntimeError):  # the engine is shut down: so is all
+            if held.in_batch:
+                await self.host.engine.call(self.host.batcher.discard, request_id)
+            elif held.pages:
+                await self.host.engine.call(self.host.free, held.pages)
+        held.pages, held.in_batch = [], False
+
+    def _account_prefix(self, job: pr.PrefillJob, prefix: LoadedPrefix) -> None:
+        """Metrics and `TransferFailed` events for a loaded prefix."""
+        for tier, tokens in prefix.tokens_by_tier.items():
+            self.host.metrics.reused.labels(tier).inc(tokens)
+        for failure in prefix.fetched.failures:
+            self.host.log_event(
+                ev.TransferFailed(
+                    request_id=job.request_id,
+                    source_instance=failure.source,
+                    target_instance=self.host.instance_id,
+                    reason=f"prefix blocks {failure.first}..{failure.first + failure.count - 1}: "
+                    f"{failure.reason}",
+                )
+            )
+
+    def progress(self, outputs: list[TokenOutput]) -> None:
+        """Log the piggybacked prompts' progress as a prefill's: `prefill_started` at
+        their first chunk, `prefill_done` and `kv_committed` at their first token."""
+        firsts = {o.request_id for o in outputs if o.token_id is not None}
+        ended = {o.request_id for o in outputs if o.finished}
+        for rid, prompt in list(self.prompts.items()):
+            if rid in firsts:
+                del self.prompts[rid]
+                self._prompt_started(prompt)
+                self._prompt_done(prompt)
+            elif rid in ended:
+                del self.prompts[rid]  # aborted before its first token
+            elif not prompt.started:
+                with contextlib.suppress(KeyError):  # aborted meanwhile
+                    if self.host.batcher.prompt_chunks(rid):
+                        self._prompt_started(prompt)
+
+    def _prompt_started(self, prompt: Piggybacked) -> None:
+        if prompt.started:
+            return
+        prompt.started = True
+        job = prompt.job
+        log.info("prefill_started", request_id=job.request_id, piggyback=True)
+        self.host.log_event(
+            ev.RequestProgress(
+                request_id=job.request_id,
+                instance_id=self.host.instance_id,
+                stage="prefill_started",
+            )
+        )
+
+    def _prompt_done(self, prompt: Piggybacked) -> None:
+        job, cached = prompt.job, prompt.cached_tokens
+        rid = job.request_id
+        n = len(job.token_ids)
+        log.info(
+            "prefill_done", request_id=rid, piggyback=True, prompt_tokens=n, reused_tokens=cached
+        )
+        self.host.log_event(
+            ev.RequestProgress(
+                request_id=rid,
+                instance_id=self.host.instance_id,
+                stage="prefill_done",
+                computed_tokens=n - cached,
+                reused_tokens=cached,
+            )
+        )
+        self.host.log_event(
+            ev.RequestProgress(
+                request_id=rid,
+                instance_id=self.host.instance_id,
+                stage="kv_committed",
+                computed_tokens=n - job.generated_tokens,
+                reused_tokens=cached,
+            )
+        )
+
+    async def fail_job(self, job: pr.PrefillJob, exc: JobFailed) -> None:
+        """End a piggybacked job that never reached the batch: an error chunk (a 503
+        the gateway may re-plan) and an event."""
+        rid = job.request_id
+        log.warning("piggyback_failed", request_id=rid, reason=exc.reason)
+        self.host.metrics.prompts.labels("failed").inc()
+        prompt_tokens = len(job.token_ids) - job.generated_tokens
+        chunk = pr.TokenChunk(
+            request_id=rid,
+            seq=0,
+            finished=True,
+            finish_reason="error",
+            error=exc.reason,
+            error_status=exc.status,
+            prompt_tokens=prompt_tokens,
+            attempt=job.attempt,
+        )
+        await self.host.emit(rid, job.token_subject, chunk)
+        self.host.history.finish(rid)
+        outcome: ev.RequestOutcome = "cancelled" if exc.status == 499 else "failed"
+        self.host.log_event(
+            ev.RequestFinished(
+                request_id=rid,
+                instance_id=self.host.instance_id,
+                outcome=outcome,
+                reason=exc.reason,
+                prompt_tokens=prompt_tokens,
+            )
+        )

@@ -34,13 +34,13 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from nats.aio.msg import Msg
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -63,16 +63,8 @@ from yb_dataplane.prefix_fetch import BlockFetcher
 from yb_dataplane.transport import Reservation, TransferError
 from yb_dataplane.worker import Capacity, Worker, WorkerContext, WorkerShell
 from yb_decode.history import TokenHistory
-from yb_decode.piggyback import (
-    JobFailed,
-    LoadedPrefix,
-    Piggybacked,
-    PromptLoader,
-    planned_blocks,
-    refusal,
-)
+from yb_decode.piggyback import PiggybackJobs
 from yb_engine.host import EngineGauges, EngineHost
-from yb_engine.kv_cache import OutOfPages
 
 if TYPE_CHECKING:
     from yb_engine.batcher import DecodeBatcher, TokenOutput
@@ -102,26 +94,6 @@ class _Abort:
     message: str
     status: int
     finish: str
-
-
-@dataclass
-class Loading:
-    """A piggybacked job whose prefix is being loaded, and why it is being given up
-    (None: it is not; `silent`: replaced by a newer attempt, nobody is told)."""
-
-    job: pr.PrefillJob
-    task: asyncio.Task[None]
-    why: JobFailed | None = None
-    silent: bool = False
-
-
-@dataclass
-class _Held:
-    """What a piggybacked job holds while it loads: its pages, until the batcher owns
-    them with the prompt (`in_batch`). Changed only on the engine thread."""
-
-    pages: list[int] = field(default_factory=list)
-    in_batch: bool = False
 
 
 @dataclass
@@ -253,18 +225,12 @@ class DecodeWorker(Worker):
         # Progress and outcomes reach the log in order without the engine loop or a
         # first token waiting for them.
         self.outbox = Outbox(context.bus)
-        # Piggybacking: jobs loading their prefix, prompts in the batch until their
-        # first token.
+        # Prompts prefilled inside the batch (`decode.piggyback`).
         self.piggyback = self.cfg.decode.piggyback
-        self.loader = PromptLoader(
-            self.instance_id,
-            BlockFetcher(
-                self.instance_id, engine.cache, context.peers, context.receiver, context.sender
-            ),
-            engine.cache.block_size,
+        fetcher = BlockFetcher(
+            self.instance_id, engine.cache, context.peers, context.receiver, context.sender
         )
-        self._loading: dict[str, Loading] = {}
-        self._prompts: dict[str, Piggybacked] = {}
+        self.piggy = PiggybackJobs(self, fetcher)
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -281,7 +247,7 @@ class DecodeWorker(Worker):
         batch."""
         await self.bus.subscribe(pr.decode_control_subject(self.instance_id), cb=self._on_control)
         if self.piggyback:
-            await self.bus.subscribe(pr.prefill_job_subject(self.instance_id), cb=self._on_job)
+            await self.bus.subscribe(pr.prefill_job_subject(self.instance_id), cb=self.piggy.on_job)
         # Its own subscription, so its callback task never waits behind a control
         # message (a reservation waits for the engine thread).
         await self.bus.subscribe(pr.resend_subject(self.instance_id), cb=self._on_resend)
@@ -290,6 +256,15 @@ class DecodeWorker(Worker):
 
     def refuse_work(self) -> None:
         self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        """Whether it refuses new work (it is stopping)."""
+        return self._draining
+
+    def wake(self) -> None:
+        """The batch has work: let the engine loop step."""
+        self._work.set()
 
     async def settle(self) -> None:
         """Log the progress and outcomes of the requests served so far."""
@@ -367,312 +342,34 @@ class DecodeWorker(Worker):
         with contextlib.suppress(Exception):
             await msg.respond(pr.encode(reply))
 
-    # --- piggybacked jobs (prompts prefilled inside the batch) ------------------------
+    # --- piggybacked prompts' streams (their jobs: `piggyback.PiggybackJobs`) ---------
 
-    async def _on_job(self, msg: Msg) -> None:
-        """Take a job the conductor planned inside this batch, or refuse it (see
-        `yb_decode.piggyback`); once accepted, its prefix loads in a task of its own."""
-        try:
-            job = pr.job_decoder.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("malformed_job", error=str(exc))
-            malformed = pr.JobRefused(
-                request_id="",
-                instance_id=self.instance_id,
-                reason=f"malformed job: {exc}",
-                retryable=False,
-            )
-            await self._reply(msg, malformed)
-            return
-        rid = job.request_id
-        refused = refusal(
-            job,
-            self.instance_id,
-            enabled=self.piggyback,
-            draining=self._draining,
-            max_model_len=self.cfg.model.max_model_len,
-            now=time.time(),
-        )
-        if refused is None and (older := await self._replace_older_attempt(rid, job.attempt)):
-            refused = older, False
-        if refused is not None:
-            reason, retryable = refused
-            log.info("job_refused", request_id=rid, reason=reason)
-            self.metrics.prompts.labels("refused").inc()
-            await self._reply(
-                msg,
-                pr.JobRefused(
-                    request_id=rid,
-                    instance_id=self.instance_id,
-                    reason=reason,
-                    retryable=retryable,
-                ),
-            )
-            return
-        headers = trace_carrier(msg.headers) or dict(job.trace_headers)
-        task = self.tasks.spawn(f"prompt:{rid}", self._take_prompt(job, headers))
-        self._loading[rid] = Loading(job, task)
-        self.metrics.prompts.labels("accepted").inc()
-        await self._reply(msg, pr.JobAccepted(request_id=rid, instance_id=self.instance_id))
-
-    async def _reply(self, msg: Msg, reply: pr.JobReply) -> None:
-        with contextlib.suppress(Exception):
-            await msg.respond(pr.encode(reply))
-
-    async def _take_prompt(self, job: pr.PrefillJob, trace_headers: dict[str, str]) -> None:
-        """Load the planned prefix, then hand the prompt to the batcher. A cancel, the
-        deadline, a full engine or the instance's shutdown fails the job with its
-        error chunk (a cancel from a newer attempt silently); its pages are freed on
-        every way out, wherever it was."""
-        rid = job.request_id
-        started_ns = time.time_ns()
-        dcfg = self.cfg.decode
-        block_size = self.engine.cache.block_size
-        held = _Held()
-        try:
-            with bind_request(rid):
-                planned = planned_blocks(job, self.instance_id, block_size, dcfg.reuse)
-                await self._settled(self._allocate, held, planned)
-                left = job.deadline - time.time() if job.deadline else dcfg.fetch_timeout_s
-                deadline_s = max(0.0, min(left, dcfg.fetch_timeout_s))
-                prefix = await self.loader.load(job, held.pages, dcfg.reuse, deadline_s)
-                # Blocks past the first one not loaded are computed in fresh pages.
-                await self._settled(self._keep, held, prefix.reused_blocks)
-                self._account_prefix(job, prefix)
-                if job.deadline and job.deadline < time.time():
-                    raise JobFailed("request deadline passed while its prefix loaded", status=504)
-                cached = prefix.reused_blocks * block_size
-                limit = job.decision.explain.tbt_limit_s if job.decision.explain else 0.0
-                armed = self.failpoints.count("decode.prompt") is not None
-                await self._settled(self._add_prompt, job, held, cached, limit, armed)
-                del self._loading[rid]
-                self._open_prompt_stream(job, trace_headers, cached, started_ns)
-                if armed:
-                    self.tasks.spawn(f"hold:{rid}", self._hold(self.batcher, rid, "decode.prompt"))
-                self._work.set()
-        except asyncio.CancelledError:
-            loading = self._loading.pop(rid, None)
-            await self._give_back(rid, held)
-            if loading is not None and loading.silent:
-                return  # a newer attempt replaced it: nobody is told
-            why = loading.why if loading is not None else None
-            await self._fail_job(job, why or JobFailed("decode instance shutting down"))
-            if why is None:
-                raise  # the shutdown's cancel, not one of this request
-        except (JobFailed, OutOfPages, ValueError) as exc:
-            self._loading.pop(rid, None)
-            await self._give_back(rid, held)
-            if isinstance(exc, OutOfPages):
-                exc = JobFailed(f"decode instance out of KV pages: {exc}")
-            elif isinstance(exc, ValueError):
-                exc = JobFailed(f"decode instance cannot run the prompt: {exc}", status=500)
-            await self._fail_job(job, exc)
-        except Exception as exc:  # one job's bug must not take the instance down
-            log.exception("piggyback_crashed", request_id=rid, error=repr(exc))
-            self._loading.pop(rid, None)
-            await self._give_back(rid, held)
-            await self._fail_job(job, JobFailed(f"decode instance failed the prompt: {exc}", 500))
-
-    async def _settled(self, fn: Callable[..., None], *args: Any) -> None:
-        """`fn(*args)` on the engine thread, run to its end even when the caller is
-        cancelled meanwhile (then the cancel is raised after it): what it did to the
-        pages is always known."""
-        done = self.engine.submit(fn, *args)
-        try:
-            await asyncio.shield(done)
-        except asyncio.CancelledError:
-            await asyncio.wait({done})
-            raise
-
-    def _allocate(self, held: _Held, count: int) -> None:
-        """Engine thread: pages for the blocks a job fetches (OutOfPages: none)."""
-        held.pages = self.engine.allocator.allocate(count) if count else []
-
-    def _keep(self, held: _Held, count: int) -> None:
-        """Engine thread: keep the first `count` pages (the loaded prefix), free the rest."""
-        self.engine.allocator.free(held.pages[count:])
-        held.pages = held.pages[:count]
-
-    def _add_prompt(
-        self, job: pr.PrefillJob, held: _Held, cached: int, tbt_limit_s: float, park: bool
-    ) -> None:
-        """Engine thread: the prompt into the batch with its loaded pages, its steps
-        within the TBT limit its decision was planned with; held out of the steps when
-        a test armed `decode.prompt` (in this same call, so no step takes a chunk
-        first)."""
-        batcher = self.batcher
-        if tbt_limit_s > 0:
-            batcher.tbt_slo_s = tbt_limit_s
-        batcher.add_prompt(
-            job.request_id,
-            job.token_ids,
-            job.sampling,
-            cached_pages=held.pages,
-            num_cached_tokens=cached,
-            generated_tokens=job.generated_tokens,
-            priority=job.priority,
-        )
-        held.pages, held.in_batch = [], True
-        if park:
-            batcher.park(job.request_id)
-
-    async def _give_back(self, request_id: str, held: _Held) -> None:
-        """Free what a job that cannot go on holds: its pages, or its place in the
-        batch (reporting nothing there: the job's own error chunk says why)."""
-        with contextlib.suppress(RuntimeError):  # the engine is shut down: so is all
-            if held.in_batch:
-                await self.engine.call(self.batcher.discard, request_id)
-            elif held.pages:
-                await self.engine.call(self._free, held.pages)
-        held.pages, held.in_batch = [], False
-
-    def _account_prefix(self, job: pr.PrefillJob, prefix: LoadedPrefix) -> None:
-        """Metrics and `TransferFailed` events for a loaded prefix."""
-        for tier, tokens in prefix.tokens_by_tier.items():
-            self.metrics.reused.labels(tier).inc(tokens)
-        for failure in prefix.fetched.failures:
-            self._log_event(
-                ev.TransferFailed(
-                    request_id=job.request_id,
-                    source_instance=failure.source,
-                    target_instance=self.instance_id,
-                    reason=f"prefix blocks {failure.first}..{failure.first + failure.count - 1}: "
-                    f"{failure.reason}",
-                )
-            )
-
-    def _open_prompt_stream(
+    def open_prompt_stream(
         self, job: pr.PrefillJob, trace_headers: dict[str, str], cached: int, started_ns: int
     ) -> None:
         """Track a piggybacked prompt's token stream from its acceptance, traced."""
-        rid = job.request_id
         prompt_tokens = len(job.token_ids) - job.generated_tokens
-        span = _tracer.start_span(
+        self._streams[job.request_id] = _new_stream(
             "decode piggyback",
-            context=extract_context(trace_headers),
-            kind=trace.SpanKind.CONSUMER,
-            start_time=started_ns,
-        )
-        phase_span: trace.Span = trace.INVALID_SPAN
-        if span.is_recording():
-            span.set_attributes(
-                {
-                    "yb.request_id": rid,
-                    "yb.prompt_tokens": prompt_tokens,
-                    "yb.reused_tokens": cached,
-                    "yb.max_tokens": job.sampling.max_tokens,
-                }
-            )
-            phase_span = _tracer.start_span(
-                "decode first token",
-                context=trace.set_span_in_context(span),
-                start_time=started_ns,
-            )
-        self._streams[rid] = Stream(
-            request_id=rid,
+            extract_context(trace_headers),
+            started_ns,
+            request_id=job.request_id,
             subject=job.token_subject,
             prompt_tokens=prompt_tokens,
             reused_tokens=cached,
             ttft_started=job.decision.time,
-            span=span,
             attempt=job.attempt,
             open_choices=set(range(job.sampling.n)),
             deadline=job.deadline,
-            phase_span=phase_span,
             completion_tokens=job.generated_tokens,
+            max_tokens=job.sampling.max_tokens,
         )
-        self._prompts[rid] = Piggybacked(job, cached)
         log.info(
             "piggyback_accepted",
-            request_id=rid,
+            request_id=job.request_id,
             prompt_tokens=prompt_tokens,
             reused_tokens=cached,
             trace_id=trace_id_hex(trace_headers),
-        )
-
-    def _prompt_progress(self, outputs: list[TokenOutput]) -> None:
-        """Log the piggybacked prompts' progress as a prefill's: `prefill_started` at
-        their first chunk, `prefill_done` and `kv_committed` at their first token."""
-        firsts = {o.request_id for o in outputs if o.token_id is not None}
-        ended = {o.request_id for o in outputs if o.finished}
-        for rid, prompt in list(self._prompts.items()):
-            if rid in firsts:
-                del self._prompts[rid]
-                self._prompt_started(prompt)
-                self._prompt_done(prompt)
-            elif rid in ended:
-                del self._prompts[rid]  # aborted before its first token
-            elif not prompt.started:
-                with contextlib.suppress(KeyError):  # aborted meanwhile
-                    if self.batcher.prompt_chunks(rid):
-                        self._prompt_started(prompt)
-
-    def _prompt_started(self, prompt: Piggybacked) -> None:
-        if prompt.started:
-            return
-        prompt.started = True
-        job = prompt.job
-        log.info("prefill_started", request_id=job.request_id, piggyback=True)
-        self._log_event(
-            ev.RequestProgress(
-                request_id=job.request_id, instance_id=self.instance_id, stage="prefill_started"
-            )
-        )
-
-    def _prompt_done(self, prompt: Piggybacked) -> None:
-        job, cached = prompt.job, prompt.cached_tokens
-        rid = job.request_id
-        n = len(job.token_ids)
-        log.info(
-            "prefill_done", request_id=rid, piggyback=True, prompt_tokens=n, reused_tokens=cached
-        )
-        self._log_event(
-            ev.RequestProgress(
-                request_id=rid,
-                instance_id=self.instance_id,
-                stage="prefill_done",
-                computed_tokens=n - cached,
-                reused_tokens=cached,
-            )
-        )
-        self._log_event(
-            ev.RequestProgress(
-                request_id=rid,
-                instance_id=self.instance_id,
-                stage="kv_committed",
-                computed_tokens=n - job.generated_tokens,
-                reused_tokens=cached,
-            )
-        )
-
-    async def _fail_job(self, job: pr.PrefillJob, exc: JobFailed) -> None:
-        """End a piggybacked job that never reached the batch: an error chunk (a 503
-        the gateway may re-plan) and an event."""
-        rid = job.request_id
-        log.warning("piggyback_failed", request_id=rid, reason=exc.reason)
-        self.metrics.prompts.labels("failed").inc()
-        prompt_tokens = len(job.token_ids) - job.generated_tokens
-        chunk = pr.TokenChunk(
-            request_id=rid,
-            seq=0,
-            finished=True,
-            finish_reason="error",
-            error=exc.reason,
-            error_status=exc.status,
-            prompt_tokens=prompt_tokens,
-            attempt=job.attempt,
-        )
-        await self._emit(rid, job.token_subject, chunk)
-        self.history.finish(rid)
-        outcome: ev.RequestOutcome = "cancelled" if exc.status == 499 else "failed"
-        self._log_event(
-            ev.RequestFinished(
-                request_id=rid,
-                instance_id=self.instance_id,
-                outcome=outcome,
-                reason=exc.reason,
-                prompt_tokens=prompt_tokens,
-            )
         )
 
     # --- resends to gateways that lost chunks ---------------------------------------
@@ -697,7 +394,7 @@ class DecodeWorker(Worker):
             state: pr.StreamState = "unknown"
             if rid in self._streams:
                 state = "streaming"
-            elif rid in self._pending or rid in self._loading:
+            elif rid in self._pending or rid in self.piggy.loading:
                 state = "pending"
             await self._respond(msg, pr.TokensResent(request_id=rid, state=state))
             return
@@ -724,7 +421,7 @@ class DecodeWorker(Worker):
         )
         await self._respond(msg, reply)
 
-    async def _emit(self, request_id: str, subject: str, chunk: pr.TokenChunk) -> None:
+    async def emit(self, request_id: str, subject: str, chunk: pr.TokenChunk) -> None:
         """Publish a chunk to its gateway, and keep it for a resend."""
         payload = pr.encode(chunk)
         self.history.record(request_id, subject, chunk.seq, payload)
@@ -740,7 +437,7 @@ class DecodeWorker(Worker):
         rid = req.request_id
         if self._draining:
             return pr.ReserveRefused(request_id=rid, reason="decode instance shutting down")
-        if refused := await self._replace_older_attempt(rid, req.attempt):
+        if refused := await self.replace_older_attempt(rid, req.attempt):
             return pr.ReserveRefused(request_id=rid, reason=refused)
         # max_tokens counts the tokens a resumed request had generated already.
         total = req.num_tokens - req.generated_tokens + req.sampling.max_tokens
@@ -783,14 +480,14 @@ class DecodeWorker(Worker):
             breaks=reservation.breaks(),
         )
 
-    async def _replace_older_attempt(self, rid: str, attempt: int) -> str:
+    async def replace_older_attempt(self, rid: str, attempt: int) -> str:
         """Make way for a re-planned request's reservation or piggybacked job: an older
         attempt of it held here (reserved, loading its prefix, prefilling or
         decoding) is dropped without a word to the gateway, which reads only the
         newest attempt's stream. Why it is refused ('' if it is not): this attempt or
         a newer one is here already."""
         pending = self._pending.get(rid)
-        loading = self._loading.get(rid)
+        loading = self.piggy.loading.get(rid)
         stream = self._streams.get(rid)
         held = (
             pending.reserve.attempt
@@ -814,7 +511,7 @@ class DecodeWorker(Worker):
             await asyncio.wait({loading.task})
         if stream is not None:
             await self.engine.call(self.batcher.discard, rid)
-            self._prompts.pop(rid, None)
+            self.piggy.prompts.pop(rid, None)
             self._aborts.pop(rid, None)
             # No `RequestFinished`: the request lives on in the new attempt.
             self._streams.pop(rid, None)
@@ -839,7 +536,7 @@ class DecodeWorker(Worker):
             pending = self._pending.pop(request_id, None)
             if pending is not None:
                 self.receiver.cancel(request_id)
-                await self.engine.call(self._free, pending.pages + pending.copy_pages)
+                await self.engine.call(self.free, pending.pages + pending.copy_pages)
                 await self._fail_reservation(pending, exc)
             return False
 
@@ -863,10 +560,10 @@ class DecodeWorker(Worker):
             prompt_tokens=reserve.num_tokens - reserve.generated_tokens,
             attempt=reserve.attempt,
         )
-        await self._emit(reserve.request_id, reserve.token_subject, chunk)
+        await self.emit(reserve.request_id, reserve.token_subject, chunk)
         self.history.finish(reserve.request_id)
         self.metrics.requests.labels("failed").inc()
-        self._log_event(
+        self.log_event(
             ev.RequestFinished(
                 request_id=reserve.request_id,
                 instance_id=self.instance_id,
@@ -918,7 +615,7 @@ class DecodeWorker(Worker):
                 )
             )
         except ValueError as exc:
-            await self.engine.call(self._free, pending.pages + pending.copy_pages)
+            await self.engine.call(self.free, pending.pages + pending.copy_pages)
             return pr.DecodeAck(request_id=rid, ok=False, reason=str(exc))
         await self._open_stream(pending, start, trace_headers, started_ns)
         self._work.set()
@@ -934,39 +631,20 @@ class DecodeWorker(Worker):
         """Track an admitted request's token stream, traced, and say its KV is in."""
         rid = start.request_id
         reserve = pending.reserve
-        span = _tracer.start_span(
+        self._streams[rid] = _new_stream(
             "decode",
-            context=extract_context(trace_headers or pending.trace_headers),
-            kind=trace.SpanKind.CONSUMER,
-            start_time=started_ns,
-        )
-        phase_span: trace.Span = trace.INVALID_SPAN
-        if span.is_recording():
-            span.set_attributes(
-                {
-                    "yb.request_id": rid,
-                    "yb.prompt_tokens": start.prompt_tokens,
-                    "yb.reused_tokens": start.reused_tokens,
-                    "yb.max_tokens": reserve.sampling.max_tokens,
-                }
-            )
-            phase_span = _tracer.start_span(
-                "decode first token",
-                context=trace.set_span_in_context(span),
-                start_time=started_ns,
-            )
-        self._streams[rid] = Stream(
+            extract_context(trace_headers or pending.trace_headers),
+            started_ns,
             request_id=rid,
             subject=reserve.token_subject,
             prompt_tokens=start.prompt_tokens,
             reused_tokens=start.reused_tokens,
             ttft_started=reserve.ttft_started,
-            span=span,
             attempt=reserve.attempt,
             open_choices=set(range(reserve.sampling.n)),
             deadline=reserve.deadline,
-            phase_span=phase_span,
             completion_tokens=reserve.generated_tokens,
+            max_tokens=reserve.sampling.max_tokens,
         )
         with bind_request(rid):
             log.info(
@@ -974,7 +652,7 @@ class DecodeWorker(Worker):
                 prompt_tokens=start.prompt_tokens,
                 trace_id=trace_id_hex(pending.trace_headers),
             )
-        self._log_event(
+        self.log_event(
             ev.RequestProgress(
                 request_id=rid,
                 instance_id=self.instance_id,
@@ -992,18 +670,15 @@ class DecodeWorker(Worker):
         self.receiver.cancel(request_id)
         if not pending.commit.done():
             pending.commit.cancel()
-        await self.engine.call(self._free, pending.pages + pending.copy_pages)
+        await self.engine.call(self.free, pending.pages + pending.copy_pages)
 
-    def _free(self, pages: list[int]) -> None:
+    def free(self, pages: list[int]) -> None:
         self.engine.allocator.free(pages)
 
     def on_cancel(self, request_id: str, reason: str) -> None:
-        loading = self._loading.get(request_id)
-        if loading is not None:
-            if loading.why is None:
-                loading.why = JobFailed(f"cancelled: {reason or 'cancelled'}", status=499)
-                loading.task.cancel()
-        elif request_id in self._pending:
+        if self.piggy.cancel(request_id, reason):
+            return
+        if request_id in self._pending:
             self.tasks.spawn(
                 f"cancel:{request_id}", self._drop_pending(request_id, f"cancelled: {reason}")
             )
@@ -1045,8 +720,8 @@ class DecodeWorker(Worker):
             self.metrics.step.observe(batcher.last_step_seconds)
             self.gauges.batch.set(batcher.num_running)
             self.gauges.queue.set(batcher.num_waiting + batcher.num_prefilling)
-            if self._prompts:
-                self._prompt_progress(outputs)
+            if self.piggy.prompts:
+                self.piggy.progress(outputs)
             await self._deliver(outputs)
 
     async def _deliver(self, outputs: list[TokenOutput]) -> None:
@@ -1102,9 +777,9 @@ class DecodeWorker(Worker):
         """
         batcher = self.batcher
         if await self.engine.call(batcher.park, request_id):
-            self.tasks.spawn(f"hold:{request_id}", self._hold(batcher, request_id))
+            self.tasks.spawn(f"hold:{request_id}", self.hold(batcher, request_id))
 
-    async def _hold(
+    async def hold(
         self, batcher: DecodeBatcher, request_id: str, point: str = "decode.token"
     ) -> None:
         outcome = await self.failpoints.hold(
@@ -1132,7 +807,7 @@ class DecodeWorker(Worker):
             logprobs=[out.logprob] if out.logprob is not None else [],
         )
         stream.seq += 1
-        await self._emit(stream.request_id, stream.subject, chunk)
+        await self.emit(stream.request_id, stream.subject, chunk)
 
     async def _end_stream(
         self, stream: Stream, *, error: str, status: int, reason: str = "error"
@@ -1147,7 +822,7 @@ class DecodeWorker(Worker):
             attempt=stream.attempt,
         )
         stream.seq += 1
-        await self._emit(stream.request_id, stream.subject, chunk)
+        await self.emit(stream.request_id, stream.subject, chunk)
         await self._finish(stream, reason, error)
 
     async def _finish(self, stream: Stream, reason: str, error: str) -> None:
@@ -1170,7 +845,7 @@ class DecodeWorker(Worker):
         )
         self.metrics.requests.labels(outcome).inc()
         ttft = stream.first_token_at - stream.ttft_started if stream.ttft_started else 0.0
-        self._log_event(
+        self.log_event(
             ev.RequestFinished(
                 request_id=stream.request_id,
                 instance_id=self.instance_id,
@@ -1183,7 +858,7 @@ class DecodeWorker(Worker):
             )
         )
 
-    def _log_event(self, event: ev.AnyEvent) -> None:
+    def log_event(self, event: ev.AnyEvent) -> None:
         self.outbox.put(event)
 
     def load_report(self) -> ev.LoadReport:
@@ -1193,7 +868,7 @@ class DecodeWorker(Worker):
             instance_id=self.instance_id,
             role="decode",
             queued_requests=len(self._pending)
-            + len(self._loading)
+            + len(self.piggy.loading)
             + batcher.num_waiting
             + batcher.num_prefilling,
             running_requests=batcher.num_running,
@@ -1201,6 +876,30 @@ class DecodeWorker(Worker):
             kv_total_blocks=self.engine.cache.num_pages,
             last_step_s=batcher.last_step_seconds,
         )
+
+
+def _new_stream(
+    name: str, context: Context, started_ns: int, *, max_tokens: int, **fields: Any
+) -> Stream:
+    """A stream with its span (`name`, a child of `context`) and the span of its wait
+    for the first token, both opened at `started_ns`."""
+    span = _tracer.start_span(
+        name, context=context, kind=trace.SpanKind.CONSUMER, start_time=started_ns
+    )
+    phase_span: trace.Span = trace.INVALID_SPAN
+    if span.is_recording():
+        span.set_attributes(
+            {
+                "yb.request_id": fields["request_id"],
+                "yb.prompt_tokens": fields["prompt_tokens"],
+                "yb.reused_tokens": fields["reused_tokens"],
+                "yb.max_tokens": max_tokens,
+            }
+        )
+        phase_span = _tracer.start_span(
+            "decode first token", context=trace.set_span_in_context(span), start_time=started_ns
+        )
+    return Stream(span=span, phase_span=phase_span, **fields)
 
 
 def _stream_phase(stream: Stream, first_token_at: float) -> None:
