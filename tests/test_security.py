@@ -211,6 +211,7 @@ async def test_subscriptions_are_confined_to_each_roles_own_subjects(
             ],
             "decode": [
                 protocol.prefill_job_subject("prefill-0"),
+                protocol.prefill_job_subject("decode-1"),  # another decode's piggybacked jobs
                 "yb.tok.gateway-0.*",
                 protocol.resend_subject("decode-1"),  # another decode's resend requests
             ],
@@ -231,6 +232,7 @@ async def test_subscriptions_are_confined_to_each_roles_own_subjects(
             "decode": [
                 protocol.decode_control_subject("decode-0"),
                 protocol.resend_subject("decode-0"),
+                protocol.prefill_job_subject("decode-0"),  # its piggybacked jobs
             ],
         }
         for role, subjects in allowed.items():
