@@ -19,7 +19,8 @@ so each scenario arranges its path by construction:
 
 In file order: a piggybacked prompt gives the normal path's greedy tokens, its
 decision has `piggyback` set and the decode instance logs its progress as a prefill
-would; a prompt whose prefix is in the pool reuses it (`cached_tokens`); SIGKILL of
+would; a prompt whose prefix is in the pool reuses it (`cached_tokens`); a client
+that leaves while its prompt is in the batch gets its pages freed; SIGKILL of
 the decode instance while it holds a piggybacked prompt in its batch (failpoint
 `decode.prompt`, before any chunk) re-plans the request, which completes with the
 same tokens; the log replays to the same decisions.
@@ -44,6 +45,8 @@ from yb_core import events as ev
 from yb_testkit.faults import (
     FaultRecord,
     Gate,
+    RawStream,
+    Scraper,
     SseClient,
     decision_of,
     events_of,
@@ -51,6 +54,7 @@ from yb_testkit.faults import (
     long_stream_body,
     read_log,
     record,
+    wait_all,
 )
 from yb_testkit.fixtures import LocalCluster
 
@@ -231,6 +235,30 @@ def test_a_piggybacked_prompt_reuses_its_prefix_from_the_pool(piggy: Piggy) -> N
         if e.request_id == body["id"] and e.stage == "prefill_done"
     ]
     assert (done.computed_tokens, done.reused_tokens) == (len(prompt) - 3 * BLOCK, 3 * BLOCK)
+
+
+def test_a_client_that_leaves_frees_a_piggybacked_prompts_pages(piggy: Piggy) -> None:
+    cluster, gate = piggy.cluster, piggy.gate
+    scraper = Scraper(cluster)
+    with busy_prefill(piggy, seed=40):
+        gate.arm("decode.prompt")
+        stream = RawStream(cluster, long_stream_body(_tokens(4, 300), max_tokens=MAX_TOKENS))
+        held = gate.wait_held("decode.prompt", ACT_S)
+        assert held.request_id == stream.request_id
+        _piggybacked(cluster, held.request_id)
+        where = held.instance_id
+        assert scraper.pages_used(where) > 0
+        stream.close()
+        wait_all(
+            {
+                f"{where} to free the prompt's pages": lambda: scraper.pages_used(where) == 0,
+                "the request to end cancelled": lambda: any(
+                    e.request_id == held.request_id and e.outcome == "cancelled"
+                    for e in events_of(read_log(cluster), ev.RequestFinished)
+                ),
+            },
+            ACT_S,
+        )
 
 
 def test_decode_death_while_prefilling_a_piggybacked_prompt_is_replanned(piggy: Piggy) -> None:
