@@ -17,8 +17,10 @@ still on its way to decode is committed and the request handed over (at most
 `MAX_FINISHING` groups' worth of jobs at once). Those ends are round trips to the
 decode instance; waiting for them before the next compute made the engine idle for
 most of each job under load.
-A job's KV goes out once the stream before it to the same decode instance carries
-data (see `_compute_and_stream`): meanwhile it computes, and what it computes waits.
+A job's KV goes out once the group before its own to the same decode instance has
+carried data (the first stream of each group waits for the first of the group
+before; the others of a group, for their group's first: see `_compute_and_stream`):
+meanwhile it computes, and what it computes waits.
 
 Whatever ends a job early gives back what it held: the decode reservation, and its
 pages here (its full blocks stay cached, the new ones are uploaded to the host's
@@ -83,6 +85,15 @@ MAX_FINISHING = 4
 
 #: A job's compute on the engine thread: (job, its pages, tokens cached, its stream).
 _Part = tuple[pr.PrefillJob, list[int], int, LayerStreamer]
+
+
+@dataclass(frozen=True, slots=True)
+class _Lead:
+    """The first stream of the last group of jobs to one decode instance (`group`:
+    its `ComputeBatch`, None for a job alone)."""
+
+    group: object | None
+    stream: LayerStreamer
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,8 +208,9 @@ class PrefillWorker(Worker):
         self._jobs: set[asyncio.Task[None]] = set()
         # The uploads to the kvstore in flight: each holds its blocks' pages.
         self._uploads: set[asyncio.Task[None]] = set()
-        # The stream that started last to each decode instance (`_compute_and_stream`).
-        self._streams: dict[str, LayerStreamer] = {}
+        # The first stream of the group that started last to each decode instance
+        # (`_compute_and_stream`).
+        self._streams: dict[str, _Lead] = {}
         # The batch each job of a group of several computes in (by id of the job).
         self._batch_of: dict[int, ComputeBatch[_Part, list[Sampled]]] = {}
         self._cancelled: dict[str, str] = {}
@@ -623,13 +635,15 @@ class PrefillWorker(Worker):
         try:
             await self._account_prefix(job, prefix, span)
             streamer = self._start_streaming(job, prefix, cached_tokens, deadline_s)
-            # Its pages go out once the stream before it to the same decode instance
-            # carries data: they share one UCX connection, which a transfer that fails
-            # closes (a peer cut off from this host leaves every send on it hanging
-            # until its deadline); a stream that waited connects afresh instead of
-            # failing with the one before.
-            before = self._streams.get(decode_id)
-            self._streams[decode_id] = streamer
+            # Its pages go out once the connection to the decode instance is known to
+            # carry data: streams to one instance share one UCX connection, which a
+            # transfer that fails closes (a peer cut off from this host leaves every
+            # send on it hanging until its deadline); a stream that waited connects
+            # afresh instead of failing with the one before. The first stream of a
+            # group waits for the first of the group before; the others of a group
+            # wait for their group's first only, not each for the one before it: a
+            # group computed together would otherwise go out one round trip apart.
+            before = self._stream_before(decode_id, self._batch_of.get(id(job)), streamer)
             try:
                 computing = asyncio.ensure_future(
                     self._compute_traced(job, prefix.block_table, cached_tokens, streamer)
@@ -657,13 +671,25 @@ class PrefillWorker(Worker):
             await self._give_back(job, reserving)
             raise
         finally:
-            if streamer is not None and self._streams.get(decode_id) is streamer:
+            lead = self._streams.get(decode_id)
+            if streamer is not None and lead is not None and lead.stream is streamer:
                 del self._streams[decode_id]
             await self._keep_blocks(job, prefix, first is not None)
         self.metrics.tokens.inc(len(job.token_ids) - cached_tokens)
         span.set_attribute("yb.pages_sent", streamer.pages_sent)
         assert first is not None
         return _Computed(first, computed_at)
+
+    def _stream_before(
+        self, decode_id: str, group: object | None, streamer: LayerStreamer
+    ) -> LayerStreamer | None:
+        """The stream whose data `streamer` waits for (None: none), noting `streamer`
+        as its group's first stream to `decode_id` when it is."""
+        lead = self._streams.get(decode_id)
+        if lead is not None and group is not None and lead.group is group:
+            return lead.stream
+        self._streams[decode_id] = _Lead(group, streamer)
+        return lead.stream if lead is not None else None
 
     def _start_streaming(
         self, job: pr.PrefillJob, prefix: Prefix, cached_tokens: int, deadline_s: float
