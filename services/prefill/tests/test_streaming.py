@@ -55,6 +55,7 @@ class RecordingSender:
 
     def __init__(self) -> None:
         self.sent: list[list[int]] = []
+        self.committed_with: list[bool] = []
         self.commits = 0
 
     async def send(
@@ -65,9 +66,11 @@ class RecordingSender:
         *,
         deadline_s: float,
         receiver_breaks: Collection[int] | None = None,
+        commit: bool = False,
     ) -> None:
         assert deadline_s > 0
         self.sent.append([index for index, _ in items])
+        self.committed_with.append(commit)
 
     async def commit(self, peer: PeerAddress, request_id: str, *, deadline_s: float) -> None:
         self.commits += 1
@@ -87,6 +90,7 @@ def streamer(
     num_tokens: int = 2 * BLOCK,
     deadline_s: float = 30.0,
     cache: Any = None,
+    commit_last: bool = False,
 ) -> LayerStreamer:
     def record() -> FakeEvent:
         assert events is not None
@@ -106,6 +110,7 @@ def streamer(
         0,
         deadline_s,
         layer_event=record if events is not None else None,
+        commit_last=commit_last,
     )
 
 
@@ -185,3 +190,23 @@ async def test_cuda_layer_event_follows_the_launched_kernels() -> None:
     event = cuda_layer_event()
     event.synchronize()  # type: ignore[attr-defined]
     assert event.query()
+
+
+@pytest.mark.parametrize("commit_last", [False, True])
+async def test_the_segment_that_completes_the_request_carries_the_commit(
+    commit_last: bool,
+) -> None:
+    """With `commit_last`, the last page queued goes out alone with the commit, after
+    the sends before it returned; without, `finish()` commits on its own."""
+    sender = RecordingSender()
+    s = streamer(sender, None, commit_last=commit_last)  # 2 layers of 2 pages
+    s.start()
+    s.on_layer(0, 0, 2 * BLOCK)
+    await until(lambda: len(sender.sent) == 1)
+    s.on_layer(1, 0, 2 * BLOCK)
+    await asyncio.sleep(0)  # the hook queues from the loop's next turn, as from a thread
+    await s.finish()
+    assert sender.sent == [[0, 1], [2, 3]]
+    assert sender.committed_with == [False, commit_last]
+    assert sender.commits == (0 if commit_last else 1)
+    assert s.pages_sent == 4

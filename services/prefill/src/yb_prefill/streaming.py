@@ -108,6 +108,11 @@ class LayerStreamer:
     layer `layer` (the layout `KVReserved` announces). Made without a `peer`, it
     queues what completes until `direct()` says where the reservation is, so that
     compute need not wait for the reservation's round trip.
+
+    With `commit_last`, the segment that completes the request (every page of every
+    layer queued) goes out once the sends before it have returned, carrying the
+    commit: the whole transfer of a short prompt is one round trip, not a send's
+    then a commit's. `finish()` then has no commit left to make.
     """
 
     def __init__(
@@ -123,6 +128,8 @@ class LayerStreamer:
         deadline_s: float,
         receiver_breaks: Collection[int] | None = None,
         layer_event: EventFactory | None = None,
+        *,
+        commit_last: bool = False,
     ) -> None:
         self._loop = loop
         self._sender = sender
@@ -150,6 +157,10 @@ class LayerStreamer:
         self._layer_event = layer_event
         self._queue: asyncio.Queue[Queued | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+        self._commit_last = commit_last
+        # Every (layer, page) is queued exactly once: by `queue_prefix` or `on_layer`.
+        self._pages_left = cache.num_layers * len(self._block_table)
+        self._committed = False
         self.pages_sent = 0
         self.bytes_sent = 0  # counted only while traced
         self._span: trace.Span = trace.INVALID_SPAN
@@ -223,7 +234,8 @@ class LayerStreamer:
             self._queue.put_nowait(None)
             await self._task
             assert self._peer is not None  # the task ended after `direct()`
-            await self._sender.commit(self._peer, self._request_id, deadline_s=self._deadline_s)
+            if not self._committed:
+                await self._sender.commit(self._peer, self._request_id, deadline_s=self._deadline_s)
         except BaseException as exc:
             self._end_span(exc)
             raise
@@ -285,12 +297,19 @@ class LayerStreamer:
                     if more[1] is not None:
                         events.append(more[1])
                     nbytes += sum(_nbytes(page) for _, page in more[0])
-                while len(in_flight) >= WINDOW:
+                self._pages_left -= len(segment)
+                last = self._commit_last and self._pages_left == 0
+                # The commit must follow every other send of the request.
+                while in_flight and (last or len(in_flight) >= WINDOW):
                     done, in_flight = await asyncio.wait(
                         in_flight, return_when=asyncio.FIRST_COMPLETED
                     )
                     for task in done:
                         self.pages_sent += task.result()
+                if last:
+                    self.pages_sent += await self._send(segment, events, commit=True)
+                    self._committed = True
+                    continue
                 in_flight.add(asyncio.ensure_future(self._send(segment, events)))
             if in_flight:
                 done, in_flight = await asyncio.wait(in_flight)
@@ -301,7 +320,9 @@ class LayerStreamer:
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
 
-    async def _send(self, segment: Segment, events: Sequence[LayerEvent]) -> int:
+    async def _send(
+        self, segment: Segment, events: Sequence[LayerEvent], *, commit: bool = False
+    ) -> int:
         assert self._peer is not None  # `_send_all` waits for `direct()`
         deadline = Deadline.after(self._deadline_s)
         if events:
@@ -313,6 +334,7 @@ class LayerStreamer:
             segment,
             deadline_s=deadline.remaining(),
             receiver_breaks=self._receiver_breaks,
+            commit=commit,
         )
         _resolve(self.flowing)
         if self._span_open:

@@ -706,6 +706,9 @@ class PrefillWorker(Worker):
             len(job.token_ids),
             cached_tokens,
             deadline_s,
+            # The test failpoint `prefill.commit` holds a job between its last send
+            # and its commit: the commit cannot ride on that send then.
+            commit_last=self.failpoints.count("prefill.commit") is None,
         )
         streamer.start()
         streamer.queue_prefix(prefix.reused_blocks)
