@@ -217,3 +217,41 @@ async def test_the_app_answers_from_its_view_of_the_gateway() -> None:
         assert "accepts only `null`" in message["function_call"]["description"]
         assert "description" not in message["tool_call_id"]
         assert "description" not in body["properties"]["temperature"]
+
+
+async def test_a_short_prompt_is_tokenized_on_the_loop_only_while_the_thread_is_idle() -> None:
+    """A prompt of at most INLINE_CHARS skips the hop to the tokenizer thread, but
+    never while a call runs there (the tokenizer is not safe to share across threads);
+    a longer one always goes there. Either way the ids are the same."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from yb_gateway.logprobs import TokenTable
+    from yb_gateway.prompt import INLINE_CHARS
+    from yb_text.tiny_tokenizer import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    threads: list[str] = []
+    encode = tok.encode
+
+    def recording_encode(*args: Any, **kwargs: Any) -> list[int]:
+        threads.append(threading.current_thread().name)
+        ids: list[int] = encode(*args, **kwargs)
+        return ids
+
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as executor:
+        encoder = PromptEncoder(tok, executor, TokenTable.of(tok))
+        tok.encode = recording_encode  # type: ignore[method-assign]
+        short, long = "The capital of France is", "word " * (INLINE_CHARS // 4)
+        assert await encoder.text(short) == encode(short, add_special_tokens=True)
+        assert await encoder.text(long) == encode(long, add_special_tokens=True)
+        # The thread busy: a short prompt waits its turn there.
+        release = threading.Event()
+        busy = executor.submit(release.wait, 30)
+        encoder._last = busy
+        queued = asyncio.ensure_future(encoder.text(short))
+        await asyncio.sleep(0.05)
+        assert not queued.done()
+        release.set()
+        assert await queued == encode(short, add_special_tokens=True)
+    assert [name.startswith("tokenizer") for name in threads] == [False, True, True]

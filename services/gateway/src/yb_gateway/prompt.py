@@ -1,10 +1,13 @@
 """From an OpenAI request to what the cluster runs: token ids, limits, sampling.
 
-All tokenizer work runs on one dedicated thread. Off the event loop, because a long
+Tokenizer work runs on one dedicated thread. Off the event loop, because a long
 prompt or a chat template takes milliseconds that every other stream would wait for;
 on a single thread, because a Hugging Face fast tokenizer is not safe to call from
 several threads at once (it mutates its truncation/padding state per call and fails
-with "Already borrowed").
+with "Already borrowed"). A short prompt (`INLINE_CHARS`) is tokenized on the event
+loop instead when that thread is idle: it takes tens of microseconds, less than the
+hop to the thread and back, and with the thread idle no other call can overlap it
+(every call is made from the loop).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,6 +37,10 @@ from yb_text.tokenizer import load_tokenizer
 
 T = TypeVar("T")
 
+#: Prompts (or chat messages, all together) of at most this many characters are
+#: tokenized on the event loop when the tokenizer thread is idle.
+INLINE_CHARS = 256
+
 
 class PromptEncoder:
     """The served model's tokenizer, used from its own thread."""
@@ -47,6 +54,9 @@ class PromptEncoder:
         self._template_tools = structured.template_uses_tools(
             getattr(tokenizer, "chat_template", None)
         )
+        # The call submitted last to the tokenizer thread, which runs them in order:
+        # once it is done, the thread is idle.
+        self._last: Future[Any] | None = None
 
     @classmethod
     async def load(
@@ -60,8 +70,17 @@ class PromptEncoder:
         return cls(tokenizer, executor, tokens)
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        submitted = self._executor.submit(functools.partial(fn, *args, **kwargs))
+        self._last = submitted
+        return await asyncio.wrap_future(submitted)
+
+    async def _run_short(self, chars: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`_run`, or `fn` right here for an input of at most `INLINE_CHARS` when the
+        tokenizer thread is idle (its last call done, even one whose caller stopped
+        waiting)."""
+        if chars <= INLINE_CHARS and (self._last is None or self._last.done()):
+            return fn(*args, **kwargs)
+        return await self._run(fn, *args, **kwargs)
 
     async def chat(
         self, messages: list[ChatMessage], tools: list[ToolDefinition] | None = None
@@ -74,7 +93,10 @@ class PromptEncoder:
         template_tools = (
             structured.template_tools_arg(tools) if tools and self._template_tools else None
         )
-        return await self._run(self._encode_chat, conversation, template_tools)
+        # Tools the template renders count as long: their schemas can be any size.
+        chars = INLINE_CHARS + 1 if template_tools else 0
+        chars += sum(len(str(m.get("content") or "")) for m in conversation)
+        return await self._run_short(chars, self._encode_chat, conversation, template_tools)
 
     async def check_grammar(self, grammar: str) -> None:
         """Raise `yb_text.grammar.GrammarError` unless `grammar` compiles for this
@@ -89,7 +111,9 @@ class PromptEncoder:
     async def text(self, prompt: str) -> list[int]:
         """Tokenize a raw completion prompt (with the tokenizer's special tokens, as
         `transformers` and vLLM do for `/v1/completions`)."""
-        return await self._run(self._tokenizer.encode, prompt, add_special_tokens=True)
+        return await self._run_short(
+            len(prompt), self._tokenizer.encode, prompt, add_special_tokens=True
+        )
 
     def _encode_chat(
         self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None
