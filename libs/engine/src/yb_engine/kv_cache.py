@@ -59,7 +59,8 @@ class PagedKVCache:
     @property
     def page_nbytes(self) -> int:
         """Bytes of one (layer, page) chunk: keys and values of `block_size` tokens."""
-        return int(self.kv[0, 0].numel() * self.kv.element_size())
+        arch = self.arch
+        return int(2 * self.block_size * arch.num_kv_heads * arch.head_dim * self.kv.element_size())
 
     def page_view(self, layer: int, page: int) -> torch.Tensor:
         """`kv[layer, page]`, `[2, block_size, num_kv_heads, head_dim]`: a contiguous view.

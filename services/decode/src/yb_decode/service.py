@@ -587,8 +587,11 @@ class DecodeWorker(Worker):
             return pr.DecodeAck(request_id=rid, ok=False, reason="no reservation for request")
         try:
             # The commit already happened on the sender's side; allow a moment for its
-            # verification here.
-            committed = await asyncio.wait_for(asyncio.shield(pending.commit), timeout=5.0)
+            # verification here (usually over already: no wait to set up then).
+            if pending.commit.done():
+                committed = pending.commit.result()
+            else:
+                committed = await asyncio.wait_for(asyncio.shield(pending.commit), timeout=5.0)
         except TimeoutError:
             committed = False
         if not committed:

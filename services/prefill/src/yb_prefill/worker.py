@@ -651,7 +651,7 @@ class PrefillWorker(Worker):
                 computing.add_done_callback(lambda _: _resolve(left_engine))
                 try:
                     reserved = await reserving
-                    if before is not None:
+                    if before is not None and not before.flowing.done():
                         # Bounded by that stream's own deadline, and by this one's.
                         await asyncio.wait({before.flowing}, timeout=deadline_s)
                     streamer.direct(PeerAddress.parse(reserved.ucx_address), reserved.breaks)
