@@ -42,7 +42,7 @@ from yb_core.config import YbConfig
 from yb_core.events import decision_subjects
 from yb_core.instance import Presence
 from yb_core.model_files import context_limit
-from yb_core.service import Service
+from yb_core.service import Service, freeze_startup_heap
 from yb_core.telemetry import get_logger
 from yb_gateway.app import create_app
 from yb_gateway.completions import CompletionsEndpoint
@@ -196,6 +196,8 @@ class GatewayService(Service):
             log.error("tokenizer_load_failed", source=model.source, error=repr(exc))
             return
         self.encoder_state = "loaded"
+        # The tokenizer (and transformers behind it) loads after the service started.
+        freeze_startup_heap()
         log.info("tokenizer_loaded", source=model.source, vocab=self.encoder.vocab_size)
         # The served context is the smaller of the configured one and what the model
         # can attend to: a longer prompt is the client's error (400), refused here,
