@@ -15,6 +15,8 @@ seeded from the request). That is what lets a replay recompute every decision.
 
 from __future__ import annotations
 
+import msgspec
+
 from yb_conductor.admission import (
     DECODE_KV_FULL,
     NO_DECODE,
@@ -173,13 +175,12 @@ class MooncakePolicy:
             if on_decode:
                 prefill_ttft, ttft = ttft, piggy.ttft_s
                 queued = bool(decode.instance.prefill_queue) or piggy.wait_s > 0.0
-                estimates = ev.Estimates(
+                estimates = msgspec.structs.replace(
+                    estimates,
                     queue_s=piggy.wait_s,
                     transfer_s=piggy.load_s,
                     prefill_s=piggy.prefill_s,
                     ttft_s=ttft,
-                    tbt_s=decode.predicted_tbt_s,
-                    decode_batch=decode.predicted_batch,
                 )
         predictions: list[ev.LoadPrediction] = []
         if self.admission.name == "predicted":

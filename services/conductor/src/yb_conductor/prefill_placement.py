@@ -711,11 +711,17 @@ class PrefillPlanner:
                 engine=engine,
                 remote=best,
             )
+        return self._fastest(recompute, local_est, transfer_est)
+
+    def _fastest(
+        self, recompute: Estimate, local: Estimate | None, transfer: Estimate | None
+    ) -> Estimate:
+        """The option taken: the fastest, or with `weigh_transfer` off the paper's
+        rule (transfer whenever the ratio passes, else the local prefix)."""
         if not self.weigh_transfer:
-            # The paper: transfer whenever the ratio passes, else the local prefix.
-            return transfer_est or local_est or recompute
+            return transfer or local or recompute
         chosen = recompute
-        for est in (local_est, transfer_est):
+        for est in (local, transfer):
             if est is not None and est.work_s < chosen.work_s:
                 chosen = est
         return chosen
@@ -767,13 +773,7 @@ class PrefillPlanner:
                 local=local,
                 remote=best,
             )
-        if not self.weigh_transfer:
-            return transfer_est or local_est or recompute
-        chosen = recompute
-        for est in (local_est, transfer_est):
-            if est is not None and est.work_s < chosen.work_s:
-                chosen = est
-        return chosen
+        return self._fastest(recompute, local_est, transfer_est)
 
     # --- the plan --------------------------------------------------------------------
 

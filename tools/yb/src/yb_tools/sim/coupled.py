@@ -34,6 +34,7 @@ import time
 from collections import deque
 
 from yb_conductor.cost_model import CostModel
+from yb_conductor.piggyback import chunk_within
 from yb_tools.sim.job import Job
 from yb_tools.sim.kvstore import SimKvstore
 from yb_tools.sim.params import SimParams
@@ -243,17 +244,7 @@ class CoupledSimulation:
         """The largest chunk (tokens, at most `left`) whose prefill on top of `done`
         fits `budget_s`; the first chunk of a step is at least one block."""
         floor = min(left, self.bs) if first else 0
-        prefill_s = self.cost.prefill_s
-        if prefill_s(left, done) <= budget_s:
-            return left
-        lo, hi = 0, left  # prefill_s(lo) fits (or lo == 0), prefill_s(hi) does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if prefill_s(mid, done) <= budget_s:
-                lo = mid
-            else:
-                hi = mid
-        return max(lo, floor)
+        return max(chunk_within(self.cost, budget_s, done, left), floor)
 
     def _step_done(self, inst: CoupledInstance, t: float) -> None:
         self.steps_run += 1

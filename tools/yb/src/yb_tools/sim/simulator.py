@@ -386,15 +386,7 @@ class Simulation:
         job.piggyback = True
         refusal = d.refusal(job, t)
         if refusal:
-            job.fate = "decode_rejected"
-            job.reason = refusal
-            self._left(t)
-            self.emit(
-                ev.RequestFinished(
-                    time=t, request_id=item.request_id, instance_id=d.instance_id,
-                    outcome="rejected", reason=refusal, prompt_tokens=item.prompt_tokens,
-                )
-            )  # fmt: skip
+            self._decode_rejected(job, d, refusal, t)
             return
         bs = self.bs
         keys = item.keys[: (item.prompt_tokens - 1) // bs]
@@ -439,15 +431,7 @@ class Simulation:
             if self.params.decode_admission == "queue" and not never_fits:
                 d.wait(job)
                 return
-            job.fate = "decode_rejected"
-            job.reason = refusal
-            self._left(t)
-            self.emit(
-                ev.RequestFinished(
-                    time=t, request_id=item.request_id, instance_id=d.instance_id,
-                    outcome="rejected", reason=refusal, prompt_tokens=item.prompt_tokens,
-                )
-            )  # fmt: skip
+            self._decode_rejected(job, d, refusal, t)
             return
         self._committed(job, d, t)
         if item.output_tokens <= 1:
@@ -456,6 +440,18 @@ class Simulation:
             return
         d.admit(job, t)
         self._wake_later(job.decode)
+
+    def _decode_rejected(self, job: Job, d: SimDecode, refusal: str, t: float) -> None:
+        """The decode instance refused `job` (its prefill, if any, wasted)."""
+        job.fate = "decode_rejected"
+        job.reason = refusal
+        self._left(t)
+        self.emit(
+            ev.RequestFinished(
+                time=t, request_id=job.item.request_id, instance_id=d.instance_id,
+                outcome="rejected", reason=refusal, prompt_tokens=job.item.prompt_tokens,
+            )
+        )  # fmt: skip
 
     def _committed(self, job: Job, d: SimDecode, t: float) -> None:
         self.emit(
