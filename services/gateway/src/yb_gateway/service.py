@@ -196,8 +196,6 @@ class GatewayService(Service):
             log.error("tokenizer_load_failed", source=model.source, error=repr(exc))
             return
         self.encoder_state = "loaded"
-        # The tokenizer (and transformers behind it) loads after the service started.
-        freeze_startup_heap()
         log.info("tokenizer_loaded", source=model.source, vocab=self.encoder.vocab_size)
         # The served context is the smaller of the configured one and what the model
         # can attend to: a longer prompt is the client's error (400), refused here,
@@ -212,6 +210,9 @@ class GatewayService(Service):
         if limit is not None and limit < model.max_model_len:
             log.info("max_model_len_capped", configured=model.max_model_len, model_limit=limit)
             model.max_model_len = limit
+        # The tokenizer, and what reading the model's limit imported, loaded after the
+        # service started.
+        freeze_startup_heap()
 
     async def _run_bus(self) -> None:
         """Connect, follow the log, and start over whenever that breaks; never returns.
