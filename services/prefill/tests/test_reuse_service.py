@@ -27,7 +27,6 @@ from yb_core import protocol as pr
 from yb_core.bus import Bus
 from yb_core.config import (
     DecodeEngineConfig,
-    EngineConfig,
     KVStoreConfig,
     ModelConfig,
     NatsConfig,
