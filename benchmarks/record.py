@@ -330,6 +330,13 @@ def import_stability(path: Path) -> StabilityRecord:
     )
 
 
+# The test modules that write rows of the fault table (`yb_testkit.faults.record`).
+FAULT_TESTS = " ".join(
+    f"tests/{name}.py"
+    for name in ("test_faults", "test_nats_outage", "test_replan", "test_piggyback")
+)
+
+
 def import_faults(directory: Path, commit: str) -> FaultTableRecord:
     """The rows in `directory`; they do not say which code wrote them, so `commit` does
     (`--commit`, else "unrecorded"; `HEAD`: this checkout as it is now)."""
@@ -339,11 +346,11 @@ def import_faults(directory: Path, commit: str) -> FaultTableRecord:
         for path in sorted(directory.glob("*.json"))
     }
     if not rows:
-        raise SystemExit(f"no fault rows in {directory} (run tests/test_faults.py first)")
+        raise SystemExit(f"no fault rows in {directory} (run {FAULT_TESTS} first)")
     # The rows carry no time of their own: the newest file's is when the table was complete.
     newest = max(path.stat().st_mtime for path in directory.glob("*.json"))
     return FaultTableRecord(
-        command="python -m pytest tests/test_faults.py",
+        command=f"YB_FAULT_NOTES={directory} python -m pytest {FAULT_TESTS}",
         machine=machine(),
         provenance=Provenance(
             commit=here.commit if here else commit,

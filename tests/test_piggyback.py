@@ -270,9 +270,10 @@ def test_decode_death_while_prefilling_a_piggybacked_prompt_is_replanned(piggy: 
         held = gate.wait_held("decode.prompt", ACT_S)
         first = _piggybacked(cluster, held.request_id)
         assert first.decode_instance == held.instance_id
-        kill(cluster, held.instance_id)
+        killed_at = kill(cluster, held.instance_id)
         stream.wait_done(VERDICT_S + ACT_S)
     assert stream.completed, stream.describe()
+    recovery_s = stream.ended_at - killed_at
 
     log = read_log(cluster)
     rid = held.request_id
@@ -296,13 +297,14 @@ def test_decode_death_while_prefilling_a_piggybacked_prompt_is_replanned(piggy: 
             fault="decode instance dies while it prefills a piggybacked prompt",
             caused_by=f"SIGKILL {held.instance_id} while the prompt is in its batch before "
             "any chunk (failpoint decode.prompt)",
-            client_saw="one uninterrupted SSE stream, the normal path's greedy text",
+            client_saw="one uninterrupted SSE stream, the normal path's greedy text, "
+            f"ended {recovery_s:.2f}s after the kill",
             cleaned_up=f"the gateway logged RequestReplanned (attempt 1); the conductor "
             f"placed it on {second.prefill_instance} / {second.decode_instance}"
             f"{' (piggybacked)' if second.piggyback else ''}",
             checked_by="the client's text against the normal path's; RequestReplanned and "
             "the decisions in the log",
-            recovery_s=0.0,
+            recovery_s=round(recovery_s, 3),
             details={"heartbeat_timeout_s": HEARTBEAT_S},
         ),
     )

@@ -7,7 +7,6 @@ sequence, so with a 50 ms TBT SLO a step beside one stream has 39 ms for a chunk
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 from pathlib import Path
@@ -16,8 +15,7 @@ import pytest
 
 from yb_conductor.cost_model import CostModel, DecodeCost, PrefillCost
 from yb_conductor.replay import replay
-from yb_core.config import load_config
-from yb_tools.cli import sim as sim_cli
+from yb_tools.cli import main as yb_main
 from yb_tools.sim.decode import SimDecode
 from yb_tools.sim.job import Job
 from yb_tools.sim.params import SimParams
@@ -89,9 +87,8 @@ def test_prompts_queue_one_at_a_time_and_an_idle_instance_runs_them_at_once() ->
 
 
 def _cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="yb")
-    sim_cli.add_parser(parser.add_subparsers(dest="command", required=True))
-    return sim_cli.run(load_config(None), parser.parse_args(["sim", *argv]))
+    """`yb sim ARGV`, in this process: its exit status."""
+    return yb_main(["sim", *argv])
 
 
 def test_the_conductor_piggybacks_short_prompts_and_the_log_replays(

@@ -22,7 +22,6 @@ So `early` rejects 2, 1 of them needlessly; `none` rejects nothing.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from yb_conductor.cost_model import CostModel, DecodeCost, PrefillCost, TransferCost
+from yb_tools.cli import main as yb_main
 from yb_tools.sim.params import SimParams
 from yb_tools.sim.quality import needless_rejections
 from yb_tools.sim.runner import RunSpec, simulate
@@ -144,12 +144,8 @@ def test_the_matrix_judges_the_conductor_by_the_best_peer() -> None:
 
 
 def _cli(argv: list[str]) -> int:
-    from yb_core.config import load_config
-    from yb_tools.cli import sim
-
-    parser = argparse.ArgumentParser(prog="yb")
-    sim.add_parser(parser.add_subparsers(dest="command", required=True))
-    return sim.run(load_config(None), parser.parse_args(["sim", *argv]))
+    """`yb sim ARGV`, in this process: its exit status."""
+    return yb_main(["sim", *argv])
 
 
 def test_the_command_line_writes_a_workload_and_the_matrix(

@@ -3,7 +3,6 @@ that replays, and the command line writing valid JSON."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import pytest
 
 from yb_conductor.cost_model import load_cost_model
 from yb_conductor.replay import replay
+from yb_tools.cli import main as yb_main
 from yb_tools.sim.params import SimParams
 from yb_tools.sim.results import PolicyResult
 from yb_tools.sim.runner import expand
@@ -108,12 +108,8 @@ def test_admissions_expand_only_for_the_conductor() -> None:
 
 
 def _cli(argv: list[str]) -> int:
-    from yb_core.config import load_config
-    from yb_tools.cli import sim
-
-    parser = argparse.ArgumentParser(prog="yb")
-    sim.add_parser(parser.add_subparsers(dest="command", required=True))
-    return sim.run(load_config(None), parser.parse_args(["sim", *argv]))
+    """`yb sim ARGV`, in this process: its exit status."""
+    return yb_main(["sim", *argv])
 
 
 def test_the_command_line_writes_the_json_design_md_promises(

@@ -112,6 +112,17 @@ class JobRefused(_Msg, tag="job_refused"):
 
 JobReply = JobAccepted | JobRefused
 
+
+class JobFailed(Exception):
+    """An engine's job that cannot complete (a prefill's, or a decode instance's
+    piggybacked one); `status` is the HTTP status the client should see."""
+
+    def __init__(self, reason: str, status: int = 503) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
 # --- prefill -> decode --------------------------------------------------------------
 
 

@@ -217,7 +217,6 @@ class MooncakePolicy:
                 f"against {prefill_ttft:.3f}s on {chosen.instance.instance_id}",
             )  # fmt: skip
         reuse = self.prefill.reuse_plan(state, view, chosen)
-        reused = sum(r.num_blocks for r in reuse)
         explain.branch = est.option
         explain.reason = self._why(chosen, decode, view, lag)
         explain.reason += self.admission.overrun_note(request, ttft, queued, calibration)
@@ -227,23 +226,40 @@ class MooncakePolicy:
                 f"; chosen for the lowest TTFT + copy cost (copy {choice.chosen_copy_s:.3f}s, "
                 f"prefix_stickiness {self.prefill.stickiness:g})"
             )
-        decision = ev.RequestScheduled(
+        decision = self._scheduled(
+            request, seq, chosen.instance, decode.instance, reuse, estimates, explain
+        )
+        decision.prefill_stages = list(chosen.instance.stages)
+        return Decided(decision, predictions)
+
+    def _scheduled(
+        self,
+        request: ev.RequestAdmitted,
+        seq: int,
+        prefill: InstanceState,
+        decode: InstanceState,
+        reuse: list[ev.ReusePlan],
+        estimates: ev.Estimates,
+        explain: ev.Explanation,
+    ) -> ev.RequestScheduled:
+        """The placement decision: `prefill` computes the prompt (reusing `reuse`),
+        `decode` decodes it."""
+        reused = sum(r.num_blocks for r in reuse)
+        return ev.RequestScheduled(
             time=request.time,
             request_id=request.request_id,
             gateway_id=request.gateway_id,
-            prefill_instance=chosen.instance.instance_id,
-            decode_instance=decode.instance.instance_id,
+            prefill_instance=prefill.instance_id,
+            decode_instance=decode.instance_id,
             reused_blocks=reused,
             reuse=reuse,
             estimates=estimates,
-            policy=name,
+            policy=self.name,
             admitted_seq=seq,
             prompt_tokens=request.prompt_tokens,
-            computed_tokens=request.prompt_tokens - reused * bs,
+            computed_tokens=request.prompt_tokens - reused * max(1, request.block_size),
             explain=explain,
-            prefill_stages=list(chosen.instance.stages),
         )
-        return Decided(decision, predictions)
 
     def _piggyback(
         self,
@@ -315,12 +331,10 @@ class MooncakePolicy:
     ) -> Decided:
         """The decision that the decode instance prefills the request in its batch."""
         inst = decode.instance
-        bs = max(1, request.block_size)
         reuse: list[ev.ReusePlan] = []
         if piggy.reuse_blocks and view.best is not None:
             plan = Estimate(TRANSFER, 0, piggy.reuse_blocks, piggy.load_s, 0.0, remote=view.best)
             reuse = self.prefill.reuse_plan(state, view, Option(inst, 0.0, plan, 0.0))
-        reused = sum(r.num_blocks for r in reuse)
         largest = max(chunk for chunk, _ in piggy.steps)
         explain.branch = PIGGYBACK
         explain.reason = (
@@ -330,22 +344,8 @@ class MooncakePolicy:
             f"{piggy.ttft_s:.3f}s = wait {piggy.wait_s:.3f} + load {piggy.load_s:.3f} + "
             f"steps {piggy.prefill_s:.3f}, {against}"
         )
-        decision = ev.RequestScheduled(
-            time=request.time,
-            request_id=request.request_id,
-            gateway_id=request.gateway_id,
-            prefill_instance=inst.instance_id,
-            decode_instance=inst.instance_id,
-            reused_blocks=reused,
-            reuse=reuse,
-            estimates=estimates,
-            policy=self.name,
-            admitted_seq=seq,
-            prompt_tokens=request.prompt_tokens,
-            computed_tokens=request.prompt_tokens - reused * bs,
-            explain=explain,
-            piggyback=True,
-        )
+        decision = self._scheduled(request, seq, inst, inst, reuse, estimates, explain)
+        decision.piggyback = True
         return Decided(decision, predictions)
 
     @staticmethod

@@ -51,15 +51,6 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
-class JobFailed(Exception):
-    """A piggybacked job that cannot finish; `status` is what its client is told."""
-
-    def __init__(self, reason: str, status: int = 503) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.status = status
-
-
 def refusal(
     job: pr.PrefillJob,
     instance_id: str,
@@ -166,7 +157,7 @@ class Loading:
 
     job: pr.PrefillJob
     task: asyncio.Task[None]
-    why: JobFailed | None = None
+    why: pr.JobFailed | None = None
     silent: bool = False
 
 
@@ -197,7 +188,7 @@ class PiggybackJobs:
         if loading is None:
             return False
         if loading.why is None:
-            loading.why = JobFailed(f"cancelled: {reason or 'cancelled'}", status=499)
+            loading.why = pr.JobFailed(f"cancelled: {reason or 'cancelled'}", status=499)
             loading.task.cancel()
         return True
 
@@ -272,7 +263,9 @@ class PiggybackJobs:
                 await self._settled(self._keep, held, prefix.reused_blocks)
                 self._account_prefix(job, prefix)
                 if job.deadline and job.deadline < time.time():
-                    raise JobFailed("request deadline passed while its prefix loaded", status=504)
+                    raise pr.JobFailed(
+                        "request deadline passed while its prefix loaded", status=504
+                    )
                 cached = prefix.reused_blocks * block_size
                 limit = job.decision.explain.tbt_limit_s if job.decision.explain else 0.0
                 armed = self.host.failpoints.count("decode.prompt") is not None
@@ -291,22 +284,22 @@ class PiggybackJobs:
             if loading is not None and loading.silent:
                 return  # a newer attempt replaced it: nobody is told
             why = loading.why if loading is not None else None
-            await self.fail_job(job, why or JobFailed("decode instance shutting down"))
+            await self.fail_job(job, why or pr.JobFailed("decode instance shutting down"))
             if why is None:
                 raise  # the shutdown's cancel, not one of this request
-        except (JobFailed, OutOfPages, ValueError) as exc:
+        except (pr.JobFailed, OutOfPages, ValueError) as exc:
             self.loading.pop(rid, None)
             await self._give_back(rid, held)
             if isinstance(exc, OutOfPages):
-                exc = JobFailed(f"decode instance out of KV pages: {exc}")
+                exc = pr.JobFailed(f"decode instance out of KV pages: {exc}")
             elif isinstance(exc, ValueError):
-                exc = JobFailed(f"decode instance cannot run the prompt: {exc}", status=500)
+                exc = pr.JobFailed(f"decode instance cannot run the prompt: {exc}", status=500)
             await self.fail_job(job, exc)
         except Exception as exc:  # one job's bug must not take the instance down
             log.exception("piggyback_crashed", request_id=rid, error=repr(exc))
             self.loading.pop(rid, None)
             await self._give_back(rid, held)
-            await self.fail_job(job, JobFailed(f"decode instance failed the prompt: {exc}", 500))
+            await self.fail_job(job, pr.JobFailed(f"decode instance failed the prompt: {exc}", 500))
 
     async def _settled(self, fn: Callable[..., None], *args: Any) -> None:
         """`fn(*args)` on the engine thread, run to its end even when the caller is
@@ -433,7 +426,7 @@ class PiggybackJobs:
             )
         )
 
-    async def fail_job(self, job: pr.PrefillJob, exc: JobFailed) -> None:
+    async def fail_job(self, job: pr.PrefillJob, exc: pr.JobFailed) -> None:
         """End a piggybacked job that never reached the batch: an error chunk (a 503
         the gateway may re-plan) and an event."""
         rid = job.request_id

@@ -3,8 +3,8 @@
 Core NATS request/reply on `yb.job.decode.<id>`: `ReserveKV` sets aside the decode
 pages a prefill streams into, `StartDecode` hands the request over once its KV is
 committed, `AbortReservation` gives the pages back when the prefill cannot finish.
-Every failure to get the answer a prefill needs is a `JobFailed` with the status its
-client should see.
+Every failure to get the answer a prefill needs is a `JobFailed` (`yb_core.protocol`)
+with the status its client should see.
 """
 
 from __future__ import annotations
@@ -15,15 +15,6 @@ import msgspec
 
 from yb_core import protocol as pr
 from yb_core.bus import Bus, BusError
-
-
-class JobFailed(Exception):
-    """A job that cannot complete; `status` is the HTTP status the client should see."""
-
-    def __init__(self, reason: str, status: int = 503) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.status = status
 
 
 class DecodeLink:
@@ -38,9 +29,9 @@ class DecodeLink:
         """Pages on `decode_id` for the request; a refusal is a `JobFailed`."""
         reply = await self.request(decode_id, reserve, timeout_s)
         if isinstance(reply, pr.ReserveRefused):
-            raise JobFailed(f"decode instance {decode_id} refused: {reply.reason}")
+            raise pr.JobFailed(f"decode instance {decode_id} refused: {reply.reason}")
         if not isinstance(reply, pr.KVReserved):
-            raise JobFailed(f"unexpected reply from decode instance: {type(reply).__name__}")
+            raise pr.JobFailed(f"unexpected reply from decode instance: {type(reply).__name__}")
         return reply
 
     async def start(self, decode_id: str, start: pr.StartDecode, timeout_s: float) -> None:
@@ -48,11 +39,11 @@ class DecodeLink:
         ack = await self.request(decode_id, start, timeout_s)
         if not isinstance(ack, pr.DecodeAck) or not ack.ok:
             reason = ack.reason if isinstance(ack, pr.DecodeAck) else type(ack).__name__
-            raise JobFailed(f"decode instance did not start the request: {reason}")
+            raise pr.JobFailed(f"decode instance did not start the request: {reason}")
 
     async def abort(self, decode_id: str, request_id: str, reason: str) -> None:
         """Give the reservation back (best effort, 2 s: the reservation also expires)."""
-        with contextlib.suppress(JobFailed):
+        with contextlib.suppress(pr.JobFailed):
             await self.request(
                 decode_id, pr.AbortReservation(request_id=request_id, reason=reason), 2.0
             )
@@ -66,8 +57,8 @@ class DecodeLink:
                 pr.decode_control_subject(decode_id), pr.encode(message), timeout_s=timeout_s
             )
         except BusError as exc:
-            raise JobFailed(f"decode instance {decode_id} unreachable: {exc}") from exc
+            raise pr.JobFailed(f"decode instance {decode_id} unreachable: {exc}") from exc
         try:
             return pr.decode_reply_decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise JobFailed(f"malformed reply from decode instance: {exc}", 502) from exc
+            raise pr.JobFailed(f"malformed reply from decode instance: {exc}", 502) from exc

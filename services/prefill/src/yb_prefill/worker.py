@@ -64,7 +64,7 @@ from yb_engine.host import EngineGauges, EngineHost
 from yb_engine.kv_cache import OutOfPages
 from yb_engine.runner import PrefillSeq
 from yb_prefill.batching import ComputeBatch, Outcome, take_group
-from yb_prefill.decode_link import DecodeLink, JobFailed
+from yb_prefill.decode_link import DecodeLink
 from yb_prefill.job_queue import JobQueue, QueuedJob
 from yb_prefill.prefix_cache import PrefixCache
 from yb_prefill.reuse import Prefix, PrefixLoader
@@ -254,7 +254,7 @@ class PrefillWorker(Worker):
         cancelled), and log what that and the cancelled job left to say."""
         while not self._queue.empty():
             queued = self._queue.get_nowait()
-            await self._fail(queued.job, JobFailed("prefill instance shutting down"))
+            await self._fail(queued.job, pr.JobFailed("prefill instance shutting down"))
         await self.outbox.flush(self.cfg.nats.request_timeout_s)
 
     async def close(self) -> None:
@@ -434,7 +434,7 @@ class PrefillWorker(Worker):
             with bind_request(job.request_id):
                 await self._run(queued, left_engine)
         except asyncio.CancelledError:
-            await self._fail(job, JobFailed("prefill instance shutting down"))
+            await self._fail(job, pr.JobFailed("prefill instance shutting down"))
             raise
         finally:
             if (batch := self._batch_of.pop(id(job), None)) is not None:
@@ -472,7 +472,7 @@ class PrefillWorker(Worker):
             started = time.monotonic()
             try:
                 await self._prefill(job, span, left_engine)
-            except JobFailed as exc:
+            except pr.JobFailed as exc:
                 self.metrics.jobs.labels("failed").inc()
                 await self._fail(job, exc)
                 return
@@ -486,7 +486,7 @@ class PrefillWorker(Worker):
                         reason=str(exc),
                     )
                 )
-                await self._fail(job, JobFailed(f"KV transfer to decode failed: {exc}"))
+                await self._fail(job, pr.JobFailed(f"KV transfer to decode failed: {exc}"))
                 return
             except Exception as exc:
                 # One job's bug or bad input (the engine refusing a prompt, say) ends
@@ -495,7 +495,7 @@ class PrefillWorker(Worker):
                 # way out of `_prefill`.
                 log.exception("prefill_crashed", error=repr(exc))
                 self.metrics.jobs.labels("failed").inc()
-                await self._fail(job, JobFailed(f"prefill failed: {exc}", status=500))
+                await self._fail(job, pr.JobFailed(f"prefill failed: {exc}", status=500))
                 return
             self.metrics.jobs.labels("completed").inc()
             self.metrics.prefill.observe(time.monotonic() - started)
@@ -576,7 +576,7 @@ class PrefillWorker(Worker):
             cache.block_size,
         ):
             await self.decode.abort(decode_id, job.request_id, "layout mismatch")
-            raise JobFailed(
+            raise pr.JobFailed(
                 f"decode KV layout {reply.num_pages}x{reply.num_layers}x{reply.page_nbytes}B "
                 f"does not match prefill's {num_pages}x{cache.num_layers}x{cache.page_nbytes}B",
                 status=500,
@@ -597,7 +597,7 @@ class PrefillWorker(Worker):
                 min(deadline_s, self.pcfg.fetch_timeout_s),
             )
         except OutOfPages as exc:
-            raise JobFailed(f"prefill instance out of KV pages: {exc}") from exc
+            raise pr.JobFailed(f"prefill instance out of KV pages: {exc}") from exc
 
     async def _give_back(
         self, job: pr.PrefillJob, reserving: asyncio.Future[pr.KVReserved]
@@ -943,15 +943,15 @@ class PrefillWorker(Worker):
 
     def _check_alive(self, job: pr.PrefillJob) -> None:
         if job.request_id in self._cancelled:
-            raise JobFailed(f"cancelled: {self._cancelled[job.request_id]}", status=499)
+            raise pr.JobFailed(f"cancelled: {self._cancelled[job.request_id]}", status=499)
         if self._remaining(job) <= 0:
-            raise JobFailed("request deadline passed during prefill", status=504)
+            raise pr.JobFailed("request deadline passed during prefill", status=504)
 
     @staticmethod
     def _remaining(job: pr.PrefillJob) -> float:
         return job.deadline - time.time() if job.deadline else 600.0
 
-    async def _fail(self, job: pr.PrefillJob, exc: JobFailed) -> None:
+    async def _fail(self, job: pr.PrefillJob, exc: pr.JobFailed) -> None:
         """End a request that never reached decode: an error chunk and an event."""
         log.warning("prefill_failed", request_id=job.request_id, reason=exc.reason)
         chunk = pr.TokenChunk(

@@ -156,7 +156,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
             model[key] = getattr(args, key)
     if model:
         out["model"] = model
-    if getattr(args, "piggyback", False):
+    if getattr(args, "piggyback", False) and args.command == "up":
         out["decode"] = {"piggyback": True}
     if getattr(args, "nats_port", None) is not None and args.command == "up":
         out["nats"] = {"url": f"nats://127.0.0.1:{args.nats_port}"}

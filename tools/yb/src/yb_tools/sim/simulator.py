@@ -410,17 +410,22 @@ class Simulation:
         bs = self.bs
         for event in inst.kvstore.store(item.keys[: item.prompt_tokens // bs], t):
             self.emit(event)
-        cached = (job.reused_local + job.reused_remote) * bs
+        self._prefill_done_event(job, inst.instance_id, t)
+        self._to_decode(job, t)
+        while inst.queue and not self._start(p, inst.pop(), t):
+            pass
+
+    def _prefill_done_event(self, job: Job, instance_id: str, t: float) -> None:
+        """Log that `job`'s prefill ended on `instance_id`, with what it reused."""
+        item = job.item
+        cached = (job.reused_local + job.reused_remote) * self.bs
         self.emit(
             ev.RequestProgress(
-                time=t, request_id=item.request_id, instance_id=inst.instance_id,
+                time=t, request_id=item.request_id, instance_id=instance_id,
                 stage="prefill_done", computed_tokens=item.prompt_tokens - cached,
                 reused_tokens=cached,
             )
         )  # fmt: skip
-        self._to_decode(job, t)
-        while inst.queue and not self._start(p, inst.pop(), t):
-            pass
 
     def _to_decode(self, job: Job, t: float) -> None:
         d = self.decodes[job.decode]
@@ -491,14 +496,7 @@ class Simulation:
             item = job.item
             job.prefill_end = t
             job.prefill_s = t - job.prefill_start
-            cached = job.reused_remote * self.bs
-            self.emit(
-                ev.RequestProgress(
-                    time=t, request_id=item.request_id, instance_id=d.instance_id,
-                    stage="prefill_done", computed_tokens=item.prompt_tokens - cached,
-                    reused_tokens=cached,
-                )
-            )  # fmt: skip
+            self._prefill_done_event(job, d.instance_id, t)
             self._committed(job, d, t)
             if item.output_tokens <= 1:
                 job.finish_time = t
