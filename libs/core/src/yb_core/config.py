@@ -447,10 +447,30 @@ class PrefillEngineConfig(EngineConfig):
     Short prompts queued together compute together: up to `batch_jobs` jobs from the
     head of the queue whose prompts add up to at most `chunk_size` tokens, and whose
     pages are free, run in one forward pass (1: every job alone).
+
+    A prefill group (chunked pipeline parallelism): instances with the same `group`
+    name and `stages` > 1 each hold one contiguous share of the model's layers, stage
+    `stage` of `stages` (the layers cut as evenly as `LayerRange.split` cuts them), and
+    run each request of the group together, a `chunk_size`-token chunk at a time
+    (`yb_prefill.stage`). Stage 0 leads: it takes the group's jobs. Empty `group`: a
+    whole-model instance.
     """
 
     max_batch_size: int = 1
     batch_jobs: Annotated[int, msgspec.Meta(ge=1)] = 16
+    group: str = ""
+    stage: Annotated[int, msgspec.Meta(ge=0)] = 0
+    stages: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+    def __post_init__(self) -> None:
+        # Checked here as well as by msgspec: a struct built in code is not validated.
+        if (self.group and not 0 <= self.stage < self.stages) or (self.group and self.stages < 2):
+            raise ConfigError(
+                f"prefill.group {self.group!r}: stage {self.stage} of {self.stages}; a group "
+                "needs stages >= 2 and 0 <= stage < stages"
+            )
+        if not self.group and (self.stage or self.stages):
+            raise ConfigError("prefill.stage and prefill.stages need a prefill.group")
 
 
 class DecodeEngineConfig(EngineConfig):

@@ -21,6 +21,8 @@ snapshot buckets), so that a role cannot speak for another:
   (piggybacked) on its own `yb.job.prefill.<its id>`, and resend requests on its own
   `yb.resend.<its id>` (the chunks go again to the stream's token subject, so a
   gateway that asks for another gateway's request still cannot read its tokens);
+- a prefill instance that leads a prefill group sends the group's other stages their
+  part of a request (`yb.job.stage.<id>`), which each takes on its own;
 - prefill and kvstore instances publish block events for their own instance id;
 - every instance announces only itself (`yb.ev.instance.*.<its id>`).
 
@@ -192,7 +194,10 @@ def role_permissions(
             subscribe += [f"yb.tok.{i}.*" for i in ids]
         case "prefill":
             publish += [*progress, transfer_failed, *blocks, "yb.job.decode.*", "yb.tok.>"]
+            # A prefill group's lead sends its other stages their part of a request.
+            publish += ["yb.job.stage.*"]
             subscribe += [f"yb.job.prefill.{i}" for i in ids]
+            subscribe += [f"yb.job.stage.{i}" for i in ids]
             responds = True
         case "decode":
             publish += [*progress, transfer_failed, "yb.tok.>"]

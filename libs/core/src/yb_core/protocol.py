@@ -17,7 +17,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from yb_core.events import RequestScheduled, StrictDecoder, subject_token
+from yb_core.events import RequestScheduled, ReusePlan, StrictDecoder, subject_token
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
@@ -121,6 +121,66 @@ class JobFailed(Exception):
         super().__init__(reason)
         self.reason = reason
         self.status = status
+
+
+# --- a prefill group's lead -> its other stages --------------------------------------
+
+
+class StageJob(_Msg, tag="stage_job"):
+    """The lead of a prefill group asks one of its other stages to run a request.
+
+    The stage reserves pages for the prompt (`prompt_len` tokens) in its own layers,
+    loads the planned prefix of its layers (`reuse`, over `block_hashes`; whole blocks
+    come from the kvstore and it keeps its layers' share), answers `StageReady`, then
+    takes the request's chunks from the stage before it over UCX, computes its layers,
+    passes each chunk's output to `next_instance` (the next stage; the lead, for the
+    last stage's logits) and streams its layers' pages into decode's reservation
+    (`decode_address`, `num_pages` pages a layer, as `KVReserved` lays them out). The
+    last stage (`last`) commits that reservation once every stage before it is done.
+    Every wait ends by `deadline` (wall clock).
+    """
+
+    request_id: str
+    lead_instance: str
+    next_instance: str
+    last: bool
+    prompt_len: int
+    deadline: float
+    decode_instance: str
+    decode_address: str
+    num_pages: int
+    block_hashes: list[int] = msgspec.field(default_factory=list)
+    reuse: list[ReusePlan] = msgspec.field(default_factory=list)
+    trace_headers: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class StageReady(_Msg, tag="stage_ready"):
+    """The stage holds the request's pages, with the first `reused_blocks` blocks of
+    its layers loaded; it waits for the chunks."""
+
+    request_id: str
+    instance_id: str
+    reused_blocks: int = 0
+
+
+class StageRefused(_Msg, tag="stage_refused"):
+    """The stage will not run the request (no pages, shutting down, not its group)."""
+
+    request_id: str
+    instance_id: str
+    reason: str
+
+
+class StageAbort(_Msg, tag="stage_abort"):
+    """The lead gives up a request it sent a stage (published, no reply): the stage
+    ends it and frees its pages, instead of waiting for chunks until the deadline."""
+
+    request_id: str
+    reason: str
+
+
+StageReply = StageReady | StageRefused
+StageControl = StageJob | StageAbort
 
 
 # --- prefill -> decode --------------------------------------------------------------
@@ -286,6 +346,11 @@ def prefill_job_subject(instance_id: str) -> str:
     return f"{JOB_SUBJECT_PREFIX}.prefill.{subject_token(instance_id)}"
 
 
+def prefill_stage_subject(instance_id: str) -> str:
+    """Where a stage of a prefill group takes its lead's `StageJob`s."""
+    return f"{JOB_SUBJECT_PREFIX}.stage.{subject_token(instance_id)}"
+
+
 def decode_control_subject(instance_id: str) -> str:
     """Where a decode instance takes reservations and start/abort messages."""
     return f"{JOB_SUBJECT_PREFIX}.decode.{subject_token(instance_id)}"
@@ -313,6 +378,8 @@ def resend_subject(decode_instance: str) -> str:
 _encoder = msgspec.msgpack.Encoder()
 job_decoder: StrictDecoder[PrefillJob] = StrictDecoder(PrefillJob)
 job_reply_decoder: StrictDecoder[JobReply] = StrictDecoder(JobReply)
+stage_control_decoder: StrictDecoder[StageControl] = StrictDecoder(StageControl)
+stage_reply_decoder: StrictDecoder[StageReply] = StrictDecoder(StageReply)
 decode_control_decoder: StrictDecoder[DecodeControl] = StrictDecoder(DecodeControl)
 decode_reply_decoder: StrictDecoder[DecodeReply] = StrictDecoder(DecodeReply)
 token_decoder: StrictDecoder[TokenChunk] = StrictDecoder(TokenChunk)

@@ -138,9 +138,10 @@ class ActivationReceiver(Generic[H]):
     Installs itself as `receiver`'s reservation factory: the receiver serves this
     channel only. `request_deadline_s` bounds how long a request may stay open (its
     `open` reservation's deadline); `max_chunk_bytes` refuses larger payloads.
-    Call everything on the receiver's event loop. Every opened request id also queues
-    for `next_request`: a side that takes requests by id only (a driver hearing back
-    from the last stage) leaves those few bytes per request there.
+    Call everything on the receiver's event loop. With `queue_requests` (the
+    default), every opened request id also queues for `next_request`; a side that
+    takes requests by id only (a driver hearing back from the last stage, a stage
+    told of its requests some other way) turns it off, so nothing piles up there.
     """
 
     def __init__(
@@ -150,10 +151,12 @@ class ActivationReceiver(Generic[H]):
         *,
         request_deadline_s: float = 600.0,
         max_chunk_bytes: int = 1 << 30,
+        queue_requests: bool = True,
     ) -> None:
         self.receiver = receiver
         self._decoder = msgspec.msgpack.Decoder(header_type)
         self._max_chunk_bytes = max_chunk_bytes
+        self._queue_requests = queue_requests
         self._requests: dict[str, _Inbound] = {}
         # Requests someone waits for before their upstream opened them.
         self._awaited: dict[str, asyncio.Future[_Inbound]] = {}
@@ -188,7 +191,8 @@ class ActivationReceiver(Generic[H]):
         request_id, tail = _split(reservation.request_id)
         if tail == _OPEN:
             inbound = self._requests[request_id] = _Inbound(reservation, buffers[1])
-            self._opened.put_nowait(request_id)
+            if self._queue_requests:
+                self._opened.put_nowait(request_id)
             awaited = self._awaited.pop(request_id, None)
             if awaited is not None:
                 awaited.set_result(inbound)
@@ -207,6 +211,8 @@ class ActivationReceiver(Generic[H]):
 
     async def next_request(self, *, deadline_s: float) -> str:
         """The id of the next request an upstream opened (in the order opened)."""
+        if not self._queue_requests:
+            raise RuntimeError("this receiver does not queue requests (queue_requests=False)")
         return await Deadline.after(deadline_s).run(self._opened.get(), "waiting for a request")
 
     async def receive(

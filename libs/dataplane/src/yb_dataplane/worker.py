@@ -81,6 +81,13 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int = 0
     # Decode: it takes prompts into its batch (`InstanceUp.piggyback`).
     piggyback: bool = False
+    # Prefill: a stage of a prefill group, its layers of the model's `num_layers` and
+    # the group's chunk size (`InstanceUp.group`); empty `group`: the whole model.
+    group: str = ""
+    layer_start: int = 0
+    layer_end: int = 0
+    num_layers: int = 0
+    chunk_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +278,11 @@ class WorkerShell(Service, Generic[W]):
             epoch=capacity.epoch,
             metrics_address=self.metrics_address,
             piggyback=capacity.piggyback,
+            group=capacity.group,
+            layer_start=capacity.layer_start,
+            layer_end=capacity.layer_end,
+            num_layers=capacity.num_layers,
+            chunk_tokens=capacity.chunk_tokens,
         )
 
     async def stop(self) -> None:

@@ -17,15 +17,16 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from yb_core.config import EngineConfig, YbConfig
 from yb_core.telemetry import get_logger
-from yb_engine.models import load_engine_model
+from yb_engine.models import load_engine_model, load_engine_stage
 
 if TYPE_CHECKING:
     import torch
 
     from yb_engine.kv_cache import PageAllocator, PagedKVCache
     from yb_engine.kv_sizing import KVSizing
-    from yb_engine.loader import LoadedModel
+    from yb_engine.loader import LoadedModel, LoadedStage
     from yb_engine.runner import ModelRunner
+    from yb_engine.stages import StageRunner
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -185,11 +186,80 @@ def _load(
     return cls(executor, model, cache, allocator, runner, kv)
 
 
+class StageHost:
+    """One pipeline stage of the model (its layers' weights), its paged KV cache of
+    those layers and its page allocator, for a stage of a prefill group.
+
+    A stage computes one request's chunks at a time, each on a worker thread
+    (`yb_engine.stages.serve_stage_request`); its pages are taken and given back on
+    the event loop, between chunks, so the allocator needs no thread of its own.
+    """
+
+    def __init__(
+        self, stage: LoadedStage, cache: PagedKVCache, allocator: PageAllocator, kv: KVSizing
+    ) -> None:
+        from yb_engine.stages import StageRunner
+
+        self.stage = stage
+        self.cache = cache
+        self.allocator = allocator
+        self.kv = kv
+        self.runner: StageRunner = StageRunner(stage, cache)
+
+    @classmethod
+    async def load(cls, cfg: YbConfig, engine: EngineConfig, stage: int, stages: int) -> StageHost:
+        """Load stage `stage` of `stages` (the layers cut by `LayerRange.split`) and
+        allocate its KV pages, off the event loop."""
+        return await asyncio.to_thread(_load_stage, cls, cfg, engine, stage, stages)
+
+
+def _load_stage(
+    cls: type[StageHost], cfg: YbConfig, engine: EngineConfig, index: int, stages: int
+) -> StageHost:
+    """Worker thread: read the model's shape, load the stage's layers, size its pages."""
+    import torch
+
+    from yb_engine.architecture import ArchConfig, LayerRange
+    from yb_engine.kv_cache import PageAllocator
+    from yb_engine.stages import stage_cache
+
+    torch.set_num_threads(engine.threads or torch.get_num_threads())
+
+    def share(arch: ArchConfig) -> LayerRange:
+        return LayerRange.split(arch.num_layers, stages)[index]
+
+    stage = load_engine_stage(
+        cfg.model,
+        cfg.model_cache_dir(),
+        share,
+        progress=lambda msg: log.info("model_progress", message=msg),
+    )
+    layer_range = stage.layer_range
+    arch = stage.config
+    device = torch.device(stage.device)
+    kv = size_kv_cache(cfg, engine, stage, device, num_layers=len(layer_range))
+    cache = stage_cache(stage, kv.pages, cfg.model.block_size)
+    log.info(
+        "stage_loaded",
+        layers=f"[{layer_range.start}, {layer_range.end}) of {arch.num_layers}",
+        block_size=cfg.model.block_size,
+        device=str(device),
+        dtype=str(stage.dtype).removeprefix("torch."),
+        **kv.log_fields(),
+    )
+    return cls(stage, cache, PageAllocator(kv.pages), kv)
+
+
 def size_kv_cache(
-    cfg: YbConfig, engine: EngineConfig, model: LoadedModel, device: torch.device
+    cfg: YbConfig,
+    engine: EngineConfig,
+    model: LoadedModel | LoadedStage,
+    device: torch.device,
+    num_layers: int | None = None,
 ) -> KVSizing:
     """How many KV pages this engine allocates (`yb_engine.kv_sizing`'s rule), from
-    its settings and the memory of the machine (and device) it runs on."""
+    its settings and the memory of the machine (and device) it runs on; a pipeline
+    stage's pages hold its `num_layers` layers only."""
     import torch
 
     from yb_engine import kv_sizing as ks
@@ -197,9 +267,8 @@ def size_kv_cache(
     arch = model.config
     element_size = torch.empty(0, dtype=model.dtype).element_size()
     block_size = cfg.model.block_size
-    page = ks.page_nbytes(
-        arch.num_layers, arch.num_kv_heads, arch.head_dim, block_size, element_size
-    )
+    layers = arch.num_layers if num_layers is None else num_layers
+    page = ks.page_nbytes(layers, arch.num_kv_heads, arch.head_dim, block_size, element_size)
     if engine.num_kv_pages:
         return ks.explicit_kv(engine.num_kv_pages, page, engine.prefix_cache_pages)
     max_len = min(cfg.model.max_model_len, arch.max_position or cfg.model.max_model_len)

@@ -373,15 +373,18 @@ class _LazyCheckpoint(Mapping[str, torch.Tensor]):
 
 def load_stage(
     path: str | Path,
-    layer_range: LayerRange,
+    layer_range: LayerRange | Callable[[ArchConfig], LayerRange],
     *,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> LoadedStage:
-    """Load one pipeline stage, layers `layer_range`, of a local Hugging Face directory,
-    reading from its safetensors files only the tensors that stage needs."""
+    """Load one pipeline stage, layers `layer_range` (or the range it gives for the
+    model's architecture), of a local Hugging Face directory, reading from its
+    safetensors files only the tensors that stage needs."""
     path = Path(path).expanduser()
     arch, tokenizer = _read_config_and_tokenizer(path)
+    if not isinstance(layer_range, LayerRange):
+        layer_range = layer_range(arch)
     with contextlib.ExitStack() as stack:
         checkpoint = _LazyCheckpoint(path, stack)
         weights = StageWeights.from_hf_state_dict(

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from yb_core.config import ModelConfig
-    from yb_engine.architecture import LayerRange
+    from yb_engine.architecture import ArchConfig, LayerRange
     from yb_engine.loader import LoadedModel, LoadedStage
 
 log = get_logger(__name__)
@@ -118,17 +118,22 @@ def load_engine_model(
 def load_engine_stage(
     model: ModelConfig,
     cache_dir: Path,
-    layer_range: LayerRange,
+    layer_range: LayerRange | Callable[[ArchConfig], LayerRange],
     progress: Callable[[str], None] | None = None,
 ) -> LoadedStage:
-    """One pipeline stage of the model, layers `layer_range`, on the configured device
-    and dtype: a stage loads only its own layers' weights (the tiny random model, built
-    in memory, is built whole and keeps the stage's share)."""
+    """One pipeline stage of the model, layers `layer_range` (or the range it gives for
+    the model's architecture: a stage `i` of `n`, say), on the configured device and
+    dtype: a stage loads only its own layers' weights (the tiny random model, built in
+    memory, is built whole and keeps the stage's share)."""
+    from yb_engine.architecture import LayerRange
     from yb_engine.loader import LoadedStage, load_stage, tiny_random_model
 
     device = resolve_device(model.device)
     dtype = resolve_dtype(model, device)
     path = resolve_model_dir(model, cache_dir, progress)
     if path is None:
-        return LoadedStage.of_model(tiny_random_model(dtype=dtype, device=str(device)), layer_range)
+        whole = tiny_random_model(dtype=dtype, device=str(device))
+        if not isinstance(layer_range, LayerRange):
+            layer_range = layer_range(whole.config)
+        return LoadedStage.of_model(whole, layer_range)
     return load_stage(path, layer_range, dtype=dtype, device=str(device))

@@ -725,7 +725,10 @@ class RequestSession:
             return
         if instance_id == decision.decode_instance:
             role = "decode"
-        elif instance_id == decision.prefill_instance and not self._attempt_streaming:
+        elif not self._attempt_streaming and (
+            instance_id == decision.prefill_instance or instance_id in decision.prefill_stages
+        ):
+            # A prefill group needs every stage: any one lost ends the prefill.
             role = "prefill"
         else:
             return

@@ -13,6 +13,10 @@ computed here are put into the host's kvstore in the background
 an error on its token stream and a `RequestFinished(failed)` event, and frees what it
 held; a failed prefix fetch only costs its recompute (and a `TransferFailed` event).
 
+An instance configured as a stage of a prefill group (`prefill.group`, `stage` of
+`stages`) loads only its share of the layers and runs the group's requests with the
+other stages instead (`stage.StageWorker`).
+
 The bus, presence, cancellations, peers, the UCX transport and the shutdown order are
 the data-plane shell's (`yb_dataplane.worker.WorkerShell`).
 """
@@ -21,11 +25,12 @@ from __future__ import annotations
 
 from yb_core.config import YbConfig
 from yb_dataplane.worker import WorkerContext, WorkerShell
-from yb_engine.host import EngineGauges, EngineHost
+from yb_engine.host import EngineGauges, EngineHost, StageHost
+from yb_prefill.stage import StageWorker
 from yb_prefill.worker import PrefillMetrics, PrefillWorker
 
 
-class PrefillService(WorkerShell[PrefillWorker]):
+class PrefillService(WorkerShell[PrefillWorker | StageWorker]):
     """Runs prefill jobs on one engine and streams their KV to decode instances."""
 
     role = "prefill"
@@ -36,7 +41,11 @@ class PrefillService(WorkerShell[PrefillWorker]):
         self.metrics = PrefillMetrics(self.registry)
         self.gauges = EngineGauges(self.registry)
 
-    async def build(self, context: WorkerContext) -> PrefillWorker:
-        """Load the model; the worker's page cache and block events run on it."""
+    async def build(self, context: WorkerContext) -> PrefillWorker | StageWorker:
+        """Load the model (a stage: its layers); the worker runs on it."""
+        section = self.cfg.prefill
+        if section.group:
+            host = await StageHost.load(self.cfg, section, section.stage, section.stages)
+            return StageWorker(context, host, self.metrics, self.gauges)
         engine = await EngineHost.load(self.cfg, self.cfg.prefill, self.instance_id)
         return PrefillWorker(context, engine, self.metrics, self.gauges)

@@ -44,7 +44,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from yb_core import events as ev
 from yb_core import protocol as pr
 from yb_core.block_events import AnyBlockEvent, BlockEventPublisher, BlockLog
-from yb_core.bus import BusError
 from yb_core.failpoints import Failpoints
 from yb_core.outbox import Outbox
 from yb_core.telemetry import (
@@ -65,6 +64,7 @@ from yb_engine.kv_cache import OutOfPages
 from yb_engine.runner import PrefillSeq
 from yb_prefill.batching import ComputeBatch, Outcome, take_group
 from yb_prefill.decode_link import DecodeLink
+from yb_prefill.failure import fail_job
 from yb_prefill.job_queue import JobQueue, QueuedJob
 from yb_prefill.prefix_cache import PrefixCache
 from yb_prefill.reuse import Prefix, PrefixLoader
@@ -953,29 +953,7 @@ class PrefillWorker(Worker):
 
     async def _fail(self, job: pr.PrefillJob, exc: pr.JobFailed) -> None:
         """End a request that never reached decode: an error chunk and an event."""
-        log.warning("prefill_failed", request_id=job.request_id, reason=exc.reason)
-        chunk = pr.TokenChunk(
-            request_id=job.request_id,
-            seq=0,
-            finished=True,
-            finish_reason="error",
-            error=exc.reason,
-            error_status=exc.status,
-            prompt_tokens=len(job.token_ids) - job.generated_tokens,
-            attempt=job.attempt,
-        )
-        with contextlib.suppress(BusError):
-            await self.bus.publish_core(job.token_subject, pr.encode(chunk))
-        outcome: ev.RequestOutcome = "cancelled" if exc.status == 499 else "failed"
-        self._log_event(
-            ev.RequestFinished(
-                request_id=job.request_id,
-                instance_id=self.instance_id,
-                outcome=outcome,
-                reason=exc.reason,
-                prompt_tokens=len(job.token_ids) - job.generated_tokens,
-            )
-        )
+        await fail_job(self.bus, self.outbox, self.instance_id, job, exc)
 
     def _emit_block_event(self, event: AnyBlockEvent) -> None:
         self.publisher.emit(event)

@@ -1,6 +1,7 @@
 """`yb`: the one command people use to run and inspect Yuebing.
 
     yb up [--port N] [--data-dir DIR] [--model SOURCE] [--prefill N --decode N --kvstore N]
+          [--prefill-groups N[,N...]]
           [--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16]
           [--conductors N] [--keep-going]   standbys; stay up when an instance dies
           [--nats-cluster 3]                three NATS nodes, the event stream at R3
@@ -45,6 +46,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--model-name", help="the name clients ask for")
     add_device_arguments(up)
     up.add_argument("--prefill", type=int, default=2, help="prefill instances (default 2)")
+    up.add_argument(
+        "--prefill-groups",
+        type=_group_sizes,
+        default=(),
+        metavar="N[,N...]",
+        help="prefill groups beside the --prefill instances, one of N pipeline stages "
+        "per entry (chunked pipeline parallelism: each stage holds 1/N of the layers)",
+    )
     up.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
     up.add_argument("--kvstore", type=int, default=2, help="kvstore instances (default 2)")
     up.add_argument(
@@ -163,6 +172,17 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _group_sizes(text: str) -> tuple[int, ...]:
+    """`--prefill-groups`: stage counts, comma-separated, each 2 or more."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: stage counts like 2 or 2,4") from None
+    if any(size < 2 for size in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: a group has 2 or more stages")
+    return sizes
+
+
 def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
     from yb_tools.cli.launcher import Cluster, Topology
 
@@ -170,7 +190,12 @@ def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
         print(f"[yb] {line}", flush=True)
 
     topology = Topology(
-        args.prefill, args.decode, args.kvstore, args.conductors, nats=args.nats_cluster
+        args.prefill,
+        args.decode,
+        args.kvstore,
+        args.conductors,
+        nats=args.nats_cluster,
+        prefill_groups=args.prefill_groups,
     )
     cluster = Cluster(cfg, topology, say)
     stopping = False

@@ -103,6 +103,11 @@ class Topology:
 
     Prefill instance i and kvstore i share logical host `host-i`, so each prefill has
     a kvstore on its own host; decode instances are spread over the hosts too.
+
+    `prefill_groups` adds prefill groups (chunked pipeline parallelism) beside the
+    `prefill` whole-model instances: one group of that many stages per entry, group g's
+    stage s named `prefill-g<g>-<s>` and set by its environment (`prefill.group`,
+    `stage`, `stages`); its stages go to successive hosts, like separate nodes.
     """
 
     prefill: int = 2
@@ -112,6 +117,13 @@ class Topology:
     conductors: int = 1
     # nats-server nodes: 1, or a JetStream cluster (3: the event stream at R3).
     nats: int = 1
+    prefill_groups: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(size < 2 for size in self.prefill_groups):
+            raise ValueError(
+                f"prefill groups of {self.prefill_groups} stages: each needs 2 or more"
+            )
 
     def processes(self) -> list[ProcessSpec]:
         """Processes in start order (what others depend on first)."""
@@ -122,6 +134,20 @@ class Topology:
         ]
         specs += [ProcessSpec("kvstore", f"kvstore-{i}", f"host-{i}") for i in range(self.kvstore)]
         specs += [ProcessSpec("prefill", f"prefill-{i}", f"host-{i}") for i in range(self.prefill)]
+        for g, size in enumerate(self.prefill_groups):
+            specs += [
+                ProcessSpec(
+                    "prefill",
+                    f"prefill-g{g}-{s}",
+                    f"host-{s % hosts}",
+                    env={
+                        "YB_PREFILL__GROUP": f"g{g}",
+                        "YB_PREFILL__STAGE": str(s),
+                        "YB_PREFILL__STAGES": str(size),
+                    },
+                )
+                for s in range(size)
+            ]
         specs += [
             ProcessSpec("decode", f"decode-{i}", f"host-{i % hosts}") for i in range(self.decode)
         ]
