@@ -1,18 +1,20 @@
 """A prefill group (chunked pipeline parallelism) serving requests in a real cluster.
 
-Two `yb up` clusters with the tiny random model (2 layers) and 16-token chunks, one
-after the other:
+One `yb up` cluster with the tiny random model (2 layers) and 16-token chunks: a
+whole-model prefill instance (`prefill-0`) and one group of 2 stages
+(`--prefill-groups 2`), each stage holding one layer; kept up when an instance dies.
+The fixture arranges who serves what by construction:
 
-- the reference: one whole-model prefill instance, whose greedy answers to the
-  module's prompts are the tokens every other path must give;
-- the group: no whole-model prefill instance, one group of 2 stages
-  (`--prefill 0 --prefill-groups 2`), each stage holding one layer, so the conductor
-  can only plan on the group, and every request runs through both stages (kept up
-  when an instance dies).
+1. the group's second stage is killed, so the group cannot run (a layer is
+   uncovered) and every request goes to `prefill-0`: its greedy answers to the
+   module's prompts are the reference, and it puts their full blocks into the pool;
+2. the second stage is started again (it rejoins the group) and `prefill-0` is
+   killed: from then on the conductor can plan only on the group.
 
-In file order: the stages announce their group and layers, and the conductor plans
-each request on the group (`prefill_stages`); the group's greedy tokens equal the
-whole model's, for prompts of one chunk and of many chunks and blocks; SIGKILL of the
+In file order: the stages announce their group and layers, and each request is
+planned on the group (`prefill_stages`); the group's greedy tokens equal the whole
+model's, for a prompt of one chunk, of several chunks, and one whose first three
+blocks each stage loads from the pool (its own layers of them); SIGKILL of the
 second stage while the lead holds a request between its chunks (failpoint
 `prefill.chunk`) ends that stream cleanly, with an error (no prefill can take its
 re-plan), and frees the lead's and decode's pages; the log replays to the same
@@ -22,9 +24,10 @@ decisions.
 from __future__ import annotations
 
 import random
+import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
@@ -35,6 +38,7 @@ from yb_testkit.faults import (
     Gate,
     Scraper,
     SseClient,
+    command_of,
     complete,
     decision_of,
     events_of,
@@ -42,7 +46,9 @@ from yb_testkit.faults import (
     long_stream_body,
     read_log,
     record,
+    restart,
     wait_all,
+    wait_until,
 )
 from yb_testkit.fixtures import LocalCluster
 
@@ -50,7 +56,8 @@ HEARTBEAT_S = 4.0
 ACT_S = 60.0
 MAX_TOKENS = 8
 CHUNK = 16
-LEAD, SECOND = "prefill-g0-0", "prefill-g0-1"
+BLOCK = 64
+WHOLE, LEAD, SECOND = "prefill-0", "prefill-g0-0", "prefill-g0-1"
 
 pytestmark = [pytest.mark.timeout(300, func_only=True)]
 
@@ -60,58 +67,95 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(10, 250) for _ in range(n)]
 
 
-#: One chunk; many chunks and more than two 64-token blocks.
-PROMPTS = [_tokens(1, 12), _tokens(2, 200)]
-
-
-def _cluster(root: Path, *args: str, gate: Gate | None = None) -> LocalCluster:
-    env = {
-        "YB_PREFILL__CHUNK_SIZE": str(CHUNK),
-        "YB_CONDUCTOR__HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S),
-        "YB_PREFILL__LOAD_REPORT_INTERVAL_S": "0.5",
-        "YB_DECODE__LOAD_REPORT_INTERVAL_S": "0.5",
-        "YB_KVSTORE__LOAD_REPORT_INTERVAL_S": "0.5",
-        "YB_GATEWAY__TTFT_SLO_S": "3600",
-    }
-    if gate is not None:
-        env["YB_FAILPOINTS"] = gate.spec("prefill.chunk=hold(1)")
-    return LocalCluster(
-        root,
-        *("--model", "tiny-random", "--model-name", "tiny"),
-        *("--decode", "1", "--kvstore", "1"),
-        *args,
-        env=env,
-    )
+#: One chunk; four chunks and no full block; three full blocks (from the pool, once
+#: the reference put them there) and four chunks after them.
+PROMPTS = [_tokens(1, 12), _tokens(2, BLOCK - 1), _tokens(3, 3 * BLOCK + 60)]
+IDS = ["one-chunk", "four-chunks", "pool-prefix"]
 
 
 @dataclass
 class Group:
-    """The group's cluster, its gate, and the reference answers to `PROMPTS`."""
+    """The cluster, its gate, and the whole model's answers to `PROMPTS`."""
 
     cluster: LocalCluster
     gate: Gate
     reference: list[str] = field(default_factory=list)
+    restarted: subprocess.Popen[bytes] | None = None
+
+
+def _verdict(cluster: LocalCluster, instance_id: str, after: int) -> bool:
+    """Whether the log has a verdict on `instance_id` past sequence `after`."""
+    return any(
+        item.seq > after
+        and isinstance(item.event, ev.InstanceDown)
+        and item.event.instance_id == instance_id
+        for item in read_log(cluster)
+    )
+
+
+def _up_again(cluster: LocalCluster, instance_id: str, after: int) -> bool:
+    """Whether `instance_id` announced itself past sequence `after`."""
+    return any(
+        item.seq > after
+        and isinstance(item.event, ev.InstanceUp)
+        and item.event.instance_id == instance_id
+        for item in read_log(cluster)
+    )
+
+
+def _last_seq(cluster: LocalCluster) -> int:
+    return max(item.seq for item in read_log(cluster))
 
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
     root = tmp_path_factory.mktemp("prefill-groups")
-    reference = _cluster(root / "reference", "--prefill", "1")
-    reference.start(timeout_s=300)
-    try:
-        texts = [_text(complete(reference, p, max_tokens=MAX_TOKENS)) for p in PROMPTS]
-    finally:
-        reference.stop()
     gate = Gate(root / "gate")
-    cluster = _cluster(
-        root / "group", "--prefill", "0", "--prefill-groups", "2", "--keep-going", gate=gate
+    cluster = LocalCluster(
+        root / "cluster",
+        *("--model", "tiny-random", "--model-name", "tiny"),
+        *("--prefill", "1", "--prefill-groups", "2", "--decode", "1", "--kvstore", "1"),
+        "--keep-going",
+        env={
+            "YB_PREFILL__CHUNK_SIZE": str(CHUNK),
+            # Reuse comes from the pool, which every stage reads.
+            "YB_PREFILL__PREFIX_CACHE_PAGES": "0",
+            "YB_CONDUCTOR__HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S),
+            "YB_PREFILL__LOAD_REPORT_INTERVAL_S": "0.5",
+            "YB_DECODE__LOAD_REPORT_INTERVAL_S": "0.5",
+            "YB_KVSTORE__LOAD_REPORT_INTERVAL_S": "0.5",
+            "YB_GATEWAY__TTFT_SLO_S": "3600",
+            "YB_FAILPOINTS": gate.spec("prefill.chunk=hold(1)"),
+        },
     )
     cluster.start(timeout_s=300)
+    state = Group(cluster, gate)
     try:
-        yield Group(cluster, gate, texts)
+        # 1. The group without its second stage: the whole model answers.
+        second = command_of(cluster.pids[SECOND])
+        seq = _last_seq(cluster)
+        kill(cluster, SECOND)
+        wait_until(lambda: _verdict(cluster, SECOND, seq), ACT_S, f"{SECOND} declared down")
+        for prompt in PROMPTS:
+            body = complete(cluster, prompt, max_tokens=MAX_TOKENS)
+            decision = decision_of(cluster, body["id"])
+            assert isinstance(decision, ev.RequestScheduled), decision
+            assert decision.prefill_instance == WHOLE and not decision.prefill_stages
+            state.reference.append(_text(body))
+        # 2. The second stage back, the whole-model instance gone.
+        seq = _last_seq(cluster)
+        state.restarted = restart(second, cluster.data_dir / "logs" / f"{SECOND}.log")
+        wait_until(lambda: _up_again(cluster, SECOND, seq), ACT_S, f"{SECOND} announced again")
+        seq = _last_seq(cluster)
+        kill(cluster, WHOLE)
+        wait_until(lambda: _verdict(cluster, WHOLE, seq), ACT_S, f"{WHOLE} declared down")
+        yield state
     finally:
         gate.release_everything()
         cluster.stop()
+        if state.restarted is not None:
+            state.restarted.kill()
+            state.restarted.wait(timeout=30)
 
 
 def _text(body: dict[str, object]) -> str:
@@ -136,18 +180,28 @@ def test_the_stages_announce_their_group_and_requests_are_planned_on_it(group: G
     assert decision.prefill_stages == [LEAD, SECOND]
 
 
-@pytest.mark.parametrize("index", range(len(PROMPTS)), ids=["one-chunk", "many-chunks"])
+@pytest.mark.parametrize("index", range(len(PROMPTS)), ids=IDS)
 def test_the_group_gives_the_whole_models_tokens(group: Group, index: int) -> None:
     cluster, prompt = group.cluster, PROMPTS[index]
     body = complete(cluster, prompt, max_tokens=MAX_TOKENS)
     assert body["usage"]["completion_tokens"] == MAX_TOKENS
     assert _text(body) == group.reference[index]
+    decision = decision_of(cluster, body["id"])
+    assert isinstance(decision, ev.RequestScheduled), decision
+    assert decision.prefill_stages == [LEAD, SECOND]
+    # The reference put full blocks into the pool: each stage loads its layers of them.
+    reused = (len(prompt) - 1) // BLOCK * BLOCK
+    assert decision.reused_blocks * BLOCK == reused
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == reused
     progress = [
-        (e.instance_id, e.stage, e.computed_tokens)
+        (e.instance_id, e.stage, e.computed_tokens, e.reused_tokens)
         for e in events_of(read_log(cluster), ev.RequestProgress)
         if e.request_id == body["id"] and e.stage in ("prefill_started", "prefill_done")
     ]
-    assert progress == [(LEAD, "prefill_started", 0), (LEAD, "prefill_done", len(prompt))]
+    assert progress == [
+        (LEAD, "prefill_started", 0, 0),
+        (LEAD, "prefill_done", len(prompt) - reused, reused),
+    ]
 
 
 def test_a_stage_killed_mid_request_ends_it_cleanly_and_frees_the_pages(group: Group) -> None:
@@ -159,7 +213,11 @@ def test_a_stage_killed_mid_request_ends_it_cleanly_and_frees_the_pages(group: G
     assert held.instance_id == LEAD
     # The lead holds the prompt's pages and decode its reservation, between chunks.
     assert scraper.pages_used(LEAD) > 0
-    killed_at = kill(cluster, SECOND)
+    # The second stage runs as the fixture restarted it.
+    assert group.restarted is not None
+    killed_at = time.monotonic()
+    group.restarted.kill()
+    group.restarted.wait(timeout=10)
     gate.release(held)
     stream.wait_done(ACT_S)
     ended_s = stream.ended_at - killed_at
@@ -196,6 +254,6 @@ def test_a_stage_killed_mid_request_ends_it_cleanly_and_frees_the_pages(group: G
 def test_the_log_replays_to_the_same_decisions(group: Group) -> None:
     logged = read_log(group.cluster)
     decisions = list(events_of(logged, ev.RequestScheduled))
-    assert sum(bool(d.prefill_stages) for d in decisions) >= 3, decisions
+    assert sum(bool(d.prefill_stages) for d in decisions) >= len(PROMPTS) + 1, decisions
     result = replay([LogRecord(seq=item.seq, event=item.event) for item in logged])
     assert result.divergences == []

@@ -95,15 +95,16 @@ class ModelLayerPages:
     """A stage's pages as a kvstore block lays them out: every layer of the model.
 
     A block in the pool holds all `num_layers` layers; a stage fetching it receives
-    them all and keeps its own (`layers`), the others landing in one scratch page that
-    nothing reads (`yb_dataplane.prefix_fetch.PagedBuffers`).
+    them all and keeps its own (`layers`), each other layer's page landing in a scratch
+    buffer of its own that nothing reads once the fetch is verified (the receiver
+    checks every buffer it received, so two receives must not share one), dropped with
+    the fetch's reservation (`yb_dataplane.prefix_fetch.PagedBuffers`).
     """
 
     def __init__(self, cache: PagedKVCache, layers: range, num_layers: int) -> None:
         self._cache = cache
         self._layers = layers
         self._num_layers = num_layers
-        self._scratch = np.empty(cache.page_nbytes, dtype=np.uint8)
 
     @property
     def num_layers(self) -> int:
@@ -120,7 +121,7 @@ class ModelLayerPages:
     def page_view(self, layer: int, page: int) -> BufferLike:
         if layer in self._layers:
             return self._cache.page_view(layer - self._layers.start, page)
-        return self._scratch
+        return np.empty(self._cache.page_nbytes, dtype=np.uint8)
 
 
 class _PromptChunks:
