@@ -14,8 +14,9 @@ The fixture arranges who serves what by construction:
 In file order: the stages announce their group and layers, and each request is
 planned on the group (`prefill_stages`); the group's greedy tokens equal the whole
 model's, for a prompt of one chunk, of several chunks, and one whose first three
-blocks each stage loads from the pool (its own layers of them); SIGKILL of the
-second stage while the lead holds a request between its chunks (failpoint
+blocks each stage loads from the pool (its own layers of them); the blocks the
+group computes go into the pool (each stage puts its layers) and are reused; SIGKILL
+of the second stage while the lead holds a request between its chunks (failpoint
 `prefill.chunk`) ends that stream cleanly, with an error (no prefill can take its
 re-plan), and frees the lead's and decode's pages; the log replays to the same
 decisions.
@@ -202,6 +203,30 @@ def test_the_group_gives_the_whole_models_tokens(group: Group, index: int) -> No
         (LEAD, "prefill_started", 0, 0),
         (LEAD, "prefill_done", len(prompt) - reused, reused),
     ]
+
+
+def test_the_group_puts_its_blocks_into_the_pool(group: Group) -> None:
+    cluster = group.cluster
+    prompt = _tokens(5, 3 * BLOCK + 20)
+    seq = _last_seq(cluster)
+    first = complete(cluster, prompt, max_tokens=MAX_TOKENS)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+    def stored() -> int:
+        return sum(
+            len(item.event.block_hashes)
+            for item in read_log(cluster)
+            if item.seq > seq and isinstance(item.event, ev.BlockStored)
+        )
+
+    # Every stage sent its layer of each full block; the last committed them.
+    wait_until(lambda: stored() >= 3, ACT_S, "the group's three blocks stored in the pool")
+    again = complete(cluster, prompt, max_tokens=MAX_TOKENS)
+    decision = decision_of(cluster, again["id"])
+    assert isinstance(decision, ev.RequestScheduled), decision
+    assert decision.prefill_stages == [LEAD, SECOND] and decision.reused_blocks == 3
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK
+    assert _text(again) == _text(first)
 
 
 def test_a_stage_killed_mid_request_ends_it_cleanly_and_frees_the_pages(group: Group) -> None:

@@ -137,7 +137,10 @@ class StageJob(_Msg, tag="stage_job"):
     last stage's logits) and streams its layers' pages into decode's reservation
     (`decode_address`, `num_pages` pages a layer, as `KVReserved` lays them out). The
     last stage (`last`) commits that reservation once every stage before it is done.
-    Every wait ends by `deadline` (wall clock).
+    Blocks `first_put`, `first_put + 1`, ... of the prompt go into the block store at
+    `store_address` too: `puts` are their put request ids, every stage sending its
+    layers of each (the last one committing them). Every wait ends by `deadline`
+    (wall clock).
     """
 
     request_id: str
@@ -152,6 +155,9 @@ class StageJob(_Msg, tag="stage_job"):
     block_hashes: list[int] = msgspec.field(default_factory=list)
     reuse: list[ReusePlan] = msgspec.field(default_factory=list)
     trace_headers: dict[str, str] = msgspec.field(default_factory=dict)
+    store_address: str = ""
+    first_put: int = 0
+    puts: list[str] = msgspec.field(default_factory=list)
 
 
 class StageReady(_Msg, tag="stage_ready"):

@@ -415,7 +415,8 @@ async def serve_stage_request(
     wait_s: float,
     kv: PageSink | None = None,
     commit_kv: bool = False,
-) -> None:
+    blocks: Sequence[tuple[int, PageSink]] = (),
+) -> int:
     """Run request `request_id` through `runner`'s stage: chunks from `inbound`, in
     prompt order, the stage's output to `outbound`.
 
@@ -425,6 +426,16 @@ async def serve_stage_request(
     (its layers only); `commit_kv` (the last stage's job) commits that reservation
     once every earlier stage closed the request complete, which each does only after
     its own pages were sent, so every stage's layers are in.
+
+    `blocks` are puts of the prompt's full blocks into a block store, (block index,
+    the put's reservation), each holding every layer, index = the model's layer (the
+    kvstore's put layout): every stage sends its layers of each, and the stage that
+    commits the KV commits them too. An earlier stage sends its share before it closes
+    the request complete, so when the last stage has seen the request closed, every
+    share before its own is in; it sends its own and commits after closing, once the
+    next hop has what it waits for. A block put that fails only leaves the block out
+    of the store: it is counted in the returned number (0: every put this stage sent
+    or committed went through), never raised.
 
     Every wait is bounded by `wait_s`. Failing (the neighbour's connection broke, a
     deadline, an upstream abort), the request is closed downstream as aborted, so the
@@ -483,9 +494,15 @@ async def serve_stage_request(
         moving.clear()
         if not await inbound.wait_closed(request_id, deadline_s=wait_s):
             raise UpstreamFailed(f"the previous stage aborted {request_id}")
+        failed_puts = 0
+        if not commit_kv:
+            failed_puts += await _put_blocks(runner, block_table, blocks, wait_s, commit=False)
         if kv is not None and commit_kv:
             await kv.commit(deadline_s=wait_s)
         await outbound.close(request_id, complete=True, deadline_s=wait_s)
+        if commit_kv:
+            failed_puts += await _put_blocks(runner, block_table, blocks, wait_s, commit=True)
+        return failed_puts
     except BaseException:
         for task in moving:
             task.cancel()
@@ -496,6 +513,35 @@ async def serve_stage_request(
         raise
     finally:
         inbound.forget(request_id)
+
+
+async def _put_blocks(
+    runner: StageRunner,
+    block_table: Sequence[int],
+    blocks: Sequence[tuple[int, PageSink]],
+    wait_s: float,
+    *,
+    commit: bool,
+) -> int:
+    """Send this stage's layers of each block to its put (and commit it); how many
+    failed. All at once: a put is one small round trip."""
+    cache, layers = runner.cache, runner.layer_range
+
+    async def put(block: int, sink: PageSink) -> None:
+        items = [
+            (layers.start + j, cache.page_view(j, block_table[block])) for j in range(len(layers))
+        ]
+        await sink.send(items, deadline_s=wait_s)
+        if commit:
+            await sink.commit(deadline_s=wait_s)
+
+    results = await asyncio.gather(
+        *(put(block, sink) for block, sink in blocks), return_exceptions=True
+    )
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, Exception):
+            raise result  # a cancellation, not a failed put
+    return sum(isinstance(result, Exception) for result in results)
 
 
 async def prefill_over_stages(

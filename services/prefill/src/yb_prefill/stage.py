@@ -24,6 +24,12 @@ request at a time, all its stages together:
    the lead.
 4. The lead samples the first token from them, exactly as a whole-model instance
    does, and hands the request over to decode (`StartDecode`).
+5. The prompt's full blocks after the planned prefix go into the kvstore of the
+   lead's host: a put holds every layer of a block, so each stage sends its layers
+   into the same put reservation (`StageJob.puts`, ids the lead chose), each before
+   it closes the request complete, and the last stage commits them after its own
+   (`serve_stage_request`'s `blocks`). A put that fails leaves the block out of the
+   pool, nothing more.
 
 A stage failing (its process dies, a transfer breaks, a deadline) aborts the request
 along the chain: a stage whose neighbour's connection broke fails at once
@@ -35,9 +41,9 @@ the conductor plans nothing more on the group until its live stages cover every 
 again. Every wait is bounded by the request's deadline and `transfer_timeout_s`.
 
 What a stage does not do (a whole-model instance does): keep blocks in its own page
-cache, put computed blocks into the kvstore (a block there holds every layer; a stage
-has only its own), or batch several short prompts. A prefix fetched from the kvstore
-comes as whole blocks: each stage receives every layer and keeps its own.
+cache, copy blocks it reused from another host's kvstore to its own host, or batch
+several short prompts. A prefix fetched from the kvstore comes as whole blocks: each
+stage receives every layer and keeps its own.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -70,6 +77,7 @@ from yb_core.telemetry import (
 from yb_dataplane.activations import ActivationReceiver, ActivationSender, ReservationTarget
 from yb_dataplane.prefix_fetch import BlockFetcher, FetchRun, plan_runs, reusable_blocks
 from yb_dataplane.transport import BufferLike, PeerAddress, TransferError
+from yb_dataplane.transport.blocks import PutId
 from yb_dataplane.worker import Capacity, Worker, WorkerContext
 from yb_engine.choice_sampling import Sampled, sample_first_tokens
 from yb_engine.host import EngineGauges, StageHost
@@ -89,6 +97,15 @@ from yb_prefill.worker import MAX_QUEUE, PrefillMetrics
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Puts:
+    """The prompt's blocks a group puts into a kvstore (`StageJob.puts`)."""
+
+    address: str = ""
+    first: int = 0
+    request_ids: list[str] = field(default_factory=list)
 
 
 class ModelLayerPages:
@@ -427,8 +444,11 @@ class StageWorker(Worker):
             finally:
                 loading.cancel()
                 await asyncio.gather(loading, return_exceptions=True)
+            puts = self._planned_puts(job)
             asking = [
-                asyncio.ensure_future(self._ask_stage(job, reserved, stages, i, wait_s, sent_to))
+                asyncio.ensure_future(
+                    self._ask_stage(job, reserved, puts, stages, i, wait_s, sent_to)
+                )
                 for i in range(1, len(stages))
             ]
             try:
@@ -441,7 +461,7 @@ class StageWorker(Worker):
             cached = reused * self.host.cache.block_size
             for tier, tokens in self.fetcher.tokens_by_tier(runs, reused).items():
                 self.metrics.reused.labels(tier).inc(tokens)
-            logits = await self._run_chunks(job, stages, reserved, pages, cached, wait_s)
+            logits = await self._run_chunks(job, stages, reserved, puts, pages, cached, wait_s)
             first = await asyncio.to_thread(self._sample_first, job, logits)
             start = pr.StartDecode(
                 request_id=rid,
@@ -508,10 +528,39 @@ class StageWorker(Worker):
             )
         return reply
 
+    def _planned_puts(self, job: pr.PrefillJob) -> _Puts:
+        """The prompt's full blocks the group puts into the lead's host's kvstore: those
+        after the prefix the decision planned to reuse (a block it planned is in the
+        pool already; one whose fetch fails and is recomputed too)."""
+        store = self.peers.kvstore_on(self.cfg.host)
+        address = None if store is None else self.peers.address(store.instance_id)
+        if not self.pcfg.store_blocks or address is None:
+            return _Puts()
+        cache = self.host.cache
+        full = min(len(job.block_hashes), len(job.token_ids) // cache.block_size)
+        engine, runs = plan_runs(job.decision.reuse, self.instance_id, full)
+        first = engine + sum(run.count for run in runs)
+        rids = [
+            PutId(job.block_hashes[i], self.num_layers, cache.page_nbytes).request_id()
+            for i in range(first, full)
+        ]
+        return _Puts(address.to_wire(), first, rids)
+
+    def _block_sinks(self, puts: _Puts) -> list[tuple[int, ReservationTarget]]:
+        """One put reservation per block to store (see `serve_stage_request`)."""
+        if not puts.request_ids:
+            return []
+        store = PeerAddress.parse(puts.address)
+        return [
+            (puts.first + k, ReservationTarget(self.sender, store, rid))
+            for k, rid in enumerate(puts.request_ids)
+        ]
+
     async def _ask_stage(
         self,
         job: pr.PrefillJob,
         reserved: pr.KVReserved,
+        puts: _Puts,
         stages: Sequence[str],
         index: int,
         wait_s: float,
@@ -533,6 +582,9 @@ class StageWorker(Worker):
             block_hashes=job.block_hashes,
             reuse=job.decision.reuse if self.pcfg.reuse else [],
             trace_headers=job.trace_headers,
+            store_address=puts.address,
+            first_put=puts.first,
+            puts=puts.request_ids,
         )
         sent_to.append(stage)
         try:
@@ -551,6 +603,7 @@ class StageWorker(Worker):
         job: pr.PrefillJob,
         stages: Sequence[str],
         reserved: pr.KVReserved,
+        puts: _Puts,
         pages: list[int],
         cached: int,
         wait_s: float,
@@ -570,6 +623,7 @@ class StageWorker(Worker):
                 ActivationSender[HiddenHeader](self.sender, next_stage),
                 wait_s=wait_s,
                 kv=decode,
+                blocks=self._block_sinks(puts),
             )
         )
         # The logits come after the whole pipeline: bounded by the request's deadline.
@@ -690,7 +744,8 @@ class StageWorker(Worker):
                     ),
                 )
                 decode = ReservationTarget(self.sender, PeerAddress.parse(job.decode_address), rid)
-                await serve_stage_request(
+                puts = _Puts(job.store_address, job.first_put, job.puts)
+                failed = await serve_stage_request(
                     self.host.runner,
                     rid,
                     pages,
@@ -699,8 +754,20 @@ class StageWorker(Worker):
                     wait_s=wait_s,
                     kv=decode,
                     commit_kv=job.last,
+                    blocks=self._block_sinks(puts),
                 )
-                log.info("stage_served", prompt_tokens=job.prompt_len, last=job.last)
+                if job.last:
+                    # The last stage commits the puts: their outcome is its to count
+                    # (a block held already counts as failed).
+                    self.metrics.puts.labels("stored").inc(len(job.puts) - failed)
+                    self.metrics.puts.labels("failed").inc(failed)
+                log.info(
+                    "stage_served",
+                    prompt_tokens=job.prompt_len,
+                    last=job.last,
+                    blocks_put=len(job.puts),
+                    puts_failed=failed,
+                )
         except asyncio.CancelledError:
             log.info("stage_cancelled", request_id=rid)
         except Exception as exc:
