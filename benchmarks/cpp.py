@@ -2,7 +2,7 @@
 against one instance, in the same run.
 
     python benchmarks/cpp.py --json PATH [--model default|tiny] [--runs 4096:2,8192:4]
-        [--chunk-size 512] [--block-size 64] [--repeats 1]
+        [--chunk-size 512] [--group-chunk-size N] [--block-size 64] [--repeats 1]
 
 Each `--runs` entry `TOKENS:STAGES` times one prompt of TOKENS random tokens two ways,
 alternating, `--repeats` times each:
@@ -12,7 +12,9 @@ alternating, `--repeats` times each:
 - a group: STAGES processes, stage i holding only its layers (`load_engine_stage`, the
   layers cut as evenly as `LayerRange.split` does).
 
-Both run `serve_stage_request`: chunks of `--chunk-size` tokens come in over UCX, each is
+Both run `serve_stage_request`: chunks of `--chunk-size` tokens (the group's:
+`--group-chunk-size`, by default the same; a group's chunk size is its own setting,
+and a smaller chunk shortens its pipeline's fill and drain) come in over UCX, each is
 computed while the previous one's output moves on, so in a group stage i computes chunk
 k while stage i+1 computes chunk k-1. Token ids go from the driver to the first process,
 hidden states from stage to stage and the logits back to the driver over the data plane
@@ -175,6 +177,7 @@ async def measure(
     tokens: int,
     num_stages: int,
     chunk_size: int,
+    group_chunk_size: int,
     block_size: int,
     repeats: int,
 ) -> None:
@@ -186,7 +189,7 @@ async def measure(
             WorkerSpec(layers=(r.start, r.end), **common)
             for r in LayerRange.split(arch.num_layers, num_stages)
         ],
-        chunk_size,
+        group_chunk_size,
     )
     gen = torch.Generator().manual_seed(tokens)
     ids = [int(t) for t in torch.randint(0, arch.vocab, (tokens,), generator=gen)]
@@ -220,11 +223,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="default", choices=["default", "tiny"])
     parser.add_argument("--runs", default="4096:2,8192:4", help="TOKENS:STAGES, comma-separated")
     parser.add_argument("--chunk-size", type=int, default=512)
+    parser.add_argument(
+        "--group-chunk-size", type=int, help="the group's chunk size (default: --chunk-size)"
+    )
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args(argv)
-    if args.chunk_size <= 0 or args.block_size <= 0 or args.repeats <= 0:
-        parser.error("--chunk-size, --block-size and --repeats must be positive")
+    if args.group_chunk_size is None:
+        args.group_chunk_size = args.chunk_size
+    if (
+        args.chunk_size <= 0
+        or args.group_chunk_size <= 0
+        or args.block_size <= 0
+        or args.repeats <= 0
+    ):
+        parser.error("chunk sizes, --block-size and --repeats must be positive")
     runs = []
     for item in args.runs.split(","):
         tokens, _, stages = item.partition(":")
@@ -237,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[str, Any] = {
         "model": arch.model_id,
         "chunk_size": args.chunk_size,
+        "group_chunk_size": args.group_chunk_size,
         "block_size": args.block_size,
         "threads_per_process": 1,
         "cores": os.cpu_count(),
@@ -257,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 tokens,
                 num_stages,
                 args.chunk_size,
+                args.group_chunk_size,
                 args.block_size,
                 args.repeats,
             )
