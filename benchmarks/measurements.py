@@ -61,6 +61,14 @@ SUMMARIES: dict[str, str] = {
         "depends on how the scheduler shares the cores between the two ways; the CPU "
         "seconds show what idle cores would allow."
     ),
+    "cpp_cluster": (
+        "Chunked pipeline parallelism through a running cluster (`yb up`, the default "
+        "model): a long prompt's time to first token, as a client sees it, on a prefill "
+        "group of stage instances against one whole-model prefill instance, alternating "
+        "in the same cluster (the other path's process SIGSTOPped until the conductor "
+        "declares it dead, so each request's path is arranged by construction). Every "
+        "service runs on the same cores as the stages."
+    ),
     "piggyback": (
         "Short prompts prefilled inside a decode engine's batch (mixed steps) against a "
         "separate prefill engine and an in-process page hand-off (no UCX, no messages, no "
@@ -172,6 +180,7 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
     "cpp": [
         ("model", "the model measured"),
         ("chunk_size", "prompt tokens per chunk"),
+        ("group_chunk_size", "prompt tokens per chunk of the group"),
         ("block_size", "tokens per KV page"),
         ("threads_per_process", "torch threads of each process"),
         ("cores", "CPU cores of the machine"),
@@ -196,6 +205,21 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
             "CPU seconds of the slowest of {0} stages, {1} tokens",
         ),
         ("skipped", "runs the model could not hold"),
+        ("load_average_1m", "the machine's 1-minute load average when the run ended"),
+    ],
+    "cpp_cluster": [
+        ("model", "the model served"),
+        ("prompt_tokens", "tokens of each prompt"),
+        ("stages", "stages of the prefill group"),
+        ("chunk_size", "prompt tokens per chunk (every prefill instance)"),
+        ("rounds", "prompts timed on each path (medians reported)"),
+        ("cores", "CPU cores of the machine"),
+        (r"ttft_single_(\d+)_s", "seconds to the first token of a {0}-token prompt, whole model"),
+        (
+            r"ttft_group(\d+)_(\d+)_s",
+            "seconds to the first token of a {1}-token prompt on a group of {0} stages",
+        ),
+        (r"group(\d+)_speedup_(\d+)", "whole model over {0} stages, {1} tokens"),
         ("load_average_1m", "the machine's 1-minute load average when the run ended"),
     ],
     "piggyback": [

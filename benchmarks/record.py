@@ -54,6 +54,7 @@ BENCHMARKS = (
     "overload",
     "compose",
     "cpp",
+    "cpp_cluster",
     "piggyback",
     "sim_matrix",
     "sim_capacity",
