@@ -334,7 +334,13 @@ def import_stability(path: Path) -> StabilityRecord:
 # The test modules that write rows of the fault table (`yb_testkit.faults.record`).
 FAULT_TESTS = " ".join(
     f"tests/{name}.py"
-    for name in ("test_faults", "test_nats_outage", "test_replan", "test_piggyback")
+    for name in (
+        "test_faults",
+        "test_nats_outage",
+        "test_replan",
+        "test_piggyback",
+        "test_prefill_groups",
+    )
 )
 
 
