@@ -125,6 +125,33 @@ def test_status_warns_when_instances_disagree_on_the_block_size() -> None:
     assert "64: kvstore-0; 256: decode-0, prefill-0" in warning
 
 
+def test_status_shows_each_prefill_group_and_whether_it_can_run() -> None:
+    from yb_core import events as ev
+    from yb_tools.cli.status import InstanceRow, render
+
+    def stage(name: str, start: int, end: int, down: str = "") -> InstanceRow:
+        up = ev.InstanceUp(
+            instance_id=name,
+            role="prefill",
+            host="h",
+            group="g0",
+            layer_start=start,
+            layer_end=end,
+            num_layers=30,
+            chunk_tokens=512,
+        )
+        return InstanceRow(up=up, down=down)
+
+    rows = {"b": stage("b", 15, 30), "a": stage("a", 0, 15)}
+    assert render(rows, 15.0, 0.0).splitlines()[-1] == (
+        "prefill group g0: a [0, 15) -> b [15, 30) of 30 layers, 512-token chunks: runs"
+    )
+    rows["b"] = stage("b", 15, 30, down="no heartbeat")
+    assert render(rows, 15.0, 0.0).splitlines()[-1] == (
+        "prefill group g0: a [0, 15) of 30 layers, 512-token chunks: layers 15+ uncovered"
+    )
+
+
 def test_yb_up_refuses_cuda_on_a_machine_without_a_gpu(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -88,8 +88,33 @@ def render(rows: dict[str, InstanceRow], heartbeat_timeout_s: float, now: float)
         )
     if len(lines) == 1:
         lines.append("(no instances in the log)")
+    lines.extend(group_lines(rows))
     lines.extend(block_size_warnings(rows))
     return "\n".join(lines)
+
+
+def group_lines(rows: dict[str, InstanceRow]) -> list[str]:
+    """One line per prefill group: its stages' layers in order, and whether the
+    stages not down cover every layer (only then can the conductor plan on it)."""
+    groups: dict[str, list[ev.InstanceUp]] = {}
+    for row in rows.values():
+        if row.up.role == "prefill" and row.up.group and not row.down:
+            groups.setdefault(row.up.group, []).append(row.up)
+    lines = []
+    for name, stages in sorted(groups.items()):
+        stages.sort(key=lambda up: (up.layer_start, up.instance_id))
+        covered = 0
+        for up in stages:
+            if up.layer_start == covered:
+                covered = max(covered, up.layer_end)
+        layers = stages[0].num_layers
+        chain = " -> ".join(f"{up.instance_id} [{up.layer_start}, {up.layer_end})" for up in stages)
+        state = "runs" if layers and covered == layers else f"layers {covered}+ uncovered"
+        lines.append(
+            f"prefill group {name}: {chain} of {layers} layers, "
+            f"{stages[0].chunk_tokens}-token chunks: {state}"
+        )
+    return lines
 
 
 def block_size_warnings(rows: dict[str, InstanceRow]) -> list[str]:
