@@ -15,7 +15,9 @@ In file order: the stages announce their group and layers, and each request is
 planned on the group (`prefill_stages`); the group's greedy tokens equal the whole
 model's, for a prompt of one chunk, of several chunks, and one whose first three
 blocks each stage loads from the pool (its own layers of them); the blocks the
-group computes go into the pool (each stage puts its layers) and are reused; SIGKILL
+group computes go into the pool (each stage puts its layers) and are reused; a
+client that leaves while the lead holds its request between chunks gets every
+stage's pages and decode's reservation freed; SIGKILL
 of the second stage while the lead holds a request between its chunks (failpoint
 `prefill.chunk`) ends that stream cleanly, with an error (no prefill can take its
 re-plan), and frees the lead's and decode's pages; the log replays to the same
@@ -37,6 +39,7 @@ from yb_core import events as ev
 from yb_testkit.faults import (
     FaultRecord,
     Gate,
+    RawStream,
     Scraper,
     SseClient,
     command_of,
@@ -132,6 +135,12 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
     cluster.start(timeout_s=300)
     state = Group(cluster, gate)
     try:
+        # The cluster is ready once one prefill instance is: the others may still load.
+        wait_until(
+            lambda: all(_up_again(cluster, i, 0) for i in (WHOLE, LEAD, SECOND)),
+            ACT_S * 3,
+            "every prefill instance announced",
+        )
         # 1. The group without its second stage: the whole model answers.
         second = command_of(cluster.pids[SECOND])
         seq = _last_seq(cluster)
@@ -227,6 +236,33 @@ def test_the_group_puts_its_blocks_into_the_pool(group: Group) -> None:
     assert decision.prefill_stages == [LEAD, SECOND] and decision.reused_blocks == 3
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK
     assert _text(again) == _text(first)
+
+
+def test_a_client_that_leaves_frees_every_stages_pages(group: Group) -> None:
+    cluster, gate = group.cluster, group.gate
+    scraper = Scraper(cluster)
+    gate.arm("prefill.chunk")
+    stream = RawStream(cluster, long_stream_body(_tokens(6, 3 * CHUNK), max_tokens=MAX_TOKENS))
+    held = gate.wait_held("prefill.chunk", ACT_S)
+    assert held.instance_id == LEAD and held.request_id == stream.request_id
+    # Both stages hold the prompt's pages, decode its reservation.
+    assert scraper.pages_used(LEAD) > 0 and scraper.pages_used(SECOND) > 0
+    stream.close()
+    wait_all(
+        {
+            f"{stage} to free the prompt's pages": lambda stage=stage: (
+                scraper.pages_used(stage) == 0
+            )
+            for stage in (LEAD, SECOND, "decode-0")
+        }
+        | {
+            "the request to end cancelled": lambda: any(
+                e.request_id == held.request_id and e.outcome == "cancelled"
+                for e in events_of(read_log(cluster), ev.RequestFinished)
+            )
+        },
+        ACT_S,
+    )
 
 
 def test_a_stage_killed_mid_request_ends_it_cleanly_and_frees_the_pages(group: Group) -> None:

@@ -289,13 +289,14 @@ class StageWorker(Worker):
         )
 
     def on_cancel(self, request_id: str, reason: str) -> None:
+        """Noted for the lead's checks between chunks. The lead alone ends a cancelled
+        request (it aborts the chain, whose other stages then end it and free their
+        pages), so that the request ends as cancelled: a stage ending it first would
+        reach the lead as an aborted chain, before the lead heard of the cancel."""
         self._cancelled[request_id] = reason or "cancelled"
         if len(self._cancelled) > 10_000:
             for key in list(self._cancelled)[:5_000]:
                 del self._cancelled[key]
-        serving = self._serving.get(request_id)
-        if serving is not None:
-            serving.cancel()
 
     # --- the lead: intake -----------------------------------------------------------
 
