@@ -190,9 +190,11 @@ class StageHost:
     """One pipeline stage of the model (its layers' weights), its paged KV cache of
     those layers and its page allocator, for a stage of a prefill group.
 
-    A stage computes one request's chunks at a time, each on a worker thread
-    (`yb_engine.stages.serve_stage_request`); its pages are taken and given back on
-    the event loop, between chunks, so the allocator needs no thread of its own.
+    Every chunk is computed on the stage's one thread (`call`), in submission order
+    (`yb_engine.stages.serve_stage_request`'s `compute`). Pages are taken and given
+    back on the event loop; pages a compute may still be writing (its request failed
+    while the thread ran) are given back only after `call` of anything, which runs
+    once the thread has finished what was queued before.
     """
 
     def __init__(
@@ -205,6 +207,15 @@ class StageHost:
         self.allocator = allocator
         self.kv = kv
         self.runner: StageRunner = StageRunner(stage, cache)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the stage's thread and await its result."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        """Stop the stage's thread after the work already submitted."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     @classmethod
     async def load(cls, cfg: YbConfig, engine: EngineConfig, stage: int, stages: int) -> StageHost:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -416,14 +416,17 @@ async def serve_stage_request(
     kv: PageSink | None = None,
     commit_kv: bool = False,
     blocks: Sequence[tuple[int, PageSink]] = (),
+    compute: Callable[..., Awaitable[Any]] = asyncio.to_thread,
 ) -> int:
     """Run request `request_id` through `runner`'s stage: chunks from `inbound`, in
     prompt order, the stage's output to `outbound`.
 
-    Each chunk is computed on a worker thread while the previous chunk's output and KV
-    pages still move, so this stage computes chunk i+1 while the next stage computes
-    chunk i. With `kv`, the stage's pages go there as soon as the chunks filled them
-    (its layers only); `commit_kv` (the last stage's job) commits that reservation
+    Each chunk is computed on a worker thread (`compute(fn, *args)`: by default a fresh
+    one each time; a service gives the stage's own thread, whose queue it can drain
+    before reusing pages) while the previous chunk's output and KV pages still move,
+    so this stage computes chunk i+1 while the next stage computes chunk i. With
+    `kv`, the stage's pages go there as soon as the chunks filled them (its layers
+    only); `commit_kv` (the last stage's job) commits that reservation
     once every earlier stage closed the request complete, which each does only after
     its own pages were sent, so every stage's layers are in.
 
@@ -458,7 +461,7 @@ async def serve_stage_request(
                 inbound.receive(request_id, chunk_index, deadline_s=wait_s), moving
             )
             inputs = hidden_from_buffer(header, payload, runner.device)
-            out = await asyncio.to_thread(
+            out = await compute(
                 runner.forward, inputs, block_table, header.start, header.prompt_len
             )
             _raise_failed(moving)

@@ -277,6 +277,9 @@ class StageWorker(Worker):
             await self._fail(queued.job, pr.JobFailed("prefill instance shutting down"))
         await self.outbox.flush(self.cfg.nats.request_timeout_s)
 
+    async def close(self) -> None:
+        self.host.close()
+
     def load_report(self) -> ev.LoadReport:
         return ev.LoadReport(
             instance_id=self.instance_id,
@@ -463,7 +466,7 @@ class StageWorker(Worker):
             for tier, tokens in self.fetcher.tokens_by_tier(runs, reused).items():
                 self.metrics.reused.labels(tier).inc(tokens)
             logits = await self._run_chunks(job, stages, reserved, puts, pages, cached, wait_s)
-            first = await asyncio.to_thread(self._sample_first, job, logits)
+            first = await self.host.call(self._sample_first, job, logits)
             start = pr.StartDecode(
                 request_id=rid,
                 first_token=first[0].token_id,
@@ -485,7 +488,7 @@ class StageWorker(Worker):
                 await self.decode.abort(job.decision.decode_instance, rid, "prefill failed")
             raise
         finally:
-            self.host.allocator.free(pages)
+            await self._free(pages)
         self.metrics.tokens.inc(n - cached)
         self._log_event(
             ev.RequestProgress(
@@ -625,6 +628,7 @@ class StageWorker(Worker):
                 wait_s=wait_s,
                 kv=decode,
                 blocks=self._block_sinks(puts),
+                compute=self.host.call,
             )
         )
         # The logits come after the whole pipeline: bounded by the request's deadline.
@@ -756,6 +760,7 @@ class StageWorker(Worker):
                     kv=decode,
                     commit_kv=job.last,
                     blocks=self._block_sinks(puts),
+                    compute=self.host.call,
                 )
                 if job.last:
                     # The last stage commits the puts: their outcome is its to count
@@ -777,9 +782,18 @@ class StageWorker(Worker):
             log.warning("stage_failed", request_id=rid, error=repr(exc))
         finally:
             self.activations.forget(rid)
-            self.host.allocator.free(pages)
+            await self._free(pages)
 
     # --- shared ---------------------------------------------------------------------
+
+    async def _free(self, pages: list[int]) -> None:
+        """Give pages back once the stage's thread has finished whatever was queued
+        on it (a chunk of a request that failed meanwhile may still be writing them)."""
+        try:
+            await self.host.call(_stage_barrier)
+        except RuntimeError:
+            return  # the thread is shut down: so is the process, pages and all
+        self.host.allocator.free(pages)
 
     async def _load_prefix(
         self,
@@ -849,6 +863,10 @@ class StageWorker(Worker):
 
     def _log_event(self, event: ev.AnyEvent) -> None:
         self.outbox.put(event)
+
+
+def _stage_barrier() -> None:
+    """Runs on the stage's thread after everything submitted before it."""
 
 
 async def _respond(msg: Msg, reply: pr.JobReply | pr.StageReply) -> None:
