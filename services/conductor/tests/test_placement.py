@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from conftest import BS
 
 from yb_conductor.replay import replay
 from yb_conductor.settings import recorded_settings
@@ -291,3 +292,21 @@ def test_every_crafted_log_replays_to_the_same_decisions(crafted: Any) -> None:
         c.admit(f"r{i}", keys(4 + i % 5, base=1000 if i % 2 else 50_000 + i))
     result = replay(c.records)
     assert result.divergences == [] and result.decisions == 12
+
+
+def test_an_engine_with_another_block_size_takes_no_request(crafted: Any) -> None:
+    c = crafted()
+    c.kvstore("kv-0", "h0")
+    c.feed(ev.InstanceUp(instance_id="p-0", role="prefill", host="h0", block_size=BS * 4))
+    c.feed(ev.InstanceUp(instance_id="p-1", role="prefill", host="h0", block_size=BS))
+    c.feed(ev.InstanceUp(instance_id="d-0", role="decode", host="h-d", block_size=BS * 4))
+    c.feed(ev.InstanceUp(instance_id="d-1", role="decode", host="h-d", max_batch_size=64))
+    # p-0 is first by id and idle, but its pages hold another number of tokens; an
+    # instance that announced no block size (d-1) is not excluded.
+    d = _scheduled(c.admit("a", keys(4)))
+    assert (d.prefill_instance, d.decode_instance) == ("p-1", "d-1")
+    c.feed(ev.InstanceDown(instance_id="p-1"))
+    refused = c.admit("b", keys(4))
+    assert isinstance(refused, ev.RequestRejected), refused
+    assert refused.reason == f"no_prefill: no live prefill instance with {BS}-token pages"
+    assert replay(c.records).divergences == []

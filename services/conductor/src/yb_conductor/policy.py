@@ -97,18 +97,15 @@ class MooncakePolicy:
     def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decided:
         """Place the request, or refuse it with the figures that led there."""
         name = self.name
-        prefills = state.live("prefill", request.model)
-        decodes = state.live("decode", request.model)
+        # Whose pages hold another number of tokens cannot take it (`ClusterState.live`).
+        prefills = state.live("prefill", request.model, request.block_size)
+        decodes = state.live("decode", request.model, request.block_size)
         if not prefills:
-            return Decided(
-                reject(request, seq, name, Verdict(NO_PREFILL, "no live prefill instance", 1.0)),
-                [],
-            )
+            reason = _none_live(state, "prefill", request)
+            return Decided(reject(request, seq, name, Verdict(NO_PREFILL, reason, 1.0)), [])
         if not decodes:
-            return Decided(
-                reject(request, seq, name, Verdict(NO_DECODE, "no live decode instance", 1.0)),
-                [],
-            )
+            reason = _none_live(state, "decode", request)
+            return Decided(reject(request, seq, name, Verdict(NO_DECODE, reason, 1.0)), [])
         view = self.prefill.view(state, request)
         choice = self.prefill.options(state, request, view, prefills)
         chosen = choice.chosen
@@ -404,3 +401,11 @@ def placement_policy(
         known = ", ".join(sorted(PLACEMENT_POLICIES))
         raise ValueError(f"unknown policy {cfg.policy!r}; known: {known}") from None
     return factory(cfg, cost)
+
+
+def _none_live(state: ClusterState, role: ev.Role, request: ev.RequestAdmitted) -> str:
+    """Why no instance of `role` can take `request`: none is live, or the live ones
+    all have pages of another size."""
+    if state.live(role, request.model):
+        return f"no live {role} instance with {request.block_size}-token pages"
+    return f"no live {role} instance"

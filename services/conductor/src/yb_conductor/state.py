@@ -301,7 +301,7 @@ class ClusterState:
         self.expired_placements = 0
         self._deadlines: list[tuple[float, str]] = []
         self._next_expiry = math.inf
-        self._live_cache: dict[tuple[ev.Role, str], list[InstanceState]] = {}
+        self._live_cache: dict[tuple[ev.Role, str, int], list[InstanceState]] = {}
         self._live_positions: dict[int, tuple[list[InstanceState], dict[str, int]]] = {}
         self._min_capacity: dict[int, tuple[list[InstanceState], int]] = {}
         # Which prefill instances a decision must evaluate (see `candidates`).
@@ -954,15 +954,19 @@ class ClusterState:
 
     # --- queries ------------------------------------------------------------------------
 
-    def live(self, role: ev.Role, model: str = "") -> list[InstanceState]:
-        """Live instances of a role (serving `model`, when given), by id for determinism.
+    def live(self, role: ev.Role, model: str = "", block_size: int = 0) -> list[InstanceState]:
+        """Live instances of a role (serving `model`, and with pages of `block_size`
+        tokens, when given), by id for determinism.
 
         A prefill group counts as one instance, its lead, while its live stages cover
         every layer (`stages` set); its other stages, and the stages of a group that
-        cannot run, are left out. Cached until the topology changes: the policy asks
-        on every admission.
+        cannot run, are left out. An engine whose pages hold another number of tokens
+        than the request's blocks cannot take it: its KV layout differs, and its
+        prefix hashes too (a misconfigured process; `yb status` warns of it). An
+        instance that announced no block size is not excluded. Cached until the
+        topology changes: the policy asks on every admission.
         """
-        key = (role, model)
+        key = (role, model, block_size)
         found = self._live_cache.get(key)
         if found is None:
             if role == "prefill":
@@ -974,6 +978,7 @@ class ClusterState:
                     if i.alive
                     and i.role == role
                     and (not model or not i.model or i.model == model)
+                    and (not block_size or not i.block_size or i.block_size == block_size)
                     and (not i.group or i.stages)
                 ),
                 key=lambda i: i.instance_id,
