@@ -66,14 +66,17 @@ class Client:
         await self.sender.send(store, rid, items, deadline_s=5)
         await self.sender.commit(store, rid, deadline_s=5)
 
-    async def fetch(self, store: PeerAddress, keys: list[int]) -> np.ndarray:
+    async def fetch(
+        self, store: PeerAddress, keys: list[int], layers: range = range(LAYERS)
+    ) -> np.ndarray:
+        """The blocks' bytes; of the chunks outside `layers` (not asked for), zeros."""
         dest = np.zeros((len(keys), BLOCK), dtype=np.uint8)
         bufs = [
             dest[i, layer * CHUNK : (layer + 1) * CHUNK]
             for i in range(len(keys))
-            for layer in range(LAYERS)
+            for layer in layers
         ]
-        rid = fetch_request_id(f"fetch.{uuid.uuid4().hex[:8]}", LAYERS)
+        rid = fetch_request_id(f"fetch.{uuid.uuid4().hex[:8]}", LAYERS, layers)
         res = self.receiver.reserve(rid, bufs, deadline_s=5)
         try:
             await self.sender.request_fetch(
@@ -146,6 +149,11 @@ async def test_puts_fetches_and_the_tier_chain_over_ucx(
         assert np.array_equal(got[1], block_bytes(12))
         with pytest.raises(ReservationRefused, match="not held"):
             await client.fetch(store, [99])
+        # A pipeline stage asks for its layers only: those come, nothing else.
+        part = await client.fetch(store, [11, 12], layers=range(1, 3))
+        for i, key in enumerate((11, 12)):
+            assert not part[i, :CHUNK].any()
+            assert np.array_equal(part[i, CHUNK:], block_bytes(key)[CHUNK:])
         await service.worker.publisher.drained()
         last = service.worker.block_log.event_id
         events = await block_events(reader, until=last)

@@ -137,7 +137,13 @@ def plan_runs(
 
 
 class BlockFetcher:
-    """Pulls runs of blocks from kvstores into an engine's pages over UCX."""
+    """Pulls runs of blocks from kvstores into an engine's pages over UCX.
+
+    A pipeline stage's pages hold some of the model's layers only: `layers` says which
+    (its page layer j is the model's layer `layers.start + j`) of the `model_layers`
+    a pooled block holds, and a fetch asks the kvstore for those layers only. By
+    default the engine holds every layer.
+    """
 
     def __init__(
         self,
@@ -146,12 +152,22 @@ class BlockFetcher:
         peers: PeerDirectory,
         receiver: KVReceiver,
         sender: KVSender,
+        *,
+        model_layers: int = 0,
+        layers: range | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.kv = kv
         self.peers = peers
         self.receiver = receiver
         self.sender = sender
+        self.model_layers = model_layers or kv.num_layers
+        self.layers = layers if layers is not None else range(self.model_layers)
+        if len(self.layers) != kv.num_layers or self.layers.stop > self.model_layers:
+            raise ValueError(
+                f"pages of {kv.num_layers} layers cannot hold layers {self.layers} "
+                f"of {self.model_layers}"
+            )
 
     async def fetch(
         self,
@@ -221,7 +237,11 @@ class BlockFetcher:
         layers = self.kv.num_layers
         pages = block_table[run.first : run.first + run.count]
         buffers = [self.kv.page_view(layer, page) for page in pages for layer in range(layers)]
-        rid = fetch_request_id(f"fetch.{request_id}.{run.first}.{uuid.uuid4().hex[:6]}", layers)
+        rid = fetch_request_id(
+            f"fetch.{request_id}.{run.first}.{uuid.uuid4().hex[:6]}",
+            self.model_layers,
+            self.layers,
+        )
         reservation = self.receiver.reserve(rid, buffers, deadline_s=deadline_s)
         try:
             await self.sender.request_fetch(

@@ -299,7 +299,11 @@ class KVStoreWorker(Worker):
         if missing:
             self.metrics.fetches.labels("missing").inc()
             raise ReservationRefused(f"blocks not held here: {MissingBlocks(missing)}")
-        layers = max(1, fetch_layers(order.request_id))
+        layout = fetch_layers(order.request_id)
+        if layout is None:
+            self.metrics.fetches.labels("refused").inc()
+            raise ReservationRefused(f"malformed layer range in {order.request_id!r}")
+        layers, wanted = layout
         batch = max(1, self.store.dram.num_slots // 2)
         sent = 0
         for first in range(0, len(keys), batch):
@@ -310,7 +314,7 @@ class KVStoreWorker(Worker):
                 self.metrics.fetches.labels("missing").inc()
                 raise ReservationRefused(f"blocks not held here: {exc}") from None
             try:
-                items, checksums = self._fetch_items(part, slots, first, layers)
+                items, checksums = self._fetch_items(part, slots, first, layers, wanted)
                 # The last batch carries the commit: a small fetch is one round trip.
                 # Each block's layers lie side by side in its slot; they share a
                 # message only where the asker's destinations are adjacent too
@@ -332,23 +336,26 @@ class KVStoreWorker(Worker):
         self.metrics.bytes.labels("out").inc(sent)
 
     def _fetch_items(
-        self, keys: list[int], slots: list[np.ndarray], first: int, layers: int
+        self, keys: list[int], slots: list[np.ndarray], first: int, layers: int, wanted: range
     ) -> tuple[list[tuple[int, BufferLike]], list[int] | None]:
-        """The (reservation index, chunk) pairs of blocks `keys` (the fetch's blocks
-        `first`, `first + 1`, ...), with their stored checksums when every block has
-        them in this layout (else None: the sender hashes)."""
+        """The (reservation index, chunk) pairs of chunks `wanted` of blocks `keys`
+        (the fetch's blocks `first`, `first + 1`, ...; each cut into `layers`), with
+        their stored checksums when every block has them in this layout (else None:
+        the sender hashes)."""
         items: list[tuple[int, BufferLike]] = []
         checksums: list[int] | None = []
+        width = len(wanted)
         for i, (key, block) in enumerate(zip(keys, slots, strict=True), start=first):
             if block.nbytes % layers:
                 raise ReservationRefused(f"block {key:x} does not split into {layers} layers")
             n = block.nbytes // layers
             items += [
-                (i * layers + layer, block[layer * n : (layer + 1) * n]) for layer in range(layers)
+                (i * width + layer - wanted.start, block[layer * n : (layer + 1) * n])
+                for layer in wanted
             ]
             meta = self.store.meta(key)
             if checksums is not None and meta is not None and len(meta.checksums) == layers:
-                checksums += meta.checksums
+                checksums += meta.checksums[wanted.start : wanted.stop]
             else:
                 checksums = None
         return items, checksums

@@ -9,7 +9,7 @@ request at a time, all its stages together:
    the prompt, reserves decode's pages (`ReserveKV`: every layer, as from one
    instance) and loads the planned prefix of its own layers, all at once.
 2. It sends every other stage a `StageJob` (core NATS request/reply on
-   `yb.job.stage.<id>`): each takes pages, loads the planned prefix of its layers
+   `yb.job.stage.<id>`): each takes pages, loads its layers of the planned prefix
    from the kvstores, and answers `StageReady` with how many blocks it loaded. The
    request starts after the shortest of those prefixes, so every stage holds the KV
    of every position before the first chunk.
@@ -42,8 +42,8 @@ again. Every wait is bounded by the request's deadline and `transfer_timeout_s`.
 
 What a stage does not do (a whole-model instance does): keep blocks in its own page
 cache, copy blocks it reused from another host's kvstore to its own host, or batch
-several short prompts. A prefix fetched from the kvstore comes as whole blocks: each
-stage receives every layer and keeps its own.
+several short prompts. A prefix in the kvstore is fetched by each stage for its own
+layers only.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import numpy as np
 import torch
 from nats.aio.msg import Msg
 from opentelemetry import trace
@@ -76,12 +75,12 @@ from yb_core.telemetry import (
 )
 from yb_dataplane.activations import ActivationReceiver, ActivationSender, ReservationTarget
 from yb_dataplane.prefix_fetch import BlockFetcher, FetchRun, plan_runs, reusable_blocks
-from yb_dataplane.transport import BufferLike, PeerAddress, TransferError
+from yb_dataplane.transport import PeerAddress, TransferError
 from yb_dataplane.transport.blocks import PutId
 from yb_dataplane.worker import Capacity, Worker, WorkerContext
 from yb_engine.choice_sampling import Sampled, sample_first_tokens
 from yb_engine.host import EngineGauges, StageHost
-from yb_engine.kv_cache import OutOfPages, PagedKVCache
+from yb_engine.kv_cache import OutOfPages
 from yb_engine.stages import (
     HiddenHeader,
     UpstreamFailed,
@@ -106,39 +105,6 @@ class _Puts:
     address: str = ""
     first: int = 0
     request_ids: list[str] = field(default_factory=list)
-
-
-class ModelLayerPages:
-    """A stage's pages as a kvstore block lays them out: every layer of the model.
-
-    A block in the pool holds all `num_layers` layers; a stage fetching it receives
-    them all and keeps its own (`layers`), each other layer's page landing in a scratch
-    buffer of its own that nothing reads once the fetch is verified (the receiver
-    checks every buffer it received, so two receives must not share one), dropped with
-    the fetch's reservation (`yb_dataplane.prefix_fetch.PagedBuffers`).
-    """
-
-    def __init__(self, cache: PagedKVCache, layers: range, num_layers: int) -> None:
-        self._cache = cache
-        self._layers = layers
-        self._num_layers = num_layers
-
-    @property
-    def num_layers(self) -> int:
-        return self._num_layers
-
-    @property
-    def block_size(self) -> int:
-        return self._cache.block_size
-
-    @property
-    def page_nbytes(self) -> int:
-        return self._cache.page_nbytes
-
-    def page_view(self, layer: int, page: int) -> BufferLike:
-        if layer in self._layers:
-            return self._cache.page_view(layer - self._layers.start, page)
-        return np.empty(self._cache.page_nbytes, dtype=np.uint8)
 
 
 class _PromptChunks:
@@ -221,12 +187,13 @@ class StageWorker(Worker):
         )
         self.fetcher = BlockFetcher(
             self.instance_id,
-            ModelLayerPages(
-                host.cache, range(self.layer_range.start, self.layer_range.end), arch.num_layers
-            ),
+            host.cache,
             context.peers,
             context.receiver,
             context.sender,
+            # A pooled block holds every layer: the stage asks for its own only.
+            model_layers=arch.num_layers,
+            layers=range(self.layer_range.start, self.layer_range.end),
         )
         gauges.kv_total.set(host.cache.num_pages)
         allocator = host.allocator

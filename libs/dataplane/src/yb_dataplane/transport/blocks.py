@@ -10,7 +10,9 @@ and sizes but not block keys, so a put's request id names the block and its layo
 A *fetch* (`KVSender.request_fetch`) names its keys (`key_text`) and asks for each
 block in `num_layers` chunks, so that each chunk lands in its own engine page: its
 request id ends in `.L<num_layers>`, and reservation index `i * num_layers + layer`
-is chunk `layer` of the `i`-th key.
+is chunk `layer` of the `i`-th key. A pipeline stage holding layers `[a, b)` only
+asks for those chunks: the id ends in `.L<num_layers>x<a>-<b>`, and reservation
+index `i * (b - a) + (layer - a)` is chunk `layer` of the `i`-th key.
 """
 
 from __future__ import annotations
@@ -69,14 +71,30 @@ def parse_key(text: str) -> int | None:
     return key if key >= 0 else None
 
 
-def fetch_request_id(base: str, num_layers: int) -> str:
-    """The request id of a fetch of blocks cut into `num_layers` chunks each."""
-    return f"{base}.L{num_layers}"
+def fetch_request_id(base: str, num_layers: int, layers: range | None = None) -> str:
+    """The request id of a fetch of blocks cut into `num_layers` chunks each, of which
+    it wants `layers` (all when None)."""
+    if layers is None or (layers.start, layers.stop) == (0, num_layers):
+        return f"{base}.L{num_layers}"
+    if not 0 <= layers.start < layers.stop <= num_layers or layers.step != 1:
+        raise ValueError(f"layers {layers} of a block of {num_layers}")
+    return f"{base}.L{num_layers}x{layers.start}-{layers.stop}"
 
 
-def fetch_layers(request_id: str) -> int:
-    """Chunks per block a fetch asks for: its request id ends in `.L<layers>` (else 1)."""
+def fetch_layers(request_id: str) -> tuple[int, range] | None:
+    """Chunks per block a fetch asks for and which of them it wants: its request id
+    ends in `.L<layers>` (all of them) or `.L<layers>x<a>-<b>`; `(1, range(1))` for a
+    fetch of whole blocks, None when the ending is malformed."""
     tail = request_id.rsplit(".", 1)[-1]
-    if tail.startswith("L") and tail[1:].isdigit():
-        return int(tail[1:])
-    return 1
+    if not tail.startswith("L"):
+        return 1, range(1)
+    count, _, wanted = tail[1:].partition("x")
+    if not count.isdigit() or int(count) <= 0:
+        return None
+    n = int(count)
+    if not wanted:
+        return n, range(n)
+    start, _, stop = wanted.partition("-")
+    if not (start.isdigit() and stop.isdigit()) or not 0 <= int(start) < int(stop) <= n:
+        return None
+    return n, range(int(start), int(stop))
