@@ -219,13 +219,16 @@ async def test_the_app_answers_from_its_view_of_the_gateway() -> None:
         assert "description" not in body["properties"]["temperature"]
 
 
-async def test_a_short_prompt_is_tokenized_on_the_loop_only_while_the_thread_is_idle() -> None:
+async def test_a_short_prompt_is_tokenized_on_the_loop_only_while_the_thread_is_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A prompt of at most INLINE_CHARS skips the hop to the tokenizer thread, but
     never while a call runs there (the tokenizer is not safe to share across threads);
     a longer one always goes there. Either way the ids are the same."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
+    from yb_gateway import prompt
     from yb_gateway.logprobs import TokenTable
     from yb_gateway.prompt import INLINE_CHARS
     from yb_text.tiny_tokenizer import tiny_tokenizer
@@ -233,15 +236,15 @@ async def test_a_short_prompt_is_tokenized_on_the_loop_only_while_the_thread_is_
     tok = tiny_tokenizer()
     threads: list[str] = []
     encode = tok.encode
+    encode_text = prompt.encode_text
 
-    def recording_encode(*args: Any, **kwargs: Any) -> list[int]:
+    def recording_encode(*args: Any) -> list[int]:
         threads.append(threading.current_thread().name)
-        ids: list[int] = encode(*args, **kwargs)
-        return ids
+        return encode_text(*args)
 
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as executor:
         encoder = PromptEncoder(tok, executor, TokenTable.of(tok))
-        tok.encode = recording_encode  # type: ignore[method-assign]
+        monkeypatch.setattr(prompt, "encode_text", recording_encode)
         short, long = "The capital of France is", "word " * (INLINE_CHARS // 4)
         assert await encoder.text(short) == encode(short, add_special_tokens=True)
         assert await encoder.text(long) == encode(long, add_special_tokens=True)
@@ -255,3 +258,33 @@ async def test_a_short_prompt_is_tokenized_on_the_loop_only_while_the_thread_is_
         release.set()
         assert await queued == encode(short, add_special_tokens=True)
     assert [name.startswith("tokenizer") for name in threads] == [False, True, True]
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_the_backend_encodes_as_transformers_does(add_special_tokens: bool) -> None:
+    """`encode_text` skips transformers' layers only where the Rust backend gives the
+    same ids; a backend left truncating (or padding) goes through transformers, which
+    resets it."""
+    from yb_gateway.prompt import encode_text
+    from yb_text.tiny_tokenizer import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    texts = [
+        "",
+        "The capital of France is",
+        "  leading and trailing spaces  ",
+        "line\nbreaks\r\nand\ttabs",
+        "unicode: caf\u00e9 \u4f60\u597d \U0001f600",
+        "special tokens as text: <|im_start|>user\nhi<|im_end|><|endoftext|>",
+        "word " * 300,
+    ]
+    for text in texts:
+        expected = tok.encode(text, add_special_tokens=add_special_tokens)
+        assert encode_text(tok, text, add_special_tokens) == expected, text
+    tok.backend_tokenizer.enable_truncation(3)
+    text = texts[1]
+    assert encode_text(tok, text, add_special_tokens) == tok.encode(
+        text, add_special_tokens=add_special_tokens
+    )
+    assert len(encode_text(tok, text, add_special_tokens)) > 3
+    assert tok.backend_tokenizer.truncation is None
