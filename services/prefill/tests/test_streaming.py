@@ -100,6 +100,7 @@ def streamer(
     deadline_s: float = 30.0,
     cache: Any = None,
     commit_last: bool = False,
+    whole_below: int = 0,
 ) -> LayerStreamer:
     def record() -> FakeEvent:
         assert events is not None
@@ -120,6 +121,7 @@ def streamer(
         deadline_s,
         layer_event=record if events is not None else None,
         commit_last=commit_last,
+        whole_below=whole_below,
     )
 
 
@@ -238,6 +240,7 @@ async def test_the_commit_waits_for_the_hand_over_and_carries_it(commit_last: bo
         0,
         30.0,
         commit_last=commit_last,
+        whole_below=0,
     )
     s.start()
     s.direct(PeerAddress("127.0.0.1", 1, b"w"), None, hand_over=True)
@@ -277,3 +280,26 @@ async def test_a_hand_over_that_never_comes_fails_the_commit_at_the_deadline() -
     with pytest.raises(TransferTimeout):
         await s.finish()
     assert sender.notes == [] and sender.sent == []
+
+
+@pytest.mark.parametrize(
+    ("whole_below", "segments"), [(1 << 20, [[0, 1, 2, 3]]), (255, [[0, 1], [2, 3]])]
+)
+async def test_a_small_request_goes_out_whole_with_its_commit(
+    whole_below: int, segments: list[list[int]]
+) -> None:
+    """Up to `whole_below` bytes of KV (4 pages of 64 bytes here), the pages wait for
+    each other and leave in one segment that commits; above, layer by layer."""
+    sender = RecordingSender()
+    s = streamer(sender, None, commit_last=True, whole_below=whole_below)
+    s.start()
+    s.on_layer(0, 0, 2 * BLOCK)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert sender.sent == segments[:-1]  # whole: nothing before the last layer
+    s.on_layer(1, 0, 2 * BLOCK)
+    await asyncio.sleep(0)  # the hook queues from the loop's next turn, as from a thread
+    await s.finish()
+    assert sender.sent == segments
+    assert sender.committed_with == [False] * (len(segments) - 1) + [True]
+    assert sender.commits == 0 and s.pages_sent == 4

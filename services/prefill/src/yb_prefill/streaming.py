@@ -99,6 +99,12 @@ WINDOW = 4
 #: Queued pages are merged into one segment up to this many bytes.
 MAX_SEGMENT_BYTES = 32 << 20
 MAX_SEGMENT_PAGES = 4096
+#: A request's whole KV up to this many bytes goes out as one segment, with its
+#: commit, once every page is computed: streaming it layer by layer overlaps next to
+#: nothing (its transfer takes microseconds) and costs a round trip, and the Python
+#: work of a send and a receive, per segment. The commit waits for the first token
+#: anyway, so the request is handed over no later.
+WHOLE_TRANSFER_BYTES = 256 << 10
 
 
 class LayerStreamer:
@@ -135,6 +141,7 @@ class LayerStreamer:
         layer_event: EventFactory | None = None,
         *,
         commit_last: bool = False,
+        whole_below: int = WHOLE_TRANSFER_BYTES,
     ) -> None:
         self._loop = loop
         self._sender = sender
@@ -166,6 +173,9 @@ class LayerStreamer:
         self._queue: asyncio.Queue[Queued | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._commit_last = commit_last
+        # Sent whole (see `WHOLE_TRANSFER_BYTES`): decided on the first page queued.
+        self._whole_below = whole_below if commit_last else 0
+        self._whole = False
         # Every (layer, page) is queued exactly once: by `queue_prefix` or `on_layer`.
         self._pages_left = cache.num_layers * len(self._block_table)
         self._committed = False
@@ -297,7 +307,8 @@ class LayerStreamer:
 
         Pages queued while earlier sends are in flight go out together in one segment
         (up to `MAX_SEGMENT_BYTES`): the prefix of a reused prompt is queued all at
-        once, and one segment per layer would pay a round trip per layer.
+        once, and one segment per layer would pay a round trip per layer. A small
+        request (`whole_below`) waits for all its pages and sends them in one.
         """
         in_flight: set[asyncio.Task[int]] = set()
         ended = False
@@ -310,12 +321,17 @@ class LayerStreamer:
                 segment = list(first[0])
                 events = [first[1]] if first[1] is not None else []
                 nbytes = sum(_nbytes(page) for _, page in segment)
+                if self._whole_below and segment:
+                    total = self._pages_left * _nbytes(segment[0][1])
+                    self._whole = total <= self._whole_below
+                    self._whole_below = 0
                 while (
-                    not self._queue.empty()
+                    # Held for the rest of a whole transfer, or merging what is queued.
+                    ((self._whole and len(segment) < self._pages_left) or not self._queue.empty())
                     and nbytes < MAX_SEGMENT_BYTES
                     and len(segment) < MAX_SEGMENT_PAGES
                 ):
-                    more = self._queue.get_nowait()
+                    more = await self._queue.get()
                     if more is None:
                         ended = True
                         break
