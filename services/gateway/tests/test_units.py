@@ -288,3 +288,65 @@ def test_the_backend_encodes_as_transformers_does(add_special_tokens: bool) -> N
     )
     assert len(encode_text(tok, text, add_special_tokens)) > 3
     assert tok.backend_tokenizer.truncation is None
+
+
+class _StubSession:
+    """What `_sse` reads of a `RequestSession`: its chunks, then its end."""
+
+    def __init__(self, chunks: list[TokenChunk]) -> None:
+        self._chunks = chunks
+        self.ended = False
+        self.request_id = "cmpl-1"
+        self.finish_reason = "length"
+        self.prompt_tokens = 3
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.prepared = type("Prepared", (), {"continuous_usage": False, "include_usage": True})
+
+    async def chunks(self) -> Any:
+        for chunk in self._chunks:
+            if chunk.finished:
+                self.ended = True  # as `RequestSession.chunks` marks its last chunk
+            yield chunk
+
+
+class _StubSessions:
+    released: list[str]
+
+    def __init__(self) -> None:
+        self.released = []
+
+    async def release(self, session: Any, reason: str) -> None:
+        self.released.append(reason)
+
+
+async def test_the_last_chunk_leaves_with_the_closing_frames_in_one_write() -> None:
+    """Every token but the last goes out on its own as it comes; the last one's frame
+    goes out in the same write as the closing frame, the usage and [DONE]."""
+    from yb_gateway.completions import _Exchange
+    from yb_gateway.metrics import RequestTiming
+
+    cfg = YbConfig(model=ModelConfig(name="tiny"))
+    sessions = _StubSessions()
+    endpoint = CompletionsEndpoint(sessions, cfg, GatewayMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    chunks = [
+        TokenChunk(request_id="r", seq=0, token_ids=[1], text="a"),
+        TokenChunk(
+            request_id="r", seq=1, token_ids=[2], text="b", finished=True, finish_reason="length"
+        ),
+    ]
+    exchange = _Exchange(
+        _StubSession(chunks),  # type: ignore[arg-type]
+        TextFormat("cmpl-1", "tiny"),
+        Choices(1, "none"),
+        {},
+        RequestTiming(0.0),
+    )
+    writes = [w async for w in endpoint._sse(exchange)]
+    assert len(writes) == 2, writes
+    frames = [f for w in writes for f in w.split(b"\n\n") if f]
+    texts = [json.loads(f[len(b"data: ") :])["choices"] for f in frames[:-1]]
+    assert [c[0]["text"] for c in texts[:2]] == ["a", "b"]
+    assert texts[2][0]["finish_reason"] == "length" and texts[3] == []  # closing, usage
+    assert writes[1].startswith(frames[1] + b"\n\n") and writes[1].endswith(SSE_DONE)
+    assert sessions.released == [""]  # completed: released without a cancel reason
