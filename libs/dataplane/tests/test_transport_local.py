@@ -706,3 +706,41 @@ async def test_a_receiver_answers_only_the_peers_its_check_vouches_for(
             await trusted.close()
     finally:
         await sender.close()
+
+
+@pytest.mark.asyncio
+async def test_a_commit_delivers_its_note_to_the_reservation(
+    receiver: KVReceiver, sender: KVSender
+) -> None:
+    # On the segment that commits, on a commit of its own, and none: the owner reads
+    # it once `wait_committed()` returned, and only from a commit that succeeded.
+    src = [data(1000, i) for i in range(2)]
+    on_segment = receiver.reserve("seg", [np.zeros(1000, np.uint8) for _ in src], deadline_s=10)
+    await sender.send(receiver.address, "seg", [(0, src[0])], deadline_s=5)
+    await sender.send(receiver.address, "seg", [(1, src[1])], deadline_s=5, commit=True, note=b"a")
+    await on_segment.wait_committed()
+    assert on_segment.note == b"a"
+
+    alone = receiver.reserve("alone", [np.zeros(1000, np.uint8)], deadline_s=10)
+    await sender.send(receiver.address, "alone", [(0, src[0])], deadline_s=5)
+    assert alone.note == b""
+    await sender.commit(receiver.address, "alone", deadline_s=5, note=b"b" * 4096)
+    await alone.wait_committed()
+    assert alone.note == b"b" * 4096
+
+    plain = receiver.reserve("plain", [np.zeros(1000, np.uint8)], deadline_s=10)
+    await sender.send(receiver.address, "plain", [(0, src[0])], deadline_s=5, commit=True)
+    await plain.wait_committed()
+    assert plain.note == b""
+
+    # A commit refused (an index missing) delivers nothing.
+    short = receiver.reserve("short", [np.zeros(1000, np.uint8) for _ in src], deadline_s=10)
+    await sender.send(receiver.address, "short", [(0, src[0])], deadline_s=5)
+    with pytest.raises(ReservationRefused):
+        await sender.commit(receiver.address, "short", deadline_s=5, note=b"c")
+    with pytest.raises(ReservationRefused):
+        await short.wait_committed()
+    assert short.note == b""
+    # A note without a commit is a caller's mistake.
+    with pytest.raises(ValueError, match="note"):
+        await sender.send(receiver.address, "x", [(0, src[0])], deadline_s=5, note=b"d")

@@ -67,6 +67,8 @@ def test_every_message_survives_a_frame() -> None:
     messages: list[Message] = [
         SegmentHeader(3, "req", [0, 5], [10, 1 << 40], [0, (1 << 64) - 1]),
         Commit(4, "req"),
+        Commit(4, "req", b"\x92\x01hand-over"),
+        SegmentHeader(9, "req", [1], [8], [0], commit=True, note=b"\x00note"),
         FetchRequest(5, "req", ["a", "b"], "127.0.0.1:9", 1500),
         Ack(6),
         Nack(7, Reason.CHECKSUM, "bad bytes", [2]),
@@ -79,7 +81,18 @@ def test_every_message_survives_a_frame() -> None:
         assert decode_frame(buffer) == message
     # array_like: the tag is the first element, fields follow in order.
     body = bytes(encode_frame(Commit(4, "req")))[4:]
-    assert msgspec.msgpack.decode(body) == ["commit", 4, "req"]
+    assert msgspec.msgpack.decode(body) == ["commit", 4, "req", b""]
+    # A note added last with a default: an older receiver's `Commit`, without it,
+    # still reads the frame (msgspec drops trailing fields it does not know).
+
+    class OlderCommit(msgspec.Struct, tag="commit", array_like=True):
+        seq: int
+        request_id: str
+
+    older = msgspec.msgpack.decode(
+        bytes(encode_frame(Commit(4, "req", b"n")))[4:], type=OlderCommit
+    )
+    assert (older.seq, older.request_id) == (4, "req")
 
 
 def test_bad_frames_are_rejected() -> None:

@@ -345,3 +345,92 @@ async def test_a_hand_over_waiting_for_its_commit_does_not_hold_other_reservatio
         while not (chunk := await played.next_chunk()).finished:
             pass
         assert chunk.error is None or chunk.error == "", chunk
+
+
+# --- the hand-over on the commit ------------------------------------------------------
+
+
+async def commit_with(played: Played, note: bytes) -> None:
+    """Send every page and commit with `note` (as prefill does with its hand-over)."""
+    sender = KVSender()
+    try:
+        await sender.send(
+            PeerAddress.parse(played.reserved.ucx_address),
+            played.request_id,
+            pages(played),
+            deadline_s=DEADLINE_S,
+            commit=True,
+            note=note,
+        )
+    finally:
+        await sender.close()
+
+
+async def test_a_hand_over_on_the_commit_starts_the_request_without_a_control_message(
+    decode: DecodeService, bus: Bus, finished: EventReader
+) -> None:
+    played = await reserve(bus, max_tokens=3)
+    assert played.reserved.handover_on_commit
+    hand_over = pr.StartDecode(request_id=played.request_id, first_token=7, prompt_tokens=40)
+    await commit_with(played, pr.encode(hand_over))
+    chunks = [await played.next_chunk()]
+    while not chunks[-1].finished:
+        chunks.append(await played.next_chunk())
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert chunks[0].token_ids == [7] and chunks[-1].error in (None, ""), chunks
+    assert sum(len(c.token_ids) for c in chunks) == 3
+    # A control message after it finds nothing to start: the commit did.
+    late = await control(bus, hand_over)
+    assert isinstance(late, pr.DecodeAck) and not late.ok, late
+    await pages_back(decode)
+    end = await finish_of(finished, played.request_id)
+    assert end.outcome == "completed" and end.output_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "note",
+    [
+        b"\xc1not msgpack",
+        pr.encode(pr.AbortReservation(request_id="req-x", reason="wrong kind")),
+        pr.encode(pr.StartDecode(request_id="another-request", first_token=7, prompt_tokens=1)),
+    ],
+    ids=["unreadable", "not-a-start", "another-request"],
+)
+async def test_a_bad_hand_over_on_the_commit_frees_the_pages_and_tells_the_gateway(
+    decode: DecodeService, bus: Bus, finished: EventReader, note: bytes
+) -> None:
+    # Nobody waits for an answer to a hand-over on the commit: the gateway must hear
+    # of it from decode, or its client would wait for a first token until the timeout.
+    played = await reserve(bus)
+    await commit_with(played, note)
+    chunk = await played.next_chunk()
+    assert chunk.finished and chunk.error_status == 503, chunk
+    assert "did not start the request" in chunk.error, chunk.error
+    await pages_back(decode)
+    end = await finish_of(finished, played.request_id)
+    assert end.outcome == "failed" and end.instance_id == "decode-0"
+
+
+async def test_a_hand_over_lost_with_the_last_segment_fails_the_reservation(
+    decode: DecodeService, bus: Bus, finished: EventReader
+) -> None:
+    # The segment carrying the commit and its hand-over never arrives: the prefill
+    # was cut off after the other pages. Decode must not wait for a hand-over that
+    # will not come: the broken connection fails the reservation and the gateway is
+    # told (the prefill, if alive, reports the failed transfer too).
+    played = await reserve(bus)
+    sender = KVSender()
+    everything = pages(played)
+    await sender.send(
+        PeerAddress.parse(played.reserved.ucx_address),
+        played.request_id,
+        everything[:-1],
+        deadline_s=DEADLINE_S,
+    )
+    await sender.close()
+    chunk = await played.next_chunk()
+    assert chunk.finished and chunk.error_status == 503, chunk
+    assert "prefill-x" in chunk.error, chunk.error
+    await pages_back(decode)
+    end = await finish_of(finished, played.request_id)
+    assert end.outcome == "failed"

@@ -219,13 +219,16 @@ async def test_the_app_answers_from_its_view_of_the_gateway() -> None:
         assert "description" not in body["properties"]["temperature"]
 
 
-async def test_a_short_prompt_is_tokenized_on_the_loop_only_while_the_thread_is_idle() -> None:
+async def test_a_short_prompt_is_tokenized_on_the_loop_only_while_the_thread_is_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A prompt of at most INLINE_CHARS skips the hop to the tokenizer thread, but
     never while a call runs there (the tokenizer is not safe to share across threads);
     a longer one always goes there. Either way the ids are the same."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
+    from yb_gateway import prompt
     from yb_gateway.logprobs import TokenTable
     from yb_gateway.prompt import INLINE_CHARS
     from yb_text.tiny_tokenizer import tiny_tokenizer
@@ -233,15 +236,15 @@ async def test_a_short_prompt_is_tokenized_on_the_loop_only_while_the_thread_is_
     tok = tiny_tokenizer()
     threads: list[str] = []
     encode = tok.encode
+    encode_text = prompt.encode_text
 
-    def recording_encode(*args: Any, **kwargs: Any) -> list[int]:
+    def recording_encode(*args: Any) -> list[int]:
         threads.append(threading.current_thread().name)
-        ids: list[int] = encode(*args, **kwargs)
-        return ids
+        return encode_text(*args)
 
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as executor:
         encoder = PromptEncoder(tok, executor, TokenTable.of(tok))
-        tok.encode = recording_encode  # type: ignore[method-assign]
+        monkeypatch.setattr(prompt, "encode_text", recording_encode)
         short, long = "The capital of France is", "word " * (INLINE_CHARS // 4)
         assert await encoder.text(short) == encode(short, add_special_tokens=True)
         assert await encoder.text(long) == encode(long, add_special_tokens=True)
@@ -255,3 +258,95 @@ async def test_a_short_prompt_is_tokenized_on_the_loop_only_while_the_thread_is_
         release.set()
         assert await queued == encode(short, add_special_tokens=True)
     assert [name.startswith("tokenizer") for name in threads] == [False, True, True]
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_the_backend_encodes_as_transformers_does(add_special_tokens: bool) -> None:
+    """`encode_text` skips transformers' layers only where the Rust backend gives the
+    same ids; a backend left truncating (or padding) goes through transformers, which
+    resets it."""
+    from yb_gateway.prompt import encode_text
+    from yb_text.tiny_tokenizer import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    texts = [
+        "",
+        "The capital of France is",
+        "  leading and trailing spaces  ",
+        "line\nbreaks\r\nand\ttabs",
+        "unicode: caf\u00e9 \u4f60\u597d \U0001f600",
+        "special tokens as text: <|im_start|>user\nhi<|im_end|><|endoftext|>",
+        "word " * 300,
+    ]
+    for text in texts:
+        expected = tok.encode(text, add_special_tokens=add_special_tokens)
+        assert encode_text(tok, text, add_special_tokens) == expected, text
+    tok.backend_tokenizer.enable_truncation(3)
+    text = texts[1]
+    assert encode_text(tok, text, add_special_tokens) == tok.encode(
+        text, add_special_tokens=add_special_tokens
+    )
+    assert len(encode_text(tok, text, add_special_tokens)) > 3
+    assert tok.backend_tokenizer.truncation is None
+
+
+class _StubSession:
+    """What `_sse` reads of a `RequestSession`: its chunks, then its end."""
+
+    def __init__(self, chunks: list[TokenChunk]) -> None:
+        self._chunks = chunks
+        self.ended = False
+        self.request_id = "cmpl-1"
+        self.finish_reason = "length"
+        self.prompt_tokens = 3
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.prepared = type("Prepared", (), {"continuous_usage": False, "include_usage": True})
+
+    async def chunks(self) -> Any:
+        for chunk in self._chunks:
+            if chunk.finished:
+                self.ended = True  # as `RequestSession.chunks` marks its last chunk
+            yield chunk
+
+
+class _StubSessions:
+    released: list[str]
+
+    def __init__(self) -> None:
+        self.released = []
+
+    async def release(self, session: Any, reason: str) -> None:
+        self.released.append(reason)
+
+
+async def test_the_last_chunk_leaves_with_the_closing_frames_in_one_write() -> None:
+    """Every token but the last goes out on its own as it comes; the last one's frame
+    goes out in the same write as the closing frame, the usage and [DONE]."""
+    from yb_gateway.completions import _Exchange
+    from yb_gateway.metrics import RequestTiming
+
+    cfg = YbConfig(model=ModelConfig(name="tiny"))
+    sessions = _StubSessions()
+    endpoint = CompletionsEndpoint(sessions, cfg, GatewayMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    chunks = [
+        TokenChunk(request_id="r", seq=0, token_ids=[1], text="a"),
+        TokenChunk(
+            request_id="r", seq=1, token_ids=[2], text="b", finished=True, finish_reason="length"
+        ),
+    ]
+    exchange = _Exchange(
+        _StubSession(chunks),  # type: ignore[arg-type]
+        TextFormat("cmpl-1", "tiny"),
+        Choices(1, "none"),
+        {},
+        RequestTiming(0.0),
+    )
+    writes = [w async for w in endpoint._sse(exchange)]
+    assert len(writes) == 2, writes
+    frames = [f for w in writes for f in w.split(b"\n\n") if f]
+    texts = [json.loads(f[len(b"data: ") :])["choices"] for f in frames[:-1]]
+    assert [c[0]["text"] for c in texts[:2]] == ["a", "b"]
+    assert texts[2][0]["finish_reason"] == "length" and texts[3] == []  # closing, usage
+    assert writes[1].startswith(frames[1] + b"\n\n") and writes[1].endswith(SSE_DONE)
+    assert sessions.released == [""]  # completed: released without a cancel reason

@@ -57,6 +57,8 @@ class RecordingSender:
         self.sent: list[list[int]] = []
         self.committed_with: list[bool] = []
         self.commits = 0
+        #: The note of each commit, in order (on a segment's or on its own).
+        self.notes: list[bytes] = []
 
     async def send(
         self,
@@ -67,13 +69,20 @@ class RecordingSender:
         deadline_s: float,
         receiver_breaks: Collection[int] | None = None,
         commit: bool = False,
+        note: bytes = b"",
     ) -> None:
         assert deadline_s > 0
+        assert commit or not note
         self.sent.append([index for index, _ in items])
         self.committed_with.append(commit)
+        if commit:
+            self.notes.append(note)
 
-    async def commit(self, peer: PeerAddress, request_id: str, *, deadline_s: float) -> None:
+    async def commit(
+        self, peer: PeerAddress, request_id: str, *, deadline_s: float, note: bytes = b""
+    ) -> None:
         self.commits += 1
+        self.notes.append(note)
 
 
 async def until(holds: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -91,6 +100,7 @@ def streamer(
     deadline_s: float = 30.0,
     cache: Any = None,
     commit_last: bool = False,
+    whole_below: int = 0,
 ) -> LayerStreamer:
     def record() -> FakeEvent:
         assert events is not None
@@ -111,6 +121,7 @@ def streamer(
         deadline_s,
         layer_event=record if events is not None else None,
         commit_last=commit_last,
+        whole_below=whole_below,
     )
 
 
@@ -210,3 +221,85 @@ async def test_the_segment_that_completes_the_request_carries_the_commit(
     assert sender.committed_with == [False, commit_last]
     assert sender.commits == (0 if commit_last else 1)
     assert s.pages_sent == 4
+
+
+@pytest.mark.parametrize("commit_last", [True, False])
+async def test_the_commit_waits_for_the_hand_over_and_carries_it(commit_last: bool) -> None:
+    """Directed with `hand_over`, the commit (on the last segment, or `finish()`'s
+    own) leaves only with the note `hand_over()` gives: the first token is sampled
+    after the last layer's pages were queued."""
+    sender = RecordingSender()
+    s = LayerStreamer(
+        asyncio.get_running_loop(),
+        sender,  # type: ignore[arg-type]
+        None,
+        "req",
+        FakeCache(2),  # type: ignore[arg-type]
+        [0, 1],
+        2 * BLOCK,
+        0,
+        30.0,
+        commit_last=commit_last,
+        whole_below=0,
+    )
+    s.start()
+    s.direct(PeerAddress("127.0.0.1", 1, b"w"), None, hand_over=True)
+    s.on_layer(0, 0, 2 * BLOCK)
+    await until(lambda: len(sender.sent) == 1)
+    s.on_layer(1, 0, 2 * BLOCK)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    # Every page is queued, the first token is not sampled yet: no commit has left.
+    assert sender.notes == []
+    assert sender.sent == ([[0, 1]] if commit_last else [[0, 1], [2, 3]])
+    s.hand_over(b"start")
+    await s.finish()
+    assert sender.sent == [[0, 1], [2, 3]]
+    assert sender.notes == [b"start"]
+    assert sender.committed_with == [False, commit_last]
+
+
+async def test_a_hand_over_that_never_comes_fails_the_commit_at_the_deadline() -> None:
+    sender = RecordingSender()
+    s = LayerStreamer(
+        asyncio.get_running_loop(),
+        sender,  # type: ignore[arg-type]
+        None,
+        "req",
+        FakeCache(1),  # type: ignore[arg-type]
+        [0],
+        BLOCK,
+        0,
+        0.2,
+        commit_last=True,
+    )
+    s.start()
+    s.direct(PeerAddress("127.0.0.1", 1, b"w"), None, hand_over=True)
+    s.on_layer(0, 0, BLOCK)
+    s.on_layer(1, 0, BLOCK)
+    with pytest.raises(TransferTimeout):
+        await s.finish()
+    assert sender.notes == [] and sender.sent == []
+
+
+@pytest.mark.parametrize(
+    ("whole_below", "segments"), [(1 << 20, [[0, 1, 2, 3]]), (255, [[0, 1], [2, 3]])]
+)
+async def test_a_small_request_goes_out_whole_with_its_commit(
+    whole_below: int, segments: list[list[int]]
+) -> None:
+    """Up to `whole_below` bytes of KV (4 pages of 64 bytes here), the pages wait for
+    each other and leave in one segment that commits; above, layer by layer."""
+    sender = RecordingSender()
+    s = streamer(sender, None, commit_last=True, whole_below=whole_below)
+    s.start()
+    s.on_layer(0, 0, 2 * BLOCK)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert sender.sent == segments[:-1]  # whole: nothing before the last layer
+    s.on_layer(1, 0, 2 * BLOCK)
+    await asyncio.sleep(0)  # the hook queues from the loop's next turn, as from a thread
+    await s.finish()
+    assert sender.sent == segments
+    assert sender.committed_with == [False] * (len(segments) - 1) + [True]
+    assert sender.commits == 0 and s.pages_sent == 4

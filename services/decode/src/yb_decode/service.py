@@ -478,6 +478,7 @@ class DecodeWorker(Worker):
             page_nbytes=cache.page_nbytes,
             block_size=cache.block_size,
             breaks=reservation.breaks(),
+            handover_on_commit=True,
         )
 
     async def replace_older_attempt(self, rid: str, attempt: int) -> str:
@@ -524,12 +525,13 @@ class DecodeWorker(Worker):
     async def _await_commit(self, request_id: str, reservation: Reservation) -> bool:
         """True once the KV is committed; frees a reservation that never commits.
 
-        A failed transfer is the peer's problem, not this service's: it returns False
-        rather than raising, which the supervisor would take for a crash.
+        A commit with a note carries the hand-over (`StartDecode`): the request is
+        admitted here, at once, and no control message follows. A failed transfer is
+        the peer's problem, not this service's: it returns False rather than raising,
+        which the supervisor would take for a crash.
         """
         try:
             await reservation.wait_committed()
-            return True
         except TransferError as exc:
             log.warning("kv_transfer_failed", request_id=request_id, error=str(exc))
             # Not `_drop_pending`: that would cancel this very task.
@@ -537,11 +539,47 @@ class DecodeWorker(Worker):
             if pending is not None:
                 self.receiver.cancel(request_id)
                 await self.engine.call(self.free, pending.pages + pending.copy_pages)
-                await self._fail_reservation(pending, exc)
+                reason = (
+                    f"KV transfer from prefill instance {pending.reserve.prefill_instance} "
+                    f"failed: {exc}"
+                )
+                await self._fail_reservation(pending, reason)
             return False
+        if reservation.note:
+            await self._take_over(request_id, reservation.note)
+        return True
 
-    async def _fail_reservation(self, pending: Pending, exc: TransferError) -> None:
-        """Tell the gateway now that its request's KV will not come.
+    async def _take_over(self, request_id: str, note: bytes) -> None:
+        """Admit a request whose hand-over came with its commit. Nobody waits for an
+        answer: when it cannot start, the gateway is told here, as the prefill
+        instance would have been told and would have told it."""
+        started_ns = time.time_ns()
+        # Taken from the pending ones before any wait: a cancel from now on finds a
+        # stream or nothing, never a reservation this task is admitting.
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return  # dropped (cancelled) while the commit was on its way
+        start: pr.DecodeControl | None = None
+        reason = f"the hand-over with the commit is no StartDecode for {request_id}"
+        try:
+            start = pr.decode_control_decoder.decode(note)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            reason = f"unreadable hand-over: {exc}"
+        if isinstance(start, pr.StartDecode) and start.request_id == request_id:
+            ack = await self._admit(pending, start, start.trace_headers, started_ns)
+            if ack.ok:
+                return
+            reason = ack.reason  # its pages were freed
+        else:
+            await self.engine.call(self.free, pending.pages + pending.copy_pages)
+        log.warning("hand_over_failed", request_id=request_id, reason=reason)
+        await self._fail_reservation(
+            pending, f"decode instance {self.instance_id} did not start the request: {reason}"
+        )
+
+    async def _fail_reservation(self, pending: Pending, reason: str) -> None:
+        """Tell the gateway now that its request will not start here (its KV will
+        not come, or came and could not be admitted); its pages are free already.
 
         The prefill instance may be dead (which is why its KV stopped), so nobody
         else would: the client would wait for a first token until its timeout.
@@ -549,7 +587,6 @@ class DecodeWorker(Worker):
         first report and the log de-duplicates the second.
         """
         reserve = pending.reserve
-        reason = f"KV transfer from prefill instance {reserve.prefill_instance} failed: {exc}"
         chunk = pr.TokenChunk(
             request_id=reserve.request_id,
             seq=0,
@@ -597,7 +634,21 @@ class DecodeWorker(Worker):
         if not committed:
             await self._drop_pending(rid, "KV not committed")
             return pr.DecodeAck(request_id=rid, ok=False, reason="KV not committed")
-        self._pending.pop(rid, None)
+        if self._pending.pop(rid, None) is None:
+            # Its commit carried a hand-over too: admitted (or failed) there.
+            return pr.DecodeAck(request_id=rid, ok=False, reason="handed over with the commit")
+        return await self._admit(pending, start, trace_headers, started_ns)
+
+    async def _admit(
+        self,
+        pending: Pending,
+        start: pr.StartDecode,
+        trace_headers: dict[str, str],
+        started_ns: int,
+    ) -> pr.DecodeAck:
+        """Add a committed request (taken from the pending ones) to the batch and open
+        its stream; on failure its pages are freed."""
+        rid = start.request_id
         cache = self.engine.cache
         self.metrics.kv_bytes.inc(len(pending.pages) * cache.num_layers * cache.page_nbytes)
         reserve = pending.reserve

@@ -291,6 +291,10 @@ class CompletionsEndpoint:
         try:
             if (opening := fmt.opening(len(choices.states))) is not None:
                 yield opening
+            # The frame of the stream's last chunk: it goes out with the closing frames
+            # in one write (nothing is left to wait for once that chunk came), not one
+            # write (and one ASGI message) each.
+            last = b""
             async for chunk in session.chunks():
                 if DROPPED_STATE_KEY in exchange.state:
                     # The connection was dropped: uvicorn now accepts every write
@@ -301,16 +305,24 @@ class CompletionsEndpoint:
                     exchange.timing.token(time.monotonic())
                 update = choices.add(chunk)
                 if not update.empty:
-                    yield fmt.delta(update, _usage(exchange) if continuous else None)
+                    frame = fmt.delta(update, _usage(exchange) if continuous else None)
+                    if session.ended:
+                        last = frame
+                    else:
+                        yield frame
             # Generation is complete: a client leaving during the last frames is not
             # a cancelled request.
             status, reason = 200, ""
+            frames = [last]
             for state in choices.states:
                 finish = state.finish_reason(session.finish_reason)
-                yield fmt.closing(state.index, finish, _usage(exchange) if continuous else None)
+                frames.append(
+                    fmt.closing(state.index, finish, _usage(exchange) if continuous else None)
+                )
             if session.prepared.include_usage:
-                yield fmt.usage_frame(_usage(exchange))
-            yield SSE_DONE
+                frames.append(fmt.usage_frame(_usage(exchange)))
+            frames.append(SSE_DONE)
+            yield b"".join(frames)
         except StreamError as exc:
             # The 200 has gone out: the error travels in the stream, which still ends
             # with [DONE] so that clients waiting for it stop reading.

@@ -8,6 +8,11 @@ with "Already borrowed"). A short prompt (`INLINE_CHARS`) is tokenized on the ev
 loop instead when that thread is idle: it takes tens of microseconds, less than the
 hop to the thread and back, and with the thread idle no other call can overlap it
 (every call is made from the loop).
+
+Encoding goes straight to the fast tokenizer's Rust backend (`encode_text`) when that
+backend is in the state `transformers` would put it in for a plain `encode` (no
+truncation, no padding, its own special-token splitting): the same ids, without the
+Python layers around it (about 60 us a prompt of its 80 on this machine).
 """
 
 from __future__ import annotations
@@ -111,9 +116,7 @@ class PromptEncoder:
     async def text(self, prompt: str) -> list[int]:
         """Tokenize a raw completion prompt (with the tokenizer's special tokens, as
         `transformers` and vLLM do for `/v1/completions`)."""
-        return await self._run_short(
-            len(prompt), self._tokenizer.encode, prompt, add_special_tokens=True
-        )
+        return await self._run_short(len(prompt), encode_text, self._tokenizer, prompt, True)
 
     def _encode_chat(
         self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None
@@ -127,8 +130,24 @@ class PromptEncoder:
                 f"The chat template rejected the messages: {exc}", param="messages"
             ) from exc
         # The template already holds every special token (BOS included) it wants.
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
+        return encode_text(self._tokenizer, text, False)
+
+
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """`tokenizer.encode(text, add_special_tokens=...)`, from the Rust backend itself
+    when it is a fast tokenizer's in the state such a call leaves it in (see the
+    module docstring); otherwise through `transformers`, which sets that state."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        backend is not None
+        and backend.truncation is None
+        and backend.padding is None
+        and backend.encode_special_tokens == getattr(tokenizer, "split_special_tokens", None)
+    ):
+        ids: list[int] = backend.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
+    encoded: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return encoded
 
 
 def _message_text(index: int, message: ChatMessage) -> str:

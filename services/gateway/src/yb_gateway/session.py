@@ -234,6 +234,12 @@ class RequestSession:
                 attributes={"yb.prompt_tokens": self.prompt_tokens},
             ).end()
 
+    @property
+    def ended(self) -> bool:
+        """Whether the request finished on its own: every choice's last chunk came (in
+        `chunks()`, the chunk just yielded was the stream's last)."""
+        return self._ended
+
     # --- admission and hand-off -----------------------------------------------------
 
     async def start(self) -> None:

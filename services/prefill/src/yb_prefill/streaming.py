@@ -99,6 +99,12 @@ WINDOW = 4
 #: Queued pages are merged into one segment up to this many bytes.
 MAX_SEGMENT_BYTES = 32 << 20
 MAX_SEGMENT_PAGES = 4096
+#: A request's whole KV up to this many bytes goes out as one segment, with its
+#: commit, once every page is computed: streaming it layer by layer overlaps next to
+#: nothing (its transfer takes microseconds) and costs a round trip, and the Python
+#: work of a send and a receive, per segment. The commit waits for the first token
+#: anyway, so the request is handed over no later.
+WHOLE_TRANSFER_BYTES = 256 << 10
 
 
 class LayerStreamer:
@@ -113,6 +119,11 @@ class LayerStreamer:
     layer queued) goes out once the sends before it have returned, carrying the
     commit: the whole transfer of a short prompt is one round trip, not a send's
     then a commit's. `finish()` then has no commit left to make.
+
+    Directed with `hand_over`, the commit carries a note for the receiver's owner
+    (the decode instance's hand-over, given by `hand_over()` once the compute has
+    sampled the first token): the segment that commits waits for it, within the
+    deadline, and `finish()` commits with it when no segment did.
     """
 
     def __init__(
@@ -130,6 +141,7 @@ class LayerStreamer:
         layer_event: EventFactory | None = None,
         *,
         commit_last: bool = False,
+        whole_below: int = WHOLE_TRANSFER_BYTES,
     ) -> None:
         self._loop = loop
         self._sender = sender
@@ -143,6 +155,9 @@ class LayerStreamer:
         # decode pages are adjacent too, so each lands there without staging.
         self._receiver_breaks = receiver_breaks
         self._directed: asyncio.Future[None] = loop.create_future()
+        # The note the commit carries, when directed to wait for one (`direct`).
+        self._wants_note = False
+        self._note: asyncio.Future[bytes] = loop.create_future()
         #: Resolved once a segment of this stream was verified by the receiver (the
         #: connection carries data now), or the stream ended either way.
         self.flowing: asyncio.Future[None] = loop.create_future()
@@ -158,6 +173,9 @@ class LayerStreamer:
         self._queue: asyncio.Queue[Queued | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._commit_last = commit_last
+        # Sent whole (see `WHOLE_TRANSFER_BYTES`): decided on the first page queued.
+        self._whole_below = whole_below if commit_last else 0
+        self._whole = False
         # Every (layer, page) is queued exactly once: by `queue_prefix` or `on_layer`.
         self._pages_left = cache.num_layers * len(self._block_table)
         self._committed = False
@@ -183,12 +201,20 @@ class LayerStreamer:
             self._span_open = True
         self._task = self._loop.create_task(self._send_all(), name=f"stream:{self._request_id}")
 
-    def direct(self, peer: PeerAddress, receiver_breaks: Collection[int] | None) -> None:
+    def direct(
+        self,
+        peer: PeerAddress,
+        receiver_breaks: Collection[int] | None,
+        *,
+        hand_over: bool = False,
+    ) -> None:
         """Where the reservation is (for a streamer made without a `peer`): what was
-        queued meanwhile goes out now, in order."""
+        queued meanwhile goes out now, in order. With `hand_over`, the commit waits
+        for the note `hand_over()` gives it."""
         assert self._peer is None, "directed twice"
         self._peer = peer
         self._receiver_breaks = receiver_breaks
+        self._wants_note = hand_over
         if self._span_open:
             self._span.set_attribute("yb.peer_host", peer.host)
         self._directed.set_result(None)
@@ -227,6 +253,11 @@ class LayerStreamer:
             if segment:
                 self._queue.put_nowait((segment, None))
 
+    def hand_over(self, note: bytes) -> None:
+        """The note the commit carries (see the class docstring); call it once, before
+        `finish()`."""
+        self._note.set_result(note)
+
     async def finish(self) -> None:
         """Wait until every queued page is sent, then commit; raises on any failure."""
         assert self._task is not None, "start() first"
@@ -235,7 +266,12 @@ class LayerStreamer:
             await self._task
             assert self._peer is not None  # the task ended after `direct()`
             if not self._committed:
-                await self._sender.commit(self._peer, self._request_id, deadline_s=self._deadline_s)
+                await self._sender.commit(
+                    self._peer,
+                    self._request_id,
+                    deadline_s=self._deadline_s,
+                    note=await self._commit_note(),
+                )
         except BaseException as exc:
             self._end_span(exc)
             raise
@@ -271,7 +307,8 @@ class LayerStreamer:
 
         Pages queued while earlier sends are in flight go out together in one segment
         (up to `MAX_SEGMENT_BYTES`): the prefix of a reused prompt is queued all at
-        once, and one segment per layer would pay a round trip per layer.
+        once, and one segment per layer would pay a round trip per layer. A small
+        request (`whole_below`) waits for all its pages and sends them in one.
         """
         in_flight: set[asyncio.Task[int]] = set()
         ended = False
@@ -284,12 +321,17 @@ class LayerStreamer:
                 segment = list(first[0])
                 events = [first[1]] if first[1] is not None else []
                 nbytes = sum(_nbytes(page) for _, page in segment)
+                if self._whole_below and segment:
+                    total = self._pages_left * _nbytes(segment[0][1])
+                    self._whole = total <= self._whole_below
+                    self._whole_below = 0
                 while (
-                    not self._queue.empty()
+                    # Held for the rest of a whole transfer, or merging what is queued.
+                    ((self._whole and len(segment) < self._pages_left) or not self._queue.empty())
                     and nbytes < MAX_SEGMENT_BYTES
                     and len(segment) < MAX_SEGMENT_PAGES
                 ):
-                    more = self._queue.get_nowait()
+                    more = await self._queue.get()
                     if more is None:
                         ended = True
                         break
@@ -307,7 +349,8 @@ class LayerStreamer:
                     for task in done:
                         self.pages_sent += task.result()
                 if last:
-                    self.pages_sent += await self._send(segment, events, commit=True)
+                    note = await self._commit_note()
+                    self.pages_sent += await self._send(segment, events, commit=True, note=note)
                     self._committed = True
                     continue
                 in_flight.add(asyncio.ensure_future(self._send(segment, events)))
@@ -320,8 +363,24 @@ class LayerStreamer:
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
 
+    async def _commit_note(self) -> bytes:
+        """The note for the commit (b"" unless directed to wait for one), within the
+        deadline: it comes once the compute sampled the first token."""
+        if not self._wants_note:
+            return b""
+        if not self._note.done():
+            await asyncio.wait({self._note}, timeout=self._deadline_s)
+            if not self._note.done():
+                raise TransferTimeout("no hand-over for the commit before the deadline")
+        return self._note.result()
+
     async def _send(
-        self, segment: Segment, events: Sequence[LayerEvent], *, commit: bool = False
+        self,
+        segment: Segment,
+        events: Sequence[LayerEvent],
+        *,
+        commit: bool = False,
+        note: bytes = b"",
     ) -> int:
         assert self._peer is not None  # `_send_all` waits for `direct()`
         deadline = Deadline.after(self._deadline_s)
@@ -335,6 +394,7 @@ class LayerStreamer:
             deadline_s=deadline.remaining(),
             receiver_breaks=self._receiver_breaks,
             commit=commit,
+            note=note,
         )
         _resolve(self.flowing)
         if self._span_open:

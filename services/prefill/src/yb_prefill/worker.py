@@ -51,6 +51,7 @@ from yb_core.telemetry import (
     child_span,
     extract_context,
     get_logger,
+    inject_headers,
     trace_carrier,
     trace_id_hex,
     tracer,
@@ -102,6 +103,7 @@ class _Computed:
 
     first: list[Sampled]  # each choice's first token
     at: float  # monotonic time the compute ended (streaming may have gone on)
+    handed_over: bool  # the hand-over rode on the commit (decode has the request)
 
 
 class PrefillMetrics:
@@ -528,8 +530,19 @@ class PrefillWorker(Worker):
         computed = await self._compute_and_stream(
             job, reserving, prefix, cached_tokens, transfer_deadline, span, left_engine
         )
-        with child_span(_tracer, "prefill hand-over"):
-            await self._hand_over(job, computed.first, cached_tokens, transfer_deadline)
+        if not computed.handed_over:
+            with child_span(_tracer, "prefill hand-over"):
+                await self._hand_over(job, computed.first, cached_tokens, transfer_deadline)
+        n = len(job.token_ids)
+        self._log_event(
+            ev.RequestProgress(
+                request_id=job.request_id,
+                instance_id=self.instance_id,
+                stage="prefill_done",
+                computed_tokens=n - cached_tokens,
+                reused_tokens=cached_tokens,
+            )
+        )
         t_done = time.monotonic()
         log.info(
             "prefill_done",
@@ -628,10 +641,13 @@ class PrefillWorker(Worker):
         reservation back; either way the pages are kept (once computed: their KV is
         valid even if the commit failed) or freed after (once the engine thread is
         done with them). `left_engine` is resolved when the compute has ended: the
-        commit no longer needs the engine."""
+        commit no longer needs the engine. A decode instance that takes the hand-over
+        on the commit (`KVReserved.handover_on_commit`) gets it there: the request is
+        then decode's once the commit is acknowledged."""
         first: list[Sampled] | None = None
         decode_id = job.decision.decode_instance
         streamer: LayerStreamer | None = None
+        handed_over = False
         try:
             await self._account_prefix(job, prefix, span)
             streamer = self._start_streaming(job, prefix, cached_tokens, deadline_s)
@@ -654,7 +670,12 @@ class PrefillWorker(Worker):
                     if before is not None and not before.flowing.done():
                         # Bounded by that stream's own deadline, and by this one's.
                         await asyncio.wait({before.flowing}, timeout=deadline_s)
-                    streamer.direct(PeerAddress.parse(reserved.ucx_address), reserved.breaks)
+                    handed_over = reserved.handover_on_commit
+                    streamer.direct(
+                        PeerAddress.parse(reserved.ucx_address),
+                        reserved.breaks,
+                        hand_over=handed_over,
+                    )
                     first = await computing
                 except BaseException:
                     computing.cancel()
@@ -663,7 +684,14 @@ class PrefillWorker(Worker):
                 computed_at = time.monotonic()
                 await self._failpoint(job, "prefill.commit")
                 self._check_alive(job)
-                await streamer.finish()
+                if handed_over:
+                    with child_span(_tracer, "prefill hand-over"):
+                        # Its trace context rides along: decode's spans are its children.
+                        start = self._start_decode(job, first, cached_tokens, inject_headers())
+                        streamer.hand_over(pr.encode(start))
+                        await streamer.finish()
+                else:
+                    await streamer.finish()
             except BaseException:
                 await streamer.abort()
                 raise
@@ -678,7 +706,7 @@ class PrefillWorker(Worker):
         self.metrics.tokens.inc(len(job.token_ids) - cached_tokens)
         span.set_attribute("yb.pages_sent", streamer.pages_sent)
         assert first is not None
-        return _Computed(first, computed_at)
+        return _Computed(first, computed_at, handed_over)
 
     def _stream_before(
         self, decode_id: str, group: object | None, streamer: LayerStreamer
@@ -717,27 +745,28 @@ class PrefillWorker(Worker):
     async def _hand_over(
         self, job: pr.PrefillJob, first: list[Sampled], cached_tokens: int, deadline_s: float
     ) -> None:
-        """Phase 4: hand the request over with every choice's first token (and its
-        logprob when asked); decode verifies the commit before admitting it."""
-        n = len(job.token_ids)
-        start = pr.StartDecode(
+        """Phase 4, for a decode instance that takes it as a control message only:
+        hand the request over; decode verifies the commit before admitting it."""
+        start = self._start_decode(job, first, cached_tokens)
+        await self.decode.start(job.decision.decode_instance, start, deadline_s)
+
+    @staticmethod
+    def _start_decode(
+        job: pr.PrefillJob,
+        first: list[Sampled],
+        cached_tokens: int,
+        trace_headers: dict[str, str] | None = None,
+    ) -> pr.StartDecode:
+        """The hand-over: every choice's first token (and its logprob when asked)."""
+        return pr.StartDecode(
             request_id=job.request_id,
             first_token=first[0].token_id,
             # The prompt the client sent: a resumed request's tail is its output.
-            prompt_tokens=n - job.generated_tokens,
+            prompt_tokens=len(job.token_ids) - job.generated_tokens,
             reused_tokens=cached_tokens,
             first_tokens=[s.token_id for s in first] if len(first) > 1 else [],
             first_logprobs=[s.logprob for s in first if s.logprob is not None],
-        )
-        await self.decode.start(job.decision.decode_instance, start, deadline_s)
-        self._log_event(
-            ev.RequestProgress(
-                request_id=job.request_id,
-                instance_id=self.instance_id,
-                stage="prefill_done",
-                computed_tokens=n - cached_tokens,
-                reused_tokens=cached_tokens,
-            )
+            trace_headers=trace_headers or {},
         )
 
     async def _account_prefix(self, job: pr.PrefillJob, prefix: Prefix, span: trace.Span) -> None:

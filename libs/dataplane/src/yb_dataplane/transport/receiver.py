@@ -19,7 +19,9 @@ knows this side's layout. Each host buffer's xxh3-64 is checked against the head
 when it lands (device memory is not hashed: see `buffers.checksum`): a mismatch
 refuses that buffer (it is never counted as received, and a commit that misses it
 fails). `wait_committed()` resolves only when the sender commits and every index has
-been written and verified.
+been written and verified. A commit may carry a note for the reservation's owner
+(`Reservation.note`, set before `wait_committed()` returns): a message that would
+otherwise follow the commit on another channel, one round trip later.
 
 Failure is bounded in time: each reservation has a deadline, and a sender connection
 that breaks (process killed, closed) fails every uncommitted reservation it was
@@ -177,6 +179,8 @@ class Reservation:
         self._posted: dict[Link, int] = {}
         self._done: asyncio.Future[None] = loop.create_future()
         self._timer: asyncio.TimerHandle | None = None
+        #: What the sender attached to its commit (b"" when nothing): set once committed.
+        self.note = b""
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -792,7 +796,7 @@ class KVReceiver:
                 corrupt,
             )
         elif header.commit:
-            reply = await self._commit_reply(res, seq)
+            reply = await self._commit_reply(res, seq, header.note)
         else:
             reply = Ack(seq)
         await self._reply(link, reply)
@@ -853,10 +857,11 @@ class KVReceiver:
                 link, Nack(commit.seq, Reason.UNKNOWN_REQUEST, f"no reservation for {rid} ({why})")
             )
             return
-        await self._reply(link, await self._commit_reply(res, commit.seq))
+        await self._reply(link, await self._commit_reply(res, commit.seq, commit.note))
 
-    async def _commit_reply(self, res: Reservation, seq: int) -> Message:
-        """Commit `res` if every buffer arrived verified; the reply to send either way."""
+    async def _commit_reply(self, res: Reservation, seq: int, note: bytes) -> Message:
+        """Commit `res` (with the sender's `note`) if every buffer arrived verified; the
+        reply to send either way."""
         rid = res.request_id
         if res._segments:
             # Segments still landing (a sender may commit right after its last send
@@ -867,6 +872,7 @@ class KVReceiver:
         if error is None:
             missing = [i for i in range(len(res)) if i not in res.received]
             if not missing:
+                res.note = note
                 self._commit(res)
                 return Ack(seq)
             corrupt = sorted(res._corrupt.intersection(missing))

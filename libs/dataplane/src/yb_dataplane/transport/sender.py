@@ -213,6 +213,7 @@ class KVSender:
         checksums: Sequence[int] | None = None,
         commit: bool = False,
         receiver_breaks: Collection[int] | None = None,
+        note: bytes = b"",
     ) -> None:
         """Send one segment: each (index, buffer) into the reservation's buffer `index`.
 
@@ -235,6 +236,7 @@ class KVSender:
         `commit=True` also commits the request once this segment is verified, in the
         same round trip (then it must be the request's last send: every other send
         for it must have returned). Raises what `commit()` raises if the commit fails.
+        `note` rides on the commit, as in `commit()`.
         """
         await self.send_segments(
             peer,
@@ -244,6 +246,7 @@ class KVSender:
             checksums=None if checksums is None else [checksums],
             commit=commit,
             receiver_breaks=receiver_breaks,
+            note=note,
         )
 
     async def send_segments(
@@ -256,6 +259,7 @@ class KVSender:
         checksums: Sequence[Sequence[int]] | None = None,
         commit: bool = True,
         receiver_breaks: Collection[int] | None = None,
+        note: bytes = b"",
     ) -> None:
         """Send several segments at once and (by default) commit, in one round trip.
 
@@ -263,12 +267,14 @@ class KVSender:
         payload is posted in one go, in order, and the last header carries the commit
         (the receiver admits headers in order, so it judges the commit after every
         segment of the batch has landed): a whole transfer costs one round trip.
-        `checksums`, if given, has one list per segment; `receiver_breaks` as in
-        `send()`. Returns once every segment is
+        `checksums`, if given, has one list per segment; `receiver_breaks` and `note`
+        as in `send()`. Returns once every segment is
         verified (and the request committed); raises the first refusal otherwise.
         """
         if not segments:
             raise ValueError("nothing to send")
+        if note and not commit:
+            raise ValueError("a note rides on a commit only")
         if checksums is not None and len(checksums) != len(segments):
             raise ValueError(f"{len(checksums)} checksum lists for {len(segments)} segments")
         deadline = Deadline.after(deadline_s)
@@ -319,7 +325,15 @@ class KVSender:
                 spans, messages = _spans(targets, sizes, indices, breaks)
                 last = n == len(segments) - 1
                 header = SegmentHeader(
-                    seq, request_id, indices, sizes, sums, spans, commit and last, algorithm
+                    seq,
+                    request_id,
+                    indices,
+                    sizes,
+                    sums,
+                    spans,
+                    commit and last,
+                    algorithm,
+                    note if last else b"",
                 )
                 frame = encode_frame(header)  # ValueError: too many buffers for one header
                 posted.append(link.post_send(frame, CTRL_TAG))
@@ -334,19 +348,23 @@ class KVSender:
         for answer in answers:
             self._raise_for(answer, what)
 
-    async def commit(self, peer: PeerAddress, request_id: str, *, deadline_s: float) -> None:
+    async def commit(
+        self, peer: PeerAddress, request_id: str, *, deadline_s: float, note: bytes = b""
+    ) -> None:
         """Tell the receiver `request_id` is complete; raises if it refuses.
 
         Call it after every `send()` for the request has returned. The receiver refuses
         (ReservationRefused, ChecksumMismatch) if an index is missing or corrupt, or
-        if it has no such reservation; either way the reservation is then over.
+        if it has no such reservation; either way the reservation is then over. `note`
+        (small: it travels in the control frame) reaches the reservation's owner with
+        the commit (`Reservation.note`).
         """
         deadline = Deadline.after(deadline_s)
         self._check_open()
         connection = await self._connect(peer, deadline)
         seq, reply = connection.expect()
         what = f"commit of {request_id} to {peer.label}"
-        frame = encode_frame(Commit(seq, request_id))
+        frame = encode_frame(Commit(seq, request_id, note))
         (answer,) = await self._exchange(
             connection, [seq], [reply], _poster(connection.link, frame), deadline, what
         )

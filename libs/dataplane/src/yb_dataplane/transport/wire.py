@@ -83,7 +83,9 @@ class SegmentHeader(msgspec.Struct, tag="seg", array_like=True, frozen=True, gc=
 
     `spans[m]` is how many consecutive buffers (in header order) DATA message `m`
     carries; empty means one message per buffer. `commit`: commit the request once
-    this segment is verified (send it last).
+    this segment is verified (send it last). `note`: with `commit`, a message for the
+    reservation's owner that the commit delivers (`Reservation.note`): what the
+    sender would otherwise send it over another channel right after the commit.
     """
 
     seq: int
@@ -96,6 +98,8 @@ class SegmentHeader(msgspec.Struct, tag="seg", array_like=True, frozen=True, gc=
     #: How `checksums` were computed: "xxh3-64", or "none" for a segment of device
     #: buffers, which nobody hashes (their checksums are 0 and are not verified).
     checksum: str = "xxh3-64"
+    #: Added last with a default: a frame from an older sender still decodes.
+    note: bytes = b""
 
     def message_spans(self) -> list[int]:
         """Buffers per DATA message (one each when `spans` is empty)."""
@@ -103,10 +107,12 @@ class SegmentHeader(msgspec.Struct, tag="seg", array_like=True, frozen=True, gc=
 
 
 class Commit(msgspec.Struct, tag="commit", array_like=True, frozen=True, gc=False):
-    """The sender is done with `request_id`: the receiver checks completeness."""
+    """The sender is done with `request_id`: the receiver checks completeness. `note`
+    as in `SegmentHeader`."""
 
     seq: int
     request_id: str
+    note: bytes = b""
 
 
 class FetchRequest(msgspec.Struct, tag="fetch", array_like=True, frozen=True, gc=False):
