@@ -443,8 +443,20 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
             "median ms from sending a request to the end of its SSE stream, {0} in flight",
         ),
         (r"latency_p99_ms_c(\d+)", "99th percentile of the same, {0} in flight"),
-        (r"requests_per_s_c(\d+)", "requests answered per second, {0} in flight"),
-        (r"requests_c(\d+)", "requests sent with {0} in flight"),
+        ("rounds", "rounds of each loaded run (16 and 64 in flight)"),
+        (
+            r"requests_per_s_c(\d+)_round_min",
+            "requests/s of the slowest round, {0} in flight",
+        ),
+        (
+            r"requests_per_s_c(\d+)_round_max",
+            "requests/s of the fastest round, {0} in flight",
+        ),
+        (
+            r"requests_per_s_c(\d+)",
+            "requests answered per second, {0} in flight (every round together)",
+        ),
+        (r"requests_c(\d+)", "requests sent with {0} in flight (every round)"),
         (
             r"errors_c(\d+)",
             "requests that failed with {0} in flight (non-200, error event, no [DONE])",

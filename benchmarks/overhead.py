@@ -1,10 +1,13 @@
 """Where a request's time goes: the system's own overhead, with almost no compute.
 
 Starts `yb up` with the tiny random model as a user does (no trace export) and sends
-streamed `max_tokens: 1` completions: `--requests` one at a time, then
-`--loaded-requests` with 16 and with 64 in flight. For each load it reports latency
-p50/p99 (from sending the request to the end of its SSE stream), requests/s and errors
-(`latency_p50_ms_c1`, `requests_per_s_c64`, `errors_c16`, ...).
+streamed `max_tokens: 1` completions: `--requests` one at a time, then `--rounds`
+rounds of `--loaded-requests` with 16 and with 64 in flight. For each load it reports
+latency p50/p99 (from sending the request to the end of its SSE stream) and errors over
+all its rounds, and requests/s over all of them together (`latency_p50_ms_c1`,
+`requests_per_s_c64`, `errors_c16`, ...), with the slowest and fastest round
+(`requests_per_s_c64_round_min`, `_round_max`): this machine's speed varies from one
+minute to the next, and one round says little.
 
 The breakdown comes from a second `yb up` whose services export every span to an OTLP
 receiver in this process: `--requests` one at a time again, whose latency is reported
@@ -36,7 +39,7 @@ parsed by httptools, on uvloop (`Connection`): it costs about 0.5 ms of CPU per
 request, where httpx costs about 5 ms at 64 in flight: CPU taken from the cluster.
 Plain HTTP only (a `--url` of `https:` is refused).
 
-    python benchmarks/overhead.py --json out.json [--url http://127.0.0.1:8000]
+    python benchmarks/overhead.py --json out.json [--url http://127.0.0.1:8000] [--rounds 3]
 
 Goals (issue 20, this machine): one at a time p50 <= 15 ms and p99 <= 30 ms; 64 in
 flight >= 250 requests/s with no error.
@@ -125,6 +128,18 @@ class Load:
     latency_by_request: dict[str, float] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
+
+    @classmethod
+    def pooled(cls, rounds: list[Load]) -> Load:
+        """Several rounds of one load as one: every latency and error, the time of all
+        (so its requests/s is what the rounds sustained together)."""
+        pooled = cls(rounds[0].in_flight)
+        for load in rounds:
+            pooled.latencies_s += load.latencies_s
+            pooled.latency_by_request |= load.latency_by_request
+            pooled.errors += load.errors
+            pooled.elapsed_s += load.elapsed_s
+        return pooled
 
     def figures(self) -> dict[str, float | int]:
         c = self.in_flight
@@ -441,15 +456,24 @@ def measure_loads(
     run(run_load(url, headers, args.model, 1, args.warmup))
     loads = [run(run_load(url, headers, args.model, 1, args.requests))]
     cpu: dict[str, float] = {}
+    spread: dict[str, float | int] = {}
     for c in LOADS:
         before = cpu_readings(pids)
-        loads.append(run(run_load(url, headers, args.model, c, args.loaded_requests)))
+        rounds = [
+            run(run_load(url, headers, args.model, c, args.loaded_requests))
+            for _ in range(args.rounds)
+        ]
+        loads.append(Load.pooled(rounds))
+        rates = [len(r.latencies_s) / r.elapsed_s for r in rounds if r.elapsed_s]
+        if rates:
+            spread[f"requests_per_s_c{c}_round_min"] = round(min(rates), 1)
+            spread[f"requests_per_s_c{c}_round_max"] = round(max(rates), 1)
         if pids:
             cpu |= cpu_per_request(before, cpu_readings(pids), len(loads[-1].latencies_s), c)
-    figures: dict[str, float | int] = {}
+    figures: dict[str, float | int] = {"rounds": args.rounds}
     for load in loads:
         figures |= load.figures()
-    return figures | cpu, [e for load in loads for e in load.errors]
+    return figures | spread | cpu, [e for load in loads for e in load.errors]
 
 
 def measure_breakdown(args: argparse.Namespace) -> tuple[dict[str, float | int], list[str]]:
@@ -494,11 +518,16 @@ def main() -> int:
     parser.add_argument("--api-key", help="the gateway's API key, with --url")
     parser.add_argument("--model", default="tiny", help="the served model name")
     parser.add_argument("--requests", type=int, default=100, help="one at a time")
-    parser.add_argument("--loaded-requests", type=int, default=512, help="per loaded run")
+    parser.add_argument("--loaded-requests", type=int, default=512, help="per loaded round")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of each load (16, 64 in flight)"
+    )
     parser.add_argument("--warmup", type=int, default=5, help="requests before measuring")
     parser.add_argument("--dump-trace", action="store_true", help="print one trace's spans")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.url:
         if urlsplit(args.url).scheme != "http":
             parser.error(f"--url {args.url}: plain http:// only (the client speaks no TLS)")
