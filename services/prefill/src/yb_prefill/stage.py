@@ -23,7 +23,9 @@ request at a time, all its stages together:
    only after its pages were sent), and sends the logits after the prompt back to
    the lead.
 4. The lead samples the first token from them, exactly as a whole-model instance
-   does, and hands the request over to decode (`StartDecode`).
+   does, and hands the request over to decode (`StartDecode`, as a control message:
+   the commit, which could carry it, is the last stage's and comes before the
+   logits do).
 5. The prompt's full blocks after the planned prefix go into the kvstore of the
    lead's host: a put holds every layer of a block, so each stage sends its layers
    into the same put reservation (`StageJob.puts`, ids the lead chose), each before
