@@ -15,8 +15,9 @@ In file order: the stages announce their group and layers, and each request is
 planned on the group (`prefill_stages`); the group's greedy tokens equal the whole
 model's, for a prompt of one chunk, of several chunks, and one whose first three
 blocks each stage loads from the pool (its own layers of them); the blocks the
-group computes go into the pool (each stage puts its layers) and are reused; a
-client that leaves while the lead holds its request between chunks gets every
+group computes go into the pool (each stage puts its layers) and are reused; a job
+not planned on the group, and a stage job from an instance that leads no group, are
+refused with their reasons; a client that leaves while the lead holds its request between chunks gets every
 stage's pages and decode's reservation freed; SIGKILL
 of the second stage while the lead holds a request between its chunks (failpoint
 `prefill.chunk`) ends that stream cleanly, with an error (no prefill can take its
@@ -26,6 +27,7 @@ decisions.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import subprocess
 import time
@@ -36,6 +38,8 @@ import pytest
 
 from yb_conductor.replay import LogRecord, replay
 from yb_core import events as ev
+from yb_core import protocol as pr
+from yb_core.bus import Bus
 from yb_testkit.faults import (
     FaultRecord,
     Gate,
@@ -236,6 +240,59 @@ def test_the_group_puts_its_blocks_into_the_pool(group: Group) -> None:
     assert decision.prefill_stages == [LEAD, SECOND] and decision.reused_blocks == 3
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK
     assert _text(again) == _text(first)
+
+
+def test_what_a_stage_will_not_run_is_refused_with_its_reason(group: Group) -> None:
+    """A job not planned on the group, at its lead; a stage job from an instance that
+    leads no group, at a stage: each refused, saying why, nothing run."""
+
+    async def ask() -> tuple[pr.JobReply, pr.StageReply]:
+        bus = await Bus.connect(group.cluster.nats_config(), "test-prefill-groups")
+        try:
+            decision = ev.RequestScheduled(
+                request_id="r-whole",
+                gateway_id="gateway-0",
+                prefill_instance=LEAD,
+                decode_instance="decode-0",
+            )
+            job = pr.PrefillJob(
+                request_id="r-whole",
+                token_ids=PROMPTS[0],
+                block_hashes=[],
+                sampling=pr.SamplingParams(),
+                decision=decision,
+                token_subject="yb.tok.test.r-whole",
+                deadline=time.time() + ACT_S,
+            )
+            reply = await bus.request(pr.prefill_job_subject(LEAD), pr.encode(job), timeout_s=ACT_S)
+            stage_job = pr.StageJob(
+                request_id="r-stage",
+                lead_instance="decode-0",
+                next_instance=LEAD,
+                last=True,
+                prompt_len=12,
+                deadline=time.time() + ACT_S,
+                decode_instance="decode-0",
+                decode_address="",
+                num_pages=1,
+            )
+            stage_reply = await bus.request(
+                pr.prefill_stage_subject(SECOND), pr.encode(stage_job), timeout_s=ACT_S
+            )
+            return (
+                pr.job_reply_decoder.decode(reply.data),
+                pr.stage_reply_decoder.decode(stage_reply.data),
+            )
+        finally:
+            await bus.close()
+
+    refused, stage_refused = asyncio.run(ask())
+    assert isinstance(refused, pr.JobRefused), refused
+    assert "runs only requests planned on the group" in refused.reason
+    assert isinstance(stage_refused, pr.StageRefused), stage_refused
+    assert stage_refused.reason == "decode-0 does not lead prefill group 'g0'"
+    scraper = Scraper(group.cluster)
+    assert scraper.pages_used(LEAD) == 0 and scraper.pages_used(SECOND) == 0
 
 
 def test_a_client_that_leaves_frees_every_stages_pages(group: Group) -> None:
