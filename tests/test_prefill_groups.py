@@ -17,9 +17,9 @@ model's, for a prompt of one chunk, of several chunks, and one whose first three
 blocks each stage loads from the pool (its own layers of them); the blocks the
 group computes go into the pool (each stage puts its layers) and are reused; a job
 not planned on the group, and a stage job from an instance that leads no group, are
-refused with their reasons; a client that leaves while the lead holds its request between chunks gets every
-stage's pages and decode's reservation freed; SIGKILL
-of the second stage while the lead holds a request between its chunks (failpoint
+refused with their reasons; a client that leaves while the lead holds its request
+between chunks gets every stage's pages and decode's reservation freed; SIGKILL of
+the second stage while the lead holds a request between its chunks (failpoint
 `prefill.chunk`) ends that stream cleanly, with an error (no prefill can take its
 re-plan), and frees the lead's and decode's pages; the log replays to the same
 decisions.
