@@ -17,7 +17,14 @@ from typing import Final, Literal
 
 import msgspec
 
-from yb_core.events import RequestScheduled, ReusePlan, StrictDecoder, subject_token
+from yb_core.events import (
+    RequestFinished,
+    RequestOutcome,
+    RequestScheduled,
+    ReusePlan,
+    StrictDecoder,
+    subject_token,
+)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
@@ -121,6 +128,34 @@ class JobFailed(Exception):
         super().__init__(reason)
         self.reason = reason
         self.status = status
+
+
+def failed_job(
+    job: PrefillJob, exc: JobFailed, instance_id: str
+) -> tuple[TokenChunk, RequestFinished]:
+    """How an engine ends a job that never reached decode's stream: the error chunk
+    for the request's token subject (its status tells the gateway whether to
+    re-plan) and the `RequestFinished` for the log (cancelled for a 499)."""
+    prompt_tokens = len(job.token_ids) - job.generated_tokens
+    chunk = TokenChunk(
+        request_id=job.request_id,
+        seq=0,
+        finished=True,
+        finish_reason="error",
+        error=exc.reason,
+        error_status=exc.status,
+        prompt_tokens=prompt_tokens,
+        attempt=job.attempt,
+    )
+    outcome: RequestOutcome = "cancelled" if exc.status == 499 else "failed"
+    finished = RequestFinished(
+        request_id=job.request_id,
+        instance_id=instance_id,
+        outcome=outcome,
+        reason=exc.reason,
+        prompt_tokens=prompt_tokens,
+    )
+    return chunk, finished
 
 
 # --- a prefill group's lead -> its other stages --------------------------------------

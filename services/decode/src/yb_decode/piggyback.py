@@ -432,26 +432,7 @@ class PiggybackJobs:
         rid = job.request_id
         log.warning("piggyback_failed", request_id=rid, reason=exc.reason)
         self.host.metrics.prompts.labels("failed").inc()
-        prompt_tokens = len(job.token_ids) - job.generated_tokens
-        chunk = pr.TokenChunk(
-            request_id=rid,
-            seq=0,
-            finished=True,
-            finish_reason="error",
-            error=exc.reason,
-            error_status=exc.status,
-            prompt_tokens=prompt_tokens,
-            attempt=job.attempt,
-        )
+        chunk, finished = pr.failed_job(job, exc, self.host.instance_id)
         await self.host.emit(rid, job.token_subject, chunk)
         self.host.history.finish(rid)
-        outcome: ev.RequestOutcome = "cancelled" if exc.status == 499 else "failed"
-        self.host.log_event(
-            ev.RequestFinished(
-                request_id=rid,
-                instance_id=self.host.instance_id,
-                outcome=outcome,
-                reason=exc.reason,
-                prompt_tokens=prompt_tokens,
-            )
-        )
+        self.host.log_event(finished)

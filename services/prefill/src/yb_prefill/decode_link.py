@@ -23,6 +23,43 @@ class DecodeLink:
     def __init__(self, bus: Bus) -> None:
         self._bus = bus
 
+    async def reserve_for(
+        self,
+        job: pr.PrefillJob,
+        prefill_instance: str,
+        layout: tuple[int, int, int, int],
+        timeout_s: float,
+    ) -> pr.KVReserved:
+        """Pages for `job` on its decode instance, which must lay them out as
+        `layout` says: (pages, layers, bytes per page, tokens per page). A mismatch
+        gives the reservation back and fails the job (500: a misconfigured cluster)."""
+        decode_id = job.decision.decode_instance
+        reserve = pr.ReserveKV(
+            request_id=job.request_id,
+            prefill_instance=prefill_instance,
+            num_tokens=len(job.token_ids),
+            sampling=job.sampling,
+            token_subject=job.token_subject,
+            deadline=job.deadline,
+            prompt_token_ids=job.token_ids,
+            trace_headers=job.trace_headers,
+            ttft_started=job.decision.time,
+            priority=job.priority,
+            attempt=job.attempt,
+            generated_tokens=job.generated_tokens,
+        )
+        reply = await self.reserve(decode_id, reserve, timeout_s)
+        found = (reply.num_pages, reply.num_layers, reply.page_nbytes, reply.block_size)
+        if found != layout:
+            await self.abort(decode_id, job.request_id, "layout mismatch")
+            raise pr.JobFailed(
+                f"decode KV layout {found[0]}x{found[1]}x{found[2]}B ({found[3]}-token "
+                f"pages) does not match prefill's {layout[0]}x{layout[1]}x{layout[2]}B "
+                f"({layout[3]}-token pages)",
+                status=500,
+            )
+        return reply
+
     async def reserve(
         self, decode_id: str, reserve: pr.ReserveKV, timeout_s: float
     ) -> pr.KVReserved:

@@ -71,7 +71,6 @@ from yb_core.telemetry import (
     bind_request,
     extract_context,
     get_logger,
-    trace_carrier,
     tracer,
     wall_time_ns,
 )
@@ -93,7 +92,7 @@ from yb_engine.stages import (
 )
 from yb_prefill.decode_link import DecodeLink
 from yb_prefill.failure import fail_job
-from yb_prefill.job_queue import JobQueue, QueuedJob
+from yb_prefill.job_queue import JobQueue, Liveness, QueuedJob, refusal, respond, take_job
 from yb_prefill.worker import MAX_QUEUE, PrefillMetrics
 
 log = get_logger(__name__)
@@ -132,7 +131,7 @@ class _PromptChunks:
         job = self._job
         if chunk_index == self._worker.failpoints.count("prefill.chunk"):
             await self._worker.failpoint(job, "prefill.chunk")
-        self._worker.check_alive(job)
+        self._worker.liveness.check(job)
         start, end = self._spans[chunk_index]
         piece = self._ids[start:end]
         header = HiddenHeader.of(
@@ -205,7 +204,7 @@ class StageWorker(Worker):
         # The lead: the job running. Another stage: the requests it serves, by id.
         self._running: str | None = None
         self._serving: dict[str, asyncio.Task[None]] = {}
-        self._cancelled: dict[str, str] = {}
+        self.liveness = Liveness()
         self._draining = False
         self.failpoints = Failpoints.from_text(cfg.failpoints, self.instance_id)
 
@@ -265,64 +264,26 @@ class StageWorker(Worker):
         request (it aborts the chain, whose other stages then end it and free their
         pages), so that the request ends as cancelled: a stage ending it first would
         reach the lead as an aborted chain, before the lead heard of the cancel."""
-        self._cancelled[request_id] = reason or "cancelled"
-        if len(self._cancelled) > 10_000:
-            for key in list(self._cancelled)[:5_000]:
-                del self._cancelled[key]
+        self.liveness.cancel(request_id, reason)
 
     # --- the lead: intake -----------------------------------------------------------
 
     async def _on_job(self, msg: Msg) -> None:
-        try:
-            job = pr.job_decoder.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("malformed_job", error=str(exc))
-            await _respond(
-                msg,
-                pr.JobRefused(
-                    request_id="",
-                    instance_id=self.instance_id,
-                    reason=f"malformed job: {exc}",
-                    retryable=False,
-                ),
-            )
-            return
-        if reason := self._refusal(job):
-            self.metrics.jobs.labels("refused").inc()
-            await _respond(
-                msg,
-                pr.JobRefused(
-                    request_id=job.request_id, instance_id=self.instance_id, reason=reason
-                ),
-            )
-            return
-        headers = trace_carrier(msg.headers) or dict(job.trace_headers)
-        position = self._queue.put_nowait(QueuedJob(job, headers))
-        self.gauges.queue.set(self._queue.qsize())
-        await _respond(
-            msg,
-            pr.JobAccepted(
-                request_id=job.request_id, instance_id=self.instance_id, queue_position=position
-            ),
-        )
+        if await take_job(msg, self.instance_id, self._queue, self._refusal) is not None:
+            self.gauges.queue.set(self._queue.qsize())
 
     def _refusal(self, job: pr.PrefillJob) -> str:
         """Why the lead will not queue `job` ('' if it will)."""
         stages = job.decision.prefill_stages
-        if self._draining:
-            return "prefill instance shutting down"
-        if self._queue.full():
-            return "prefill queue full"
-        if job.decision.prefill_instance != self.instance_id:
-            return f"job is planned for {job.decision.prefill_instance}"
-        if len(stages) < 2 or stages[0] != self.instance_id:
-            return (
+        reason = refusal(job, self.instance_id, self._queue, draining=self._draining)
+        if not reason and (len(stages) < 2 or stages[0] != self.instance_id):
+            reason = (
                 f"{self.instance_id} is the lead of prefill group {self.pcfg.group!r}: it "
                 "runs only requests planned on the group"
             )
-        if job.deadline and job.deadline < time.time():
-            return "deadline passed before the job arrived"
-        return ""
+        if reason:
+            self.metrics.jobs.labels("refused").inc()
+        return reason
 
     # --- the lead: one job at a time ------------------------------------------------
 
@@ -392,7 +353,7 @@ class StageWorker(Worker):
     async def _lead(self, job: pr.PrefillJob) -> None:
         """Pages, reservation and prefix; the other stages ready; the chunks through
         the group; the first token; the hand-over (the module docstring's steps)."""
-        self.check_alive(job)
+        self.liveness.check(job)
         rid, n = job.request_id, len(job.token_ids)
         stages = job.decision.prefill_stages
         self._log_event(
@@ -400,7 +361,7 @@ class StageWorker(Worker):
                 request_id=rid, instance_id=self.instance_id, stage="prefill_started"
             )
         )
-        wait_s = min(self._remaining(job), self.pcfg.transfer_timeout_s)
+        wait_s = min(self.liveness.remaining_s(job), self.pcfg.transfer_timeout_s)
         try:
             pages = self.host.allocator.allocate(self.host.cache.pages_for(n))
         except OutOfPages as exc:
@@ -472,34 +433,14 @@ class StageWorker(Worker):
 
     async def _reserve(self, job: pr.PrefillJob, wait_s: float) -> pr.KVReserved:
         """Decode's pages for every layer of the prompt, laid out as one instance's."""
-        decode_id = job.decision.decode_instance
-        reserve = pr.ReserveKV(
-            request_id=job.request_id,
-            prefill_instance=self.instance_id,
-            num_tokens=len(job.token_ids),
-            sampling=job.sampling,
-            token_subject=job.token_subject,
-            deadline=job.deadline,
-            prompt_token_ids=job.token_ids,
-            trace_headers=job.trace_headers,
-            ttft_started=job.decision.time,
-            priority=job.priority,
-            attempt=job.attempt,
-            generated_tokens=job.generated_tokens,
-        )
-        reply = await self.decode.reserve(decode_id, reserve, wait_s)
         cache = self.host.cache
-        expected = (cache.pages_for(len(job.token_ids)), self.num_layers, cache.page_nbytes)
-        if (reply.num_pages, reply.num_layers, reply.page_nbytes) != expected or (
-            reply.block_size != cache.block_size
-        ):
-            await self.decode.abort(decode_id, job.request_id, "layout mismatch")
-            raise pr.JobFailed(
-                f"decode KV layout {reply.num_pages}x{reply.num_layers}x{reply.page_nbytes}B "
-                f"does not match the group's {expected[0]}x{expected[1]}x{expected[2]}B",
-                status=500,
-            )
-        return reply
+        layout = (
+            cache.pages_for(len(job.token_ids)),
+            self.num_layers,
+            cache.page_nbytes,
+            cache.block_size,
+        )
+        return await self.decode.reserve_for(job, self.instance_id, layout, wait_s)
 
     def _planned_puts(self, job: pr.PrefillJob) -> _Puts:
         """The prompt's full blocks the group puts into the lead's host's kvstore: those
@@ -601,7 +542,7 @@ class StageWorker(Worker):
             )
         )
         # The logits come after the whole pipeline: bounded by the request's deadline.
-        whole_s = max(wait_s, self._remaining(job))
+        whole_s = max(wait_s, self.liveness.remaining_s(job))
         answer = asyncio.ensure_future(
             self.activations.receive(rid, len(spans) - 1, deadline_s=whole_s)
         )
@@ -639,7 +580,7 @@ class StageWorker(Worker):
             control = pr.stage_control_decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("malformed_stage_job", error=str(exc))
-            await _respond(
+            await respond(
                 msg, pr.StageRefused(request_id="", instance_id=self.instance_id, reason=str(exc))
             )
             return
@@ -651,7 +592,7 @@ class StageWorker(Worker):
             return
         job = control
         if reason := self._stage_refusal(job):
-            await _respond(
+            await respond(
                 msg,
                 pr.StageRefused(
                     request_id=job.request_id, instance_id=self.instance_id, reason=reason
@@ -661,7 +602,7 @@ class StageWorker(Worker):
         try:
             pages = self.host.allocator.allocate(self.host.cache.pages_for(job.prompt_len))
         except OutOfPages as exc:
-            await _respond(
+            await respond(
                 msg,
                 pr.StageRefused(
                     request_id=job.request_id,
@@ -704,14 +645,14 @@ class StageWorker(Worker):
                     )
                     next_stage = await self._address(job.next_instance, wait_s)
                 except (TransferError, pr.JobFailed) as exc:
-                    await _respond(
+                    await respond(
                         msg,
                         pr.StageRefused(
                             request_id=rid, instance_id=self.instance_id, reason=str(exc)
                         ),
                     )
                     return
-                await _respond(
+                await respond(
                     msg,
                     pr.StageReady(
                         request_id=rid, instance_id=self.instance_id, reused_blocks=reused
@@ -813,19 +754,7 @@ class StageWorker(Worker):
         """Hold the job at `point` if a test armed it (a cancel or the deadline ends
         the hold)."""
         rid = job.request_id
-        await self.failpoints.hold(
-            point, rid, cancelled=lambda: rid in self._cancelled or self._remaining(job) <= 0
-        )
-
-    def check_alive(self, job: pr.PrefillJob) -> None:
-        if job.request_id in self._cancelled:
-            raise pr.JobFailed(f"cancelled: {self._cancelled[job.request_id]}", status=499)
-        if self._remaining(job) <= 0:
-            raise pr.JobFailed("request deadline passed during prefill", status=504)
-
-    @staticmethod
-    def _remaining(job: pr.PrefillJob) -> float:
-        return job.deadline - time.time() if job.deadline else 600.0
+        await self.failpoints.hold(point, rid, cancelled=lambda: self.liveness.over(job))
 
     async def _fail(self, job: pr.PrefillJob, exc: pr.JobFailed) -> None:
         await fail_job(self.bus, self.outbox, self.instance_id, job, exc)
@@ -836,8 +765,3 @@ class StageWorker(Worker):
 
 def _stage_barrier() -> None:
     """Runs on the stage's thread after everything submitted before it."""
-
-
-async def _respond(msg: Msg, reply: pr.JobReply | pr.StageReply) -> None:
-    with contextlib.suppress(Exception):
-        await msg.respond(pr.encode(reply))

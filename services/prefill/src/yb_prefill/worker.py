@@ -30,12 +30,10 @@ kvstore in the background).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import msgspec
 from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
@@ -52,7 +50,6 @@ from yb_core.telemetry import (
     extract_context,
     get_logger,
     inject_headers,
-    trace_carrier,
     trace_id_hex,
     tracer,
     wall_time_ns,
@@ -66,7 +63,7 @@ from yb_engine.runner import PrefillSeq
 from yb_prefill.batching import ComputeBatch, Outcome, take_group
 from yb_prefill.decode_link import DecodeLink
 from yb_prefill.failure import fail_job
-from yb_prefill.job_queue import JobQueue, QueuedJob
+from yb_prefill.job_queue import JobQueue, Liveness, QueuedJob, refusal, take_job
 from yb_prefill.prefix_cache import PrefixCache
 from yb_prefill.reuse import Prefix, PrefixLoader
 from yb_prefill.streaming import LayerStreamer
@@ -215,7 +212,7 @@ class PrefillWorker(Worker):
         self._streams: dict[str, _Lead] = {}
         # The batch each job of a group of several computes in (by id of the job).
         self._batch_of: dict[int, ComputeBatch[_Part, list[Sampled]]] = {}
-        self._cancelled: dict[str, str] = {}
+        self.liveness = Liveness()
         self._draining = False
         # Test-only fault injection: inert unless YB_FAILPOINTS arms it.
         self.failpoints = Failpoints.from_text(cfg.failpoints, self.instance_id)
@@ -274,66 +271,20 @@ class PrefillWorker(Worker):
         )
 
     def on_cancel(self, request_id: str, reason: str) -> None:
-        self._cancelled[request_id] = reason or "cancelled"
-        # Bound the memory of cancellations for requests this instance never saw.
-        if len(self._cancelled) > 10_000:
-            for key in list(self._cancelled)[:5_000]:
-                del self._cancelled[key]
+        self.liveness.cancel(request_id, reason)
 
     # --- intake ---------------------------------------------------------------------
 
     async def _on_job(self, msg: Msg) -> None:
-        try:
-            job = pr.job_decoder.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("malformed_job", error=str(exc))
-            await self._reply(
-                msg,
-                pr.JobRefused(
-                    request_id="",
-                    instance_id=self.instance_id,
-                    reason=f"malformed job: {exc}",
-                    retryable=False,
-                ),
-            )
-            return
-        if reason := self._refusal(job):
-            self.metrics.jobs.labels("refused").inc()
-            await self._reply(
-                msg,
-                pr.JobRefused(
-                    request_id=job.request_id, instance_id=self.instance_id, reason=reason
-                ),
-            )
-            return
-        # The trace context comes in the NATS headers (the job's copy is the fallback).
-        headers = trace_carrier(msg.headers) or dict(job.trace_headers)
-        position = self._queue.put_nowait(QueuedJob(job, headers))
-        self.gauges.queue.set(self._queue.qsize())
-        await self._reply(
-            msg,
-            pr.JobAccepted(
-                request_id=job.request_id,
-                instance_id=self.instance_id,
-                queue_position=position,
-            ),
-        )
+        if await take_job(msg, self.instance_id, self._queue, self._refusal) is not None:
+            self.gauges.queue.set(self._queue.qsize())
 
     def _refusal(self, job: pr.PrefillJob) -> str:
         """Why this instance will not queue `job` ('' if it will)."""
-        if self._draining:
-            return "prefill instance shutting down"
-        if self._queue.full():
-            return "prefill queue full"
-        if job.decision.prefill_instance != self.instance_id:
-            return f"job is planned for {job.decision.prefill_instance}"
-        if job.deadline and job.deadline < time.time():
-            return "deadline passed before the job arrived"
-        return ""
-
-    async def _reply(self, msg: Msg, reply: pr.JobReply) -> None:
-        with contextlib.suppress(Exception):
-            await msg.respond(pr.encode(reply))
+        reason = refusal(job, self.instance_id, self._queue, draining=self._draining)
+        if reason:
+            self.metrics.jobs.labels("refused").inc()
+        return reason
 
     # --- the engine loop ------------------------------------------------------------
 
@@ -356,7 +307,7 @@ class PrefillWorker(Worker):
                     continue
                 queued = await self._queue.peek()
                 if self._must_wait_for_pages(queued.job):
-                    await self._wait_for_pages(self._remaining(queued.job))
+                    await self._wait_for_pages(self.liveness.remaining_s(queued.job))
                     continue
                 self.uploader.pages_wanted = False
                 size = self._take_group(limit - len(self._jobs))
@@ -410,7 +361,7 @@ class PrefillWorker(Worker):
         return (
             bool(self._jobs or self._uploads)
             and self.cache.room < needed <= self.engine.cache.num_pages
-            and self._remaining(job) > 0
+            and self.liveness.remaining_s(job) > 0
         )
 
     async def _wait_for_pages(self, timeout_s: float) -> None:
@@ -508,14 +459,14 @@ class PrefillWorker(Worker):
         self, job: pr.PrefillJob, span: trace.Span, left_engine: asyncio.Future[None]
     ) -> None:
         """Reserve on decode, load the prefix, compute and stream, hand over."""
-        self._check_alive(job)
+        self.liveness.check(job)
         t_start = time.monotonic()
         self._log_event(
             ev.RequestProgress(
                 request_id=job.request_id, instance_id=self.instance_id, stage="prefill_started"
             )
         )
-        transfer_deadline = min(self._remaining(job), self.pcfg.transfer_timeout_s)
+        transfer_deadline = min(self.liveness.remaining_s(job), self.pcfg.transfer_timeout_s)
         reserving = asyncio.ensure_future(self._reserve_on_decode(job, transfer_deadline))
         try:
             with child_span(_tracer, "prefill prefix load") as loading:
@@ -564,44 +515,21 @@ class PrefillWorker(Worker):
             return await self._reserve(job, deadline_s)
 
     async def _reserve(self, job: pr.PrefillJob, deadline_s: float) -> pr.KVReserved:
-        decode_id = job.decision.decode_instance
-        reserve = pr.ReserveKV(
-            request_id=job.request_id,
-            prefill_instance=self.instance_id,
-            num_tokens=len(job.token_ids),
-            sampling=job.sampling,
-            token_subject=job.token_subject,
-            deadline=job.deadline,
-            prompt_token_ids=job.token_ids,
-            trace_headers=job.trace_headers,
-            ttft_started=job.decision.time,
-            priority=job.priority,
-            attempt=job.attempt,
-            generated_tokens=job.generated_tokens,
-        )
-        reply = await self.decode.reserve(decode_id, reserve, deadline_s)
         cache = self.engine.cache
-        num_pages = cache.pages_for(len(job.token_ids))
-        if (reply.num_pages, reply.num_layers, reply.page_nbytes, reply.block_size) != (
-            num_pages,
+        layout = (
+            cache.pages_for(len(job.token_ids)),
             cache.num_layers,
             cache.page_nbytes,
             cache.block_size,
-        ):
-            await self.decode.abort(decode_id, job.request_id, "layout mismatch")
-            raise pr.JobFailed(
-                f"decode KV layout {reply.num_pages}x{reply.num_layers}x{reply.page_nbytes}B "
-                f"does not match prefill's {num_pages}x{cache.num_layers}x{cache.page_nbytes}B",
-                status=500,
-            )
-        return reply
+        )
+        return await self.decode.reserve_for(job, self.instance_id, layout, deadline_s)
 
     async def _load_prefix(self, job: pr.PrefillJob, deadline_s: float) -> Prefix:
         """Phase 2: pages here, the planned prefix loaded into them."""
         plans = job.decision.reuse if self.pcfg.reuse else []
         try:
             await self._failpoint(job, "prefill.load")
-            self._check_alive(job)
+            self.liveness.check(job)
             return await self.loader.load(
                 job.request_id,
                 len(job.token_ids),
@@ -683,7 +611,7 @@ class PrefillWorker(Worker):
                     raise
                 computed_at = time.monotonic()
                 await self._failpoint(job, "prefill.commit")
-                self._check_alive(job)
+                self.liveness.check(job)
                 if handed_over:
                     with child_span(_tracer, "prefill hand-over"):
                         # Its trace context rides along: decode's spans are its children.
@@ -874,7 +802,7 @@ class PrefillWorker(Worker):
                 await self.engine.call(self._compute_part, job, pages, cached, split, streamer)
                 cached = split
             await self._failpoint(job, "prefill.chunk")
-            self._check_alive(job)
+            self.liveness.check(job)
         return await self.engine.call(self._compute, job, pages, cached, streamer)
 
     def _compute_part(
@@ -962,23 +890,11 @@ class PrefillWorker(Worker):
 
     async def _failpoint(self, job: pr.PrefillJob, point: str) -> None:
         """Hold the job at `point` if a test armed it; a cancel or the request's
-        deadline ends the hold (the caller's `_check_alive` then fails the job)."""
+        deadline ends the hold (the caller's `liveness.check` then fails the job)."""
         if self.failpoints.count(point) is None:
             return
         rid = job.request_id
-        await self.failpoints.hold(
-            point, rid, cancelled=lambda: rid in self._cancelled or self._remaining(job) <= 0
-        )
-
-    def _check_alive(self, job: pr.PrefillJob) -> None:
-        if job.request_id in self._cancelled:
-            raise pr.JobFailed(f"cancelled: {self._cancelled[job.request_id]}", status=499)
-        if self._remaining(job) <= 0:
-            raise pr.JobFailed("request deadline passed during prefill", status=504)
-
-    @staticmethod
-    def _remaining(job: pr.PrefillJob) -> float:
-        return job.deadline - time.time() if job.deadline else 600.0
+        await self.failpoints.hold(point, rid, cancelled=lambda: self.liveness.over(job))
 
     async def _fail(self, job: pr.PrefillJob, exc: pr.JobFailed) -> None:
         """End a request that never reached decode: an error chunk and an event."""
