@@ -140,8 +140,9 @@ def pages(played: Played) -> list[tuple[int, np.ndarray]]:
     return [(i, np.zeros(r.page_nbytes, np.uint8)) for i in range(r.num_layers * r.num_pages)]
 
 
-async def send_kv(played: Played) -> None:
-    """Send every page and commit (as prefill does)."""
+async def send_kv(played: Played, note: bytes = b"") -> None:
+    """Send every page and commit (as prefill does), with `note` when given (the
+    hand-over prefill sends with its commit)."""
     sender = KVSender()
     try:
         await sender.send(
@@ -150,6 +151,7 @@ async def send_kv(played: Played) -> None:
             pages(played),
             deadline_s=DEADLINE_S,
             commit=True,
+            note=note,
         )
     finally:
         await sender.close()
@@ -350,29 +352,13 @@ async def test_a_hand_over_waiting_for_its_commit_does_not_hold_other_reservatio
 # --- the hand-over on the commit ------------------------------------------------------
 
 
-async def commit_with(played: Played, note: bytes) -> None:
-    """Send every page and commit with `note` (as prefill does with its hand-over)."""
-    sender = KVSender()
-    try:
-        await sender.send(
-            PeerAddress.parse(played.reserved.ucx_address),
-            played.request_id,
-            pages(played),
-            deadline_s=DEADLINE_S,
-            commit=True,
-            note=note,
-        )
-    finally:
-        await sender.close()
-
-
 async def test_a_hand_over_on_the_commit_starts_the_request_without_a_control_message(
     decode: DecodeService, bus: Bus, finished: EventReader
 ) -> None:
     played = await reserve(bus, max_tokens=3)
     assert played.reserved.handover_on_commit
     hand_over = pr.StartDecode(request_id=played.request_id, first_token=7, prompt_tokens=40)
-    await commit_with(played, pr.encode(hand_over))
+    await send_kv(played, pr.encode(hand_over))
     chunks = [await played.next_chunk()]
     while not chunks[-1].finished:
         chunks.append(await played.next_chunk())
@@ -402,7 +388,7 @@ async def test_a_bad_hand_over_on_the_commit_frees_the_pages_and_tells_the_gatew
     # Nobody waits for an answer to a hand-over on the commit: the gateway must hear
     # of it from decode, or its client would wait for a first token until the timeout.
     played = await reserve(bus)
-    await commit_with(played, note)
+    await send_kv(played, note)
     chunk = await played.next_chunk()
     assert chunk.finished and chunk.error_status == 503, chunk
     assert "did not start the request" in chunk.error, chunk.error

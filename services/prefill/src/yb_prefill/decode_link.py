@@ -10,11 +10,15 @@ with the status its client should see.
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from yb_core import protocol as pr
 from yb_core.bus import Bus, BusError
+
+if TYPE_CHECKING:
+    from yb_engine.kv_cache import PagedKVCache
 
 
 class DecodeLink:
@@ -27,12 +31,21 @@ class DecodeLink:
         self,
         job: pr.PrefillJob,
         prefill_instance: str,
-        layout: tuple[int, int, int, int],
+        cache: PagedKVCache,
+        num_layers: int,
         timeout_s: float,
     ) -> pr.KVReserved:
-        """Pages for `job` on its decode instance, which must lay them out as
-        `layout` says: (pages, layers, bytes per page, tokens per page). A mismatch
-        gives the reservation back and fails the job (500: a misconfigured cluster)."""
+        """Pages for `job` on its decode instance, which must lay them out as this
+        side's `cache` does for `num_layers` layers (the whole model's, for a stage
+        that holds only some): the same pages, layers, bytes per page and tokens per
+        page. A mismatch gives the reservation back and fails the job (500: a
+        misconfigured cluster)."""
+        layout = (
+            cache.pages_for(len(job.token_ids)),
+            num_layers,
+            cache.page_nbytes,
+            cache.block_size,
+        )
         decode_id = job.decision.decode_instance
         reserve = pr.ReserveKV(
             request_id=job.request_id,

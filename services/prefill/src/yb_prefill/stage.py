@@ -433,14 +433,9 @@ class StageWorker(Worker):
 
     async def _reserve(self, job: pr.PrefillJob, wait_s: float) -> pr.KVReserved:
         """Decode's pages for every layer of the prompt, laid out as one instance's."""
-        cache = self.host.cache
-        layout = (
-            cache.pages_for(len(job.token_ids)),
-            self.num_layers,
-            cache.page_nbytes,
-            cache.block_size,
+        return await self.decode.reserve_for(
+            job, self.instance_id, self.host.cache, self.num_layers, wait_s
         )
-        return await self.decode.reserve_for(job, self.instance_id, layout, wait_s)
 
     def _planned_puts(self, job: pr.PrefillJob) -> _Puts:
         """The prompt's full blocks the group puts into the lead's host's kvstore: those

@@ -516,13 +516,9 @@ class PrefillWorker(Worker):
 
     async def _reserve(self, job: pr.PrefillJob, deadline_s: float) -> pr.KVReserved:
         cache = self.engine.cache
-        layout = (
-            cache.pages_for(len(job.token_ids)),
-            cache.num_layers,
-            cache.page_nbytes,
-            cache.block_size,
+        return await self.decode.reserve_for(
+            job, self.instance_id, cache, cache.num_layers, deadline_s
         )
-        return await self.decode.reserve_for(job, self.instance_id, layout, deadline_s)
 
     async def _load_prefix(self, job: pr.PrefillJob, deadline_s: float) -> Prefix:
         """Phase 2: pages here, the planned prefix loaded into them."""
