@@ -744,3 +744,17 @@ async def test_a_commit_delivers_its_note_to_the_reservation(
     # A note without a commit is a caller's mistake.
     with pytest.raises(ValueError, match="note"):
         await sender.send(receiver.address, "x", [(0, src[0])], deadline_s=5, note=b"d")
+
+
+@pytest.mark.asyncio
+async def test_ucx_progresses_on_the_project_s_progress_thread(receiver: KVReceiver) -> None:
+    """The context's progress runs on `ucx_env`'s thread mode (the epoll timeout of
+    `PROGRESS_EPOLL_TIMEOUT_MS`, not ucxx's 1 ms): a ucxx whose layout no longer lets
+    it be installed fails here instead of quietly waking a thousand times a second."""
+    from ucxx._lib_async import application_context
+
+    from yb_dataplane.transport import ucx_env
+
+    task = application_context.ProgressTasks.get(asyncio.get_running_loop())
+    assert isinstance(task, ucx_env._ThreadMode)
+    assert ucx_env.PROGRESS_EPOLL_TIMEOUT_MS > 1
