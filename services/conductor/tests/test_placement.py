@@ -310,3 +310,30 @@ def test_an_engine_with_another_block_size_takes_no_request(crafted: Any) -> Non
     assert isinstance(refused, ev.RequestRejected), refused
     assert refused.reason == f"no_prefill: no live prefill instance with {BS}-token pages"
     assert replay(c.records).divergences == []
+
+
+def test_a_request_starting_now_finds_the_room_started_prefills_reserved(crafted: Any) -> None:
+    # `a` (31 blocks with its output) started its prefill, which ends after `r`'s:
+    # a decode instance reserves a request's pages when its prefill starts, so `r`
+    # (11 blocks) does not fit beside it in 41.
+    c = crafted()
+    c.hosts(2, decodes=0)
+    c.decode("d", kv_blocks=41)
+    _scheduled(c.admit("a", keys(30, base=9000)))
+    c.progress("a", "p-0", "prefill_started")
+    refused = c.admit("r", keys(10))
+    assert isinstance(refused, ev.RequestRejected)
+    assert refused.reason.startswith("decode_kv_full")
+    # Counted at the prefill's end (logs recorded before the setting), `a` takes its
+    # pages after `r` and is left out of the room.
+    old = crafted(kv_reserved_at_start=False)
+    old.hosts(2, decodes=0)
+    old.decode("d", kv_blocks=41)
+    _scheduled(old.admit("a", keys(30, base=9000)))
+    old.progress("a", "p-0", "prefill_started")
+    assert _scheduled(old.admit("r", keys(10))).decode_instance == "d"
+
+
+def test_logs_recorded_before_reservations_at_start_replay_counting_at_the_end() -> None:
+    assert recorded_settings("{}").kv_reserved_at_start is False
+    assert recorded_settings('{"kv_reserved_at_start": true}').kv_reserved_at_start is True

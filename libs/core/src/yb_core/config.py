@@ -340,6 +340,12 @@ class ConductorConfig(_Section):
     no wait caused the miss, so the refusal would shed no load, and the prefill puts
     the prompt's prefix in the pool for the requests that share it; off, it is
     refused (how logs recorded before the setting replay).
+    `kv_reserved_at_start`: a request's decode pages are taken when its prefill
+    starts (the prefill's first step reserves them, `ReserveKV`), so a decision's
+    decode room counts every request whose prefill has started or starts before
+    this one's, and what a decode instance reports using is compared with the
+    blocks of those requests; off, pages are counted as taken at the prefill's end
+    (with `calibrated_admission`), how logs recorded before the setting replay.
     `explain_decode_top_k`: how many decode instances a decision's explanation
     lists (the chosen one, then the lowest predicted TBT; 0: every instance, as
     logs recorded before the setting do).
@@ -382,6 +388,7 @@ class ConductorConfig(_Section):
     eviction_regret: bool = True
     explain_decode_top_k: Annotated[int, msgspec.Meta(ge=0)] = 8
     admit_unqueued_overrun: bool = True
+    kv_reserved_at_start: bool = True
 
 
 class EngineConfig(_Section):

@@ -106,6 +106,7 @@ class Conductor:
             compute_sharing=cfg.compute_sharing,
             sharing_prior=cfg.sharing_prior,
             priority_order=cfg.priority_order,
+            kv_reserved_at_start=cfg.kv_reserved_at_start,
         )
         self.last_seq = 0
         # Decisions computed here whose recorded copy has not been seen yet.
@@ -176,6 +177,7 @@ class Conductor:
         state.compute_sharing = cfg.compute_sharing
         state.sharing_prior = cfg.sharing_prior
         state.priority_order = cfg.priority_order
+        state.kv_reserved_at_start = cfg.kv_reserved_at_start
 
     def _admit(self, seq: int, event: ev.RequestAdmitted) -> list[Output]:
         state = self.state

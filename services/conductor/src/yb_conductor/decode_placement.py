@@ -31,6 +31,17 @@ requests still in a prefill that ends after this one's take their pages after it
 using for the requests committed there can be less than accounted (an engine that
 reserves tokens, not pages), so the room leaves out what its reports showed the
 accounting to overcount (`kv_overcount_blocks`; never below zero).
+
+Pages taken at the prefill's start (`reserved_at_start`): a decode instance reserves
+a request's pages when its prefill starts (`ReserveKV`, the prefill's first step) and
+refuses there when it has none. A request whose prefill starts at once (nothing
+queued ahead of it) finds the room that every started prefill left, whatever its
+end, while requests still queued take theirs after it: those are left out. A queued
+request starts later, when requests decoding now will have finished and freed
+pages, which the accounting does not foresee (a request holds its pages until its
+end is logged); it is judged at its prefill's end as above. The instance's reports
+are compared with the blocks of the requests committed there and of those whose
+prefill started (their pages are reserved and counted in what it uses).
 """
 
 from __future__ import annotations
@@ -94,10 +105,12 @@ class DecodePlanner:
         priority_order: bool = False,
         full_scan: bool | None = None,
         calibrated_kv: bool = False,
+        reserved_at_start: bool = False,
     ) -> None:
         self.cost = cost
         self.priority_order = priority_order
         self.calibrated_kv = calibrated_kv
+        self.reserved_at_start = reserved_at_start
         self.full_scan = self.default_full_scan if full_scan is None else full_scan
 
     def choose(
@@ -110,6 +123,7 @@ class DecodePlanner:
         block_size: int,
         at_time: float,
         priority: int = 0,
+        start_time: float | None = None,
     ) -> DecodeChoice:
         """Predict every decode instance's batch at `at_time` (when this request's
         prefill should end) with this request added, and pick the lowest TBT among
@@ -127,6 +141,12 @@ class DecodePlanner:
         floor = priority if self.priority_order else -math.inf
         waits_behind = floor > state.priorities_placed()[0]
         calibrated = self.calibrated_kv
+        # With `reserved_at_start`, a request whose prefill starts now takes its pages
+        # now: the room left is what every started prefill has reserved and every
+        # queued one has not. A queued request is judged at its prefill's end, as
+        # without the setting (see the module's docstring).
+        at_start = self.reserved_at_start and start_time is not None and start_time <= state.now
+        taken_by = start_time if at_start and start_time is not None else at_time
         n = len(decodes)
         fits = [True] * n
         batches = [1] * n
@@ -155,7 +175,12 @@ class DecodePlanner:
                     continue
                 if waits_behind and p.priority < floor and not p.prefill_done:
                     held -= p.kv_blocks  # it will wait for pages behind this one
-                elif calibrated and not p.prefill_done and p.prefill_end > at_time:
+                elif (
+                    calibrated
+                    and not p.prefill_done
+                    and not (at_start and p.reserved)
+                    and (p.prefill_end - p.prefill_s if at_start else p.prefill_end) > taken_by
+                ):
                     held -= p.kv_blocks  # its pages are taken after this one's
                 start = p.decode_started or p.prefill_end
                 duration = p.duration_cap if p.duration_cap < t_d else t_d

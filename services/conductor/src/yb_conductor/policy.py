@@ -83,7 +83,10 @@ class MooncakePolicy:
             eviction_regret=cfg.eviction_regret,
         )
         self.decode = DecodePlanner(
-            self.cost, priority_order=priority_order, calibrated_kv=cfg.calibrated_admission
+            self.cost,
+            priority_order=priority_order,
+            calibrated_kv=cfg.calibrated_admission,
+            reserved_at_start=cfg.kv_reserved_at_start,
         )
         self.admission = AdmissionPolicy(
             cfg.admission,
@@ -119,6 +122,7 @@ class MooncakePolicy:
             block_size=bs,
             at_time=state.now + chosen.ttft_s,
             priority=request.priority,
+            start_time=state.now + chosen.queue_s,
         )
         ttft_limit, tbt_limit = self.admission.limits(request)
         explain = ev.Explanation(

@@ -29,6 +29,7 @@ _ABSENT_MEANS: dict[str, Any] = {
     "eviction_regret": False,
     "explain_decode_top_k": 0,
     "admit_unqueued_overrun": False,
+    "kv_reserved_at_start": False,
 }
 
 

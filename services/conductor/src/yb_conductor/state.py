@@ -146,6 +146,8 @@ class Placement(msgspec.Struct, kw_only=True):
     # Its decode cannot last longer than max_tokens at the estimated TBT.
     duration_cap: float = math.inf
     prefill_done: bool = False
+    # Its prefill started: its decode pages are reserved (`kv_reserved_at_start`).
+    reserved: bool = False
     decode_started: float = 0.0
     # What learning needs: its prefill's work at the cost model's speed, when it
     # started and beside how many busy engines, and when it ended.
@@ -264,9 +266,11 @@ class ClusterState:
         compute_sharing: str = "none",
         sharing_prior: float = 1.0,
         priority_order: bool = False,
+        kv_reserved_at_start: bool = False,
     ) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.priority_order = priority_order
+        self.kv_reserved_at_start = kv_reserved_at_start
         self.request_timeout_s = request_timeout_s
         self.decode_time_alpha = decode_time_alpha
         self.learn_speed = learn_speed
@@ -581,9 +585,10 @@ class ClusterState:
         instance with what it reports using."""
         placements = self.placements
         committed = 0
+        at_start = self.kv_reserved_at_start
         for rid in inst.assigned:
             p = placements.get(rid)
-            if p is not None and p.decode_started:
+            if p is not None and (p.decode_started or (at_start and p.reserved)):
                 committed += p.kv_blocks
         if not committed:
             return  # nothing to compare: an idle instance teaches nothing
@@ -666,6 +671,7 @@ class ClusterState:
         if placement is None:
             return
         if event.stage == "prefill_started":
+            placement.reserved = True
             if not placement.prefill_done:
                 inst = self.instances.get(placement.prefill_instance)
                 if self.priority_order and inst is not None:

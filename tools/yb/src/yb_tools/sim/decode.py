@@ -193,12 +193,33 @@ class SimDecode:
             n -= 1
         return self.ctx + self.batch * n
 
-    def refusal(self, job: Job, t: float) -> str:
-        """Why the instance cannot take `job` now ("" if it can)."""
+    def kv_refusal(self, job: Job) -> str:
+        """Why the instance has no KV room for `job` now ("" if it has)."""
         item = job.item
         need = item.prompt_tokens + item.output_tokens
         if self.kv_reserved + need > self.kv_capacity:
             return f"decode_kv_full: {self.kv_reserved + need} > {self.kv_capacity} KV tokens"
+        return ""
+
+    def reserve(self, job: Job) -> None:
+        """Set `job`'s KV aside now (its prefill starts: `ReserveKV`)."""
+        item = job.item
+        self.kv_reserved += item.prompt_tokens + item.output_tokens
+        job.kv_held = True
+
+    def release(self, job: Job) -> None:
+        """Give back the KV `reserve` set aside for `job` (it will not decode here)."""
+        if job.kv_held:
+            item = job.item
+            self.kv_reserved -= item.prompt_tokens + item.output_tokens
+            job.kv_held = False
+
+    def refusal(self, job: Job, t: float) -> str:
+        """Why the instance cannot take `job` now ("" if it can); the KV room is not
+        judged again for a job whose KV is reserved already."""
+        item = job.item
+        if not job.kv_held and (kv := self.kv_refusal(job)):
+            return kv
         batch = self.batch + len(self.pending) + 1
         if batch > self.max_batch:
             return f"decode_batch_full: batch {batch} > {self.max_batch}"
@@ -213,7 +234,8 @@ class SimDecode:
         """Take `job` (its KV arrived at `t`): it joins at the next step boundary, or at
         once when the instance is idle."""
         item = job.item
-        self.kv_reserved += item.prompt_tokens + item.output_tokens
+        if not job.kv_held:
+            self.kv_reserved += item.prompt_tokens + item.output_tokens
         if self.batch == 0 and not self.pending and self.active is None:
             self.t0 = t
             self._join(job, t)

@@ -41,6 +41,7 @@ class Job:
     join_time: float = -1.0
     join_step: int = 0
     finish_time: float = -1.0
+    kv_held: bool = False
     fate: Fate = ""
     reason: str = ""
 

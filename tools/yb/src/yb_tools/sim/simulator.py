@@ -321,6 +321,15 @@ class Simulation:
             self._left(t)
             self.emit(ev.RequestCancelled(time=t, request_id=item.request_id, reason="timeout"))
             return False
+        if self.params.decode_admission == "reject":
+            # The prefill's first step reserves the request's KV on its decode instance
+            # (`ReserveKV`), which refuses at once when it has no room.
+            d = self.decodes[job.decode]
+            refusal = d.kv_refusal(job)
+            if refusal:
+                self._decode_rejected(job, d, refusal, t)
+                return False
+            d.reserve(job)
         self.emit(
             ev.RequestProgress(
                 time=t, request_id=item.request_id, instance_id=inst.instance_id,
@@ -436,10 +445,12 @@ class Simulation:
             if self.params.decode_admission == "queue" and not never_fits:
                 d.wait(job)
                 return
+            d.release(job)
             self._decode_rejected(job, d, refusal, t)
             return
         self._committed(job, d, t)
         if item.output_tokens <= 1:
+            d.release(job)
             job.finish_time = t
             self._finished(job, d, t)
             return

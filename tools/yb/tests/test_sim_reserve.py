@@ -1,0 +1,38 @@
+"""The simulated decode instance reserves a request's KV when its prefill starts, as
+the real one does (`ReserveKV`, the prefill's first step), and refuses there."""
+
+from __future__ import annotations
+
+from yb_tools.sim.params import SimParams
+from yb_tools.sim.runner import resolve_cost
+from yb_tools.sim.simulator import Simulation
+from yb_tools.sim.workload import TraceItem
+
+
+def _items(n: int, prompt: int, output: int) -> list[TraceItem]:
+    return [
+        TraceItem(
+            index=i,
+            request_id=f"r{i}",
+            arrival=0.001 * i,
+            prompt_tokens=prompt,
+            output_tokens=output,
+            keys=[10_000 * i + k for k in range(prompt // 512)],
+        )
+        for i in range(n)
+    ]
+
+
+def test_a_decode_without_room_refuses_at_the_prefill_start_wasting_nothing() -> None:
+    # Room for two requests: the third finds every page reserved by the first two,
+    # whose prefills started before it, and is refused before its prefill runs.
+    params = SimParams(prefill=3, decode=1, decode_kv_tokens=2 * 4096, seed=0)
+    items = _items(3, prompt=3584, output=512)
+    sim = Simulation(items, params, resolve_cost(params), policy="round-robin", admission="none")
+    result = sim.run()
+    fates = [j.fate for j in sim.jobs]
+    assert fates == ["completed", "completed", "decode_rejected"]
+    refused = sim.jobs[2]
+    assert refused.reason.startswith("decode_kv_full") and refused.prefill_start < 0
+    assert result.wasted_prefill_s == 0.0
+    assert sim.decodes[0].kv_reserved == 0
