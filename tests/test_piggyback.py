@@ -19,11 +19,13 @@ so each scenario arranges its path by construction:
 
 In file order: a piggybacked prompt gives the normal path's greedy tokens, its
 decision has `piggyback` set and the decode instance logs its progress as a prefill
-would; a prompt whose prefix is in the pool reuses it (`cached_tokens`); a client
-that leaves while its prompt is in the batch gets its pages freed; SIGKILL of
-the decode instance while it holds a piggybacked prompt in its batch (failpoint
-`decode.prompt`, before any chunk) re-plans the request, which completes with the
-same tokens; the log replays to the same decisions.
+would; a prompt whose prefix is in the pool reuses it (`cached_tokens`); a
+piggybacked prompt's new blocks go into its host's kvstore (its `BlockStored`
+events), and a later request reuses them, with the tokens the decode instance gave
+computing it all; a client that leaves while its prompt is in the batch gets its
+pages freed; SIGKILL of the decode instance while it holds a piggybacked prompt in
+its batch (failpoint `decode.prompt`, before any chunk) re-plans the request, which
+completes with the same tokens; the log replays to the same decisions.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ VERDICT_S = 30.0
 MAX_TOKENS = 12
 PROMPT = 200  # three full blocks and a part
 LONG = 3000
+PUTS_STORED = 'yb_decode_block_puts_total{outcome="stored"}'
 
 
 def _cost_model(path: Path) -> Path:
@@ -235,6 +238,58 @@ def test_a_piggybacked_prompt_reuses_its_prefix_from_the_pool(piggy: Piggy) -> N
         if e.request_id == body["id"] and e.stage == "prefill_done"
     ]
     assert (done.computed_tokens, done.reused_tokens) == (len(prompt) - 3 * BLOCK, 3 * BLOCK)
+
+
+def _stored_in_pool(cluster: LocalCluster, keys: list[int]) -> set[str]:
+    """The kvstores whose `BlockStored` events hold every one of `keys`."""
+    held: dict[str, set[int]] = {}
+    for e in events_of(read_log(cluster), ev.BlockStored):
+        if e.instance_id.startswith("kvstore-"):
+            held.setdefault(e.instance_id, set()).update(e.block_hashes)
+    return {kvstore for kvstore, hashes in held.items() if set(keys) <= hashes}
+
+
+def test_a_piggybacked_prompts_blocks_go_into_the_pool_for_later_requests(
+    piggy: Piggy,
+) -> None:
+    cluster = piggy.cluster
+    scraper = Scraper(cluster)
+    prompt = _tokens(5, PROMPT)  # a new prefix: its three full blocks are in no pool
+    with busy_prefill(piggy, seed=50):
+        body = _complete(cluster, prompt)
+    decision = _piggybacked(cluster, body["id"])
+    assert decision.reused_blocks == 0 and _cached(body) == 0
+    where = decision.decode_instance
+    (admitted,) = [
+        e for e in events_of(read_log(cluster), ev.RequestAdmitted) if e.request_id == body["id"]
+    ]
+    keys = admitted.block_hashes[:3]
+    assert len(keys) == 3
+    # The upload runs after the first token, off the request's path: wait for the
+    # kvstore to log the blocks, the decode instance to count its puts, and the pages
+    # it kept for them to come back.
+    wait_all(
+        {
+            "a kvstore to log the prompt's three blocks": lambda: bool(
+                _stored_in_pool(cluster, keys)
+            ),
+            f"{where} to count its puts": lambda: scraper.value(where, PUTS_STORED) >= 3,
+            f"{where} to give the kept pages back": lambda: scraper.pages_used(where) == 0,
+        },
+        ACT_S,
+    )
+    (store,) = _stored_in_pool(cluster, keys)
+    assert scraper.value(where, 'yb_decode_block_puts_total{outcome="failed"}') == 0
+    # The same prompt again, both pools idle: the normal path, which the conductor now
+    # plans to reuse those blocks from that kvstore. The KV the decode instance
+    # computed gives the tokens it gave computing the prompt whole.
+    normal = _complete(cluster, prompt)
+    second = decision_of(cluster, normal["id"])
+    assert isinstance(second, ev.RequestScheduled) and not second.piggyback, second
+    assert second.reused_blocks == 3, second
+    assert {plan.source_instance for plan in second.reuse} == {store}, second.reuse
+    assert _cached(normal) == 3 * BLOCK, normal["usage"]
+    assert _text(normal) == _text(body)
 
 
 def test_a_client_that_leaves_frees_a_piggybacked_prompts_pages(piggy: Piggy) -> None:
