@@ -261,17 +261,17 @@ def test_kept_blocks_outlive_their_request_until_released(model: LoadedModel) ->
     # Computed and ended in the same step (max_tokens 1): only the kept pages remain.
     assert [o.finish_reason for o in engine.outputs["r"]] == ["length"]
     kept = engine.batcher.take_kept()
-    assert list(kept) == ["r"] and len(kept["r"]) == 3
+    assert list(kept) == ["r"] and list(kept["r"]) == [1, 3, 4]
     assert engine.batcher.take_kept() == {}
     assert engine.alloc.num_used == 3 and not engine.batcher.has_work()
     # They hold the blocks' KV, as a separate prefill computes it.
     reference = Engine(model)
     pages = reference.alloc.allocate(reference.cache.pages_for(len(ids)))
     reference.runner.prefill(ids, pages)
-    for block, page in zip([1, 3, 4], kept["r"], strict=True):
+    for block, page in kept["r"].items():
         ours, theirs = engine.cache.kv[:, page], reference.cache.kv[:, pages[block]]
         assert torch.allclose(ours, theirs, atol=1e-5)
-    engine.batcher.release_kept(kept["r"])
+    engine.batcher.release_kept(list(kept["r"].values()))
     assert engine.alloc.num_used == 0
 
 
@@ -281,7 +281,7 @@ def test_kept_blocks_shared_with_running_choices_are_freed_by_the_last_holder(
     engine = Engine(model, max_chunk_tokens=64)
     engine.batcher.add_prompt("r", prompt(13, 9), SEEDED_N2, keep_blocks=[0, 2])
     engine.step()
-    kept = engine.batcher.take_kept()["r"]
+    kept = list(engine.batcher.take_kept()["r"].values())
     # Released while both choices still read them: nothing is freed yet.
     used = engine.alloc.num_used
     engine.batcher.release_kept(kept)
@@ -290,7 +290,7 @@ def test_kept_blocks_shared_with_running_choices_are_freed_by_the_last_holder(
     # And the other way round: the request ends first.
     engine.batcher.add_prompt("s", prompt(13, 9), SEEDED_N2, keep_blocks=[1])
     engine.step()
-    kept = engine.batcher.take_kept()["s"]
+    kept = list(engine.batcher.take_kept()["s"].values())
     engine.outputs.clear()
     while engine.batcher.has_work():
         engine.step()

@@ -269,8 +269,9 @@ class DecodeBatcher:
         # Prompt pages that several holders read (a request's choices, the caller
         # keeping a computed prompt's blocks), and how many do.
         self._page_refs: dict[int, int] = {}
-        # Computed prompts' pages held for the caller (`keep_blocks`), not yet taken.
-        self._kept: dict[str, list[int]] = {}
+        # Computed prompts' pages held for the caller (`keep_blocks`), not yet taken:
+        # block index -> page, by request id.
+        self._kept: dict[str, dict[int, int]] = {}
         self._pending: list[TokenOutput] = []
         # Requests left out of the steps, pages kept (a test's failpoint holds them).
         self._parked: set[str] = set()
@@ -463,8 +464,8 @@ class DecodeBatcher:
         prompt's last chunk.
 
         `keep_blocks` (indices of the prompt's full blocks): the step that computes
-        the prompt holds those blocks' pages for the caller as well, in that order
-        (`take_kept`, then `release_kept`). A prompt that ends before it is computed
+        the prompt holds those blocks' pages for the caller as well (`take_kept`,
+        then `release_kept`). A prompt that ends before it is computed
         keeps nothing.
 
         `cached_pages` hold the KV of the prompt's first `num_cached_tokens` tokens (a
@@ -558,9 +559,10 @@ class DecodeBatcher:
             tables.append(list(shared))
         return tables
 
-    def take_kept(self) -> dict[str, list[int]]:
+    def take_kept(self) -> dict[str, dict[int, int]]:
         """The pages held for the caller (`keep_blocks`) of the prompts computed since
-        the last call, by request id; from now on the caller's to `release_kept`."""
+        the last call, by request id, each by its block's index in the prompt; from
+        now on the caller's to `release_kept`."""
         kept, self._kept = self._kept, {}
         return kept
 
@@ -711,8 +713,8 @@ class DecodeBatcher:
         if prompt.keep_blocks:
             # Before the first tokens are reported: one that ends the request frees
             # its pages then, and these must outlive it.
-            kept = [prompt.block_table[i] for i in prompt.keep_blocks]
-            for page in kept:
+            kept = {i: prompt.block_table[i] for i in prompt.keep_blocks}
+            for page in kept.values():
                 self._page_refs[page] = self._page_refs.get(page, 1) + 1
             self._kept[prompt.request_id] = kept
         self._report_first_tokens(outputs)

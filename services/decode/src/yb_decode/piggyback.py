@@ -154,13 +154,12 @@ class PromptLoader:
 @dataclass
 class Piggybacked:
     """A piggybacked prompt in the batch, until its first token: what its progress
-    events say, and where its full blocks go once computed (`keys` into kvstore
-    `store`, the blocks the batcher keeps for that, in order; none: nowhere)."""
+    events say, and the kvstore its full blocks go into once computed (empty:
+    none)."""
 
     job: pr.PrefillJob
     cached_tokens: int
     store: str = ""
-    keys: list[int] = field(default_factory=list)
     started: bool = False
 
 
@@ -202,9 +201,9 @@ class _Held:
 
 class PiggybackJobs:
     """The piggybacked jobs of one decode instance (see the module docstring): those
-    loading their prefix (`loading`), the prompts in the batch until their first
-    token (`prompts`) and the uploads of computed prompts' blocks (`storing`). Their
-    streams are the worker's, as any other."""
+    loading their prefix (`loading`) and the prompts in the batch until their first
+    token (`prompts`); the uploads of computed prompts' blocks are tasks of the
+    worker's (`store`). Their streams are the worker's, as any other."""
 
     def __init__(self, host: DecodeWorker, fetcher: BlockFetcher, uploader: BlockUploader) -> None:
         self.host = host
@@ -212,7 +211,6 @@ class PiggybackJobs:
         self.uploader = uploader
         self.loading: dict[str, Loading] = {}
         self.prompts: dict[str, Piggybacked] = {}
-        self.storing: set[asyncio.Task[None]] = set()
 
     def cancel(self, request_id: str, reason: str) -> bool:
         """Give up a job whose prefix is loading (False: none is); its task frees the
@@ -306,8 +304,7 @@ class PiggybackJobs:
                 await self._settled(self._add_prompt, job, held, cached, limit, armed, keep)
                 del self.loading[rid]
                 self.host.open_prompt_stream(job, trace_headers, cached, started_ns)
-                keys = [job.block_hashes[i] for i in keep]
-                self.prompts[rid] = Piggybacked(job, cached, store, keys)
+                self.prompts[rid] = Piggybacked(job, cached, store)
                 if armed:
                     self.host.tasks.spawn(
                         f"hold:{rid}", self.host.hold(self.host.batcher, rid, "decode.prompt")
@@ -425,27 +422,29 @@ class PiggybackJobs:
                 )
             )
 
-    def store(self, kept: dict[str, list[int]]) -> None:
+    def store(self, kept: dict[str, dict[int, int]]) -> None:
         """Upload the blocks of the prompts a step computed (their pages kept by the
-        batcher, `DecodeBatcher.take_kept`), each in an owned task of its own, off
-        the first token's path. Called before `progress` forgets the prompts."""
-        for rid, pages in kept.items():
+        batcher by block index, `DecodeBatcher.take_kept`), each in an owned task of
+        its own, off the first token's path. Called before `progress` forgets the
+        prompts. A block's key is its index's in the request's prompt: an attempt of
+        the request that replaced this one meanwhile has the same prompt, extended."""
+        for rid, blocks in kept.items():
             prompt = self.prompts.get(rid)
-            if prompt is not None and len(prompt.keys) == len(pages):
-                store, keys = prompt.store, prompt.keys
-            else:  # replaced by a newer attempt meanwhile: give the pages back
-                store, keys = "", []
-            task = self.host.tasks.spawn(f"store:{rid}", self._store(store, keys, pages))
-            self.storing.add(task)
-            task.add_done_callback(self.storing.discard)
+            hashes = prompt.job.block_hashes if prompt is not None else []
+            store = (
+                prompt.store if prompt is not None and all(i < len(hashes) for i in blocks) else ""
+            )
+            keys = [hashes[i] for i in blocks] if store else []
+            pages = list(blocks.values())
+            self.host.tasks.spawn(f"store:{rid}", self._store(store, keys, pages))
 
     async def _store(self, store: str, keys: list[int], pages: list[int]) -> None:
-        """Owned task: put blocks `keys` (in `pages`) into kvstore `store`, each put
-        within `decode.transfer_timeout_s`, then give the pages back to the batcher
-        (also when cancelled: the instance's shutdown). Never raises: a failed put
-        only means the pool does not get that block."""
+        """Owned task: put blocks `keys` (in `pages`) into kvstore `store` (empty:
+        none), each put within `decode.transfer_timeout_s`, then give the pages back
+        to the batcher (also when cancelled: the instance's shutdown). Never raises: a
+        failed put only means the pool does not get that block."""
         try:
-            if keys:
+            if store:
                 address = self.host.peers.address(store)
                 result = await self.uploader.upload(
                     address, keys, KeptBlocks(dict(zip(keys, pages, strict=True)))

@@ -945,7 +945,7 @@ class DecodeWorker(Worker):
         )
 
 
-def _step(batcher: DecodeBatcher) -> tuple[list[TokenOutput], dict[str, list[int]]]:
+def _step(batcher: DecodeBatcher) -> tuple[list[TokenOutput], dict[str, dict[int, int]]]:
     """Engine thread: one step, and the pages of the piggybacked prompts it computed
     that are kept for their upload (`DecodeBatcher.take_kept`): handed over in the
     same call, so none is left without an owner."""
