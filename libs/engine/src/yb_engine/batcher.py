@@ -465,8 +465,8 @@ class DecodeBatcher:
 
         `keep_blocks` (indices of the prompt's full blocks): the step that computes
         the prompt holds those blocks' pages for the caller as well (`take_kept`,
-        then `release_kept`). A prompt that ends before it is computed
-        keeps nothing.
+        then `release_kept`). A prompt that ends before it is computed keeps
+        nothing.
 
         `cached_pages` hold the KV of the prompt's first `num_cached_tokens` tokens (a
         prefix found in the pool, loaded by the caller); only the rest is computed. The

@@ -426,8 +426,9 @@ class PiggybackJobs:
         """Upload the blocks of the prompts a step computed (their pages kept by the
         batcher by block index, `DecodeBatcher.take_kept`), each in an owned task of
         its own, off the first token's path. Called before `progress` forgets the
-        prompts. A block's key is its index's in the request's prompt: an attempt of
-        the request that replaced this one meanwhile has the same prompt, extended."""
+        prompts. Each block is named by the hash at its index in the request's
+        prompt (an attempt that replaced this one meanwhile has the same prompt,
+        extended: the same hashes there)."""
         for rid, blocks in kept.items():
             prompt = self.prompts.get(rid)
             hashes = prompt.job.block_hashes if prompt is not None else []
