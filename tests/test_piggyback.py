@@ -15,13 +15,22 @@ so each scenario arranges its path by construction:
   `prefill.chunk`): the prefill pool's queue is then predicted 90 s long, longer
   than any scenario runs, while an idle decode instance has no wait, so a
   short prompt goes there (the long one itself can never be piggybacked: no step
-  could take a block of it within the TBT limit).
+  could take a block of it within the TBT limit);
+- a piggybacked prompt's full blocks go into the pool once computed, so a later
+  request for the same prompt finds them there, and would be priced the cheaper on
+  the decode instance on their host: `pool_stopped` SIGSTOPs every kvstore, so that
+  nothing reaches the pool until it is resumed (puts wait for the store's answer),
+  and the normal path computes a piggybacked prompt again from scratch.
 
-In file order: a piggybacked prompt gives the normal path's greedy tokens, its
-decision has `piggyback` set and the decode instance logs its progress as a prefill
-would; a prompt whose prefix is in the pool reuses it (`cached_tokens`); a client
-that leaves while its prompt is in the batch gets its pages freed; SIGKILL of
-the decode instance while it holds a piggybacked prompt in its batch (failpoint
+In file order: a piggybacked prompt gives the normal path's greedy tokens (the pool
+stopped meanwhile), its decision has `piggyback` set and the decode instance logs its
+progress as a prefill would; a prompt whose prefix is in the pool reuses it (`cached_tokens`); a
+piggybacked prompt's new blocks go into its host's kvstore (its `BlockStored`
+events), and a later request reuses them, with the tokens the decode instance gave
+computing it all; with the pool stopped a piggybacked prompt still completes, its
+blocks' pages held by their upload until the kvstores resume; a client that leaves
+while its prompt is in the batch gets its pages freed; SIGKILL of the decode
+instance while it holds a piggybacked prompt in its batch (failpoint
 `decode.prompt`, before any chunk) re-plans the request, which completes with the
 same tokens; the log replays to the same decisions.
 """
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,7 +64,9 @@ from yb_testkit.faults import (
     long_stream_body,
     read_log,
     record,
+    signal_instance,
     wait_all,
+    wait_until,
 )
 from yb_testkit.fixtures import LocalCluster
 
@@ -65,6 +77,7 @@ VERDICT_S = 30.0
 MAX_TOKENS = 12
 PROMPT = 200  # three full blocks and a part
 LONG = 3000
+PUTS_STORED = 'yb_decode_block_puts_total{outcome="stored"}'
 
 
 def _cost_model(path: Path) -> Path:
@@ -160,6 +173,23 @@ def busy_prefill(piggy: Piggy, seed: int) -> Iterator[None]:
     assert parked.completed, parked.describe()
 
 
+@contextmanager
+def pool_stopped(cluster: LocalCluster) -> Iterator[None]:
+    """Every kvstore SIGSTOPped, resumed on the way out: nothing is stored into the
+    pool meanwhile, and every put waits for its answer. (A kvstore silent for the
+    heartbeat timeout is declared dead by the conductor and taken back at its next
+    report, its blocks resynced: no scenario here reads the pool meanwhile.)"""
+    kvstores = [i for i in cluster.pids if i.startswith("kvstore-")]
+    assert kvstores, cluster.pids
+    for kvstore in kvstores:
+        signal_instance(cluster, kvstore, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for kvstore in kvstores:
+            signal_instance(cluster, kvstore, signal.SIGCONT)
+
+
 def _text(body: dict[str, Any]) -> str:
     text: str = body["choices"][0]["text"]
     return text
@@ -189,17 +219,20 @@ def test_a_piggybacked_prompt_gives_the_normal_paths_tokens(piggy: Piggy) -> Non
     cluster = piggy.cluster
     # In no pool yet, and longer than one chunk of the decode batch (512 tokens).
     prompt = _tokens(3, 700)
-    with busy_prefill(piggy, seed=10):
-        body = _complete(cluster, prompt)
+    with pool_stopped(cluster):
+        with busy_prefill(piggy, seed=10):
+            body = _complete(cluster, prompt)
+        # Both pools idle now, and the prompt's blocks in no pool: the same prompt
+        # takes the normal path, computed whole.
+        normal = _complete(cluster, prompt)
     decision = _piggybacked(cluster, body["id"])
     assert decision.explain is not None and decision.explain.branch == "piggyback"
     assert decision.reused_blocks == 0 and _cached(body) == 0
     assert body["usage"]["completion_tokens"] == MAX_TOKENS
     assert body["usage"]["prompt_tokens"] == len(prompt)
-    # Both pools idle now: the same prompt takes the normal path.
-    normal = _complete(cluster, prompt)
     second = decision_of(cluster, normal["id"])
     assert isinstance(second, ev.RequestScheduled) and not second.piggyback, second
+    assert second.reused_blocks == 0 and _cached(normal) == 0, second
     assert _text(body) == _text(normal)
 
     log = read_log(cluster)
@@ -235,6 +268,88 @@ def test_a_piggybacked_prompt_reuses_its_prefix_from_the_pool(piggy: Piggy) -> N
         if e.request_id == body["id"] and e.stage == "prefill_done"
     ]
     assert (done.computed_tokens, done.reused_tokens) == (len(prompt) - 3 * BLOCK, 3 * BLOCK)
+
+
+def _stored_in_pool(cluster: LocalCluster, keys: list[int]) -> set[str]:
+    """The kvstores whose `BlockStored` events hold every one of `keys`."""
+    held: dict[str, set[int]] = {}
+    for e in events_of(read_log(cluster), ev.BlockStored):
+        if e.instance_id.startswith("kvstore-"):
+            held.setdefault(e.instance_id, set()).update(e.block_hashes)
+    return {kvstore for kvstore, hashes in held.items() if set(keys) <= hashes}
+
+
+def test_a_piggybacked_prompts_blocks_go_into_the_pool_for_later_requests(
+    piggy: Piggy,
+) -> None:
+    cluster = piggy.cluster
+    scraper = Scraper(cluster)
+    prompt = _tokens(5, PROMPT)  # a new prefix: its three full blocks are in no pool
+    with busy_prefill(piggy, seed=50):
+        body = _complete(cluster, prompt)
+    decision = _piggybacked(cluster, body["id"])
+    assert decision.reused_blocks == 0 and _cached(body) == 0
+    where = decision.decode_instance
+    (admitted,) = [
+        e for e in events_of(read_log(cluster), ev.RequestAdmitted) if e.request_id == body["id"]
+    ]
+    keys = admitted.block_hashes[:3]
+    assert len(keys) == 3
+    # The upload runs after the first token, off the request's path: wait for the
+    # kvstore to log the blocks, the decode instance to count its puts, and the pages
+    # it kept for them to come back.
+    wait_all(
+        {
+            "a kvstore to log the prompt's three blocks": lambda: bool(
+                _stored_in_pool(cluster, keys)
+            ),
+            f"{where} to count its puts": lambda: scraper.value(where, PUTS_STORED) >= 3,
+            f"{where} to give the kept pages back": lambda: scraper.pages_used(where) == 0,
+        },
+        ACT_S,
+    )
+    (store,) = _stored_in_pool(cluster, keys)
+    assert scraper.value(where, 'yb_decode_block_puts_total{outcome="failed"}') == 0
+    # The same prompt again: the conductor plans it to reuse those blocks from that
+    # kvstore, on whichever path (the decode instance on the kvstore's host may load
+    # them cheaper than the prefill pool). The KV the decode instance computed gives
+    # the tokens it gave computing the prompt whole.
+    normal = _complete(cluster, prompt)
+    second = decision_of(cluster, normal["id"])
+    assert isinstance(second, ev.RequestScheduled), second
+    assert second.reused_blocks == 3, second
+    assert {plan.source_instance for plan in second.reuse} == {store}, second.reuse
+    assert _cached(normal) == 3 * BLOCK, normal["usage"]
+    assert _text(normal) == _text(body)
+
+
+def test_a_piggybacked_prompt_does_not_wait_for_its_blocks_upload(piggy: Piggy) -> None:
+    cluster = piggy.cluster
+    scraper = Scraper(cluster)
+    decodes = [i for i in cluster.pids if i.startswith("decode-")]
+    prompt = _tokens(6, PROMPT)  # a new prefix: nothing to fetch from the pool
+    with busy_prefill(piggy, seed=60):
+        pages = {d: scraper.pages_used(d) for d in decodes}
+        stored = {d: scraper.value(d, PUTS_STORED) for d in decodes}
+        with pool_stopped(cluster):
+            body = _complete(cluster, prompt)
+            where = _piggybacked(cluster, body["id"]).decode_instance
+            wait_until(
+                lambda: scraper.pages_used(where) == pages[where] + 3,
+                ACT_S,
+                f"{where} to hold only the prompt's three blocks, for their upload",
+            )
+            assert scraper.value(where, PUTS_STORED) == stored[where]
+    assert body["usage"]["completion_tokens"] == MAX_TOKENS
+    wait_all(
+        {
+            f"{where} to store the three blocks": lambda: (
+                scraper.value(where, PUTS_STORED) == stored[where] + 3
+            ),
+            f"{where} to give their pages back": lambda: scraper.pages_used(where) == pages[where],
+        },
+        ACT_S,
+    )
 
 
 def test_a_client_that_leaves_frees_a_piggybacked_prompts_pages(piggy: Piggy) -> None:

@@ -247,6 +247,67 @@ def test_abort_while_prefilling_frees_the_pages(model: LoadedModel) -> None:
     assert ends == [(0, "abort"), (1, "abort")]
 
 
+def test_kept_blocks_outlive_their_request_until_released(model: LoadedModel) -> None:
+    ids = prompt(22, 6)  # five full blocks and a part
+    engine = Engine(model, max_chunk_tokens=8)
+    once = SamplingParams(temperature=0.0, max_tokens=1)
+    with pytest.raises(ValueError, match="not distinct of"):  # block 5 is the partial one
+        engine.batcher.add_prompt("r", ids, once, keep_blocks=[4, 5])
+    engine.batcher.add_prompt("r", ids, once, keep_blocks=[1, 3, 4])
+    engine.step()
+    assert engine.batcher.take_kept() == {}  # not computed yet
+    while "r" not in engine.outputs:
+        engine.step()
+    # Computed and ended in the same step (max_tokens 1): only the kept pages remain.
+    assert [o.finish_reason for o in engine.outputs["r"]] == ["length"]
+    kept = engine.batcher.take_kept()
+    assert list(kept) == ["r"] and list(kept["r"]) == [1, 3, 4]
+    assert engine.batcher.take_kept() == {}
+    assert engine.alloc.num_used == 3 and not engine.batcher.has_work()
+    # They hold the blocks' KV, as a separate prefill computes it.
+    reference = Engine(model)
+    pages = reference.alloc.allocate(reference.cache.pages_for(len(ids)))
+    reference.runner.prefill(ids, pages)
+    for block, page in kept["r"].items():
+        ours, theirs = engine.cache.kv[:, page], reference.cache.kv[:, pages[block]]
+        assert torch.allclose(ours, theirs, atol=1e-5)
+    engine.batcher.release_kept(list(kept["r"].values()))
+    assert engine.alloc.num_used == 0
+
+
+def test_kept_blocks_shared_with_running_choices_are_freed_by_the_last_holder(
+    model: LoadedModel,
+) -> None:
+    engine = Engine(model, max_chunk_tokens=64)
+    engine.batcher.add_prompt("r", prompt(13, 9), SEEDED_N2, keep_blocks=[0, 2])
+    engine.step()
+    kept = list(engine.batcher.take_kept()["r"].values())
+    # Released while both choices still read them: nothing is freed yet.
+    used = engine.alloc.num_used
+    engine.batcher.release_kept(kept)
+    assert engine.alloc.num_used == used and engine.batcher.has_work()
+    engine.run()  # asserts every page came back
+    # And the other way round: the request ends first.
+    engine.batcher.add_prompt("s", prompt(13, 9), SEEDED_N2, keep_blocks=[1])
+    engine.step()
+    kept = list(engine.batcher.take_kept()["s"].values())
+    engine.outputs.clear()
+    while engine.batcher.has_work():
+        engine.step()
+    assert engine.alloc.num_used == 1
+    engine.batcher.release_kept(kept)
+    assert engine.alloc.num_used == 0
+
+
+def test_a_prompt_that_ends_before_it_is_computed_keeps_nothing(model: LoadedModel) -> None:
+    engine = Engine(model, max_chunk_tokens=4)
+    engine.batcher.add_prompt("r", prompt(20, 2), GREEDY, keep_blocks=[0, 1])
+    engine.step()
+    assert engine.batcher.abort("r")
+    engine.run()
+    assert engine.batcher.take_kept() == {}
+
+
 def test_the_step_time_model_learns_a_line() -> None:
     model = StepTimeModel(window=10)
     assert model.predict(10) is None and model.max_tokens_within(1.0) is None

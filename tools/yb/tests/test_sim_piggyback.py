@@ -15,6 +15,7 @@ import pytest
 
 from yb_conductor.cost_model import CostModel, DecodeCost, PrefillCost
 from yb_conductor.replay import replay
+from yb_core import events as ev
 from yb_tools.cli import main as yb_main
 from yb_tools.sim.decode import SimDecode
 from yb_tools.sim.job import Job
@@ -111,4 +112,43 @@ def test_the_conductor_piggybacks_short_prompts_and_the_log_replays(
     sim = Simulation(items, params, cost, policy="mooncake", record_log=True)
     sim.run()
     assert sim.records is not None
+    assert replay(sim.records).divergences == []
+
+
+def test_a_piggybacked_prompts_blocks_go_into_its_hosts_pool_for_later_requests() -> None:
+    # Two long prompts keep both prefill instances busy for seconds; a short prompt
+    # then goes into a decode batch, and the same prompt after it has ended reuses
+    # its block from the pool on that decode instance's host.
+    bs = 512
+    long_keys = [[1000 * i + k for k in range(32)] for i in (1, 2)]
+    short_keys = [7, 8]
+    items = [
+        TraceItem(0, "long-0", 0.0, 32 * bs, 4, long_keys[0]),
+        TraceItem(1, "long-1", 0.0, 32 * bs, 4, long_keys[1]),
+        TraceItem(2, "short-0", 0.1, bs + 100, 2, short_keys),
+        TraceItem(3, "short-1", 1.0, bs + 100, 2, short_keys),
+    ]
+    params = SimParams(prefill=2, decode=2, piggyback=True, block_size=bs)
+    sim = Simulation(items, params, resolve_cost(params), policy="mooncake", record_log=True)
+    sim.run()
+    assert sim.records is not None
+    decisions = {
+        r.event.request_id: r.event for r in sim.records if isinstance(r.event, ev.RequestScheduled)
+    }
+    first, again = decisions["short-0"], decisions["short-1"]
+    assert first.piggyback and first.reused_blocks == 0, first
+    pool = sim.decode_pools[sim.decode_index[first.decode_instance]]
+    assert pool is not None
+    # Its one full block went into that pool when its prefill ended, logged as any
+    # stored block is.
+    (done,) = [j for j in sim.jobs if j.item.request_id == "short-0"]
+    stored = [
+        r.event
+        for r in sim.records
+        if isinstance(r.event, ev.BlockStored) and short_keys[0] in r.event.block_hashes
+    ]
+    assert [(e.instance_id, e.time) for e in stored] == [(pool.instance_id, done.prefill_end)]
+    # The conductor plans the later request to reuse it from there.
+    assert again.reused_blocks == 1, again
+    assert {plan.source_instance for plan in again.reuse} == {pool.instance_id}
     assert replay(sim.records).divergences == []

@@ -488,7 +488,9 @@ class DecodeEngineConfig(EngineConfig):
     (`RequestScheduled.piggyback`), and the instance takes such a job on its prefill
     job subject: it loads the planned prefix from the kvstores (within
     `fetch_timeout_s`, honouring `reuse`), then computes the prompt a chunk per
-    decode step, each step within the TBT limit the decision was planned with.
+    decode step, each step within the TBT limit the decision was planned with; once
+    computed, its full blocks go into the host's kvstore as a prefill's do
+    (`store_blocks`, each put within `transfer_timeout_s`).
     """
 
     piggyback: bool = False

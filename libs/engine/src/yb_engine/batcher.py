@@ -46,7 +46,11 @@ Policy decisions, stated once:
   (`sample_first_tokens`) and the request continues exactly as a hand-off through `add`,
   its first tokens reported in that same step. All its pages are allocated at
   `add_prompt`; a cached prefix arrives in pages the caller filled, and only the rest is
-  computed.
+  computed. The caller may ask to keep some of its full blocks' pages once computed
+  (`keep_blocks`, to store them in the pool): the step that computes the last chunk
+  then holds them for the caller too (refcounted with the request), `take_kept`
+  hands them over and `release_kept` gives them back, whether the request still runs
+  or ended meanwhile.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -220,6 +225,7 @@ class _Prompt:
     copy_pages: list[int]
     computed: int  # tokens whose KV is in the pages
     chunks: list[int] = field(default_factory=list)  # each chunk's size, in order
+    keep_blocks: list[int] = field(default_factory=list)  # held for the caller once computed
 
 
 class DecodeBatcher:
@@ -260,8 +266,12 @@ class DecodeBatcher:
         self._requests: dict[tuple[str, int], _Request] = {}
         self._running: list[_Request] = []
         self._waiting: list[_Request] = []
-        # Prompt pages that several choices of one request read, and how many do.
+        # Prompt pages that several holders read (a request's choices, the caller
+        # keeping a computed prompt's blocks), and how many do.
         self._page_refs: dict[int, int] = {}
+        # Computed prompts' pages held for the caller (`keep_blocks`), not yet taken:
+        # block index -> page, by request id.
+        self._kept: dict[str, dict[int, int]] = {}
         self._pending: list[TokenOutput] = []
         # Requests left out of the steps, pages kept (a test's failpoint holds them).
         self._parked: set[str] = set()
@@ -447,10 +457,16 @@ class DecodeBatcher:
         num_cached_tokens: int = 0,
         generated_tokens: int = 0,
         priority: int = 0,
+        keep_blocks: Sequence[int] = (),
     ) -> None:
         """Take a request with its prompt, to be computed inside the next steps (see
         the module doc); its first tokens are reported by the step that computes the
         prompt's last chunk.
+
+        `keep_blocks` (indices of the prompt's full blocks): the step that computes
+        the prompt holds those blocks' pages for the caller as well (`take_kept`,
+        then `release_kept`). A prompt that ends before it is computed keeps
+        nothing.
 
         `cached_pages` hold the KV of the prompt's first `num_cached_tokens` tokens (a
         prefix found in the pool, loaded by the caller); only the rest is computed. The
@@ -478,6 +494,9 @@ class DecodeBatcher:
         cache = self.runner.cache
         if len(cached) != cache.pages_for(num_cached_tokens):
             raise ValueError(f"{len(cached)} cached pages for {num_cached_tokens} cached tokens")
+        full = prompt_len // self.block_size
+        if any(not 0 <= i < full for i in keep_blocks) or len(set(keep_blocks)) != len(keep_blocks):
+            raise ValueError(f"blocks to keep {list(keep_blocks)} are not distinct of [0, {full})")
         copies = self.copies_needed(prompt_len, params.n)
         needed = cache.pages_for(prompt_len) + copies
         if needed > self.allocator.num_pages:
@@ -497,6 +516,7 @@ class DecodeBatcher:
             block_table=cached + fresh[:split],
             copy_pages=fresh[split:],
             computed=num_cached_tokens,
+            keep_blocks=list(keep_blocks),
         )
 
     def _check_new(
@@ -538,6 +558,17 @@ class DecodeBatcher:
         while len(tables) < n:
             tables.append(list(shared))
         return tables
+
+    def take_kept(self) -> dict[str, dict[int, int]]:
+        """The pages held for the caller (`keep_blocks`) of the prompts computed since
+        the last call, by request id, each by its block's index in the prompt; from
+        now on the caller's to `release_kept`."""
+        kept, self._kept = self._kept, {}
+        return kept
+
+    def release_kept(self, pages: Sequence[int]) -> None:
+        """Give back pages `take_kept` handed over (freed once nobody holds them)."""
+        self._unref(pages)
 
     def abort(self, request_id: str) -> bool:
         """End a request now and free its pages; the next `step` reports it.
@@ -679,6 +710,13 @@ class DecodeBatcher:
                 for i in range(prompt.params.n)
             ]
             return
+        if prompt.keep_blocks:
+            # Before the first tokens are reported: one that ends the request frees
+            # its pages then, and these must outlive it.
+            kept = {i: prompt.block_table[i] for i in prompt.keep_blocks}
+            for page in kept.values():
+                self._page_refs[page] = self._page_refs.get(page, 1) + 1
+            self._kept[prompt.request_id] = kept
         self._report_first_tokens(outputs)
 
     def _reserve_pages(self, outputs: list[TokenOutput]) -> list[_Request]:
@@ -756,6 +794,10 @@ class DecodeBatcher:
         else:
             self._waiting.remove(req)
         pages, req.block_table = req.block_table, []
+        self._unref(pages)
+
+    def _unref(self, pages: Sequence[int]) -> None:
+        """One holder less for each of `pages`; free those nobody else holds."""
         own = []
         for page in pages:
             refs = self._page_refs.get(page)

@@ -17,7 +17,17 @@ hands the job to this instance exactly as to a prefill instance: a `PrefillJob` 
 3. gives the prompt to the batcher (`DecodeBatcher.add_prompt`) with those pages:
    each decode step computes a chunk of it beside the running streams, each step
    within the TBT limit the decision was planned with, and the step that computes
-   the last chunk yields the first token.
+   the last chunk yields the first token;
+4. puts the prompt's full blocks into its host's kvstore as a prefill instance does
+   (`yb_dataplane.block_upload`: all but those loaded from that kvstore, under the
+   blocks' hashes, each put within `decode.transfer_timeout_s`; `store_blocks` off:
+   none). The batcher keeps their pages from the step that computed the prompt
+   (`keep_blocks`, handed over by that same engine call), so the upload reads them
+   even after the request ended; an owned task uploads them after that step, off
+   the first token's path, and gives the pages back when it is done, or when the
+   instance's shutdown cancels it. A failed put is logged and counted, never the
+   request's failure. The kvstore's `BlockStored` events tell the conductor, which
+   offers the blocks to later requests.
 
 Its progress is logged as a prefill's (`prefill_started` at its first chunk,
 `prefill_done` with computed and reused tokens and `kv_committed` at its first token)
@@ -41,6 +51,7 @@ from nats.aio.msg import Msg
 from yb_core import events as ev
 from yb_core import protocol as pr
 from yb_core.telemetry import bind_request, get_logger, trace_carrier
+from yb_dataplane.block_upload import BlockUploader, blocks_to_store, full_blocks
 from yb_dataplane.prefix_fetch import BlockFetcher, Fetched, plan_runs, reusable_blocks
 from yb_engine.kv_cache import OutOfPages
 
@@ -143,11 +154,29 @@ class PromptLoader:
 @dataclass
 class Piggybacked:
     """A piggybacked prompt in the batch, until its first token: what its progress
-    events say."""
+    events say, and the kvstore its full blocks go into once computed (empty:
+    none)."""
 
     job: pr.PrefillJob
     cached_tokens: int
+    store: str = ""
     started: bool = False
+
+
+@dataclass
+class KeptBlocks:
+    """A computed prompt's pages the batcher keeps for their upload, by block key
+    (the uploader's `HeldBlocks`). The batcher gets them back together once the
+    upload has ended (`PiggybackJobs._store`), so a put's own release has nothing
+    to do."""
+
+    pages: dict[int, int]
+
+    def page_of(self, key: int) -> int:
+        return self.pages[key]
+
+    def release(self, keys: Sequence[int]) -> None:
+        pass
 
 
 @dataclass
@@ -173,11 +202,13 @@ class _Held:
 class PiggybackJobs:
     """The piggybacked jobs of one decode instance (see the module docstring): those
     loading their prefix (`loading`) and the prompts in the batch until their first
-    token (`prompts`). Their streams are the worker's, as any other."""
+    token (`prompts`); the uploads of computed prompts' blocks are tasks of the
+    worker's (`store`). Their streams are the worker's, as any other."""
 
-    def __init__(self, host: DecodeWorker, fetcher: BlockFetcher) -> None:
+    def __init__(self, host: DecodeWorker, fetcher: BlockFetcher, uploader: BlockUploader) -> None:
         self.host = host
         self.loader = PromptLoader(host.instance_id, fetcher, host.engine.cache.block_size)
+        self.uploader = uploader
         self.loading: dict[str, Loading] = {}
         self.prompts: dict[str, Piggybacked] = {}
 
@@ -269,10 +300,11 @@ class PiggybackJobs:
                 cached = prefix.reused_blocks * block_size
                 limit = job.decision.explain.tbt_limit_s if job.decision.explain else 0.0
                 armed = self.host.failpoints.count("decode.prompt") is not None
-                await self._settled(self._add_prompt, job, held, cached, limit, armed)
+                store, keep = self._blocks_to_store(job, prefix)
+                await self._settled(self._add_prompt, job, held, cached, limit, armed, keep)
                 del self.loading[rid]
                 self.host.open_prompt_stream(job, trace_headers, cached, started_ns)
-                self.prompts[rid] = Piggybacked(job, cached)
+                self.prompts[rid] = Piggybacked(job, cached, store)
                 if armed:
                     self.host.tasks.spawn(
                         f"hold:{rid}", self.host.hold(self.host.batcher, rid, "decode.prompt")
@@ -321,13 +353,33 @@ class PiggybackJobs:
         self.host.engine.allocator.free(held.pages[count:])
         held.pages = held.pages[:count]
 
+    def _blocks_to_store(self, job: pr.PrefillJob, prefix: LoadedPrefix) -> tuple[str, list[int]]:
+        """The kvstore of this host and the prompt's full blocks that go there once
+        computed, as a prefill instance's go (`yb_dataplane.block_upload`): all but
+        those loaded from that kvstore. None (an empty id) with `store_blocks` off or
+        no kvstore on this host."""
+        store = self.host.peers.kvstore_on(self.host.cfg.host)
+        if not self.host.cfg.decode.store_blocks or store is None:
+            return "", []
+        bs = self.host.engine.cache.block_size
+        full = full_blocks(len(job.token_ids), len(job.block_hashes), bs)
+        return store.instance_id, blocks_to_store(
+            0, full, prefix.fetched.loaded_from, store.instance_id
+        )
+
     def _add_prompt(
-        self, job: pr.PrefillJob, held: _Held, cached: int, tbt_limit_s: float, park: bool
+        self,
+        job: pr.PrefillJob,
+        held: _Held,
+        cached: int,
+        tbt_limit_s: float,
+        park: bool,
+        keep: list[int],
     ) -> None:
         """Engine thread: the prompt into the batch with its loaded pages, its steps
-        within the TBT limit its decision was planned with; held out of the steps when
-        a test armed `decode.prompt` (in this same call, so no step takes a chunk
-        first)."""
+        within the TBT limit its decision was planned with, the pages of blocks `keep`
+        kept for their upload once computed; held out of the steps when a test armed
+        `decode.prompt` (in this same call, so no step takes a chunk first)."""
         batcher = self.host.batcher
         if tbt_limit_s > 0:
             batcher.tbt_slo_s = tbt_limit_s
@@ -339,6 +391,7 @@ class PiggybackJobs:
             num_cached_tokens=cached,
             generated_tokens=job.generated_tokens,
             priority=job.priority,
+            keep_blocks=keep,
         )
         held.pages, held.in_batch = [], True
         if park:
@@ -368,6 +421,42 @@ class PiggybackJobs:
                     f"{failure.reason}",
                 )
             )
+
+    def store(self, kept: dict[str, dict[int, int]]) -> None:
+        """Upload the blocks of the prompts a step computed (their pages kept by the
+        batcher by block index, `DecodeBatcher.take_kept`), each in an owned task of
+        its own, off the first token's path. Called before `progress` forgets the
+        prompts. Each block is named by the hash at its index in the request's
+        prompt (an attempt that replaced this one meanwhile has the same prompt,
+        extended: the same hashes there)."""
+        for rid, blocks in kept.items():
+            prompt = self.prompts.get(rid)
+            hashes = prompt.job.block_hashes if prompt is not None else []
+            store = (
+                prompt.store if prompt is not None and all(i < len(hashes) for i in blocks) else ""
+            )
+            keys = [hashes[i] for i in blocks] if store else []
+            pages = list(blocks.values())
+            self.host.tasks.spawn(f"store:{rid}", self._store(store, keys, pages))
+
+    async def _store(self, store: str, keys: list[int], pages: list[int]) -> None:
+        """Owned task: put blocks `keys` (in `pages`) into kvstore `store` (empty:
+        none), each put within `decode.transfer_timeout_s`, then give the pages back
+        to the batcher (also when cancelled: the instance's shutdown). Never raises: a
+        failed put only means the pool does not get that block."""
+        try:
+            if store:
+                address = self.host.peers.address(store)
+                result = await self.uploader.upload(
+                    address, keys, KeptBlocks(dict(zip(keys, pages, strict=True)))
+                )
+                for outcome, count in result.counts().items():
+                    self.host.metrics.puts.labels(outcome).inc(count)
+        except Exception as exc:  # one upload's bug must not take the instance down
+            log.exception("block_upload_crashed", error=repr(exc))
+        finally:
+            with contextlib.suppress(RuntimeError):  # the engine is shut down: so is all
+                await self._settled(self.host.batcher.release_kept, pages)
 
     def progress(self, outputs: list[TokenOutput]) -> None:
         """Log the piggybacked prompts' progress as a prefill's: `prefill_started` at

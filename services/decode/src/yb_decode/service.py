@@ -59,6 +59,7 @@ from yb_core.telemetry import (
     trace_id_hex,
     tracer,
 )
+from yb_dataplane.block_upload import BlockUploader
 from yb_dataplane.prefix_fetch import BlockFetcher
 from yb_dataplane.transport import Reservation, TransferError
 from yb_dataplane.worker import Capacity, Worker, WorkerContext, WorkerShell
@@ -185,6 +186,12 @@ class DecodeMetrics:
             ["tier"],
             registry=registry,
         )
+        self.puts = Counter(
+            "yb_decode_block_puts_total",
+            "Piggybacked prompts' blocks put into the host's kvstore, by outcome",
+            ["outcome"],
+            registry=registry,
+        )
 
 
 class DecodeWorker(Worker):
@@ -202,6 +209,7 @@ class DecodeWorker(Worker):
         self.cfg = context.cfg
         self.bus = context.bus
         self.receiver = context.receiver
+        self.peers = context.peers
         self.tasks = context.tasks
         self.ucx_address = context.address.to_wire()
         self.engine = engine
@@ -230,7 +238,10 @@ class DecodeWorker(Worker):
         fetcher = BlockFetcher(
             self.instance_id, engine.cache, context.peers, context.receiver, context.sender
         )
-        self.piggy = PiggybackJobs(self, fetcher)
+        uploader = BlockUploader(
+            engine.cache, context.sender, deadline_s=self.cfg.decode.transfer_timeout_s
+        )
+        self.piggy = PiggybackJobs(self, fetcher, uploader)
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -770,10 +781,12 @@ class DecodeWorker(Worker):
                 self._work.clear()
                 continue
             self._expire_streams()
-            outputs = await self.engine.call(batcher.step)
+            outputs, kept = await self.engine.call(_step, batcher)
             self.metrics.step.observe(batcher.last_step_seconds)
             self.gauges.batch.set(batcher.num_running)
             self.gauges.queue.set(batcher.num_waiting + batcher.num_prefilling)
+            if kept:
+                self.piggy.store(kept)
             if self.piggy.prompts:
                 self.piggy.progress(outputs)
             await self._deliver(outputs)
@@ -930,6 +943,13 @@ class DecodeWorker(Worker):
             kv_total_blocks=self.engine.cache.num_pages,
             last_step_s=batcher.last_step_seconds,
         )
+
+
+def _step(batcher: DecodeBatcher) -> tuple[list[TokenOutput], dict[str, dict[int, int]]]:
+    """Engine thread: one step, and the pages of the piggybacked prompts it computed
+    that are kept for their upload (`DecodeBatcher.take_kept`): handed over in the
+    same call, so none is left without an owner."""
+    return batcher.step(), batcher.take_kept()
 
 
 def _new_stream(

@@ -9,8 +9,8 @@ included) to that instance over UCX layer by layer, commit, and hand the request
 with its first token (`worker.PrefillWorker`). Then the prompt's full blocks stay in
 the engine's page cache (announced as tier "engine" block events) and the ones
 computed here are put into the host's kvstore in the background
-(`uploads.BlockUploader`). Every step has a deadline; a failure ends the request with
-an error on its token stream and a `RequestFinished(failed)` event, and frees what it
+(`yb_dataplane.block_upload`). Every step has a deadline; a failure ends the request
+with an error on its token stream and a `RequestFinished(failed)` event, and frees what it
 held; a failed prefix fetch only costs its recompute (and a `TransferFailed` event).
 
 An instance configured as a stage of a prefill group (`prefill.group`, `stage` of

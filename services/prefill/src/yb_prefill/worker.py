@@ -54,6 +54,7 @@ from yb_core.telemetry import (
     tracer,
     wall_time_ns,
 )
+from yb_dataplane.block_upload import BlockUploader, blocks_to_store, full_blocks
 from yb_dataplane.transport import PeerAddress, TransferError
 from yb_dataplane.worker import Capacity, Worker, WorkerContext
 from yb_engine.choice_sampling import Sampled, sample_first_tokens
@@ -67,7 +68,6 @@ from yb_prefill.job_queue import JobQueue, Liveness, QueuedJob, refusal, take_jo
 from yb_prefill.prefix_cache import PrefixCache
 from yb_prefill.reuse import Prefix, PrefixLoader
 from yb_prefill.streaming import LayerStreamer
-from yb_prefill.uploads import BlockUploader
 
 if TYPE_CHECKING:
     import torch
@@ -199,7 +199,7 @@ class PrefillWorker(Worker):
             self.instance_id, self.cache, engine.cache, context.peers, context.receiver, self.sender
         )
         self.uploader = BlockUploader(
-            self.cache, engine.cache, self.sender, deadline_s=self.pcfg.transfer_timeout_s
+            engine.cache, self.sender, deadline_s=self.pcfg.transfer_timeout_s
         )
         self._queue = JobQueue(maxsize=MAX_QUEUE)
         # The jobs started and not ended (one computes, the others finish their
@@ -728,7 +728,7 @@ class PrefillWorker(Worker):
                 return  # the engine is shut down: so is the process, pages and all
             self.loader.release(prefix)
             return
-        full = min(len(job.block_hashes), len(job.token_ids) // self.engine.cache.block_size)
+        full = full_blocks(len(job.token_ids), len(job.block_hashes), self.engine.cache.block_size)
         first = prefix.engine_blocks
         keys = list(job.block_hashes[first:full])
         spare = cache.adopt(keys, prefix.block_table[first:full])
@@ -743,8 +743,7 @@ class PrefillWorker(Worker):
         # (those pulled from another host: a replica on this one).
         upload = [
             job.block_hashes[i]
-            for i in range(first, full)
-            if prefix.loaded_from.get(i) != store.instance_id
+            for i in blocks_to_store(first, full, prefix.loaded_from, store.instance_id)
         ]
         uploading = set(upload)
         cache.release([k for k in keys if k not in uploading])
@@ -757,14 +756,12 @@ class PrefillWorker(Worker):
     async def _upload(self, address: PeerAddress | None, keys: list[int]) -> None:
         """Owned background task: put blocks into the host's kvstore; never raises."""
         try:
-            result = await self.uploader.upload(address, keys)
+            result = await self.uploader.upload(address, keys, self.cache)
         except Exception as exc:  # a crash here must not take the service down
             log.exception("block_upload_crashed", error=repr(exc))
             return
-        for outcome in ("stored", "duplicate", "failed", "skipped"):
-            count = getattr(result, outcome)
-            if count:
-                self.metrics.puts.labels(outcome).inc(count)
+        for outcome, count in result.counts().items():
+            self.metrics.puts.labels(outcome).inc(count)
 
     # --- the engine thread ----------------------------------------------------------
 

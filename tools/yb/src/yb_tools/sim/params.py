@@ -40,7 +40,9 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     keep their hosts; what the group computes goes into its first stage's host pool.
 
     `piggyback`: the decode instances take prompts into their batch (the conductor
-    sends one there when its TTFT is lower than through the prefill pool).
+    sends one there when its TTFT is lower than through the prefill pool); each then
+    shares a host with a kvstore (decode j with kvstore j mod `prefill`), whose pool
+    gets the full blocks of the prompts it prefills.
 
     `priority_mix` maps a priority to its share of the requests (shares are
     normalized; empty: every request at priority 0). Each request's priority is

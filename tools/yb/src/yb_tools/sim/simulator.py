@@ -131,6 +131,13 @@ class Simulation:
             for j in range(params.decode)
         ]
         self.decode_index = {d.instance_id: j for j, d in enumerate(self.decodes)}
+        # The pool on each decode instance's host, which its piggybacked prompts' blocks
+        # go into: with piggybacking on, decode j shares kvstore j mod n's host;
+        # otherwise it sits on a host of its own and stores nothing.
+        self.decode_pools: list[SimKvstore | None] = [
+            self.kvstores[j % len(self.kvstores)] if params.piggyback and self.kvstores else None
+            for j in range(params.decode)
+        ]
         priorities = draw_priorities(len(items), params.priority_mix, params.seed)
         self.jobs: list[Job] = [
             Job(item, priority=priority) for item, priority in zip(items, priorities, strict=True)
@@ -255,7 +262,7 @@ class Simulation:
         for j, d in enumerate(self.decodes):
             emit(
                 ev.InstanceUp(
-                    instance_id=d.instance_id, role="decode", host=f"decode-host-{j}",
+                    instance_id=d.instance_id, role="decode", host=self._decode_host(j),
                     epoch=1, block_size=bs, max_batch_size=d.max_batch,
                     kv_capacity_blocks=d.kv_capacity // bs, piggyback=self.params.piggyback,
                 )
@@ -386,10 +393,15 @@ class Simulation:
         self._push(t + work, _PREFILL_DONE, p, job)
         return True
 
+    def _decode_host(self, j: int) -> str:
+        """The host of decode instance `j` (see `decode_pools`)."""
+        pool = self.decode_pools[j]
+        return pool.host if pool is not None else f"decode-host-{j}"
+
     def _piggyback(self, job: Job, t: float) -> None:
         """The decode instance takes the prompt into its batch: it loads the plan's
-        blocks from the pool (when the source still holds them), then computes the
-        rest in its steps."""
+        blocks from the pool (when the source still holds them; over the network
+        unless from its host's kvstore), then computes the rest in its steps."""
         d = self.decodes[job.decode]
         item = job.item
         job.piggyback = True
@@ -400,13 +412,18 @@ class Simulation:
         bs = self.bs
         keys = item.keys[: (item.prompt_tokens - 1) // bs]
         cached = 0
+        remote = True
         for run in job.plan:
             holder = self.kvstore_by_id.get(run.source_instance)
             if holder is not None:
                 cached = max(cached, holder.prefix(keys[: run.first_block + run.num_blocks]))
                 holder.touch(keys[:cached])
-        load = self.cost.load_s(cached, bs, "dram", remote=True) if cached else 0.0
-        job.reused_remote = cached
+                remote = holder is not self.decode_pools[job.decode]
+        load = self.cost.load_s(cached, bs, "dram", remote=remote) if cached else 0.0
+        if remote:
+            job.reused_remote = cached
+        else:
+            job.reused_local = cached
         job.prefill_start = t
         d.add_prompt(job, t + load, cached * bs)
         self._wake_later(job.decode)
@@ -416,13 +433,17 @@ class Simulation:
         inst.current = None
         item = job.item
         job.prefill_end = t
-        bs = self.bs
-        for event in inst.kvstore.store(item.keys[: item.prompt_tokens // bs], t):
-            self.emit(event)
+        self._store_prompt(inst.kvstore, item, t)
         self._prefill_done_event(job, inst.instance_id, t)
         self._to_decode(job, t)
         while inst.queue and not self._start(p, inst.pop(), t):
             pass
+
+    def _store_prompt(self, kv: SimKvstore, item: TraceItem, t: float) -> None:
+        """A computed prompt's full blocks into the pool `kv` (its engine's host's),
+        as the engine puts them there when its prefill ends at `t`."""
+        for event in kv.store(item.keys[: item.prompt_tokens // self.bs], t):
+            self.emit(event)
 
     def _prefill_done_event(self, job: Job, instance_id: str, t: float) -> None:
         """Log that `job`'s prefill ended on `instance_id`, with what it reused."""
@@ -503,10 +524,13 @@ class Simulation:
         # Requests that waited for room (the `queue` admission) took their place now.
         for job in joined:
             self._committed(job, d, t)
+        pool = self.decode_pools[j]
         for job in prompted:
             item = job.item
             job.prefill_end = t
             job.prefill_s = t - job.prefill_start
+            if pool is not None:
+                self._store_prompt(pool, item, t)
             self._prefill_done_event(job, d.instance_id, t)
             self._committed(job, d, t)
             if item.output_tokens <= 1:
