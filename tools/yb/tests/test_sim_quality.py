@@ -10,10 +10,12 @@ takes one request at a time and queues the next (`decode_max_batch=1`,
 
 - r0 at t=0: 100 tokens, 100 out. Admitted by every admission: prefill 0.1 s,
   decodes alone until 0.1 + 99 x 0.06 = 6.04.
-- r1 at t=1: 100 tokens, 2 out. `early` sees r0 decoding: a batch of two, TBT
+- r1 at t=1: 100 tokens, 200 out. `early` sees r0 decoding: a batch of two, TBT
   0.11 s > 0.1 s, rejected. With admission `none` its prefill ends at 1.1 (TTFT
-  0.1 s) and it waits for r0 to leave, then decodes alone: TBT 0.06 s. Both SLOs
-  met: a **needless** rejection.
+  0.1 s, its first token reported) and it waits for r0 to leave at 6.04, then
+  decodes alone until 6.04 + 199 x 0.06 = 17.98: its wait is one of its gaps, so
+  its TBT is (17.98 - 1.1) / 199 = 0.0848 s. Both SLOs met: a **needless**
+  rejection.
 - r2 at t=2: 3000 tokens, 2 out. Estimated TTFT 3 s > 2 s: rejected by `early`;
   with `none` its TTFT is 3 s indeed: a rejection that was needed.
 
@@ -49,7 +51,7 @@ COST = CostModel(
 )
 TRACE = [
     TraceRecord(timestamp=0, input_length=100, output_length=100, hash_ids=[1]),
-    TraceRecord(timestamp=1000, input_length=100, output_length=2, hash_ids=[2]),
+    TraceRecord(timestamp=1000, input_length=100, output_length=200, hash_ids=[2]),
     TraceRecord(timestamp=2000, input_length=3000, output_length=2, hash_ids=[3, 4, 5, 6, 7, 8]),
 ]
 PARAMS = SimParams(
@@ -70,7 +72,7 @@ def test_the_hand_computed_fates() -> None:
     assert [early[f"req-{i}"].fate for i in range(3)] == ["completed", "rejected", "rejected"]
     assert [none[f"req-{i}"].fate for i in range(3)] == ["completed"] * 3
     assert [none[f"req-{i}"].ttft_s for i in range(3)] == pytest.approx([0.1, 0.1, 3.0])
-    assert none["req-1"].tbt_s == pytest.approx(0.06)
+    assert none["req-1"].tbt_s == pytest.approx((17.98 - 1.1) / 199)
     assert needless_rejections(early.values(), none.values(), ttft_slo_s=2.0, tbt_slo_s=0.1) == [
         "req-1"
     ]

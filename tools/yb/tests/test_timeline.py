@@ -27,10 +27,11 @@ from yb_tools.timeline.report import build_report
 
 TRACE = Path(__file__).resolve().parents[3] / "benchmarks" / "traces" / "synthetic_trace.jsonl"
 # Overloaded (4x, tight SLOs, small pools) so that every lane has something: refusals
-# at admission and at decode, local and remote prefixes, busy decode batches.
+# at admission and at decode (the paper's `reject`: over the TBT SLO after the
+# prefill), local and remote prefixes, busy decode batches.
 PARAMS = SimParams(
     prefill=8, decode=2, speedup=4.0, tbt_slo_s=0.02, ttft_slo_s=10.0, limit=400,
-    pool_tokens=100_000,
+    pool_tokens=100_000, decode_admission="reject",
 )  # fmt: skip
 
 

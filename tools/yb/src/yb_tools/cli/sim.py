@@ -128,10 +128,12 @@ def add_parser(sub: Any) -> None:
     )
     cluster.add_argument(
         "--decode-admission",
-        default="reject",
-        choices=["reject", "queue"],
-        help="a decode instance without room (or over the TBT SLO) rejects the request "
-        "after its prefill (reject, the paper's baseline) or queues it",
+        default="engine",
+        choices=["engine", "reject", "queue"],
+        help="a decode instance refuses a request without KV room when its prefill "
+        "starts and parks one that finds its batch full (engine: what Yuebing's decode "
+        "does), or rejects after the prefill a request without batch room or over the "
+        "TBT SLO (reject, the paper's baseline), or queues any request without room",
     )
     cluster.add_argument(
         "--prefill-groups",

@@ -11,9 +11,9 @@ closed form `CostModel.decode_steps_s`, and the instance only wakes (one event) 
 the boundary where a request finishes or a pending one joins. `t0`, `steps`,
 `batch`, `ctx` describe the batch at the last boundary it was materialized at.
 
-Requests waiting for room (the `queue` decode admission) are admitted by priority
-(larger first), then arrival, as the real batcher admits them when pages or batch
-slots are short.
+Requests waiting for room (parked at a full batch, or any without room under the
+`queue` decode admission) are admitted by priority (larger first), then arrival, as
+the real batcher admits the requests it parked when its batch slots were short.
 
 Piggybacked prompts (`add_prompt`): a prompt placed on the instance itself waits
 until its prefix is loaded, then, one prompt at a time, is computed in chunks inside
@@ -250,8 +250,9 @@ class SimDecode:
         self.kv_reserved += item.prompt_tokens + item.output_tokens
         self.prompts.append((ready_at, cached_tokens, job))
 
-    def wait(self, job: Job) -> None:
-        """Queue `job` until there is room (the `queue` decode admission)."""
+    def wait(self, job: Job, t: float) -> None:
+        """Park `job` from `t` until there is room (its KV stays reserved if it was)."""
+        job.parked_at = t
         self.waits += 1
         heapq.heappush(self.waiting, (-job.priority, self.waits, job))
 
@@ -304,7 +305,8 @@ class SimDecode:
         joined: list[Job] = []
         while self.waiting and not self.refusal(self.waiting[0][2], t):
             job = heapq.heappop(self.waiting)[2]
-            self.kv_reserved += job.item.prompt_tokens + job.item.output_tokens
+            if not job.kv_held:
+                self.kv_reserved += job.item.prompt_tokens + job.item.output_tokens
             self._join(job, t)
             joined.append(job)
         started: list[Job] = []

@@ -22,7 +22,8 @@ class Job:
         pulled from another host's. `priority` is what its admission asked for (drawn
         from the run's priority mix). `stages`: the pipeline stages of the prefill group
         it was placed on (0: a whole-model instance); `piggyback`: its prompt was prefilled
-    inside its decode instance's batch.
+    inside its decode instance's batch; `parked_at`: when it began to wait for room
+    on its decode instance (-1: it never waited).
     """
 
     item: TraceItem
@@ -38,6 +39,7 @@ class Job:
     prefill_s: float = 0.0
     reused_local: int = 0
     reused_remote: int = 0
+    parked_at: float = -1.0
     join_time: float = -1.0
     join_step: int = 0
     finish_time: float = -1.0
@@ -52,8 +54,11 @@ class Job:
 
     @property
     def tbt_s(self) -> float:
-        """Mean time between its tokens after the first (0 with one token)."""
+        """Mean time between its tokens after the first (0 with one token). A request
+        that waited for a batch slot (`parked_at`) had its first token reported when
+        it was parked, so the wait is one of its gaps, as a client sees it."""
         steps = self.item.output_tokens - 1
         if steps <= 0 or self.join_time < 0:
             return 0.0
-        return (self.finish_time - self.join_time) / steps
+        start = self.parked_at if self.parked_at >= 0 else self.join_time
+        return (self.finish_time - start) / steps

@@ -6,7 +6,7 @@ from typing import Literal
 
 import msgspec
 
-DecodeAdmission = Literal["reject", "queue"]
+DecodeAdmission = Literal["engine", "reject", "queue"]
 EvictionName = Literal["lru", "fifo"]
 EVICTIONS: tuple[EvictionName, ...] = ("lru", "fifo")
 
@@ -21,11 +21,18 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     conductor's estimates and the simulated transfers alike. `decode_kv_tokens` 0 takes
     the cost model's `decode.kv_capacity_tokens` (or 1M tokens).
 
-    A decode instance receiving a request's KV admits it only if it has KV room and
-    batch room, and (`decode_admission="reject"`, the paper's baseline) its step time
-    with the request stays within the TBT SLO; otherwise the request is rejected after
-    its prefill was paid for. With `"queue"` it waits for room instead. A request whose
-    prefill has not started `request_timeout_s` after arrival is cancelled.
+    `decode_admission` is what a decode instance does without room. `"engine"` (the
+    default) does what Yuebing's decode service does: the request's KV is reserved
+    when its prefill starts (`ReserveKV`) and refused there when it does not fit;
+    a request whose KV arrives at a full batch is parked, its KV in its pages, until
+    a slot frees (priority, then arrival), as the engine's batcher parks it; the TBT
+    is never a reason to refuse. `"reject"` is the paper's baseline: the KV is
+    reserved at the prefill's start as well, but a full batch or a step time beyond
+    the TBT SLO with the request rejects it when its KV arrives, after its prefill
+    was paid for. `"queue"` judges the KV room on arrival too and waits for any room.
+    A parked request's wait counts in its TBT (its first token was reported when its
+    KV arrived). A request whose prefill has not started `request_timeout_s` after
+    arrival is cancelled.
 
     `max_tokens` is what each request asks for (the client's cap, all the gateway and
     conductor know); the trace's `output_length` is when the engine actually stops.
@@ -64,7 +71,7 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     decode_kv_tokens: int = 0
     decode_max_batch: int = 256
     max_tokens: int = 1024
-    decode_admission: DecodeAdmission = "reject"
+    decode_admission: DecodeAdmission = "engine"
     request_timeout_s: float = 600.0
     report_interval_s: float = 1.0
     sample_interval_s: float = 5.0

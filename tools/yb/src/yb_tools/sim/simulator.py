@@ -328,7 +328,7 @@ class Simulation:
             self._left(t)
             self.emit(ev.RequestCancelled(time=t, request_id=item.request_id, reason="timeout"))
             return False
-        if self.params.decode_admission == "reject":
+        if self.params.decode_admission != "queue":
             # The prefill's first step reserves the request's KV on its decode instance
             # (`ReserveKV`), which refuses at once when it has no room.
             d = self.decodes[job.decode]
@@ -462,9 +462,14 @@ class Simulation:
         item = job.item
         refusal = d.refusal(job, t)
         if refusal:
+            # Under `engine` only a full batch is left here (its KV is reserved and the
+            # TBT is no reason): the engine's batcher parks the request until a slot frees.
             never_fits = item.prompt_tokens + item.output_tokens > d.kv_capacity
-            if self.params.decode_admission == "queue" and not never_fits:
-                d.wait(job)
+            if self.params.decode_admission != "reject" and not never_fits:
+                if job.kv_held:
+                    # Its KV landed in the pages reserved for it: committed now, parked.
+                    self._committed(job, d, t)
+                d.wait(job, t)
                 return
             d.release(job)
             self._decode_rejected(job, d, refusal, t)
@@ -521,9 +526,10 @@ class Simulation:
         done, joined, started, prompted = d.wake(t)
         for job in done:
             self._finished(job, d, t)
-        # Requests that waited for room (the `queue` admission) took their place now.
+        # Requests that waited for room took their place now.
         for job in joined:
-            self._committed(job, d, t)
+            if not job.kv_held:
+                self._committed(job, d, t)
         pool = self.decode_pools[j]
         for job in prompted:
             item = job.item
