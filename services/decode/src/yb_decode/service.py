@@ -787,6 +787,12 @@ class DecodeWorker(Worker):
             self.gauges.queue.set(batcher.num_waiting + batcher.num_prefilling)
             if kept:
                 self.piggy.store(kept)
+            # A running stream's next page comes before filling the pool: while the
+            # free pages could not give each running request one more, the uploads'
+            # puts not yet posted are skipped and their pages come back at once.
+            self.piggy.uploader.pages_wanted = uploads_yield(
+                self.engine.allocator.num_free, batcher.num_running
+            )
             if self.piggy.prompts:
                 self.piggy.progress(outputs)
             await self._deliver(outputs)
@@ -943,6 +949,13 @@ class DecodeWorker(Worker):
             kv_total_blocks=self.engine.cache.num_pages,
             last_step_s=batcher.last_step_seconds,
         )
+
+
+def uploads_yield(free_pages: int, running: int) -> bool:
+    """Whether the blocks kept for the pool should give their pages back: when the
+    free pages could not give each of the `running` requests the page its next token
+    may need (the batch ends the newest one when a page is missing)."""
+    return free_pages < running
 
 
 def _step(batcher: DecodeBatcher) -> tuple[list[TokenOutput], dict[str, dict[int, int]]]:
