@@ -262,12 +262,23 @@ def test_a_piggybacked_prompt_reuses_its_prefix_from_the_pool(piggy: Piggy) -> N
     normal = _complete(cluster, prompt)
     assert not _piggybacked_or_not(cluster, normal["id"])
     assert _text(body) == _text(normal)
-    (done,) = [
-        e
-        for e in events_of(read_log(cluster), ev.RequestProgress)
-        if e.request_id == body["id"] and e.stage == "prefill_done"
-    ]
-    assert (done.computed_tokens, done.reused_tokens) == (len(prompt) - 3 * BLOCK, 3 * BLOCK)
+    done: list[ev.RequestProgress] = []
+
+    def logged() -> bool:
+        # Logged off the request's path (the decode instance's outbox).
+        done[:] = [
+            e
+            for e in events_of(read_log(cluster), ev.RequestProgress)
+            if e.request_id == body["id"] and e.stage == "prefill_done"
+        ]
+        return bool(done)
+
+    wait_until(logged, ACT_S, f"prefill_done of {body['id']}")
+    assert len(done) == 1, done
+    assert (done[0].computed_tokens, done[0].reused_tokens) == (
+        len(prompt) - 3 * BLOCK,
+        3 * BLOCK,
+    )
 
 
 def _stored_in_pool(cluster: LocalCluster, keys: list[int]) -> set[str]:

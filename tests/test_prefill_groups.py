@@ -207,11 +207,19 @@ def test_the_group_gives_the_whole_models_tokens(group: Group, index: int) -> No
     reused = (len(prompt) - 1) // BLOCK * BLOCK
     assert decision.reused_blocks * BLOCK == reused
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == reused
-    progress = [
-        (e.instance_id, e.stage, e.computed_tokens, e.reused_tokens)
-        for e in events_of(read_log(cluster), ev.RequestProgress)
-        if e.request_id == body["id"] and e.stage in ("prefill_started", "prefill_done")
-    ]
+    progress: list[tuple[str, str, int, int]] = []
+
+    def milestones() -> bool:
+        # Logged off the request's path (the lead's outbox): in the log soon after
+        # the answer, not necessarily before it.
+        progress[:] = [
+            (e.instance_id, e.stage, e.computed_tokens, e.reused_tokens)
+            for e in events_of(read_log(cluster), ev.RequestProgress)
+            if e.request_id == body["id"] and e.stage in ("prefill_started", "prefill_done")
+        ]
+        return any(stage == "prefill_done" for _, stage, _, _ in progress)
+
+    wait_until(milestones, ACT_S, f"the prefill milestones of {body['id']}")
     assert progress == [
         (LEAD, "prefill_started", 0, 0),
         (LEAD, "prefill_done", len(prompt) - reused, reused),

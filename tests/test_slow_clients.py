@@ -251,12 +251,19 @@ def test_slow_clients_are_dropped_their_requests_freed_and_others_served(
         WAIT_S,
         f"{DECODE} to free the stalled requests' pages and slots",
     )
-    ends = {
-        e.request_id: e
-        for e in events_of(read_log(cluster), ev.RequestFinished)
-        if e.request_id in ids and e.instance_id == DECODE
-    }
-    assert set(ends) == ids
+    ends: dict[str, ev.RequestFinished] = {}
+
+    def ended() -> bool:
+        # Logged off the request's path (decode's outbox), after the pages are freed.
+        ends.clear()
+        ends.update(
+            (e.request_id, e)
+            for e in events_of(read_log(cluster), ev.RequestFinished)
+            if e.request_id in ids and e.instance_id == DECODE
+        )
+        return set(ends) == ids
+
+    wait_until(ended, WAIT_S, f"{DECODE}'s RequestFinished for every stalled request")
     assert {e.outcome for e in ends.values()} == {"cancelled"}
     assert all(e.output_tokens <= HOLD_TOKENS for e in ends.values())
 
