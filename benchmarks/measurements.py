@@ -474,6 +474,11 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
             r"cpu_ms_per_request_(\w+?)_c(\d+)",
             "CPU ms (user+system) {0} spent per request answered, {1} in flight",
         ),
+        (
+            "idle_cpu_ms_per_s_total",
+            "CPU ms (user+system) the whole cluster spent a second while serving nothing",
+        ),
+        (r"idle_cpu_ms_per_s_(\w+)", "CPU ms (user+system) {0} spent a second while idle"),
         ("traced_requests_c1", "one-at-a-time requests whose whole trace arrived"),
         (
             "traced_latency_p50_ms_c1",

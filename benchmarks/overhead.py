@@ -31,7 +31,9 @@ difference over the requests answered is `cpu_ms_per_request_<process>_c<in flig
 the process as `yb up` names it (`gateway_0`, `conductor_0`, `prefill_0`, `decode_0`,
 `nats_server`, ...), `client` for this benchmark's own HTTP client and `total` for the
 cluster's sum (the client's left out). The cluster and the client share the machine's
-cores, so 2 cores answer at most 2000 / (total + client) requests per second. Not
+cores, so 2 cores answer at most 2000 / (total + client) requests per second. Before
+the loads, the idle cluster's CPU is read the same way over 5 s
+(`idle_cpu_ms_per_s_<process>`, `idle_cpu_ms_per_s_total`: ms of CPU a second). Not
 measured with `--url` (the processes are not this benchmark's to read).
 
 The client is one keep-alive HTTP/1.1 connection per request in flight, its answers
@@ -176,6 +178,23 @@ def cpu_per_request(
         f"cpu_ms_per_request_{_key(name)}_c{in_flight}": round(v, 2)
         for name, v in sorted(ms.items())
     }
+
+
+#: How long the idle cluster's CPU is read for (s), after its warm-up requests.
+IDLE_S = 5.0
+
+
+def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """`idle_cpu_ms_per_s_<process>` and `_total`: the CPU each process of a cluster
+    that serves nothing spends a second (heartbeats, load reports, UCX's progress
+    threads), read over `seconds` after a second's pause."""
+    time.sleep(1.0)
+    before = cpu_readings(pids)
+    time.sleep(seconds)
+    after = cpu_readings(pids)
+    ms = {name: (after[name] - before[name]) * 1000 / seconds for name in pids}
+    ms["total"] = sum(ms.values())
+    return {f"idle_cpu_ms_per_s_{_key(name)}": round(v, 1) for name, v in sorted(ms.items())}
 
 
 def cpu_readings(pids: dict[str, int]) -> dict[str, float]:
@@ -454,8 +473,8 @@ def measure_loads(
     """The loads' figures on the cluster at `url`, and their errors; with the `pids` of
     its processes, their CPU per request at the highest load."""
     run(run_load(url, headers, args.model, 1, args.warmup))
+    cpu: dict[str, float] = idle_cpu(pids, IDLE_S) if pids else {}
     loads = [run(run_load(url, headers, args.model, 1, args.requests))]
-    cpu: dict[str, float] = {}
     spread: dict[str, float | int] = {}
     for c in LOADS:
         before = cpu_readings(pids)
