@@ -41,7 +41,7 @@ def step_through(d: SimDecode, until: float) -> list[tuple[float, list[Job], lis
     """Wake the instance at each boundary up to `until`: (time, started, prompted)."""
     seen = []
     while (t := d.next_wake()) <= until:
-        _, _, started, prompted = d.wake(t)
+        _, _, started, prompted, _ = d.wake(t)
         seen.append((t, started, prompted))
     return seen
 
@@ -84,7 +84,7 @@ def test_prompts_queue_one_at_a_time_and_an_idle_instance_runs_them_at_once() ->
     # No stream: each step is its chunk alone (up to 50 tokens), in order.
     assert firsts == pytest.approx({"r0": 0.002 + 0.040, "r1": 0.002 + 0.040 + 0.030})
     # One token each: they finished at their first token and freed their KV.
-    assert d.batch == 0 and d.kv_reserved == 0
+    assert d.batch == 0 and d.held_pages + d.batch_pages == 0
 
 
 def _cli(argv: list[str]) -> int:

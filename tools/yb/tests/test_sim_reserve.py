@@ -39,7 +39,7 @@ def test_a_decode_without_room_refuses_at_the_prefill_start_wasting_nothing() ->
     refused = sim.jobs[2]
     assert refused.reason.startswith("decode_kv_full") and refused.prefill_start < 0
     assert result.wasted_prefill_s == 0.0
-    assert sim.decodes[0].kv_reserved == 0
+    assert sim.decodes[0].used_pages(sim.now) == 0
 
 
 def test_a_full_batch_parks_the_request_and_its_wait_counts_in_its_tbt() -> None:
@@ -56,7 +56,7 @@ def test_a_full_batch_parks_the_request_and_its_wait_counts_in_its_tbt() -> None
     assert second.join_time == pytest.approx(first.finish_time)
     assert second.tbt_s == pytest.approx((second.finish_time - second.prefill_end) / 63)
     assert second.tbt_s > first.tbt_s
-    assert sim.decodes[0].kv_reserved == 0
+    assert sim.decodes[0].used_pages(sim.now) == 0
 
     rejecting = SimParams(
         prefill=2, decode=1, decode_max_batch=1, seed=0, decode_admission="reject"

@@ -75,7 +75,9 @@ def test_every_request_ends_finished_or_rejected(
     assert r.rejected_at_decode == fates.count("decode_rejected")
     assert sum(r.reject_reasons.values()) == r.rejected
     # Nothing is left anywhere: engines idle, and the conductor released every load.
-    assert all(d.batch == 0 and d.kv_reserved == 0 and not d.pending for d in sim.decodes)
+    assert all(
+        d.batch == 0 and d.held_pages + d.batch_pages == 0 and not d.pending for d in sim.decodes
+    )
     assert all(p.current is None and not p.queue for p in sim.prefills)
     state = sim.conductor.state
     assert state.placements == {}

@@ -15,6 +15,24 @@ Requests waiting for room (parked at a full batch, or any without room under the
 `queue` decode admission) are admitted by priority (larger first), then arrival, as
 the real batcher admits the requests it parked when its batch slots were short.
 
+KV pages, as the engine holds them: a request sets aside only its prompt's pages
+(`ceil(prompt / block_size)`) when its prefill starts (`ReserveKV`, refused when
+they are not free), and while it decodes takes one more page each time its tokens
+cross a page boundary: in the step that writes position `p` it holds `p //
+block_size + 1` pages, so after `s` steps in the batch it holds `ceil((prompt + s +
+1) / block_size)`, prompt plus the tokens generated so far. Nobody knows a request's
+output length beforehand. The batch's pages at step `n` are a sum of floors, one
+per member, each growing by a page every `block_size` steps at its own phase
+(`(prompt - join step) mod block_size`); the phases are kept sorted, so the pages
+gained over any span of steps, and the first step at which they would exceed the
+free pages, are found in closed form (`_gained`, `_overflow_step`) and the instance
+wakes there as at any other boundary. At a boundary where the batch needs more
+pages than are free, the engine's rule applies: the running request of lowest
+priority, the newest among those, is ended (`kv_exhausted`: it fails mid-stream)
+and its pages freed, until the rest fit. Requests not in the batch (reserved while
+their prefill runs, parked for a slot, piggybacked prompts being computed) hold
+their prompt's pages and are never ended.
+
 Piggybacked prompts (`add_prompt`): a prompt placed on the instance itself waits
 until its prefix is loaded, then, one prompt at a time, is computed in chunks inside
 the decode steps (`yb_conductor.piggyback`): each step decodes the batch and computes
@@ -26,6 +44,7 @@ chunk yields the first token and the request joins the batch there.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import deque
@@ -41,18 +60,23 @@ class SimDecode:
     __slots__ = (
         "active",
         "active_done",
+        "added",
         "batch",
+        "batch_pages",
         "block_size",
         "cost",
         "ctx",
         "enforce_slo",
+        "exhausted",
         "finishing",
+        "held_pages",
         "instance_id",
         "kv_capacity",
-        "kv_reserved",
         "max_batch",
+        "page_capacity",
         "pending",
         "pending_ctx",
+        "phases",
         "prompts",
         "step_chunk",
         "step_s_now",
@@ -94,7 +118,16 @@ class SimDecode:
         self.steps = 0
         self.batch = 0
         self.ctx = 0
-        self.kv_reserved = 0
+        self.page_capacity = kv_capacity // block_size
+        # Pages held outside the batch (prompts' pages: reserved, pending, parked,
+        # piggybacked); the batch's pages at step `steps`, and its members' phases.
+        self.held_pages = 0
+        self.batch_pages = 0
+        self.phases: list[int] = []
+        # Requests taken so far (the engine's order), and how many were ended for
+        # lack of KV pages.
+        self.added = 0
+        self.exhausted = 0
         self.finishing: list[tuple[int, int, Job]] = []
         self.pending: list[Job] = []
         self.pending_ctx = 0
@@ -177,8 +210,104 @@ class SimDecode:
             n, t = self._boundary_after(self.pending[-1].prefill_end)
             if t < wake:
                 wake, n_wake = t, n
+        if self.batch:
+            # Pages running out before the next finish (at it, the finish comes first).
+            n = self._overflow_step() - self.steps
+            if n < self.finishing[0][0] - self.steps:
+                at = self.t0 + self._span(n)
+                if at < wake:
+                    wake, n_wake = at, n
         self.wake_n = n_wake
         return wake
+
+    # --- KV pages -----------------------------------------------------------------------
+
+    def prompt_pages(self, job: Job) -> int:
+        """The pages `job`'s prompt fills (all it reserves)."""
+        return -(-job.item.prompt_tokens // self.block_size)
+
+    def _member_pages(self, job: Job, step: int) -> int:
+        """The pages a batch member holds for the step after boundary `step`."""
+        return (job.item.prompt_tokens + step - job.join_step) // self.block_size + 1
+
+    def _gained(self, n: int) -> int:
+        """The pages the batch gains from step `steps` to step `steps + n`."""
+        if n <= 0 or not self.phases:
+            return 0
+        bs = self.block_size
+        full, r = divmod(n, bs)
+        gained = full * len(self.phases)
+        if r:
+            # Boundary `steps + d` gives a page to the members of phase
+            # `-(steps + d) mod bs`: for d in 1..r, a cyclic run of r phases.
+            phases = self.phases
+            lo = -(self.steps + r) % bs
+            hi = -(self.steps + 1) % bs
+            if lo <= hi:
+                gained += bisect.bisect_right(phases, hi) - bisect.bisect_left(phases, lo)
+            else:
+                gained += len(phases) - bisect.bisect_left(phases, lo)
+                gained += bisect.bisect_right(phases, hi)
+        return gained
+
+    def _overflow_step(self) -> int:
+        """The first boundary after `steps` at which the batch needs more pages than
+        are free (the batch unchanged till then)."""
+        phases = self.phases
+        b = len(phases)
+        bs = self.block_size
+        room = max(0, self.page_capacity - self.held_pages - self.batch_pages)
+        full, idx = divmod(room, b)
+        # The (idx + 1)-th page the batch takes in a span of `bs` steps: boundaries
+        # steps + 1, + 2, ... serve phases s, s - 1, ... (cyclically).
+        s = -(self.steps + 1) % bs
+        at_or_below = bisect.bisect_right(phases, s)
+        if idx < at_or_below:
+            offset = s - phases[at_or_below - 1 - idx] + 1
+        else:
+            offset = s + bs - phases[b - 1 - (idx - at_or_below)] + 1
+        return self.steps + full * bs + offset
+
+    def _steps_at(self, t: float) -> int:
+        """The batch's step count at time `t` (its last boundary at or before `t`)."""
+        if not self.batch or self.active is not None or t <= self.t0:
+            return self.steps
+        n, bt = self._boundary_after(t)
+        if bt > t and n:
+            n -= 1
+        return self.steps + n
+
+    def used_pages(self, t: float) -> int:
+        """The pages in use at `t`: prompts held, and the batch's as it stands then."""
+        return self.held_pages + self.batch_pages + self._gained(self._steps_at(t) - self.steps)
+
+    def _end_for_pages(self, t: float) -> list[Job]:
+        """The engine's rule when the batch needs more pages than are free: end the
+        running request of lowest priority, newest among those, until the rest fit."""
+        ended: list[Job] = []
+        while self.batch and self.held_pages + self.batch_pages > self.page_capacity:
+            entry = max(self.finishing, key=lambda e: (-e[2].priority, e[2].decode_order))
+            self.finishing.remove(entry)
+            heapq.heapify(self.finishing)
+            job = entry[2]
+            item = job.item
+            done = self.steps - job.join_step
+            job.generated = done + 1
+            job.finish_time = t
+            self.batch -= 1
+            self.ctx -= item.prompt_tokens + 1 + done
+            self.batch_pages -= self._member_pages(job, self.steps)
+            self._drop_phase(job)
+            self.exhausted += 1
+            ended.append(job)
+        return ended
+
+    def _phase(self, job: Job) -> int:
+        return (job.item.prompt_tokens - job.join_step) % self.block_size
+
+    def _drop_phase(self, job: Job) -> None:
+        phases = self.phases
+        del phases[bisect.bisect_left(phases, self._phase(job))]
 
     # --- requests -----------------------------------------------------------------------
 
@@ -193,32 +322,29 @@ class SimDecode:
             n -= 1
         return self.ctx + self.batch * n
 
-    def kv_refusal(self, job: Job) -> str:
-        """Why the instance has no KV room for `job` now ("" if it has)."""
-        item = job.item
-        need = item.prompt_tokens + item.output_tokens
-        if self.kv_reserved + need > self.kv_capacity:
-            return f"decode_kv_full: {self.kv_reserved + need} > {self.kv_capacity} KV tokens"
+    def kv_refusal(self, job: Job, t: float) -> str:
+        """Why the instance has no pages for `job`'s prompt at `t` ("" if it has)."""
+        need = self.used_pages(t) + self.prompt_pages(job)
+        if need > self.page_capacity:
+            return f"decode_kv_full: {need} > {self.page_capacity} KV pages"
         return ""
 
     def reserve(self, job: Job) -> None:
-        """Set `job`'s KV aside now (its prefill starts: `ReserveKV`)."""
-        item = job.item
-        self.kv_reserved += item.prompt_tokens + item.output_tokens
+        """Set `job`'s prompt pages aside now (its prefill starts: `ReserveKV`)."""
+        self.held_pages += self.prompt_pages(job)
         job.kv_held = True
 
     def release(self, job: Job) -> None:
-        """Give back the KV `reserve` set aside for `job` (it will not decode here)."""
+        """Give back the pages `reserve` set aside for `job` (it will not decode here)."""
         if job.kv_held:
-            item = job.item
-            self.kv_reserved -= item.prompt_tokens + item.output_tokens
+            self.held_pages -= self.prompt_pages(job)
             job.kv_held = False
 
     def refusal(self, job: Job, t: float) -> str:
         """Why the instance cannot take `job` now ("" if it can); the KV room is not
         judged again for a job whose KV is reserved already."""
         item = job.item
-        if not job.kv_held and (kv := self.kv_refusal(job)):
+        if not job.kv_held and (kv := self.kv_refusal(job, t)):
             return kv
         batch = self.batch + len(self.pending) + 1
         if batch > self.max_batch:
@@ -235,7 +361,9 @@ class SimDecode:
         once when the instance is idle."""
         item = job.item
         if not job.kv_held:
-            self.kv_reserved += item.prompt_tokens + item.output_tokens
+            self.held_pages += self.prompt_pages(job)
+        self.added += 1
+        job.decode_order = self.added
         if self.batch == 0 and not self.pending and self.active is None:
             self.t0 = t
             self._join(job, t)
@@ -246,32 +374,39 @@ class SimDecode:
     def add_prompt(self, job: Job, ready_at: float, cached_tokens: int) -> None:
         """Take `job`'s prompt into the batch (its prefix loaded by `ready_at`): its KV
         is reserved now, its chunks computed after the prompts before it."""
-        item = job.item
-        self.kv_reserved += item.prompt_tokens + item.output_tokens
+        self.held_pages += self.prompt_pages(job)
         self.prompts.append((ready_at, cached_tokens, job))
 
     def wait(self, job: Job, t: float) -> None:
         """Park `job` from `t` until there is room (its KV stays reserved if it was)."""
         job.parked_at = t
+        self.added += 1
+        job.decode_order = self.added
         self.waits += 1
         heapq.heappush(self.waiting, (-job.priority, self.waits, job))
 
     def _join(self, job: Job, t: float) -> None:
+        """`job` (its prompt's pages held) joins the batch at this boundary."""
         item = job.item
         job.join_time = t
         job.join_step = self.steps
         heapq.heappush(self.finishing, (self.steps + item.output_tokens - 1, item.index, job))
         self.batch += 1
         self.ctx += item.prompt_tokens + 1
+        self.held_pages -= self.prompt_pages(job)
+        self.batch_pages += self._member_pages(job, self.steps)
+        bisect.insort(self.phases, self._phase(job))
 
-    def wake(self, t: float) -> tuple[list[Job], list[Job], list[Job], list[Job]]:
-        """At the boundary scheduled by the last `next_wake`: finish and join, and
-        advance the piggybacked prompts. Returns the requests that finished (at `t`),
-        those that waited for room and joined, the prompts whose computing started,
-        and those whose last chunk was computed (their first token: a prompt with
-        one token to give finishes there, the others joined the batch)."""
+    def wake(self, t: float) -> tuple[list[Job], list[Job], list[Job], list[Job], list[Job]]:
+        """At the boundary scheduled by the last `next_wake`: finish and join, take
+        the batch's pages for the next step, and advance the piggybacked prompts.
+        Returns the requests that finished (at `t`), those that waited for room and
+        joined, the prompts whose computing started, those whose last chunk was
+        computed (their first token: a prompt with one token to give finishes there,
+        the others joined the batch), and those ended for lack of KV pages."""
         n = self.wake_n
         if self.batch:
+            self.batch_pages += self._gained(n)
             self.steps += n
             self.ctx += self.batch * n
         self.t0 = t
@@ -290,7 +425,8 @@ class SimDecode:
             job.finish_time = t
             self.batch -= 1
             self.ctx -= item.prompt_tokens + item.output_tokens
-            self.kv_reserved -= item.prompt_tokens + item.output_tokens
+            self.batch_pages -= self._member_pages(job, self.steps)
+            self._drop_phase(job)
             done.append(job)
         for job in self.pending:
             self._join(job, t)
@@ -299,16 +435,19 @@ class SimDecode:
         for job in prompted:
             item = job.item
             if item.output_tokens <= 1:
-                self.kv_reserved -= item.prompt_tokens + item.output_tokens
+                self.held_pages -= self.prompt_pages(job)
             else:
+                self.added += 1
+                job.decode_order = self.added
                 self._join(job, t)
         joined: list[Job] = []
         while self.waiting and not self.refusal(self.waiting[0][2], t):
             job = heapq.heappop(self.waiting)[2]
             if not job.kv_held:
-                self.kv_reserved += job.item.prompt_tokens + job.item.output_tokens
+                self.held_pages += self.prompt_pages(job)
             self._join(job, t)
             joined.append(job)
+        ended = self._end_for_pages(t)
         started: list[Job] = []
         if self.active is None and self.prompts and self.prompts[0][0] <= t:
             _, cached, job = self.prompts.popleft()
@@ -316,7 +455,7 @@ class SimDecode:
             started.append(job)
         if self.active is not None:
             self._plan_step()
-        return done, joined, started, prompted
+        return done, joined, started, prompted, ended
 
     def _plan_step(self) -> None:
         """The next step's chunk of the active prompt and its time: as large as fits

@@ -8,7 +8,7 @@ from typing import Literal
 from yb_core import events as ev
 from yb_tools.sim.workload import TraceItem
 
-Fate = Literal["", "completed", "rejected", "decode_rejected", "timed_out"]
+Fate = Literal["", "completed", "rejected", "decode_rejected", "timed_out", "kv_exhausted"]
 
 
 @dataclass(slots=True, eq=False)
@@ -23,7 +23,10 @@ class Job:
         from the run's priority mix). `stages`: the pipeline stages of the prefill group
         it was placed on (0: a whole-model instance); `piggyback`: its prompt was prefilled
     inside its decode instance's batch; `parked_at`: when it began to wait for room
-    on its decode instance (-1: it never waited).
+    on its decode instance (-1: it never waited). `decode_order`: when its decode
+    instance took it (the engine's order, which picks the newest to end when KV pages
+    run out); `generated`: the tokens it had when it was ended for lack of KV pages
+    (`kv_exhausted`; 0 otherwise).
     """
 
     item: TraceItem
@@ -43,6 +46,8 @@ class Job:
     join_time: float = -1.0
     join_step: int = 0
     finish_time: float = -1.0
+    decode_order: int = 0
+    generated: int = 0
     kv_held: bool = False
     fate: Fate = ""
     reason: str = ""

@@ -7,7 +7,8 @@ with the conductor's default admission. The conductor *wins* a setting when
 
 - its mean and p90 TTFT are at or below the best peer's (the lowest of each),
 - its goodput is at or above the best peer's, and
-- it rejected nothing, if some peer met every SLO (served every request within both).
+- it rejected nothing and had no request ended for lack of decode KV pages
+  (`kv_exhausted`), if some peer met every SLO (served every request within both).
 
 Rejections are judged for need against the same policy with admission `none`
 (`quality`). Everything is simulated in virtual time with fixed seeds: the same code
@@ -51,6 +52,7 @@ class PolicyFigures(msgspec.Struct, kw_only=True):
     rejected: int
     needless_rejections: int
     cache_hit_ratio: float
+    kv_exhausted: int = 0
 
     @classmethod
     def of(cls, r: PolicyResult) -> PolicyFigures:
@@ -64,6 +66,7 @@ class PolicyFigures(msgspec.Struct, kw_only=True):
             rejected=r.rejected,
             needless_rejections=r.needless_rejections,
             cache_hit_ratio=r.cache_hit_ratio,
+            kv_exhausted=r.kv_exhausted,
         )
 
 
@@ -135,7 +138,7 @@ def judge(policies: dict[str, PolicyFigures], conductor: str = PAPER_POLICY) -> 
         ttft_mean=ours.ttft_mean_s <= peers[mean_peer].ttft_mean_s,
         ttft_p90=ours.ttft_p90_s <= peers[p90_peer].ttft_p90_s,
         goodput=ours.goodput_rps >= peers[goodput_peer].goodput_rps,
-        rejections=not perfect or ours.rejected == 0,
+        rejections=not perfect or ours.rejected + ours.kv_exhausted == 0,
         best_ttft_mean_peer=mean_peer,
         best_ttft_p90_peer=p90_peer,
         best_goodput_peer=goodput_peer,
@@ -211,6 +214,7 @@ MATRIX_COLUMNS = (
     "best peer mean / p90 s",
     "goodput rps (best peer)",
     "rejected (needless)",
+    "kv exhausted (best goodput peer)",
     "peers meeting every SLO",
     "wins",
 )
@@ -239,6 +243,7 @@ def setting_row(s: Setting) -> str:
         f"{ours.goodput_rps:.2f}{_mark(v.goodput)} ({best_goodput.goodput_rps:.2f} "
         f"{v.best_goodput_peer})",
         f"{ours.rejected} ({ours.needless_rejections}){_mark(v.rejections)}",
+        f"{ours.kv_exhausted} ({best_goodput.kv_exhausted})",
         str(len(v.peers_meeting_every_slo)),
         "yes" if s.wins else "no: " + ", ".join(failed),
     ]

@@ -1,5 +1,7 @@
 """The markdown tables `yb sim` prints: one row per policy, the figures that compare
-(`needless`: rejections that met both SLOs with admission `none`, and their share);
+(`needless`: rejections that met both SLOs with admission `none`, and their share;
+`kv exhausted`: requests a decode instance ended mid-stream when its KV pages ran
+out, failed like the rejected but after their first token);
 and one row per policy and priority class when a run mixes priorities."""
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ COLUMNS = (
     "rejected",
     "at decode",
     "needless",
+    "kv exhausted",
     "wasted prefill s",
     "hit ratio",
     "remote share",
@@ -46,6 +49,7 @@ def markdown_table(report: SimReport) -> str:
             str(r.rejected),
             str(r.rejected_at_decode),
             needless_cell(r),
+            str(r.kv_exhausted),
             f"{r.wasted_prefill_s:.0f}",
             f"{r.cache_hit_ratio:.3f}",
             f"{remote:.2f}",
@@ -68,6 +72,7 @@ PRIORITY_COLUMNS = (
     "requests",
     "completed",
     "rejected",
+    "kv exhausted",
     "timed out",
     "TTFT p50 s",
     "p90",
@@ -95,6 +100,7 @@ def priority_table(report: SimReport) -> str:
                 str(c.requests),
                 str(c.completed),
                 str(c.rejected),
+                str(c.kv_exhausted),
                 str(c.timed_out),
                 f"{c.ttft_p50_s:.2f}",
                 f"{c.ttft_p90_s:.2f}",

@@ -6,7 +6,12 @@ the SLO is judged per request). A request meets the SLO when it completed with T
 and mean TBT within their limits; `slo_attainment` is the share of *all* requests
 that did, `goodput_rps` their number over the trace's arrival span. Rejections count
 at arrival (the conductor) and at decode admission (after a prefill was paid for:
-that prefill time is `wasted_prefill_s`). `cache_hit_ratio` is the share of prefilled
+that prefill time is `wasted_prefill_s`). `kv_exhausted` counts the requests a
+decode instance ended mid-stream because its KV pages ran out (the engine's rule:
+it reserves only the prompt's pages, and ends the newest running request of lowest
+priority when the batch's growth finds no page free): they had their first token but
+not their output, so they are neither completed nor within the SLO, and their
+latencies are not in the TTFT and TBT figures. `cache_hit_ratio` is the share of prefilled
 prompt tokens taken from a pool instead of computed, local (own host) or remote
 (pulled from another host, whose bytes are `transfer_bytes`). `by_priority`
 gives the same judgement per priority class (`PriorityResult`).
@@ -55,6 +60,7 @@ class PriorityResult(msgspec.Struct, kw_only=True):
     completed: int
     rejected: int
     timed_out: int
+    kv_exhausted: int = 0
     ttft_p50_s: float
     ttft_p90_s: float
     ttft_p99_s: float
@@ -75,6 +81,7 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     rejected_at_arrival: int
     rejected_at_decode: int
     timed_out: int
+    kv_exhausted: int = 0
     reject_reasons: dict[str, int]
     ttft_mean_s: float
     ttft_p50_s: float
@@ -199,6 +206,7 @@ def summarize(
         rejected_at_arrival=counts["rejected"],
         rejected_at_decode=counts["decode_rejected"],
         timed_out=counts["timed_out"],
+        kv_exhausted=counts.get("kv_exhausted", 0),
         reject_reasons=dict(sorted(reasons.items())),
         ttft_mean_s=_mean(ttfts),
         ttft_p50_s=percentile(ttfts, 0.5),
@@ -281,6 +289,7 @@ def by_priority(
             completed=len(done),
             rejected=sum(1 for j in members if j.fate in ("rejected", "decode_rejected")),
             timed_out=sum(1 for j in members if j.fate == "timed_out"),
+            kv_exhausted=sum(1 for j in members if j.fate == "kv_exhausted"),
             ttft_p50_s=percentile(ttfts, 0.5),
             ttft_p90_s=percentile(ttfts, 0.9),
             ttft_p99_s=percentile(ttfts, 0.99),

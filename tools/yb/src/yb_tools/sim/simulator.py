@@ -332,11 +332,14 @@ class Simulation:
             # The prefill's first step reserves the request's KV on its decode instance
             # (`ReserveKV`), which refuses at once when it has no room.
             d = self.decodes[job.decode]
-            refusal = d.kv_refusal(job)
+            refusal = d.kv_refusal(job, t)
             if refusal:
                 self._decode_rejected(job, d, refusal, t)
                 return False
             d.reserve(job)
+            if d.batch:
+                # Fewer pages free: the batch may run out of them sooner.
+                self._wake_later(job.decode)
         self.emit(
             ev.RequestProgress(
                 time=t, request_id=item.request_id, instance_id=inst.instance_id,
@@ -464,7 +467,7 @@ class Simulation:
         if refusal:
             # Under `engine` only a full batch is left here (its KV is reserved and the
             # TBT is no reason): the engine's batcher parks the request until a slot frees.
-            never_fits = item.prompt_tokens + item.output_tokens > d.kv_capacity
+            never_fits = d.prompt_pages(job) > d.page_capacity
             if self.params.decode_admission != "reject" and not never_fits:
                 if job.kv_held:
                     # Its KV landed in the pages reserved for it: committed now, parked.
@@ -515,6 +518,25 @@ class Simulation:
             )
         )  # fmt: skip
 
+    def _kv_exhausted(self, job: Job, d: SimDecode, t: float) -> None:
+        """The decode instance ended `job` mid-stream for lack of KV pages. The engine
+        reports it as the live service does (completed, reason `kv_exhausted`, with
+        the tokens it had); the run counts it as failed."""
+        item = job.item
+        job.fate = "kv_exhausted"
+        job.reason = f"kv_exhausted: after {job.generated} of {item.output_tokens} tokens"
+        self._left(t)
+        gaps = job.generated - 1
+        start = job.parked_at if job.parked_at >= 0 else job.join_time
+        self.emit(
+            ev.RequestFinished(
+                time=t, request_id=item.request_id, instance_id=d.instance_id,
+                outcome="completed", reason="kv_exhausted", prompt_tokens=item.prompt_tokens,
+                output_tokens=job.generated, ttft_s=job.ttft_s,
+                tbt_mean_s=(t - start) / gaps if gaps > 0 else 0.0,
+            )
+        )  # fmt: skip
+
     def _wake_later(self, j: int) -> None:
         d = self.decodes[j]
         at = d.next_wake()
@@ -523,7 +545,7 @@ class Simulation:
 
     def _decode_wake(self, j: int, t: float) -> None:
         d = self.decodes[j]
-        done, joined, started, prompted = d.wake(t)
+        done, joined, started, prompted, ended = d.wake(t)
         for job in done:
             self._finished(job, d, t)
         # Requests that waited for room took their place now.
@@ -542,6 +564,9 @@ class Simulation:
             if item.output_tokens <= 1:
                 job.finish_time = t
                 self._finished(job, d, t)
+        # After their joins and first tokens are logged.
+        for job in ended:
+            self._kv_exhausted(job, d, t)
         for job in started:
             self.emit(
                 ev.RequestProgress(
@@ -567,7 +592,6 @@ class Simulation:
 
     def _report(self, t: float) -> None:
         emit = self.emit
-        bs = self.bs
         for kv, pf in zip(self.kvstores, self.prefills, strict=True):
             emit(
                 ev.LoadReport(
@@ -588,7 +612,7 @@ class Simulation:
                 ev.LoadReport(
                     time=t, instance_id=d.instance_id, role="decode",
                     queued_requests=len(d.waiting), running_requests=d.running,
-                    kv_used_blocks=d.kv_reserved // bs, kv_total_blocks=d.kv_capacity // bs,
+                    kv_used_blocks=d.used_pages(t), kv_total_blocks=d.page_capacity,
                     last_step_s=d.step_s(),
                 )
             )  # fmt: skip
