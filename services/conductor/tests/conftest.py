@@ -160,12 +160,20 @@ class Crafted:
     def progress(self, rid: str, instance: str, stage: ev.ProgressStage) -> None:
         self.feed(ev.RequestProgress(request_id=rid, instance_id=instance, stage=stage))
 
-    def finish(self, rid: str, instance: str, output_tokens: int = 10, tbt: float = 0.01) -> None:
+    def finish(
+        self,
+        rid: str,
+        instance: str,
+        output_tokens: int = 10,
+        tbt: float = 0.01,
+        reason: str = "",
+    ) -> None:
         self.feed(
             ev.RequestFinished(
                 request_id=rid,
                 instance_id=instance,
                 outcome="completed",
+                reason=reason,
                 output_tokens=output_tokens,
                 tbt_mean_s=tbt,
                 ttft_s=0.1,

@@ -148,6 +148,27 @@ def test_expected_decode_time_is_learned_from_completions(crafted: Any) -> None:
     assert c.c.quality.outcomes == 1
 
 
+@pytest.mark.parametrize("learn_from_cut_short", [False, True])
+def test_a_request_cut_short_for_kv_teaches_no_output_length(
+    crafted: Any, learn_from_cut_short: bool
+) -> None:
+    c = crafted(
+        decode_time_s=10.0, decode_time_alpha=0.5, learn_from_cut_short=learn_from_cut_short
+    )
+    c.hosts(1)
+    d = c.admit("a", keys(2), max_tokens=1000)
+    c.at(2.0).progress("a", d.decode_instance, "kv_committed")
+    c.at(4.0).finish("a", d.decode_instance, output_tokens=20, reason=ev.CUT_SHORT_REASON)
+    learned = c.c.state.learned
+    if learn_from_cut_short:  # how logs recorded before the setting replay
+        assert learned.decode_time_s == pytest.approx(10.0 + 0.5 * (2.0 - 10.0))
+        assert learned.output_tokens == pytest.approx(64 + 0.5 * (20 - 64))
+    else:
+        assert (learned.decode_time_s, learned.output_tokens) == (10.0, 64)
+    # Its TTFT and TBT are still outcomes like any other.
+    assert learned.completions == 1 and c.c.quality.outcomes == 1
+
+
 def test_quality_counts_branches_and_reject_codes(crafted: Any) -> None:
     c = crafted()
     c.hosts(2)

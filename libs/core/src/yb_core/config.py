@@ -346,6 +346,12 @@ class ConductorConfig(_Section):
     this one's, and what a decode instance reports using is compared with the
     blocks of those requests; off, pages are counted as taken at the prefill's end
     (with `calibrated_admission`), how logs recorded before the setting replay.
+    `learn_from_cut_short`: a request a decode instance cut short for lack of KV
+    pages (`RequestFinished` reason `kv_exhausted`: the client got what was generated,
+    ended by length) teaches the learned decode time and output length like any
+    completion; off (the default), it does not: its output is truncated, and learning
+    from it would have the conductor expect shorter outputs, and admit more, exactly
+    when decode runs out of KV. On is how logs recorded before the setting replay.
     `explain_decode_top_k`: how many decode instances a decision's explanation
     lists (the chosen one, then the lowest predicted TBT; 0: every instance, as
     logs recorded before the setting do).
@@ -389,6 +395,7 @@ class ConductorConfig(_Section):
     explain_decode_top_k: Annotated[int, msgspec.Meta(ge=0)] = 8
     admit_unqueued_overrun: bool = True
     kv_reserved_at_start: bool = True
+    learn_from_cut_short: bool = False
 
 
 class EngineConfig(_Section):

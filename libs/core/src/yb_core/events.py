@@ -261,6 +261,11 @@ class RequestProgress(Event, tag="request_progress"):
 
 RequestOutcome = Literal["completed", "failed", "cancelled", "rejected"]
 
+#: `RequestFinished.reason` of a request a decode instance cut short for lack of KV
+#: pages: its outcome is `completed` (the client has what was generated, ended by
+#: length), its output shorter than it would have been.
+CUT_SHORT_REASON = "kv_exhausted"
+
 
 class RequestFinished(Event, tag="request_finished"):
     """A request left the system; the outcome and the measured latencies."""

@@ -107,6 +107,7 @@ class Conductor:
             sharing_prior=cfg.sharing_prior,
             priority_order=cfg.priority_order,
             kv_reserved_at_start=cfg.kv_reserved_at_start,
+            learn_from_cut_short=cfg.learn_from_cut_short,
         )
         self.last_seq = 0
         # Decisions computed here whose recorded copy has not been seen yet.
@@ -178,6 +179,7 @@ class Conductor:
         state.sharing_prior = cfg.sharing_prior
         state.priority_order = cfg.priority_order
         state.kv_reserved_at_start = cfg.kv_reserved_at_start
+        state.learn_from_cut_short = cfg.learn_from_cut_short
 
     def _admit(self, seq: int, event: ev.RequestAdmitted) -> list[Output]:
         state = self.state

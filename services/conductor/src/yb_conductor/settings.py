@@ -30,6 +30,7 @@ _ABSENT_MEANS: dict[str, Any] = {
     "explain_decode_top_k": 0,
     "admit_unqueued_overrun": False,
     "kv_reserved_at_start": False,
+    "learn_from_cut_short": True,
 }
 
 

@@ -267,10 +267,12 @@ class ClusterState:
         sharing_prior: float = 1.0,
         priority_order: bool = False,
         kv_reserved_at_start: bool = False,
+        learn_from_cut_short: bool = True,
     ) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.priority_order = priority_order
         self.kv_reserved_at_start = kv_reserved_at_start
+        self.learn_from_cut_short = learn_from_cut_short
         self.request_timeout_s = request_timeout_s
         self.decode_time_alpha = decode_time_alpha
         self.learn_speed = learn_speed
@@ -766,9 +768,11 @@ class ClusterState:
                 decode_s = event.output_tokens * event.tbt_mean_s
             learned = self.learned
             a = self.decode_time_alpha
-            if decode_s > 0:
+            # A request cut short for lack of KV ended before its output did.
+            whole = self.learn_from_cut_short or event.reason != ev.CUT_SHORT_REASON
+            if decode_s > 0 and whole:
                 learned.decode_time_s += a * (decode_s - learned.decode_time_s)
-            if event.output_tokens > 0:
+            if event.output_tokens > 0 and whole:
                 learned.output_tokens += a * (event.output_tokens - learned.output_tokens)
             if placement.est_ttft_s > 0 and event.ttft_s > 0:
                 learned.ttft.learn(placement.est_ttft_s, event.ttft_s)

@@ -531,7 +531,7 @@ class Simulation:
         self.emit(
             ev.RequestFinished(
                 time=t, request_id=item.request_id, instance_id=d.instance_id,
-                outcome="completed", reason="kv_exhausted", prompt_tokens=item.prompt_tokens,
+                outcome="completed", reason=ev.CUT_SHORT_REASON, prompt_tokens=item.prompt_tokens,
                 output_tokens=job.generated, ttft_s=job.ttft_s,
                 tbt_mean_s=(t - start) / gaps if gaps > 0 else 0.0,
             )
