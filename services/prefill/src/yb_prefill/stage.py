@@ -91,7 +91,7 @@ from yb_engine.stages import (
     serve_stage_request,
 )
 from yb_prefill.decode_link import DecodeLink
-from yb_prefill.failure import fail_job
+from yb_prefill.failure import JobOwner
 from yb_prefill.job_queue import JobQueue, Liveness, QueuedJob, refusal, respond, take_job
 from yb_prefill.worker import MAX_QUEUE, PrefillMetrics
 
@@ -151,7 +151,7 @@ class _PromptChunks:
         del request_id
 
 
-class StageWorker(Worker):
+class StageWorker(JobOwner, Worker):
     """One stage of a prefill group: the lead's job queue (stage 0), or the stage side
     of its lead's requests (see the module docstring)."""
 
@@ -233,17 +233,6 @@ class StageWorker(Worker):
 
     def refuse_work(self) -> None:
         self._draining = True
-
-    async def settle(self) -> None:
-        await self.outbox.flush(self.cfg.nats.request_timeout_s)
-
-    async def release(self) -> None:
-        """Fail the jobs still queued (the running one failed when its task was
-        cancelled, and so did the requests served for the lead)."""
-        while not self._queue.empty():
-            queued = self._queue.get_nowait()
-            await self._fail(queued.job, pr.JobFailed("prefill instance shutting down"))
-        await self.outbox.flush(self.cfg.nats.request_timeout_s)
 
     async def close(self) -> None:
         self.host.close()
@@ -744,18 +733,6 @@ class StageWorker(Worker):
         if address is None:
             raise pr.JobFailed(f"stage {instance_id} of the prefill group is not up")
         return address
-
-    async def failpoint(self, job: pr.PrefillJob, point: str) -> None:
-        """Hold the job at `point` if a test armed it (a cancel or the deadline ends
-        the hold)."""
-        rid = job.request_id
-        await self.failpoints.hold(point, rid, cancelled=lambda: self.liveness.over(job))
-
-    async def _fail(self, job: pr.PrefillJob, exc: pr.JobFailed) -> None:
-        await fail_job(self.bus, self.outbox, self.instance_id, job, exc)
-
-    def _log_event(self, event: ev.AnyEvent) -> None:
-        self.outbox.put(event)
 
 
 def _stage_barrier() -> None:

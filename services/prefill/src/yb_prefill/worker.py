@@ -63,7 +63,7 @@ from yb_engine.kv_cache import OutOfPages
 from yb_engine.runner import PrefillSeq
 from yb_prefill.batching import ComputeBatch, Outcome, take_group
 from yb_prefill.decode_link import DecodeLink
-from yb_prefill.failure import fail_job
+from yb_prefill.failure import JobOwner
 from yb_prefill.job_queue import JobQueue, Liveness, QueuedJob, refusal, take_job
 from yb_prefill.prefix_cache import PrefixCache
 from yb_prefill.reuse import Prefix, PrefixLoader
@@ -155,7 +155,7 @@ class PrefillMetrics:
         )
 
 
-class PrefillWorker(Worker):
+class PrefillWorker(JobOwner, Worker):
     """Runs prefill jobs one at a time on one engine and streams their KV to decode."""
 
     # It streams KV to decode instances, and puts blocks into / fetches from kvstores.
@@ -243,18 +243,6 @@ class PrefillWorker(Worker):
 
     def refuse_work(self) -> None:
         self._draining = True
-
-    async def settle(self) -> None:
-        """Log the progress and outcomes of the jobs done so far."""
-        await self.outbox.flush(self.cfg.nats.request_timeout_s)
-
-    async def release(self) -> None:
-        """Fail the jobs still queued (the running one failed when its task was
-        cancelled), and log what that and the cancelled job left to say."""
-        while not self._queue.empty():
-            queued = self._queue.get_nowait()
-            await self._fail(queued.job, pr.JobFailed("prefill instance shutting down"))
-        await self.outbox.flush(self.cfg.nats.request_timeout_s)
 
     async def close(self) -> None:
         self.engine.close()
@@ -524,7 +512,7 @@ class PrefillWorker(Worker):
         """Phase 2: pages here, the planned prefix loaded into them."""
         plans = job.decision.reuse if self.pcfg.reuse else []
         try:
-            await self._failpoint(job, "prefill.load")
+            await self.failpoint(job, "prefill.load")
             self.liveness.check(job)
             return await self.loader.load(
                 job.request_id,
@@ -606,7 +594,7 @@ class PrefillWorker(Worker):
                     await asyncio.gather(computing, return_exceptions=True)
                     raise
                 computed_at = time.monotonic()
-                await self._failpoint(job, "prefill.commit")
+                await self.failpoint(job, "prefill.commit")
                 self.liveness.check(job)
                 if handed_over:
                     with child_span(_tracer, "prefill hand-over"):
@@ -794,7 +782,7 @@ class PrefillWorker(Worker):
             if split > cached:
                 await self.engine.call(self._compute_part, job, pages, cached, split, streamer)
                 cached = split
-            await self._failpoint(job, "prefill.chunk")
+            await self.failpoint(job, "prefill.chunk")
             self.liveness.check(job)
         return await self.engine.call(self._compute, job, pages, cached, streamer)
 
@@ -881,23 +869,8 @@ class PrefillWorker(Worker):
 
     # --- liveness, failure, events --------------------------------------------------
 
-    async def _failpoint(self, job: pr.PrefillJob, point: str) -> None:
-        """Hold the job at `point` if a test armed it; a cancel or the request's
-        deadline ends the hold (the caller's `liveness.check` then fails the job)."""
-        if self.failpoints.count(point) is None:
-            return
-        rid = job.request_id
-        await self.failpoints.hold(point, rid, cancelled=lambda: self.liveness.over(job))
-
-    async def _fail(self, job: pr.PrefillJob, exc: pr.JobFailed) -> None:
-        """End a request that never reached decode: an error chunk and an event."""
-        await fail_job(self.bus, self.outbox, self.instance_id, job, exc)
-
     def _emit_block_event(self, event: AnyBlockEvent) -> None:
         self.publisher.emit(event)
-
-    def _log_event(self, event: ev.AnyEvent) -> None:
-        self.outbox.put(event)
 
 
 def _prefix_attributes(job: pr.PrefillJob, prefix: Prefix) -> dict[str, AttributeValue]:
