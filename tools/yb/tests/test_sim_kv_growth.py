@@ -9,6 +9,8 @@ tokens, 10 of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from yb_conductor.cost_model import CostModel, DecodeCost, PrefillCost
@@ -98,26 +100,14 @@ def test_pages_in_use_between_boundaries_are_the_last_boundarys() -> None:
     assert d.used_pages(0.0471) == 7
 
 
-def _items(n: int, prompt: int, output: int) -> list[TraceItem]:
-    return [
-        TraceItem(
-            index=i,
-            request_id=f"r{i}",
-            arrival=0.001 * i,
-            prompt_tokens=prompt,
-            output_tokens=output,
-            keys=[10_000 * i + k for k in range(prompt // 512)],
-        )
-        for i in range(n)
-    ]
-
-
-def test_the_simulator_counts_a_request_ended_for_pages_as_failed() -> None:
+def test_the_simulator_counts_a_request_ended_for_pages_as_failed(
+    uniform_items: Callable[..., list[TraceItem]],
+) -> None:
     # 16 pages of 512 tokens. Both prompts' 7 pages fit at reservation (output is not
     # known then); decoding 2048 tokens each would take 11 pages each, so the newer
     # one is ended when the pages run out, and the older completes in all 16.
     params = SimParams(prefill=2, decode=1, decode_kv_tokens=16 * 512, seed=0)
-    items = _items(2, prompt=3584, output=2048)
+    items = uniform_items(2, prompt=3584, output=2048)
     sim = Simulation(
         items, params, resolve_cost(params), policy="round-robin", admission="none",
         record_log=True,

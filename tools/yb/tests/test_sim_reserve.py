@@ -5,6 +5,8 @@ batcher parks it, and the wait is one of its gaps."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from yb_tools.sim.params import SimParams
@@ -13,25 +15,13 @@ from yb_tools.sim.simulator import Simulation
 from yb_tools.sim.workload import TraceItem
 
 
-def _items(n: int, prompt: int, output: int) -> list[TraceItem]:
-    return [
-        TraceItem(
-            index=i,
-            request_id=f"r{i}",
-            arrival=0.001 * i,
-            prompt_tokens=prompt,
-            output_tokens=output,
-            keys=[10_000 * i + k for k in range(prompt // 512)],
-        )
-        for i in range(n)
-    ]
-
-
-def test_a_decode_without_room_refuses_at_the_prefill_start_wasting_nothing() -> None:
+def test_a_decode_without_room_refuses_at_the_prefill_start_wasting_nothing(
+    uniform_items: Callable[..., list[TraceItem]],
+) -> None:
     # Room for two requests: the third finds every page reserved by the first two,
     # whose prefills started before it, and is refused before its prefill runs.
     params = SimParams(prefill=3, decode=1, decode_kv_tokens=2 * 4096, seed=0)
-    items = _items(3, prompt=3584, output=512)
+    items = uniform_items(3, prompt=3584, output=512)
     sim = Simulation(items, params, resolve_cost(params), policy="round-robin", admission="none")
     result = sim.run()
     fates = [j.fate for j in sim.jobs]
@@ -42,12 +32,14 @@ def test_a_decode_without_room_refuses_at_the_prefill_start_wasting_nothing() ->
     assert sim.decodes[0].used_pages(sim.now) == 0
 
 
-def test_a_full_batch_parks_the_request_and_its_wait_counts_in_its_tbt() -> None:
+def test_a_full_batch_parks_the_request_and_its_wait_counts_in_its_tbt(
+    uniform_items: Callable[..., list[TraceItem]],
+) -> None:
     # A batch of one: the second request's KV arrives while the first decodes. The
     # engine parks it (first token reported) and it joins when the first leaves; the
     # paper's `reject` refuses it after its prefill instead.
     params = SimParams(prefill=2, decode=1, decode_max_batch=1, seed=0)
-    items = _items(2, prompt=3584, output=64)
+    items = uniform_items(2, prompt=3584, output=64)
     sim = Simulation(items, params, resolve_cost(params), policy="round-robin", admission="none")
     sim.run()
     first, second = sim.jobs
