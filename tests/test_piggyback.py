@@ -442,3 +442,36 @@ def test_the_log_replays_to_the_same_decisions(piggy: Piggy) -> None:
     assert sum(d.piggyback for d in decisions) >= 3, decisions
     result = replay([LogRecord(seq=item.seq, event=item.event) for item in logged])
     assert result.divergences == []
+
+
+def test_a_piggybacking_decode_instance_and_the_kvstores_connect_ahead(piggy: Piggy) -> None:
+    # It fetches prefixes from the kvstores and puts blocks into them, and they send
+    # it blocks: each side connects as the other is announced, not on a first request.
+    cluster = piggy.cluster
+    kvstores = sorted(i for i in cluster.pids if i.startswith("kvstore-"))
+    decodes = sorted(i for i in cluster.pids if i.startswith("decode-"))
+    assert kvstores and decodes, cluster.pids
+    for decode in decodes:
+        log = cluster.instance_log(decode)
+        for kvstore in kvstores:
+            assert _preconnected(log, kvstore), (decode, kvstore, log[-3000:])
+    for kvstore in kvstores:
+        log = cluster.instance_log(kvstore)
+        for decode in decodes:
+            assert _preconnected(log, decode), (kvstore, decode, log[-3000:])
+
+
+def _preconnected(log: str, instance_id: str) -> bool:
+    """Whether an instance's log says its sender connected ahead to `instance_id`."""
+    for line in log.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if (
+            isinstance(entry, dict)
+            and entry.get("event") == "preconnected"
+            and entry.get("instance") == instance_id
+        ):
+            return True
+    return False

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from yb_core import events as ev
-from yb_dataplane.peers import PeerDirectory, PreConnector
+from yb_dataplane.peers import PeerDirectory, PreConnector, of_roles
 from yb_dataplane.transport import KVReceiver, KVSender, PeerAddress
 
 
@@ -51,7 +51,8 @@ async def test_an_announced_peer_is_connected_before_any_send(receiver: KVReceiv
     sender = KVSender(connect_timeout_s=20.0)
     tasks = Tasks()
     try:
-        PreConnector(peers, sender, {"decode", "kvstore"}, "prefill-0", tasks.spawn).start()
+        wants = of_roles({"decode", "kvstore"})
+        PreConnector(peers, sender, wants, "prefill-0", tasks.spawn).start()
         assert sender.connects == 0 and receiver.connections == 0
         peers.apply(up("decode-0", "decode", receiver.address))
         await tasks.settle()
@@ -83,7 +84,7 @@ async def test_peers_up_before_the_start_are_connected_too(receiver: KVReceiver)
     sender = KVSender(connect_timeout_s=20.0)
     tasks = Tasks()
     try:
-        PreConnector(peers, sender, {"kvstore"}, "prefill-0", tasks.spawn).start()
+        PreConnector(peers, sender, of_roles({"kvstore"}), "prefill-0", tasks.spawn).start()
         await tasks.settle()
         assert sender.connected(receiver.address) and sender.connects == 1
     finally:
@@ -95,7 +96,7 @@ async def test_other_roles_and_itself_are_not_connected(receiver: KVReceiver) ->
     sender = KVSender()
     tasks = Tasks()
     try:
-        connector = PreConnector(peers, sender, {"decode"}, "decode-0", tasks.spawn)
+        connector = PreConnector(peers, sender, of_roles({"decode"}), "decode-0", tasks.spawn)
         connector.start()
         peers.apply(up("prefill-0", "prefill", receiver.address))
         peers.apply(up("decode-0", "decode", receiver.address))  # itself
@@ -117,7 +118,7 @@ async def test_a_failed_preconnect_is_logged_and_the_first_send_connects(
     sender = KVSender(connect_timeout_s=0.5)
     tasks = Tasks()
     try:
-        PreConnector(peers, sender, {"decode"}, "prefill-0", tasks.spawn).start()
+        PreConnector(peers, sender, of_roles({"decode"}), "prefill-0", tasks.spawn).start()
         peers.apply(up("decode-9", "decode", gone_address))
         assert await tasks.settle() == [None]  # the task ended without raising
         assert not sender.connected(gone_address) and sender.connects == 0

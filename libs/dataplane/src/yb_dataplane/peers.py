@@ -142,9 +142,15 @@ class PeerDirectory:
 Spawn = Callable[[str, Coroutine[Any, Any, Any]], Any]
 
 
+def of_roles(roles: Collection[str]) -> Callable[[ev.InstanceUp], bool]:
+    """`PreConnector`'s test for peers of these roles."""
+    wanted = frozenset(roles)
+    return lambda up: up.role in wanted
+
+
 class PreConnector:
-    """Connects `sender` to every instance of `roles` (other than `self_id`) that is
-    up, as its `InstanceUp` arrives.
+    """Connects `sender` to every instance that `wants` (other than `self_id`) and
+    that is up, as its `InstanceUp` arrives.
 
     Start it once this instance is announced: a receiver answers only hellos from
     instances it knows (`KVReceiver.set_peer_check`). A failed pre-connect is logged
@@ -155,13 +161,13 @@ class PreConnector:
         self,
         peers: PeerDirectory,
         sender: KVSender,
-        roles: Collection[str],
+        wants: Callable[[ev.InstanceUp], bool],
         self_id: str,
         spawn: Spawn,
     ) -> None:
         self._peers = peers
         self._sender = sender
-        self._roles = frozenset(roles)
+        self._wants = wants
         self._self_id = self_id
         self._spawn = spawn
         self._connecting: set[PeerAddress] = set()
@@ -176,23 +182,23 @@ class PreConnector:
             self.on_up(up)
 
     def on_up(self, up: ev.InstanceUp) -> None:
-        """An announcement: pre-connect if it is a peer of a matching role."""
-        if up.role not in self._roles or up.instance_id == self._self_id:
+        """An announcement: pre-connect if it is a peer this sender wants."""
+        if up.instance_id == self._self_id or not self._wants(up):
             return
         address = self._peers.address(up.instance_id)
         if address is None or address in self._connecting or self._sender.connected(address):
             return
         self._connecting.add(address)
         try:
-            self._spawn(f"preconnect:{up.instance_id}", self._connect(address))
+            self._spawn(f"preconnect:{up.instance_id}", self._connect(address, up.instance_id))
         except RuntimeError:  # shutting down: nothing to connect for
             self._connecting.discard(address)
             return
         self.started += 1
 
-    async def _connect(self, address: PeerAddress) -> None:
+    async def _connect(self, address: PeerAddress, instance_id: str) -> None:
         try:
             if await self._sender.preconnect(address):
-                log.info("preconnected", peer=address.label)
+                log.info("preconnected", peer=address.label, instance=instance_id)
         finally:
             self._connecting.discard(address)

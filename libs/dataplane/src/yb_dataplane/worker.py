@@ -13,7 +13,7 @@ Start order: metrics, bus, peer directory (followed at once), receiver, the work
 (`build`: load a model; then `Worker.open`: its log, its pool), cancellations, the
 worker's own intake (`Worker.serve`), and last the announcement, after which peers
 may send work; then the sender connects to the peers it may send to
-(`Worker.preconnect_roles`), each as it is announced. A start that fails or is
+(`Worker.preconnects_to`), each as it is announced. A start that fails or is
 cancelled closes what it opened, in reverse, except that the transport closes before
 the worker does, as in the stop order.
 
@@ -116,12 +116,17 @@ class Worker(abc.ABC):
     `transport_is_intake`: whether work arrives over the transport itself, so the
     shell closes it to stop taking work (step 3) rather than after the tasks.
     `preconnect_roles`: the roles of the instances this worker's sender may send to;
-    the shell connects to each as soon as it is announced (`PreConnector`).
+    the shell connects to each as soon as it is announced (`PreConnector`), or to
+    those `preconnects_to` names where a worker decides by more than the role.
     """
 
     follows_cancellations: ClassVar[bool] = True
     transport_is_intake: ClassVar[bool] = False
     preconnect_roles: ClassVar[frozenset[str]] = frozenset()
+
+    def preconnects_to(self, up: ev.InstanceUp) -> bool:
+        """Whether this worker's sender connects to `up` as soon as it is announced."""
+        return up.role in self.preconnect_roles
 
     @abc.abstractmethod
     def capacity(self) -> Capacity:
@@ -253,12 +258,10 @@ class WorkerShell(Service, Generic[W]):
             opened.push_async_callback(presence.retire, "stopped")
             await presence.announce()
             self.tasks.spawn("presence", presence.run())
-            if worker.preconnect_roles:
-                # After the announcement: peers answer hellos only from instances
-                # they know.
-                PreConnector(
-                    peers, self.sender, worker.preconnect_roles, self.instance_id, self.tasks.spawn
-                ).start()
+            # After the announcement: peers answer hellos only from instances they know.
+            PreConnector(
+                peers, self.sender, worker.preconnects_to, self.instance_id, self.tasks.spawn
+            ).start()
             if cancellations is not None:
                 self.tasks.spawn("cancellations", cancellations.run())
             self._running = _Running(bus, worker, presence, cancellations)

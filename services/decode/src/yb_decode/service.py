@@ -245,6 +245,10 @@ class DecodeWorker(Worker):
 
     # --- lifecycle ------------------------------------------------------------------
 
+    def preconnects_to(self, up: ev.InstanceUp) -> bool:
+        # Piggybacking, it asks kvstores for prefixes and puts new blocks into them.
+        return self.piggyback and up.role == "kvstore"
+
     def capacity(self) -> Capacity:
         return Capacity(
             kv_capacity_blocks=self.engine.cache.num_pages,

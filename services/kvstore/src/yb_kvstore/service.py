@@ -136,8 +136,12 @@ class KVStoreWorker(Worker):
 
     follows_cancellations = False
     transport_is_intake = True
-    # It sends fetched blocks to engines (prefill) and fetches replicas from stores.
+    # It sends fetched blocks to engines (prefill, and decode instances that prefill
+    # inside their batch) and fetches replicas from stores.
     preconnect_roles = frozenset({"prefill", "kvstore"})
+
+    def preconnects_to(self, up: ev.InstanceUp) -> bool:
+        return up.role in self.preconnect_roles or (up.role == "decode" and up.piggyback)
 
     def __init__(
         self,
