@@ -739,7 +739,12 @@ def render(records: Sequence[ResultsFile]) -> str:
         "measured and the command that measures it again. A benchmark is run and kept with "
         "`python benchmarks/record.py NAME [-- ARGS]`; this page is rendered from what it "
         "keeps. Where the machine was shared, the load average at the start says so: absolute "
-        "numbers move with it, ratios measured in one run much less.",
+        "numbers move with it, ratios measured in one run much less. The 2-core AMD EPYC "
+        "machine (the rows below that name it) also changes speed by up to about 2x from one "
+        "minute to the next with nothing else running, unseen from inside (no steal time): "
+        "the overhead benchmark gave 154 and 365 requests/s on the same request path, and a "
+        "fixed pure-Python loop took 1.07 s and 2.17 s of CPU two minutes apart. One run's "
+        "absolute figures there carry that.",
         "",
         "| section | measured (UTC) | machine |",
         "|---|---|---|",
