@@ -50,11 +50,29 @@ def test_round_trip_through_env() -> None:
         ({"YB_GATEWAY__PORT": "eighty"}, "gateway.port"),
         ({"YB_NOPE__X": "1"}, "no configuration section"),
         ({"YB_GATEWAY__NOPE": "1"}, "has no field"),
+        ({"YB_TELEMETRY__LOG_JSON": "ture"}, "not a boolean"),
+        ({"YB_CONDUCTOR__LEARN_SPEED": ""}, "not a boolean"),
+        ({"YB_GATEWAY_PORT": "9000"}, "YB_GATEWAY__PORT"),
+        ({"YB_DECODE_PIGGYBACK": "true"}, "YB_DECODE__PIGGYBACK"),
     ],
 )
 def test_bad_values_are_clear_errors(env: dict[str, str], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         load_config(env=env)
+
+
+def test_booleans_take_the_usual_spellings() -> None:
+    for text, expected in (("1", True), ("Yes", True), (" on ", True), ("0", False)):
+        cfg = load_config(env={"YB_TELEMETRY__LOG_JSON": text, "YB_DECODE__PIGGYBACK": "off"})
+        assert cfg.telemetry.log_json is expected, text
+        assert cfg.decode.piggyback is False
+
+
+def test_other_yb_variables_are_left_to_the_tools() -> None:
+    # Not a section's field with one underscore: the compose files' secrets, test
+    # switches.
+    env = {"YB_NATS_PASSWORD_PREFILL": "x", "YB_FAULT_NOTES": "/tmp", "YB_GATEWAY_X": "1"}
+    assert load_config(env=env) == load_config(env={})
 
 
 def test_unknown_file_key_is_an_error(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Final, Literal, get_args, get_origin
 
 import msgspec
 import yaml
@@ -741,21 +741,47 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
             sub_fields = {f.name: f.type for f in msgspec.structs.fields(section_type)}
             if field not in sub_fields:
                 raise ConfigError(f"{name}: section {section!r} has no field {field!r}")
-            out.setdefault(section, {})[field] = _parse_env(sub_fields[field], value)
+            out.setdefault(section, {})[field] = _parse_env(name, sub_fields[field], value)
         elif key in fields:
-            out[key] = _parse_env(fields[key], value)
+            out[key] = _parse_env(name, fields[key], value)
+        else:
+            _refuse_misspelt_setting(name, key, fields)
         # Other YB_* variables belong to tools (e.g. test switches): not configuration.
     return out
 
 
-def _parse_env(field_type: Any, value: str) -> Any:
+def _refuse_misspelt_setting(name: str, key: str, fields: Mapping[str, Any]) -> None:
+    """A variable naming a section and one of its fields with one underscore between
+    them (`YB_GATEWAY_PORT`) means that setting: refused, so it is not silently lost.
+    Other names are left to the tools that read them (`YB_NATS_PASSWORD_PREFILL`)."""
+    for section, section_type in fields.items():
+        if not isinstance(section_type, type) or not key.startswith(f"{section}_"):
+            continue
+        field = key[len(section) + 1 :]
+        if field in {f.name for f in msgspec.structs.fields(section_type)}:
+            raise ConfigError(
+                f"{name}: not a setting; section and field are joined by two underscores "
+                f"({ENV_PREFIX}{section.upper()}__{field.upper()})"
+            )
+
+
+_TRUE: Final = frozenset({"1", "true", "yes", "on"})
+_FALSE: Final = frozenset({"0", "false", "no", "off"})
+
+
+def _parse_env(name: str, field_type: Any, value: str) -> Any:
     if get_origin(field_type) is list or field_type is list:
         text = value.strip()
         if text.startswith("["):
             return json.loads(text)
         return [item.strip() for item in text.split(",") if item.strip()]
     if field_type is bool or (get_args(field_type) and bool in get_args(field_type)):
-        return value.strip().lower() in ("1", "true", "yes", "on")
+        text = value.strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise ConfigError(f"{name}: {value!r} is not a boolean (true/false, 1/0, yes/no, on/off)")
     return value
 
 
