@@ -34,6 +34,10 @@ _EmptyList = Annotated[list[Any], msgspec.Meta(max_length=0)]
 _EmptyMap = Annotated[dict[str, Any], msgspec.Meta(max_length=0)]
 _Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 _Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
+# What the bus's msgpack carries, and OpenAI's range for `seed`: a larger integer would
+# fail to encode after the request was checked (a 500 instead of a 400).
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_Int64 = Annotated[int, msgspec.Meta(ge=_INT64_MIN, le=_INT64_MAX)]
 
 
 class ContentPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -181,14 +185,14 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
     # Extension (vLLM's spelling): 0 or -1 disables top-k.
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
-    seed: int | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=_INT64_MAX)] | None = None
+    seed: _Int64 | None = None
     stop: str | Annotated[list[str], msgspec.Meta(max_length=4)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Extension: larger runs earlier when the conductor has to choose.
-    priority: int = 0
+    priority: _Int64 = 0
     # Extension (vLLM's spelling): keep generating past end-of-sequence, up to
     # `max_tokens` (load generators need outputs of a known length).
     ignore_eos: bool = False
