@@ -265,33 +265,29 @@ async def test_continuous_usage_stats_put_counts_on_every_chunk(
     client: httpx.AsyncClient, cluster: Cluster, path: str
 ) -> None:
     # vLLM's extension, which guidellm sends: with include_usage, every chunk carries
-    # the counts so far; without include_usage, none does (as in vLLM).
+    # the counts so far (without it, a 400: test_input_checks).
     request = {"messages": CHAT["messages"]} if "chat" in path else {"prompt": "Hello"}
-    for include_usage in (True, False):
-        body = {
-            "model": MODEL,
-            **request,
-            "stream": True,
-            "stream_options": {"include_usage": include_usage, "continuous_usage_stats": True},
-        }
-        async with aconnect_sse(client, "POST", path, json=body) as source:
-            assert source.response.status_code == 200
-            events = [sse.data async for sse in source.aiter_sse()]
-        assert events[-1] == "[DONE]"
-        chunks = [json.loads(data) for data in events[:-1]]
-        with_text = [
-            c
-            for c in chunks
-            if c["choices"]
-            and (c["choices"][0].get("delta", {}).get("content") or c["choices"][0].get("text"))
-        ]
-        assert len(with_text) == len(WORDS)
-        if not include_usage:
-            assert all(c.get("usage") is None for c in chunks)
-            continue
-        counts = [c["usage"]["completion_tokens"] for c in with_text]
-        assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == len(WORDS)
-        final = chunks[-1]
-        assert final["choices"] == [] and final["usage"]["completion_tokens"] == len(WORDS)
-        prompt_tokens = final["usage"]["prompt_tokens"]
-        assert all(c["usage"]["prompt_tokens"] == prompt_tokens for c in with_text)
+    body = {
+        "model": MODEL,
+        **request,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    async with aconnect_sse(client, "POST", path, json=body) as source:
+        assert source.response.status_code == 200
+        events = [sse.data async for sse in source.aiter_sse()]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(data) for data in events[:-1]]
+    with_text = [
+        c
+        for c in chunks
+        if c["choices"]
+        and (c["choices"][0].get("delta", {}).get("content") or c["choices"][0].get("text"))
+    ]
+    assert len(with_text) == len(WORDS)
+    counts = [c["usage"]["completion_tokens"] for c in with_text]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == len(WORDS)
+    final = chunks[-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == len(WORDS)
+    prompt_tokens = final["usage"]["prompt_tokens"]
+    assert all(c["usage"]["prompt_tokens"] == prompt_tokens for c in with_text)

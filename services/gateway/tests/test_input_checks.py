@@ -55,3 +55,39 @@ async def test_64_bit_extremes_are_served(client: httpx.AsyncClient, cluster: Cl
         response = await client.post(CHAT, json=body_of(CHAT, **fields))
         assert response.status_code == 200, response.text
     assert [job.sampling.seed for job in cluster.engine.jobs] == [2**63 - 1, -(2**63)]
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, TEXT])
+@pytest.mark.parametrize(
+    "options",
+    [{"include_usage": True}, {"continuous_usage_stats": True, "include_usage": True}],
+)
+async def test_stream_options_without_stream_are_a_400(
+    client: httpx.AsyncClient, cluster: Cluster, endpoint: str, options: dict[str, bool]
+) -> None:
+    # OpenAI's rule: the options shape a stream, and a whole response has none.
+    body = body_of(endpoint, stream_options=options)
+    error = error_of(await client.post(endpoint, json=body), 400)
+    assert error["param"] == "stream_options" and "`stream: true`" in error["message"]
+    assert cluster.conductor.admitted == [] and cluster.engine.jobs == []
+
+
+async def test_stream_options_asking_nothing_pass_without_stream(
+    client: httpx.AsyncClient, cluster: Cluster
+) -> None:
+    for options in (None, {}, {"include_usage": False, "continuous_usage_stats": False}):
+        response = await client.post(CHAT, json=body_of(CHAT, stream_options=options))
+        assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, TEXT])
+async def test_continuous_usage_stats_without_include_usage_is_a_400(
+    client: httpx.AsyncClient, cluster: Cluster, endpoint: str
+) -> None:
+    # vLLM sends no counts then: the client would wait for counts that never come.
+    body = body_of(endpoint, stream=True, stream_options={"continuous_usage_stats": True})
+    error = error_of(await client.post(endpoint, json=body), 400)
+    assert error["param"] == "stream_options.continuous_usage_stats"
+    assert "include_usage" in error["message"]
+    assert cluster.conductor.admitted == [] and cluster.engine.jobs == []
+

@@ -195,10 +195,29 @@ class PreparedRequest:
 
 
 def check_common(body: ChatCompletionRequest | CompletionRequest, served_model: str) -> None:
-    """Checks that need no tokenizer: the model. (The decoder has refused already
-    what is not implemented, `n` other than 1 among it.)"""
+    """Checks that need no tokenizer: the model, and `stream_options` asking only for
+    what the request will do. (The decoder has refused already what is not
+    implemented.)"""
     if body.model != served_model:
         raise model_not_found(body.model, served_model)
+    options = body.stream_options
+    if options is None:
+        return
+    # OpenAI refuses `stream_options` without `stream`; here what asks for nothing
+    # (`include_usage: false`) passes, as for the refused fields.
+    if not body.stream and (options.include_usage or options.continuous_usage_stats):
+        raise invalid_request(
+            "`stream_options` only applies to a streamed response; send `stream: true`, "
+            "or leave `stream_options` out (a whole response always carries `usage`).",
+            param="stream_options",
+        )
+    # vLLM ignores it then; a client that asked for per-chunk counts would get none.
+    if options.continuous_usage_stats and not options.include_usage:
+        raise invalid_request(
+            "`stream_options.continuous_usage_stats` needs `stream_options.include_usage: "
+            "true`: the counts on every chunk come with the final usage chunk.",
+            param="stream_options.continuous_usage_stats",
+        )
 
 
 async def prepare(
@@ -292,7 +311,6 @@ async def prepare(
         priority=body.priority,
         stream=body.stream,
         include_usage=include_usage,
-        # As vLLM: per-chunk counts only where the final usage chunk is asked for too.
         continuous_usage=bool(include_usage and options and options.continuous_usage_stats),
         output=output,
         echo=echo,
