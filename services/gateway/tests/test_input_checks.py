@@ -91,3 +91,17 @@ async def test_continuous_usage_stats_without_include_usage_is_a_400(
     assert "include_usage" in error["message"]
     assert cluster.conductor.admitted == [] and cluster.engine.jobs == []
 
+
+@pytest.mark.parametrize("role", ["system", "user", "assistant"])
+async def test_tool_call_id_on_a_message_not_of_role_tool_is_a_400(
+    client: httpx.AsyncClient, cluster: Cluster, role: str
+) -> None:
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": role, "content": "x", "tool_call_id": "call_1"},
+    ]
+    if role != "user":
+        messages.append({"role": "user", "content": "again"})
+    error = error_of(await client.post(CHAT, json=body_of(CHAT, messages=messages)), 400)
+    assert error["param"] == "messages[1].tool_call_id"
+    assert cluster.conductor.admitted == [] and cluster.engine.jobs == []

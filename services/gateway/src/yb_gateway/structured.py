@@ -218,6 +218,11 @@ def conversation(
         entry: dict[str, Any] = {"role": message.role, "content": text}
         if message.name:
             entry["name"] = message.name
+        if message.tool_call_id is not None and message.role != "tool":
+            raise invalid_request(
+                "Only messages of role `tool` carry `tool_call_id` (the call they answer).",
+                param=f"messages[{i}].tool_call_id",
+            )
         if message.role == "tool":
             if not message.tool_call_id:
                 raise invalid_request(
