@@ -240,6 +240,71 @@ def params_from(args: argparse.Namespace) -> SimParams:
     )
 
 
+# Flags that one kind of run reads and the others do not, by `argparse` dest and how
+# the flag is spelt: given to a run that would not read them, they are refused.
+_SETTING_FLAGS = {
+    "policy": "--policy",
+    "admission": "--admission",
+    "profile": "--profile",
+    "prefill": "--prefill",
+    "decode": "--decode",
+    "speedup": "--speedup",
+}
+_OUTPUT_FLAGS = {"plots": "--plots", "log_dir": "--log-dir", "report": "--report"}
+_CAPACITY_FLAGS = {
+    "capacity_min_speedup": "--capacity-min-speedup",
+    "capacity_max_speedup": "--capacity-max-speedup",
+    "capacity_iterations": "--capacity-iterations",
+}
+
+
+def ineffective_flags(args: argparse.Namespace) -> str | None:
+    """Why the flags given cannot all take effect together, or None.
+
+    A flag is "given" when it differs from its default: `argparse` keeps no other
+    record, and a flag repeating its default changes nothing either way.
+    """
+    defaults = _parser()
+
+    def given(dests: dict[str, str]) -> list[str]:
+        return [
+            flag
+            for dest, flag in dests.items()
+            if getattr(args, dest) != defaults.get_default(dest)
+        ]
+
+    if args.matrix and args.capacity:
+        return "--matrix and --capacity are different runs; ask for one"
+    if args.write_trace and not args.workload:
+        return "--write-trace writes the requests of a --workload; give one, or leave it out"
+    if args.plots and args.no_plots:
+        return "--plots and --no-plots contradict each other"
+    if not args.capacity and (flags := given(_CAPACITY_FLAGS)):
+        return f"{', '.join(flags)} only apply with --capacity"
+    if not args.matrix and args.trace_file != defaults.get_default("trace_file"):
+        return "--trace-file is the trace of --matrix; without it, use --trace"
+    # The matrix sets each of these itself, for every setting it runs.
+    if args.matrix and (flags := given(_SETTING_FLAGS)):
+        return (
+            "--matrix runs every policy, profile, speed-up and shape: "
+            f"{', '.join(flags)} would be ignored"
+        )
+    if (args.matrix or args.capacity) and (flags := given(_OUTPUT_FLAGS)):
+        mode = "--matrix" if args.matrix else "--capacity"
+        return f"{mode} writes no plots, logs or timelines: {', '.join(flags)} would be ignored"
+    if args.limit < -1:
+        return f"--limit {args.limit}: a count of requests, 0 or more"
+    return None
+
+
+def _parser() -> argparse.ArgumentParser:
+    """A fresh `yb sim` parser, whose defaults tell which flags were given."""
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    parser: argparse.ArgumentParser = sub.choices["sim"]
+    return parser
+
+
 def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -254,6 +319,9 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     from yb_tools.sim.runner import expand, simulate
     from yb_tools.sim.workloads import generate, write_trace
 
+    if (why := ineffective_flags(args)) is not None:
+        print(f"yb sim: {why}", file=sys.stderr)
+        return 2
     if args.matrix:
         return run_matrix_command(args)
     if args.capacity:
@@ -281,8 +349,11 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     except (ValueError, SettingsError) as exc:
         print(f"yb sim: {exc}", file=sys.stderr)
         return 2
-    if params.prefill < 1 or params.decode < 1 or params.speedup <= 0:
+    if params.prefill < 1 or params.decode < 1:
         print("yb sim: need at least one prefill and one decode instance", file=sys.stderr)
+        return 2
+    if params.speedup <= 0:
+        print(f"yb sim: --speedup {params.speedup:g}: a factor above 0", file=sys.stderr)
         return 2
 
     def progress(label: str) -> tuple[ProgressBar, Any]:
