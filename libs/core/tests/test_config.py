@@ -179,3 +179,34 @@ def test_kv_pages_default_to_auto_with_overrides_from_env() -> None:
 def test_kv_sizing_settings_out_of_range_are_errors(env: dict[str, str], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         load_config(env=env)
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"YB_GATEWAY__DECISION_TIMEOUT_S": "0"}, "decision_timeout_s"),
+        ({"YB_GATEWAY__JOB_TIMEOUT_S": "-1"}, "job_timeout_s"),
+        ({"YB_GATEWAY__FIRST_TOKEN_TIMEOUT_S": "0"}, "first_token_timeout_s"),
+        ({"YB_GATEWAY__TOKEN_IDLE_TIMEOUT_S": "-5"}, "token_idle_timeout_s"),
+        ({"YB_GATEWAY__REQUEST_TIMEOUT_S": "0"}, "request_timeout_s"),
+        ({"YB_GATEWAY__BUS_GRACE_S": "-0.5"}, "bus_grace_s"),
+        ({"YB_GATEWAY__DEFAULT_MAX_TOKENS": "0"}, "default_max_tokens"),
+        ({"YB_GATEWAY__MAX_MAX_TOKENS": "0"}, "max_max_tokens"),
+        ({"YB_GATEWAY__MAX_BODY_BYTES": "0"}, "max_body_bytes"),
+        ({"YB_GATEWAY__TTFT_SLO_S": "0"}, "ttft_slo_s"),
+        ({"YB_GATEWAY__TBT_SLO_S": "-1"}, "tbt_slo_s"),
+        ({"YB_GATEWAY__PORT": "70000"}, "port"),
+        ({"YB_GATEWAY__PORT": "-1"}, "port"),
+    ],
+)
+def test_gateway_deadlines_and_limits_out_of_range_are_errors(
+    env: dict[str, str], needle: str
+) -> None:
+    # Each would start a gateway that times out, or refuses, every request.
+    with pytest.raises(ConfigError, match=rf"gateway\.{needle}"):
+        load_config(env=env)
+
+
+def test_gateway_bus_grace_and_port_may_be_zero() -> None:
+    cfg = load_config(env={"YB_GATEWAY__BUS_GRACE_S": "0", "YB_GATEWAY__PORT": "0"})
+    assert (cfg.gateway.bus_grace_s, cfg.gateway.port) == (0.0, 0)

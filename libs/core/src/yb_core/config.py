@@ -33,6 +33,12 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
 
 
+#: A duration that must be positive (a deadline, an SLO).
+_Seconds = Annotated[float, msgspec.Meta(gt=0)]
+#: A TCP port; 0 lets the system choose.
+_Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
 #: The event log's byte limit when `nats.max_bytes` is 0 (see `NatsConfig`).
 DEFAULT_EVENT_LOG_BYTES = 4 * 1024**3
 #: The smallest byte limit a stream accepts: below it a snapshot interval holds only
@@ -233,27 +239,29 @@ class GatewayConfig(_Section):
     """
 
     host: str = "127.0.0.1"
-    port: int = 8000
-    decision_timeout_s: float = 10.0
+    port: _Port = 8000
+    # Deadlines are positive: at 0 or below every request would time out at once.
+    decision_timeout_s: _Seconds = 10.0
     # How long a request waits for a NATS connection that is being re-established
     # (a client moving to another node of a cluster) before it is answered 503.
-    bus_grace_s: float = 1.0
-    job_timeout_s: float = 5.0
-    first_token_timeout_s: float = 120.0
-    token_idle_timeout_s: float = 60.0
-    request_timeout_s: float = 600.0
-    default_max_tokens: int = 256
-    max_max_tokens: int = 4096
+    bus_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    job_timeout_s: _Seconds = 5.0
+    first_token_timeout_s: _Seconds = 120.0
+    token_idle_timeout_s: _Seconds = 60.0
+    request_timeout_s: _Seconds = 600.0
+    # At 0 every request would be refused for its length.
+    default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 256
+    max_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4096
     # Re-plans per request (`yb_gateway.session`): how many times a stream whose
     # decode instance (or, before its first token, prefill instance) failed is
     # continued on a new plan before the client gets the error; 0 turns them off.
     replan_budget: Annotated[int, msgspec.Meta(ge=0)] = 1
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 4 * 1024 * 1024
     api_keys: list[str] = msgspec.field(default_factory=list)
     api_keys_file: str = ""
     allow_unauthenticated: bool = False
-    ttft_slo_s: float = 30.0
-    tbt_slo_s: float = 2.0
+    ttft_slo_s: _Seconds = 30.0
+    tbt_slo_s: _Seconds = 2.0
     # Slow clients (yb_gateway.slow_clients). A request's head and body must arrive
     # within `body_timeout_s` of the connection's opening (or of the previous
     # response's end on a kept-alive connection): else 408, the connection is closed
