@@ -210,3 +210,47 @@ def test_gateway_deadlines_and_limits_out_of_range_are_errors(
 def test_gateway_bus_grace_and_port_may_be_zero() -> None:
     cfg = load_config(env={"YB_GATEWAY__BUS_GRACE_S": "0", "YB_GATEWAY__PORT": "0"})
     assert (cfg.gateway.bus_grace_s, cfg.gateway.port) == (0.0, 0)
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"YB_PREFILL__CHUNK_SIZE": "0"}, r"prefill\.chunk_size"),
+        ({"YB_DECODE__MAX_BATCH_SIZE": "0"}, r"decode\.max_batch_size"),
+        ({"YB_PREFILL__MAX_BATCH_SIZE": "0"}, r"prefill\.max_batch_size"),
+        ({"YB_DECODE__THREADS": "-1"}, r"decode\.threads"),
+        ({"YB_PREFILL__UCX_PORT": "65536"}, r"prefill\.ucx_port"),
+        ({"YB_DECODE__TRANSFER_TIMEOUT_S": "0"}, r"decode\.transfer_timeout_s"),
+        ({"YB_PREFILL__FETCH_TIMEOUT_S": "-2"}, r"prefill\.fetch_timeout_s"),
+        ({"YB_DECODE__LOAD_REPORT_INTERVAL_S": "0"}, r"decode\.load_report_interval_s"),
+        ({"YB_PREFILL__PREFIX_CACHE_PAGES": "-1"}, r"prefill\.prefix_cache_pages"),
+        ({"YB_KVSTORE__DRAM_BLOCKS": "0"}, r"kvstore\.dram_blocks"),
+        ({"YB_KVSTORE__SSD_BLOCKS": "-1"}, r"kvstore\.ssd_blocks"),
+        ({"YB_KVSTORE__EVICTION_POLICY": "mru"}, r"kvstore\.eviction_policy"),
+        ({"YB_KVSTORE__DRAM_HEADROOM_BLOCKS": "-2"}, r"kvstore\.dram_headroom_blocks"),
+        ({"YB_KVSTORE__SSD_IO_THREADS": "0"}, r"kvstore\.ssd_io_threads"),
+        ({"YB_KVSTORE__LOAD_REPORT_INTERVAL_S": "-1"}, r"kvstore\.load_report_interval_s"),
+    ],
+)
+def test_engine_and_kvstore_settings_out_of_range_are_errors(
+    env: dict[str, str], needle: str
+) -> None:
+    # Each would start a service that fails its first request (a chunk of 0 tokens,
+    # a deadline already past) or never reports: refused at load, where it is named.
+    with pytest.raises(ConfigError, match=needle):
+        load_config(env=env)
+
+
+def test_engine_and_kvstore_settings_keep_their_off_values() -> None:
+    cfg = load_config(
+        env={
+            "YB_PREFILL__PREFIX_CACHE_PAGES": "0",
+            "YB_PREFILL__THREADS": "0",
+            "YB_KVSTORE__SSD_BLOCKS": "0",
+            "YB_KVSTORE__DRAM_HEADROOM_BLOCKS": "-1",
+            "YB_KVSTORE__EVICTION_POLICY": "fifo",
+        }
+    )
+    assert cfg.prefill.prefix_cache_pages == 0 and cfg.prefill.threads == 0
+    assert cfg.kvstore.ssd_blocks == 0 and cfg.kvstore.dram_headroom_blocks == -1
+    assert cfg.kvstore.eviction_policy == "fifo"

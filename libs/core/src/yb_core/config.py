@@ -37,6 +37,8 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 _Seconds = Annotated[float, msgspec.Meta(gt=0)]
 #: A TCP port; 0 lets the system choose.
 _Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+#: A size or count that must be at least one (a batch, a chunk, a pool, threads).
+_Count = Annotated[int, msgspec.Meta(ge=1)]
 
 
 #: The event log's byte limit when `nats.max_bytes` is 0 (see `NatsConfig`).
@@ -448,17 +450,17 @@ class EngineConfig(_Section):
     # DRAM tier, the gateway, NATS and whatever else the machine runs (a laptop's
     # desktop); KV pages are zero-filled at start, so all of it is resident at once.
     cpu_kv_memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.3
-    max_batch_size: int = 32
-    chunk_size: int = 512
-    threads: int = 0
+    max_batch_size: _Count = 32
+    chunk_size: _Count = 512
+    threads: Annotated[int, msgspec.Meta(ge=0)] = 0
     ucx_host: str = "127.0.0.1"
-    ucx_port: int = 0
-    transfer_timeout_s: float = 30.0
-    load_report_interval_s: float = 1.0
+    ucx_port: _Port = 0
+    transfer_timeout_s: _Seconds = 30.0
+    load_report_interval_s: _Seconds = 1.0
     reuse: bool = True
-    prefix_cache_pages: int = 256
+    prefix_cache_pages: Annotated[int, msgspec.Meta(ge=0)] = 256
     store_blocks: bool = True
-    fetch_timeout_s: float = 10.0
+    fetch_timeout_s: _Seconds = 10.0
 
 
 class PrefillEngineConfig(EngineConfig):
@@ -478,7 +480,7 @@ class PrefillEngineConfig(EngineConfig):
     whole-model instance.
     """
 
-    max_batch_size: int = 1
+    max_batch_size: _Count = 1
     batch_jobs: Annotated[int, msgspec.Meta(ge=1)] = 16
     group: str = ""
     stage: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -523,15 +525,15 @@ class KVStoreConfig(_Section):
     an engine.
     """
 
-    dram_blocks: int = 512
-    ssd_blocks: int = 4096
+    dram_blocks: _Count = 512
+    ssd_blocks: Annotated[int, msgspec.Meta(ge=0)] = 4096
     ssd_dir: str = ""
     ucx_host: str = "127.0.0.1"
-    ucx_port: int = 0
-    load_report_interval_s: float = 1.0
-    eviction_policy: str = "lru"
-    dram_headroom_blocks: int = -1
-    ssd_io_threads: int = 2
+    ucx_port: _Port = 0
+    load_report_interval_s: _Seconds = 1.0
+    eviction_policy: Literal["lru", "fifo"] = "lru"
+    dram_headroom_blocks: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    ssd_io_threads: _Count = 2
 
 
 class TelemetryConfig(_Section):
