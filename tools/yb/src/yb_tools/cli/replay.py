@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from yb_core.config import YbConfig
+from yb_tools.cli.flags import defaults_of, given
 
 if TYPE_CHECKING:
     from yb_conductor.replay import LogRecord
@@ -148,6 +149,38 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+# What each kind of run reads besides the log (argparse dest -> how it is spelt).
+_WINDOW_FLAGS = {"from_seq": "--from-seq", "since": "--since", "for_s": "--for", "last": "--last"}
+_RUN_FLAGS = {
+    "policy": "--policy",
+    "settings": "--set",
+    "until": "--until",
+    "keep_going": "--keep-going",
+    "json": "--json",
+    "report": "--report",
+}
+
+
+def ineffective_flags(args: argparse.Namespace) -> str | None:
+    """Why some flags given would not take effect in the run the others ask for, or
+    None (a flag is given when it differs from its default: `yb_tools.cli.flags`)."""
+    defaults = defaults_of(add_parser)
+    window = given(args, defaults, _WINDOW_FLAGS)
+    if args.export and (flags := given(args, defaults, _RUN_FLAGS) + window):
+        return f"--export writes the log as it is: {', '.join(flags)} would be ignored"
+    if window and not args.report:
+        return f"{', '.join(window)} choose the window of a --report; give one, or leave them out"
+    if args.report and (
+        flags := given(args, defaults, {"keep_going": "--keep-going", "json": "--json"})
+    ):
+        return f"--report writes a timeline, verifying nothing: {', '.join(flags)} would be ignored"
+    if (args.policy or args.settings) and args.keep_going:
+        return (
+            "--keep-going lists the divergences of a replay; a what-if (--policy, --set) has none"
+        )
+    return None
+
+
 def add_source_args(p: argparse.ArgumentParser) -> None:
     """Where the log comes from: a file, or the live stream."""
     p.add_argument("--file", help="an exported log (yb replay --export)")
@@ -236,6 +269,9 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     from yb_conductor.snapshot import restore
     from yb_core.bus import BusUnavailable
 
+    if (why := ineffective_flags(args)) is not None:
+        print(f"yb replay: {why}", file=sys.stderr)
+        return 2
     try:
         loaded = load_log(cfg, args)
     except (OSError, BusUnavailable) as exc:

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from yb_core.config import YbConfig
+from yb_tools.cli.flags import defaults_of
+from yb_tools.cli.flags import given as flags_given
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -259,19 +261,12 @@ _CAPACITY_FLAGS = {
 
 
 def ineffective_flags(args: argparse.Namespace) -> str | None:
-    """Why the flags given cannot all take effect together, or None.
-
-    A flag is "given" when it differs from its default: `argparse` keeps no other
-    record, and a flag repeating its default changes nothing either way.
-    """
-    defaults = _parser()
+    """Why the flags given cannot all take effect together, or None (a flag is given
+    when it differs from its default: `yb_tools.cli.flags`)."""
+    defaults = defaults_of(add_parser)
 
     def given(dests: dict[str, str]) -> list[str]:
-        return [
-            flag
-            for dest, flag in dests.items()
-            if getattr(args, dest) != defaults.get_default(dest)
-        ]
+        return flags_given(args, defaults, dests)
 
     if args.matrix and args.capacity:
         return "--matrix and --capacity are different runs; ask for one"
@@ -295,14 +290,6 @@ def ineffective_flags(args: argparse.Namespace) -> str | None:
     if args.limit < -1:
         return f"--limit {args.limit}: a count of requests, 0 or more"
     return None
-
-
-def _parser() -> argparse.ArgumentParser:
-    """A fresh `yb sim` parser, whose defaults tell which flags were given."""
-    sub = argparse.ArgumentParser().add_subparsers()
-    add_parser(sub)
-    parser: argparse.ArgumentParser = sub.choices["sim"]
-    return parser
 
 
 def _names(text: str) -> list[str]:
