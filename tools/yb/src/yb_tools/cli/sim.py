@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from yb_core.config import YbConfig
-from yb_tools.cli.flags import defaults_of
-from yb_tools.cli.flags import given as flags_given
+from yb_tools.cli.flags import defaults_of, given
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -264,27 +263,23 @@ def ineffective_flags(args: argparse.Namespace) -> str | None:
     """Why the flags given cannot all take effect together, or None (a flag is given
     when it differs from its default: `yb_tools.cli.flags`)."""
     defaults = defaults_of(add_parser)
-
-    def given(dests: dict[str, str]) -> list[str]:
-        return flags_given(args, defaults, dests)
-
     if args.matrix and args.capacity:
         return "--matrix and --capacity are different runs; ask for one"
     if args.write_trace and not args.workload:
         return "--write-trace writes the requests of a --workload; give one, or leave it out"
     if args.plots and args.no_plots:
         return "--plots and --no-plots contradict each other"
-    if not args.capacity and (flags := given(_CAPACITY_FLAGS)):
+    if not args.capacity and (flags := given(args, defaults, _CAPACITY_FLAGS)):
         return f"{', '.join(flags)} only apply with --capacity"
     if not args.matrix and args.trace_file != defaults.get_default("trace_file"):
         return "--trace-file is the trace of --matrix; without it, use --trace"
     # The matrix sets each of these itself, for every setting it runs.
-    if args.matrix and (flags := given(_SETTING_FLAGS)):
+    if args.matrix and (flags := given(args, defaults, _SETTING_FLAGS)):
         return (
             "--matrix runs every policy, profile, speed-up and shape: "
             f"{', '.join(flags)} would be ignored"
         )
-    if (args.matrix or args.capacity) and (flags := given(_OUTPUT_FLAGS)):
+    if (args.matrix or args.capacity) and (flags := given(args, defaults, _OUTPUT_FLAGS)):
         mode = "--matrix" if args.matrix else "--capacity"
         return f"{mode} writes no plots, logs or timelines: {', '.join(flags)} would be ignored"
     if args.limit < -1:
