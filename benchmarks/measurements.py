@@ -89,7 +89,8 @@ SUMMARIES: dict[str, str] = {
         "(synthetic trace, `dynamo-mocker`, 8+8, admission `none`; Dynamo 1.6.1: mean "
         "TTFT 168.5 ms, hit ratio 0.529). Simulated in virtual time with fixed seeds: "
         "only the wall-clock figures depend on the machine. The whole matrix is in "
-        "docs/sim_matrix.json and its table in docs/simulation.md."
+        "docs/sim_matrix.json and its table in docs/simulation.md; with `--seeds`, every "
+        "seed's matrix in docs/sim_seeds.json and the settings across the seeds there too."
     ),
     "engine": (
         "Prefill and decode throughput of the model runner (`yb_engine`) in one process, "
@@ -286,6 +287,10 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
             "simulated seconds per wall-clock second of the conductor's run in Dynamo's "
             "setting (goal >= 250)",
         ),
+        ("seeds", "the seeds the matrix ran on (`--seeds`; the figures above are the first's)"),
+        ("wins_by_seed", "settings the conductor wins on each of those seeds, in order"),
+        ("settings_won_on_every_seed", "settings the conductor wins on every one of the seeds"),
+        ("seeds_wall_s", "wall-clock seconds the matrices of every seed took, run side by side"),
     ],
     "engine": [
         ("model", "the model measured"),

@@ -1,7 +1,7 @@
 """The scheduling matrix (issue 18): does the conductor win every setting of `yb sim`?
 
-    python benchmarks/sim_matrix.py --json PATH [--limit N] [--seed S]
-        [--matrix-json PATH] [--docs]
+    python benchmarks/sim_matrix.py --json PATH [--limit N] [--seed S | --seeds LIST]
+        [--matrix-json PATH] [--seeds-json PATH] [--docs]
 
 Runs `yb sim --matrix` (`yb_tools.sim.matrix`: every peer policy and the conductor on
 the synthetic trace and the three generated workloads, both engine models, 1x and
@@ -20,6 +20,13 @@ and `simulated_seconds_per_wall_second` (the conductor's run there).
 verdicts); `--docs` puts its table into docs/simulation.md, between the markers
 `<!-- sim-matrix:begin -->` and `<!-- sim-matrix:end -->`.
 
+`--seeds 0-5` runs the matrix on each seed (as many at once as there are cores;
+the generated workloads draw other requests on each) and tells each setting across
+them (`yb sim --matrix --seeds`): the table above is the first seed's, the one across
+the seeds goes between `<!-- sim-seeds:begin -->` and `<!-- sim-seeds:end -->`, and
+the figures add `seeds`, `wins_by_seed` and `settings_won_on_every_seed`;
+`--seeds-json` writes every seed's matrix and the spread.
+
 Everything is simulated in virtual time with fixed seeds: the same code gives the
 same figures on any machine, except the wall-clock ones.
 """
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -38,13 +46,23 @@ ROOT = Path(__file__).resolve().parents[1]
 for src in ("libs/core/src", "services/conductor/src", "tools/yb/src"):
     sys.path.insert(0, str(ROOT / src))
 
-from yb_tools.sim.matrix import Matrix, Setting, matrix_table, run_matrix, setting_row  # noqa: E402
+from yb_tools.sim.matrix import (  # noqa: E402
+    Matrix,
+    Setting,
+    matrix_table,
+    parse_seeds,
+    run_matrix,
+    run_seeds,
+    setting_row,
+    spread_table,
+)
 from yb_tools.sim.params import SimParams  # noqa: E402
 from yb_tools.sim.runner import PAPER_POLICY, RunSpec, simulate  # noqa: E402
 
 TRACE = ROOT / "benchmarks" / "traces" / "synthetic_trace.jsonl"
 DOCS = ROOT / "docs" / "simulation.md"
 BEGIN, END = "<!-- sim-matrix:begin -->", "<!-- sim-matrix:end -->"
+SEEDS_BEGIN, SEEDS_END = "<!-- sim-seeds:begin -->", "<!-- sim-seeds:end -->"
 
 
 def losses(m: Matrix) -> str:
@@ -75,14 +93,14 @@ def dynamo_setting(seed: int) -> dict[str, float]:
     return figures
 
 
-def write_docs(table: str, command: str) -> None:
+def write_docs(table: str, command: str, begin: str = BEGIN, end: str = END) -> None:
     """Replace the table between the markers in docs/simulation.md."""
     text = DOCS.read_text()
-    head, sep, rest = text.partition(BEGIN)
-    _, sep2, tail = rest.partition(END)
+    head, sep, rest = text.partition(begin)
+    _, sep2, tail = rest.partition(end)
     if not sep or not sep2:
-        raise SystemExit(f"{DOCS}: markers {BEGIN} ... {END} not found")
-    block = f"{BEGIN}\n```bash\n{command}\n```\n\n{table}\n{END}"
+        raise SystemExit(f"{DOCS}: markers {begin} ... {end} not found")
+    block = f"{begin}\n```bash\n{command}\n```\n\n{table}\n{end}"
     DOCS.write_text(head + block + tail)
 
 
@@ -92,19 +110,39 @@ def main() -> int:
     parser.add_argument(
         "--limit", type=int, default=0, help="requests per workload (0: every request)"
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--matrix-json", help="write the whole matrix here")
+    seeding = parser.add_mutually_exclusive_group()
+    seeding.add_argument("--seed", type=int, default=0)
+    seeding.add_argument("--seeds", help="the matrix on each of these seeds: 0-5, 0,3,7")
+    parser.add_argument("--matrix-json", help="write the whole matrix (the first seed's) here")
+    parser.add_argument("--seeds-json", help="with --seeds: write every seed's matrix here")
     parser.add_argument("--docs", action="store_true", help="put the table in docs/simulation.md")
     args = parser.parse_args()
     if args.limit < 0:
         parser.error("--limit must be 0 (every request) or more")
+    if args.seeds_json and not args.seeds:
+        parser.error("--seeds-json writes the matrices of --seeds; give them")
+    try:
+        seeds = parse_seeds(args.seeds) if args.seeds else [args.seed]
+    except ValueError as exc:
+        parser.error(str(exc))
 
-    matrix = run_matrix(
-        trace=TRACE,
-        limit=args.limit,
-        seed=args.seed,
-        on_setting=lambda s: print(setting_row(s), file=sys.stderr),
-    )
+    seeds_matrix = None
+    if len(seeds) == 1:
+        matrix = run_matrix(
+            trace=TRACE,
+            limit=args.limit,
+            seed=seeds[0],
+            on_setting=lambda s: print(setting_row(s), file=sys.stderr),
+        )
+    else:
+        seeds_matrix = run_seeds(
+            seeds,
+            jobs=min(len(seeds), os.cpu_count() or 1),
+            on_matrix=lambda m: print(f"seed {m.seed}: {m.wins} won", file=sys.stderr),
+            trace=TRACE,
+            limit=args.limit,
+        )
+        matrix = seeds_matrix.matrices[0]
     table = matrix_table(matrix)
     print(table)
     figures: dict[str, float | int | str] = {
@@ -113,8 +151,16 @@ def main() -> int:
         "losses": losses(matrix),
         "matrix_wall_s": round(matrix.wall_s, 1),
         "limit": args.limit,
-        **dynamo_setting(args.seed),
+        **dynamo_setting(seeds[0]),
     }
+    if seeds_matrix is not None:
+        print()
+        print(spread_table(seeds_matrix))
+        n = len(seeds)
+        figures["seeds"] = ",".join(map(str, seeds))
+        figures["wins_by_seed"] = ",".join(map(str, seeds_matrix.wins_by_seed))
+        figures["settings_won_on_every_seed"] = sum(s.wins == n for s in seeds_matrix.spread)
+        figures["seeds_wall_s"] = round(seeds_matrix.wall_s, 1)
     print()
     for name, value in figures.items():
         print(f"{name:<44} {value}")
@@ -124,11 +170,20 @@ def main() -> int:
         out = Path(args.matrix_json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(msgspec.to_builtins(matrix), indent=1) + "\n")
+    if args.seeds_json and seeds_matrix is not None:
+        out = Path(args.seeds_json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(msgspec.to_builtins(seeds_matrix), indent=1) + "\n")
     if args.docs:
-        command = f"python benchmarks/sim_matrix.py --limit {args.limit} --seed {args.seed}"
+        chosen = f"--seeds {args.seeds}" if args.seeds else f"--seed {args.seed}"
+        command = f"python benchmarks/sim_matrix.py --limit {args.limit} {chosen}"
         if args.matrix_json:
             command += f" --matrix-json {args.matrix_json}"
+        if args.seeds_json:
+            command += f" --seeds-json {args.seeds_json}"
         write_docs(table, command + " --docs")
+        if seeds_matrix is not None:
+            write_docs(spread_table(seeds_matrix), command + " --docs", SEEDS_BEGIN, SEEDS_END)
     return 0
 
 

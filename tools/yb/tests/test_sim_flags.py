@@ -28,6 +28,8 @@ TRACE = Path(__file__).resolve().parents[3] / "benchmarks" / "traces" / "synthet
         (["--trace", str(TRACE), "--capacity", "--report", "r.html"], "--report"),
         (["--trace", str(TRACE), "--limit", "-5"], "--limit -5"),
         (["--trace", str(TRACE), "--speedup", "0"], "--speedup 0"),
+        (["--trace", str(TRACE), "--seeds", "0-2"], "--seeds"),
+        (["--matrix", "--seed", "3", "--seeds", "0-2"], "--seed and --seeds"),
     ],
 )
 def test_flags_that_would_be_ignored_are_refused(

@@ -170,3 +170,62 @@ def test_the_command_line_writes_a_workload_and_the_matrix(
     assert doc["conductor_settings"] == {"prefix_stickiness": "0", "calibrated_admission": "false"}
     assert _cli([*argv, "--quiet", "--set", "no_such_setting=1"]) == 1
     assert _cli([*argv, "--quiet", "--set", "prefix_stickiness=-1"]) == 1  # built, refused
+
+
+def test_seeds_are_read_as_lists_and_ranges() -> None:
+    from yb_tools.sim.matrix import parse_seeds
+
+    assert parse_seeds("0-2,7") == [0, 1, 2, 7]
+    assert parse_seeds("3, 1,3,0-1") == [3, 1, 0]
+    for bad in ("", "x", "2-1", "-1", "1-"):
+        with pytest.raises(ValueError):
+            parse_seeds(bad)
+
+
+def test_the_matrix_across_seeds_counts_each_setting_on_every_seed() -> None:
+    from yb_tools.sim.matrix import run_matrix, run_seeds, seed_spread, spread_table
+
+    one = {
+        "trace": "", "limit": 60, "workloads": ("shared-prefix",),
+        "profiles": ("dynamo-mocker",), "speedups": (2.0,), "shapes": ((2, 1),),
+        "peers": ("round-robin", "dynamo-kv"),
+    }  # fmt: skip
+    spread = run_seeds([0, 1, 2], **one)
+    assert spread.seeds == [0, 1, 2] and [m.seed for m in spread.matrices] == [0, 1, 2]
+    # Each seed's matrix is the one run alone on that seed, and the workload differs.
+    alone = [run_matrix(seed=seed, **one) for seed in (0, 1, 2)]
+    assert [m.settings for m in spread.matrices] == [m.settings for m in alone]
+    assert alone[0].settings[0].policies != alone[1].settings[0].policies
+    assert spread.wins_by_seed == [m.wins for m in alone]
+    (row,) = spread.spread
+    cells = [m.settings[0] for m in alone]
+    assert row.wins == sum(c.wins for c in cells)
+    for cell, margin, peers_apart in zip(
+        cells, row.goodput_margins, row.peer_goodput_spreads, strict=True
+    ):
+        goodputs = {name: f.goodput_rps for name, f in cell.policies.items()}
+        ours = goodputs.pop("mooncake")
+        assert margin == pytest.approx(ours - max(goodputs.values()))
+        assert peers_apart == pytest.approx(max(goodputs.values()) - min(goodputs.values()))
+    assert sum(row.missed.values()) == sum(len(c.verdict.missed()) for c in cells)
+    assert seed_spread(alone) == spread.spread
+    table = spread_table(spread)
+    assert "| shared-prefix | dynamo-mocker | 2x | 2+1 | " in table
+    every = int(row.wins == 3)
+    assert f"mooncake wins {every} of 1 settings on every one of 3 seeds" in table
+
+
+def test_the_command_line_runs_the_matrix_on_several_seeds_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "seeds.json"
+    argv = ["--matrix", "--seeds", "0-1", "--limit", "10", "--trace-file", str(SYNTHETIC)]
+    assert _cli([*argv, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["seeds"] == [0, 1] and [m["seed"] for m in doc["matrices"]] == [0, 1]
+    assert len(doc["spread"]) == 32 and doc["wins_by_seed"] == [m["wins"] for m in doc["matrices"]]
+    captured = capsys.readouterr()
+    assert "on every one of 2 seeds" in captured.out
+    assert "seed 0: mooncake wins" in captured.err and "seed 1: mooncake wins" in captured.err
+    # A setting the conductor does not have is refused before any seed runs.
+    assert _cli([*argv, "--quiet", "--set", "no_such_setting=1"]) == 1

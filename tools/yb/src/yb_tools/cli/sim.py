@@ -3,7 +3,7 @@
     yb sim --trace FILE --policy NAME[,NAME...] [--admission none|early|predicted[,...]]
            [--prefill N --decode N --profile NAME|FILE --speedup X] --json PATH
     yb sim --workload shared-prefix[:groups=32,...] [--write-trace PATH] [--json PATH ...]
-    yb sim --matrix [--limit N] [--json PATH]
+    yb sim --matrix [--limit N] [--seeds 0-5] [--json PATH]
     yb sim --trace FILE --policy coupled,mooncake --capacity [--json PATH]
 
 Simulated prefill, decode and kvstore instances, timed by a cost model (a built-in
@@ -13,7 +13,9 @@ the same workload; `mooncake` runs once per `--admission` value (as
 `mooncake:<admission>` when there are several). Prints a markdown table, writes the
 figures as JSON and PNG plots; a progress bar goes to stderr. `--workload`
 generates the requests instead (`sim.workloads`); `--matrix` runs `sim.matrix`;
-`--capacity` searches each policy's highest rate within the SLOs (`sim.capacity`).
+`--capacity` searches each policy's highest rate within the SLOs (`sim.capacity`);
+`--matrix --seeds` runs the matrix on each seed, as many at once as there are cores,
+and tells each setting across them.
 The conductor is
 imported only here, so `yb` works without it installed.
 """
@@ -171,6 +173,13 @@ def add_parser(sub: Any) -> None:
     load.add_argument("--jitter", type=float, default=0.0, help="prefill time noise, +-fraction")
     load.add_argument("--seed", type=int, default=0, help="seed of every random draw (0)")
     load.add_argument(
+        "--seeds",
+        default="",
+        metavar="LIST",
+        help="with --matrix: the matrix on each of these seeds, e.g. 0-5 or 0,3,7, and each "
+        "setting across them (instead of --seed)",
+    )
+    load.add_argument(
         "--priority-mix",
         default="",
         metavar="MIX",
@@ -282,6 +291,10 @@ def ineffective_flags(args: argparse.Namespace) -> str | None:
     if (args.matrix or args.capacity) and (flags := given(args, defaults, _OUTPUT_FLAGS)):
         mode = "--matrix" if args.matrix else "--capacity"
         return f"{mode} writes no plots, logs or timelines: {', '.join(flags)} would be ignored"
+    if args.seeds and not args.matrix:
+        return "--seeds runs the matrix on each seed; without --matrix, use --seed"
+    if args.seeds and args.seed != defaults.get_default("seed"):
+        return "--seed and --seeds both choose the seeds; give one"
     if args.limit < -1:
         return f"--limit {args.limit}: a count of requests, 0 or more"
     return None
@@ -392,6 +405,8 @@ def run_matrix_command(args: argparse.Namespace) -> int:
     from yb_tools.sim.matrix import DEFAULT_LIMIT, matrix_table, run_matrix, setting_row
 
     limit = DEFAULT_LIMIT if args.limit < 0 else args.limit
+    if args.seeds:
+        return run_seeds_command(args, limit)
     try:
         base = params_from(args)
         settings: dict[str, Any] = parse_assignments(args.settings)
@@ -413,6 +428,48 @@ def run_matrix_command(args: argparse.Namespace) -> int:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(msgspec.to_builtins(matrix), indent=1) + "\n")
+        print(f"figures: {out}")
+    return 0
+
+
+def run_seeds_command(args: argparse.Namespace, limit: int) -> int:
+    """`yb sim --matrix --seeds`: the matrix on each seed, a line per seed as it
+    completes, then each setting across the seeds; everything to --json."""
+    import os
+
+    from yb_conductor.cost_model import CostModelError
+    from yb_conductor.settings import SettingsError, parse_assignments, with_overrides
+    from yb_core.config import ConductorConfig
+    from yb_tools.sim.matrix import Matrix, parse_seeds, run_seeds, spread_table
+
+    def done(m: Matrix) -> None:
+        if not args.quiet:
+            print(f"seed {m.seed}: mooncake wins {m.wins} of {len(m.settings)}", file=sys.stderr)
+
+    try:
+        seeds = parse_seeds(args.seeds)
+        base = params_from(args)
+        settings: dict[str, Any] = parse_assignments(args.settings)
+        with_overrides(ConductorConfig(), settings)  # refused here, not in every worker
+        seeds_matrix = run_seeds(
+            seeds,
+            jobs=min(len(seeds), os.cpu_count() or 1),
+            on_matrix=done,
+            trace=args.trace_file,
+            limit=limit,
+            base=base,
+            settings=settings,
+        )
+    except (OSError, CostModelError, ValueError, SettingsError) as exc:
+        print(f"yb sim: {exc}", file=sys.stderr)
+        return 1
+    print(spread_table(seeds_matrix))
+    if args.json:
+        import msgspec
+
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(msgspec.to_builtins(seeds_matrix), indent=1) + "\n")
         print(f"figures: {out}")
     return 0
 

@@ -260,3 +260,175 @@ def matrix_table(m: Matrix) -> str:
     lines.append("")
     lines.append(f"mooncake wins {m.wins} of {len(m.settings)} settings.")
     return "\n".join(lines)
+
+
+# --- several seeds --------------------------------------------------------------------
+
+
+class SeedSpread(msgspec.Struct, kw_only=True):
+    """One setting over several seeds: on how many the conductor wins it, which
+    criteria it misses on how many, and how far its goodput stands from the best
+    peer's on each seed, beside how far the peers stand from one another."""
+
+    workload: str
+    profile: str
+    speedup: float
+    prefill: int
+    decode: int
+    wins: int
+    missed: dict[str, int]
+    goodput_margins: list[float]
+    peer_goodput_spreads: list[float]
+
+
+class SeedsMatrix(msgspec.Struct, kw_only=True):
+    """The matrix on each of several seeds (`yb sim --matrix --seeds`), and each
+    setting across them. The generated workloads draw other requests on each seed;
+    the synthetic trace is the same file, so only the simulation's own draws differ."""
+
+    seeds: list[int]
+    wins_by_seed: list[int]
+    spread: list[SeedSpread]
+    matrices: list[Matrix]
+    wall_s: float
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`0,3,5` or `0-5` (or both, `0-2,7`): the seeds, in order, each once."""
+    seeds: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, sep, last = part.partition("-")
+        if not first.isdigit() or (sep and not last.isdigit()):
+            raise ValueError(f"a seed is a number 0 or more, or a range like 0-5, not {part!r}")
+        lo, hi = int(first), int(last) if sep else int(first)
+        if hi < lo:
+            raise ValueError(f"the seed range {part!r} runs backwards")
+        seeds.extend(s for s in range(lo, hi + 1) if s not in seeds)
+    if not seeds:
+        raise ValueError("no seed given")
+    return seeds
+
+
+def _matrix_on(seed: int, kwargs: dict[str, Any]) -> Matrix:
+    return run_matrix(seed=seed, **kwargs)
+
+
+def run_seeds(
+    seeds: list[int],
+    *,
+    jobs: int = 1,
+    on_matrix: Callable[[Matrix], None] | None = None,
+    **kwargs: Any,
+) -> SeedsMatrix:
+    """`run_matrix` on each seed (`kwargs` as it takes them, but `seed` and
+    `on_setting`), `jobs` of them at once in processes of their own: the figures
+    are the same however many run together. `on_matrix` is handed each matrix as it
+    completes."""
+    started = time.perf_counter()
+    matrices: dict[int, Matrix] = {}
+    if jobs <= 1 or len(seeds) == 1:
+        for seed in seeds:
+            matrices[seed] = _matrix_on(seed, kwargs)
+            if on_matrix is not None:
+                on_matrix(matrices[seed])
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        # Spawned, not forked: the caller may hold threads and locks a fork would copy.
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(min(jobs, len(seeds)), mp_context=context) as pool:
+            futures = {pool.submit(_matrix_on, seed, kwargs): seed for seed in seeds}
+            for future in as_completed(futures):
+                matrices[futures[future]] = future.result()
+                if on_matrix is not None:
+                    on_matrix(matrices[futures[future]])
+    ordered = [matrices[seed] for seed in seeds]
+    return SeedsMatrix(
+        seeds=list(seeds),
+        wins_by_seed=[m.wins for m in ordered],
+        spread=seed_spread(ordered),
+        matrices=ordered,
+        wall_s=time.perf_counter() - started,
+    )
+
+
+def seed_spread(matrices: list[Matrix]) -> list[SeedSpread]:
+    """Each setting of the matrices (the same settings in the same order, one matrix
+    per seed) across them."""
+    spread: list[SeedSpread] = []
+    for cells in zip(*(m.settings for m in matrices), strict=True):
+        first = cells[0]
+        missed: dict[str, int] = {}
+        margins: list[float] = []
+        peer_spreads: list[float] = []
+        for s in cells:
+            for name in s.verdict.missed():
+                missed[name] = missed.get(name, 0) + 1
+            peers = [f.goodput_rps for name, f in s.policies.items() if name != PAPER_POLICY]
+            best = s.policies[s.verdict.best_goodput_peer].goodput_rps
+            margins.append(round(s.policies[PAPER_POLICY].goodput_rps - best, 6))
+            peer_spreads.append(round(max(peers) - min(peers), 6))
+        spread.append(
+            SeedSpread(
+                workload=first.workload,
+                profile=first.profile,
+                speedup=first.speedup,
+                prefill=first.prefill,
+                decode=first.decode,
+                wins=sum(s.wins for s in cells),
+                missed=missed,
+                goodput_margins=margins,
+                peer_goodput_spreads=peer_spreads,
+            )
+        )
+    return spread
+
+
+SPREAD_COLUMNS = (
+    "workload",
+    "profile",
+    "speed",
+    "P+D",
+    "seeds won",
+    "criteria missed (seeds)",
+    "goodput − best peer's, rps: mean (lowest … highest)",
+    "peers' own spread, rps (mean)",
+)
+
+
+def spread_row(s: SeedSpread) -> str:
+    """One setting across the seeds as a markdown table row."""
+    n = len(s.goodput_margins)
+    margins = s.goodput_margins
+    mean = sum(margins) / n
+    missed = ", ".join(f"{name} ({k})" for name, k in s.missed.items()) or "—"
+    cells = [
+        s.workload,
+        s.profile,
+        f"{s.speedup:g}x",
+        f"{s.prefill}+{s.decode}",
+        f"{s.wins} of {n}",
+        missed,
+        f"{mean:+.3f} ({min(margins):+.3f} … {max(margins):+.3f})",
+        f"{sum(s.peer_goodput_spreads) / n:.3f}",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def spread_table(m: SeedsMatrix) -> str:
+    """The settings across the seeds as a markdown table, and the tally per seed."""
+    lines = [
+        "| " + " | ".join(SPREAD_COLUMNS) + " |",
+        "| " + " | ".join(["---"] * 4 + ["---:"] * (len(SPREAD_COLUMNS) - 4)) + " |",
+    ]
+    lines.extend(spread_row(s) for s in m.spread)
+    every = sum(s.wins == len(m.seeds) for s in m.spread)
+    by_seed = zip(m.seeds, m.wins_by_seed, strict=True)
+    tally = ", ".join(f"{w} on seed {seed}" for seed, w in by_seed)
+    lines.append("")
+    lines.append(
+        f"mooncake wins {every} of {len(m.spread)} settings on every one of {len(m.seeds)} "
+        f"seeds; settings won: {tally}."
+    )
+    return "\n".join(lines)
