@@ -362,6 +362,12 @@ class ConductorConfig(_Section):
     completion; off (the default), it does not: its output is truncated, and learning
     from it would have the conductor expect shorter outputs, and admit more, exactly
     when decode runs out of KV. On is how logs recorded before the setting replay.
+    `pending_prefixes` (the default): a prefix that a queued or running prefill is
+    computing counts as held by its instance for a request placed behind it there
+    (priced as a load from the host's DRAM, planned from the engine's page cache), so
+    requests sharing a cold prefix queue behind its first prefill rather than compute
+    it again elsewhere; off, only stored blocks count (how logs recorded before the
+    setting replay).
     `explain_decode_top_k`: how many decode instances a decision's explanation
     lists (the chosen one, then the lowest predicted TBT; 0: every instance, as
     logs recorded before the setting do).
@@ -406,6 +412,7 @@ class ConductorConfig(_Section):
     admit_unqueued_overrun: bool = True
     kv_reserved_at_start: bool = True
     learn_from_cut_short: bool = False
+    pending_prefixes: bool = True
 
 
 class EngineConfig(_Section):

@@ -9,8 +9,9 @@ with no queue, so its TTFT is exactly `0.0 + w * f`, `f` its learned slowdown al
 instances rank by `f`: `w * f` is monotone in `f` in floating point too.
 
 So a decision evaluates, exactly as before:
-- every holder (an engine holding the prefix, every prefill engine on a host whose
-  kvstore does): their estimates are their own;
+- every holder (an engine holding the prefix or computing it, `pending_prefixes`;
+  every prefill engine on a host whose kvstore holds it): their estimates are their
+  own;
 - every instance that may have a queue (`may_be_queued`): its TTFT depends on it;
 - the quiet non-holders in (`f`, id) order until `keep` of them are taken and the
   next one's `w * f` is larger than the last taken one's.

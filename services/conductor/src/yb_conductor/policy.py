@@ -81,6 +81,7 @@ class MooncakePolicy:
             priority_order=priority_order,
             stickiness=cfg.prefix_stickiness,
             eviction_regret=cfg.eviction_regret,
+            pending_prefixes=cfg.pending_prefixes,
         )
         self.decode = DecodePlanner(
             self.cost,
@@ -353,13 +354,20 @@ class MooncakePolicy:
     def _why(chosen: Option, decode: DecodeEstimate, view: PoolView, lag: float = 0.0) -> str:
         est = chosen.est
         inst = chosen.instance.instance_id
+        pending = est.engine is not None and est.engine.pending
         if est.option == LOCAL:
             what = f"reuses its local prefix of {est.reuse_blocks} blocks"
+            if pending and est.engine is not None:
+                what += (
+                    f" ({est.engine.blocks} of them being computed there by a prefill "
+                    "ahead of it: pending_prefixes)"
+                )
         elif est.option == TRANSFER:
             src = est.remote.instance.instance_id if est.remote else "?"
             what = (
                 f"pulls blocks {est.local_blocks}..{est.reuse_blocks} from {src} "
-                f"(local prefix {est.local_blocks})"
+                f"(local prefix {est.local_blocks}"
+                f"{', being computed there by a prefill ahead of it' if pending else ''})"
             )
         elif view.best_any_blocks:
             what = f"recomputes: faster than loading any of the {view.best_any_blocks} cached"

@@ -85,6 +85,9 @@ class Source:
     instance: InstanceState
     blocks: int
     ssd_blocks: int
+    # Blocks a prefill queued or running on the instance is computing
+    # (`pending_prefixes`), not yet stored.
+    pending: bool = False
 
     def rank(self) -> tuple[int, int, str]:
         """Longer first, then fewer SSD blocks, then by id: deterministic."""
@@ -310,6 +313,7 @@ class PrefillPlanner:
         keep: int | None = None,
         stickiness: float = 0.0,
         eviction_regret: bool = False,
+        pending_prefixes: bool = False,
     ) -> None:
         self.cost = cost
         self.threshold = balancing_threshold
@@ -320,6 +324,7 @@ class PrefillPlanner:
         # Whether an evicted block costs the share of them wanted again
         # (`eviction_regret`), rather than each one its recompute.
         self.eviction_regret = eviction_regret
+        self.pending_prefixes = pending_prefixes
         # Evaluate every instance (the reference the pruned evaluation must equal).
         self.full_scan = self.default_full_scan if full_scan is None else full_scan
         # How many of the fastest idle non-holders a decision evaluates: the
@@ -333,7 +338,8 @@ class PrefillPlanner:
         # a prompt that is all full blocks can reuse all but its last block.
         usable = max(0, (request.prompt_tokens - 1) // max(1, request.block_size))
         keys = request.block_hashes[:usable]
-        if not keys or not len(state.index):
+        pending = self.pending_prefixes and bool(state.pending_prefixes)
+        if not keys or not (len(state.index) or pending):
             return PoolView(keys, None, 0, "", {}, {})
         match = state.index.match(keys)
         best: Source | None = None
@@ -359,6 +365,16 @@ class PrefillPlanner:
                     host_best[inst.host] = src
             elif inst.role == "prefill":
                 engines[inst.instance_id] = src
+        if pending and (
+            not self.priority_order or request.priority <= state.priorities_placed()[0]
+        ):
+            for instance_id, blocks in state.pending_lengths(keys).items():
+                inst = instances.get(instance_id)
+                if inst is None or not inst.alive or inst.stages:
+                    continue
+                held = engines.get(instance_id)
+                if held is None or held.blocks < blocks:
+                    engines[instance_id] = Source(inst, blocks, 0, pending=True)
         return PoolView(
             keys,
             best,
@@ -676,10 +692,14 @@ class PrefillPlanner:
         """The option an instance with this local prefix takes: the fastest of
         recompute / local / transfer (or the paper's rule when `weigh_transfer` is off)."""
         # The local load: engine blocks are free, the host's kvstore covers the rest.
+        # Blocks still being computed there are priced as a load from the host's
+        # DRAM: the engine's page cache may keep them, the host's pool will.
         engine_blocks = engine.blocks if engine else 0
         local_load = 0.0
+        if engine is not None and engine.pending:
+            local_load = self.cost.load_s(engine_blocks, bs, "dram", False)
         if local is not None and local.blocks > engine_blocks:
-            local_load = self.load_s(local, local.blocks - engine_blocks, bs, remote=False)
+            local_load += self.load_s(local, local.blocks - engine_blocks, bs, remote=False)
         recompute = Estimate(RECOMPUTE, local_blocks, 0, 0.0, prefill_s(0))
         local_est: Estimate | None = None
         if local_blocks > 0:

@@ -31,6 +31,7 @@ _ABSENT_MEANS: dict[str, Any] = {
     "admit_unqueued_overrun": False,
     "kv_reserved_at_start": False,
     "learn_from_cut_short": True,
+    "pending_prefixes": False,
 }
 
 

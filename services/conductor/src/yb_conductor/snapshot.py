@@ -155,6 +155,9 @@ def restore(snap: Snapshot, *, follow_recorded: bool = True) -> Conductor:
     s.now = snap.now
     s.instances = {i.instance_id: i for i in snap.instances}
     s.placements = {p.request_id: p for p in snap.placements}
+    for p in snap.placements:
+        if p.pending_keys:
+            s.add_pending(p)
     s.admissions = dict(snap.admissions)
     s.index = BlockIndex.restore(snap.index)
     s.block_trackers = dict(snap.trackers)

@@ -155,6 +155,9 @@ class Placement(msgspec.Struct, kw_only=True):
     started_at: float = 0.0
     others_at_start: float = 0.0
     prefill_done_at: float = 0.0
+    # The prompt's usable prefix blocks while its prefill runs on a prefill instance
+    # (`pending_prefixes`): after it, the instance holds them.
+    pending_keys: list[int] = msgspec.field(default_factory=list)
 
 
 class PendingAdmission(msgspec.Struct, kw_only=True, gc=False):
@@ -164,6 +167,7 @@ class PendingAdmission(msgspec.Struct, kw_only=True, gc=False):
     priority: int
     deadline: float
     block_size: int
+    keys: list[int] = msgspec.field(default_factory=list)
 
 
 class BlockTracker(msgspec.Struct, kw_only=True, gc=False):
@@ -251,6 +255,22 @@ class Learned(msgspec.Struct, kw_only=True, gc=False):
     tbt: Calibration = msgspec.field(default_factory=Calibration)
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading elements `a` and `b` share (`a[0] == b[0]` known): a
+    bisection over slice comparisons, each one C's loop."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 1, n - 1  # a[:lo] matches; a[:hi + 1] does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class ClusterState:
     """Instances, their loads, scheduled requests and the global block index."""
 
@@ -302,6 +322,9 @@ class ClusterState:
         # published: its gateway lives and may re-plan it.
         self.cancel_not_before: dict[str, float] = {}
         self.learned = Learned(decode_time_s=decode_time_s)
+        # First block key -> the placements whose prefill has not ended and whose
+        # prompt starts with it, in placement order (`pending_prefixes`).
+        self.pending_prefixes: dict[int, dict[str, None]] = {}
         # Completions not yet collected by whoever exports metrics (bounded).
         self.outcomes: list[Outcome] = []
         self.expired_placements = 0
@@ -348,6 +371,7 @@ class ClusterState:
                     priority=event.priority,
                     deadline=event.deadline,
                     block_size=event.block_size,
+                    keys=event.block_hashes,
                 )
             case ev.RequestScheduled():
                 self.place(event)
@@ -417,6 +441,12 @@ class ClusterState:
             work_s=work_s,
         )
         self.placements[rid] = placement
+        if pending and pending.keys and prefill is not None and prefill.role == "prefill":
+            # The blocks a prefill can reuse are those before the last prompt token.
+            usable = (decision.prompt_tokens - 1) // block_size
+            if usable > 0:
+                placement.pending_keys = pending.keys[:usable]
+                self.add_pending(placement)
         priorities = self._priorities
         if priorities is not None and priorities[0] is self.placements:
             _, lo, hi = priorities
@@ -703,7 +733,45 @@ class ClusterState:
             del queue[request_id]
             inst.prefill_queue = {request_id: None, **queue}
 
+    def add_pending(self, placement: Placement) -> None:
+        """Index a placement whose prefill computes `pending_keys` (by its first key)."""
+        key = placement.pending_keys[0]
+        rids = self.pending_prefixes.get(key)
+        if rids is None:
+            self.pending_prefixes[key] = {placement.request_id: None}
+        else:
+            rids[placement.request_id] = None
+
+    def _drop_pending(self, placement: Placement) -> None:
+        keys = placement.pending_keys
+        if not keys:
+            return
+        placement.pending_keys = []
+        rids = self.pending_prefixes.get(keys[0])
+        if rids is not None:
+            rids.pop(placement.request_id, None)
+            if not rids:
+                del self.pending_prefixes[keys[0]]
+
+    def pending_lengths(self, keys: list[int]) -> dict[str, int]:
+        """Per prefill instance, how many leading `keys` the prefills queued or running
+        there will have computed when they end (`pending_prefixes`)."""
+        if not keys:
+            return {}
+        rids = self.pending_prefixes.get(keys[0])
+        if not rids:
+            return {}
+        lengths: dict[str, int] = {}
+        placements = self.placements
+        for rid in rids:
+            p = placements[rid]
+            n = _common_prefix(keys, p.pending_keys)
+            if n > lengths.get(p.prefill_instance, 0):
+                lengths[p.prefill_instance] = n
+        return lengths
+
     def _prefill_finished(self, placement: Placement, at: float) -> None:
+        self._drop_pending(placement)
         placement.prefill_done = True
         placement.prefill_done_at = at
         inst = self.instances.get(placement.prefill_instance)
@@ -806,6 +874,7 @@ class ClusterState:
         placement = self.placements.pop(request_id, None)
         if placement is None:
             return
+        self._drop_pending(placement)
         if not placement.prefill_done:
             placement.prefill_done = True
             inst = self.instances.get(placement.prefill_instance)
