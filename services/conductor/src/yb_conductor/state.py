@@ -167,6 +167,7 @@ class PendingAdmission(msgspec.Struct, kw_only=True, gc=False):
     priority: int
     deadline: float
     block_size: int
+    # Its block chain: once placed, its prefill's prefix is pending there.
     keys: list[int] = msgspec.field(default_factory=list)
 
 
@@ -513,6 +514,7 @@ class ClusterState:
             priority=event.priority,
             deadline=event.deadline,
             block_size=event.block_size,
+            keys=event.block_hashes,
         )
 
     @contextlib.contextmanager
