@@ -423,13 +423,18 @@ def run_matrix_command(args: argparse.Namespace) -> int:
         return 1
     print(matrix_table(matrix))
     if args.json:
-        import msgspec
-
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(msgspec.to_builtins(matrix), indent=1) + "\n")
-        print(f"figures: {out}")
+        write_figures(args.json, matrix)
     return 0
+
+
+def write_figures(path: str, figures: object) -> None:
+    """A run's whole result as JSON at `path` (its folder made), and say where."""
+    import msgspec
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(msgspec.to_builtins(figures), indent=1) + "\n")
+    print(f"figures: {out}")
 
 
 def run_seeds_command(args: argparse.Namespace, limit: int) -> int:
@@ -465,12 +470,7 @@ def run_seeds_command(args: argparse.Namespace, limit: int) -> int:
         return 1
     print(spread_table(seeds_matrix))
     if args.json:
-        import msgspec
-
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(msgspec.to_builtins(seeds_matrix), indent=1) + "\n")
-        print(f"figures: {out}")
+        write_figures(args.json, seeds_matrix)
     return 0
 
 
@@ -514,12 +514,7 @@ def run_capacity_command(args: argparse.Namespace) -> int:
         return 2
     print(capacity_table(report))
     if args.json:
-        import msgspec
-
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(msgspec.to_builtins(report), indent=1) + "\n")
-        print(f"figures: {out}")
+        write_figures(args.json, report)
     return 0
 
 

@@ -250,12 +250,18 @@ def setting_row(s: Setting) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def _header(columns: tuple[str, ...]) -> list[str]:
+    """A markdown table's first two lines: the setting's four columns left-aligned,
+    the figures right-aligned."""
+    return [
+        "| " + " | ".join(columns) + " |",
+        "| " + " | ".join(["---"] * 4 + ["---:"] * (len(columns) - 4)) + " |",
+    ]
+
+
 def matrix_table(m: Matrix) -> str:
     """The matrix as a markdown table, one row per setting, and the tally."""
-    lines = [
-        "| " + " | ".join(MATRIX_COLUMNS) + " |",
-        "| " + " | ".join(["---"] * 4 + ["---:"] * (len(MATRIX_COLUMNS) - 4)) + " |",
-    ]
+    lines = _header(MATRIX_COLUMNS)
     lines.extend(setting_row(s) for s in m.settings)
     lines.append("")
     lines.append(f"mooncake wins {m.wins} of {len(m.settings)} settings.")
@@ -418,10 +424,7 @@ def spread_row(s: SeedSpread) -> str:
 
 def spread_table(m: SeedsMatrix) -> str:
     """The settings across the seeds as a markdown table, and the tally per seed."""
-    lines = [
-        "| " + " | ".join(SPREAD_COLUMNS) + " |",
-        "| " + " | ".join(["---"] * 4 + ["---:"] * (len(SPREAD_COLUMNS) - 4)) + " |",
-    ]
+    lines = _header(SPREAD_COLUMNS)
     lines.extend(spread_row(s) for s in m.spread)
     every = sum(s.wins == len(m.seeds) for s in m.spread)
     by_seed = zip(m.seeds, m.wins_by_seed, strict=True)
