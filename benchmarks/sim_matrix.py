@@ -39,8 +39,6 @@ import os
 import sys
 from pathlib import Path
 
-import msgspec
-
 ROOT = Path(__file__).resolve().parents[1]
 # Runs from a checkout without installing the packages.
 for src in ("libs/core/src", "services/conductor/src", "tools/yb/src"):
@@ -57,6 +55,7 @@ from yb_tools.sim.matrix import (  # noqa: E402
     spread_table,
 )
 from yb_tools.sim.params import SimParams  # noqa: E402
+from yb_tools.sim.results import write_json  # noqa: E402
 from yb_tools.sim.runner import PAPER_POLICY, RunSpec, simulate  # noqa: E402
 
 TRACE = ROOT / "benchmarks" / "traces" / "synthetic_trace.jsonl"
@@ -167,13 +166,9 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
     if args.matrix_json:
-        out = Path(args.matrix_json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(msgspec.to_builtins(matrix), indent=1) + "\n")
+        write_json(args.matrix_json, matrix)
     if args.seeds_json and seeds_matrix is not None:
-        out = Path(args.seeds_json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(msgspec.to_builtins(seeds_matrix), indent=1) + "\n")
+        write_json(args.seeds_json, seeds_matrix)
     if args.docs:
         chosen = f"--seeds {args.seeds}" if args.seeds else f"--seed {args.seed}"
         command = f"python benchmarks/sim_matrix.py --limit {args.limit} {chosen}"

@@ -39,6 +39,8 @@ _Seconds = Annotated[float, msgspec.Meta(gt=0)]
 _Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 #: A size or count that must be at least one (a batch, a chunk, a pool, threads).
 _Count = Annotated[int, msgspec.Meta(ge=1)]
+#: The kvstores' eviction policies (`yb_kvstore.eviction`), which `yb sim` plays too.
+EvictionPolicyName = Literal["lru", "fifo"]
 
 
 #: The event log's byte limit when `nats.max_bytes` is 0 (see `NatsConfig`).
@@ -110,7 +112,7 @@ class NatsConfig(_Section):
     # retransmission backoff (tens of seconds): the old connection carries this
     # client's publishes at once but delivers nothing to it, a new one both ways.
     ping_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
-    max_outstanding_pings: Annotated[int, msgspec.Meta(ge=1)] = 2
+    max_outstanding_pings: _Count = 2
     stream: str = "YB_EVENTS"
     storage: Literal["file", "memory"] = "file"
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
@@ -252,13 +254,13 @@ class GatewayConfig(_Section):
     token_idle_timeout_s: _Seconds = 60.0
     request_timeout_s: _Seconds = 600.0
     # At 0 every request would be refused for its length.
-    default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 256
-    max_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4096
+    default_max_tokens: _Count = 256
+    max_max_tokens: _Count = 4096
     # Re-plans per request (`yb_gateway.session`): how many times a stream whose
     # decode instance (or, before its first token, prefill instance) failed is
     # continued on a new plan before the client gets the error; 0 turns them off.
     replan_budget: Annotated[int, msgspec.Meta(ge=0)] = 1
-    max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 4 * 1024 * 1024
+    max_body_bytes: _Count = 4 * 1024 * 1024
     api_keys: list[str] = msgspec.field(default_factory=list)
     api_keys_file: str = ""
     allow_unauthenticated: bool = False
@@ -488,7 +490,7 @@ class PrefillEngineConfig(EngineConfig):
     """
 
     max_batch_size: _Count = 1
-    batch_jobs: Annotated[int, msgspec.Meta(ge=1)] = 16
+    batch_jobs: _Count = 16
     group: str = ""
     stage: Annotated[int, msgspec.Meta(ge=0)] = 0
     stages: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -538,7 +540,7 @@ class KVStoreConfig(_Section):
     ucx_host: str = "127.0.0.1"
     ucx_port: _Port = 0
     load_report_interval_s: _Seconds = 1.0
-    eviction_policy: Literal["lru", "fifo"] = "lru"
+    eviction_policy: EvictionPolicyName = "lru"
     dram_headroom_blocks: Annotated[int, msgspec.Meta(ge=-1)] = -1
     ssd_io_threads: _Count = 2
 

@@ -70,7 +70,7 @@ from itertools import islice
 from yb_conductor.candidates import PRUNE_ABOVE, still_busy
 from yb_conductor.cost_model import CostModel
 from yb_conductor.speed import InstanceSpeed
-from yb_conductor.state import ClusterState, InstanceState
+from yb_conductor.state import ClusterState, InstanceState, usable_blocks
 from yb_core import events as ev
 
 RECOMPUTE = "recompute"
@@ -334,10 +334,7 @@ class PrefillPlanner:
 
     def view(self, state: ClusterState, request: ev.RequestAdmitted) -> PoolView:
         """Walk the chain once and resolve every holder's prefix."""
-        # At least the last prompt token must be computed (its logits are needed), so
-        # a prompt that is all full blocks can reuse all but its last block.
-        usable = max(0, (request.prompt_tokens - 1) // max(1, request.block_size))
-        keys = request.block_hashes[:usable]
+        keys = request.block_hashes[: usable_blocks(request.prompt_tokens, request.block_size)]
         pending = self.pending_prefixes and bool(state.pending_prefixes)
         if not keys or not (len(state.index) or pending):
             return PoolView(keys, None, 0, "", {}, {})
@@ -372,8 +369,8 @@ class PrefillPlanner:
                 inst = instances.get(instance_id)
                 if inst is None or not inst.alive or inst.stages:
                     continue
-                held = engines.get(instance_id)
-                if held is None or held.blocks < blocks:
+                stored = engines.get(instance_id)
+                if stored is None or stored.blocks < blocks:
                     engines[instance_id] = Source(inst, blocks, 0, pending=True)
         return PoolView(
             keys,

@@ -256,6 +256,12 @@ class Learned(msgspec.Struct, kw_only=True, gc=False):
     tbt: Calibration = msgspec.field(default_factory=Calibration)
 
 
+def usable_blocks(prompt_tokens: int, block_size: int) -> int:
+    """How many of a prompt's blocks can be reused: all but the one holding its last
+    token (its logits must be computed)."""
+    return max(0, (prompt_tokens - 1) // max(1, block_size))
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading elements `a` and `b` share (`a[0] == b[0]` known): a
     bisection over slice comparisons, each one C's loop."""
@@ -443,8 +449,7 @@ class ClusterState:
         )
         self.placements[rid] = placement
         if pending and pending.keys and prefill is not None and prefill.role == "prefill":
-            # The blocks a prefill can reuse are those before the last prompt token.
-            usable = (decision.prompt_tokens - 1) // block_size
+            usable = usable_blocks(decision.prompt_tokens, block_size)
             if usable > 0:
                 placement.pending_keys = pending.keys[:usable]
                 self.add_pending(placement)

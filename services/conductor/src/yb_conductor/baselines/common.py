@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from yb_conductor.admission import NO_DECODE, NO_PREFILL, Verdict
 from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.policy_base import Decided, reject
-from yb_conductor.state import ClusterState, InstanceState
+from yb_conductor.state import ClusterState, InstanceState, usable_blocks
 from yb_core import events as ev
 from yb_core.config import ConductorConfig
 
@@ -35,8 +35,7 @@ class LocalView:
 def usable_keys(request: ev.RequestAdmitted) -> list[int]:
     """The prompt's blocks that can be reused: all but the one holding the last token
     (its logits must be computed)."""
-    usable = max(0, (request.prompt_tokens - 1) // max(1, request.block_size))
-    return request.block_hashes[:usable]
+    return request.block_hashes[: usable_blocks(request.prompt_tokens, request.block_size)]
 
 
 def local_view(

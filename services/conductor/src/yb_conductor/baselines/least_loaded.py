@@ -8,6 +8,7 @@ instance holds in its own engine cache, which it would compute from there anyway
 from __future__ import annotations
 
 from yb_conductor.admission import NO_DECODE, NO_PREFILL, Verdict
+from yb_conductor.baselines.common import usable_keys
 from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.policy_base import Decided, reject
 from yb_conductor.state import ClusterState, InstanceState
@@ -41,8 +42,8 @@ class LeastLoadedPolicy:
         prefill = min(prefills, key=lambda i: (i.prefill_tokens_in_flight, i.instance_id))
         decode = min(decodes, key=lambda i: (self._decode_load(i), i.instance_id))
         # The prefix an instance holds in its own engine cache is computed from there.
-        usable = max(0, (request.prompt_tokens - 1) // max(1, request.block_size))
-        cached = state.prefix_blocks(request.block_hashes[:usable], prefill.instance_id)
+        keys = usable_keys(request)
+        cached = state.prefix_blocks(keys, prefill.instance_id)
         computed = request.prompt_tokens - cached * request.block_size
         queue_s = self.cost.prefill_s(prefill.prefill_tokens_in_flight)
         prefill_s = self.cost.prefill_s(computed, cached * request.block_size)
@@ -71,7 +72,7 @@ class LeastLoadedPolicy:
             else []
         )
         # What a KVCache-aware policy could have reused, for the quality figures.
-        lengths = state.index.match(request.block_hashes[:usable]).lengths
+        lengths = state.index.match(keys).lengths
         best = max(lengths.values(), default=0)
         explain = ev.Explanation(
             branch="local" if cached else "recompute",

@@ -23,12 +23,11 @@ imported only here, so `yb` works without it installed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
-from yb_core.config import YbConfig
+from yb_core.config import EvictionPolicyName, YbConfig
 from yb_tools.cli.flags import defaults_of, given
 
 if TYPE_CHECKING:
@@ -109,7 +108,10 @@ def add_parser(sub: Any) -> None:
         "--pool-tokens", type=int, default=3_000_000, help="KV pool per host, tokens (3M)"
     )
     cluster.add_argument(
-        "--eviction", default="lru", choices=["lru", "fifo"], help="pool eviction (lru)"
+        "--eviction",
+        default="lru",
+        choices=get_args(EvictionPolicyName),
+        help="pool eviction (lru)",
     )
     cluster.add_argument(
         "--bandwidth-gbps",
@@ -311,6 +313,7 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     from yb_conductor.settings import SettingsError, parse_assignments
     from yb_tools.sim.progress import ProgressBar
     from yb_tools.sim.report import group_table, markdown_table, priority_table, summary_line
+    from yb_tools.sim.results import write_json
     from yb_tools.sim.runner import expand, simulate
     from yb_tools.sim.workloads import generate, write_trace
 
@@ -369,9 +372,7 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     except (OSError, CostModelError, SettingsError, ValueError) as exc:
         print(f"yb sim: {exc}", file=sys.stderr)
         return 1
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report.to_builtins(), indent=1) + "\n")
+    out = write_json(args.json, report)
     print(summary_line(report))
     print()
     print(markdown_table(report))
@@ -399,79 +400,64 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
 
 
 def run_matrix_command(args: argparse.Namespace) -> int:
-    """`yb sim --matrix`: print the matrix as it runs and the table; JSON to --json."""
-    from yb_conductor.cost_model import CostModelError
-    from yb_conductor.settings import SettingsError, parse_assignments
-    from yb_tools.sim.matrix import DEFAULT_LIMIT, matrix_table, run_matrix, setting_row
-
-    limit = DEFAULT_LIMIT if args.limit < 0 else args.limit
-    if args.seeds:
-        return run_seeds_command(args, limit)
-    try:
-        base = params_from(args)
-        settings: dict[str, Any] = parse_assignments(args.settings)
-        matrix = run_matrix(
-            trace=args.trace_file,
-            limit=limit,
-            seed=args.seed,
-            base=base,
-            settings=settings,
-            on_setting=None if args.quiet else lambda s: print(setting_row(s), file=sys.stderr),
-        )
-    except (OSError, CostModelError, ValueError, SettingsError) as exc:
-        print(f"yb sim: {exc}", file=sys.stderr)
-        return 1
-    print(matrix_table(matrix))
-    if args.json:
-        write_figures(args.json, matrix)
-    return 0
-
-
-def write_figures(path: str, figures: object) -> None:
-    """A run's whole result as JSON at `path` (its folder made), and say where."""
-    import msgspec
-
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(msgspec.to_builtins(figures), indent=1) + "\n")
-    print(f"figures: {out}")
-
-
-def run_seeds_command(args: argparse.Namespace, limit: int) -> int:
-    """`yb sim --matrix --seeds`: the matrix on each seed, a line per seed as it
-    completes, then each setting across the seeds; everything to --json."""
+    """`yb sim --matrix`: print the matrix as it runs and the table; JSON to --json.
+    With `--seeds`, the matrix on each seed (as many at once as there are cores), a
+    line per seed as it completes, then each setting across the seeds."""
     import os
 
     from yb_conductor.cost_model import CostModelError
     from yb_conductor.settings import SettingsError, parse_assignments, with_overrides
     from yb_core.config import ConductorConfig
-    from yb_tools.sim.matrix import Matrix, parse_seeds, run_seeds, spread_table
+    from yb_tools.sim.matrix import (
+        DEFAULT_LIMIT,
+        Matrix,
+        matrix_table,
+        parse_seeds,
+        run_matrix,
+        run_seeds,
+        setting_row,
+        spread_table,
+    )
 
-    def done(m: Matrix) -> None:
+    def seed_done(m: Matrix) -> None:
         if not args.quiet:
             print(f"seed {m.seed}: mooncake wins {m.wins} of {len(m.settings)}", file=sys.stderr)
 
+    limit = DEFAULT_LIMIT if args.limit < 0 else args.limit
     try:
-        seeds = parse_seeds(args.seeds)
         base = params_from(args)
         settings: dict[str, Any] = parse_assignments(args.settings)
-        with_overrides(ConductorConfig(), settings)  # refused here, not in every worker
-        seeds_matrix = run_seeds(
-            seeds,
-            jobs=min(len(seeds), os.cpu_count() or 1),
-            on_matrix=done,
-            trace=args.trace_file,
-            limit=limit,
-            base=base,
-            settings=settings,
-        )
+        common: dict[str, Any] = {
+            "trace": args.trace_file,
+            "limit": limit,
+            "base": base,
+            "settings": settings,
+        }
+        result: object
+        if args.seeds:
+            seeds = parse_seeds(args.seeds)
+            with_overrides(ConductorConfig(), settings)  # refused here, not in every worker
+            jobs = min(len(seeds), os.cpu_count() or 1)
+            result = run_seeds(seeds, jobs=jobs, on_matrix=seed_done, **common)
+            table = spread_table(result)
+        else:
+            show = None if args.quiet else lambda s: print(setting_row(s), file=sys.stderr)
+            result = run_matrix(seed=args.seed, on_setting=show, **common)
+            table = matrix_table(result)
     except (OSError, CostModelError, ValueError, SettingsError) as exc:
         print(f"yb sim: {exc}", file=sys.stderr)
         return 1
-    print(spread_table(seeds_matrix))
+    print(table)
     if args.json:
-        write_figures(args.json, seeds_matrix)
+        write_figures(args.json, result)
     return 0
+
+
+def write_figures(path: str, figures: object) -> None:
+    """A run's whole result as JSON at `path`, and say where."""
+    from yb_tools.sim.results import write_json
+
+    print(f"figures: {write_json(path, figures)}")
 
 
 def run_capacity_command(args: argparse.Namespace) -> int:

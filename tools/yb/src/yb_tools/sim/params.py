@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
+from yb_core.config import EvictionPolicyName
+
 DecodeAdmission = Literal["engine", "reject", "queue"]
-EvictionName = Literal["lru", "fifo"]
-EVICTIONS: tuple[EvictionName, ...] = ("lru", "fifo")
+EvictionName = EvictionPolicyName
+EVICTIONS: tuple[EvictionName, ...] = get_args(EvictionPolicyName)
 
 
 class SimParams(msgspec.Struct, kw_only=True, frozen=True):

@@ -14,7 +14,6 @@ the overall one; `--json` writes every run's figures.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import msgspec
 
 from yb_tools.sim.params import SimParams
 from yb_tools.sim.report import markdown_table, priority_table, summary_line
-from yb_tools.sim.results import PolicyResult
+from yb_tools.sim.results import PolicyResult, write_json
 from yb_tools.sim.runner import SimReport, resolve_cost
 from yb_tools.sim.simulator import Simulation, block_size_for
 from yb_tools.sim.workload import load_workload
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(markdown_table(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(report.to_builtins(), indent=1) + "\n")
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

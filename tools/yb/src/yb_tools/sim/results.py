@@ -25,7 +25,9 @@ instances show which requests the conductor gave the pipeline; likewise
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -298,4 +300,13 @@ def by_priority(
             ttft_within_slo=fast / len(done) if done else 0.0,
             slo_attainment=good / len(members),
         )
+    return out
+
+
+def write_json(path: str | Path, result: object) -> Path:
+    """A run's whole result (a struct of `yb sim`'s) as indented JSON at `path`, its
+    folder made; the path written."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(msgspec.to_builtins(result), indent=1) + "\n")
     return out

@@ -58,11 +58,6 @@ class SimReport(msgspec.Struct, kw_only=True):
     block_size: int
     wall_s: float
 
-    def to_builtins(self) -> dict[str, Any]:
-        """The JSON document `yb sim --json` writes."""
-        out: dict[str, Any] = msgspec.to_builtins(self)
-        return out
-
 
 def expand(policies: list[str], admissions: list[str]) -> list[RunSpec]:
     """The runs `--policy` and `--admission` ask for; ValueError on unknown names."""
