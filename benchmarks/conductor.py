@@ -32,6 +32,14 @@ suffix `_PxD` (`decisions_per_s_1024x256`), with `--compare` too.
 Before the trace starts, `--pool-blocks` (default a million) unrelated blocks are
 stored across the kvstores, so the index the decisions walk is production-sized.
 
+`--against REV` also times the conductor as it was at git revision REV (its own
+`benchmarks/conductor.py`, run from `git archive` of REV on the same core), a round of
+REV and a round of this code in turn, `--repeats` rounds of each: the machine's speed
+changes from minute to minute, so the two sides of the ratio share every minute. REV
+builds its own log from the same trace (its decisions are its own). Its figures get the
+prefix `against_`; `decisions_per_s_over_against` is this code's rate over REV's (a
+shape's too, with `--shapes`).
+
 Figures are the median of `--repeats` runs (the machine may be shared).
 """
 
@@ -42,7 +50,10 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -159,8 +170,12 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | bool]:
     )
     print(f"decisions: {quality.summary()}")
 
-    figures: dict[str, float | int | bool] = {
-        **timed(records, args.repeats),
+    if args.against_src is not None:
+        ours, theirs = alternate(records, args)
+    else:
+        ours, theirs = timed(records, args.repeats), {}
+    figures: dict[str, float | int | bool | str] = {
+        **ours,
         "full_scan": args.full_scan,
         "prefill_instances": args.prefill,
         "decode_instances": args.decode,
@@ -172,7 +187,87 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | bool]:
         full_scan(True)
         figures.update({f"full_scan_{k}": v for k, v in timed(records, args.repeats).items()})
         full_scan(False)
+    if theirs:
+        figures["against"] = args.against
+        figures.update({f"against_{k}": v for k, v in theirs.items()})
+        figures["decisions_per_s_over_against"] = round(
+            float(ours["decisions_per_s"]) / float(theirs["decisions_per_s"]), 3
+        )
     return figures
+
+
+# What the code at `--against` reports that this run compares.
+AGAINST_FIGURES = (
+    "decision_latency_p50_ms",
+    "decision_latency_p99_ms",
+    "decisions_per_s",
+    "replay_events_per_s",
+    "decisions",
+)
+# The flags passed on to the code at `--against` (each has been in the script since
+# before the candidates were pruned).
+PASSED_ON = (
+    "trace",
+    "requests",
+    "prefill",
+    "decode",
+    "speedup",
+    "cost_model",
+    "admission",
+    "ttft_slo",
+    "tbt_slo",
+    "pool_blocks",
+)
+
+
+def unpack(rev: str, into: Path) -> Path:
+    """The tree of git revision `rev` (the parts the benchmark runs), under `into`."""
+    parts = ["benchmarks", "libs/core", "services/conductor", "tools/yb"]
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", rev, *parts],
+        capture_output=True,
+        check=False,
+        timeout=120,
+    )
+    if archive.returncode:
+        raise SystemExit(f"--against {rev}: git archive failed: {archive.stderr.decode().strip()}")
+    tar_path = into / "tree.tar"
+    tar_path.write_bytes(archive.stdout)
+    with tarfile.open(tar_path) as tar:
+        tar.extractall(into / "tree", filter="data")
+    return into / "tree"
+
+
+def run_against(args: argparse.Namespace) -> dict[str, float]:
+    """One run of the code at `--against` on this cluster shape: its figures."""
+    out = Path(args.against_tmp) / f"against_{args.prefill}x{args.decode}.json"
+    command = [sys.executable, str(args.against_src / "benchmarks" / "conductor.py")]
+    for name in PASSED_ON:
+        command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    # The child inherits this process's core: both sides run on it.
+    command += ["--repeats", "1", "--no-pin", "--json", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=1800)
+    if done.returncode:
+        raise SystemExit(f"--against {args.against} failed:\n{done.stderr[-3000:]}")
+    found = json.loads(out.read_text())
+    return {k: found[k] for k in AGAINST_FIGURES}
+
+
+def alternate(
+    records: list[LogRecord], args: argparse.Namespace
+) -> tuple[dict[str, float], dict[str, float]]:
+    """This code's figures and the `--against` revision's, a round of each in turn:
+    the median of `--repeats` rounds per figure."""
+    ours: list[dict[str, float]] = []
+    theirs: list[dict[str, float]] = []
+    for _ in range(args.repeats):
+        theirs.append(run_against(args))
+        ours.append(timed(records, 1))
+    return medians(ours), medians(theirs)
+
+
+def medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(run[k] for run in runs) for k in runs[0]}
 
 
 def main() -> int:
@@ -203,6 +298,11 @@ def main() -> int:
         "--compare", action="store_true", help="also time the full scan on the same log"
     )
     parser.add_argument(
+        "--against",
+        metavar="REV",
+        help="also time the conductor at git revision REV, in turn with this one (against_*)",
+    )
+    parser.add_argument(
         "--shapes",
         type=parse_shapes,
         default=[],
@@ -213,14 +313,19 @@ def main() -> int:
     if not args.no_pin and hasattr(os, "sched_setaffinity"):
         core = max(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {core})
-    figures = measure(args)
-    for prefill, decode in args.shapes:
-        shape = argparse.Namespace(**{**vars(args), "prefill": prefill, "decode": decode})
-        figures.update({f"{k}_{prefill}x{decode}": v for k, v in measure(shape).items()})
+    with tempfile.TemporaryDirectory(prefix="conductor-against-") as tmp:
+        args.against_tmp = tmp
+        args.against_src = unpack(args.against, Path(tmp)) if args.against else None
+        figures = measure(args)
+        for prefill, decode in args.shapes:
+            shape = argparse.Namespace(**{**vars(args), "prefill": prefill, "decode": decode})
+            figures.update({f"{k}_{prefill}x{decode}": v for k, v in measure(shape).items()})
     goals = {
         "decision_latency_p99_ms": ("<", 1.0),
         "decisions_per_s": (">=", 10000.0),
         "replay_events_per_s": (">=", 50000.0),
+        # Issue 18: no slower than the code before the candidates were pruned.
+        "decisions_per_s_over_against": (">=", 1.0),
     }
     print(f"\n{'figure':<44} {'value':>12}  goal")
     for name, value in figures.items():

@@ -400,6 +400,17 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         ("log_events", "events in the log"),
         ("decisions", "admissions in the log"),
         ("index_blocks", "blocks in the conductor's index at the end"),
+        ("against", "with `--against REV`: the git revision timed in turn with this code"),
+        (
+            r"against_(decision_latency_p50_ms|decision_latency_p99_ms|decisions_per_s|"
+            r"replay_events_per_s|decisions)",
+            "{0} of the code at `against`, on its own log of the same trace, in the same run "
+            "(a round of each in turn)",
+        ),
+        (
+            "decisions_per_s_over_against",
+            "this code's decisions per second over the `against` revision's, same run",
+        ),
     ],
     "timeline": [
         ("requests", "requests in the report"),

@@ -67,7 +67,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
 
-from yb_conductor.candidates import PRUNE_ABOVE, still_busy
+from yb_conductor.candidates import PRUNE_ABOVE, Candidates, still_busy
 from yb_conductor.cost_model import CostModel
 from yb_conductor.speed import InstanceSpeed
 from yb_conductor.state import ClusterState, InstanceState, usable_blocks
@@ -254,9 +254,12 @@ class CopyCost:
     pushes out. The pool's fill and the pool's regret,
     not the host's: every instance holding nothing of the prefix pays the same, so
     only the holders and the queued need evaluating one by one (`candidates`).
+
+    An instance holding `held` blocks pays `(best - held) * per_block` seconds
+    (nothing where `held >= best`); the planner reads the two in its loop.
     """
 
-    __slots__ = ("_best", "_per_block")
+    __slots__ = ("best", "per_block")
 
     def __init__(
         self,
@@ -265,18 +268,17 @@ class CopyCost:
         view: PoolView,
         prefill_s: Callable[[int], float],
     ) -> None:
-        self._best = view.best_any_blocks
+        # The longest prefix held anywhere, and what each block of it missing costs.
+        self.best = view.best_any_blocks
+        self.per_block = 0.0
         blocks = len(view.keys)
-        saved = (prefill_s(0) - prefill_s(blocks)) / blocks if blocks else 0.0
-        per_block = planner.stickiness * saved * state.pool_fill() if self._best else 0.0
+        if not self.best or not blocks:
+            return
+        saved = (prefill_s(0) - prefill_s(blocks)) / blocks
+        per_block = planner.stickiness * saved * state.pool_fill()
         if planner.eviction_regret and per_block:
             per_block *= state.eviction_regret()
-        self._per_block = per_block
-
-    def seconds(self, held: int) -> float:
-        """The copy's cost on an instance that holds `held` blocks of the prefix."""
-        copied = self._best - held
-        return copied * self._per_block if copied > 0 else 0.0
+        self.per_block = per_block
 
 
 def _slowdown(entry: tuple[float, float, str]) -> float:
@@ -450,7 +452,9 @@ class PrefillPlanner:
         (see `candidates` for why it is exact)."""
         if state.learn_speed and state.compute_sharing != "none":
             return None  # an idle engine's speed depends on its group's load
-        found = self._table_candidates(state, view, prefills, shared_work)
+        positions = state.positions(prefills)
+        index = state.candidates()
+        found = self._table_candidates(state, view, prefills, positions, index, shared_work)
         if found is None:
             return None
         picked, taken, holding_or_queued = found
@@ -459,7 +463,9 @@ class PrefillPlanner:
         # With stickiness the pick is not always among the fastest by id: ties go to
         # the instance idle longest. Every quiet non-holder pays the same copy cost,
         # so the one that ranks first is the fastest, idle longest among equals.
-        winner = self._quiet_winner(state, prefills, holding_or_queued, shared_work)
+        winner = self._quiet_winner(
+            state, prefills, positions, index, holding_or_queued, shared_work
+        )
         if winner is not None and winner not in picked:
             picked = sorted([*picked, winner])
         return picked, taken
@@ -468,15 +474,15 @@ class PrefillPlanner:
         self,
         state: ClusterState,
         prefills: list[InstanceState],
+        positions: dict[str, int],
+        index: Candidates,
         skip: set[int],
         shared_work: float,
     ) -> int | None:
         """The position of the quiet non-holder (not in `skip`) whose TTFT, `w * f`
         (`w` without learned speed), is lowest, idle longest among equals (the
         earliest `busy_until`, then the lowest position: the tie order of
-        `_evaluate`)."""
-        positions = state.positions(prefills)
-        index = state.candidates()
+        `_evaluate`). `positions` and `index`: the state's, for `prefills`."""
         queued = index.may_be_queued
         learned = state.learn_speed
         best: tuple[float, int] | None = None  # (busy_until, position)
@@ -506,11 +512,12 @@ class PrefillPlanner:
         state: ClusterState,
         view: PoolView,
         prefills: list[InstanceState],
+        positions: dict[str, int],
+        index: Candidates,
         shared_work: float,
     ) -> tuple[list[int], int, set[int]] | None:
         """`_candidates` for the explanation's table and the pick by TTFT, with the
         positions of the holders and the queued."""
-        positions = state.positions(prefills)
         picked: set[int] = set()
         if view.host_best or view.engines:
             hosts = state.live_by_host()
@@ -523,7 +530,6 @@ class PrefillPlanner:
                 i = positions.get(instance_id)
                 if i is not None:
                     picked.add(i)
-        index = state.candidates()
         queued = index.may_be_queued
         picked.update(
             still_busy(
@@ -621,6 +627,7 @@ class PrefillPlanner:
         chosen = 0
         chosen_rank = math.inf
         copy = CopyCost(self, state, view, prefill_s) if self.stickiness > 0.0 else None
+        copy_best, copy_per_block = (copy.best, copy.per_block) if copy else (0, 0.0)
         for i, inst in enumerate(prefills):
             factor = 1.0
             if factors is not None:
@@ -664,7 +671,9 @@ class PrefillPlanner:
                     chosen_rank = t
                     chosen = i
                 continue
-            rank = t + copy.seconds(held)
+            # The copy's cost: each block of the longest prefix that it lacks.
+            copied = copy_best - held
+            rank = t + copied * copy_per_block if copied > 0 else t
             if rank < chosen_rank or (
                 # Ties go to the instance idle longest (then by id): new prefixes
                 # spread over the hosts' pools instead of filling the first host's.

@@ -482,6 +482,8 @@ class ClusterState:
     def _overtake(self, inst: InstanceState, placement: Placement) -> bool:
         """Queue `placement` ahead of the waiting requests of a lower priority (never
         ahead of the head: it runs), re-timing them; False if it overtakes none."""
+        if placement.priority <= self.priorities_placed()[0]:
+            return False  # no request placed is of a lower priority
         placements = self.placements
         order = list(inst.prefill_queue)
         at = 0
