@@ -14,6 +14,9 @@ import pytest
 
 from yb_conductor.policy import placement_policy
 from yb_conductor.quality import reject_code
+from yb_conductor.replay import replay
+from yb_conductor.settings import recorded_settings
+from yb_conductor.state import DECODE_TIMES_KEPT, DecodeTimes
 from yb_core import events as ev
 
 TBT_SLO = 0.030  # 10 ms + 1 ms per sequence: a batch of 20 is the most it allows
@@ -200,3 +203,81 @@ def test_hot_prefixes_are_replicated_to_the_least_busy_host(crafted: Any) -> Non
     for i in range(4):
         outputs = c.feed(_request(f"s{i}", [*keys(6), 8_000 + i]))
         assert not [o for o in outputs if isinstance(o, ev.ReplicationPlanned)]
+
+
+def test_decode_times_keep_the_latest_in_order() -> None:
+    times = DecodeTimes()
+    for seconds in [*range(1, DECODE_TIMES_KEPT + 1), 0.5]:
+        times.add(float(seconds))
+    # The first (1 s) made room for the last (0.5 s).
+    assert len(times.arrived) == len(times.ordered) == DECODE_TIMES_KEPT
+    assert times.ordered == sorted(times.arrived) and times.ordered[:2] == [0.5, 2.0]
+    few = DecodeTimes()
+    for seconds in (1.0, 2.0, 3.0, 4.0):
+        few.add(seconds)
+    # Of 4 (and one longer than any), 2 + 1 last beyond 2.5 s; 1 + 1 of those 3.5 s.
+    assert few.still_decoding(0.0, 2.5) == pytest.approx(3 / 5)
+    assert few.still_decoding(2.5, 3.5) == pytest.approx(2 / 3)
+    # Past every record: taken to go on.
+    assert few.still_decoding(9.0, 20.0) == 1.0
+
+
+def _decode_times(c: Any, seconds: float, n: int = 40) -> None:
+    """`n` requests that each decode for `seconds`, one after the other."""
+    for i in range(n):
+        d = c.admit(f"past{i}", keys(1, base=500_000 + 100 * i), max_tokens=10_000)
+        c.progress(d.request_id, d.decode_instance, "kv_committed")
+        c.at(c.t + seconds).finish(d.request_id, d.decode_instance, output_tokens=100)
+        c.at(c.t + 0.01)
+
+
+def test_requests_decoding_past_t_d_count_by_the_decode_times_recorded(crafted: Any) -> None:
+    # `t_d` stays 5 s (alpha 0) while every decode recorded lasted 60 s.
+    c = crafted(admission="none", decode_time_s=5.0, decode_time_alpha=0.0, heartbeat_timeout_s=1e6)
+    c.hosts(1)
+    _decode_times(c, 60.0)
+    for i in range(20):
+        d = c.admit(f"w{i}", keys(1, base=100 * i), max_tokens=10_000, tbt_slo=TBT_SLO)
+        c.progress(d.request_id, d.decode_instance, "kv_committed")
+    # They have decoded for 10 s: past `t_d`, far from 60 s (the prefill's load
+    # report moves the state's clock).
+    c.at(c.t + 10.0).feed(ev.LoadReport(instance_id="p-0", role="prefill"))
+    r = _request("r", keys(2, base=99_000))
+    # By `t_d` they will all have finished; by the times recorded all go on: batch 21.
+    assert _verdict(c, r, decode_time_distribution=False) == "admit"
+    refused = _ask(c, "predicted", r)
+    assert isinstance(refused, ev.RequestRejected) and reject_code(refused.reason) == "tbt_slo"
+    assert refused.estimates.decode_batch == 21
+
+
+def test_requests_just_starting_count_by_the_chance_they_last(crafted: Any) -> None:
+    # `t_d` stays 30 s while every decode recorded lasted 1 s.
+    c = crafted(
+        admission="none", decode_time_s=30.0, decode_time_alpha=0.0, heartbeat_timeout_s=1e6
+    )
+    c.hosts(1)
+    _decode_times(c, 1.0)
+    for i in range(20):
+        d = c.admit(f"w{i}", keys(1, base=100 * i), max_tokens=10_000, tbt_slo=TBT_SLO)
+        c.progress(d.request_id, d.decode_instance, "kv_committed")
+    # A prefill of 1.6 s: by `t_d` all 20 still decode then (TBT 31 ms); by the
+    # times recorded each does with a chance of 1 in 41.
+    r = _request("r", keys(100, base=99_000))
+    assert _verdict(c, r, decode_time_distribution=False) == "tbt_slo"
+    admitted = _ask(c, "predicted", r)
+    assert isinstance(admitted, ev.RequestScheduled)
+    assert admitted.estimates.decode_batch == round(1 + 20 / 41)
+    assert admitted.estimates.tbt_s == pytest.approx(0.010 + 0.001 * (1 + 20 / 41))
+    assert replay(c.records).divergences == []
+
+
+def _verdict(c: Any, request: ev.RequestAdmitted, **settings: Any) -> str:
+    cfg = msgspec.structs.replace(c.cfg, admission="predicted", **settings)
+    request.time = c.t
+    d = placement_policy(cfg, c.cost).decide(c.c.state, request, seq=10_000).decision
+    return "admit" if isinstance(d, ev.RequestScheduled) else reject_code(d.reason)
+
+
+def test_a_log_recorded_before_decode_times_predicts_by_t_d() -> None:
+    assert recorded_settings('{"policy": "mooncake"}').decode_time_distribution is False
+    assert recorded_settings('{"decode_time_distribution": true}').decode_time_distribution

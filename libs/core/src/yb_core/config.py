@@ -370,6 +370,14 @@ class ConductorConfig(_Section):
     requests sharing a cold prefix queue behind its first prefill rather than compute
     it again elsewhere; off, only stored blocks count (how logs recorded before the
     setting replay).
+    `decode_time_distribution` (the default): under `predicted` admission, the batch
+    that judges a request counts each request on the chosen decode instance by the
+    chance that it is still decoding when this one's prefill ends, given how long it
+    has decoded already, from the latest 256 completed decode times (once 32 are
+    recorded; it stops at its `max_tokens` at the latest); off, each request decodes
+    for `t_d` exactly, the moving average of those times (how logs recorded before
+    the setting replay). Placement ranks the decode instances by the latter either
+    way: it is cheaper to compare.
     `explain_decode_top_k`: how many decode instances a decision's explanation
     lists (the chosen one, then the lowest predicted TBT; 0: every instance, as
     logs recorded before the setting do).
@@ -415,6 +423,7 @@ class ConductorConfig(_Section):
     kv_reserved_at_start: bool = True
     learn_from_cut_short: bool = False
     pending_prefixes: bool = True
+    decode_time_distribution: bool = True
 
 
 class EngineConfig(_Section):

@@ -133,7 +133,8 @@ class AdmissionPolicy:
         if self.name == "early":
             tbt, batch, horizon = decode.decoding_tbt_s, decode.decoding_batch, "now"
         else:
-            tbt, batch, horizon = decode.predicted_tbt_s, decode.predicted_batch, "at prefill end"
+            tbt, batch = decode.predicted_tbt_s, decode.predicted_batch
+            horizon = "expected at prefill end" if decode.expected else "at prefill end"
         expected_tbt = calibration[1].expected(tbt) if calibration else tbt
         if expected_tbt > tbt_limit:
             return Verdict(

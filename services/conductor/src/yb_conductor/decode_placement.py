@@ -12,7 +12,19 @@ admission policies look at different ones:
 - `assigned`: everything sent there and not finished, plus this one (an upper bound).
 
 The placement itself uses the predicted TBT in every admission policy, so that
-switching admission changes only who is refused, not where the others go. An
+switching admission changes only who is refused, not where the others go.
+
+Under `predicted` admission the chosen instance is then judged by the batch
+*expected* at that moment (`decode_time_distribution`): each request there counts
+by the chance that it is still decoding then, given how long it has decoded
+already, read off the latest completed decode times. Output lengths are heavy
+tailed, so a request that has decoded past `t_d` is often far from done, and one
+that has just started often finishes soon: counting each in or out at `t_d` errs
+both ways. The expected figures are what the decision's estimates, its load
+prediction and the admission check carry; the explanation's table of decode
+instances keeps the figures placement compared.
+
+An
 instance without room for the request's KV (prompt plus expected output) is not a
 candidate.
 
@@ -52,7 +64,7 @@ from dataclasses import dataclass
 
 from yb_conductor.candidates import PRUNE_ABOVE, still_busy
 from yb_conductor.cost_model import CostModel
-from yb_conductor.state import ClusterState, InstanceState
+from yb_conductor.state import DECODE_TIMES_MIN, ClusterState, InstanceState
 
 
 @dataclass(slots=True)
@@ -68,6 +80,9 @@ class DecodeEstimate:
     assigned_batch: int
     assigned_tbt_s: float
     at_time: float
+    # The predicted figures are the batch expected by the recent decode times
+    # (`expected_at_prefill_end`), not the one placement compared.
+    expected: bool = False
 
 
 @dataclass(slots=True)
@@ -267,6 +282,33 @@ class DecodePlanner:
             assigned_tbt_s=cost.tbt_s(assigned_batch, inst.decode_context_tokens + choice.context),
             at_time=choice.at_time,
         )
+
+    def expected_at_prefill_end(
+        self, state: ClusterState, est: DecodeEstimate, context: int
+    ) -> tuple[float, float] | None:
+        """The batch and TBT expected on `est`'s instance when this request's prefill
+        ends, each request there counted by the chance that it is decoding then
+        (`decode_time_distribution`); None while too few decode times are recorded.
+
+        A request decodes from its first token (or its prefill's predicted end)
+        until its output ends, which the recent decode times say how likely it is
+        to do by any moment, given how long it has decoded already; it stops at
+        its `max_tokens` at the latest."""
+        times = state.learned.decode_times
+        if len(times.ordered) < DECODE_TIMES_MIN:
+            return None
+        at, now = est.at_time, state.now
+        batch, ctx = 1.0, float(context)
+        for p in state.assigned_placements(est.instance):
+            start = p.decode_started or p.prefill_end
+            later = at - start
+            if later < 0.0 or later >= p.duration_cap:
+                continue  # not decoding yet then, or stopped at its max_tokens
+            share = times.still_decoding(now - start, later)
+            batch += share
+            ctx += share * p.context_tokens
+        d = self.cost.decode
+        return batch, d.base_s + d.per_seq_s * batch + d.per_context_token_s * ctx
 
     def drain_time_s(
         self, state: ClusterState, est: DecodeEstimate, limit_s: float, context: int

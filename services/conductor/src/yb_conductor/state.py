@@ -36,6 +36,7 @@ What is tracked, and why:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import heapq
 import math
@@ -242,11 +243,45 @@ class Calibration(msgspec.Struct, kw_only=True, gc=False):
         return line if line < estimate else estimate
 
 
+# How many of the latest decode times `DecodeTimes` keeps, and how many it needs
+# before the predicted batch is weighed by them (`decode_time_distribution`).
+DECODE_TIMES_KEPT = 256
+DECODE_TIMES_MIN = 32
+
+
+class DecodeTimes(msgspec.Struct, kw_only=True, gc=False):
+    """The latest completed requests' decode times (seconds from the first token to
+    the last), in arrival order and sorted, for the chance that a request decoding
+    for some time already is still decoding a while later."""
+
+    arrived: list[float] = msgspec.field(default_factory=list)
+    ordered: list[float] = msgspec.field(default_factory=list)
+
+    def add(self, seconds: float) -> None:
+        """One more decode time; the oldest goes past `DECODE_TIMES_KEPT`."""
+        self.arrived.append(seconds)
+        bisect.insort(self.ordered, seconds)
+        if len(self.arrived) > DECODE_TIMES_KEPT:
+            oldest = self.arrived.pop(0)
+            del self.ordered[bisect.bisect_left(self.ordered, oldest)]
+
+    def still_decoding(self, elapsed_s: float, later_s: float) -> float:
+        """The chance that a request decoding for `elapsed_s` still is at `later_s`
+        (both from its first token): of the recorded times longer than `elapsed_s`,
+        the share longer than `later_s`, counting one more longer than any (a
+        request that outlives every record is taken to go on)."""
+        ordered = self.ordered
+        n = len(ordered)
+        longer_now = n - bisect.bisect_right(ordered, elapsed_s) if elapsed_s > 0.0 else n
+        return (n - bisect.bisect_right(ordered, later_s) + 1) / (longer_now + 1)
+
+
 class Learned(msgspec.Struct, kw_only=True, gc=False):
     """Moving averages taught by completions.
 
     `ttft` and `tbt`: what completed requests' TTFT and mean TBT were against the
     conductor's estimates for them; calibrated admission judges by them.
+    `decode_times`: the latest decode times themselves (`DecodeTimes`).
     """
 
     decode_time_s: float
@@ -254,6 +289,7 @@ class Learned(msgspec.Struct, kw_only=True, gc=False):
     completions: int = 0
     ttft: Calibration = msgspec.field(default_factory=Calibration)
     tbt: Calibration = msgspec.field(default_factory=Calibration)
+    decode_times: DecodeTimes = msgspec.field(default_factory=DecodeTimes)
 
 
 def usable_blocks(prompt_tokens: int, block_size: int) -> int:
@@ -849,6 +885,7 @@ class ClusterState:
             whole = self.learn_from_cut_short or event.reason != ev.CUT_SHORT_REASON
             if decode_s > 0 and whole:
                 learned.decode_time_s += a * (decode_s - learned.decode_time_s)
+                learned.decode_times.add(decode_s)
             if event.output_tokens > 0 and whole:
                 learned.output_tokens += a * (event.output_tokens - learned.output_tokens)
             if placement.est_ttft_s > 0 and event.ttft_s > 0:
