@@ -98,8 +98,8 @@ class MooncakePolicy:
             admit_unqueued_overrun=cfg.admit_unqueued_overrun,
         )
         # Only `predicted` judges the batch at the prefill's end: the others keep the
-        # estimate placement made (`decode_time_distribution`).
-        self.expect_by_decode_times = cfg.decode_time_distribution and cfg.admission == "predicted"
+        # estimate placement made (`output_distribution`).
+        self.expect_by_outputs = cfg.output_distribution and cfg.admission == "predicted"
 
     def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decided:
         """Place the request, or refuse it with the figures that led there."""
@@ -155,7 +155,7 @@ class MooncakePolicy:
             explain.branch, explain.reason = "reject", verdict.reason
             return Decided(reject(request, seq, name, verdict, explain=explain), [])
         decode = self.decode.estimate(dchoice, dchoice.chosen_index)
-        if self.expect_by_decode_times and decode.instance.assigned:
+        if self.expect_by_outputs and decode.instance.assigned:
             # (With nothing assigned there, the batch is this request alone either way.)
             expected = self.decode.expected_at_prefill_end(state, decode, dchoice.context)
             if expected is not None:
@@ -401,7 +401,7 @@ class MooncakePolicy:
             f"{inst} {what}; {ttft}; decode "
             f"{decode.instance.instance_id}: predicted TBT {decode.predicted_tbt_s:.4f}s "
             f"at batch {decode.predicted_batch}"
-            f"{' (expected by the recent decode times)' if decode.expected else ''}"
+            f"{' (expected by the recent outputs)' if decode.expected else ''}"
         )
 
 
