@@ -14,9 +14,7 @@ import pytest
 
 from yb_conductor.policy import placement_policy
 from yb_conductor.quality import reject_code
-from yb_conductor.replay import replay
 from yb_conductor.settings import recorded_settings
-from yb_conductor.state import OUTPUT_SHARES_KEPT, OutputShares
 from yb_core import events as ev
 
 TBT_SLO = 0.030  # 10 ms + 1 ms per sequence: a batch of 20 is the most it allows
@@ -74,7 +72,7 @@ def test_requests_in_prefill_count_only_for_the_predicted_policy(crafted: Any) -
 
 
 def test_decodes_that_end_before_the_prefill_count_only_for_early(crafted: Any) -> None:
-    c = crafted(admission="none")
+    c = crafted(admission="none", decode_now_floor=False)
     c.hosts(2)
     # 25 requests decoding now, each with at most 10 tokens left (~0.35 s).
     for i in range(25):
@@ -89,6 +87,26 @@ def test_decodes_that_end_before_the_prefill_count_only_for_early(crafted: Any) 
     assert "now" in early.reason
     # Retry-After: when enough of the batch has finished (well under a second here).
     assert early.retry_after_s == 1.0
+
+
+def test_the_batch_decoding_now_is_the_floor_of_the_prediction(crafted: Any) -> None:
+    c = crafted(admission="none")
+    c.hosts(2)
+    for i in range(25):
+        d = c.admit(f"w{i}", keys(1, base=100 * i), max_tokens=10, tbt_slo=TBT_SLO)
+        c.progress(d.request_id, d.decode_instance, "kv_committed")
+    # They end before the long prompt's prefill does, but requests placed meanwhile
+    # would keep the instance as loaded: the batch now (26, 36 ms) is the floor.
+    refused = _ask(c, "predicted", _request("r", keys(100, base=99_000)))
+    assert isinstance(refused, ev.RequestRejected) and reject_code(refused.reason) == "tbt_slo"
+    assert "with batch 26 now (above the 1 at prefill end)" in refused.reason
+    assert refused.estimates.decode_batch == 1  # the estimate is still the prediction
+    # Where the prediction is the larger, it decides, as without the floor.
+    idle = crafted(admission="none")
+    idle.hosts(1)
+    for i in range(25):
+        idle.admit(f"w{i}", keys(1, base=100 * i), max_tokens=10_000, tbt_slo=TBT_SLO)
+    assert _codes(idle, _request("r", keys(2, base=99_000)))["predicted"] == "tbt_slo"
 
 
 def test_lower_priority_classes_are_shed_first(crafted: Any) -> None:
@@ -205,88 +223,6 @@ def test_hot_prefixes_are_replicated_to_the_least_busy_host(crafted: Any) -> Non
         assert not [o for o in outputs if isinstance(o, ev.ReplicationPlanned)]
 
 
-def test_output_shares_keep_the_latest_in_order() -> None:
-    shares = OutputShares()
-    for share in [*(k / OUTPUT_SHARES_KEPT for k in range(1, OUTPUT_SHARES_KEPT + 1)), 0.0]:
-        shares.add(share)
-    # The first (1/256) made room for the last (0).
-    assert len(shares.arrived) == len(shares.ordered) == OUTPUT_SHARES_KEPT
-    assert shares.ordered == sorted(shares.arrived)
-    assert shares.ordered[:2] == [0.0, 2 / OUTPUT_SHARES_KEPT]
-    few = OutputShares()
-    for share in (0.1, 0.2, 0.3, 0.4):
-        few.add(share)
-    # Of 4 (and one larger than any), 2 + 1 go past 0.25; 1 + 1 of those past 0.35.
-    assert few.still_going(0.0, 0.25) == pytest.approx(3 / 5)
-    assert few.still_going(0.25, 0.35) == pytest.approx(2 / 3)
-    # Past every record: taken to go on.
-    assert few.still_going(0.9, 2.0) == 1.0
-
-
-def _outputs(c: Any, share: float, n: int = 40) -> None:
-    """`n` requests of `max_tokens` 10,000 that each generate `share` of it."""
-    for i in range(n):
-        d = c.admit(f"past{i}", keys(1, base=500_000 + 100 * i), max_tokens=10_000)
-        c.progress(d.request_id, d.decode_instance, "kv_committed")
-        c.at(c.t + 1.0).finish(d.request_id, d.decode_instance, output_tokens=int(share * 10_000))
-        c.at(c.t + 0.01)
-
-
-def _crafted_pace(crafted: Any, t_d: float) -> Any:
-    """A conductor whose `t_d` and mean output stay as configured (64 tokens in
-    `t_d` seconds: the pace of a token), so only the recorded shares change."""
-    c = crafted(admission="none", decode_time_s=t_d, decode_time_alpha=0.0, heartbeat_timeout_s=1e6)
-    c.hosts(1)
-    return c
-
-
-def test_requests_decoding_past_t_d_count_by_the_outputs_recorded(crafted: Any) -> None:
-    # `t_d` is 5 s, while every request recorded generated all its 10,000 tokens.
-    c = _crafted_pace(crafted, 5.0)
-    _outputs(c, 1.0)
-    for i in range(20):
-        d = c.admit(f"w{i}", keys(1, base=100 * i), max_tokens=10_000, tbt_slo=TBT_SLO)
-        c.progress(d.request_id, d.decode_instance, "kv_committed")
-    # They have decoded for 10 s: past `t_d`, far from 10,000 tokens (the
-    # prefill's load report moves the state's clock).
-    c.at(c.t + 10.0).feed(ev.LoadReport(instance_id="p-0", role="prefill"))
-    r = _request("r", keys(2, base=99_000))
-    # By `t_d` they will all have finished; by the outputs recorded all go on: batch 21.
-    assert _verdict(c, r, output_distribution=False) == "admit"
-    refused = _ask(c, "predicted", r)
-    assert isinstance(refused, ev.RequestRejected) and reject_code(refused.reason) == "tbt_slo"
-    assert refused.estimates.decode_batch == 21
-    assert "expected at prefill end" in refused.reason
-
-
-def test_requests_just_starting_count_by_the_chance_they_last(crafted: Any) -> None:
-    # `t_d` is 30 s, while every request recorded generated 1 token of its 10,000.
-    c = _crafted_pace(crafted, 30.0)
-    _outputs(c, 0.0001)
-    for i in range(20):
-        d = c.admit(f"w{i}", keys(1, base=100 * i), max_tokens=10_000, tbt_slo=TBT_SLO)
-        c.progress(d.request_id, d.decode_instance, "kv_committed")
-    # A prefill of 1.6 s: by `t_d` all 20 still decode then (TBT 31 ms); at 30 s per
-    # 64 tokens, 1.6 s is 3 tokens, more than any recorded output: each goes on
-    # with a chance of 1 in 41.
-    r = _request("r", keys(100, base=99_000))
-    assert _verdict(c, r, output_distribution=False) == "tbt_slo"
-    admitted = _ask(c, "predicted", r)
-    assert isinstance(admitted, ev.RequestScheduled)
-    assert admitted.estimates.decode_batch == round(1 + 20 / 41)
-    assert admitted.estimates.tbt_s == pytest.approx(0.010 + 0.001 * (1 + 20 / 41))
-    assert admitted.explain is not None
-    assert "(expected by the recent outputs)" in admitted.explain.reason
-    assert replay(c.records).divergences == []
-
-
-def _verdict(c: Any, request: ev.RequestAdmitted, **settings: Any) -> str:
-    cfg = msgspec.structs.replace(c.cfg, admission="predicted", **settings)
-    request.time = c.t
-    d = placement_policy(cfg, c.cost).decide(c.c.state, request, seq=10_000).decision
-    return "admit" if isinstance(d, ev.RequestScheduled) else reject_code(d.reason)
-
-
-def test_a_log_recorded_before_output_shares_predicts_by_t_d() -> None:
-    assert recorded_settings('{"policy": "mooncake"}').output_distribution is False
-    assert recorded_settings('{"output_distribution": true}').output_distribution
+def test_a_log_recorded_before_the_floor_predicts_alone() -> None:
+    assert recorded_settings('{"policy": "mooncake"}').decode_now_floor is False
+    assert recorded_settings('{"decode_now_floor": true}').decode_now_floor is True

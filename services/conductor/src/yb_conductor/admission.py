@@ -10,7 +10,10 @@ Three policies, switchable (`ConductorConfig.admission`), as Mooncake §7 compar
   the requests already in prefill that will join the batch, which makes load
   oscillate (the paper's Figure 10);
 - `predicted`: as `early`, but the TBT is the one predicted for the moment this
-  request's prefill ends (see `decode_placement`).
+  request's prefill ends (see `decode_placement`). With `decode_now_floor`, the
+  TBT of the batch decoding now (with this request) is its floor: the prediction
+  counts only requests placed already, and those placed while this one waits and
+  decodes keep a loaded instance about as loaded as it is.
 
 A TTFT that misses the limit on an instance with nothing queued ahead of the request
 (no request there whose prefill has not ended, and no wait estimated:
@@ -82,6 +85,7 @@ class AdmissionPolicy:
         priority_ceiling: int = 0,
         max_retry_after_s: float = 30.0,
         admit_unqueued_overrun: bool = False,
+        decode_now_floor: bool = False,
     ) -> None:
         if name not in ADMISSIONS:
             raise ValueError(f"unknown admission policy {name!r}; known: {', '.join(ADMISSIONS)}")
@@ -91,6 +95,7 @@ class AdmissionPolicy:
         self.priority_ceiling = priority_ceiling
         self.max_retry_after_s = max_retry_after_s
         self.admit_unqueued_overrun = admit_unqueued_overrun
+        self.decode_now_floor = decode_now_floor
 
     def factor(self, priority: int) -> float:
         """The share of its SLO a request of this priority may use."""
@@ -133,8 +138,10 @@ class AdmissionPolicy:
         if self.name == "early":
             tbt, batch, horizon = decode.decoding_tbt_s, decode.decoding_batch, "now"
         else:
-            tbt, batch = decode.predicted_tbt_s, decode.predicted_batch
-            horizon = "expected at prefill end" if decode.expected else "at prefill end"
+            tbt, batch, horizon = decode.predicted_tbt_s, decode.predicted_batch, "at prefill end"
+            if self.decode_now_floor and decode.decoding_tbt_s > tbt:
+                horizon = f"now (above the {batch} at prefill end)"
+                tbt, batch = decode.decoding_tbt_s, decode.decoding_batch
         expected_tbt = calibration[1].expected(tbt) if calibration else tbt
         if expected_tbt > tbt_limit:
             return Verdict(

@@ -96,10 +96,8 @@ class MooncakePolicy:
             priority_ceiling=cfg.priority_ceiling,
             max_retry_after_s=cfg.max_retry_after_s,
             admit_unqueued_overrun=cfg.admit_unqueued_overrun,
+            decode_now_floor=cfg.decode_now_floor,
         )
-        # Only `predicted` judges the batch at the prefill's end: the others keep the
-        # estimate placement made (`output_distribution`).
-        self.expect_by_outputs = cfg.output_distribution and cfg.admission == "predicted"
 
     def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decided:
         """Place the request, or refuse it with the figures that led there."""
@@ -155,13 +153,6 @@ class MooncakePolicy:
             explain.branch, explain.reason = "reject", verdict.reason
             return Decided(reject(request, seq, name, verdict, explain=explain), [])
         decode = self.decode.estimate(dchoice, dchoice.chosen_index)
-        if self.expect_by_outputs and decode.instance.assigned:
-            # (With nothing assigned there, the batch is this request alone either way.)
-            expected = self.decode.expected_at_prefill_end(state, decode, dchoice.context)
-            if expected is not None:
-                decode.predicted_batch = round(expected[0])
-                decode.predicted_tbt_s = expected[1]
-                decode.expected = True
         # The first token follows the prefill's end by the decode instance's learned
         # lag (0 without `learn_speed`); the decode batch is predicted at the end.
         lag = state.first_token_lag_s(decode.instance.instance_id)
@@ -401,7 +392,6 @@ class MooncakePolicy:
             f"{inst} {what}; {ttft}; decode "
             f"{decode.instance.instance_id}: predicted TBT {decode.predicted_tbt_s:.4f}s "
             f"at batch {decode.predicted_batch}"
-            f"{' (expected by the recent outputs)' if decode.expected else ''}"
         )
 
 

@@ -32,7 +32,7 @@ _ABSENT_MEANS: dict[str, Any] = {
     "kv_reserved_at_start": False,
     "learn_from_cut_short": True,
     "pending_prefixes": False,
-    "output_distribution": False,
+    "decode_now_floor": False,
 }
 
 

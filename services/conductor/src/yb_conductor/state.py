@@ -36,7 +36,6 @@ What is tracked, and why:
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import heapq
 import math
@@ -243,46 +242,11 @@ class Calibration(msgspec.Struct, kw_only=True, gc=False):
         return line if line < estimate else estimate
 
 
-# How many of the latest output shares `OutputShares` keeps, and how many it needs
-# before the predicted batch is weighed by them (`output_distribution`).
-OUTPUT_SHARES_KEPT = 256
-OUTPUT_SHARES_MIN = 32
-
-
-class OutputShares(msgspec.Struct, kw_only=True, gc=False):
-    """The share of its `max_tokens` each of the latest completed requests
-    generated, in arrival order and sorted: how far into its budget a request that
-    has generated some share already is likely to go."""
-
-    arrived: list[float] = msgspec.field(default_factory=list)
-    ordered: list[float] = msgspec.field(default_factory=list)
-
-    def add(self, share: float) -> None:
-        """One more request's share; the oldest goes past `OUTPUT_SHARES_KEPT`."""
-        self.arrived.append(share)
-        bisect.insort(self.ordered, share)
-        if len(self.arrived) > OUTPUT_SHARES_KEPT:
-            oldest = self.arrived.pop(0)
-            del self.ordered[bisect.bisect_left(self.ordered, oldest)]
-
-    def still_going(self, done: float, later: float) -> float:
-        """The chance that a request which has generated the share `done` of its
-        `max_tokens` goes on past the share `later`: of the recorded shares larger
-        than `done`, the part larger than `later`, counting one more larger than any
-        (a request that outgrows every record is taken to go on)."""
-        ordered = self.ordered
-        n = len(ordered)
-        beyond_done = n - bisect.bisect_right(ordered, done) if done > 0.0 else n
-        return (n - bisect.bisect_right(ordered, later) + 1) / (beyond_done + 1)
-
-
 class Learned(msgspec.Struct, kw_only=True, gc=False):
     """Moving averages taught by completions.
 
     `ttft` and `tbt`: what completed requests' TTFT and mean TBT were against the
     conductor's estimates for them; calibrated admission judges by them.
-    `output_shares`: the share of its `max_tokens` each of the latest requests
-    generated (`OutputShares`).
     """
 
     decode_time_s: float
@@ -290,11 +254,6 @@ class Learned(msgspec.Struct, kw_only=True, gc=False):
     completions: int = 0
     ttft: Calibration = msgspec.field(default_factory=Calibration)
     tbt: Calibration = msgspec.field(default_factory=Calibration)
-    output_shares: OutputShares = msgspec.field(default_factory=OutputShares)
-
-    def seconds_per_token(self) -> float:
-        """How long a generated token takes, lately: `t_d` over the mean output."""
-        return self.decode_time_s / max(1.0, self.output_tokens)
 
 
 def usable_blocks(prompt_tokens: int, block_size: int) -> int:
@@ -892,8 +851,6 @@ class ClusterState:
                 learned.decode_time_s += a * (decode_s - learned.decode_time_s)
             if event.output_tokens > 0 and whole:
                 learned.output_tokens += a * (event.output_tokens - learned.output_tokens)
-                if placement.max_tokens > 0:
-                    learned.output_shares.add(event.output_tokens / placement.max_tokens)
             if placement.est_ttft_s > 0 and event.ttft_s > 0:
                 learned.ttft.learn(placement.est_ttft_s, event.ttft_s)
             if placement.est_tbt_s > 0 and event.tbt_mean_s > 0:
