@@ -73,6 +73,24 @@ def test_index_key_order_across_tiers_survives_a_restore() -> None:
         _assert_split_equals_whole(records, cut)
 
 
+def test_priorities_placed_follow_the_placements_not_their_history() -> None:
+    # Found by the property test above: the priorities placed were bounds that only
+    # widened, from (0, 0) while nothing was placed, so after a request of priority 1
+    # the whole replay still took 0 as the lowest and judged the next request of
+    # priority 1 as possibly overtaking work (leaving out the prefix being computed
+    # for it), while a conductor restored from a snapshot, counting the placements
+    # it holds, did not.
+    plan = [
+        GEN.Admit([1000], 1, 1),
+        GEN.Progress(0, "prefill_started"),
+        GEN.Admit([1000], 1, 1),
+        GEN.Admit([], 1, 0),
+    ]
+    records = GEN.live_log(plan)
+    for cut in range(len(records) + 1):
+        _assert_split_equals_whole(records, cut)
+
+
 def test_snapshots_refuse_other_versions_and_garbage() -> None:
     c = Conductor()
     snap = snapshot.take(c)

@@ -278,6 +278,41 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
+class PlacedPriorities:
+    """How many placements of a `placements` dict (by identity: a restored snapshot
+    brings its own) have each priority, and the lowest and highest of them: kept
+    exact as placements come and go, so that decisions depend on the placements
+    alone, not on the order they came in."""
+
+    __slots__ = ("counts", "highest", "lowest", "placements")
+
+    def __init__(self, placements: dict[str, Placement]) -> None:
+        self.placements = placements
+        self.counts: dict[int, int] = {}
+        for p in placements.values():
+            self.counts[p.priority] = self.counts.get(p.priority, 0) + 1
+        self._bounds()
+
+    def add(self, priority: int) -> None:
+        n = self.counts.get(priority, 0)
+        self.counts[priority] = n + 1
+        if not n:
+            self._bounds()
+
+    def remove(self, priority: int) -> None:
+        n = self.counts[priority] - 1
+        if n:
+            self.counts[priority] = n
+        else:
+            del self.counts[priority]
+            self._bounds()
+
+    def _bounds(self) -> None:
+        counts = self.counts
+        self.lowest = min(counts, default=0)
+        self.highest = max(counts, default=0)
+
+
 class ClusterState:
     """Instances, their loads, scheduled requests and the global block index."""
 
@@ -352,10 +387,8 @@ class ClusterState:
         self.evicted_unheld: dict[int, None] = {}
         self.evicted_blocks = 0
         self.evicted_wanted = 0
-        # The lowest and highest priority placed into `placements` (that dict, by
-        # identity: a restored snapshot brings its own), never narrowed as placements
-        # leave (see `priorities_placed`).
-        self._priorities: tuple[dict[str, Placement], int, int] | None = None
+        # How many of `placements` have each priority (see `priorities_placed`).
+        self._priorities: PlacedPriorities | None = None
 
     # --- the fold ---------------------------------------------------------------------
 
@@ -454,11 +487,8 @@ class ClusterState:
                 placement.pending_keys = pending.keys[:usable]
                 self.add_pending(placement)
         priorities = self._priorities
-        if priorities is not None and priorities[0] is self.placements:
-            _, lo, hi = priorities
-            priority = placement.priority
-            if priority < lo or priority > hi:
-                self._priorities = (self.placements, min(lo, priority), max(hi, priority))
+        if priorities is not None and priorities.placements is self.placements:
+            priorities.add(placement.priority)
         heapq.heappush(self._deadlines, (deadline, rid))
         if prefill is not None:
             if not prefill.prefill_queue:
@@ -883,6 +913,9 @@ class ClusterState:
         placement = self.placements.pop(request_id, None)
         if placement is None:
             return
+        priorities = self._priorities
+        if priorities is not None and priorities.placements is self.placements:
+            priorities.remove(placement.priority)
         self._drop_pending(placement)
         if not placement.prefill_done:
             placement.prefill_done = True
@@ -1120,20 +1153,14 @@ class ClusterState:
         return found[1]
 
     def priorities_placed(self) -> tuple[int, int]:
-        """Bounds on the priorities of the requests placed now: every placement's
-        priority lies within them (0, 0 when none is placed). A request of a
-        priority at or below the lower bound overtakes nobody's work, and at or above
-        the upper one is overtaken by none."""
+        """The lowest and highest priority of the requests placed now (0, 0 when none
+        is). A request of a priority at or below the lowest overtakes nobody's work,
+        and at or above the highest is overtaken by none."""
         priorities = self._priorities
         placements = self.placements
-        if priorities is None or priorities[0] is not placements:
-            found = [p.priority for p in placements.values()]
-            priorities = self._priorities = (
-                placements,
-                min(found, default=0),
-                max(found, default=0),
-            )
-        return priorities[1], priorities[2]
+        if priorities is None or priorities.placements is not placements:
+            priorities = self._priorities = PlacedPriorities(placements)
+        return priorities.lowest, priorities.highest
 
     def candidates(self) -> Candidates:
         """The structures that say which instances can win a decision
