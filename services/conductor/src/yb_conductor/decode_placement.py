@@ -85,6 +85,15 @@ class DecodeChoice:
     # The positions worked out one by one, in order (None: all): every other one is
     # idle and predicts what the first idle one does.
     evaluated: list[int] | None = None
+    # With `evaluated`: the first idle positions, in order (`IDLE_KEPT` of them, or
+    # every one when `idle_complete`), for the explanation's table.
+    idle: list[int] | None = None
+    idle_complete: bool = False
+
+
+# How many idle decode instances a pruned choice keeps: the explanation's default
+# table of decode instances (`explain_decode_top_k` 8) and the one past it.
+IDLE_KEPT = 9
 
 
 class DecodePlanner:
@@ -157,12 +166,15 @@ class DecodePlanner:
         chosen_tbt, chosen_requests = math.inf, 0
         order: Iterable[int] = range(n)
         evaluated: list[int] | None = None
+        idle: list[int] | None = None
+        idle_complete = False
         first_idle = -1
         min_cap = state.min_decode_capacity(decodes)
         if not self.full_scan and n > self.prune_above and (not min_cap or need_blocks <= min_cap):
             # Every idle instance fits and predicts `idle_tbt` with nothing assigned:
             # only the first of them can be chosen (ties go to the lower id).
-            order, first_idle = self._busy(state, decodes)
+            order, idle, idle_complete = self._busy(state, decodes)
+            first_idle = idle[0] if idle else -1
             evaluated = sorted([*order, first_idle]) if first_idle >= 0 else list(order)
         for i in order:
             inst = decodes[i]
@@ -206,7 +218,9 @@ class DecodePlanner:
             )
         ):
             chosen = first_idle
-        return DecodeChoice(decodes, fits, batches, tbts, chosen, at_time, context, evaluated)
+        return DecodeChoice(
+            decodes, fits, batches, tbts, chosen, at_time, context, evaluated, idle, idle_complete
+        )
 
     @staticmethod
     def table(state: ClusterState, choice: DecodeChoice, top_k: int) -> list[int]:
@@ -219,14 +233,16 @@ class DecodePlanner:
             return list(range(n))
         pool: Iterable[int] = range(n)
         if choice.evaluated is not None:
-            busy = state.candidates().decode_busy
-            idle: list[int] = []
-            for i, inst in enumerate(choice.instances):
-                if inst.instance_id not in busy:
-                    idle.append(i)
-                    if len(idle) > top_k:
-                        break
-            pool = sorted({*choice.evaluated, *idle})
+            idle = choice.idle
+            if idle is None or not (len(idle) > top_k or choice.idle_complete):
+                busy = state.candidates().decode_busy
+                idle = []
+                for i, inst in enumerate(choice.instances):
+                    if inst.instance_id not in busy:
+                        idle.append(i)
+                        if len(idle) > top_k:
+                            break
+            pool = sorted({*choice.evaluated, *idle[: top_k + 1]})
         # Positions in order, then a stable sort by TBT: ties stay in id order (and
         # sorting positions by a key beats sorting (TBT, position) pairs).
         best = sorted(pool, key=choice.predicted_tbts.__getitem__)[: top_k + 1]
@@ -236,17 +252,21 @@ class DecodePlanner:
         return order[:top_k]
 
     @staticmethod
-    def _busy(state: ClusterState, decodes: list[InstanceState]) -> tuple[list[int], int]:
-        """Positions in `decodes` of the instances with work, in order, and the first
-        idle one's (-1: none is idle)."""
+    def _busy(
+        state: ClusterState, decodes: list[InstanceState]
+    ) -> tuple[list[int], list[int], bool]:
+        """Positions in `decodes` of the instances with work, in order; the first
+        `IDLE_KEPT` idle ones' (the first for the pick, the rest for the
+        explanation's table); and whether those are every idle one."""
         busy = state.candidates().decode_busy
         found = still_busy(busy, state.instances, state.decode_busy, state.positions(decodes))
-        first_idle = -1
+        idle: list[int] = []
         for i, inst in enumerate(decodes):
             if inst.instance_id not in busy:
-                first_idle = i
-                break
-        return found, first_idle
+                idle.append(i)
+                if len(idle) == IDLE_KEPT:
+                    return found, idle, False
+        return found, idle, True
 
     def estimate(self, choice: DecodeChoice, i: int) -> DecodeEstimate:
         """Instance `i` of a choice at all three horizons."""
