@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from yb_conductor import decode_placement
 from yb_conductor.candidates import Candidates
 from yb_conductor.decode_placement import DecodeChoice, DecodePlanner
 from yb_conductor.prefill_placement import PrefillChoice, PrefillPlanner
@@ -147,6 +148,16 @@ def test_the_simulated_trace_decides_the_same_pruned_and_full(
         assert planners.pruned > 0  # the pruning was exercised, not bypassed
     else:
         assert planners.pruned == 0  # an idle engine's speed depends on its group
+
+
+def test_a_decode_table_longer_than_the_idle_kept_looks_further(
+    planners: Planners, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The explanation lists 8 decode instances; the choice keeps only 2 idle ones, so
+    # the table must look for the rest itself to list what the full scan lists.
+    monkeypatch.setattr(decode_placement, "IDLE_KEPT", 2)
+    log = _same_decisions_both_ways(lambda: _trace_log(ConductorConfig()), planners, keep=9)
+    assert any(isinstance(r.event, ev.RequestScheduled) for r in log)
 
 
 def test_speed_order_follows_learning() -> None:

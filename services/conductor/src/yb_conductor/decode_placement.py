@@ -85,10 +85,9 @@ class DecodeChoice:
     # The positions worked out one by one, in order (None: all): every other one is
     # idle and predicts what the first idle one does.
     evaluated: list[int] | None = None
-    # With `evaluated`: the first idle positions, in order (`IDLE_KEPT` of them, or
-    # every one when `idle_complete`), for the explanation's table.
+    # With `evaluated`: the first idle positions, in order, for the explanation's
+    # table (`IDLE_KEPT` of them; fewer when there are no more).
     idle: list[int] | None = None
-    idle_complete: bool = False
 
 
 # How many idle decode instances a pruned choice keeps: the explanation's default
@@ -167,13 +166,12 @@ class DecodePlanner:
         order: Iterable[int] = range(n)
         evaluated: list[int] | None = None
         idle: list[int] | None = None
-        idle_complete = False
         first_idle = -1
         min_cap = state.min_decode_capacity(decodes)
         if not self.full_scan and n > self.prune_above and (not min_cap or need_blocks <= min_cap):
             # Every idle instance fits and predicts `idle_tbt` with nothing assigned:
             # only the first of them can be chosen (ties go to the lower id).
-            order, idle, idle_complete = self._busy(state, decodes)
+            order, idle = self._busy(state, decodes)
             first_idle = idle[0] if idle else -1
             evaluated = sorted([*order, first_idle]) if first_idle >= 0 else list(order)
         for i in order:
@@ -218,9 +216,7 @@ class DecodePlanner:
             )
         ):
             chosen = first_idle
-        return DecodeChoice(
-            decodes, fits, batches, tbts, chosen, at_time, context, evaluated, idle, idle_complete
-        )
+        return DecodeChoice(decodes, fits, batches, tbts, chosen, at_time, context, evaluated, idle)
 
     @staticmethod
     def table(state: ClusterState, choice: DecodeChoice, top_k: int) -> list[int]:
@@ -234,7 +230,7 @@ class DecodePlanner:
         pool: Iterable[int] = range(n)
         if choice.evaluated is not None:
             idle = choice.idle
-            if idle is None or not (len(idle) > top_k or choice.idle_complete):
+            if idle is None or IDLE_KEPT <= len(idle) <= top_k:  # too few kept
                 busy = state.candidates().decode_busy
                 idle = []
                 for i, inst in enumerate(choice.instances):
@@ -252,12 +248,10 @@ class DecodePlanner:
         return order[:top_k]
 
     @staticmethod
-    def _busy(
-        state: ClusterState, decodes: list[InstanceState]
-    ) -> tuple[list[int], list[int], bool]:
-        """Positions in `decodes` of the instances with work, in order; the first
+    def _busy(state: ClusterState, decodes: list[InstanceState]) -> tuple[list[int], list[int]]:
+        """Positions in `decodes` of the instances with work, in order, and the first
         `IDLE_KEPT` idle ones' (the first for the pick, the rest for the
-        explanation's table); and whether those are every idle one."""
+        explanation's table; fewer when there are no more)."""
         busy = state.candidates().decode_busy
         found = still_busy(busy, state.instances, state.decode_busy, state.positions(decodes))
         idle: list[int] = []
@@ -265,8 +259,8 @@ class DecodePlanner:
             if inst.instance_id not in busy:
                 idle.append(i)
                 if len(idle) == IDLE_KEPT:
-                    return found, idle, False
-        return found, idle, True
+                    break
+        return found, idle
 
     def estimate(self, choice: DecodeChoice, i: int) -> DecodeEstimate:
         """Instance `i` of a choice at all three horizons."""
