@@ -126,13 +126,12 @@ class AdmissionPolicy:
         if self.name == "none":
             return None
         ttft_limit, tbt_limit = self.limits(request)
-        shed = self._shed_note(request)
         expected_ttft = calibration[0].expected(ttft_s) if calibration else ttft_s
         if expected_ttft > ttft_limit and not self.overrun_admitted(queued):
             return Verdict(
                 TTFT_SLO,
                 f"estimated TTFT {ttft_s:.3f}s{_expected(ttft_s, expected_ttft, 3)} "
-                f"exceeds {ttft_limit:.3f}s{shed}",
+                f"exceeds {ttft_limit:.3f}s{self._shed_note(request)}",
                 self._retry(expected_ttft - ttft_limit),
             )
         if self.name == "early":
@@ -147,7 +146,8 @@ class AdmissionPolicy:
             return Verdict(
                 TBT_SLO,
                 f"TBT {tbt:.4f}s{_expected(tbt, expected_tbt, 4)} with batch {batch} "
-                f"{horizon} on {decode.instance.instance_id} exceeds {tbt_limit:.4f}s{shed}",
+                f"{horizon} on {decode.instance.instance_id} exceeds {tbt_limit:.4f}s"
+                f"{self._shed_note(request)}",
                 self._retry(drain_s(tbt_limit)),
             )
         return None

@@ -50,7 +50,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from yb_conductor.candidates import PRUNE_ABOVE, still_busy
+from yb_conductor.candidates import DECODE_PRUNE_ABOVE, still_busy
 from yb_conductor.cost_model import CostModel
 from yb_conductor.state import ClusterState, InstanceState
 
@@ -104,7 +104,7 @@ class DecodePlanner:
     """
 
     default_full_scan: bool = False
-    prune_above: int = PRUNE_ABOVE
+    prune_above: int = DECODE_PRUNE_ABOVE
 
     def __init__(
         self,

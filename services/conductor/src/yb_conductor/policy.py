@@ -221,11 +221,12 @@ class MooncakePolicy:
             )  # fmt: skip
         reuse = self.prefill.reuse_plan(state, view, chosen)
         explain.branch = est.option
-        explain.reason = self._why(chosen, decode, view, lag)
+        # Only with stickiness, so that older logs explain as they always did.
+        sticky = self.prefill.stickiness > 0.0
+        explain.reason = self._why(chosen, decode, view, lag, "TTFT" if sticky else "lowest TTFT")
         explain.reason += self.admission.overrun_note(request, ttft, queued, calibration)
-        if self.prefill.stickiness > 0.0:
-            # Only with stickiness, so that older logs explain as they always did.
-            explain.reason = explain.reason.replace("lowest TTFT", "TTFT", 1) + (
+        if sticky:
+            explain.reason += (
                 f"; chosen for the lowest TTFT + copy cost (copy {choice.chosen_copy_s:.3f}s, "
                 f"prefix_stickiness {self.prefill.stickiness:g})"
             )
@@ -352,7 +353,13 @@ class MooncakePolicy:
         return Decided(decision, predictions)
 
     @staticmethod
-    def _why(chosen: Option, decode: DecodeEstimate, view: PoolView, lag: float = 0.0) -> str:
+    def _why(
+        chosen: Option,
+        decode: DecodeEstimate,
+        view: PoolView,
+        lag: float = 0.0,
+        ttft_label: str = "lowest TTFT",
+    ) -> str:
         est = chosen.est
         inst = chosen.instance.instance_id
         pending = est.engine is not None and est.engine.pending
@@ -377,16 +384,17 @@ class MooncakePolicy:
         stages = chosen.instance.stages
         if stages:
             inst = f"{inst} (prefill group over {len(stages)} stages: {', '.join(stages)})"
-        ttft = (
-            f"lowest TTFT {chosen.ttft_s:.3f}s = queue {chosen.queue_s:.3f} "
-            f"+ transfer {chosen.transfer_s:.3f} + prefill {chosen.prefill_s:.3f}"
-        )
         if chosen.factor != 1.0 or lag:
             # Only with learned speed, so that older logs explain as they always did.
             ttft = (
-                f"lowest TTFT {chosen.ttft_s + lag:.3f}s = queue {chosen.queue_s:.3f} "
+                f"{ttft_label} {chosen.ttft_s + lag:.3f}s = queue {chosen.queue_s:.3f} "
                 f"+ transfer {chosen.transfer_s:.3f} + prefill {chosen.prefill_s:.3f} "
                 f"(x{chosen.factor:.2f} the cost model) + first token {lag:.3f}"
+            )
+        else:
+            ttft = (
+                f"{ttft_label} {chosen.ttft_s:.3f}s = queue {chosen.queue_s:.3f} "
+                f"+ transfer {chosen.transfer_s:.3f} + prefill {chosen.prefill_s:.3f}"
             )
         return (
             f"{inst} {what}; {ttft}; decode "

@@ -67,7 +67,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
 
-from yb_conductor.candidates import PRUNE_ABOVE, Candidates, still_busy
+from yb_conductor.candidates import PREFILL_PRUNE_ABOVE, Candidates, still_busy
 from yb_conductor.cost_model import CostModel
 from yb_conductor.speed import InstanceSpeed
 from yb_conductor.state import ClusterState, InstanceState, usable_blocks
@@ -302,7 +302,7 @@ class PrefillPlanner:
 
     default_full_scan: bool = False
     default_keep: int = DEFAULT_KEEP
-    prune_above: int = PRUNE_ABOVE
+    prune_above: int = PREFILL_PRUNE_ABOVE
 
     def __init__(
         self,
