@@ -20,7 +20,8 @@ as the live service does. Then, on one pinned core:
   (every recorded decision recomputed and compared), from decoded events in memory
   (reading the stream from NATS is not included).
 
-The planners evaluate only the instances that can win (`yb_conductor.candidates`);
+The planners evaluate only the instances that can win (`yb_conductor.candidates`;
+pools of up to 64 prefill or 48 decode instances whole, cheaper there);
 `--full-scan` times them evaluating every instance, as Algorithm 1 reads, and
 `--compare` times both on the same log (the full scan's figures get the prefix
 `full_scan_`): the decisions are the same, only their cost differs.

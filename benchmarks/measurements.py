@@ -377,7 +377,8 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         (
             "decision_latency_p50_ms",
             "median ms per admission decision (fold, Algorithm 1 over the instances that can "
-            "win (docs/scheduling.md), decode prediction, admission, explanation)",
+            "win (docs/scheduling.md; pools of up to 64 prefill or 48 decode instances "
+            "whole), decode prediction, admission, explanation)",
         ),
         ("decision_latency_p99_ms", "99th percentile of the same"),
         ("decisions_per_s", "admissions decided per second of time spent deciding"),
