@@ -26,6 +26,11 @@ pools of up to 64 prefill or 48 decode instances whole, cheaper there);
 `--compare` times both on the same log (the full scan's figures get the prefix
 `full_scan_`): the decisions are the same, only their cost differs.
 
+`--prune-above P,D` evaluates pools of at most P prefill or D decode instances whole
+instead of the planners' own limits: with `--compare`, `--prune-above 0,100000` times
+the prefill planner pruned and whole (the decode planner whole both times), and
+`--prune-above 100000,0` the decode planner.
+
 `--shapes PxD,...` measures further clusters in the same run, each on a log of its own
 (P prefill instances with their kvstores, D decode instances): their figures get the
 suffix `_PxD` (`decisions_per_s_1024x256`), with `--compare` too.
@@ -144,6 +149,14 @@ def timed(records: list[LogRecord], repeats: int) -> dict[str, float]:
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def parse_limits(text: str) -> tuple[int, int]:
+    """`64,48` as (64, 48): the prefill and decode planners' `prune_above`."""
+    prefill, sep, decode = text.strip().partition(",")
+    if not sep or not prefill.isdigit() or not decode.isdigit():
+        raise argparse.ArgumentTypeError(f"--prune-above is PREFILL,DECODE, not {text!r}")
+    return int(prefill), int(decode)
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -304,6 +317,12 @@ def main() -> int:
         help="also time the conductor at git revision REV, in turn with this one (against_*)",
     )
     parser.add_argument(
+        "--prune-above",
+        type=parse_limits,
+        help="evaluate pools of at most PREFILL,DECODE instances whole "
+        f"(default: the planners' own, {PrefillPlanner.prune_above},{DecodePlanner.prune_above})",
+    )
+    parser.add_argument(
         "--shapes",
         type=parse_shapes,
         default=[],
@@ -311,6 +330,8 @@ def main() -> int:
     )
     args = parser.parse_args()
 
+    if args.prune_above is not None:
+        PrefillPlanner.prune_above, DecodePlanner.prune_above = args.prune_above
     if not args.no_pin and hasattr(os, "sched_setaffinity"):
         core = max(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {core})

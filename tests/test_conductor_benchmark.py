@@ -1,4 +1,5 @@
-"""benchmarks/conductor.py times an older revision beside this code (`--against`)."""
+"""benchmarks/conductor.py: an older revision timed beside this code (`--against`), and the
+planners pruned below their limits (`--prune-above`)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,20 @@ def test_an_unknown_revision_is_refused_by_name() -> None:
     done = run("--against", "no-such-revision-here")
     assert done.returncode != 0
     assert "--against no-such-revision-here: git archive failed" in done.stderr
+
+
+def test_prune_limits_are_read_as_prefill_comma_decode() -> None:
+    done = run("--prune-above", "64")
+    assert done.returncode == 2
+    assert "--prune-above is PREFILL,DECODE, not '64'" in done.stderr
+
+
+def test_pruning_even_the_smallest_pools_decides_as_the_full_scan(tmp_path: Path) -> None:
+    # The log is built with both planners pruned (a 4 + 2 cluster is far below their
+    # limits); `--compare` replays it whole, and any decision that differs fails it.
+    out = tmp_path / "figures.json"
+    done = run("--prune-above", "0,0", "--compare", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(out.read_text())
+    assert figures["decisions"] > 0
+    assert figures["full_scan_decisions_per_s"] > 0
