@@ -29,7 +29,8 @@ pools of up to 64 prefill or 48 decode instances whole, cheaper there);
 `--prune-above P,D` evaluates pools of at most P prefill or D decode instances whole
 instead of the planners' own limits: with `--compare`, `--prune-above 0,100000` times
 the prefill planner pruned and whole (the decode planner whole both times), and
-`--prune-above 100000,0` the decode planner.
+`--prune-above 100000,0` the decode planner (this code's planners only: the revision of
+`--against` keeps its own).
 
 `--shapes PxD,...` measures further clusters in the same run, each on a log of its own
 (P prefill instances with their kvstores, D decode instances): their figures get the

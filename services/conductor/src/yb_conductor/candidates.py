@@ -64,7 +64,7 @@ from yb_conductor.speed import InstanceSpeed
 # cost more than they save there. Where each one pays, timing one planner pruned
 # and whole with the other whole (`benchmarks/conductor.py --compare --prune-above
 # 0,100000 --shapes 80x20,96x24`, then `100000,0 --shapes 64x32,64x64`): 64 prefill
-# instances decide 1 to 3% faster whole, 80 3% slower; 32 decode instances 4%
+# instances decide 0.6 to 3% faster whole, 80 3% slower; 32 decode instances 4%
 # faster whole, 64 4% slower.
 PREFILL_PRUNE_ABOVE = 64
 DECODE_PRUNE_ABOVE = 48
