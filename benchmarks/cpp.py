@@ -182,13 +182,15 @@ async def measure(
     repeats: int,
 ) -> None:
     """Time one `TOKENS:STAGES` run, one instance against the group, into `figures`."""
-    common = {"source": source, "max_tokens": tokens, "block_size": block_size}
-    single_chain = Chain([WorkerSpec(layers=(0, arch.num_layers), **common)], chunk_size)
+
+    def spec(start: int, end: int) -> WorkerSpec:
+        return WorkerSpec(
+            layers=(start, end), source=source, max_tokens=tokens, block_size=block_size
+        )
+
+    single_chain = Chain([spec(0, arch.num_layers)], chunk_size)
     group_chain = Chain(
-        [
-            WorkerSpec(layers=(r.start, r.end), **common)
-            for r in LayerRange.split(arch.num_layers, num_stages)
-        ],
+        [spec(r.start, r.end) for r in LayerRange.split(arch.num_layers, num_stages)],
         group_chunk_size,
     )
     gen = torch.Generator().manual_seed(tokens)

@@ -53,9 +53,10 @@ from typing import Any
 from figures import emit
 from record import flatten
 
+from yb_core.stats import percentile
 from yb_testkit.fixtures import LocalCluster, pid_alive
 from yb_tools.bench.client import BenchClient, RequestResult
-from yb_tools.bench.report import percentile, request_tbt
+from yb_tools.bench.report import request_tbt
 from yb_tools.bench.workloads import Limits, SharedPrefix, shared_prefix_requests
 from yb_tools.natsserver import env_without_proxies
 
