@@ -45,7 +45,10 @@ REV and a round of this code in turn, `--repeats` rounds of each: the machine's 
 changes from minute to minute, so the two sides of the ratio share every minute. REV
 builds its own log from the same trace (its decisions are its own). Its figures get the
 prefix `against_`; `decisions_per_s_over_against` is this code's rate over REV's (a
-shape's too, with `--shapes`).
+shape's too, with `--shapes`), and `over_against_lowest_round` and
+`over_against_highest_round` the lowest and highest ratio of one round's pair: the
+noise the median ratio carries. Against its own revision (`--against HEAD`, with a
+clean tree) the median ratio reads as 1 within that spread.
 
 Figures are the median of `--repeats` runs (the machine may be shared).
 """
@@ -171,7 +174,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def measure(args: argparse.Namespace) -> dict[str, float | int | bool]:
+def measure(args: argparse.Namespace) -> dict[str, float | int | bool | str]:
     """Build the log of one cluster shape and time its decisions (and the full scan's)."""
     full_scan(args.full_scan)
     records, log, build_s = build_log(args)
@@ -187,8 +190,9 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | bool]:
     )
     print(f"decisions: {quality.summary()}")
 
+    ratios: list[float] = []
     if args.against_src is not None:
-        ours, theirs = alternate(records, args)
+        ours, theirs, ratios = alternate(records, args)
     else:
         ours, theirs = timed(records, args.repeats), {}
     figures: dict[str, float | int | bool | str] = {
@@ -210,6 +214,9 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | bool]:
         figures["decisions_per_s_over_against"] = round(
             float(ours["decisions_per_s"]) / float(theirs["decisions_per_s"]), 3
         )
+        # The spread of the rounds: how far one round's ratio strays from another's.
+        figures["over_against_lowest_round"] = round(min(ratios), 3)
+        figures["over_against_highest_round"] = round(max(ratios), 3)
     return figures
 
 
@@ -270,15 +277,19 @@ def run_against(args: argparse.Namespace) -> dict[str, float]:
 
 def alternate(
     records: list[LogRecord], args: argparse.Namespace
-) -> tuple[dict[str, float], dict[str, float]]:
+) -> tuple[dict[str, float], dict[str, float], list[float]]:
     """This code's figures and the `--against` revision's, a round of each in turn:
-    the median of `--repeats` rounds per figure."""
+    the median of `--repeats` rounds per figure; and each round's ratio of
+    decisions per second (this code's over the revision's)."""
     ours: list[dict[str, float]] = []
     theirs: list[dict[str, float]] = []
     for _ in range(args.repeats):
         theirs.append(run_against(args))
         ours.append(timed(records, 1))
-    return medians(ours), medians(theirs)
+    ratios = [
+        o["decisions_per_s"] / t["decisions_per_s"] for o, t in zip(ours, theirs, strict=True)
+    ]
+    return medians(ours), medians(theirs), ratios
 
 
 def medians(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -356,7 +367,7 @@ def main() -> int:
     for name, value in figures.items():
         goal = goals.get(name) or goals.get(name.rsplit("_", 1)[0])
         note = ""
-        if goal:
+        if goal and isinstance(value, int | float):
             op, target = goal
             ok = value < target if op == "<" else value >= target
             note = f"{op} {target:g}  {'met' if ok else 'NOT met'}"

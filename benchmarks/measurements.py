@@ -412,6 +412,12 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
             "decisions_per_s_over_against",
             "this code's decisions per second over the `against` revision's, same run",
         ),
+        (
+            "over_against_lowest_round",
+            "the lowest ratio of one round's pair (this code's round over the `against` "
+            "revision's round just before it): the noise of the median ratio",
+        ),
+        ("over_against_highest_round", "the highest ratio of one round's pair"),
     ],
     "timeline": [
         ("requests", "requests in the report"),

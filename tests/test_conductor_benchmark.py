@@ -38,7 +38,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_against_a_revision_times_both_sides_in_one_run(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
-    done = run("--against", "HEAD", "--json", str(out))
+    done = run("--against", "HEAD", "--repeats", "3", "--json", str(out))
     assert done.returncode == 0, done.stderr
     figures = json.loads(out.read_text())
     assert figures["against"] == "HEAD"
@@ -48,6 +48,9 @@ def test_against_a_revision_times_both_sides_in_one_run(tmp_path: Path) -> None:
     ratio = figures["decisions_per_s"] / figures["against_decisions_per_s"]
     assert figures["decisions_per_s_over_against"] == round(ratio, 3)
     assert "decisions_per_s_over_against" in done.stdout
+    # The median ratio lies within the spread of the three rounds' own ratios.
+    low, high = figures["over_against_lowest_round"], figures["over_against_highest_round"]
+    assert 0 < low <= figures["decisions_per_s_over_against"] <= high
 
 
 def test_an_unknown_revision_is_refused_by_name() -> None:
