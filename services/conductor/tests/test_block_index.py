@@ -6,6 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from yb_conductor import block_index
 from yb_conductor.block_index import BlockIndex
 from yb_conductor.state import ClusterState
 from yb_core import events as ev
@@ -61,6 +62,13 @@ def test_match_equals_brute_force(operations: list[Op], chain: list[int]) -> Non
     held = _model(operations)
     match = index.match(chain)
     got = {index.instance(s): n for s, n in match.lengths.items()}
+    saved = block_index.FEW_HOLDERS
+    try:
+        for few in (0, len(INSTANCES)):  # the chain walked for all; each holder scanned
+            block_index.FEW_HOLDERS = few
+            assert index.match(chain) == match
+    finally:
+        block_index.FEW_HOLDERS = saved
     for inst, blocks in held.items():
         n = 0
         while n < len(chain) and chain[n] in blocks:
@@ -78,6 +86,43 @@ def test_match_equals_brute_force(operations: list[Op], chain: list[int]) -> Non
     again = BlockIndex.restore(index.export())
     assert again.export() == index.export()
     assert {again.instance(s): n for s, n in again.match(chain).lengths.items()} == got
+
+
+dram_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "evict", "clear"]),
+        st.sampled_from(INSTANCES[:4] + INSTANCES[-4:]),
+        st.lists(st.integers(0, 40), max_size=12),
+        st.just("dram"),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(dram_ops, st.lists(st.integers(0, 40), min_size=0, max_size=15))
+def test_match_scans_few_holders_as_it_walks_many(operations: list[Op], chain: list[int]) -> None:
+    """Every block in DRAM: the chain walked once for all holders and each holder's
+    own keys scanned give the same lengths, whatever the number of holders."""
+    index = BlockIndex()
+    _apply(index, operations)
+    held = _model(operations)
+    expected = {}
+    for inst, blocks in held.items():
+        n = 0
+        while n < len(chain) and chain[n] in blocks:
+            n += 1
+        if n:
+            expected[inst] = n
+    saved = block_index.FEW_HOLDERS
+    try:
+        for few in (0, len(INSTANCES)):  # always walk; always scan
+            block_index.FEW_HOLDERS = few
+            match = index.match(chain)
+            assert {index.instance(s): n for s, n in match.lengths.items()} == expected
+            assert not match.ssd and not match.engine
+    finally:
+        block_index.FEW_HOLDERS = saved
 
 
 def test_a_restored_index_keeps_each_slots_key_order_across_tiers() -> None:
