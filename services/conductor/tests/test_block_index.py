@@ -42,6 +42,14 @@ def _model(operations: list[Op]) -> dict[str, dict[int, ev.Tier]]:
     return held
 
 
+def _held_prefix(blocks: dict[int, ev.Tier], chain: list[int]) -> int:
+    """How many leading blocks of `chain` one instance of the model holds."""
+    n = 0
+    while n < len(chain) and chain[n] in blocks:
+        n += 1
+    return n
+
+
 def _apply(index: BlockIndex, operations: list[Op]) -> None:
     for op, inst, ks, tier in operations:
         if op == "store":
@@ -70,9 +78,7 @@ def test_match_equals_brute_force(operations: list[Op], chain: list[int]) -> Non
     finally:
         block_index.FEW_HOLDERS = saved
     for inst, blocks in held.items():
-        n = 0
-        while n < len(chain) and chain[n] in blocks:
-            n += 1
+        n = _held_prefix(blocks, chain)
         assert got.get(inst, 0) == n, inst
         assert index.prefix_length(chain, inst) == n
         slot = index.slot_of(inst)
@@ -107,13 +113,7 @@ def test_match_scans_few_holders_as_it_walks_many(operations: list[Op], chain: l
     index = BlockIndex()
     _apply(index, operations)
     held = _model(operations)
-    expected = {}
-    for inst, blocks in held.items():
-        n = 0
-        while n < len(chain) and chain[n] in blocks:
-            n += 1
-        if n:
-            expected[inst] = n
+    expected = {inst: n for inst, blocks in held.items() if (n := _held_prefix(blocks, chain))}
     saved = block_index.FEW_HOLDERS
     try:
         for few in (0, len(INSTANCES)):  # always walk; always scan
