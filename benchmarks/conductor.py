@@ -72,7 +72,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Runs from a checkout without installing the packages.
-for src in ("libs/core/src", "services/conductor/src", "tools/yb/src"):
+for src in ("shared/core/src", "services/conductor/src", "tools/yb/src"):
     sys.path.insert(0, str(ROOT / src))
 
 from yb_conductor.conductor import Conductor  # noqa: E402
@@ -246,7 +246,7 @@ PASSED_ON = (
 
 def unpack(rev: str, into: Path) -> Path:
     """The tree of git revision `rev` (the parts the benchmark runs), under `into`."""
-    parts = ["benchmarks", "libs/core", "services/conductor", "tools/yb"]
+    parts = ["benchmarks", "shared/core", "services/conductor", "tools/yb"]
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", "--format=tar", rev, *parts],
         capture_output=True,

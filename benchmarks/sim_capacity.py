@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Runs from a checkout without installing the packages.
-for src in ("libs/core/src", "services/conductor/src", "tools/yb/src"):
+for src in ("shared/core/src", "services/conductor/src", "tools/yb/src"):
     sys.path.insert(0, str(ROOT / src))
 
 from figures import emit  # noqa: E402

@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Runs from a checkout without installing the packages.
-for src in ("libs/core/src", "services/conductor/src", "tools/yb/src", "tools/testkit/src"):
+for src in ("shared/core/src", "services/conductor/src", "tools/yb/src", "tools/testkit/src"):
     sys.path.insert(0, str(ROOT / src))
 
 from yb_conductor.cost_model import load_cost_model  # noqa: E402

@@ -8,6 +8,11 @@ adds the data plane, prefill and decode add the engine. No service imports anoth
 import counts, including those inside functions and under `TYPE_CHECKING`: a lazy import
 is still a dependency of the package that makes it.
 
+The layout is the design card's: the five services under `services/`, the libraries
+they share under `shared/` (each its own versioned distribution), and no source file
+reaches for the `../shared` folder that lies beside a checkout (development notes, never
+read at run time).
+
 Also checked: each package's pyproject declares the yuebing-* packages it imports and
 nothing above it; the light packages import no heavy third-party library; the installed
 dependency closure of the gateway and the conductor holds no torch, UCX, accelerate or
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import re
 import subprocess
 import sys
 import textwrap
@@ -32,7 +38,7 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_ROOTS = sorted(
-    src for group in ("libs", "services", "tools") for src in (ROOT / group).glob("*/src")
+    src for group in ("shared", "services", "tools") for src in (ROOT / group).glob("*/src")
 )
 
 CORE, DATAPLANE, TEXT, ENGINE = "yb_core", "yb_dataplane", "yb_text", "yb_engine"
@@ -148,6 +154,72 @@ def heavy_imports(package: str, imports: list[Import]) -> list[str]:
         for i in imports
         if i.top in HEAVY_MODULES and package not in HEAVY_MODULES[i.top]
     ]
+
+
+# --- the layout ---------------------------------------------------------------------
+
+#: The top-level entries the design card names.
+DESIGN_LAYOUT = (
+    "services/conductor",
+    "services/prefill",
+    "services/decode",
+    "services/kvstore",
+    "services/gateway",
+    "shared",
+    "docker-compose.yml",
+    "tests",
+    "README.md",
+)
+#: The shared libraries, one distribution each: folder -> import name.
+SHARED_LIBRARIES = {"core": CORE, "dataplane": DATAPLANE, "text": TEXT, "engine": ENGINE}
+
+
+def test_the_layout_is_the_design_cards() -> None:
+    missing = [entry for entry in DESIGN_LAYOUT if not (ROOT / entry).exists()]
+    assert not missing, f"the design card's layout lacks {missing}"
+    assert not (ROOT / "libs").exists(), "the shared libraries live under shared/, not libs/"
+    assert sorted(p.name for p in (ROOT / "shared").iterdir() if p.is_dir()) == sorted(
+        SHARED_LIBRARIES
+    )
+    for folder, package in SHARED_LIBRARIES.items():
+        assert PACKAGES[package] == ROOT / "shared" / folder / "src" / package
+        project = _pyproject(package)
+        assert str(project["name"]).startswith("yuebing-") and project.get("version"), folder
+
+
+#: A path that leaves the checkout for the `shared` folder beside it: "../shared",
+#: or a walk above the repository root (`ROOT.parent / "shared"`, `parents[N]`).
+BESIDE_CHECKOUT = re.compile(r"\.\./shared|\.parent\s*/\s*[\"']shared[\"']")
+
+
+def beside_checkout_reads(text: str) -> list[int]:
+    """Lines of `text` that name the folder beside the checkout."""
+    return [n for n, line in enumerate(text.splitlines(), 1) if BESIDE_CHECKOUT.search(line)]
+
+
+def test_nothing_reads_the_folder_beside_the_checkout() -> None:
+    assert beside_checkout_reads('TRACE = ROOT.parent / "shared" / "traces"') == [1]
+    assert beside_checkout_reads("open('../shared/traces/x.jsonl')") == [1]
+    assert beside_checkout_reads('ROOT / "shared" / "core"') == []
+    sources = [
+        path
+        for top in ("shared", "services", "tools", "benchmarks", "deploy")
+        for path in (ROOT / top).rglob("*")
+        if path.suffix in (".py", ".sh", ".toml", ".yml", ".yaml", ".conf")
+        and "__pycache__" not in path.parts
+    ]
+    sources += [ROOT / name for name in ("Dockerfile", "setup.sh", "run-tests.sh")]
+    sources += list(ROOT.glob("docker-compose*.yml"))
+    assert len(sources) > 100
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sources
+        for line in beside_checkout_reads(path.read_text(errors="replace"))
+    ]
+    assert not found, f"these name the ../shared folder beside the checkout: {found}"
+
+
+# --- imports ----------------------------------------------------------------------
 
 
 def test_every_package_is_known() -> None:

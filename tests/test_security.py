@@ -605,7 +605,7 @@ def pickle_findings(source: str, filename: str = "<src>") -> list[str]:
 
 def python_sources() -> Iterator[Path]:
     """Every Python file of every package, service, test and benchmark in the tree."""
-    for top in ("libs", "services", "tools", "tests", "benchmarks"):
+    for top in ("shared", "services", "tools", "tests", "benchmarks"):
         for path in sorted((ROOT / top).rglob("*.py")):
             if not any(part in (".venv", "__pycache__", "build") for part in path.parts):
                 yield path
@@ -616,9 +616,9 @@ def test_no_pickle_anywhere() -> None:
     assert len(sources) > 50  # the scan really covers the tree
     roots = {p.relative_to(ROOT).parts[:2] for p in sources}
     for top, package in (
-        ("libs", "core"),
-        ("libs", "dataplane"),
-        ("libs", "engine"),
+        ("shared", "core"),
+        ("shared", "dataplane"),
+        ("shared", "engine"),
         ("tools", "yb"),
     ):
         assert (top, package) in roots

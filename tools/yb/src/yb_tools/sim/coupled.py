@@ -4,7 +4,7 @@ requests, with chunked prefill piggybacked on decode steps.
 Each of the cluster's `prefill + decode` instances runs steps one after another. A
 step decodes one token for every request in its batch and, beside them, computes
 prompt chunks from its queue (by priority, then arrival): SARATHI's chunked prefill
-as `libs/engine` runs it ("Prefill inside decode's batch"). A step takes the cost
+as `shared/engine` runs it ("Prefill inside decode's batch"). A step takes the cost
 model's decode step of its batch plus each chunk's prefill time (`prefill_s` of the
 chunk on top of the prompt's tokens already in pages). Chunks are bounded so that the
 step stays within the TBT SLO: the first chunk of a step is at least one block (a
