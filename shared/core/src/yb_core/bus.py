@@ -451,9 +451,12 @@ class Bus:
                 raise BusError(f"no stream {stream} (see Bus.ensure_stream)") from exc
             return None  # no message on those subjects
 
-    async def last_event(self, subject: str, *, timeout_s: float) -> LoggedEvent | None:
+    async def last_event(
+        self, subject: str, *, timeout_s: float, stream: str = ""
+    ) -> LoggedEvent | None:
         """The newest event of the log on `subject` (a single subject, no wildcard),
-        None when the log holds none, asked of the stream itself.
+        None when the log holds none, asked of the stream itself (`stream`: another
+        stream than the log, such as `instance_stream`).
 
         A lookup, not a consumer: it needs no delivery to be flowing, so it answers
         even while a reader's consumer is being re-created after a NATS node came back
@@ -462,14 +465,15 @@ class Bus:
         """
         try:
             msg = await self._retried(
-                lambda: self._js.get_last_msg(self._cfg.stream, subject),
+                lambda: self._js.get_last_msg(stream or self._cfg.stream, subject),
                 budget_s=timeout_s,
                 attempt_s=timeout_s,
                 what=f"the newest event on {subject}",
             )
         except nats.js.errors.NotFoundError as exc:
             if exc.err_code == JS_STREAM_NOT_FOUND:
-                raise BusError(f"no stream {self._cfg.stream} (see Bus.ensure_stream)") from exc
+                name = stream or self._cfg.stream
+                raise BusError(f"no stream {name} (see Bus.ensure_stream)") from exc
             return None
         try:
             event = decode_event(msg.data or b"")

@@ -6,6 +6,10 @@
   on a clean stop. An instance that was declared dead while it was only paused
   (SIGSTOP, a long GC, a partition) announces itself again when it sees that
   verdict, or everyone who follows announcements would forget it for good.
+  A process that starts under the id of one that died without a goodbye (a
+  supervisor's restart, faster than any heartbeat timeout) first says that the
+  previous process is down, so that what it held is re-planned at once rather than
+  waited for.
 - `CancellationFollower` follows `RequestCancelled` events so an engine can drop a
   request whose client went away, wherever it is in its pipeline.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 
 import nats.errors
@@ -26,9 +31,20 @@ log = get_logger(__name__)
 
 CANCELLED_SUBJECT = "yb.ev.req.request_cancelled"
 
+#: This process's epoch: the epoch of an announcement that brings none of its own (a
+#: block holder's is its block log's), so that two processes under one instance id
+#: never announce the same epoch.
+PROCESS_EPOCH = time.time_ns()
+#: How long the first announcement may spend looking up the previous process.
+_PREVIOUS_LOOKUP_S = 2.0
+
 
 class Presence:
-    """Announce, heartbeat with load reports, and retire one instance."""
+    """Announce, heartbeat with load reports, and retire one instance.
+
+    The announcement's epoch is new in every process (`PROCESS_EPOCH` when it has
+    none); that is how the first `announce()` tells a previous process from itself.
+    """
 
     def __init__(
         self,
@@ -38,7 +54,10 @@ class Presence:
         interval_s: float,
     ) -> None:
         self._bus = bus
+        if not announcement.epoch:
+            announcement.epoch = PROCESS_EPOCH
         self.announcement = announcement
+        self._announced = False
         self._report = report
         self._interval_s = interval_s
         self._was_connected = True
@@ -46,9 +65,51 @@ class Presence:
         self._verdicts: EventReader | None = None
 
     async def announce(self) -> None:
-        """Publish `InstanceUp` (again: after a reconnect the log may have moved on)."""
+        """Publish `InstanceUp` (again: after a reconnect the log may have moved on).
+        The first time, end the previous process's presence if it left none."""
+        if not self._announced:
+            await self._end_previous()
         self.announcement.time = 0.0  # a fresh timestamp, hence a fresh message id
         await self._bus.publish(self.announcement)
+        self._announced = True
+
+    async def _end_previous(self) -> None:
+        """Publish `InstanceDown` for the previous process under this instance id
+        when the log's last word on it is an announcement of another epoch: it died
+        without a goodbye and nobody has declared it dead yet. Requests it held are
+        then re-planned now instead of after the heartbeat timeout. Best effort: if
+        the log cannot be asked, the heartbeat timeout still ends it.
+
+        Asked of the instance stream, which keeps each instance's last announcement and
+        verdict however long ago the log took them (and trimmed them since)."""
+        me = self.announcement
+        bus, stream = self._bus, self._bus.instance_stream
+        try:
+            up = await bus.last_event(
+                ev.subject_for(me), timeout_s=_PREVIOUS_LOOKUP_S, stream=stream
+            )
+            if up is None or not isinstance(up.event, ev.InstanceUp):
+                return
+            previous = up.event.epoch
+            if previous == me.epoch:
+                return  # this process announced itself before (another connection)
+            down = await bus.last_event(
+                ev.instance_down_subject(me.instance_id),
+                timeout_s=_PREVIOUS_LOOKUP_S,
+                stream=stream,
+            )
+            if down is not None and down.seq > up.seq:
+                return  # it said goodbye, or was declared dead
+            await bus.publish(
+                ev.InstanceDown(
+                    instance_id=me.instance_id,
+                    reason=f"restarted: the previous process (epoch {previous}) ended "
+                    "without a goodbye",
+                )
+            )
+            log.warning("previous_process_declared_down", epoch=previous)
+        except BusError as exc:
+            log.warning("previous_process_lookup_failed", error=str(exc))
 
     async def run(self) -> None:
         """Report load every interval until cancelled; survives NATS outages."""
