@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import mmap
 import os
 import shutil
 import tempfile
@@ -232,18 +233,6 @@ def _model_id(path: Path) -> str:
     return f"{path.resolve().name}@xxh3-{digest.hexdigest()[:16]}"
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
-
-
 def _generation_eos(path: Path) -> list[int]:
     gen = path / "generation_config.json"
     if not gen.is_file():
@@ -280,9 +269,10 @@ def load_model(
 
     path = Path(path).expanduser()
     arch, tokenizer = _read_config_and_tokenizer(path)
-    weights = ModelWeights.from_hf_state_dict(
-        _read_state_dict(path), arch, dtype=dtype, device=device
-    )
+    with contextlib.ExitStack() as stack:
+        weights = ModelWeights.from_hf_state_dict(
+            _LazyCheckpoint(path, stack), arch, dtype=dtype, device=device
+        )
 
     def reference() -> Any:
         return AutoModelForCausalLM.from_pretrained(
@@ -339,36 +329,101 @@ class LoadedStage:
 class _LazyCheckpoint(Mapping[str, torch.Tensor]):
     """The tensors of a directory's safetensors files, each read when it is asked for.
 
-    Asking for a tensor reads only its bytes (safetensors maps the file); `read`
+    `checkpoint[name]` maps the tensor's bytes from the file (copy-on-write, never
+    written): a tensor kept as it is costs no copy, its pages are read as they are
+    used, and the engines of one host share them. `copy_of(name)` reads the bytes into
+    memory of its own without mapping them, for a tensor that is only read to build
+    another (the fused q/k/v and gate/up projections): read through the map, its pages
+    would stay resident beside the fused copy for as long as the engine lives. `read`
     records what was asked for, in bytes.
     """
 
     def __init__(self, path: Path, stack: contextlib.ExitStack) -> None:
-        from safetensors import safe_open
-
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors weights in {path}")
-        self._file_of: dict[str, Any] = {}
+        self._entry_of: dict[str, _Entry] = {}
         for f in files:
-            handle = stack.enter_context(safe_open(str(f), framework="pt"))
-            for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                self._file_of[name] = handle
+            raw = stack.enter_context(open(f, "rb"))  # noqa: SIM115 - closed by the stack
+            self._entry_of.update(_safetensors_entries(raw))
         self.read: dict[str, int] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        tensor: torch.Tensor = self._file_of[name].get_tensor(name)
-        self.read[name] = tensor.numel() * tensor.element_size()
-        return tensor
+        entry = self._entry_of[name]
+        self.read[name] = entry.nbytes
+        if not entry.nbytes:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        # The tensor keeps the map alive; the map outlives the file's handle.
+        mapped = mmap.mmap(entry.file.fileno(), 0, access=mmap.ACCESS_COPY)
+        flat = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
+        return flat.view(entry.dtype).reshape(entry.shape)
+
+    def copy_of(self, name: str) -> torch.Tensor:
+        """The tensor `name` in memory of its own (read, not mapped)."""
+        entry = self._entry_of[name]
+        flat = torch.empty(entry.nbytes, dtype=torch.uint8)
+        view = memoryview(flat.numpy())
+        done = 0
+        while done < entry.nbytes:
+            got = os.preadv(entry.file.fileno(), [view[done:]], entry.offset + done)
+            if got <= 0:
+                raise OSError(f"{entry.file.name} ends inside tensor {name!r}")
+            done += got
+        self.read[name] = entry.nbytes
+        return flat.view(entry.dtype).reshape(entry.shape)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._file_of
+        return name in self._entry_of
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._file_of)
+        return iter(self._entry_of)
 
     def __len__(self) -> int:
-        return len(self._file_of)
+        return len(self._entry_of)
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """Where one tensor's bytes lie in a safetensors file."""
+
+    file: Any
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+#: safetensors' dtype names -> torch's.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _safetensors_entries(raw: Any) -> dict[str, _Entry]:
+    """Every tensor of an open safetensors file: an 8-byte little-endian header length,
+    a JSON header (name -> dtype, shape, data offsets), then the data."""
+    header_len = int.from_bytes(raw.read(8), "little")
+    header = json.loads(raw.read(header_len))
+    base = 8 + header_len
+    entries: dict[str, _Entry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{raw.name}: tensor {name!r} has dtype {info['dtype']}")
+        entries[name] = _Entry(raw, base + begin, end - begin, dtype, tuple(info["shape"]))
+    return entries
 
 
 def load_stage(

@@ -55,7 +55,10 @@ class _TensorReader:
     """Reads Hugging Face-named tensors from `state` onto the device, fusing per layer.
 
     `state` may be lazy (the loader's view of a safetensors file): a tensor is read when
-    it is asked for, so a pipeline stage reads only its own.
+    it is asked for, so a pipeline stage reads only its own. A tensor read only to be
+    fused is taken with `state.copy_of(name)` where the state offers it (the loader's
+    does: such a tensor is read into memory of its own instead of through the file's
+    map, whose pages would otherwise stay resident beside the fused copy).
     """
 
     def __init__(
@@ -71,6 +74,14 @@ class _TensorReader:
         except KeyError:
             raise KeyError(f"checkpoint lacks {name!r}") from None
 
+    def part(self, name: str) -> torch.Tensor:
+        """A tensor that is only read to build a fused one."""
+        copy_of = getattr(self.state, "copy_of", None)
+        if copy_of is None or name not in self.state:
+            return self.get(name)
+        part: torch.Tensor = copy_of(name)
+        return part
+
     def place(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype).contiguous()
 
@@ -78,7 +89,7 @@ class _TensorReader:
         return self.place(self.get(name))
 
     def layer(self, arch: ArchConfig, i: int) -> LayerWeights:
-        get, put = self.get, self.place
+        get, put = self.part, self.place
         p = f"model.layers.{i}."
         a = p + "self_attn."
         m = p + "mlp."
