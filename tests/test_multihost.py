@@ -381,7 +381,8 @@ def mh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiHost]:
         started = time.monotonic()
         cluster.start_nats()
         cluster.start_services()
-        if not cluster.wait_ready(240, lambda: False):
+        supervisor = cluster.supervisor("stop")
+        if not cluster.wait_ready(240, lambda: False, lambda: supervisor.tick(ready=False)):
             pytest.fail(f"the cluster did not become ready:\n{_logs(data_dir)}")
         mh = MultiHost(cluster, hosts, placement, cluster.ensure_secrets(), gate)
         expected = {s.instance_id for s in specs}

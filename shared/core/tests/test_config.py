@@ -150,7 +150,12 @@ def test_kv_pages_default_to_auto_with_overrides_from_env() -> None:
     cfg = load_config(env={})
     assert (cfg.decode.num_kv_pages, cfg.decode.kv_memory_bytes) == (0, 0)
     assert cfg.decode.gpu_memory_utilization == 0.9
-    assert cfg.decode.cpu_kv_memory_fraction == 0.3
+    # On the CPU: a prefill holds one longest prompt (its prefix cache in those pages
+    # while idle), a decode batch shares one longest sequence's room; only a prefill
+    # keeps a prefix cache.
+    assert (cfg.prefill.kv_sequences, cfg.decode.kv_sequences) == (1, 1)
+    assert cfg.prefill.prefix_cache_pages == 64
+    assert not hasattr(cfg.decode, "prefix_cache_pages")
     # A prefill engine runs one job at a time: its auto size is one request's pages.
     assert (cfg.prefill.max_batch_size, cfg.decode.max_batch_size) == (1, 32)
     cfg = load_config(
@@ -158,8 +163,10 @@ def test_kv_pages_default_to_auto_with_overrides_from_env() -> None:
             "YB_DECODE__NUM_KV_PAGES": "512",
             "YB_PREFILL__KV_MEMORY_BYTES": "1000000000",
             "YB_PREFILL__GPU_MEMORY_UTILIZATION": "0.45",
+            "YB_DECODE__KV_SEQUENCES": "6",
         }
     )
+    assert cfg.decode.kv_sequences == 6
     assert cfg.decode.num_kv_pages == 512
     assert cfg.prefill.kv_memory_bytes == 10**9
     assert cfg.prefill.gpu_memory_utilization == 0.45
@@ -171,7 +178,8 @@ def test_kv_pages_default_to_auto_with_overrides_from_env() -> None:
     [
         ({"YB_DECODE__GPU_MEMORY_UTILIZATION": "1.5"}, "gpu_memory_utilization"),
         ({"YB_DECODE__GPU_MEMORY_UTILIZATION": "0"}, "gpu_memory_utilization"),
-        ({"YB_DECODE__CPU_KV_MEMORY_FRACTION": "-0.1"}, "cpu_kv_memory_fraction"),
+        ({"YB_DECODE__KV_SEQUENCES": "0"}, "kv_sequences"),
+        ({"YB_DECODE__PREFIX_CACHE_PAGES": "8"}, "prefix_cache_pages"),
         ({"YB_DECODE__NUM_KV_PAGES": "-1"}, "num_kv_pages"),
         ({"YB_PREFILL__KV_MEMORY_BYTES": "-1"}, "kv_memory_bytes"),
     ],

@@ -1,5 +1,5 @@
-"""KV memory sized from the machine: the rule's arithmetic on made-up machines, and an
-engine that sizes, allocates and says what it chose."""
+"""KV memory sized for what an engine can use: the rule's arithmetic on made-up
+machines, and an engine that sizes, allocates and says what it chose."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ import structlog
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from yb_core.config import EngineConfig, load_config
+from yb_core.config import (
+    DecodeEngineConfig,
+    EngineConfig,
+    PrefillEngineConfig,
+    load_config,
+)
 from yb_engine import kv_sizing as ks
 from yb_engine.host import EngineGauges, EngineHost
 from yb_engine.models import DeviceUnavailable, resolve_device
@@ -62,17 +67,48 @@ def test_reading_the_machine(tmp_path: Path) -> None:
     assert ks.read_host_memory_available() > 0  # this machine's own figure parses
 
 
-def test_cpu_budget_is_a_fraction_shared_by_the_engines() -> None:
-    assert ks.cpu_budget(10 * GiB, 0.3, engines=1) == int(10 * GiB * 0.3)
-    assert ks.cpu_budget(10 * GiB, 0.3, engines=3) == int(10 * GiB * 0.3) // 3
-    assert ks.cpu_budget(10 * GiB, 0.3, engines=0) == int(10 * GiB * 0.3)
+def test_yb_up_on_a_laptop_takes_what_each_engine_can_use() -> None:
+    """The default model on the CPU, with the default settings: a prefill holds one
+    8,192-token prompt, its prefix cache in those pages while they are idle; the
+    decode batch shares one such room."""
+    prefill_cfg, decode_cfg = PrefillEngineConfig(), DecodeEngineConfig()
+
+    def sized(engine: PrefillEngineConfig | DecodeEngineConfig) -> ks.KVSizing:
+        return ks.sequences_kv(
+            sequences=engine.kv_sequences,
+            page_nbytes=SMOLLM2_PAGE,
+            seq_pages=128,
+            max_batch_size=engine.max_batch_size,
+            prefix_cache_pages=getattr(engine, "prefix_cache_pages", 0),
+            max_len=8192,
+        )
+
+    prefill, decode = sized(prefill_cfg), sized(decode_cfg)
+    assert (prefill.pages, prefill.prefix_cache_pages, prefill.bound) == (128, 64, "")
+    assert "the prefix cache keeps up to 64 of those pages while idle" in prefill.reason
+    assert (decode.pages, decode.prefix_cache_pages, decode.bound) == (128, 0, "")
+    assert prefill.source == decode.source == "kv_sequences"
+    assert "1 sequence(s) of 8192 tokens" in decode.reason
+    # `yb up`'s two prefill engines and one decode engine: 1.1 GiB of KV in all,
+    # whatever else the machine holds
+    assert 2 * prefill.nbytes + decode.nbytes == 384 * SMOLLM2_PAGE < 1.1 * GiB
+    # A prefill computes one prompt at a time: more sequences than that is the ceiling.
+    more = ks.sequences_kv(
+        sequences=4,
+        page_nbytes=SMOLLM2_PAGE,
+        seq_pages=128,
+        max_batch_size=1,
+        prefix_cache_pages=0,
+        max_len=8192,
+    )
+    assert (more.pages, more.bound) == (128, "ceiling")
+    assert "(max_batch_size 1)" in more.reason
 
 
-def test_a_laptop_yb_up_sizes_each_engine_between_floor_and_ceiling() -> None:
-    """16 GB laptop, 10 GiB available, `yb up`'s three engines, the default model."""
-    share = ks.cpu_budget(10 * GiB, 0.3, engines=3)  # 1 GiB each
+def test_a_budget_sizes_each_engine_between_floor_and_ceiling() -> None:
+    budget = GiB
     decode = ks.size_kv(
-        budget_bytes=share,
+        budget_bytes=budget,
         page_nbytes=SMOLLM2_PAGE,
         seq_pages=128,
         max_batch_size=32,
@@ -80,13 +116,13 @@ def test_a_laptop_yb_up_sizes_each_engine_between_floor_and_ceiling() -> None:
         source="kv_memory_bytes",
         reason="",
     )
-    assert decode.pages == share // SMOLLM2_PAGE == 364
+    assert decode.pages == budget // SMOLLM2_PAGE == 364
     assert decode.bound == ""
-    assert decode.nbytes <= share
+    assert decode.nbytes <= budget
     # the prefix cache gets what is left beside one 8,192-token request
     assert decode.prefix_cache_pages == min(256, 364 - 128)
     prefill = ks.size_kv(
-        budget_bytes=share,
+        budget_bytes=budget,
         page_nbytes=SMOLLM2_PAGE,
         seq_pages=128,
         max_batch_size=1,
@@ -102,7 +138,7 @@ def test_a_laptop_yb_up_sizes_each_engine_between_floor_and_ceiling() -> None:
         seq_pages=128,
         max_batch_size=1,
         prefix_cache_pages=256,
-        source="host_memory",
+        source="kv_memory_bytes",
         reason="",
     )
     assert (big.pages, big.bound, big.prefix_cache_pages) == (128 + 256, "ceiling", 256)
@@ -115,7 +151,7 @@ def test_a_budget_below_one_request_gets_the_floor_and_no_prefix_cache() -> None
         seq_pages=128,
         max_batch_size=32,
         prefix_cache_pages=256,
-        source="host_memory",
+        source="kv_memory_bytes",
         reason="",
     )
     assert (small.pages, small.bound, small.prefix_cache_pages) == (128, "floor", 0)
@@ -127,7 +163,7 @@ def test_a_budget_below_one_request_gets_the_floor_and_no_prefix_cache() -> None
             seq_pages=1,
             max_batch_size=1,
             prefix_cache_pages=0,
-            source="host_memory",
+            source="kv_memory_bytes",
             reason="",
         )
 
@@ -217,7 +253,9 @@ def info_logs() -> Iterator[list[dict[str, Any]]]:
 def test_engine_sizes_its_cache_from_the_budget_and_logs_why(
     tmp_path: Path, info_logs: list[dict[str, Any]]
 ) -> None:
-    engine = EngineConfig(threads=1, kv_memory_bytes=200 * 32768 + 1000, prefix_cache_pages=50)
+    engine = PrefillEngineConfig(
+        threads=1, kv_memory_bytes=200 * 32768 + 1000, prefix_cache_pages=50, max_batch_size=4
+    )
     host = load_host(tmp_path, engine, device="cpu")
     logs = info_logs
     try:
@@ -240,21 +278,30 @@ def test_engine_sizes_its_cache_from_the_budget_and_logs_why(
         host.close()
 
 
-def test_engine_without_settings_sizes_from_host_memory(tmp_path: Path) -> None:
-    engine = EngineConfig(threads=1, max_batch_size=2, prefix_cache_pages=8)
+def test_engine_without_settings_takes_what_it_can_use(tmp_path: Path) -> None:
+    engine = PrefillEngineConfig(threads=1, max_batch_size=2, kv_sequences=3, prefix_cache_pages=8)
     host = load_host(tmp_path, engine, device="cpu")
     try:
-        assert host.kv.source == "host_memory"
-        # tiny model: 4,096 positions = 64 pages per request; this machine has far
-        # more than 2 x 64 + 8 pages of 32 KiB to give, so the ceiling binds
-        assert (host.kv.pages, host.kv.bound) == (2 * 64 + 8, "ceiling")
-        assert host.cache.num_pages == 136
+        assert host.kv.source == "kv_sequences"
+        # tiny model: 4,096 positions = 64 pages per sequence; 3 asked, 2 at most at once,
+        # the prefix cache within them
+        assert (host.kv.pages, host.kv.bound) == (2 * 64, "ceiling")
+        assert host.cache.num_pages == 128
+        assert host.prefix_cache_pages == 8
     finally:
         host.close()
+    decode = load_host(tmp_path, DecodeEngineConfig(threads=1, kv_sequences=2), device="cpu")
+    try:
+        # two sequences' pages, and no prefix cache: only a prefill keeps one
+        assert (decode.kv.pages, decode.kv.bound, decode.prefix_cache_pages) == (128, "", 0)
+    finally:
+        decode.close()
 
 
 def test_explicit_page_count_wins(tmp_path: Path) -> None:
-    engine = EngineConfig(threads=1, num_kv_pages=48, kv_memory_bytes=10**9)
+    engine = PrefillEngineConfig(
+        threads=1, num_kv_pages=48, kv_memory_bytes=10**9, prefix_cache_pages=100
+    )
     host = load_host(tmp_path, engine)
     try:
         assert (host.cache.num_pages, host.kv.source) == (48, "num_kv_pages")

@@ -21,11 +21,11 @@ import yaml
 from yb_core import events as ev
 from yb_core.bus import Bus
 from yb_core.config import NatsConfig, load_config
+from yb_tools.cli.cluster_watch import ClusterWatcher
 from yb_tools.cli.launcher import Cluster, Topology
 from yb_tools.cli.prometheus_files import (
     ScrapeTarget,
     TargetFold,
-    TargetWatcher,
     file_sd_groups,
     read_file_sd,
     scrape_config,
@@ -139,7 +139,7 @@ async def test_watcher_follows_the_instance_stream(
 ) -> None:
     path = tmp_path / "prometheus" / "targets.json"
     running = {"prefill-0": time.time() - 1.0, "gateway-0": time.time() - 1.0}
-    watcher = TargetWatcher(nats_config, path, lambda: dict(running))
+    watcher = ClusterWatcher(nats_config, path, lambda: dict(running))
     watcher.start()
     try:
         assert read_file_sd(path) == []
@@ -158,6 +158,39 @@ async def test_watcher_follows_the_instance_stream(
         await asyncio.to_thread(watcher.stop)
     assert read_file_sd(path) == []
     await asyncio.to_thread(watcher.stop)  # twice is fine
+
+
+async def test_watcher_tells_who_announced_and_publishes_verdicts(
+    nats_config: NatsConfig, bus: Bus, tmp_path: Path
+) -> None:
+    # A process counts as announced only by an announcement made since it started.
+    started = time.time()
+    running = {"prefill-0": started, "gateway-0": started}
+    await bus.publish(up(GATEWAY, at=started - 60))  # an earlier process's
+    watcher = ClusterWatcher(nats_config, tmp_path / "targets.json", lambda: dict(running))
+    watcher.start()
+    try:
+        await bus.publish(up(PREFILL, at=time.time()))
+        await _wait_for(tmp_path / "targets.json", [PREFILL])
+        assert watcher.announced() == {"prefill-0"}
+        since = await bus.last_sequence()
+        await asyncio.to_thread(
+            watcher.declare_down, "prefill-0", "its process exited with signal SIGKILL"
+        )
+        reader = await bus.read_ordered(ev.instance_down_subject("prefill-0"), start_seq=since)
+        try:
+            item = await reader.next(timeout_s=WAIT_S)
+        finally:
+            await reader.close()
+        assert item is not None
+        assert item.event == ev.InstanceDown(
+            instance_id="prefill-0",
+            reason="its process exited with signal SIGKILL",
+            time=item.event.time,
+        )
+        await _wait_for(tmp_path / "targets.json", [])  # the verdict ends its target too
+    finally:
+        await asyncio.to_thread(watcher.stop)
 
 
 def test_launcher_keeps_an_inline_token_out_of_the_config(
@@ -187,4 +220,4 @@ def test_launcher_keeps_an_inline_token_out_of_the_config(
         assert f"prometheus --config.file={config_path}" in hint
     finally:
         cluster.stop()
-    assert cluster.prometheus_targets is None
+    assert cluster.watcher is None

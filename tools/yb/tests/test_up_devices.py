@@ -1,5 +1,6 @@
-"""`yb up` and `yb profile` take the device settings, and `yb up` shares one KV budget
-among the engines it starts."""
+"""`yb up` and `yb profile` take the device settings; on a GPU `yb up` shares the device
+among the engines it starts, on the CPU each takes what it can use, and `yb up` says what
+that came to."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from yb_core import config as config_module
+from yb_core import events as ev
 from yb_core.config import load_config
 from yb_engine import kv_sizing
 from yb_tools.cli import _overrides, add_device_arguments
@@ -41,37 +43,58 @@ def cluster(env: dict[str, str], topology: Topology) -> tuple[Cluster, list[str]
     return Cluster(load_config(env=env), topology, said.append), said
 
 
-def test_on_the_cpu_each_engine_gets_an_equal_share_of_one_reading(
+def test_on_the_cpu_engines_are_sized_by_what_they_can_use(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    readings = iter([12 * GiB, 1 * GiB])  # a second reading would be smaller
-    monkeypatch.setattr(kv_sizing, "read_host_memory_available", lambda: next(readings))
+    def no_reading() -> int:
+        raise AssertionError("free memory is not a size")
+
+    monkeypatch.setattr(kv_sizing, "read_host_memory_available", no_reading)
     c, said = cluster(
         {"YB_MODEL__DEVICE": "cpu", "YB_DATA_DIR": str(tmp_path)}, Topology(prefill=2, decode=1)
     )
-    c._share_kv_memory()
-    share = int(12 * GiB * 0.3) // 3
-    assert c.cfg.prefill.kv_memory_bytes == c.cfg.decode.kv_memory_bytes == share
-    assert "3 engines" in said[-1]
-    # every engine gets the number in its environment
+    c._share_gpu_memory()
+    assert c.cfg.prefill.kv_memory_bytes == c.cfg.decode.kv_memory_bytes == 0
+    assert not said
     env = c.service_env(c.process_specs()[-2])
-    assert env["YB_DECODE__KV_MEMORY_BYTES"] == str(share)
-    assert env["YB_PREFILL__KV_MEMORY_BYTES"] == str(share)
+    assert env["YB_DECODE__KV_SEQUENCES"] == env["YB_PREFILL__KV_SEQUENCES"] == "1"
 
 
-def test_explicit_settings_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+class Announced:
+    """What the launcher's watcher reports: the engines' announcements."""
+
+    def __init__(self, ups: dict[str, ev.InstanceUp]) -> None:
+        self.ups = ups
+
+    def announcements(self) -> dict[str, ev.InstanceUp]:
+        return dict(self.ups)
+
+
+def test_yb_up_says_what_each_engine_took(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_sizing, "read_host_memory_available", lambda: 12 * GiB)
-    c, _ = cluster(
-        {
-            "YB_MODEL__DEVICE": "cpu",
-            "YB_DECODE__NUM_KV_PAGES": "100",
-            "YB_PREFILL__CPU_KV_MEMORY_FRACTION": "0.6",
-        },
-        Topology(prefill=1, decode=1),
-    )
-    c._share_kv_memory()
-    assert (c.cfg.decode.num_kv_pages, c.cfg.decode.kv_memory_bytes) == (100, 0)
-    assert c.cfg.prefill.kv_memory_bytes == int(12 * GiB * 0.6) // 2
+    c, _ = cluster({"YB_MODEL__DEVICE": "cpu"}, Topology(prefill=2, decode=1))
+    page = kv_sizing.page_nbytes(30, 3, 64, 64, 4)
+
+    def up(name: str, role: ev.Role, pages: int) -> ev.InstanceUp:
+        return ev.InstanceUp(
+            instance_id=name, role=role, host="h", kv_capacity_blocks=pages, kv_block_bytes=page
+        )
+
+    ups = {"prefill-0": up("prefill-0", "prefill", 128), "decode-0": up("decode-0", "decode", 256)}
+    c.watcher = Announced(ups)  # type: ignore[assignment]
+    assert c.kv_report() == []  # prefill-1 has not announced itself yet
+    ups["prefill-1"] = up("prefill-1", "prefill", 128)
+    ups["kvstore-0"] = ev.InstanceUp(instance_id="kvstore-0", role="kvstore", host="h")
+    head, *lines = c.kv_report()
+    assert head.startswith("KV cache per engine (1.41 GiB in all, 12.0 GiB available now;")
+    assert "YB_DECODE__KV_SEQUENCES" in head
+    assert lines == [
+        "  decode-0        256 pages =    16,384 tokens,      720 MiB",
+        "  prefill-0       128 pages =     8,192 tokens,      360 MiB",
+        "  prefill-1       128 pages =     8,192 tokens,      360 MiB",
+    ]
+    monkeypatch.setattr(kv_sizing, "read_host_memory_available", lambda: GiB)
+    assert c.kv_report()[-1].startswith("warning: the engines' KV may grow to 1.41 GiB")
 
 
 def test_on_cuda_the_engines_split_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -82,18 +105,11 @@ def test_on_cuda_the_engines_split_the_gpu(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(config_module, "nvidia_gpu_visible", lambda: True)
     c, said = cluster({}, Topology(prefill=2, decode=2))
     assert c.cfg.model.block_size == 256  # auto, with a GPU visible
-    c._share_kv_memory()
+    c._share_gpu_memory()
     assert c.cfg.decode.gpu_memory_utilization == pytest.approx(0.9 / 4)
     assert c.cfg.prefill.gpu_memory_utilization == pytest.approx(0.9 / 4)
     assert c.cfg.decode.kv_memory_bytes == 0
     assert "share one GPU" in said[-1]
-
-
-def test_no_engines_no_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kv_sizing, "read_host_memory_available", lambda: 12 * GiB)
-    c, said = cluster({"YB_MODEL__DEVICE": "cpu"}, Topology(prefill=0, decode=0))
-    c._share_kv_memory()
-    assert c.cfg.decode.kv_memory_bytes == 0 and not said
 
 
 def test_status_warns_when_instances_disagree_on_the_block_size() -> None:

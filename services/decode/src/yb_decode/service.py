@@ -252,6 +252,7 @@ class DecodeWorker(Worker):
     def capacity(self) -> Capacity:
         return Capacity(
             kv_capacity_blocks=self.engine.cache.num_pages,
+            kv_block_bytes=self.engine.kv.page_nbytes,
             max_batch_size=self.cfg.decode.max_batch_size,
             attention_backend=self.engine.attention_backend,
             piggyback=self.piggyback,

@@ -213,6 +213,7 @@ class StageWorker(JobOwner, Worker):
     def capacity(self) -> Capacity:
         return Capacity(
             kv_capacity_blocks=self.host.cache.num_pages,
+            kv_block_bytes=self.host.kv.page_nbytes,
             max_batch_size=1,
             attention_backend=self.host.runner.backend.name,
             group=self.pcfg.group,

@@ -436,36 +436,36 @@ class EngineConfig(_Section):
     every core.
 
     Prefill only: `reuse` honours the decisions' reuse plans (off: every prompt is
-    computed whole, whatever the conductor planned; for baselines). Up to
-    `prefix_cache_pages` of the engine's pages keep full blocks of earlier prompts
-    (the "engine" tier; 0 turns it off). `store_blocks` puts newly computed blocks
-    into the host's kvstore; `fetch_timeout_s` bounds loading a planned prefix
-    before falling back to computing it. `transfer_timeout_s` bounds each KV send;
-    decode holds a reservation until the request's own deadline (the prefill may
-    compute for longer than one send takes), or this long when it has none.
+    computed whole, whatever the conductor planned; for baselines). `store_blocks`
+    puts newly computed blocks into the host's kvstore; `fetch_timeout_s` bounds
+    loading a planned prefix before falling back to computing it.
+    `transfer_timeout_s` bounds each KV send; decode holds a reservation until the
+    request's own deadline (the prefill may compute for longer than one send takes),
+    or this long when it has none.
 
-    KV memory (`yb_engine.kv_sizing`): `num_kv_pages` > 0 fixes the page count. 0 (the
-    default) sizes it from the machine at start: `kv_memory_bytes` when set (`yb up`
-    sets it for every engine it starts on the CPU: its share of one budget);
-    else on CUDA the device memory this engine may fill, `gpu_memory_utilization`
-    of the device's total (weights, activations and KV together, as vLLM's setting of
-    that name; `yb up` divides it among the engines sharing the GPU), less the
-    weights and an estimate of the activation peak, and never more than is free; on
-    the CPU `cpu_kv_memory_fraction` of the memory available now (MemAvailable, or
-    the cgroup's limit when lower), which assumes this engine is the host's only one.
-    The count is then kept between one longest request (`model.max_model_len`) and
-    what the engine can ever use at once (`max_batch_size` such requests plus the
-    prefix cache); the prefix cache gets what is left beside one longest request, at
-    most `prefix_cache_pages`. The engine logs the count, the bytes and why.
+    KV memory (`yb_engine.kv_sizing`), sized at start for what the engine can use:
+    `num_kv_pages` > 0 fixes the page count; else `kv_memory_bytes` > 0 is a byte
+    budget; else on CUDA the device memory this engine may fill,
+    `gpu_memory_utilization` of the device's total (weights, activations and KV
+    together, as vLLM's setting of that name; `yb up` divides it among the engines
+    sharing the GPU), less the weights and an estimate of the activation peak, and
+    never more than is free; else (the CPU) `kv_sequences` sequences of the longest
+    length the model serves (`model.max_model_len`) at once, a prefill engine's
+    prefix cache keeping blocks in those pages while they are idle. Whatever the
+    source, the count is kept between one longest sequence and what the engine can
+    ever use at once (`max_batch_size` of them, plus the prefix cache). The engine
+    logs the count, the bytes and why, and announces them; `yb up` prints them.
+    Every page is allocated (and zeroed) at start: what an engine takes is resident
+    from the first moment, never a surprise later.
     """
 
     num_kv_pages: Annotated[int, msgspec.Meta(ge=0)] = 0
     kv_memory_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
-    # A fraction, not all: the memory also holds each engine's weights, the kvstores'
-    # DRAM tier, the gateway, NATS and whatever else the machine runs (a laptop's
-    # desktop); KV pages are zero-filled at start, so all of it is resident at once.
-    cpu_kv_memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.3
+    # On the CPU: a prefill computes one prompt at a time, so one longest sequence is
+    # what it can use; a decode batch shares that room, and the conductor admits into
+    # what is free. For the default model that is 8,192 tokens, 360 MiB in float32.
+    kv_sequences: _Count = 1
     max_batch_size: _Count = 32
     chunk_size: _Count = 512
     threads: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -474,7 +474,6 @@ class EngineConfig(_Section):
     transfer_timeout_s: _Seconds = 30.0
     load_report_interval_s: _Seconds = 1.0
     reuse: bool = True
-    prefix_cache_pages: Annotated[int, msgspec.Meta(ge=0)] = 256
     store_blocks: bool = True
     fetch_timeout_s: _Seconds = 10.0
 
@@ -482,7 +481,13 @@ class EngineConfig(_Section):
 class PrefillEngineConfig(EngineConfig):
     """A prefill engine (`EngineConfig`). It computes one long prompt at a time, so it
     holds at most one such request's pages beside its prefix cache: `max_batch_size`
-    1 keeps its auto-sized KV to that (one longest request plus `prefix_cache_pages`).
+    1 keeps its KV to that (one longest request plus `prefix_cache_pages`).
+
+    Up to `prefix_cache_pages` of its pages keep full blocks of earlier prompts (the
+    "engine" tier, in front of the host's kvstore; 0 turns it off): a prompt that
+    repeats one of them loads nothing. Sized from a byte budget (CUDA), they are
+    pages beside one longest prompt; sized by `kv_sequences` (the CPU), they are the
+    prompt's pages while it does not need them.
 
     Short prompts queued together compute together: up to `batch_jobs` jobs from the
     head of the queue whose prompts add up to at most `chunk_size` tokens, and whose
@@ -497,6 +502,7 @@ class PrefillEngineConfig(EngineConfig):
     """
 
     max_batch_size: _Count = 1
+    prefix_cache_pages: Annotated[int, msgspec.Meta(ge=0)] = 64
     batch_jobs: _Count = 16
     group: str = ""
     stage: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -539,9 +545,13 @@ class KVStoreConfig(_Section):
     sixteenth of the slab, at least 1), so a put rarely waits for a file write.
     `ssd_io_threads` run the file reads and writes. `ucx_host` and `ucx_port` as for
     an engine.
+
+    The DRAM slab is sized for a laptop by default: 256 blocks hold two sequences of
+    the default model's longest length (8,192 tokens at 64 a block; 720 MiB in
+    float32), the SSD tier sixteen times that. A host that serves a pool sets more.
     """
 
-    dram_blocks: _Count = 512
+    dram_blocks: _Count = 256
     ssd_blocks: Annotated[int, msgspec.Meta(ge=0)] = 4096
     ssd_dir: str = ""
     ucx_host: str = "127.0.0.1"

@@ -388,6 +388,9 @@ class InstanceUp(Event, tag="instance_up"):
     A decode instance with `piggyback` takes prompts into its batch: it prefills them
     in chunks inside its decode steps (SARATHI's chunked prefill), loading their
     cached prefix from the pool itself.
+
+    An engine's KV cache holds `kv_capacity_blocks` blocks of `kv_block_bytes` bytes
+    each (one block's keys and values across the layers it holds).
     """
 
     instance_id: str
@@ -407,6 +410,7 @@ class InstanceUp(Event, tag="instance_up"):
     num_layers: int = 0
     chunk_tokens: int = 0
     piggyback: bool = False
+    kv_block_bytes: int = 0
 
 
 class InstanceDown(Event, tag="instance_down"):

@@ -76,6 +76,8 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     """What a worker announces about itself beyond who and where it is."""
 
     kv_capacity_blocks: int
+    # An engine: bytes of one block's KV across the layers it holds.
+    kv_block_bytes: int = 0
     max_batch_size: int = 0
     attention_backend: str = ""
     epoch: int = 0
@@ -276,6 +278,7 @@ class WorkerShell(Service, Generic[W]):
             ucx_address=address.to_wire(),
             block_size=self.cfg.model.block_size,
             kv_capacity_blocks=capacity.kv_capacity_blocks,
+            kv_block_bytes=capacity.kv_block_bytes,
             max_batch_size=capacity.max_batch_size,
             attention_backend=capacity.attention_backend,
             epoch=capacity.epoch,

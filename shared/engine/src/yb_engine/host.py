@@ -280,9 +280,12 @@ def size_kv_cache(
     block_size = cfg.model.block_size
     layers = arch.num_layers if num_layers is None else num_layers
     page = ks.page_nbytes(layers, arch.num_kv_heads, arch.head_dim, block_size, element_size)
+    # Only a prefill engine keeps a prefix cache.
+    prefix_cache_pages = getattr(engine, "prefix_cache_pages", 0)
     if engine.num_kv_pages:
-        return ks.explicit_kv(engine.num_kv_pages, page, engine.prefix_cache_pages)
+        return ks.explicit_kv(engine.num_kv_pages, page, prefix_cache_pages)
     max_len = min(cfg.model.max_model_len, arch.max_position or cfg.model.max_model_len)
+    seq_pages = ks.pages_for(max_len, block_size)
     source: ks.Source
     if engine.kv_memory_bytes:
         source, budget = "kv_memory_bytes", engine.kv_memory_bytes
@@ -316,19 +319,20 @@ def size_kv_cache(
             f"{reserved} held (weights) and an activation peak of {peak}; {free} free"
         )
     else:
-        available = ks.read_host_memory_available()
-        source = "host_memory"
-        budget = ks.cpu_budget(available, engine.cpu_kv_memory_fraction)
-        reason = (
-            f"{engine.cpu_kv_memory_fraction:g} of the {available} bytes available "
-            "(MemAvailable or the cgroup's limit); as the host's only engine"
+        return ks.sequences_kv(
+            sequences=engine.kv_sequences,
+            page_nbytes=page,
+            seq_pages=seq_pages,
+            max_batch_size=engine.max_batch_size,
+            prefix_cache_pages=prefix_cache_pages,
+            max_len=max_len,
         )
     return ks.size_kv(
         budget_bytes=budget,
         page_nbytes=page,
-        seq_pages=ks.pages_for(max_len, block_size),
+        seq_pages=seq_pages,
         max_batch_size=engine.max_batch_size,
-        prefix_cache_pages=engine.prefix_cache_pages,
+        prefix_cache_pages=prefix_cache_pages,
         source=source,
         reason=reason,
     )

@@ -1,23 +1,28 @@
-"""How many KV pages an engine allocates, sized from the machine it runs on.
+"""How many KV pages an engine allocates: what it can use, within its budget.
 
 Every function here is arithmetic on numbers it is given (memory figures, model
 shape), so the rule is tested with made-up machines; only `read_host_memory_available`
 reads the real one, and the engine host asks CUDA for its figures. Nothing imports
-torch: `yb up` uses the host-memory part to share one budget among its engines.
+torch: `yb up` uses it too.
 
 The rule (`EngineConfig` has the settings):
 
 1. An explicit `num_kv_pages` is used as given.
 2. Else a byte budget: `kv_memory_bytes` when set; on CUDA `cuda_budget` (the share
    of the device the engine may fill, less its weights and activation peak, never
-   more than is free); on the CPU `cpu_budget` (a fraction of the memory available).
-3. The budget buys `budget // page_nbytes` pages, kept between a floor (one request
-   of the longest length the model serves: an engine that cannot hold one is
-   useless, so the floor wins over a smaller budget, with a warning) and a ceiling
-   (`max_batch_size` such requests plus the prefix cache: more is never in use at
-   once, so it would only be resident memory for nothing).
-4. The prefill engine's prefix cache gets what is left beside one longest request,
+   more than is free). The budget buys `budget // page_nbytes` pages, kept between a
+   floor (one sequence of the longest length the model serves: an engine that cannot
+   hold one is useless, so the floor wins over a smaller budget, with a warning) and
+   a ceiling (`max_batch_size` such sequences plus the prefix cache: more is never in
+   use at once, so it would only be memory held for nothing).
+   The prefill engine's prefix cache gets what is left beside one longest sequence,
    at most `prefix_cache_pages`.
+3. Else, on the CPU, a size, not a share of whatever memory is free
+   (`sequences_kv`): `kv_sequences` longest sequences (at most `max_batch_size`).
+   The memory a CPU has is the whole machine's, shared with every other process:
+   the engine takes what it can use, not a share of whatever happens to be free.
+   The prefill engine's prefix cache lives in those pages while they are idle (at
+   most `prefix_cache_pages` of them) and yields them to a prompt that needs them.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-Source = Literal["num_kv_pages", "kv_memory_bytes", "cuda", "host_memory"]
+Source = Literal["num_kv_pages", "kv_memory_bytes", "cuda", "kv_sequences"]
 Bound = Literal["", "floor", "ceiling"]
 
 
@@ -115,12 +120,6 @@ def read_host_memory_available(root: Path = Path("/")) -> int:
     return host_memory_available(meminfo, limit, current)
 
 
-def cpu_budget(available: int, fraction: float, engines: int = 1) -> int:
-    """One engine's KV bytes on the CPU: `fraction` of `available`, shared evenly by
-    `engines` engines on this host."""
-    return int(available * fraction) // max(1, engines)
-
-
 def activation_peak_estimate(
     *,
     hidden: int,
@@ -204,6 +203,37 @@ def size_kv(
         budget_bytes=budget_bytes,
         bound=bound,
         reason=reason,
+    )
+
+
+def sequences_kv(
+    *,
+    sequences: int,
+    page_nbytes: int,
+    seq_pages: int,
+    max_batch_size: int,
+    prefix_cache_pages: int,
+    max_len: int,
+) -> KVSizing:
+    """`sequences` sequences of `seq_pages` pages (the longest, `max_len` tokens), at
+    most `max_batch_size` of them (the ceiling). The prefix cache keeps up to
+    `prefix_cache_pages` of those pages while they are idle, and gives them up when a
+    prompt needs the room (`PrefixCache.allocate` evicts on demand): cached blocks
+    are copies the pool holds too, so they cost no pages of their own."""
+    if page_nbytes <= 0 or seq_pages <= 0:
+        raise ValueError("page_nbytes and seq_pages must be positive")
+    held = min(max(1, sequences), max(1, max_batch_size))
+    pages = held * seq_pages
+    prefix = min(max(0, prefix_cache_pages), pages)
+    return KVSizing(
+        pages=pages,
+        page_nbytes=page_nbytes,
+        prefix_cache_pages=prefix,
+        source="kv_sequences",
+        bound="ceiling" if held < sequences else "",
+        reason=f"engine.kv_sequences = {sequences}: {held} sequence(s) of {max_len} tokens"
+        + (f" (max_batch_size {max_batch_size})" if held < sequences else "")
+        + (f"; the prefix cache keeps up to {prefix} of those pages while idle" if prefix else ""),
     )
 
 

@@ -482,6 +482,15 @@ class SseClient:
             and self.frames[-1] == "[DONE]"
         )
 
+    def text(self) -> str:
+        """The completion's text so far: every text frame's, in order."""
+        pieces: list[str] = []
+        for data in self.frames:
+            if data != "[DONE]" and data not in self.errors:
+                for choice in json.loads(data).get("choices") or []:
+                    pieces.append(choice.get("text") or "")
+        return "".join(pieces)
+
     def error_message(self) -> str:
         """The message of the first error event ('' if none)."""
         if not self.errors:

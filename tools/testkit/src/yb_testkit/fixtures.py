@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -36,6 +37,9 @@ from yb_core.nats_auth import (
 )
 from yb_core.telemetry import configure_logging
 from yb_tools.natsserver import NatsServer, cluster_nodes
+
+if TYPE_CHECKING:
+    from yb_tools.cli.launcher import ClusterInfo
 
 
 def _cuda_asked(config: pytest.Config) -> bool:
@@ -298,6 +302,21 @@ class LocalCluster:
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"cluster not ready within {timeout_s}s:\n{self.output()}")
+
+    def info(self) -> ClusterInfo:
+        """What `yb up` says of its cluster now (cluster.json)."""
+        from yb_tools.cli.launcher import read_cluster_info
+
+        info = read_cluster_info(self.data_dir)
+        if info is None:
+            raise RuntimeError(f"no cluster.json under {self.data_dir}: is the cluster up?")
+        return info
+
+    def refresh_pids(self) -> dict[str, int]:
+        """Take the pids `yb up` lists now (its supervisor restarts processes under new
+        ones); returns them."""
+        self.pids = dict(self.info().pids)
+        return self.pids
 
     def output(self) -> str:
         """What the launcher printed."""

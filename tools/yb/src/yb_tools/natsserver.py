@@ -182,6 +182,11 @@ class NatsServer:
         self.stop()
         raise NatsServerError(f"nats-server did not come up within {timeout_s}s")
 
+    @property
+    def log_offset(self) -> int:
+        """Where the current process's output begins in `log_file`."""
+        return self._log_start
+
     def _port_taken(self) -> int:
         """The port the server's log says it could not bind (0: none, or no log)."""
         if self.log_file is None:

@@ -3,7 +3,9 @@
     yb up [--port N] [--data-dir DIR] [--model SOURCE] [--prefill N --decode N --kvstore N]
           [--prefill-groups N[,N...]]
           [--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16]
-          [--conductors N] [--keep-going]   standbys; stay up when an instance dies
+          [--conductors N]                  one active conductor, the rest standby
+          [--on-exit restart|keep-going|stop]  an exited process: restarted (default),
+                                            left down, or the cluster stopped
           [--nats-cluster 3]                three NATS nodes, the event stream at R3
     yb status [--data-dir DIR | --nats URL]
     yb prepare [--model SOURCE]     convert and cache the model (setup.sh runs it)
@@ -30,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from yb_core.config import ConfigError, YbConfig, load_config
+from yb_tools.cli.supervision import ON_EXIT_CHOICES
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,9 +69,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--conductors", type=int, default=1, help="conductors: one active, the rest standby"
     )
     up.add_argument(
+        "--on-exit",
+        choices=ON_EXIT_CHOICES,
+        default="restart",
+        help="when a process exits: restart it with a growing back-off, giving up on one "
+        "that keeps dying at start (restart, the default); leave it down and keep the rest "
+        "up (keep-going); or stop the whole cluster (stop)",
+    )
+    up.add_argument(
         "--keep-going",
-        action="store_true",
-        help="keep the cluster up when an instance exits (fault tests kill some on purpose)",
+        dest="on_exit",
+        action="store_const",
+        const="keep-going",
+        help="the same as --on-exit keep-going",
     )
     up.add_argument("--nats-port", type=int, help="NATS client port (default 4222; 0: any free)")
     up.add_argument(
@@ -184,7 +197,7 @@ def _group_sizes(text: str) -> tuple[int, ...]:
 
 
 def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
-    from yb_tools.cli.launcher import Cluster, Topology
+    from yb_tools.cli.launcher import Cluster, ModelNotPrepared, Topology
 
     def say(line: str) -> None:
         print(f"[yb] {line}", flush=True)
@@ -219,12 +232,25 @@ def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
     code = 0
     try:
         say(f"data directory: {cluster.data_dir}")
-        cluster.prepare_model()
+        try:
+            cluster.prepare_model()
+        except ModelNotPrepared as exc:
+            if stopping:
+                return 130
+            print(f"yb up: {exc}", file=sys.stderr)
+            return 1
         if stopping:
             return 130
         cluster.start_nats()
         cluster.start_services()
-        if not cluster.wait_ready(args.ready_timeout, lambda: stopping):
+        supervisor = cluster.supervisor(args.on_exit)
+
+        def check(ready: bool) -> str | None:
+            failure = supervisor.tick(ready=ready)
+            cluster.record_supervision(supervisor)
+            return failure
+
+        if not cluster.wait_ready(args.ready_timeout, lambda: stopping, lambda: check(False)):
             if not stopping:
                 say("the cluster did not become ready; see the logs above")
                 code = 1
@@ -233,16 +259,17 @@ def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
             say(f"ready: {cluster.gateway_url}/v1  (OpenAI-compatible; Ctrl-C stops)")
             for line in cluster.access_hint():
                 say(line)
-            reported: set[str] = set()
+            kv_reported = False
             while not stopping:
-                dead = cluster.dead_children()
-                if dead and not args.keep_going:
-                    say(f"instance(s) exited: {', '.join(dead)}; stopping the cluster")
+                if failure := check(True):
+                    say(f"{failure}: stopping the cluster")
                     code = 1
                     break
-                if fresh := [name for name in dead if name not in reported]:
-                    say(f"instance(s) exited: {', '.join(fresh)}; keeping the rest up")
-                    reported.update(fresh)
+                # Once every engine has announced what it took.
+                if not kv_reported and (report := cluster.kv_report()):
+                    for line in report:
+                        say(line)
+                    kv_reported = True
                 time.sleep(0.5)
     finally:
         cluster.stop()

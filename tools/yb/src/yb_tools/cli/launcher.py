@@ -8,6 +8,10 @@ launcher, which stops them in order (gateway, engines, stores, conductor, NATS) 
 kills what does not stop in time; a child also dies with the launcher if the launcher
 itself is killed (PR_SET_PDEATHSIG), so no process is left behind.
 
+Supervision: while the cluster runs, `yb up --on-exit` decides what a process that
+exits means (`yb_tools.cli.supervision`): by default it is restarted with a growing
+back-off and the rest keeps serving; `keep-going` leaves it down, `stop` stops all.
+
 Beyond one host: `Topology.nats = 3` (`yb up --nats-cluster 3`) starts a three-node
 NATS JetStream cluster instead of one server, with the event stream at R3 and every
 service given all three URLs; a `ProcessSpec` with `netns` runs its service inside a
@@ -60,15 +64,16 @@ from yb_core.nats_auth import (
     literal_passwords,
     render_authorization,
 )
+from yb_tools.cli.cluster_watch import ClusterWatcher
 from yb_tools.cli.prometheus_files import (
     PROMETHEUS_DIR,
     SCRAPE_CONFIG_FILE,
     TARGETS_FILE,
-    TargetWatcher,
     scrape_config,
     write_atomically,
     write_scrape_config,
 )
+from yb_tools.cli.supervision import Member, OnExit, RestartPolicy, Supervisor, describe_exit
 from yb_tools.natsserver import (
     CLUSTER_DECISION_TIMEOUT_S,
     CLUSTER_FAILOVER_S,
@@ -79,6 +84,13 @@ from yb_tools.natsserver import (
     env_without_proxies,
     free_port,
 )
+
+#: The roles that run the model and hold a KV cache.
+ENGINE_ROLES = ("prefill", "decode")
+
+
+class ModelNotPrepared(RuntimeError):
+    """The model could not be prepared (converted and cached) for the engines."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +191,10 @@ class ClusterInfo(msgspec.Struct):
     # cluster whose instance dies before *it* saw it ready, so a second observer of
     # readiness could act (kill an instance, say) in between.
     ready_at: float = 0.0
+    # Processes restarted by the supervisor, with how often (`pids` has the new pids),
+    # and those given up on, with why.
+    restarts: dict[str, int] = msgspec.field(default_factory=dict)
+    given_up: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 @dataclass
@@ -199,9 +215,12 @@ class Cluster:
     # When each child was started (wall clock): announcements older than that are an
     # earlier process's.
     started_at: dict[str, float] = field(default_factory=dict)
+    # Where each child's output begins in its log (logs are appended to across runs).
+    log_offsets: dict[str, int] = field(default_factory=dict)
     secrets: LocalSecrets | None = None
-    # Keeps the Prometheus targets file current while the cluster runs.
-    prometheus_targets: TargetWatcher | None = None
+    # Follows the instances on the bus: the Prometheus targets file, who announced
+    # itself, the launcher's verdicts on processes that exit.
+    watcher: ClusterWatcher | None = None
     # What cluster.json says, once the services are started.
     info: ClusterInfo | None = None
 
@@ -234,10 +253,30 @@ class Cluster:
             )
 
     def prepare_model(self) -> None:
-        """Convert and cache the model before any engine starts (they would wait)."""
-        from yb_engine.prepare import prepare_model
+        """Convert and cache the model before any engine starts (they would wait).
 
-        prepare_model(self.cfg, lambda line: self.say(f"  {line}"))
+        In a process of its own (`python -m yb_engine.prepare`), its progress relayed:
+        the launcher stays a light process (no torch), and a first conversion's memory
+        is given back when it ends. Raises `ModelNotPrepared` when it fails."""
+        env = env_without_proxies()
+        env.update(dump_env(self.cfg))
+        prepare = subprocess.Popen(
+            [sys.executable, "-m", "yb_engine.prepare"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
+        )
+        assert prepare.stdout is not None
+        last: list[str] = []
+        for raw in prepare.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            last = [*last[-19:], line]
+            self.say(f"  {line.removeprefix('[prepare] ')}")
+        if code := prepare.wait():
+            raise ModelNotPrepared(
+                f"preparing the model failed ({describe_exit(code)}): " + " / ".join(last[-3:])
+            )
 
     def ensure_secrets(self) -> LocalSecrets:
         """The cluster's secrets, generated on the first start and reused after."""
@@ -357,22 +396,14 @@ class Cluster:
             else f"event log bounded at {chosen / 2**30:.0f} GiB (YB_NATS__MAX_BYTES)"
         )
 
-    def _share_kv_memory(self) -> None:
-        """Give each engine its share of one KV budget (`EngineConfig`), since every
-        engine runs on this machine and would otherwise size itself as if alone.
-
-        On the CPU, the memory available is read once, before any engine allocates
-        (each engine zero-fills its pages, so engines reading it one after another
-        would get less and less): each gets `kv_memory_bytes` =
-        `cpu_kv_memory_fraction` of it divided by the number of engines. On CUDA the
-        engines share one device: each gets `gpu_memory_utilization` divided by their
-        number. An engine section with an explicit `num_kv_pages` or
-        `kv_memory_bytes` keeps it.
-        """
-        from yb_engine.kv_sizing import cpu_budget, read_host_memory_available
-
-        engines = [s for s in self.process_specs() if s.role in ("prefill", "decode")]
-        if not engines:
+    def _share_gpu_memory(self) -> None:
+        """On CUDA, give each engine its share of the one device they share: each gets
+        `gpu_memory_utilization` divided by their number (an engine section with an
+        explicit `num_kv_pages` or `kv_memory_bytes` keeps it). On the CPU each engine
+        takes what it can use (`engine.kv_sequences`), whatever else the machine runs,
+        and `kv_report` says what that came to."""
+        engines = [s for s in self.process_specs() if s.role in ENGINE_ROLES]
+        if not engines or not self.cfg.model.cuda_expected():
             return
         count = len(engines)
         sections = {"prefill": self.cfg.prefill, "decode": self.cfg.decode}
@@ -381,26 +412,53 @@ class Cluster:
             for role, section in sections.items()
             if not (section.num_kv_pages or section.kv_memory_bytes)
         }
-        if not free:
-            return
-        if self.cfg.model.cuda_expected():
-            for section in free.values():
-                section.gpu_memory_utilization /= count
+        for section in free.values():
+            section.gpu_memory_utilization /= count
+        if free:
             shares = ", ".join(f"{r} {s.gpu_memory_utilization:.3f}" for r, s in free.items())
             self.say(
                 f"KV memory: {count} engines share one GPU; gpu_memory_utilization each: {shares}"
             )
-            return
+
+    def kv_report(self) -> list[str]:
+        """What each engine took for its KV cache, from its announcement, and what all
+        of it comes to against the memory available now (pages on the CPU are resident
+        once used, so the total is what they may grow to); empty until every engine
+        has announced itself."""
+        from yb_engine.kv_sizing import read_host_memory_available
+
+        watcher = self.watcher
+        ups = watcher.announcements() if watcher is not None else {}
+        engines = sorted(s.instance_id for s in self.process_specs() if s.role in ENGINE_ROLES)
+        if not engines or any(name not in ups for name in engines):
+            return []
+        block_size = self.cfg.model.block_size
+        lines: list[str] = []
+        total = 0
+        for name in engines:
+            up = ups[name]
+            nbytes = up.kv_capacity_blocks * up.kv_block_bytes
+            total += nbytes
+            lines.append(
+                f"  {name:<12} {up.kv_capacity_blocks:>6,} pages = "
+                f"{up.kv_capacity_blocks * block_size:>9,} tokens, {nbytes / 2**20:>8,.0f} MiB"
+            )
         available = read_host_memory_available()
-        for section in free.values():
-            section.kv_memory_bytes = cpu_budget(available, section.cpu_kv_memory_fraction, count)
-        shares = ", ".join(f"{r} {s.kv_memory_bytes / 2**30:.2f} GiB" for r, s in free.items())
-        self.say(
-            f"KV memory: {count} engines share {available / 2**30:.1f} GiB available "
-            f"x cpu_kv_memory_fraction; at most per engine: {shares} (each engine logs "
-            "the pages it takes; YB_DECODE__NUM_KV_PAGES / YB_DECODE__KV_MEMORY_BYTES "
-            "and the prefill ones set them)"
+        head = (
+            f"KV cache per engine ({total / 2**30:.2f} GiB in all, "
+            f"{available / 2**30:.1f} GiB available now; more or less: "
+            "YB_PREFILL__KV_SEQUENCES / YB_DECODE__KV_SEQUENCES, or __NUM_KV_PAGES; "
+            "docs/engine.md#how-many-pages):"
         )
+        warning = (
+            [
+                f"warning: the engines' KV may grow to {total / 2**30:.2f} GiB, more than the "
+                f"{available / 2**30:.1f} GiB available: lower kv_sequences or model.max_model_len"
+            ]
+            if total > available
+            else []
+        )
+        return [head, *lines, *warning]
 
     def _settle_for_failover(self, nodes: int) -> None:
         """Settings a cluster needs so that losing a node changes nothing for clients.
@@ -481,14 +539,14 @@ class Cluster:
         targets file current."""
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        self._share_kv_memory()
+        self._share_gpu_memory()
         for spec in self.process_specs():
             self._spawn(spec, logs)
         config_path, targets_path = self.write_prometheus_files()
         pids = {name: proc.pid for name, proc in self.children.items()}
         for i, node in enumerate(self.nats_nodes):
             if node.process is not None:
-                pids["nats-server" if i == 0 else f"nats-server-{i}"] = node.process.pid
+                pids[_nats_name(i)] = node.process.pid
         monitors = [
             f"http://{node.host}:{node.monitor_port}"
             for node in self.nats_nodes
@@ -539,12 +597,12 @@ class Cluster:
                 f"{TARGETS_FILE}.\nRun: prometheus --config.file={config_path}"
             ),
         )
-        if self.prometheus_targets is None:
+        if self.watcher is None:
             secrets = self.ensure_secrets()
-            self.prometheus_targets = TargetWatcher(
+            self.watcher = ClusterWatcher(
                 self._admin_nats(secrets), targets_path, self.running_instances
             )
-            self.prometheus_targets.start()
+            self.watcher.start()
         return config_path, targets_path
 
     def _prometheus_token_file(self) -> Path:
@@ -604,7 +662,7 @@ class Cluster:
         env.update(spec.env)
         return env
 
-    def _spawn(self, spec: ProcessSpec, logs: Path) -> None:
+    def _spawn(self, spec: ProcessSpec, logs: Path, *, say: bool = True) -> int:
         env = self.service_env(spec)
         # `ip netns exec` enters the namespace and execs the service in place: the pid
         # (and the death signal set below) stay the service's own.
@@ -612,6 +670,7 @@ class Cluster:
         log_path = logs / f"{spec.instance_id}.log"
         self.started_at[spec.instance_id] = time.time()
         with open(log_path, "ab") as out:
+            self.log_offsets[spec.instance_id] = out.tell()
             self.children[spec.instance_id] = subprocess.Popen(
                 [*enter, sys.executable, "-m", f"yb_{spec.role}"],
                 env=env,
@@ -620,19 +679,21 @@ class Cluster:
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )
-        where = f"{spec.host}, netns {spec.netns}" if spec.netns else spec.host
-        self.say(f"started {spec.instance_id:<12} ({spec.role}, {where}) log: {log_path}")
+        if say:
+            where = f"{spec.host}, netns {spec.netns}" if spec.netns else spec.host
+            self.say(f"started {spec.instance_id:<12} ({spec.role}, {where}) log: {log_path}")
+        return self.children[spec.instance_id].pid
 
-    def wait_ready(self, timeout_s: float, stop: Callable[[], bool]) -> bool:
-        """Poll `/readyz` until 200; False on timeout, a dead child or a stop request."""
+    def wait_ready(
+        self, timeout_s: float, stop: Callable[[], bool], check: Callable[[], str | None]
+    ) -> bool:
+        """Poll `/readyz` until 200; False on timeout, a stop request, or when `check`
+        (called at every poll: the supervisor's tick) gives a reason to stop."""
         deadline = time.monotonic() + timeout_s
         last_reason = ""
         while time.monotonic() < deadline and not stop():
-            dead = self.dead_children()
-            if dead:
-                for name in dead:
-                    self.say(f"{name} exited with {self.children[name].returncode}")
-                    self.say(_tail(self.data_dir / "logs" / f"{name}.log"))
+            if failure := check():
+                self.say(failure)
                 return False
             try:
                 r = httpx.get(f"{self.gateway_url}/readyz", timeout=2.0)
@@ -647,16 +708,56 @@ class Cluster:
             time.sleep(0.5)
         return False
 
-    def dead_children(self) -> list[str]:
-        """Instances whose process has exited."""
-        return [name for name, p in self.children.items() if p.poll() is not None]
+    def supervisor(self, on_exit: OnExit, policy: RestartPolicy | None = None) -> Supervisor:
+        """A supervisor of every process of the running cluster (services and NATS
+        nodes), applying `on_exit` (see `yb_tools.cli.supervision`)."""
+        logs = self.data_dir / "logs"
+        members: list[Member] = [_ServiceMember(self, spec, logs) for spec in self.process_specs()]
+        members += [_NatsMember(self, i) for i in range(len(self.nats_nodes))]
+        nats = {member.name for member in members if member.role == "nats"}
+        watcher = self.watcher
+
+        def announced(name: str) -> bool:
+            # A NATS node is up once `start()` returned; a service once it said so.
+            return name in nats or (watcher is not None and name in watcher.announced())
+
+        def exit_seen(member: Member, code: int) -> None:
+            if member.role != "nats" and watcher is not None:
+                watcher.declare_down(
+                    member.name, f"its process exited with {describe_exit(code)} (yb up)"
+                )
+
+        return Supervisor(
+            members,
+            on_exit,
+            announced=announced,
+            say=self.say,
+            on_exit_seen=exit_seen,
+            policy=policy,
+        )
+
+    def record_supervision(self, supervisor: Supervisor) -> None:
+        """Bring cluster.json up to date with the supervisor's restarts (new pids
+        included) and the processes it gave up on."""
+        info = self.info
+        if info is None:
+            return
+        pids = dict(info.pids)
+        pids.update({name: proc.pid for name, proc in self.children.items()})
+        for i, node in enumerate(self.nats_nodes):
+            if node.process is not None:
+                pids[_nats_name(i)] = node.process.pid
+        restarts, given_up = supervisor.restarts(), supervisor.given_up()
+        if (pids, restarts, given_up) != (info.pids, info.restarts, info.given_up):
+            info.pids, info.restarts, info.given_up = pids, restarts, given_up
+            self._write_info()
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Stop every child (reverse start order), then NATS; idempotent. The
         Prometheus targets file is left empty."""
-        if self.prometheus_targets is not None:
-            self.prometheus_targets.stop()
-            self.prometheus_targets = None
+        if self.watcher is not None:
+            self.watcher.stop()
+            self.watcher = None
         for name in reversed(list(self.children)):
             proc = self.children[name]
             if proc.poll() is None:
@@ -679,6 +780,82 @@ class Cluster:
             (self.data_dir / "cluster.json").unlink()
 
 
+@dataclass
+class _ServiceMember:
+    """A service process, as the supervisor sees it."""
+
+    cluster: Cluster
+    spec: ProcessSpec
+    logs: Path
+
+    @property
+    def name(self) -> str:
+        return self.spec.instance_id
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
+    @property
+    def log_path(self) -> Path:
+        return self.logs / f"{self.spec.instance_id}.log"
+
+    @property
+    def log_offset(self) -> int:
+        return self.cluster.log_offsets.get(self.spec.instance_id, 0)
+
+    def exit_code(self) -> int | None:
+        proc = self.cluster.children.get(self.spec.instance_id)
+        return None if proc is None else proc.poll()
+
+    def respawn(self) -> int:
+        return self.cluster._spawn(self.spec, self.logs, say=False)
+
+
+@dataclass
+class _NatsMember:
+    """A nats-server node, as the supervisor sees it: restarted on its own port and
+    store, so the services' reconnects find it where it was."""
+
+    cluster: Cluster
+    index: int
+
+    @property
+    def node(self) -> NatsServer:
+        return self.cluster.nats_nodes[self.index]
+
+    @property
+    def name(self) -> str:
+        return _nats_name(self.index)
+
+    @property
+    def role(self) -> str:
+        return "nats"
+
+    @property
+    def log_path(self) -> Path:
+        return self.node.log_file or self.cluster.data_dir / "logs" / f"{self.name}.log"
+
+    @property
+    def log_offset(self) -> int:
+        return self.node.log_offset
+
+    def exit_code(self) -> int | None:
+        process = self.node.process
+        return None if process is None else process.poll()
+
+    def respawn(self) -> int:
+        node = self.node
+        node.start()
+        assert node.process is not None
+        return node.process.pid
+
+
+def _nats_name(index: int) -> str:
+    """The name of NATS node `index` in cluster.json and the supervisor's messages."""
+    return "nats-server" if index == 0 else f"nats-server-{index}"
+
+
 def read_cluster_info(data_dir: Path) -> ClusterInfo | None:
     """The running cluster's addresses, if `yb up` is running with this data dir."""
     try:
@@ -692,10 +869,3 @@ def _port_of(url: str) -> int:
         return int(url.split(",")[0].rsplit(":", 1)[1])
     except (IndexError, ValueError):
         return 0
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""

@@ -16,21 +16,19 @@ the gateway serves `/metrics` on its HTTP port). Which instances to scrape comes
 from the launcher: only processes it started and that still run, and only an
 announcement made after the process started, so an address left in the instance
 stream by an earlier run of the same data directory is never scraped.
-`TargetWatcher` follows the instance stream and the launcher's children, and
-rewrites the targets file whenever that set changes; Prometheus reloads a file_sd
-file when it changes, and every write is atomic (a rename), so it never reads half
-of one.
+The launcher's `ClusterWatcher` (`yb_tools.cli.cluster_watch`) follows the instance
+stream and the launcher's children, and rewrites the targets file whenever that set
+changes; Prometheus reloads a file_sd file when it changes, and every write is atomic
+(a rename), so it never reads half of one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import tempfile
-import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,11 +36,6 @@ from typing import Any
 import yaml
 
 from yb_core import events as ev
-from yb_core.bus import Bus, BusError
-from yb_core.config import NatsConfig
-from yb_core.telemetry import get_logger
-
-log = get_logger(__name__)
 
 #: Directory under the data dir that holds the files.
 PROMETHEUS_DIR = "prometheus"
@@ -53,10 +46,6 @@ JOB_NAME = "yuebing"
 #: How often the generated config scrapes: a local cluster is small, and a dashboard
 #: over a minute of activity needs more than the one point per minute of the default.
 DEFAULT_SCRAPE_INTERVAL_S = 5.0
-#: The instance events that move a target: announcements and their ends.
-_TARGET_SUBJECTS = ["yb.ev.instance.instance_up.>", "yb.ev.instance.instance_down.>"]
-# How often the watcher checks the launcher's children between events.
-_POLL_S = 0.5
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -192,100 +181,3 @@ class TargetFold:
             for instance, (target, announced_at) in self._announced.items()
             if instance in running and announced_at >= running[instance]
         )
-
-
-class TargetWatcher:
-    """Keeps a file_sd file current while a cluster runs.
-
-    A thread of its own with its own event loop (the launcher is synchronous): it
-    reads `InstanceUp`/`InstanceDown` from the instance stream as `nats` (the
-    operator's user), checks `running()` (the launcher's live children, instance id
-    -> start time) every half second, and rewrites `path` when the set of targets
-    changes. `stop()` ends the thread and empties the file, since a cluster that
-    stopped has nothing to scrape; it is safe to call twice.
-    """
-
-    def __init__(
-        self,
-        nats: NatsConfig,
-        path: Path,
-        running: Callable[[], Mapping[str, float]],
-    ) -> None:
-        self._nats = nats
-        self.path = path
-        self._running = running
-        self.fold = TargetFold()
-        self._written: list[ScrapeTarget] | None = None
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop_requested: asyncio.Event | None = None
-        self._started = threading.Event()
-
-    def start(self) -> None:
-        """Write an empty targets file and start following the cluster."""
-        self._write([])
-        self._thread = threading.Thread(
-            target=lambda: asyncio.run(self._serve()),
-            name="yb-prometheus-targets",
-            daemon=True,  # a safety net: `stop()` ends it
-        )
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop following (within `timeout_s`) and leave an empty targets file."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            if self._started.wait(timeout_s) and self._loop is not None:
-                stop = self._stop_requested
-                assert stop is not None
-                with contextlib.suppress(RuntimeError):  # its loop already ended
-                    self._loop.call_soon_threadsafe(stop.set)
-            thread.join(timeout_s)
-            if thread.is_alive():
-                log.warning("prometheus_targets_watcher_did_not_stop")
-        self._write([])
-
-    async def _serve(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop_requested = stop = asyncio.Event()
-        self._started.set()
-        follow = asyncio.create_task(self._follow(), name="prometheus-targets")
-        halt = asyncio.create_task(stop.wait(), name="prometheus-targets-stop")
-        try:
-            await asyncio.wait({follow, halt}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (follow, halt):
-                task.cancel()
-            await asyncio.gather(follow, halt, return_exceptions=True)
-            if follow.done() and not follow.cancelled() and follow.exception() is not None:
-                log.error("prometheus_targets_failed", error=repr(follow.exception()))
-
-    async def _follow(self) -> None:
-        bus = await Bus.connect(self._nats, "yb-up-prometheus-targets")
-        try:
-            reader = None
-            while True:
-                if reader is None:
-                    try:
-                        reader = await bus.read_instances(_TARGET_SUBJECTS)
-                    except BusError:
-                        # No service has created the instance stream yet.
-                        await asyncio.sleep(_POLL_S)
-                        self.refresh()
-                        continue
-                item = await reader.next(timeout_s=_POLL_S)
-                if item is not None:
-                    self.fold.apply(item.event)
-                self.refresh()
-        finally:
-            await bus.close()
-
-    def refresh(self) -> None:
-        """Rewrite the file if the targets changed since the last write."""
-        self._write(self.fold.targets(self._running()))
-
-    def _write(self, targets: list[ScrapeTarget]) -> None:
-        if targets == self._written:
-            return
-        write_file_sd(self.path, targets)
-        self._written = targets

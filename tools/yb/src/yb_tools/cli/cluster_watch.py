@@ -1,0 +1,191 @@
+"""The launcher's view of its cluster on the bus, and its voice there.
+
+`yb up` is synchronous; `ClusterWatcher` is a thread of its own with its own event
+loop and one NATS connection as the operator's user. It
+
+- follows `InstanceUp`/`InstanceDown` on the instance stream and the launcher's
+  running children (instance id -> when the process started), and keeps the
+  Prometheus file_sd file current (`yb_tools.cli.prometheus_files`): rewritten when
+  the set of targets changes, empty once the cluster stopped;
+- tells the supervisor which children announced themselves since their process
+  started (`announced`): a process that never did and exits failed at start;
+- publishes the launcher's verdict when one of its processes exits (`declare_down`):
+  the launcher knows at once what a heartbeat timeout would tell everyone else only
+  seconds later, so the requests the process held are re-planned now.
+
+`stop()` ends the thread and empties the targets file; it is safe to call twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from yb_core import events as ev
+from yb_core.bus import Bus, BusError
+from yb_core.config import NatsConfig
+from yb_core.telemetry import get_logger
+from yb_tools.cli.prometheus_files import ScrapeTarget, TargetFold, write_file_sd
+
+log = get_logger(__name__)
+
+#: The instance events the watcher folds: announcements and their ends.
+_INSTANCE_SUBJECTS = ["yb.ev.instance.instance_up.>", "yb.ev.instance.instance_down.>"]
+# How often the watcher checks the launcher's children between events.
+_POLL_S = 0.5
+# How long one verdict may take to publish (it is a hint: heartbeats still decide).
+_VERDICT_TIMEOUT_S = 2.0
+
+
+class ClusterWatcher:
+    """Follows the cluster's instances for the launcher (module docstring).
+
+    `running()` is the launcher's live children (instance id -> start, wall clock);
+    `targets_path` the file_sd file it keeps current.
+    """
+
+    def __init__(
+        self,
+        nats: NatsConfig,
+        targets_path: Path,
+        running: Callable[[], Mapping[str, float]],
+    ) -> None:
+        self._nats = nats
+        self.path = targets_path
+        self._running = running
+        self.fold = TargetFold()
+        # instance id -> its last announcement
+        self._ups: dict[str, ev.InstanceUp] = {}
+        self._written: list[ScrapeTarget] | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._bus: Bus | None = None
+        self._stop_requested: asyncio.Event | None = None
+        # Verdicts being published: owned by the watcher's loop, cancelled at its end.
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._started = threading.Event()
+        # The fold is written by the watcher's thread and read by the launcher's.
+        self._lock = threading.Lock()
+
+    def announcements(self) -> dict[str, ev.InstanceUp]:
+        """The announcements of the launcher's running children made since they
+        started, by instance id. Safe to call from another thread."""
+        running = self._running()
+        with self._lock:
+            return {
+                instance: up
+                for instance, started in running.items()
+                if (up := self._ups.get(instance)) is not None and up.time >= started
+            }
+
+    def announced(self) -> set[str]:
+        """The launcher's running children that announced themselves since they
+        started. Safe to call from another thread."""
+        return set(self.announcements())
+
+    def declare_down(self, instance_id: str, reason: str) -> None:
+        """Publish `InstanceDown` for a process of the launcher's that exited, without
+        waiting for it (a verdict that cannot be published now is left to the
+        conductor's heartbeat timeout and the restarted process's own notice). Safe to
+        call from another thread."""
+        loop, bus = self._loop, self._bus
+        if loop is None or bus is None:
+            log.warning("verdict_not_published", instance_id=instance_id, why="not connected")
+            return
+        verdict = ev.InstanceDown(instance_id=instance_id, reason=reason)
+
+        def publish() -> None:
+            task = loop.create_task(self._publish(bus, verdict), name="cluster-watch-verdict")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        with contextlib.suppress(RuntimeError):  # its loop already ended
+            loop.call_soon_threadsafe(publish)
+
+    async def _publish(self, bus: Bus, verdict: ev.InstanceDown) -> None:
+        try:
+            await bus.publish(verdict, timeout_s=_VERDICT_TIMEOUT_S)
+        except BusError as exc:
+            log.warning("verdict_not_published", instance_id=verdict.instance_id, why=str(exc))
+
+    def start(self) -> None:
+        """Write an empty targets file and start following the cluster."""
+        self._write([])
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._serve()),
+            name="yb-cluster-watch",
+            daemon=True,  # a safety net: `stop()` ends it
+        )
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop following (within `timeout_s`) and leave an empty targets file."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            if self._started.wait(timeout_s) and self._loop is not None:
+                stop = self._stop_requested
+                assert stop is not None
+                with contextlib.suppress(RuntimeError):  # its loop already ended
+                    self._loop.call_soon_threadsafe(stop.set)
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.warning("cluster_watcher_did_not_stop")
+        self._write([])
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop_requested = stop = asyncio.Event()
+        self._started.set()
+        follow = asyncio.create_task(self._follow(), name="cluster-watch")
+        halt = asyncio.create_task(stop.wait(), name="cluster-watch-stop")
+        try:
+            await asyncio.wait({follow, halt}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            pending = [follow, halt, *self._tasks]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            if follow.done() and not follow.cancelled() and follow.exception() is not None:
+                log.error("cluster_watch_failed", error=repr(follow.exception()))
+
+    async def _follow(self) -> None:
+        bus = await Bus.connect(self._nats, "yb-up-cluster-watch")
+        self._bus = bus
+        try:
+            reader = None
+            while True:
+                if reader is None:
+                    try:
+                        reader = await bus.read_instances(_INSTANCE_SUBJECTS)
+                    except BusError:
+                        # No service has created the instance stream yet.
+                        await asyncio.sleep(_POLL_S)
+                        self.refresh()
+                        continue
+                item = await reader.next(timeout_s=_POLL_S)
+                if item is not None:
+                    event = item.event
+                    with self._lock:
+                        self.fold.apply(event)
+                        if isinstance(event, ev.InstanceUp):
+                            self._ups[event.instance_id] = event
+                self.refresh()
+        finally:
+            self._bus = None
+            await bus.close()
+
+    def refresh(self) -> None:
+        """Rewrite the targets file if the targets changed since the last write."""
+        running = self._running()
+        with self._lock:
+            targets = self.fold.targets(running)
+        self._write(targets)
+
+    def _write(self, targets: list[ScrapeTarget]) -> None:
+        if targets == self._written:
+            return
+        write_file_sd(self.path, targets)
+        self._written = targets
