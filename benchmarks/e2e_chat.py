@@ -5,11 +5,13 @@ Starts the cluster with `yb up` (or uses `--url` of a running one), sends the gr
 and reports TTFT and decode tokens/s for the first (cold) request and the median of
 the rest (warm).
 
-When it starts the cluster itself it also reports what `yb up` costs in memory: the
-peak resident memory (VmHWM) of every process of the cluster, the launcher included,
-read just before it stops (`peak_rss_mb_<process>`, and `peak_rss_mb_total`, their
-sum), and the KV pages each engine sized for itself (`kv_pages_<instance>`, from its
-`kv_cache_sized` log line).
+When it starts the cluster itself it also reports what `yb up` costs in memory
+(`yb_testkit.memory`): the peak resident memory (VmHWM) of every process of the
+cluster, the launcher included, read just before it stops (`peak_rss_mb_<process>`,
+and `peak_rss_mb_total`, their sum), the peak of the processes' summed proportional
+set size over the requests, which counts a page they share once
+(`peak_pss_mb_total`), and the KV pages each engine sized for itself
+(`kv_pages_<instance>`, from its `kv_cache_sized` log line).
 
     python benchmarks/e2e_chat.py --json out.json [--url http://127.0.0.1:8000]
 """
@@ -17,6 +19,7 @@ sum), and the KV pages each engine sized for itself (`kv_pages_<instance>`, from
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -27,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from yb_testkit.fixtures import LocalCluster
+from yb_testkit.memory import PssSampler, peak_rss_figures
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -71,12 +75,8 @@ def one_request(
 def cluster_memory(cluster: LocalCluster) -> dict[str, float]:
     """`peak_rss_mb_*` of every process of a running `yb up` and their sum, and
     `kv_pages_*` of every engine."""
-    peaks = cluster.peak_rss_mb()
-    figures: dict[str, float] = {
-        f"peak_rss_mb_{name.replace('-', '_')}": round(mb, 1) for name, mb in peaks.items()
-    }
-    figures["peak_rss_mb_total"] = round(sum(figures.values()), 1)
-    for name in peaks:
+    figures = peak_rss_figures(cluster)
+    for name in cluster.pids:
         if not name.startswith(("prefill", "decode")):
             continue
         for line in cluster.instance_log(name).splitlines():
@@ -118,9 +118,13 @@ def main() -> int:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     memory: dict[str, float] = {}
     try:
-        results = [one_request(url, args.model, args.max_tokens, headers) for _ in range(args.runs)]
-        if cluster is not None:
-            memory = cluster_memory(cluster)
+        with contextlib.ExitStack() as stack:
+            pss = stack.enter_context(PssSampler(cluster)) if cluster is not None else None
+            results = [
+                one_request(url, args.model, args.max_tokens, headers) for _ in range(args.runs)
+            ]
+        if cluster is not None and pss is not None:
+            memory = {**cluster_memory(cluster), **pss.figures()}
     finally:
         if cluster is not None:
             cluster.stop()

@@ -19,8 +19,11 @@ R (a `--prefix-tokens` prefix and a short question, as token ids) and:
 
 The decisions and prefill's `reused_tokens` are read from the event log, so the
 table shows what each request really did. Figures are medians over the rounds;
-`ttft_speedup = ttft_recompute_s / ttft_reuse_s`. Also recorded: each service's
-peak resident memory (`peak_rss_mb_<instance>`).
+`ttft_speedup = ttft_recompute_s / ttft_reuse_s`. Also recorded: what the cluster
+costs in memory over the rounds (`yb_testkit.memory`): each process's peak resident
+set and their sum (`peak_rss_mb_<process>`, `peak_rss_mb_total`, the launcher
+included), and the peak of the processes' summed proportional set size, which counts
+a page they share once (`peak_pss_mb_total`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import httpx
 from yb_core import events as ev
 from yb_core.bus import Bus, EventReader
 from yb_testkit.fixtures import LocalCluster
+from yb_testkit.memory import PssSampler, peak_rss_figures
 from yb_tools.cli.launcher import read_cluster_info
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -239,11 +243,11 @@ def main() -> None:
         cluster.start(timeout_s=900)
         print(f"cluster ready in {time.monotonic() - started:.0f}s", flush=True)
         try:
-            recompute, reuse = asyncio.run(
-                run_rounds(cluster, args.rounds, args.prefix_tokens, args.question_tokens)
-            )
-            memory = cluster.peak_rss_mb()
-            memory.pop("yb-up", None)  # the launcher is not what this benchmark reports
+            with PssSampler(cluster) as pss:
+                recompute, reuse = asyncio.run(
+                    run_rounds(cluster, args.rounds, args.prefix_tokens, args.question_tokens)
+                )
+            memory = {**peak_rss_figures(cluster), **pss.figures()}
         finally:
             code = cluster.stop()
         if code != 0:
@@ -259,8 +263,7 @@ def main() -> None:
         "reused_tokens": float(statistics.median(s.reused_tokens for s in reuse)),
         "rounds": float(len(reuse)),
     }
-    for name, mb in memory.items():
-        results[f"peak_rss_mb_{name.replace('-', '_')}"] = round(mb, 1)
+    results.update(memory)
 
     print()
     print(f"{'request':<10} {'TTFT s':>8} {'prefill':<10} {'reused':>7}  plan")
@@ -271,7 +274,15 @@ def main() -> None:
         f"\nmedian TTFT: recompute {t_recompute:.3f}s, reuse {t_reuse:.3f}s "
         f"-> {t_recompute / t_reuse:.1f}x  ({recompute[0].prompt_tokens}-token prompts)"
     )
-    print("peak RSS (MB): " + ", ".join(f"{n} {m:.0f}" for n, m in memory.items()))
+    print(
+        "peak RSS (MiB): "
+        + ", ".join(
+            f"{n.removeprefix('peak_rss_mb_')} {m:.0f}"
+            for n, m in memory.items()
+            if n.startswith("peak_rss_mb_")
+        )
+    )
+    print(f"peak PSS of the whole cluster (MiB): {memory['peak_pss_mb_total']:.0f}")
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

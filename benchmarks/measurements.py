@@ -165,6 +165,23 @@ SUMMARIES: dict[str, str] = {
 
 # (key pattern, meaning): the first pattern that matches the whole key describes it; the
 # meaning may name the pattern's groups as {0}, {1}.
+#: What the end-to-end benchmarks say of `yb up`'s memory (`yb_testkit.memory`).
+MEMORY_FIGURES: list[tuple[str, str]] = [
+    (
+        "peak_rss_mb_total",
+        "`yb up`'s peak resident memory, MiB: the sum of every process's own peak "
+        "(VmHWM), the launcher's included; a page processes share (libtorch, the mapped "
+        "weights) counts once per process",
+    ),
+    (r"peak_rss_mb_(\w+)", "peak resident memory of {0}, MiB"),
+    (
+        "peak_pss_mb_total",
+        "the highest sum of the processes' proportional set sizes, sampled every 0.5 s, "
+        "MiB: a shared page counts once, so this is what the cluster takes from the machine",
+    ),
+    (r"peak_pss_mb_(\w+)", "highest proportional set size of {0} sampled, MiB"),
+]
+
 DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
     "sim_capacity": [
         ("profile", "the engine model"),
@@ -534,12 +551,7 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         ("decode_tokens_per_s_median", "median decode tokens/s of the later requests"),
         ("completion_tokens", "tokens the first request produced"),
         ("answer_names_paris", 'whether every answer contained "Paris"'),
-        (
-            "peak_rss_mb_total",
-            "`yb up`'s peak resident memory, MB: the sum of every process's own peak "
-            "(VmHWM), the launcher's included",
-        ),
-        (r"peak_rss_mb_(\w+)", "peak resident memory of {0}, MB"),
+        *MEMORY_FIGURES,
         (r"kv_pages_(\w+)", "KV pages {0} sized for itself (its `kv_cache_sized` log line)"),
     ],
     "e2e_reuse": [
@@ -553,7 +565,7 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         ("prompt_tokens", "tokens per prompt"),
         ("reused_tokens", "median tokens the reusing prefill did not compute"),
         ("rounds", "rounds measured"),
-        (r"peak_rss_mb_(\w+)", "peak resident memory of {0}, MB"),
+        *MEMORY_FIGURES,
     ],
     "overload": [
         ("model", "the model served"),

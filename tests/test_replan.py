@@ -68,6 +68,9 @@ def replanning(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Local
             "YB_DECODE__LOAD_REPORT_INTERVAL_S": "0.5",
             "YB_KVSTORE__LOAD_REPORT_INTERVAL_S": "0.5",
             "YB_PREFILL__PREFIX_CACHE_PAGES": "0",
+            # Room for the 3,000-token prompt twice: the attempt on a killed prefill
+            # keeps its decode reservation until the request's deadline.
+            "YB_DECODE__KV_SEQUENCES": "2",
             "YB_FAILPOINTS": gate.spec(
                 f"decode.token=hold({HOLD_TOKENS})", "prefill.chunk=hold(1)"
             ),

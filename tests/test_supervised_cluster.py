@@ -15,6 +15,10 @@ One `yb up` cluster as a user starts it, no `--keep-going` (tiny model; 2 prefil
 4. the last kvstore breaks the same way: no kvstore is left, and `yb up` stops the
    cluster and exits non-zero, leaving no process behind.
 
+And on a cluster with one decode instance: a stream whose decode is killed ends with
+the clean error (there is nowhere to re-plan it), and the next request is served once
+`yb up` has the instance back.
+
 The conductor's heartbeat timeout is a minute here, as long as the gateway's
 token-idle timeout, so a stream survives only if the death is known at once (the
 launcher's verdict, the restarted process's own notice), never by waiting. What
@@ -28,6 +32,7 @@ import random
 import re
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -190,3 +195,33 @@ def test_no_kvstore_left_stops_the_cluster(supervised: tuple[LocalCluster, Gate]
     output = cluster.output()
     assert "no kvstore instance is left (kvstore-0, kvstore-1 given up on)" in output
     assert not [name for name, pid in pids.items() if pid_alive(pid)]
+
+
+def test_with_one_decode_the_stream_ends_cleanly_and_the_next_is_served(
+    tmp_path: Path,
+) -> None:
+    gate = Gate(tmp_path / "gate")
+    cluster = LocalCluster(
+        tmp_path / "cluster",
+        *("--model", "tiny-random", "--model-name", "tiny"),
+        *("--prefill", "1", "--decode", "1", "--kvstore", "1"),
+        env={
+            "YB_CONDUCTOR__HEARTBEAT_TIMEOUT_S": "60",
+            "YB_DECODE__LOAD_REPORT_INTERVAL_S": "0.5",
+            "YB_FAILPOINTS": gate.spec(f"decode.token=hold({HOLD_TOKENS})"),
+        },
+    )
+    cluster.start(timeout_s=300)
+    try:
+        gate.arm("decode.token")
+        stream = SseClient(cluster, long_stream_body(_tokens(3, 100), max_tokens=60))
+        held = gate.wait_held("decode.token", ACT_S)
+        kill(cluster, held.instance_id)
+        stream.wait_done(VERDICT_S)
+        assert stream.ended_cleanly_with_error, stream.describe()
+        assert "decode-0" in stream.error_message()
+        wait_until(lambda: _restarted(cluster, "decode-0", 1), ACT_S, "decode back")
+        complete(cluster, _tokens(4, 100))
+    finally:
+        gate.release_everything()
+        cluster.stop()

@@ -63,7 +63,10 @@ REQUIRED = [
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     running = LocalCluster(
-        tmp_path_factory.mktemp("bench"), "--model", "tiny-random", "--model-name", "tiny"
+        tmp_path_factory.mktemp("bench"),
+        *("--model", "tiny-random", "--model-name", "tiny"),
+        # The trace's requests overlap: room for four 1,000-token prompts at once.
+        env={"YB_DECODE__KV_SEQUENCES": "2"},
     )
     running.start(timeout_s=300)
     try:

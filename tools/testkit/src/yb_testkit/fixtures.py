@@ -8,7 +8,8 @@ temporary JetStream store, and a connected `Bus` with the event stream set up.
 `auth_nats_server` runs the same server with the users and permissions `yb up`
 generates (`yb_core.nats_auth`), for tests of what each role may do.
 `LocalCluster` runs `yb up` and exposes the secrets it generated (API key, metrics
-token, the NATS `admin` user), as a client on this machine would read them.
+token, the NATS `admin` user), as a client on this machine would read them; given a
+`MemoryCgroup`, the whole cluster runs inside it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from yb_core.nats_auth import (
     render_authorization,
 )
 from yb_core.telemetry import configure_logging
+from yb_testkit.cgroup import MemoryCgroup
 from yb_tools.natsserver import NatsServer, cluster_nodes
 
 if TYPE_CHECKING:
@@ -215,7 +217,13 @@ class LocalCluster:
     secrets `yb up` keeps in the data directory.
     """
 
-    def __init__(self, data_dir: Path, *extra_args: str, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        data_dir: Path,
+        *extra_args: str,
+        env: dict[str, str] | None = None,
+        cgroup: MemoryCgroup | None = None,
+    ):
         from yb_tools.natsserver import free_port
 
         self.data_dir = data_dir
@@ -232,6 +240,8 @@ class LocalCluster:
             *extra_args,
         ]
         self.env = env
+        # The launcher joins it before it execs, so every process of the cluster is in.
+        self.cgroup = cgroup
         self.process: subprocess.Popen[bytes] | None = None
         self.pids: dict[str, int] = {}
         self.log_path = data_dir / "yb-up.log"
@@ -281,13 +291,20 @@ class LocalCluster:
         # tests share the machine's model cache unless told otherwise.
         env.setdefault("YB_MODEL_CACHE", str(Path.home() / ".cache" / "yuebing" / "models"))
         env.update(self.env or {})
+        cgroup = self.cgroup
+
+        def before_exec() -> None:
+            if cgroup is not None:
+                cgroup.join()
+            die_with_parent()
+
         with open(self.log_path, "ab") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "yb_tools.cli", *self.args],
                 stdout=out,
                 stderr=out,
                 env=env,
-                preexec_fn=die_with_parent,
+                preexec_fn=before_exec,
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
