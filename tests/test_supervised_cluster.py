@@ -9,10 +9,12 @@ One `yb up` cluster as a user starts it, no `--keep-going` (tiny model; 2 prefil
    process announces itself;
 2. a prefill instance and both kvstores are SIGKILLed: all three are restarted, and
    the cluster serves again, prompts stored in and reused from the restarted pool;
-3. a kvstore whose SSD tier is broken (a file where its directory goes) dies at
+3. nats-server is SIGKILLed: `yb up` starts it again on its port and store, and the
+   services, reconnecting, serve again;
+4. a kvstore whose SSD tier is broken (a file where its directory goes) dies at
    every start: `yb up` gives up on it after 5 tries in a row, says why, and the
    cluster keeps serving with the other one;
-4. the last kvstore breaks the same way: no kvstore is left, and `yb up` stops the
+5. the last kvstore breaks the same way: no kvstore is left, and `yb up` stops the
    cluster and exits non-zero, leaving no process behind.
 
 And on a cluster with one decode instance: a stream whose decode is killed ends with
@@ -34,6 +36,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from yb_core import events as ev
@@ -159,6 +162,27 @@ def test_prefill_and_kvstores_killed_come_back_and_serve(
         return isinstance(decision, ev.RequestScheduled) and decision.reused_blocks >= 4
 
     wait_until(reused, ACT_S, "the second request's decision to reuse the first's blocks")
+
+
+def test_nats_killed_is_restarted_and_the_cluster_serves_again(
+    supervised: tuple[LocalCluster, Gate],
+) -> None:
+    cluster, _ = supervised
+    cluster.refresh_pids()
+    kill(cluster, "nats-server")
+    wait_until(
+        lambda: cluster.info().restarts.get("nats-server", 0) >= 1, ACT_S, "nats-server restarted"
+    )
+    assert "nats-server (nats) exited with signal SIGKILL" in cluster.output()
+
+    def serves() -> bool:
+        try:
+            complete(cluster, _tokens(9, 80))
+        except (AssertionError, httpx.HTTPError):
+            return False  # 503 (or no answer in time) while the services reconnect
+        return True
+
+    wait_until(serves, ACT_S, "a request served after NATS came back")
 
 
 def _break_ssd_tier(cluster: LocalCluster, kvstore: str) -> None:
