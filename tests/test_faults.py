@@ -35,7 +35,6 @@ conductor, no page held), so one failure cannot fail the next scenario.
 
 from __future__ import annotations
 
-import random
 import signal
 import sys
 import threading
@@ -73,6 +72,7 @@ from yb_testkit.faults import (
     record,
     restart,
     signal_instance,
+    tiny_prompt,
     wait_all,
     wait_until,
 )
@@ -210,11 +210,6 @@ def _alive_engines(faults: Faulty) -> tuple[int, int] | None:
     return len(body.get("prefill_instances", [])), len(body.get("decode_instances", []))
 
 
-def _tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 250) for _ in range(n)]
-
-
 def _scheduled(cluster: LocalCluster, request_id: str) -> ev.RequestScheduled:
     decision = decision_of(cluster, request_id, timeout_s=ACT_S)
     assert isinstance(decision, ev.RequestScheduled), decision
@@ -265,7 +260,7 @@ def _ended_by(cluster: LocalCluster, request_id: str, kind: type, **fields: obje
 def test_client_disconnect_mid_stream_stops_decode_and_frees_its_pages(faulty: Faulty) -> None:
     cluster, scraper, gate = faulty.cluster, faulty.scraper, faulty.gate
     gate.arm("decode.token")
-    stream = RawStream(cluster, long_stream_body(_tokens(1, 40)))
+    stream = RawStream(cluster, long_stream_body(tiny_prompt(1, 40)))
     held = gate.wait_held("decode.token", ACT_S)
     assert held.request_id == stream.request_id, held
     decode = held.instance_id
@@ -309,7 +304,7 @@ def test_client_disconnect_mid_stream_stops_decode_and_frees_its_pages(faulty: F
 def test_client_disconnect_during_prefill_frees_prefill_and_decode(faulty: Faulty) -> None:
     cluster, scraper, gate = faulty.cluster, faulty.scraper, faulty.gate
     gate.arm("prefill.chunk")
-    stream = RawStream(cluster, long_stream_body(_tokens(2, 3000), 8))
+    stream = RawStream(cluster, long_stream_body(tiny_prompt(2, 3000), 8))
     # Parked before its second chunk: decode has reserved the prompt's pages and is
     # receiving the first chunk's KV; the transfer cannot be committed yet.
     held = gate.wait_held("prefill.chunk", ACT_S)
@@ -368,7 +363,7 @@ def test_client_disconnect_during_prefill_frees_prefill_and_decode(faulty: Fault
 def test_a_paused_decode_is_declared_dead_then_rejoins(faulty: Faulty) -> None:
     cluster, scraper, gate = faulty.cluster, faulty.scraper, faulty.gate
     gate.arm("decode.token")
-    client = SseClient(cluster, long_stream_body(_tokens(12, 40)))
+    client = SseClient(cluster, long_stream_body(tiny_prompt(12, 40)))
     held = gate.wait_held("decode.token", ACT_S)
     decode = held.instance_id
     assert _scheduled(cluster, held.request_id).decode_instance == decode
@@ -432,7 +427,7 @@ def test_a_paused_decode_is_declared_dead_then_rejoins(faulty: Faulty) -> None:
 
 def test_kvstore_death_falls_back_to_recompute_and_leaves_the_index(faulty: Faulty) -> None:
     cluster, scraper, gate = faulty.cluster, faulty.scraper, faulty.gate
-    prompt = [*_tokens(3, 6 * BLOCK), 1, 2, 3]
+    prompt = [*tiny_prompt(3, 6 * BLOCK), 1, 2, 3]
     first = complete(cluster, prompt)
     computed_on = _scheduled(cluster, first["id"]).prefill_instance
     store = "kvstore-" + computed_on.rsplit("-", 1)[1]  # the kvstore on its host
@@ -503,7 +498,7 @@ def test_prefill_death_mid_request_ends_it_cleanly_and_frees_the_reservation(
 ) -> None:
     cluster, scraper, gate = faulty.cluster, faulty.scraper, faulty.gate
     gate.arm("prefill.chunk")
-    client = SseClient(cluster, long_stream_body(_tokens(4, 3000), 8))
+    client = SseClient(cluster, long_stream_body(tiny_prompt(4, 3000), 8))
     # Mid-request by construction: parked before its second chunk, with decode's
     # reservation made and the first chunk's KV on its way.
     held = gate.wait_held("prefill.chunk", ACT_S)
@@ -538,7 +533,7 @@ def test_prefill_death_mid_request_ends_it_cleanly_and_frees_the_reservation(
     # at once: 503, no engine answered the job) ...
     verdict_s = _wait_declared_dead(faulty, prefill, killed)
     # ... and the next request is placed on the prefill instance left.
-    after = complete(cluster, _tokens(5, 40))
+    after = complete(cluster, tiny_prompt(5, 40))
     assert _scheduled(cluster, after["id"]).prefill_instance != prefill
     record(
         "prefill_death",
@@ -567,7 +562,7 @@ def test_prefill_death_mid_request_ends_it_cleanly_and_frees_the_reservation(
 def test_decode_death_mid_stream_ends_the_stream_cleanly(faulty: Faulty) -> None:
     cluster, scraper, gate = faulty.cluster, faulty.scraper, faulty.gate
     gate.arm("decode.token")
-    client = SseClient(cluster, long_stream_body(_tokens(6, 40)))
+    client = SseClient(cluster, long_stream_body(tiny_prompt(6, 40)))
     held = gate.wait_held("decode.token", ACT_S)
     decision = _scheduled(cluster, held.request_id)
     prefill, decode = decision.prefill_instance, decision.decode_instance
@@ -591,7 +586,7 @@ def test_decode_death_mid_stream_ends_the_stream_cleanly(faulty: Faulty) -> None
         VERDICT_S,
     )
     downs = [e for e in events_of(read_log(cluster), ev.InstanceDown) if e.instance_id == decode]
-    after = complete(cluster, _tokens(7, 40))
+    after = complete(cluster, tiny_prompt(7, 40))
     assert _scheduled(cluster, after["id"]).decode_instance != decode
     record(
         "decode_death",
@@ -617,7 +612,7 @@ def test_decode_death_mid_stream_ends_the_stream_cleanly(faulty: Faulty) -> None
 def test_gateway_restart_cancels_its_orphaned_requests(faulty: Faulty) -> None:
     cluster, scraper, gate = faulty.cluster, faulty.scraper, faulty.gate
     gate.arm("decode.token")
-    client = SseClient(cluster, long_stream_body(_tokens(8, 40)))
+    client = SseClient(cluster, long_stream_body(tiny_prompt(8, 40)))
     # Parked after its 20th of 3000 tokens: still running when the gateway dies.
     held = gate.wait_held("decode.token", ACT_S)
     decode = held.instance_id
@@ -648,7 +643,7 @@ def test_gateway_restart_cancels_its_orphaned_requests(faulty: Faulty) -> None:
     assert stopped[0].output_tokens == HOLD_TOKENS, stopped
     wait_until(lambda: _alive_engines(faulty) is not None, READY_S, "the new gateway ready")
     ready_s = time.monotonic() - killed
-    complete(cluster, _tokens(9, 40))
+    complete(cluster, tiny_prompt(9, 40))
     record(
         "gateway_restart",
         FaultRecord(
@@ -691,7 +686,7 @@ class _Traffic:
             try:
                 r = httpx.post(
                     f"{self._faults.url}/v1/completions",
-                    json={"model": "tiny", "prompt": _tokens(100 + n, 30), "max_tokens": 2},
+                    json={"model": "tiny", "prompt": tiny_prompt(100 + n, 30), "max_tokens": 2},
                     headers=headers(self._faults.cluster),
                     timeout=60,
                 )
@@ -768,7 +763,7 @@ def test_conductor_failover_gives_every_admission_exactly_one_decision(faulty: F
     # A marker request, decided after every request above was admitted: the
     # conductor decides in log order, so once its decision is logged every earlier
     # admission has had its decision made, if it ever gets one.
-    marker = complete(cluster, _tokens(99, 30), max_tokens=2)
+    marker = complete(cluster, tiny_prompt(99, 30), max_tokens=2)
     _scheduled(cluster, marker["id"])
     decisions = decisions_per_admission(read_log(cluster))
     wrong = {rid: d for rid, d in decisions.items() if len(d) != 1}

@@ -38,7 +38,6 @@ same tokens; the log replays to the same decisions.
 from __future__ import annotations
 
 import json
-import random
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,6 +64,7 @@ from yb_testkit.faults import (
     read_log,
     record,
     signal_instance,
+    tiny_prompt,
     wait_all,
     wait_until,
 )
@@ -92,18 +92,13 @@ def _cost_model(path: Path) -> Path:
 pytestmark = [pytest.mark.timeout(300, func_only=True)]
 
 
-def _tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 250) for _ in range(n)]
-
-
 class Piggy:
     """The module's cluster, its gate and the normal path's answer to `prompt`."""
 
     def __init__(self, cluster: LocalCluster, gate: Gate) -> None:
         self.cluster = cluster
         self.gate = gate
-        self.prompt = _tokens(1, PROMPT)
+        self.prompt = tiny_prompt(1, PROMPT)
         self.baseline: dict[str, Any] = {}
 
 
@@ -163,7 +158,7 @@ def busy_prefill(piggy: Piggy, seed: int) -> Iterator[None]:
     answered) on the way out."""
     cluster, gate = piggy.cluster, piggy.gate
     gate.arm("prefill.chunk")
-    parked = SseClient(cluster, long_stream_body(_tokens(seed, LONG), max_tokens=4))
+    parked = SseClient(cluster, long_stream_body(tiny_prompt(seed, LONG), max_tokens=4))
     held = gate.wait_held("prefill.chunk", ACT_S)
     try:
         yield
@@ -215,10 +210,10 @@ def _piggybacked_or_not(cluster: LocalCluster, request_id: str) -> bool:
     return decision.piggyback
 
 
-def test_a_piggybacked_prompt_gives_the_normal_paths_tokens(piggy: Piggy) -> None:
+def test_a_piggybacked_prompt_gives_the_normal_pathstiny_prompt(piggy: Piggy) -> None:
     cluster = piggy.cluster
     # In no pool yet, and longer than one chunk of the decode batch (512 tokens).
-    prompt = _tokens(3, 700)
+    prompt = tiny_prompt(3, 700)
     with pool_stopped(cluster):
         with busy_prefill(piggy, seed=10):
             body = _complete(cluster, prompt)
@@ -252,7 +247,7 @@ def test_a_piggybacked_prompt_gives_the_normal_paths_tokens(piggy: Piggy) -> Non
 def test_a_piggybacked_prompt_reuses_its_prefix_from_the_pool(piggy: Piggy) -> None:
     cluster = piggy.cluster
     # The baseline's three full blocks are in the kvstores; a new tail follows them.
-    prompt = piggy.prompt[: 3 * BLOCK] + _tokens(2, 40)
+    prompt = piggy.prompt[: 3 * BLOCK] + tiny_prompt(2, 40)
     with busy_prefill(piggy, seed=20):
         body = _complete(cluster, prompt)
     decision = _piggybacked(cluster, body["id"])
@@ -295,7 +290,7 @@ def test_a_piggybacked_prompts_blocks_go_into_the_pool_for_later_requests(
 ) -> None:
     cluster = piggy.cluster
     scraper = Scraper(cluster)
-    prompt = _tokens(5, PROMPT)  # a new prefix: its three full blocks are in no pool
+    prompt = tiny_prompt(5, PROMPT)  # a new prefix: its three full blocks are in no pool
     with busy_prefill(piggy, seed=50):
         body = _complete(cluster, prompt)
     decision = _piggybacked(cluster, body["id"])
@@ -338,7 +333,7 @@ def test_a_piggybacked_prompt_does_not_wait_for_its_blocks_upload(piggy: Piggy) 
     cluster = piggy.cluster
     scraper = Scraper(cluster)
     decodes = [i for i in cluster.pids if i.startswith("decode-")]
-    prompt = _tokens(6, PROMPT)  # a new prefix: nothing to fetch from the pool
+    prompt = tiny_prompt(6, PROMPT)  # a new prefix: nothing to fetch from the pool
     with busy_prefill(piggy, seed=60):
         pages = {d: scraper.pages_used(d) for d in decodes}
         stored = {d: scraper.value(d, PUTS_STORED) for d in decodes}
@@ -368,7 +363,7 @@ def test_a_client_that_leaves_frees_a_piggybacked_prompts_pages(piggy: Piggy) ->
     scraper = Scraper(cluster)
     with busy_prefill(piggy, seed=40):
         gate.arm("decode.prompt")
-        stream = RawStream(cluster, long_stream_body(_tokens(4, 300), max_tokens=MAX_TOKENS))
+        stream = RawStream(cluster, long_stream_body(tiny_prompt(4, 300), max_tokens=MAX_TOKENS))
         held = gate.wait_held("decode.prompt", ACT_S)
         assert held.request_id == stream.request_id
         _piggybacked(cluster, held.request_id)

@@ -28,7 +28,6 @@ decisions.
 from __future__ import annotations
 
 import asyncio
-import random
 import subprocess
 import time
 from collections.abc import Iterator
@@ -55,6 +54,7 @@ from yb_testkit.faults import (
     read_log,
     record,
     restart,
+    tiny_prompt,
     wait_all,
     wait_until,
 )
@@ -70,14 +70,9 @@ WHOLE, LEAD, SECOND = "prefill-0", "prefill-g0-0", "prefill-g0-1"
 pytestmark = [pytest.mark.timeout(300, func_only=True)]
 
 
-def _tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 250) for _ in range(n)]
-
-
 #: One chunk; four chunks and no full block; three full blocks (from the pool, once
 #: the reference put them there) and four chunks after them.
-PROMPTS = [_tokens(1, 12), _tokens(2, BLOCK - 1), _tokens(3, 3 * BLOCK + 60)]
+PROMPTS = [tiny_prompt(1, 12), tiny_prompt(2, BLOCK - 1), tiny_prompt(3, 3 * BLOCK + 60)]
 IDS = ["one-chunk", "four-chunks", "pool-prefix"]
 
 
@@ -195,7 +190,7 @@ def test_the_stages_announce_their_group_and_requests_are_planned_on_it(group: G
 
 
 @pytest.mark.parametrize("index", range(len(PROMPTS)), ids=IDS)
-def test_the_group_gives_the_whole_models_tokens(group: Group, index: int) -> None:
+def test_the_group_gives_the_whole_modelstiny_prompt(group: Group, index: int) -> None:
     cluster, prompt = group.cluster, PROMPTS[index]
     body = complete(cluster, prompt, max_tokens=MAX_TOKENS)
     assert body["usage"]["completion_tokens"] == MAX_TOKENS
@@ -228,7 +223,7 @@ def test_the_group_gives_the_whole_models_tokens(group: Group, index: int) -> No
 
 def test_the_group_puts_its_blocks_into_the_pool(group: Group) -> None:
     cluster = group.cluster
-    prompt = _tokens(5, 3 * BLOCK + 20)
+    prompt = tiny_prompt(5, 3 * BLOCK + 20)
     seq = _last_seq(cluster)
     first = complete(cluster, prompt, max_tokens=MAX_TOKENS)
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -307,7 +302,7 @@ def test_a_client_that_leaves_frees_every_stages_pages(group: Group) -> None:
     cluster, gate = group.cluster, group.gate
     scraper = Scraper(cluster)
     gate.arm("prefill.chunk")
-    stream = RawStream(cluster, long_stream_body(_tokens(6, 3 * CHUNK), max_tokens=MAX_TOKENS))
+    stream = RawStream(cluster, long_stream_body(tiny_prompt(6, 3 * CHUNK), max_tokens=MAX_TOKENS))
     held = gate.wait_held("prefill.chunk", ACT_S)
     assert held.instance_id == LEAD and held.request_id == stream.request_id
     # Both stages hold the prompt's pages, decode its reservation.

@@ -19,7 +19,6 @@ table. Budget 0 (today's clean error) is what `tests/test_faults.py` runs under.
 from __future__ import annotations
 
 import json
-import random
 import threading
 import time
 from collections.abc import Iterator
@@ -41,6 +40,7 @@ from yb_testkit.faults import (
     long_stream_body,
     read_log,
     record,
+    tiny_prompt,
     wait_until,
 )
 from yb_testkit.fixtures import LocalCluster
@@ -159,11 +159,6 @@ class TimedStream:
         )
 
 
-def _tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 250) for _ in range(n)]
-
-
 def _decisions(cluster: LocalCluster, request_id: str) -> list[ev.Decision]:
     return [e for e in events_of(read_log(cluster), ev.Decision) if e.request_id == request_id]
 
@@ -215,7 +210,7 @@ def test_decode_death_mid_stream_continues_on_another_decode(
     cluster, gate = replanning
     # Three blocks of 64 and a part: the re-plan must find the prompt's blocks in the
     # pool, where the first prefill stored them.
-    body = long_stream_body(_tokens(1, 200), max_tokens=60)
+    body = long_stream_body(tiny_prompt(1, 200), max_tokens=60)
     held, first, stall_s = _kill_mid_request(cluster, gate, body, "decode.token")
     assert first.decode_instance == held.instance_id
 
@@ -251,7 +246,7 @@ def test_decode_death_mid_stream_continues_on_another_decode(
 
 def test_prefill_death_mid_prompt_is_replanned(replanning: tuple[LocalCluster, Gate]) -> None:
     cluster, gate = replanning
-    body = long_stream_body(_tokens(2, 3000), max_tokens=8)
+    body = long_stream_body(tiny_prompt(2, 3000), max_tokens=8)
     held, first, stall_s = _kill_mid_request(cluster, gate, body, "prefill.chunk")
     assert first.prefill_instance == held.instance_id
 

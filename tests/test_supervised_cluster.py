@@ -30,7 +30,6 @@ soon as its condition holds.
 
 from __future__ import annotations
 
-import random
 import re
 import shutil
 from collections.abc import Iterator
@@ -49,6 +48,7 @@ from yb_testkit.faults import (
     kill,
     long_stream_body,
     read_log,
+    tiny_prompt,
     wait_until,
 )
 from yb_testkit.fixtures import LocalCluster, pid_alive
@@ -88,11 +88,6 @@ def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Local
         cluster.stop()
 
 
-def _tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 250) for _ in range(n)]
-
-
 def _restarted(cluster: LocalCluster, instance_id: str, times: int) -> bool:
     """`yb up` restarted `instance_id` `times` times and the new process announced
     itself (the launcher says so once it saw the announcement)."""
@@ -104,7 +99,7 @@ def test_a_stream_survives_its_decode_killed_and_decode_comes_back(
     supervised: tuple[LocalCluster, Gate],
 ) -> None:
     cluster, gate = supervised
-    body = long_stream_body(_tokens(1, 200), max_tokens=60)
+    body = long_stream_body(tiny_prompt(1, 200), max_tokens=60)
     gate.arm("decode.token")
     stream = SseClient(cluster, body)
     held = gate.wait_held("decode.token", ACT_S)
@@ -152,7 +147,7 @@ def test_prefill_and_kvstores_killed_come_back_and_serve(
         wait_until(lambda n=name: _restarted(cluster, n, before[n] + 1), ACT_S, f"{name} back")
     # Served again, and the restarted pool keeps and hands out blocks: the same
     # four-block prompt twice, the second time from the pool.
-    prompt = _tokens(7, 4 * 64 + 10)
+    prompt = tiny_prompt(7, 4 * 64 + 10)
     first = complete(cluster, prompt)
     again = complete(cluster, prompt)
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
@@ -177,7 +172,7 @@ def test_nats_killed_is_restarted_and_the_cluster_serves_again(
 
     def serves() -> bool:
         try:
-            complete(cluster, _tokens(9, 80))
+            complete(cluster, tiny_prompt(9, 80))
         except (AssertionError, httpx.HTTPError):
             return False  # 503 (or no answer in time) while the services reconnect
         return True
@@ -205,7 +200,7 @@ def test_a_kvstore_that_dies_at_every_start_is_given_up_on(
     assert re.search(r"kvstore-1 \(kvstore\) exited with code \d+ after [\d.]+s, before", output)
     assert "FileExistsError" in output  # the last lines of its log, shown by yb up
     assert cluster.process is not None and cluster.process.poll() is None  # still up
-    complete(cluster, _tokens(8, 100))
+    complete(cluster, tiny_prompt(8, 100))
 
 
 def test_no_kvstore_left_stops_the_cluster(supervised: tuple[LocalCluster, Gate]) -> None:
@@ -238,14 +233,14 @@ def test_with_one_decode_the_stream_ends_cleanly_and_the_next_is_served(
     cluster.start(timeout_s=300)
     try:
         gate.arm("decode.token")
-        stream = SseClient(cluster, long_stream_body(_tokens(3, 100), max_tokens=60))
+        stream = SseClient(cluster, long_stream_body(tiny_prompt(3, 100), max_tokens=60))
         held = gate.wait_held("decode.token", ACT_S)
         kill(cluster, held.instance_id)
         stream.wait_done(VERDICT_S)
         assert stream.ended_cleanly_with_error, stream.describe()
         assert "decode-0" in stream.error_message()
         wait_until(lambda: _restarted(cluster, "decode-0", 1), ACT_S, "decode back")
-        complete(cluster, _tokens(4, 100))
+        complete(cluster, tiny_prompt(4, 100))
     finally:
         gate.release_everything()
         cluster.stop()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -312,6 +313,12 @@ def complete(cluster: LocalCluster, prompt: list[int], max_tokens: int = 6) -> d
     assert r.status_code == 200, r.text
     body: dict[str, Any] = r.json()
     return body
+
+
+def tiny_prompt(seed: int, n: int) -> list[int]:
+    """`n` token ids of the tiny model's vocabulary, the same for the same seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(10, 250) for _ in range(n)]
 
 
 def long_stream_body(prompt: list[int], max_tokens: int = 3000) -> dict[str, Any]:
