@@ -129,6 +129,9 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faulty]:
         env={
             "YB_CONDUCTOR__HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S),
             "YB_CONDUCTOR__LEASE_TTL_S": str(LEASE_S),
+            # Room in decode for several long streams at once (the tiny model's longest
+            # sequence is 4,096 tokens; one is the laptop default).
+            "YB_DECODE__KV_SEQUENCES": "8",
             "YB_PREFILL__LOAD_REPORT_INTERVAL_S": "0.5",
             "YB_DECODE__LOAD_REPORT_INTERVAL_S": "0.5",
             "YB_KVSTORE__LOAD_REPORT_INTERVAL_S": "0.5",

@@ -55,7 +55,11 @@ WEATHER_TOOL: Any = {
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     cluster = LocalCluster(
-        tmp_path_factory.mktemp("oai"), "--model", "tiny-random", "--model-name", MODEL
+        tmp_path_factory.mktemp("oai"),
+        *("--model", "tiny-random", "--model-name", MODEL),
+        # Room in decode for several streams at once (one longest sequence, 4,096
+        # tokens of the tiny model, is the laptop default).
+        env={"YB_DECODE__KV_SEQUENCES": "4"},
     )
     cluster.start(timeout_s=300)
     try:

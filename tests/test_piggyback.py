@@ -127,6 +127,9 @@ def piggy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Piggy]:
         env={
             "YB_CONDUCTOR__HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S),
             "YB_PREFILL__LOAD_REPORT_INTERVAL_S": "0.5",
+            # Room in decode for several long streams at once (the tiny model's longest
+            # sequence is 4,096 tokens; one is the laptop default).
+            "YB_DECODE__KV_SEQUENCES": "8",
             "YB_DECODE__LOAD_REPORT_INTERVAL_S": "0.5",
             "YB_KVSTORE__LOAD_REPORT_INTERVAL_S": "0.5",
             # Prefixes are reused from the kvstores, the only pool a decode instance reads.

@@ -121,6 +121,9 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
         "--keep-going",
         env={
             "YB_PREFILL__CHUNK_SIZE": str(CHUNK),
+            # Room in decode for several long streams at once (the tiny model's longest
+            # sequence is 4,096 tokens; one is the laptop default).
+            "YB_DECODE__KV_SEQUENCES": "8",
             # Reuse comes from the pool, which every stage reads.
             "YB_PREFILL__PREFIX_CACHE_PAGES": "0",
             "YB_CONDUCTOR__HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S),

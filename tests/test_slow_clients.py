@@ -66,7 +66,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     cluster = LocalCluster(
         data,
         *("--model", "tiny-random", "--model-name", MODEL),
-        env={**LIMITS, "YB_FAILPOINTS": failpoints},
+        # Decode room for every stalled stream to reach its hold (8 x ~2,000 tokens;
+        # the tiny model's longest sequence is 4,096, and one is the laptop default).
+        env={**LIMITS, "YB_FAILPOINTS": failpoints, "YB_DECODE__KV_SEQUENCES": "8"},
     )
     cluster.start(timeout_s=300)
     try:
