@@ -8,8 +8,8 @@ the rest (warm).
 When it starts the cluster itself it also reports what `yb up` costs in memory
 (`yb_testkit.memory`): the peak resident memory (VmHWM) of every process of the
 cluster, the launcher included, read just before it stops (`peak_rss_mb_<process>`,
-and `peak_rss_mb_total`, their sum), the peak of the processes' summed proportional
-set size over the requests, which counts a page they share once
+and `peak_rss_mb_total`, their sum), the highest of the processes' summed
+proportional set size after each request, which counts a page they share once
 (`peak_pss_mb_total`), and the KV pages each engine sized for itself
 (`kv_pages_<instance>`, from its `kv_cache_sized` log line).
 
@@ -19,7 +19,6 @@ set size over the requests, which counts a page they share once
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from yb_testkit.fixtures import LocalCluster
-from yb_testkit.memory import PssSampler, peak_rss_figures
+from yb_testkit.memory import PssPeaks, peak_rss_figures
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -117,12 +116,13 @@ def main() -> int:
         api_key = cluster.api_key
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     memory: dict[str, float] = {}
+    pss = PssPeaks(cluster) if cluster is not None else None
     try:
-        with contextlib.ExitStack() as stack:
-            pss = stack.enter_context(PssSampler(cluster)) if cluster is not None else None
-            results = [
-                one_request(url, args.model, args.max_tokens, headers) for _ in range(args.runs)
-            ]
+        results = []
+        for _ in range(args.runs):
+            results.append(one_request(url, args.model, args.max_tokens, headers))
+            if pss is not None:
+                pss.sample()  # between requests: sampling costs CPU the requests need
         if cluster is not None and pss is not None:
             memory = {**cluster_memory(cluster), **pss.figures()}
     finally:

@@ -22,8 +22,8 @@ table shows what each request really did. Figures are medians over the rounds;
 `ttft_speedup = ttft_recompute_s / ttft_reuse_s`. Also recorded: what the cluster
 costs in memory over the rounds (`yb_testkit.memory`): each process's peak resident
 set and their sum (`peak_rss_mb_<process>`, `peak_rss_mb_total`, the launcher
-included), and the peak of the processes' summed proportional set size, which counts
-a page they share once (`peak_pss_mb_total`).
+included), and the highest of the processes' summed proportional set size after each
+request, which counts a page they share once (`peak_pss_mb_total`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import httpx
 from yb_core import events as ev
 from yb_core.bus import Bus, EventReader
 from yb_testkit.fixtures import LocalCluster
-from yb_testkit.memory import PssSampler, peak_rss_figures
+from yb_testkit.memory import PssPeaks, peak_rss_figures
 from yb_tools.cli.launcher import read_cluster_info
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -156,7 +156,7 @@ async def describe(log: Log, sample: Sample) -> None:
 
 
 async def run_rounds(
-    cluster: LocalCluster, rounds: int, prefix_tokens: int, question_tokens: int
+    cluster: LocalCluster, rounds: int, prefix_tokens: int, question_tokens: int, pss: PssPeaks
 ) -> tuple[list[Sample], list[Sample]]:
     info = read_cluster_info(cluster.data_dir)
     assert info is not None
@@ -182,6 +182,7 @@ async def run_rounds(
                 cold = await timed_request(client, cluster.url, tokens)
                 await describe(log, cold)
                 recompute.append(cold)
+                pss.sample()  # between requests: sampling costs CPU the requests need
                 admitted = await log.wait_for(
                     "admission",
                     lambda e, rid=cold.request_id: (
@@ -208,6 +209,7 @@ async def run_rounds(
                     os.kill(pid, signal.SIGCONT)
                 await describe(log, warm)
                 reuse.append(warm)
+                pss.sample()
                 print(
                     f"round {round_no + 1}: recompute {cold.ttft_s:.3f}s on {cold.prefill}; "
                     f"reuse {warm.ttft_s:.3f}s on {warm.prefill} ({warm.plan}, "
@@ -243,10 +245,10 @@ def main() -> None:
         cluster.start(timeout_s=900)
         print(f"cluster ready in {time.monotonic() - started:.0f}s", flush=True)
         try:
-            with PssSampler(cluster) as pss:
-                recompute, reuse = asyncio.run(
-                    run_rounds(cluster, args.rounds, args.prefix_tokens, args.question_tokens)
-                )
+            pss = PssPeaks(cluster)
+            recompute, reuse = asyncio.run(
+                run_rounds(cluster, args.rounds, args.prefix_tokens, args.question_tokens, pss)
+            )
             memory = {**peak_rss_figures(cluster), **pss.figures()}
         finally:
             code = cluster.stop()

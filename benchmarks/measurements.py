@@ -176,10 +176,11 @@ MEMORY_FIGURES: list[tuple[str, str]] = [
     (r"peak_rss_mb_(\w+)", "peak resident memory of {0}, MiB"),
     (
         "peak_pss_mb_total",
-        "the highest sum of the processes' proportional set sizes, sampled every 0.5 s, "
-        "MiB: a shared page counts once, so this is what the cluster takes from the machine",
+        "the highest sum of the processes' proportional set sizes, read after each "
+        "request, MiB: a shared page counts once, so this is what the cluster takes from "
+        "the machine",
     ),
-    (r"peak_pss_mb_(\w+)", "highest proportional set size of {0} sampled, MiB"),
+    (r"peak_pss_mb_(\w+)", "highest proportional set size of {0} read, MiB"),
 ]
 
 DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {

@@ -4,10 +4,10 @@
   figure `top` would suggest. It counts a page that several processes share once per
   process: the code of libtorch, the Python interpreter, the model's weights that
   every engine maps from the same file.
-- The cluster's proportional set size (PSS), summed over its processes and sampled
-  while it runs (`PssSampler`): a shared page counts once, split among those that
-  share it, so the sum is what the cluster takes from the machine. Sampled, so a peak
-  shorter than the interval can be missed; each process's own peak is kept too.
+- The cluster's proportional set size (PSS), summed over its processes at moments the
+  caller chooses (`PssPeaks`): a shared page counts once, split among those that share
+  it, so the sum is what the cluster takes from the machine. A peak between two
+  samples (a prefill's activations) is missed; each process's own peak is kept too.
 
 Both read /proc only; nothing is estimated.
 """
@@ -15,9 +15,7 @@ Both read /proc only; nothing is estimated.
 from __future__ import annotations
 
 import contextlib
-import threading
 from pathlib import Path
-from types import TracebackType
 
 from yb_testkit.fixtures import LocalCluster
 
@@ -44,42 +42,22 @@ def pss_mb(pid: int) -> float:
     return 0.0
 
 
-class PssSampler:
-    """Samples the summed PSS of a cluster's processes on a thread of its own.
+class PssPeaks:
+    """The highest summed PSS of a cluster's processes at the moments `sample()` is
+    called, and each process's highest.
 
-    Use as a context manager around the work to measure; `figures()` then gives
-    `peak_pss_mb_total` (the highest sum seen) and `peak_pss_mb_<process>` (each
-    process's highest). The processes are read from `cluster.json` at every sample,
-    so a restarted one is followed under its new pid.
+    Sampled where the caller says (between the requests a benchmark times), not on a
+    timer: the kernel walks a process's page tables to count its PSS, about 15 ms of CPU
+    for a 1 GB engine, which would slow the very requests being timed on a small
+    machine. The processes are read from `cluster.json` at every sample, so a restarted
+    one is followed under its new pid.
     """
 
-    def __init__(self, cluster: LocalCluster, interval_s: float = 0.5) -> None:
+    def __init__(self, cluster: LocalCluster) -> None:
         self._cluster = cluster
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pss-sampler", daemon=True)
         self.peak_total = 0.0
         self.peaks: dict[str, float] = {}
         self.samples = 0
-
-    def __enter__(self) -> PssSampler:
-        self.sample()
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-        self.sample()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            self.sample()
 
     def sample(self) -> None:
         """Read every process once."""
