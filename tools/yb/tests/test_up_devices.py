@@ -86,7 +86,9 @@ def test_yb_up_says_what_each_engine_took(monkeypatch: pytest.MonkeyPatch) -> No
     ups["prefill-1"] = up("prefill-1", "prefill", 128)
     ups["kvstore-0"] = ev.InstanceUp(instance_id="kvstore-0", role="kvstore", host="h")
     head, *lines = c.kv_report()
-    assert head.startswith("KV cache per engine (1.41 GiB in all, 12.0 GiB available now;")
+    assert head.startswith(
+        "KV cache per engine (1.41 GiB in all; 12.0 GiB of memory still available;"
+    )
     assert "YB_DECODE__KV_SEQUENCES" in head
     assert lines == [
         "  decode-0        256 pages =    16,384 tokens,      720 MiB",
@@ -94,7 +96,7 @@ def test_yb_up_says_what_each_engine_took(monkeypatch: pytest.MonkeyPatch) -> No
         "  prefill-1       128 pages =     8,192 tokens,      360 MiB",
     ]
     monkeypatch.setattr(kv_sizing, "read_host_memory_available", lambda: GiB)
-    assert c.kv_report()[-1].startswith("warning: the engines' KV may grow to 1.41 GiB")
+    assert "1.0 GiB of memory still available" in c.kv_report()[0]
 
 
 def test_on_cuda_the_engines_split_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -106,7 +106,8 @@ class EngineHost:
     @property
     def prefix_cache_pages(self) -> int:
         """Pages the prefill engine's prefix cache may keep (`KVSizing`): at most
-        `prefix_cache_pages`, and only what is left beside one longest request."""
+        `prefix_cache_pages`; from a byte budget, only what is left beside one longest
+        request, on the CPU idle pages of the engine's own."""
         return self.kv.prefix_cache_pages
 
     @classmethod

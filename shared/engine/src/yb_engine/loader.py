@@ -346,6 +346,8 @@ class _LazyCheckpoint(Mapping[str, torch.Tensor]):
         for f in files:
             raw = stack.enter_context(open(f, "rb"))  # noqa: SIM115 - closed by the stack
             self._entry_of.update(_safetensors_entries(raw))
+        # One map per file, made on first use; the tensors keep it alive.
+        self._maps: dict[int, mmap.mmap] = {}
         self.read: dict[str, int] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -353,8 +355,10 @@ class _LazyCheckpoint(Mapping[str, torch.Tensor]):
         self.read[name] = entry.nbytes
         if not entry.nbytes:
             return torch.empty(entry.shape, dtype=entry.dtype)
-        # The tensor keeps the map alive; the map outlives the file's handle.
-        mapped = mmap.mmap(entry.file.fileno(), 0, access=mmap.ACCESS_COPY)
+        fd = entry.file.fileno()
+        mapped = self._maps.get(fd)
+        if mapped is None:  # the map outlives the file's handle
+            mapped = self._maps[fd] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         flat = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
         return flat.view(entry.dtype).reshape(entry.shape)
 

@@ -57,7 +57,6 @@ class PssPeaks:
         self._cluster = cluster
         self.peak_total = 0.0
         self.peaks: dict[str, float] = {}
-        self.samples = 0
 
     def sample(self) -> None:
         """Read every process once."""
@@ -70,7 +69,6 @@ class PssPeaks:
         for name, mb in sizes.items():
             self.peaks[name] = max(self.peaks.get(name, 0.0), mb)
         self.peak_total = max(self.peak_total, sum(sizes.values()))
-        self.samples += 1
 
     def figures(self) -> dict[str, float]:
         """The peaks seen, MiB."""

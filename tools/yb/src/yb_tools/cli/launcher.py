@@ -271,11 +271,11 @@ class Cluster:
         last: list[str] = []
         for raw in prepare.stdout:
             line = raw.decode(errors="replace").rstrip()
-            last = [*last[-19:], line]
+            last = [*last[-2:], line]
             self.say(f"  {line.removeprefix('[prepare] ')}")
         if code := prepare.wait():
             raise ModelNotPrepared(
-                f"preparing the model failed ({describe_exit(code)}): " + " / ".join(last[-3:])
+                f"preparing the model failed ({describe_exit(code)}): " + " / ".join(last)
             )
 
     def ensure_secrets(self) -> LocalSecrets:
@@ -421,10 +421,9 @@ class Cluster:
             )
 
     def kv_report(self) -> list[str]:
-        """What each engine took for its KV cache, from its announcement, and what all
-        of it comes to against the memory available now (pages on the CPU are resident
-        once used, so the total is what they may grow to); empty until every engine
-        has announced itself."""
+        """What each engine took for its KV cache, from its announcement, with their sum
+        (allocated at start, so already resident) and the memory still available; empty
+        until every engine has announced itself."""
         from yb_engine.kv_sizing import read_host_memory_available
 
         watcher = self.watcher
@@ -445,20 +444,12 @@ class Cluster:
             )
         available = read_host_memory_available()
         head = (
-            f"KV cache per engine ({total / 2**30:.2f} GiB in all, "
-            f"{available / 2**30:.1f} GiB available now; more or less: "
+            f"KV cache per engine ({total / 2**30:.2f} GiB in all; "
+            f"{available / 2**30:.1f} GiB of memory still available; more or less: "
             "YB_PREFILL__KV_SEQUENCES / YB_DECODE__KV_SEQUENCES, or __NUM_KV_PAGES; "
             "docs/engine.md#how-many-pages):"
         )
-        warning = (
-            [
-                f"warning: the engines' KV may grow to {total / 2**30:.2f} GiB, more than the "
-                f"{available / 2**30:.1f} GiB available: lower kv_sequences or model.max_model_len"
-            ]
-            if total > available
-            else []
-        )
-        return [head, *lines, *warning]
+        return [head, *lines]
 
     def _settle_for_failover(self, nodes: int) -> None:
         """Settings a cluster needs so that losing a node changes nothing for clients.
@@ -543,10 +534,7 @@ class Cluster:
         for spec in self.process_specs():
             self._spawn(spec, logs)
         config_path, targets_path = self.write_prometheus_files()
-        pids = {name: proc.pid for name, proc in self.children.items()}
-        for i, node in enumerate(self.nats_nodes):
-            if node.process is not None:
-                pids[_nats_name(i)] = node.process.pid
+        pids = self._pids()
         monitors = [
             f"http://{node.host}:{node.monitor_port}"
             for node in self.nats_nodes
@@ -736,17 +724,21 @@ class Cluster:
             policy=policy,
         )
 
+    def _pids(self) -> dict[str, int]:
+        """The current process of every service and NATS node, by name."""
+        pids = {name: proc.pid for name, proc in self.children.items()}
+        for i, node in enumerate(self.nats_nodes):
+            if node.process is not None:
+                pids[_nats_name(i)] = node.process.pid
+        return pids
+
     def record_supervision(self, supervisor: Supervisor) -> None:
         """Bring cluster.json up to date with the supervisor's restarts (new pids
         included) and the processes it gave up on."""
         info = self.info
         if info is None:
             return
-        pids = dict(info.pids)
-        pids.update({name: proc.pid for name, proc in self.children.items()})
-        for i, node in enumerate(self.nats_nodes):
-            if node.process is not None:
-                pids[_nats_name(i)] = node.process.pid
+        pids = {**info.pids, **self._pids()}
         restarts, given_up = supervisor.restarts(), supervisor.given_up()
         if (pids, restarts, given_up) != (info.pids, info.restarts, info.given_up):
             info.pids, info.restarts, info.given_up = pids, restarts, given_up

@@ -228,10 +228,6 @@ class Supervisor:
         now = clock()
         self._watched = {m.name: _Watched(m, now) for m in members}
 
-    def incarnation(self, name: str) -> Incarnation:
-        """What is known of one member."""
-        return self._watched[name].incarnation
-
     def restarts(self) -> dict[str, int]:
         """Members restarted so far, with how often."""
         return {
