@@ -152,6 +152,7 @@ class ModelRunner:
         num_cached_tokens: int = 0,
         chunk_size: int = 512,
         layer_hook: LayerHook | None = None,
+        all_logits: bool = False,
     ) -> torch.Tensor:
         """Compute the KV of `token_ids[num_cached_tokens:]` and the next-token logits.
 
@@ -163,7 +164,10 @@ class ModelRunner:
         end)` runs, so the caller can ship those pages while later layers compute.
 
         Returns float32 logits `[vocab]` for the token after the prompt. At least the
-        last prompt token must be computed (its logits are not cached anywhere).
+        last prompt token must be computed (its logits are not cached anywhere). With
+        `all_logits`, the logits after every computed token instead, `[n -
+        num_cached_tokens, vocab]` (row j follows token `num_cached_tokens + j`; the
+        last row is what `prefill` returns): what a prompt's logprobs are read from.
         """
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
@@ -172,13 +176,18 @@ class ModelRunner:
         block_size = self.cache.block_size
         with torch.inference_mode():
             ids = host_ints(list(token_ids), torch.int64, self.device)
+            rows: list[torch.Tensor] = []
             for start in range(num_cached_tokens, n, chunk_size):
                 end = min(start + chunk_size, n)
                 plan = self.backend.plan_prefill(block_table, start, end, block_size)
                 positions = torch.arange(start, end, device=self.device)
                 hidden = self._forward_chunk(
-                    ids[start:end], positions, None, plan, end == n, layer_hook
+                    ids[start:end], positions, None, plan, end == n, layer_hook, all_logits
                 )
+                if all_logits:
+                    rows.append(self._logits(hidden))
+            if all_logits:
+                return torch.cat(rows) if len(rows) > 1 else rows[0]
             return self._logits(hidden[-1:])[0]
 
     def check_prefill(
@@ -307,11 +316,13 @@ class ModelRunner:
         prefill_plan: PrefillPlan,
         wants_logits: bool,
         layer_hook: LayerHook | None = None,
+        all_rows: bool = False,
     ) -> torch.Tensor:
         """A prefill chunk, after the B decode tokens of `decode_plan` when there is one
         (`ids` and `positions` list the decode rows first). Returns the hidden states of
         the decode rows, then of the chunk's last token when `wants_logits`:
-        `[B (+ 1), hidden]`. `layer_hook` runs after each layer, as in `prefill`."""
+        `[B (+ 1), hidden]`; with `all_rows`, of every row. `layer_hook` runs after each
+        layer, as in `prefill`."""
         b = 0 if decode_plan is None else int(decode_plan.positions.shape[0])
         x = F.embedding(ids, self.weights.embed)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
@@ -324,7 +335,7 @@ class ModelRunner:
                 parts.append(self.backend.decode(kv_layer, q[:b], k[:b], v[:b], decode_plan))
             # The last layer's output matters only at the chunk's last token, and only
             # when its logits are wanted; every token's K/V is still written.
-            if i < last_layer:
+            if i < last_layer or all_rows:
                 chunk_q: torch.Tensor | None = q[b:]
             elif wants_logits:
                 chunk_q = q[-1:]
