@@ -132,7 +132,7 @@ def test_load_model_reads_a_saved_hf_directory(tmp_path: Path) -> None:
     tiny.tokenizer.save_pretrained(tmp_path)
     model = load_model(tmp_path)
     assert model.config.qkv_bias and model.config.num_kv_heads == 2
-    assert torch.equal(model.weights.layers[1].qkv, tiny.weights.layers[1].qkv)
+    assert torch.equal(model.weights.layers[1].attn.qkv, tiny.weights.layers[1].attn.qkv)
     assert load_model(tmp_path).config.model_id == model.config.model_id
     ids = list(range(5, 60))
     logits = ModelRunner(model, PagedKVCache(model.config, 8, 16)).prefill(ids, [3, 1, 7, 0])
@@ -152,7 +152,7 @@ def test_tiny_model_is_identical_across_processes() -> None:
         "import torch\n"
         "from yb_engine import tiny_random_model\n"
         "m = tiny_random_model(3)\n"
-        "w = torch.cat([m.weights.embed.flatten(), m.weights.layers[1].gate_up.flatten()])\n"
+        "w = torch.cat([m.weights.embed.flatten(), m.weights.layers[1].mlp.gate_up.flatten()])\n"
         "print(repr(float(w.double().sum())))\n"
     )
     out = subprocess.run(
@@ -163,5 +163,5 @@ def test_tiny_model_is_identical_across_processes() -> None:
         env={"PATH": "/usr/bin:/bin"},
     ).stdout.split()
     here = tiny_random_model(3)
-    w = torch.cat([here.weights.embed.flatten(), here.weights.layers[1].gate_up.flatten()])
+    w = torch.cat([here.weights.embed.flatten(), here.weights.layers[1].mlp.gate_up.flatten()])
     assert out[0] == repr(float(w.double().sum()))

@@ -239,7 +239,7 @@ def test_load_stage_reads_only_its_tensors(tiny4: LoadedModel, tmp_path: Path) -
         assert stage.weights.num_parameters() == sum(n // 4 for n in stage.tensors_read.values())
     middle = loaded[1]
     assert middle.weights.embed is None and middle.weights.lm_head is None
-    assert torch.equal(middle.weights.layers[0].qkv, tiny4.weights.layers[2].qkv)
+    assert torch.equal(middle.weights.layers[0].attn.qkv, tiny4.weights.layers[2].attn.qkv)
     # The loaded stages compute the whole model's logits.
     ids = prompt(tiny4, 60, seed=6)
     reference, _ = whole_prefill(tiny4, ids)

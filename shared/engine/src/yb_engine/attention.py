@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -42,6 +42,26 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 FA2_PAGE_MULTIPLE = 256
 """flash-attn 2's paged KV requires `page_block_size % 256 == 0`."""
+
+
+@dataclass(frozen=True, slots=True)
+class AttnOptions:
+    """How one layer attends, where a family differs from plain causal softmax
+    attention: the score `scale` (None: `head_dim ** -0.5`), a sliding `window` (a
+    query at position i sees keys in `(i - window, i]`; 0: every earlier key), and a
+    `softcap` (scores become `softcap * tanh(scores / softcap)` before the mask)."""
+
+    scale: float | None = None
+    window: int = 0
+    softcap: float | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Causal attention over every earlier key, no soft-capping."""
+        return not self.window and self.softcap is None
+
+
+PLAIN = AttnOptions()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +89,8 @@ class PrefillPlan:
     seqused_k: torch.Tensor | None = None
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_q_last: torch.Tensor | None = None
+    #: Boolean visibility masks of windowed layers, made on first use per window.
+    window_masks: dict[tuple[int, bool], torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +112,7 @@ class DecodePlan:
     mask: torch.Tensor | None
     cache_seqlens: torch.Tensor | None = None
     cu_seqlens_q: torch.Tensor | None = None
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class AttentionBackend(Protocol):
@@ -98,8 +121,9 @@ class AttentionBackend(Protocol):
     `kv_layer` is `cache.kv[layer]`, `[num_pages, 2, block_size, kv_heads, head_dim]`.
     Queries are `[T, heads, head_dim]` and keys/values `[T, kv_heads, head_dim]`, with
     RoPE applied; the result has the queries' shape. Plans are made once per forward
-    and shared by all layers. `cache_dtype_must_match` says the backend reads the pages
-    in place and so needs the cache in the model's dtype (SDPA casts instead).
+    and shared by all layers; `opts` says how the layer attends (scale, window,
+    soft-cap). `cache_dtype_must_match` says the backend reads the pages in place and so
+    needs the cache in the model's dtype (SDPA casts instead).
     """
 
     name: str
@@ -120,6 +144,7 @@ class AttentionBackend(Protocol):
         k: torch.Tensor,
         v: torch.Tensor,
         plan: PrefillPlan,
+        opts: AttnOptions = PLAIN,
     ) -> torch.Tensor | None:
         """Write the chunk's K/V; attend `q` unless it is None (K/V only).
 
@@ -135,6 +160,7 @@ class AttentionBackend(Protocol):
         k: torch.Tensor,
         v: torch.Tensor,
         plan: DecodePlan,
+        opts: AttnOptions = PLAIN,
     ) -> torch.Tensor: ...
 
 
@@ -153,11 +179,12 @@ def host_ints(values: list[int], dtype: torch.dtype, device: torch.device) -> to
 
 
 def _rows(
-    pages: torch.Tensor, slots: torch.Tensor, block_size: int
+    pages: torch.Tensor, slots: torch.Tensor, block_size: int, parts: int = 2
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # Row of (page, 0, slot) in the layer viewed as [pages * 2 * block_size, ...]; the
-    # value row is one block further, because K and V of a page are adjacent halves.
-    rows_k = pages * (2 * block_size) + slots
+    # Row of (page, 0, slot) in the layer viewed as [pages * parts * block_size, ...];
+    # the value row is one block further, because K and V of a page are adjacent
+    # halves. With one part (MLA's latent) only the first is a row of the page.
+    rows_k = pages * (parts * block_size) + slots
     return rows_k, rows_k + block_size
 
 
@@ -205,6 +232,39 @@ def _padded_tables(
     return flat, width
 
 
+def _window_visible(
+    queries: torch.Tensor, keys: torch.Tensor, window: int, causal: bool
+) -> torch.Tensor:
+    """Which keys each query position sees: `[Q, K]` booleans, causal (key <= query)
+    and, with a window, within `(query - window, query]`."""
+    visible = keys[None, :] > queries[:, None] - window if window else None
+    if causal:
+        before = keys[None, :] <= queries[:, None]
+        visible = before if visible is None else visible & before
+    assert visible is not None
+    return visible
+
+
+def _softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention spelled out, as transformers' eager path computes it: scores scaled,
+    soft-capped, masked, softmax in float32. `q` `[..., Q, D]`, `k`/`v` `[..., K, D]`
+    with the same heads; `visible` broadcasts to `[..., Q, K]`."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
 class TorchSDPABackend:
     """Paged attention with `torch.nn.functional.scaled_dot_product_attention`.
 
@@ -214,16 +274,22 @@ class TorchSDPABackend:
     copy itself. Any cache dtype works (keys are cast to the queries'). Not thread-safe
     (one runner, one thread). `fallback_reason` says why `select_backend` did not pick
     flash-attn (None when constructed directly).
+
+    It computes every family's attention: sliding windows (a mask), soft-capped scores
+    (the eager formula, which SDPA cannot express), and MLA's latent pages
+    (`prefill_latent`, `decode_latent`): a page then holds one part per token, so
+    `parts` is 1.
     """
 
     name = "torch-sdpa"
     cache_dtype_must_match = False
 
     def __init__(
-        self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+        self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, parts: int = 2
     ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype  # the queries' dtype, which the masks must match
+        self.parts = parts
         self.fallback_reason: str | None = None
         self._workspace: dict[tuple[torch.dtype, int], torch.Tensor] = {}
 
@@ -236,7 +302,7 @@ class TorchSDPABackend:
         num_pages = _pages_needed(block_table, end, block_size, f"{end} tokens")
         table = host_ints(list(block_table[:num_pages]), torch.int64, self.device)
         pos = torch.arange(start, end, device=self.device)
-        rows_k, rows_v = _rows(table[pos // block_size], pos % block_size, block_size)
+        rows_k, rows_v = _rows(table[pos // block_size], pos % block_size, block_size, self.parts)
         mask = None
         if start > 0:
             keys = torch.arange(end, device=self.device)
@@ -254,33 +320,68 @@ class TorchSDPABackend:
         seq_lens = ints[b * width :]
         pos_t = seq_lens - 1
         page_of = tables.gather(1, (pos_t // block_size)[:, None])[:, 0]
-        rows_k, rows_v = _rows(page_of, pos_t % block_size, block_size)
+        rows_k, rows_v = _rows(page_of, pos_t % block_size, block_size, self.parts)
         keys = torch.arange(width * block_size, device=self.device)
         mask = _additive(keys[None, :] < seq_lens[:, None], self.dtype)[:, None, None, :]
         return DecodePlan(tables, seq_lens, pos_t, rows_k, rows_v, mask)
 
+    def _prefill_visible(
+        self, plan: PrefillPlan, window: int, last_only: bool
+    ) -> torch.Tensor | None:
+        """The chunk's `[Q, end]` visibility under a window (None: plain causal)."""
+        if not window:
+            return None
+        key = (window, last_only)
+        mask = plan.window_masks.get(key)
+        if mask is None:
+            first = plan.end - 1 if last_only else plan.start
+            queries = torch.arange(first, plan.end, device=self.device)
+            keys = torch.arange(plan.end, device=self.device)
+            mask = plan.window_masks[key] = _window_visible(queries, keys, window, causal=True)
+        return mask
+
+    def _decode_visible(self, plan: DecodePlan, window: int) -> torch.Tensor:
+        """Each sequence's `[B, 1, 1, width * block]` visibility (length and window)."""
+        mask = plan.window_masks.get(window)
+        if mask is None:
+            keys = torch.arange(
+                plan.mask.shape[-1] if plan.mask is not None else 0, device=self.device
+            )
+            visible = keys[None, :] < plan.seq_lens[:, None]
+            if window:
+                visible &= keys[None, :] > plan.positions[:, None] - window
+            mask = plan.window_masks[window] = visible[:, None, None, :]
+        return mask
+
     # -- attention --------------------------------------------------------------------
+
+    def _gather_parts(self, kv_layer: torch.Tensor, pages: torch.Tensor) -> list[torch.Tensor]:
+        """Each part (K, V; or the latent) of `pages`, `[len(pages) * block_size,
+        heads, dim]` each, in a reused workspace."""
+        _, parts, block, heads, dim = kv_layer.shape
+        n = pages.numel()
+        size = n * block * heads * dim
+        key = (kv_layer.dtype, kv_layer.device.index or 0)
+        ws = self._workspace.get(key)
+        if ws is None or ws.numel() < parts * size:
+            ws = torch.empty(parts * size, dtype=kv_layer.dtype, device=kv_layer.device)
+            self._workspace[key] = ws
+        # Each page part as one flat row: index_select then copies whole rows, faster
+        # than its generic path over the 4-d strided halves (2x with 16-token pages).
+        rows = kv_layer.view(kv_layer.shape[0], parts, block * heads * dim)
+        out = []
+        for i in range(parts):
+            target = ws[i * size : (i + 1) * size]
+            torch.index_select(rows[:, i], 0, pages, out=target.view(n, -1))
+            out.append(target.view(n * block, heads, dim))
+        return out
 
     def _gather(
         self, kv_layer: torch.Tensor, pages: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `pages`, each `[len(pages) * block_size, kv_heads, head_dim]`."""
-        _, _, block, heads, dim = kv_layer.shape
-        n = pages.numel()
-        size = n * block * heads * dim
-        key = (kv_layer.dtype, kv_layer.device.index or 0)
-        ws = self._workspace.get(key)
-        if ws is None or ws.numel() < 2 * size:
-            ws = torch.empty(2 * size, dtype=kv_layer.dtype, device=kv_layer.device)
-            self._workspace[key] = ws
-        # Each page half as one flat row: index_select then copies whole rows, faster
-        # than its generic path over the 4-d strided halves (2x with 16-token pages).
-        halves = kv_layer.view(kv_layer.shape[0], 2, block * heads * dim)
-        torch.index_select(halves[:, 0], 0, pages, out=ws[:size].view(n, -1))
-        torch.index_select(halves[:, 1], 0, pages, out=ws[size : 2 * size].view(n, -1))
-        return ws[:size].view(n * block, heads, dim), ws[size : 2 * size].view(
-            n * block, heads, dim
-        )
+        k, v = self._gather_parts(kv_layer, pages)
+        return k, v
 
     def prefill(
         self,
@@ -289,26 +390,57 @@ class TorchSDPABackend:
         k: torch.Tensor,
         v: torch.Tensor,
         plan: PrefillPlan,
+        opts: AttnOptions = PLAIN,
     ) -> torch.Tensor | None:
         """Write the chunk's K/V into its pages, then attend (see `AttentionBackend`)."""
         _write(kv_layer, k, v, plan.rows_k, plan.rows_v)
         if q is None:
             return None
-        last_only = q.shape[0] == 1 and k.shape[0] > 1
         if plan.start == 0 and kv_layer.dtype == k.dtype:
             keys, values = k, v  # nothing cached before the chunk: skip the gather
         else:
             keys, values = self._gather(kv_layer, plan.block_table)
             keys, values = keys[: plan.end].to(q.dtype), values[: plan.end].to(q.dtype)
-        mask = None if last_only else plan.mask
-        out = F.scaled_dot_product_attention(
+        return self._attend_prefill(q, keys, values, plan, opts)
+
+    def _attend_prefill(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        plan: PrefillPlan,
+        opts: AttnOptions,
+    ) -> torch.Tensor:
+        """`q` `[Q, heads, d]` (the chunk's rows, or its last only) against the
+        sequence's `[end, kv_heads, d]` keys and values."""
+        last_only = q.shape[0] == 1 and plan.end - plan.start > 1
+        qh, kh, vh = (
             q.transpose(0, 1)[None],
             keys.transpose(0, 1)[None],
             values.transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=mask is None and not last_only,
-            enable_gqa=q.shape[1] != keys.shape[1],
         )
+        gqa = q.shape[1] != keys.shape[1]
+        if opts.plain:
+            mask = None if last_only else plan.mask
+            out = F.scaled_dot_product_attention(
+                qh,
+                kh,
+                vh,
+                attn_mask=mask,
+                is_causal=mask is None and not last_only,
+                enable_gqa=gqa,
+                scale=opts.scale,
+            )
+            return out[0].transpose(0, 1)
+        visible = self._prefill_visible(plan, opts.window, last_only)
+        if visible is None:
+            queries = torch.arange(plan.end - q.shape[0], plan.end, device=self.device)
+            visible = _window_visible(queries, torch.arange(plan.end, device=self.device), 0, True)
+        if gqa:
+            group = q.shape[1] // keys.shape[1]
+            kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
+        scale = q.shape[-1] ** -0.5 if opts.scale is None else opts.scale
+        out = _softcapped_attention(qh, kh, vh, visible, scale, opts.softcap)
         return out[0].transpose(0, 1)
 
     def decode(
@@ -318,6 +450,7 @@ class TorchSDPABackend:
         k: torch.Tensor,
         v: torch.Tensor,
         plan: DecodePlan,
+        opts: AttnOptions = PLAIN,
     ) -> torch.Tensor:
         """Write each sequence's new K/V, then attend all B queries in one SDPA call."""
         _write(kv_layer, k, v, plan.rows_k, plan.rows_v)
@@ -325,13 +458,70 @@ class TorchSDPABackend:
         kv_heads = k.shape[1]
         keys, values = self._gather(kv_layer, plan.block_tables.flatten())
         keys = keys.view(b, -1, kv_heads, dim).transpose(1, 2).to(q.dtype)
-        values = values.view(b, -1, kv_heads, dim).transpose(1, 2).to(q.dtype)
+        values = values.view(b, -1, kv_heads, v.shape[-1]).transpose(1, 2).to(q.dtype)
         # Grouped-query attention without repeating K/V: the query heads that share a KV
         # head become that head's "query positions". One query token per sequence needs
         # no causal mask, only the length mask, which broadcasts over them.
         grouped = q.view(b, kv_heads, heads // kv_heads, dim)
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask)
-        return out.reshape(b, heads, dim)
+        if opts.plain:
+            out = F.scaled_dot_product_attention(
+                grouped, keys, values, attn_mask=plan.mask, scale=opts.scale
+            )
+        else:
+            scale = dim**-0.5 if opts.scale is None else opts.scale
+            visible = self._decode_visible(plan, opts.window)
+            out = _softcapped_attention(grouped, keys, values, visible, scale, opts.softcap)
+        return out.reshape(b, heads, -1)
+
+    # -- latent attention (MLA) ---------------------------------------------------------
+
+    def prefill_latent(
+        self,
+        kv_layer: torch.Tensor,
+        q: torch.Tensor | None,
+        latent: torch.Tensor,
+        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        plan: PrefillPlan,
+        opts: AttnOptions,
+    ) -> torch.Tensor | None:
+        """Write the chunk's latents `[T, 1, latent_dim]` into its pages, then attend
+        `q` `[Q, heads, qk_dim]` to the keys and values `expand` makes of the
+        sequence's latents (`[N, 1, latent_dim]` to `[N, heads, qk_dim]`, `[N, heads,
+        v_dim]`)."""
+        flat = kv_layer.view(-1, kv_layer.shape[-2], kv_layer.shape[-1])
+        flat.index_copy_(0, plan.rows_k, latent.to(flat.dtype))
+        if q is None:
+            return None
+        if plan.start == 0 and kv_layer.dtype == latent.dtype:
+            context = latent
+        else:
+            (context,) = self._gather_parts(kv_layer, plan.block_table)
+            context = context[: plan.end].to(q.dtype)
+        keys, values = expand(context)
+        return self._attend_prefill(q, keys, values, plan, opts)
+
+    def decode_latent(
+        self,
+        kv_layer: torch.Tensor,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        plan: DecodePlan,
+        opts: AttnOptions,
+    ) -> torch.Tensor:
+        """Write each sequence's new latent, then attend all B queries (see
+        `prefill_latent`)."""
+        flat = kv_layer.view(-1, kv_layer.shape[-2], kv_layer.shape[-1])
+        flat.index_copy_(0, plan.rows_k, latent.to(flat.dtype))
+        b, heads, dim = q.shape
+        (context,) = self._gather_parts(kv_layer, plan.block_tables.flatten())
+        keys, values = expand(context.to(q.dtype))
+        keys = keys.view(b, -1, heads, dim).transpose(1, 2)
+        values = values.view(b, -1, heads, values.shape[-1]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], keys, values, attn_mask=plan.mask, scale=opts.scale
+        )
+        return out.reshape(b, heads, -1)
 
 
 class _PagedFlashBackend:
@@ -411,6 +601,13 @@ class _PagedFlashBackend:
         )
 
 
+def _plain_only(name: str, opts: AttnOptions) -> None:
+    # `select_backend` never gives a flash backend to a model that needs more; a
+    # caller that builds one by hand gets an error, not a different function.
+    if not opts.plain or opts.scale is not None:
+        raise ValueError(f"{name} here computes plain causal attention only, not {opts}")
+
+
 def _output(result: Any) -> torch.Tensor:
     # flash_attn.cute returns (out, lse); flash-attn 2 returns out unless asked for lse.
     out = result[0] if isinstance(result, tuple) else result
@@ -449,8 +646,10 @@ class FlashAttnBackend(_PagedFlashBackend):
         k: torch.Tensor,
         v: torch.Tensor,
         plan: PrefillPlan,
+        opts: AttnOptions = PLAIN,
     ) -> torch.Tensor | None:
         """Append the chunk to its pages and attend, in one kernel."""
+        _plain_only(self.name, opts)
         if q is None:
             _write(kv_layer, k, v, plan.rows_k, plan.rows_v)
             return None
@@ -473,8 +672,10 @@ class FlashAttnBackend(_PagedFlashBackend):
         k: torch.Tensor,
         v: torch.Tensor,
         plan: DecodePlan,
+        opts: AttnOptions = PLAIN,
     ) -> torch.Tensor:
         """Append each sequence's token and attend, in one kernel."""
+        _plain_only(self.name, opts)
         out = self._fn(
             q[:, None],
             kv_layer[:, 0],
@@ -516,8 +717,10 @@ class FlashAttnCuteBackend(_PagedFlashBackend):
         k: torch.Tensor,
         v: torch.Tensor,
         plan: PrefillPlan,
+        opts: AttnOptions = PLAIN,
     ) -> torch.Tensor | None:
         """Write the chunk's K/V, then attend its queries (or only the last row)."""
+        _plain_only(self.name, opts)
         _write(kv_layer, k, v, plan.rows_k, plan.rows_v)
         if q is None:
             return None
@@ -541,8 +744,10 @@ class FlashAttnCuteBackend(_PagedFlashBackend):
         k: torch.Tensor,
         v: torch.Tensor,
         plan: DecodePlan,
+        opts: AttnOptions = PLAIN,
     ) -> torch.Tensor:
         """Write each sequence's token, then attend all B in one varlen call."""
+        _plain_only(self.name, opts)
         _write(kv_layer, k, v, plan.rows_k, plan.rows_v)
         out = self._fn(
             q,
@@ -590,6 +795,12 @@ def _common_reason(
     if cache_dtype is not None and cache_dtype != dtype:
         return f"KV cache dtype {cache_dtype} differs from the model's {dtype}"
     if arch is not None:
+        if arch.mla is not None:
+            return "latent attention (MLA) pages hold one latent per token, not per-head K/V"
+        if any(arch.layer_windows) or arch.attn_softcap is not None:
+            return "sliding windows and soft-capped scores are computed by SDPA here"
+        if arch.attn_scale is not None:
+            return f"attention scale {arch.attn_scale:g} is not head_dim ** -0.5"
         if arch.num_heads % arch.num_kv_heads:
             return f"{arch.num_heads} query heads are not a multiple of {arch.num_kv_heads}"
         if arch.head_dim > 256:
@@ -751,7 +962,7 @@ def select_backend(
     if backend is not None:
         log.info("attention_backend", backend=backend.name, device=str(dev))
         return backend
-    sdpa = TorchSDPABackend(dev, dtype)
+    sdpa = TorchSDPABackend(dev, dtype, parts=len(arch.kv_parts[0]) if arch is not None else 2)
     sdpa.fallback_reason = reason
     if dev.type == "cuda":
         log.warning("attention_fallback", backend=sdpa.name, reason=reason, device=str(dev))

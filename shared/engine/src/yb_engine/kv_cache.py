@@ -1,10 +1,13 @@
 """Paged KV cache storage and the page allocator.
 
-The whole cache of an engine is ONE tensor `kv[num_layers, num_pages, 2, block_size,
-num_kv_heads, head_dim]`. That layout is a contract with the UCX data plane: the bytes of
-(layer, page), keys then values, are one contiguous chunk, so a page is sent or received
-straight from or into this tensor without a staging copy, and a prefill engine can ship
-layer `l` while it computes layer `l + 1`.
+The whole cache of an engine is ONE tensor `kv[num_layers, num_pages, parts, block_size,
+heads, dim]`, its per-token shape taken from the model's `KVCacheSpec`
+(`yb_core.kv_spec`): `parts` 2, `heads` the KV heads and `dim` the head size for
+grouped-query attention (keys, then values); `parts` 1, `heads` 1 and `dim` the latent
+size for MLA. That layout is a contract with the UCX data plane: the bytes of (layer,
+page) are one contiguous chunk of `spec.page_nbytes(block_size)`, so a page is sent or
+received straight from or into this tensor without a staging copy, and a prefill engine
+can ship layer `l` while it computes layer `l + 1`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
+from yb_core.kv_spec import KVCacheSpec
 from yb_engine.architecture import ArchConfig
 
 
@@ -43,10 +47,12 @@ class PagedKVCache:
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.device(device)
+        self.spec: KVCacheSpec = arch.kv_spec(str(dtype).removeprefix("torch."))
+        spec = self.spec
         # zeros, not empty: a page that is read before it is written (a bug elsewhere)
         # then gives finite garbage instead of NaNs that poison a whole batch.
         self.kv = torch.zeros(
-            (arch.num_layers, num_pages, 2, block_size, arch.num_kv_heads, arch.head_dim),
+            (spec.num_layers, num_pages, len(spec.parts), block_size, spec.heads, spec.dim),
             dtype=dtype,
             device=self.device,
         )
@@ -58,12 +64,11 @@ class PagedKVCache:
 
     @property
     def page_nbytes(self) -> int:
-        """Bytes of one (layer, page) chunk: keys and values of `block_size` tokens."""
-        arch = self.arch
-        return int(2 * self.block_size * arch.num_kv_heads * arch.head_dim * self.kv.element_size())
+        """Bytes of one (layer, page) chunk: what `block_size` tokens keep in one layer."""
+        return self.spec.page_nbytes(self.block_size)
 
     def page_view(self, layer: int, page: int) -> torch.Tensor:
-        """`kv[layer, page]`, `[2, block_size, num_kv_heads, head_dim]`: a contiguous view.
+        """`kv[layer, page]`, `[parts, block_size, heads, dim]`: a contiguous view.
 
         Writing into the view writes the cache; this is what transfers send and receive.
         """
@@ -76,11 +81,11 @@ class PagedKVCache:
         return view
 
     def layer_view(self, layer: int) -> torch.Tensor:
-        """`kv[layer]`, `[num_pages, 2, block_size, num_kv_heads, head_dim]`, a view."""
+        """`kv[layer]`, `[num_pages, parts, block_size, heads, dim]`, a view."""
         return self.kv[layer]
 
     def copy_page(self, source: int, target: int) -> None:
-        """Copy page `source`'s keys and values, in every layer, into page `target`."""
+        """Copy page `source`'s KV, in every layer, into page `target`."""
         self.kv[:, target].copy_(self.kv[:, source])
 
     def pages_for(self, num_tokens: int) -> int:

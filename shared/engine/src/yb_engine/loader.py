@@ -253,6 +253,9 @@ def _read_config_and_tokenizer(path: Path) -> tuple[ArchConfig, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
     hf_config = AutoConfig.from_pretrained(path)
+    # The family is checked first: a model we cannot compute is refused before its
+    # tokenizer or any weight is read.
+    arch_from_hf_config(hf_config, model_id=path.name)
     tokenizer = AutoTokenizer.from_pretrained(path)
     extra_eos = _generation_eos(path)
     if tokenizer.eos_token_id is not None:
@@ -264,7 +267,8 @@ def _read_config_and_tokenizer(path: Path) -> tuple[ArchConfig, Any]:
 def load_model(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> LoadedModel:
-    """Load a local Hugging Face Llama-family directory (safetensors weights)."""
+    """Load a local Hugging Face directory (safetensors weights) of any registered
+    family (`families.py`); `UnsupportedModelError` for any other."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path).expanduser()

@@ -1,42 +1,34 @@
-"""Our own Llama-family forward pass over the paged KV cache.
+"""Prefill and decode of one model over one paged KV cache: the engine's entry points.
 
 transformers' modules assume a contiguous per-request cache; serving needs more: a
 prefix whose KV arrived from elsewhere, a prompt computed in chunks, each layer's KV
 shipped as soon as it is written, and one decode step over many sequences of different
-lengths. So the forward pass is written here, over `ModelWeights`, with attention
-delegated to a backend (`attention.py`). It computes the same function as transformers
-(RMSNorm, RoPE with scaling, grouped-query attention, SwiGLU, tied embeddings); the
-reference tests hold it to that within 1e-4.
+lengths. So the forward pass is our own (`decoder.py`, one layer loop for every family
+the registry reads), with attention delegated to a backend (`attention.py`). It computes
+the same function as transformers; the reference tests hold every family to that
+within 1e-4.
 
-Tokens are flattened to `[T, hidden]` through every layer: a prefill chunk is T tokens of
-one sequence, a decode step is one token of each of T sequences, and a mixed step is both
-at once (B decode tokens, then one prefill chunk: SARATHI's piggybacked prefill), so the
-chunk shares the weight reads of the decode batch. Only attention cares which is which.
+`ModelRunner` turns each public call into a `Step` of flattened rows: a prefill chunk is
+T tokens of one sequence, a decode step is one token of each of T sequences, a batched
+prefill is several chunks, and a mixed step is both at once (B decode tokens, then one
+prefill chunk: SARATHI's piggybacked prefill), so the chunk shares the weight reads of
+the decode batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
 import torch
-import torch.nn.functional as F
 
-from yb_engine.architecture import ArchConfig
-from yb_engine.attention import (
-    AttentionBackend,
-    DecodePlan,
-    PrefillPlan,
-    host_ints,
-    select_backend,
-)
+from yb_engine.attention import AttentionBackend, host_ints, select_backend
+from yb_engine.decoder import Chunk, Decoder, Keep, LayerHook, Step
 from yb_engine.kv_cache import PagedKVCache
 from yb_engine.loader import LoadedModel
-from yb_engine.rope import Rotary
-from yb_engine.weights import LayerWeights
 
-LayerHook = Callable[[int, int, int], None]
+__all__ = ["DecodeSeq", "LayerHook", "ModelRunner", "PrefillChunk", "PrefillSeq"]
 
 
 class DecodeSeq(msgspec.Struct, frozen=True):
@@ -87,16 +79,6 @@ class PrefillChunk(msgspec.Struct, frozen=True):
         return self.start + len(self.token_ids)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:
-        # One fused op, bit-identical here to the spelled-out form below.
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    # transformers' LlamaRMSNorm: normalize in float32, round, then scale.
-    xf = x.float()
-    variance = xf.pow(2).mean(-1, keepdim=True)
-    return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
-
-
 class ModelRunner:
     """Prefill and decode for one model over one `PagedKVCache`.
 
@@ -112,12 +94,8 @@ class ModelRunner:
         backend: AttentionBackend | None = None,
     ) -> None:
         arch = model.config
-        if (cache.num_layers, cache.kv.shape[4], cache.kv.shape[5]) != (
-            arch.num_layers,
-            arch.num_kv_heads,
-            arch.head_dim,
-        ):
-            raise ValueError(f"KV cache shape {tuple(cache.kv.shape)} does not fit {arch.model_id}")
+        if cache.spec != arch.kv_spec(cache.spec.dtype):
+            raise ValueError(f"KV cache {cache.spec} does not fit {arch.model_id}")
         if cache.device.type != torch.device(model.device).type:
             raise ValueError(f"KV cache on {cache.device}, model on {model.device}")
         self.model = model
@@ -136,7 +114,19 @@ class ModelRunner:
                 f"not {cache.dtype}"
             )
         self.backend: AttentionBackend = backend
-        self.rotary = Rotary(arch.rope, arch.head_dim, self.device)
+        weights = model.weights
+        self.decoder = Decoder(
+            arch,
+            weights.layers,
+            first_layer=0,
+            embed=weights.embed,
+            final_norm=weights.final_norm,
+            lm_head=weights.lm_head,
+            cache=cache,
+            backend=backend,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     @property
     def attention_backend(self) -> str:
@@ -176,19 +166,22 @@ class ModelRunner:
         block_size = self.cache.block_size
         with torch.inference_mode():
             ids = host_ints(list(token_ids), torch.int64, self.device)
+            decoder = self.decoder
             rows: list[torch.Tensor] = []
             for start in range(num_cached_tokens, n, chunk_size):
                 end = min(start + chunk_size, n)
                 plan = self.backend.plan_prefill(block_table, start, end, block_size)
-                positions = torch.arange(start, end, device=self.device)
-                hidden = self._forward_chunk(
-                    ids[start:end], positions, None, plan, end == n, layer_hook, all_logits
+                keep: Keep = "all" if all_logits else "last" if end == n else "none"
+                step = Step(
+                    positions=torch.arange(start, end, device=self.device),
+                    chunks=[Chunk(plan, 0, end - start, keep, layer_hook)],
                 )
+                hidden = decoder.forward(decoder.embed(ids[start:end]), step)
                 if all_logits:
-                    rows.append(self._logits(hidden))
+                    rows.append(decoder.logits(hidden))
             if all_logits:
                 return torch.cat(rows) if len(rows) > 1 else rows[0]
-            return self._logits(hidden[-1:])[0]
+            return decoder.logits(hidden[-1:])[0]
 
     def check_prefill(
         self, token_ids: Sequence[int], block_table: Sequence[int], num_cached_tokens: int
@@ -236,7 +229,14 @@ class ModelRunner:
                 self.device,
             )
             positions = torch.cat([torch.arange(p.start, p.end, device=self.device) for p in plans])
-            return self._logits(self._forward_prefills(ids, positions, plans, seqs))
+            chunks, lo = [], 0
+            for plan, seq in zip(plans, seqs, strict=True):
+                hi = lo + plan.end - plan.start
+                chunks.append(Chunk(plan, lo, hi, "last", seq.layer_hook))
+                lo = hi
+            step = Step(positions=positions, chunks=chunks)
+            decoder = self.decoder
+            return decoder.logits(decoder.forward(decoder.embed(ids), step))
 
     def decode(self, batch: Sequence[DecodeSeq]) -> torch.Tensor:
         """One decode step for every sequence of `batch`; float32 logits `[B, vocab]`.
@@ -255,7 +255,9 @@ class ModelRunner:
                 [s.block_table for s in batch], [s.position for s in batch], self.cache.block_size
             )
             ids = host_ints([s.token_id for s in batch], torch.int64, self.device)
-            return self._logits(self._forward_decode(ids, plan))
+            step = Step(positions=plan.positions, decode=plan, num_decode=len(batch))
+            decoder = self.decoder
+            return decoder.logits(decoder.forward(decoder.embed(ids), step))
 
     def mixed(
         self, batch: Sequence[DecodeSeq], chunk: PrefillChunk
@@ -295,129 +297,13 @@ class ModelRunner:
             ids = host_ints(
                 [*(s.token_id for s in batch), *chunk.token_ids], torch.int64, self.device
             )
-            hidden = self._forward_chunk(
-                ids, positions, decode_plan, prefill_plan, chunk.wants_logits
-            )
-            logits = self._logits(hidden)
             b = len(batch)
+            step = Step(
+                positions=positions,
+                chunks=[Chunk(prefill_plan, b, b + n, "last" if chunk.wants_logits else "none")],
+                decode=decode_plan,
+                num_decode=b,
+            )
+            decoder = self.decoder
+            logits = decoder.logits(decoder.forward(decoder.embed(ids), step))
             return logits[:b], (logits[b] if chunk.wants_logits else None)
-
-    # -- forward pass -----------------------------------------------------------------
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        normed = _rms_norm(hidden, self.weights.final_norm, self.arch.rms_eps)
-        return F.linear(normed, self.weights.lm_head).float()
-
-    def _forward_chunk(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        decode_plan: DecodePlan | None,
-        prefill_plan: PrefillPlan,
-        wants_logits: bool,
-        layer_hook: LayerHook | None = None,
-        all_rows: bool = False,
-    ) -> torch.Tensor:
-        """A prefill chunk, after the B decode tokens of `decode_plan` when there is one
-        (`ids` and `positions` list the decode rows first). Returns the hidden states of
-        the decode rows, then of the chunk's last token when `wants_logits`:
-        `[B (+ 1), hidden]`; with `all_rows`, of every row. `layer_hook` runs after each
-        layer, as in `prefill`."""
-        b = 0 if decode_plan is None else int(decode_plan.positions.shape[0])
-        x = F.embedding(ids, self.weights.embed)
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        last_layer = self.arch.num_layers - 1
-        for i, lw in enumerate(self.weights.layers):
-            q, k, v = attention_inputs(self.arch, lw, x, cos, sin)
-            kv_layer = self.cache.kv[i]
-            parts = []
-            if decode_plan is not None:
-                parts.append(self.backend.decode(kv_layer, q[:b], k[:b], v[:b], decode_plan))
-            # The last layer's output matters only at the chunk's last token, and only
-            # when its logits are wanted; every token's K/V is still written.
-            if i < last_layer or all_rows:
-                chunk_q: torch.Tensor | None = q[b:]
-            elif wants_logits:
-                chunk_q = q[-1:]
-                x = torch.cat([x[:b], x[-1:]]) if b else x[-1:]
-            else:
-                chunk_q, x = None, x[:b]
-            attn = self.backend.prefill(kv_layer, chunk_q, k[b:], v[b:], prefill_plan)
-            if attn is not None:
-                parts.append(attn)
-            if parts:  # none: a last layer with no decode row and no logits wanted
-                x = finish_layer(self.arch, lw, x, torch.cat(parts) if len(parts) > 1 else parts[0])
-            if layer_hook is not None:
-                layer_hook(i, prefill_plan.start, prefill_plan.end)
-        return x
-
-    def _forward_prefills(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        plans: Sequence[PrefillPlan],
-        seqs: Sequence[PrefillSeq],
-    ) -> torch.Tensor:
-        """Several prompts' chunks, one after the other in `ids`; the hidden states of
-        each chunk's last token, `[N, hidden]`."""
-        x = F.embedding(ids, self.weights.embed)
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        bounds = [0]
-        for plan in plans:
-            bounds.append(bounds[-1] + plan.end - plan.start)
-        lasts = torch.tensor([b - 1 for b in bounds[1:]], device=self.device)
-        last_layer = self.arch.num_layers - 1
-        for i, lw in enumerate(self.weights.layers):
-            q, k, v = attention_inputs(self.arch, lw, x, cos, sin)
-            kv_layer = self.cache.kv[i]
-            parts = []
-            for plan, lo, hi in zip(plans, bounds, bounds[1:], strict=False):
-                # The last layer's output matters only at each chunk's last token.
-                chunk_q = q[lo:hi] if i < last_layer else q[hi - 1 : hi]
-                attn = self.backend.prefill(kv_layer, chunk_q, k[lo:hi], v[lo:hi], plan)
-                assert attn is not None
-                parts.append(attn)
-            if i == last_layer:
-                x = x.index_select(0, lasts)
-            x = finish_layer(self.arch, lw, x, torch.cat(parts) if len(parts) > 1 else parts[0])
-            for plan, seq in zip(plans, seqs, strict=True):
-                if seq.layer_hook is not None:
-                    seq.layer_hook(i, plan.start, plan.end)
-        return x
-
-    def _forward_decode(self, ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
-        x = F.embedding(ids, self.weights.embed)
-        cos, sin = self.rotary.cos_sin(plan.positions, self.dtype)
-        for i, lw in enumerate(self.weights.layers):
-            q, k, v = attention_inputs(self.arch, lw, x, cos, sin)
-            attn = self.backend.decode(self.cache.kv[i], q, k, v, plan)
-            x = finish_layer(self.arch, lw, x, attn)
-        return x
-
-
-def attention_inputs(
-    arch: ArchConfig, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A layer's queries, keys and values for hidden states `x` `[T, hidden]`: normed,
-    projected, queries and keys rotated at the positions of `cos`/`sin`."""
-    t = x.shape[0]
-    h = _rms_norm(x, lw.attn_norm, arch.rms_eps)
-    qkv = F.linear(h, lw.qkv, lw.qkv_bias)
-    qk_heads = arch.num_heads + arch.num_kv_heads
-    # Queries and keys sit side by side in each row of the fused output, so one
-    # rotation covers both (half the small ops of rotating them separately).
-    qk = Rotary.apply(qkv[:, : qk_heads * arch.head_dim].view(t, qk_heads, arch.head_dim), cos, sin)
-    q, k = qk.split([arch.num_heads, arch.num_kv_heads], dim=1)
-    v = qkv[:, qk_heads * arch.head_dim :].view(t, arch.num_kv_heads, arch.head_dim)
-    return q, k, v
-
-
-def finish_layer(
-    arch: ArchConfig, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor
-) -> torch.Tensor:
-    """The rest of a layer after attention: output projection and residual, then the
-    MLP and its residual."""
-    x = x + F.linear(attn.reshape(x.shape[0], arch.q_size), lw.o, lw.o_bias)
-    h = _rms_norm(x, lw.mlp_norm, arch.rms_eps)
-    gate, up = F.linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate).mul_(up), lw.down, lw.down_bias)

@@ -29,13 +29,11 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 import torch
-import torch.nn.functional as F
 
 from yb_engine.attention import AttentionBackend, host_ints, select_backend
+from yb_engine.decoder import Chunk, Decoder, Keep, LayerHook, Step
 from yb_engine.kv_cache import PagedKVCache
 from yb_engine.loader import LoadedStage
-from yb_engine.rope import Rotary
-from yb_engine.runner import LayerHook, _rms_norm, attention_inputs, finish_layer
 
 
 class HiddenHeader(msgspec.Struct, frozen=True, array_like=True):
@@ -133,7 +131,12 @@ def stage_cache(
 ) -> PagedKVCache:
     """A page pool for the stage's layers only (its layer j is the model's layer
     `stage.layer_range.start + j`); dtype and device default to the stage's."""
-    stage_arch = msgspec.structs.replace(stage.config, num_layers=len(stage.layer_range))
+    start, end = stage.layer_range.start, stage.layer_range.end
+    stage_arch = msgspec.structs.replace(
+        stage.config,
+        num_layers=end - start,
+        layer_windows=stage.config.layer_windows[start:end],
+    )
     return PagedKVCache(
         stage_arch,
         num_pages,
@@ -174,13 +177,9 @@ class StageRunner:
         arch = stage.config
         layer_range = stage.layer_range
         layer_range.check(arch)
-        if (cache.num_layers, cache.kv.shape[4], cache.kv.shape[5]) != (
-            len(layer_range),
-            arch.num_kv_heads,
-            arch.head_dim,
-        ):
+        if cache.spec != arch.kv_spec(cache.spec.dtype, layer_range.start, layer_range.end):
             raise ValueError(
-                f"KV cache shape {tuple(cache.kv.shape)} does not fit layers "
+                f"KV cache {cache.spec} does not fit layers "
                 f"[{layer_range.start}, {layer_range.end}) of {arch.model_id}"
             )
         self.device = torch.device(stage.device)
@@ -199,7 +198,18 @@ class StageRunner:
                 self.device, cache.block_size, self.dtype, arch, cache_dtype=cache.dtype
             )
         self.backend = backend
-        self.rotary = Rotary(arch.rope, arch.head_dim, self.device)
+        self.decoder = Decoder(
+            arch,
+            self.weights.layers,
+            first_layer=layer_range.start,
+            embed=self.weights.embed,
+            final_norm=self.weights.final_norm,
+            lm_head=self.weights.lm_head,
+            cache=cache,
+            backend=backend,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     def forward(
         self,
@@ -239,37 +249,24 @@ class StageRunner:
         final_chunk = end == prompt_len
         with torch.inference_mode():
             plan = self.backend.plan_prefill(block_table, start, end, self.cache.block_size)
-            positions = torch.arange(start, end, device=self.device)
+            # As in ModelRunner: the model's last layer matters only at the prompt's
+            # last token (its logits); every token's K/V is written.
+            keep: Keep = "all" if not self.is_last else "last" if final_chunk else "none"
+            step = Step(
+                positions=torch.arange(start, end, device=self.device),
+                chunks=[Chunk(plan, 0, t, keep, layer_hook)],
+            )
+            decoder = self.decoder
             if self.weights.embed is not None:
-                x = F.embedding(inputs.to(self.device), self.weights.embed)
+                x = decoder.embed(inputs.to(self.device))
             else:
                 x = inputs.to(device=self.device, dtype=self.dtype)
-            cos, sin = self.rotary.cos_sin(positions, self.dtype)
-            last_j = len(self.weights.layers) - 1
-            for j, lw in enumerate(self.weights.layers):
-                q, k, v = attention_inputs(arch, lw, x, cos, sin)
-                kv_layer = self.cache.kv[j]
-                if not (self.is_last and j == last_j):
-                    attn = self.backend.prefill(kv_layer, q, k, v, plan)
-                    assert attn is not None
-                    x = finish_layer(arch, lw, x, attn)
-                elif final_chunk:
-                    # As in ModelRunner: the model's last layer matters only at the
-                    # prompt's last token (its logits); every token's K/V is written.
-                    attn = self.backend.prefill(kv_layer, q[-1:], k, v, plan)
-                    assert attn is not None
-                    x = finish_layer(arch, lw, x[-1:], attn)
-                else:
-                    self.backend.prefill(kv_layer, None, k, v, plan)
-                if layer_hook is not None:
-                    layer_hook(self.layer_range.start + j, start, end)
+            x = decoder.forward(x, step)
             if not self.is_last:
                 return x
             if not final_chunk:
                 return None
-            assert self.weights.final_norm is not None and self.weights.lm_head is not None
-            normed = _rms_norm(x[-1:], self.weights.final_norm, arch.rms_eps)
-            return F.linear(normed, self.weights.lm_head).float()[0]
+            return decoder.logits(x[-1:])[0]
 
 
 def check_group(stages: Sequence[StageRunner]) -> None:

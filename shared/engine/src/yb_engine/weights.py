@@ -1,8 +1,11 @@
-"""The runner's own parameter container, fused for fewer, larger matmuls.
+"""The runner's own parameter containers, fused for fewer, larger matmuls.
 
 q/k/v are concatenated into one projection and gate/up into another: on a CPU each
 `F.linear` call has a fixed cost and a wider GEMM uses the cores better, and on a GPU it
-is one kernel launch instead of three. `to_hf_state_dict` undoes the fusion, so a
+is one kernel launch instead of three. A mixture of experts stacks its experts into two
+3-d tensors, so a step runs one matmul per expert it routed tokens to. A layer holds an
+attention (grouped-query or latent) and an MLP (dense or experts), and the norms where
+its family puts them. `to_hf_state_dict` undoes the fusion of a Llama-layout model, so a
 reference transformers model can be built from exactly these numbers.
 """
 
@@ -21,34 +24,102 @@ LM_HEAD = "lm_head.weight"
 
 
 @dataclass(frozen=True, slots=True)
-class LayerWeights:
-    """One decoder layer: attention (fused qkv) and SwiGLU MLP (fused gate/up)."""
+class AttentionWeights:
+    """Grouped-query attention: fused q/k/v and the output projection, with the
+    per-head (or full-width) q/k norms of families that have them."""
 
-    attn_norm: torch.Tensor
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
-    mlp_norm: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LatentAttentionWeights:
+    """Multi-head latent attention (DeepSeek): the query path (`q` directly, or the
+    low-rank `q_a` -> norm -> `q_b`), the latent down-projection fused with the shared
+    rotary key (`kv_a`), its norm, the up-projection to per-head keys and values
+    (`kv_b`), and the output projection."""
+
+    q: torch.Tensor | None
+    q_a: torch.Tensor | None
+    q_a_norm: torch.Tensor | None
+    q_b: torch.Tensor | None
+    kv_a: torch.Tensor
+    kv_a_norm: torch.Tensor
+    kv_b: torch.Tensor
+    o: torch.Tensor
+    o_bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MLPWeights:
+    """A gated MLP: fused gate/up projection, then down."""
+
     gate_up: torch.Tensor
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
 
-    def tensors(self) -> tuple[torch.Tensor | None, ...]:
-        """Every parameter of the layer (None for an absent bias)."""
-        return (
-            self.attn_norm,
-            self.qkv,
-            self.qkv_bias,
-            self.o,
-            self.o_bias,
-            self.mlp_norm,
-            self.gate_up,
-            self.gate_up_bias,
-            self.down,
-            self.down_bias,
-        )
+
+@dataclass(frozen=True, slots=True)
+class MoEWeights:
+    """A mixture of experts: the router `[experts, hidden]` (and DeepSeek's selection
+    bias `[experts]`), every expert's fused gate/up `[experts, 2 * inter, hidden]` and
+    down `[experts, hidden, inter]` stacked, and an always-on shared expert."""
+
+    router: torch.Tensor
+    selection_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    shared: MLPWeights | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """One decoder layer: its attention and MLP, and the norms where its family puts
+    them (None where it has none): before attention (`attn_norm`), after it
+    (`post_attn_norm`), before the MLP (`mlp_norm`), after it (`post_mlp_norm`)."""
+
+    attn: AttentionWeights | LatentAttentionWeights
+    mlp: MLPWeights | MoEWeights
+    attn_norm: torch.Tensor | None
+    mlp_norm: torch.Tensor | None
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every parameter of the layer."""
+        found: list[torch.Tensor] = []
+
+        def walk(obj: object) -> None:
+            for name in getattr(obj, "__slots__", ()):
+                value = getattr(obj, name)
+                if isinstance(value, torch.Tensor):
+                    found.append(value)
+                elif value is not None and hasattr(value, "__slots__"):
+                    walk(value)
+
+        walk(self)
+        return found
+
+
+#: Where each norm of a layer lies, relative to `model.layers.N.`, per norm layout.
+_NORM_NAMES: dict[str, dict[str, str]] = {
+    "pre": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
+    "sandwich": {
+        "attn_norm": "input_layernorm",
+        "post_attn_norm": "post_attention_layernorm",
+        "mlp_norm": "pre_feedforward_layernorm",
+        "post_mlp_norm": "post_feedforward_layernorm",
+    },
+    "post": {
+        "post_attn_norm": "post_attention_layernorm",
+        "post_mlp_norm": "post_feedforward_layernorm",
+    },
+}
 
 
 class _TensorReader:
@@ -82,40 +153,103 @@ class _TensorReader:
         part: torch.Tensor = copy_of(name)
         return part
 
-    def place(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=self.device, dtype=self.dtype).contiguous()
+    def place(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return t.to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
     def put(self, name: str) -> torch.Tensor:
         return self.place(self.get(name))
 
+    def maybe(self, name: str) -> torch.Tensor | None:
+        return self.put(name) if name in self.state else None
+
+    def fused(self, names: list[str]) -> torch.Tensor:
+        return self.place(torch.cat([self.part(n) for n in names]))
+
     def layer(self, arch: ArchConfig, i: int) -> LayerWeights:
-        get, put = self.part, self.place
         p = f"model.layers.{i}."
-        a = p + "self_attn."
-        m = p + "mlp."
-        qkv = torch.cat(
-            [get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]
+        norms = {
+            field: self.put(p + name + ".weight")
+            for field, name in _NORM_NAMES[arch.norm_layout].items()
+        }
+        attn = self.latent_attention(arch, p) if arch.mla else self.attention(arch, p)
+        mlp = self.experts(arch, p) if arch.is_sparse(i) else self.mlp(p + "mlp.", arch.mlp_bias)
+        return LayerWeights(
+            attn=attn,
+            mlp=mlp,
+            attn_norm=norms.get("attn_norm"),
+            mlp_norm=norms.get("mlp_norm"),
+            post_attn_norm=norms.get("post_attn_norm"),
+            post_mlp_norm=norms.get("post_mlp_norm"),
         )
+
+    def attention(self, arch: ArchConfig, p: str) -> AttentionWeights:
+        a = p + "self_attn."
         qkv_bias = None
         if arch.qkv_bias:
-            qkv_bias = put(
-                torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
-            )
-        gate_up = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
-        gate_up_bias = None
-        if arch.mlp_bias:
-            gate_up_bias = put(torch.cat([get(m + "gate_proj.bias"), get(m + "up_proj.bias")]))
-        return LayerWeights(
-            attn_norm=self.put(p + "input_layernorm.weight"),
-            qkv=put(qkv),
+            qkv_bias = self.fused([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
+        return AttentionWeights(
+            qkv=self.fused([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
             qkv_bias=qkv_bias,
             o=self.put(a + "o_proj.weight"),
             o_bias=self.put(a + "o_proj.bias") if arch.o_bias else None,
-            mlp_norm=self.put(p + "post_attention_layernorm.weight"),
-            gate_up=put(gate_up),
-            gate_up_bias=gate_up_bias,
-            down=self.put(m + "down_proj.weight"),
-            down_bias=self.put(m + "down_proj.bias") if arch.mlp_bias else None,
+            q_norm=self.put(a + "q_norm.weight") if arch.qk_norm else None,
+            k_norm=self.put(a + "k_norm.weight") if arch.qk_norm else None,
+        )
+
+    def latent_attention(self, arch: ArchConfig, p: str) -> LatentAttentionWeights:
+        a = p + "self_attn."
+        assert arch.mla is not None
+        low_rank = arch.mla.q_lora_rank is not None
+        return LatentAttentionWeights(
+            q=None if low_rank else self.put(a + "q_proj.weight"),
+            q_a=self.put(a + "q_a_proj.weight") if low_rank else None,
+            q_a_norm=self.put(a + "q_a_layernorm.weight") if low_rank else None,
+            q_b=self.put(a + "q_b_proj.weight") if low_rank else None,
+            kv_a=self.put(a + "kv_a_proj_with_mqa.weight"),
+            kv_a_norm=self.put(a + "kv_a_layernorm.weight"),
+            kv_b=self.put(a + "kv_b_proj.weight"),
+            o=self.put(a + "o_proj.weight"),
+            o_bias=self.maybe(a + "o_proj.bias"),
+        )
+
+    def mlp(self, m: str, bias: bool, names: tuple[str, str, str] | None = None) -> MLPWeights:
+        gate, up, down = names or (m + "gate_proj", m + "up_proj", m + "down_proj")
+        return MLPWeights(
+            gate_up=self.fused([gate + ".weight", up + ".weight"]),
+            gate_up_bias=self.fused([gate + ".bias", up + ".bias"]) if bias else None,
+            down=self.put(down + ".weight"),
+            down_bias=self.put(down + ".bias") if bias else None,
+        )
+
+    def experts(self, arch: ArchConfig, p: str) -> MoEWeights:
+        from yb_engine.families import family_named
+
+        moe, names = arch.moe, family_named(arch.family).experts
+        assert moe is not None and names is not None
+        experts = range(moe.num_experts)
+        gate_up = torch.stack(
+            [
+                torch.cat(
+                    [self.part(p + names.gate.format(e=e)), self.part(p + names.up.format(e=e))]
+                )
+                for e in experts
+            ]
+        )
+        down = torch.stack([self.part(p + names.down.format(e=e)) for e in experts])
+        router_dtype = torch.float32 if moe.router_fp32 else self.dtype
+        shared = None
+        if moe.shared_intermediate:
+            shared = self.mlp(p + names.shared, False)
+        return MoEWeights(
+            router=self.place(self.get(p + names.router), router_dtype),
+            selection_bias=(
+                self.place(self.get(p + names.selection_bias), torch.float32)
+                if moe.selection_bias
+                else None
+            ),
+            gate_up=self.place(gate_up),
+            down=self.place(down),
+            shared=shared,
         )
 
     def lm_head(self, arch: ArchConfig, embed: torch.Tensor | None) -> torch.Tensor:
@@ -149,7 +283,8 @@ class ModelWeights:
         dtype: torch.dtype,
         device: str | torch.device,
     ) -> ModelWeights:
-        """Fuse a Hugging Face Llama/Qwen2 state dict (names `model.layers.N...`)."""
+        """Fuse a Hugging Face state dict (names `model.layers.N...`) of any registered
+        family."""
 
         read = _TensorReader(state, dtype=dtype, device=device)
         embed = read.put(EMBED)
@@ -161,7 +296,11 @@ class ModelWeights:
         )
 
     def to_hf_state_dict(self, arch: ArchConfig) -> dict[str, torch.Tensor]:
-        """Split the fused tensors back into Hugging Face names (views, no copies)."""
+        """Split the fused tensors back into Hugging Face names (views, no copies), for a
+        Llama-layout model (pre norms, grouped-query attention, dense gated MLPs: what
+        `tiny_random_model` builds)."""
+        if arch.mla is not None or arch.moe is not None or arch.norm_layout != "pre":
+            raise ValueError(f"to_hf_state_dict covers Llama-layout models, not {arch.family}")
         q, kv = arch.q_size, arch.kv_size
         out: dict[str, torch.Tensor] = {
             EMBED: self.embed,
@@ -172,29 +311,31 @@ class ModelWeights:
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
+            attn, mlp = layer.attn, layer.mlp
+            assert isinstance(attn, AttentionWeights) and isinstance(mlp, MLPWeights)
+            assert layer.attn_norm is not None and layer.mlp_norm is not None
             out[p + "input_layernorm.weight"] = layer.attn_norm
             out[p + "post_attention_layernorm.weight"] = layer.mlp_norm
-            wq, wk, wv = layer.qkv.split([q, kv, kv])
-            out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = (
-                wq,
-                wk,
-                wv,
-            )
-            if layer.qkv_bias is not None:
-                bq, bk, bv = layer.qkv_bias.split([q, kv, kv])
-                out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = bq, bk, bv
-            out[a + "o_proj.weight"] = layer.o
-            if layer.o_bias is not None:
-                out[a + "o_proj.bias"] = layer.o_bias
+            for name, t in zip(
+                ("q_proj", "k_proj", "v_proj"), attn.qkv.split([q, kv, kv]), strict=True
+            ):
+                out[a + name + ".weight"] = t
+            if attn.qkv_bias is not None:
+                biases = attn.qkv_bias.split([q, kv, kv])
+                for name, t in zip(("q_proj", "k_proj", "v_proj"), biases, strict=True):
+                    out[a + name + ".bias"] = t
+            out[a + "o_proj.weight"] = attn.o
+            if attn.o_bias is not None:
+                out[a + "o_proj.bias"] = attn.o_bias
             m = p + "mlp."
-            gate, up = layer.gate_up.chunk(2)
+            gate, up = mlp.gate_up.chunk(2)
             out[m + "gate_proj.weight"], out[m + "up_proj.weight"] = gate, up
-            if layer.gate_up_bias is not None:
-                gb, ub = layer.gate_up_bias.chunk(2)
+            if mlp.gate_up_bias is not None:
+                gb, ub = mlp.gate_up_bias.chunk(2)
                 out[m + "gate_proj.bias"], out[m + "up_proj.bias"] = gb, ub
-            out[m + "down_proj.weight"] = layer.down
-            if layer.down_bias is not None:
-                out[m + "down_proj.bias"] = layer.down_bias
+            out[m + "down_proj.weight"] = mlp.down
+            if mlp.down_bias is not None:
+                out[m + "down_proj.bias"] = mlp.down_bias
         return out
 
     def num_parameters(self) -> int:
