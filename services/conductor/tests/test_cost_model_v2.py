@@ -113,3 +113,25 @@ def test_a_newer_version_is_refused(tmp_path: Path) -> None:
     path.write_bytes(msgspec.json.encode(doc))
     with pytest.raises(CostModelError, match="version 3"):
         load_cost_model(path)
+
+
+def test_transfers_are_priced_at_the_kv_size_the_engines_announce() -> None:
+    from yb_conductor.conductor import Conductor
+    from yb_conductor.cost_model import DEFAULT
+    from yb_core import events as ev
+    from yb_core.config import ConductorConfig
+    from yb_core.kv_spec import KVCacheSpec
+
+    before = DEFAULT.kv_bytes_per_token
+    conductor = Conductor()
+    latent = KVCacheSpec(parts=("latent",), heads=1, dim=576, dtype="bfloat16", num_layers=61)
+    up = ev.InstanceUp(
+        instance_id="prefill-0", role="prefill", host="h", kv_spec=latent, num_layers=61
+    )
+    conductor.apply(1, up)
+    cost = conductor.policy.cost  # type: ignore[attr-defined]
+    assert cost.kv_bytes_per_token == 61 * 576 * 2
+    # A reconfiguration keeps what the engines said; the shared built-in is untouched.
+    conductor.configure(ConductorConfig())
+    assert conductor.policy.cost.kv_bytes_per_token == 61 * 576 * 2  # type: ignore[attr-defined]
+    assert before == DEFAULT.kv_bytes_per_token

@@ -20,13 +20,15 @@ from yb_core.config import (
     PrefillEngineConfig,
     load_config,
 )
+from yb_core.kv_spec import KVCacheSpec
 from yb_engine import kv_sizing as ks
 from yb_engine.host import EngineGauges, EngineHost
 from yb_engine.models import DeviceUnavailable, resolve_device
 
 GiB = 2**30
 # SmolLM2-135M: 30 layers, 3 KV heads of 64; a 64-token fp32 page of every layer.
-SMOLLM2_PAGE = ks.page_nbytes(30, 3, 64, 64, 4)
+SMOLLM2_KV = KVCacheSpec(parts=("k", "v"), heads=3, dim=64, dtype="float32", num_layers=30)
+SMOLLM2_PAGE = SMOLLM2_KV.block_nbytes(64)
 MEMINFO = """MemTotal:       16384000 kB
 MemFree:         2000000 kB
 MemAvailable:   10485760 kB
@@ -37,7 +39,8 @@ Buffers:          100000 kB
 def test_page_bytes_of_the_default_model() -> None:
     # keys and values of 64 tokens x 3 heads x 64 dims x 4 bytes, in 30 layers
     assert SMOLLM2_PAGE == 30 * 2 * 64 * 3 * 64 * 4 == 2_949_120
-    assert ks.page_nbytes(30, 3, 64, 256, 2) == 2 * SMOLLM2_PAGE  # bf16, 256 tokens
+    bf16 = KVCacheSpec(parts=("k", "v"), heads=3, dim=64, dtype="bfloat16", num_layers=30)
+    assert bf16.block_nbytes(256) == 2 * SMOLLM2_PAGE  # bf16, 256 tokens
     assert (ks.pages_for(8192, 64), ks.pages_for(8193, 64), ks.pages_for(1, 256)) == (
         128,
         129,
@@ -260,7 +263,7 @@ def test_engine_sizes_its_cache_from_the_budget_and_logs_why(
     logs = info_logs
     try:
         # the tiny model: 2 layers x 2 KV heads x 16 dims x 64 tokens x K,V x fp32
-        page = ks.page_nbytes(2, 2, 16, 64, 4)
+        page = host.cache.spec.block_nbytes(64)
         assert page == 32768 == host.cache.page_nbytes * host.cache.num_layers
         assert host.cache.num_pages == host.allocator.num_pages == 200
         assert host.kv.source == "kv_memory_bytes"

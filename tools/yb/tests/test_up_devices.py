@@ -11,6 +11,7 @@ import pytest
 from yb_core import config as config_module
 from yb_core import events as ev
 from yb_core.config import load_config
+from yb_core.kv_spec import KVCacheSpec
 from yb_engine import kv_sizing
 from yb_tools.cli import _overrides, add_device_arguments
 from yb_tools.cli.launcher import Cluster, Topology
@@ -73,7 +74,9 @@ class Announced:
 def test_yb_up_says_what_each_engine_took(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_sizing, "read_host_memory_available", lambda: 12 * GiB)
     c, _ = cluster({"YB_MODEL__DEVICE": "cpu"}, Topology(prefill=2, decode=1))
-    page = kv_sizing.page_nbytes(30, 3, 64, 64, 4)
+    page = KVCacheSpec(
+        parts=("k", "v"), heads=3, dim=64, dtype="float32", num_layers=30
+    ).block_nbytes(64)
 
     def up(name: str, role: ev.Role, pages: int) -> ev.InstanceUp:
         return ev.InstanceUp(

@@ -59,6 +59,13 @@ class Divergence:
     recomputed: Output | None
 
 
+def _own(cfg: ConductorConfig, cost: CostModel | None) -> CostModel:
+    """A copy of the cost model for one conductor: the engines' announcements adjust
+    its KV size (`Conductor._price_kv`), which must not change a model other
+    conductors in the process share (the built-in ones are module constants)."""
+    return msgspec.structs.replace(cost or load_cost_model(cfg.cost_model))
+
+
 class Conductor:
     """Folds events and makes decisions; owns no I/O.
 
@@ -89,7 +96,8 @@ class Conductor:
         self._cost_override = (
             load_cost_model(cfg.cost_model) if "cost_model" in self.overrides else None
         )
-        self.policy = policy if policy is not None else placement_policy(cfg, cost)
+        self.policy = policy if policy is not None else placement_policy(cfg, _own(cfg, cost))
+        self._announced_kv_bytes = 0
         self.cfg = cfg
         self.follow_recorded = follow_recorded
         self.adopt_logged_config = adopt_logged_config
@@ -160,14 +168,29 @@ class Conductor:
                         self.outcomes.extend(self.state.outcomes)
                     self.state.outcomes.clear()
                 return []
+            case ev.InstanceUp(kv_spec=spec) if spec is not None:
+                self.state.apply(event)
+                self._price_kv(spec.bytes_per_token_layer * (event.num_layers or spec.num_layers))
+                return []
             case _:
                 self.state.apply(event)
                 return []
 
+    def _price_kv(self, bytes_per_token: int) -> None:
+        """Price KV transfers at what the engines announce one token's KV to be (a
+        model with latent attention keeps a fraction of what per-head K/V would): the
+        cost model's figure is the profile's, which may be of another model."""
+        self._announced_kv_bytes = bytes_per_token
+        cost = getattr(self.policy, "cost", None)
+        if cost is not None:
+            cost.kv_bytes_per_token = bytes_per_token
+
     def configure(self, cfg: ConductorConfig, cost: CostModel | None = None) -> None:
         """Decide with these settings from now on (the state and its history stay)."""
         self.cfg = cfg
-        self.policy = placement_policy(cfg, cost)
+        self.policy = placement_policy(cfg, _own(cfg, cost))
+        if self._announced_kv_bytes:  # what the engines said outlives a reconfiguration
+            self._price_kv(self._announced_kv_bytes)
         state = self.state
         state.heartbeat_timeout_s = cfg.heartbeat_timeout_s
         state.request_timeout_s = cfg.request_timeout_s

@@ -253,6 +253,7 @@ class DecodeWorker(Worker):
         return Capacity(
             kv_capacity_blocks=self.engine.cache.num_pages,
             kv_block_bytes=self.engine.kv.page_nbytes,
+            kv_spec=self.engine.cache.spec,
             max_batch_size=self.cfg.decode.max_batch_size,
             attention_backend=self.engine.attention_backend,
             piggyback=self.piggyback,

@@ -214,6 +214,7 @@ class StageWorker(JobOwner, Worker):
         return Capacity(
             kv_capacity_blocks=self.host.cache.num_pages,
             kv_block_bytes=self.host.kv.page_nbytes,
+            kv_spec=self.host.cache.spec,
             max_batch_size=1,
             attention_backend=self.host.runner.backend.name,
             group=self.pcfg.group,

@@ -229,6 +229,7 @@ class PrefillWorker(JobOwner, Worker):
         return Capacity(
             kv_capacity_blocks=self.engine.cache.num_pages,
             kv_block_bytes=self.engine.kv.page_nbytes,
+            kv_spec=self.engine.cache.spec,
             max_batch_size=1,
             attention_backend=self.engine.attention_backend,
             epoch=self.block_log.epoch,

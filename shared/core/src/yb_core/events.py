@@ -17,6 +17,8 @@ from typing import Any, Final, Generic, Literal, TypeVar
 
 import msgspec
 
+from yb_core.kv_spec import KVCacheSpec
+
 SCHEMA_VERSION: Final = 3
 
 Role = Literal["prefill", "decode", "kvstore", "conductor", "gateway"]
@@ -390,7 +392,9 @@ class InstanceUp(Event, tag="instance_up"):
     cached prefix from the pool itself.
 
     An engine's KV cache holds `kv_capacity_blocks` blocks of `kv_block_bytes` bytes
-    each (one block's keys and values across the layers it holds).
+    each (one block's KV across the layers it holds); `kv_spec` says what one token's
+    KV is (parts, heads, numbers, dtype, layers: `yb_core.kv_spec`), which the
+    conductor prices transfers with.
     """
 
     instance_id: str
@@ -411,6 +415,7 @@ class InstanceUp(Event, tag="instance_up"):
     chunk_tokens: int = 0
     piggyback: bool = False
     kv_block_bytes: int = 0
+    kv_spec: KVCacheSpec | None = None
 
 
 class InstanceDown(Event, tag="instance_down"):

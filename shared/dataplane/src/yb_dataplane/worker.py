@@ -50,6 +50,7 @@ from yb_core import events as ev
 from yb_core.bus import Bus
 from yb_core.config import YbConfig
 from yb_core.instance import CancellationFollower, Presence
+from yb_core.kv_spec import KVCacheSpec
 from yb_core.service import Service, Supervisor
 from yb_core.telemetry import get_logger
 from yb_dataplane.peers import PeerDirectory, PreConnector
@@ -78,6 +79,8 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     kv_capacity_blocks: int
     # An engine: bytes of one block's KV across the layers it holds.
     kv_block_bytes: int = 0
+    # An engine: what one token's KV is (`InstanceUp.kv_spec`).
+    kv_spec: KVCacheSpec | None = None
     max_batch_size: int = 0
     attention_backend: str = ""
     epoch: int = 0
@@ -279,6 +282,7 @@ class WorkerShell(Service, Generic[W]):
             block_size=self.cfg.model.block_size,
             kv_capacity_blocks=capacity.kv_capacity_blocks,
             kv_block_bytes=capacity.kv_block_bytes,
+            kv_spec=capacity.kv_spec,
             max_batch_size=capacity.max_batch_size,
             attention_backend=capacity.attention_backend,
             epoch=capacity.epoch,

@@ -280,7 +280,9 @@ def size_kv_cache(
     element_size = torch.empty(0, dtype=model.dtype).element_size()
     block_size = cfg.model.block_size
     layers = arch.num_layers if num_layers is None else num_layers
-    page = ks.page_nbytes(layers, arch.num_kv_heads, arch.head_dim, block_size, element_size)
+    # What a page holds is the model's (its KV cache spec), of every layer it keeps.
+    spec = arch.kv_spec(str(model.dtype).removeprefix("torch."), 0, layers)
+    page = spec.block_nbytes(block_size)
     # Only a prefill engine keeps a prefix cache.
     prefix_cache_pages = getattr(engine, "prefix_cache_pages", 0)
     if engine.num_kv_pages:

@@ -71,13 +71,6 @@ class KVSizing:
         }
 
 
-def page_nbytes(
-    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, element_size: int
-) -> int:
-    """Bytes of one page in every layer: keys and values of `block_size` tokens."""
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * element_size
-
-
 def pages_for(tokens: int, block_size: int) -> int:
     """Pages that hold `tokens` tokens."""
     return -(-tokens // block_size)

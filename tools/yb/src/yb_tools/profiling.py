@@ -196,8 +196,7 @@ def profile_engine(
     alloc = PageAllocator(num_pages)
     runner = ModelRunner(model, cache)
     progress(f"attention: {runner.attention_backend}")
-    elem = torch.empty(0, dtype=model.dtype).element_size()
-    kv_bytes_per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * elem
+    kv_bytes_per_token = cache.spec.bytes_per_token  # the model's, latent attention included
     rng = random.Random(0)
     vocab = arch.vocab
 
