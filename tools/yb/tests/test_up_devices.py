@@ -183,3 +183,20 @@ def test_yb_up_refuses_cuda_on_a_machine_without_a_gpu(
     assert code == 2
     assert "model.device is 'cuda' but this machine shows no NVIDIA GPU" in capsys.readouterr().err
     assert not (tmp_path / "cluster.json").exists()
+
+
+@pytest.mark.parametrize("family", ["falcon_h1 (hybrid recurrent)", "t5 (encoder)"])
+def test_yb_up_refuses_a_family_it_cannot_compute_before_starting_anything(
+    family: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from yb_testkit.checkpoints import refused_config_dir
+    from yb_tools.cli import main
+
+    model = refused_config_dir(family, tmp_path / "model")
+    code = main(["up", "--model", str(model), "--data-dir", str(tmp_path / "data")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "unsupported model" in err and family.split()[0] in err
+    assert family.split("(")[1].rstrip(")").split()[-1] in err  # what is missing
+    assert not (tmp_path / "data" / "nats").exists()
+    assert not (tmp_path / "data" / "cluster.json").exists()

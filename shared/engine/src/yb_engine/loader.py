@@ -34,7 +34,12 @@ from yb_core.model_files import (
     IDENTITY_FILE,
     converted_default_dir,
 )
-from yb_engine.architecture import ArchConfig, LayerRange, arch_from_hf_config
+from yb_engine.architecture import (
+    ArchConfig,
+    LayerRange,
+    UnsupportedModelError,
+    arch_from_hf_config,
+)
 from yb_engine.weights import ModelWeights, StageWeights
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -243,6 +248,20 @@ def _generation_eos(path: Path) -> list[int]:
     return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
+def check_supported(path: str | Path) -> ArchConfig:
+    """The architecture of the model in directory `path`, read from its config alone;
+    `UnsupportedModelError` when no registered family computes it (or the config names
+    a model type transformers does not know). Reads no weight and no tokenizer."""
+    from transformers import AutoConfig
+
+    path = Path(path).expanduser()
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as exc:  # an unknown model_type
+        raise UnsupportedModelError(f"{path}: transformers cannot read its config: {exc}") from exc
+    return arch_from_hf_config(hf_config, model_id=path.name)
+
+
 def _read_config_and_tokenizer(path: Path) -> tuple[ArchConfig, Any]:
     """The architecture and tokenizer of a local Hugging Face directory.
 
@@ -252,10 +271,10 @@ def _read_config_and_tokenizer(path: Path) -> tuple[ArchConfig, Any]:
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    hf_config = AutoConfig.from_pretrained(path)
     # The family is checked first: a model we cannot compute is refused before its
     # tokenizer or any weight is read.
-    arch_from_hf_config(hf_config, model_id=path.name)
+    check_supported(path)
+    hf_config = AutoConfig.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     extra_eos = _generation_eos(path)
     if tokenizer.eos_token_id is not None:

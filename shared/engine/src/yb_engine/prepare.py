@@ -5,8 +5,9 @@ The entry point for an image that has the engine but not the `yb` tool (the comp
 `prepare_model`. Configuration comes from `--config`, `$YB_CONFIG` and `YB_*` variables,
 as for every service; the model goes to `YbConfig.model_cache_dir()`.
 
-Exit status: 0 once the model is ready, 2 on a configuration error, 1 when the model
-cannot be prepared (the message says why).
+Exit status: 0 once the model is ready, 2 on a configuration error or a model no
+registered family computes (the message names the family and what is missing), 1 when
+the model cannot be prepared (the message says why).
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from yb_core.config import ConfigError, YbConfig, load_config
 from yb_core.model_files import TINY_RANDOM
 from yb_engine.models import resolve_model_dir
+
+if TYPE_CHECKING:
+    from yb_engine.architecture import ArchConfig
 
 
 def prepare_model(cfg: YbConfig, say: Callable[[str], None]) -> Path | None:
@@ -32,8 +37,18 @@ def prepare_model(cfg: YbConfig, say: Callable[[str], None]) -> Path | None:
         return None
     started = time.monotonic()
     path = resolve_model_dir(cfg.model, cfg.model_cache_dir(), say)
+    if path is not None:
+        from yb_engine.loader import check_supported
+
+        arch = check_supported(path)
+        say(f"family {arch.family} ({arch.model_type}), KV per token: {_kv_words(arch)}")
     say(f"model {cfg.model.name} ready at {path} ({time.monotonic() - started:.1f}s)")
     return path
+
+
+def _kv_words(arch: ArchConfig) -> str:
+    parts, heads, dim = arch.kv_parts
+    return f"{' and '.join(parts)} of {heads} x {dim} numbers in each of {arch.num_layers} layers"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,8 +64,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"prepare: {exc}", file=sys.stderr)
         return 2
+    from yb_engine.architecture import UnsupportedModelError
+
     try:
         prepare_model(cfg, lambda line: print(f"[prepare] {line}", flush=True))
+    except UnsupportedModelError as exc:
+        print(f"prepare: unsupported model: {exc}", file=sys.stderr)
+        return 2
     except FileNotFoundError as exc:
         print(f"prepare: {exc}", file=sys.stderr)
         return 1

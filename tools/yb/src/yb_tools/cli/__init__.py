@@ -238,7 +238,7 @@ def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
             if stopping:
                 return 130
             print(f"yb up: {exc}", file=sys.stderr)
-            return 1
+            return 2 if exc.unsupported else 1
         if stopping:
             return 130
         cluster.start_nats()

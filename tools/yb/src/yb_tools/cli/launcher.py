@@ -90,7 +90,12 @@ ENGINE_ROLES = ("prefill", "decode")
 
 
 class ModelNotPrepared(RuntimeError):
-    """The model could not be prepared (converted and cached) for the engines."""
+    """The model could not be prepared (converted and cached) for the engines;
+    `unsupported`: it is a model no registered family computes."""
+
+    def __init__(self, message: str, *, unsupported: bool = False) -> None:
+        super().__init__(message)
+        self.unsupported = unsupported
 
 
 @dataclass(frozen=True)
@@ -274,6 +279,8 @@ class Cluster:
             last = [*last[-2:], line]
             self.say(f"  {line.removeprefix('[prepare] ')}")
         if code := prepare.wait():
+            if code == 2:  # the model is not one the engines compute
+                raise ModelNotPrepared(last[-1].removeprefix("prepare: "), unsupported=True)
             raise ModelNotPrepared(
                 f"preparing the model failed ({describe_exit(code)}): " + " / ".join(last)
             )
