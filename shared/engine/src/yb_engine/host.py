@@ -159,7 +159,15 @@ def _load(
     )
     device = torch.device(model.device)
     kv = size_kv_cache(cfg, engine, model, device)
-    log.info("kv_cache_sized", device=str(device), **kv.log_fields())
+    spec = model.config.kv_spec(str(model.dtype).removeprefix("torch."))
+    log.info(
+        "kv_cache_sized",
+        device=str(device),
+        family=model.config.family,
+        kv_layout=spec.layout_id,
+        kv_bytes_per_token=spec.bytes_per_token,
+        **kv.log_fields(),
+    )
     if kv.bound == "floor":
         log.warning(
             "kv_cache_below_budget_floor",

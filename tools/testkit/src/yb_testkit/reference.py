@@ -1,8 +1,9 @@
 """What one process answers: the reference that disaggregated serving must equal.
 
-`single_process_answer` runs prefill and decode of the default model on one runner, in
-this process, with greedy sampling; a cluster given the same chat must stream exactly
-this text (tests/test_e2e.py on the CPU, tests/test_cuda.py on a GPU).
+`single_process_answer` runs prefill and decode of the default model (or the model
+directory `model_path`) on one runner, in this process, with greedy sampling; a cluster
+given the same chat must stream exactly this text (tests/test_e2e.py on the CPU,
+tests/test_cuda.py on a GPU, tests/test_families_cluster.py for other families).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ def single_process_answer(
     dtype: str = "float32",
     block_size: int = 64,
     num_pages: int = 64,
+    model_path: Any = None,
 ) -> str:
-    """The greedy answer of the default model to `messages`, prefilled and decoded by
-    one `ModelRunner` on `device` in `dtype`, with pages of `block_size` tokens."""
+    """The greedy answer of the default model (or of the directory `model_path`) to
+    `messages`, prefilled and decoded by one `ModelRunner` on `device` in `dtype`, with
+    pages of `block_size` tokens."""
     import torch
 
     from yb_core.model_files import default_model_cache_dir
@@ -32,9 +35,8 @@ def single_process_answer(
     from yb_engine.sampling import Sampler
 
     torch_dtype = getattr(torch, dtype)
-    model = load_model(
-        ensure_default_model(default_model_cache_dir()), dtype=torch_dtype, device=device
-    )
+    path = model_path or ensure_default_model(default_model_cache_dir())
+    model = load_model(path, dtype=torch_dtype, device=device)
     tok = model.tokenizer
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt = tok.encode(text, add_special_tokens=False)
