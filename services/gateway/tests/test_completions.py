@@ -77,7 +77,9 @@ async def test_streaming_chat(
     expected_ids = await gateway.encoder.chat(msgspec.convert(CHAT["messages"], list[ChatMessage]))
     assert job.token_ids == expected_ids
     assert usage["prompt_tokens"] == len(expected_ids)
-    hashes = block_hashes(expected_ids, 4, identity_of(gateway.cfg.model))
+    hashes = block_hashes(
+        expected_ids, 4, identity_of(gateway.cfg.model, gateway.cfg.model_cache_dir())
+    )
     assert admitted.block_hashes == job.block_hashes == hashes
     assert admitted.prompt_tokens == len(expected_ids) and admitted.max_tokens == 32
     assert admitted.priority == 3 and admitted.gateway_id == gateway.instance_id

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from yb_core.hashing import ROOT_KEY, block_hashes, block_key, model_identity
 
@@ -76,3 +77,23 @@ def test_keys_are_pinned_to_known_values() -> None:
     # The one-block helper agrees with the chained form.
     assert block_key(ROOT_KEY, list(range(16)), model_identity("m")) == PINNED[0][4][0]
     assert block_key(PINNED[0][4][0], list(range(16, 32)), model_identity("m")) == PINNED[0][4][1]
+
+
+def test_a_block_key_names_what_decides_its_kv_bytes(tmp_path: Path) -> None:
+    from yb_core.config import ModelConfig
+    from yb_core.model_files import identity_of
+
+    tokens = list(range(32))
+
+    def keys(model: ModelConfig) -> list[int]:
+        return block_hashes(tokens, 16, identity_of(model, tmp_path))
+
+    one, other = tmp_path / "one", tmp_path / "other"
+    for path, heads in ((one, 2), (other, 4)):
+        path.mkdir()
+        (path / "config.json").write_text(f'{{"num_key_value_heads": {heads}}}')
+    same_name = keys(ModelConfig(source=str(one), name="m"))
+    assert same_name == keys(ModelConfig(source=str(one), name="m"))
+    # Another checkpoint (config) under the same name, or another KV dtype: other keys.
+    assert same_name != keys(ModelConfig(source=str(other), name="m"))
+    assert same_name != keys(ModelConfig(source=str(one), name="m", dtype="bfloat16"))

@@ -201,7 +201,7 @@ class RequestSession:
         self._finished_choices: set[int] = set()
         # Computed once: the same keys go to the conductor and to the prefill engine.
         self.block_hashes = block_hashes(
-            prepared.token_ids, cfg.model.block_size, identity_of(cfg.model)
+            prepared.token_ids, cfg.model.block_size, identity_of(cfg.model, cfg.model_cache_dir())
         )
         self.prompt_tokens = len(prepared.token_ids)
         self.completion_tokens = 0
@@ -525,7 +525,9 @@ class RequestSession:
         self.attempt += 1
         self._attempt_streaming = False
         token_ids = [*prepared.token_ids, *self.received]
-        hashes = block_hashes(token_ids, cfg.model.block_size, identity_of(cfg.model))
+        hashes = block_hashes(
+            token_ids, cfg.model.block_size, identity_of(cfg.model, cfg.model_cache_dir())
+        )
         replan = ev.RequestReplanned(
             request_id=self.request_id,
             gateway_id=self._gateway_id,

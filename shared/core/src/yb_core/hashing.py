@@ -19,9 +19,11 @@ _KEY_MASK = (1 << 63) - 1
 ROOT_KEY = 0
 
 
-def model_identity(model_name: str, adapter: str = "") -> bytes:
-    """Bytes that distinguish one model (and adapter) from every other."""
-    return f"{model_name}\x00{adapter}".encode()
+def model_identity(model_name: str, adapter: str = "", kv: str = "") -> bytes:
+    """Bytes that distinguish one model (and adapter) from every other, and, with `kv`,
+    one layout of its KV bytes (dtype, shapes) from another."""
+    base = f"{model_name}\x00{adapter}"
+    return (f"{base}\x00{kv}" if kv else base).encode()
 
 
 def block_key(parent: int, token_ids: Sequence[int], identity: bytes) -> int:

@@ -74,10 +74,37 @@ def context_limit(model: ModelConfig, cache_dir: Path) -> int | None:
     return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
-def identity_of(model: ModelConfig) -> bytes:
-    """The model identity that goes into every block key."""
+_KV_IDENTITIES: dict[tuple[str, str, str, str], str] = {}
+
+
+def kv_identity(model: ModelConfig, cache_dir: Path | None) -> str:
+    """What, beside the model's name, decides the bytes of its KV blocks: the dtype
+    setting (the KV's element type) and a digest of the checkpoint's `config.json`
+    (its family and shapes decide what a token keeps: per-head K/V or a latent, how
+    many heads and layers). Read once per process and model."""
+    key = (model.name, model.source, model.dtype, str(cache_dir))
+    found = _KV_IDENTITIES.get(key)
+    if found is None:
+        found = f"dtype={model.dtype}"
+        try:
+            path = model_dir(model, cache_dir) if cache_dir is not None else None
+        except FileNotFoundError:  # not prepared here: whoever serves it has it
+            return found
+        if path is not None and (path / "config.json").is_file():
+            import xxhash
+
+            found += f";config={xxhash.xxh3_64_hexdigest((path / 'config.json').read_bytes())}"
+        _KV_IDENTITIES[key] = found
+    return found
+
+
+def identity_of(model: ModelConfig, cache_dir: Path | None = None) -> bytes:
+    """The model identity that goes into every block key: its name and, where the
+    model's directory is known (`cache_dir`), what decides its KV bytes
+    (`kv_identity`), so two checkpoints or KV dtypes served under one name never
+    share blocks."""
     # Imported here: the hashing module loads numpy and xxhash, which the configuration
     # (and so every process, the conductor included) must not pay for at start-up.
     from yb_core.hashing import model_identity
 
-    return model_identity(model.name)
+    return model_identity(model.name, kv=kv_identity(model, cache_dir))
