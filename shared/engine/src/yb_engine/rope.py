@@ -1,4 +1,4 @@
-"""Rotary position embeddings with the scalings Llama-family checkpoints use.
+"""Rotary position embeddings with the scalings checkpoints use (linear, llama3, yarn).
 
 The inverse frequencies follow transformers' formulas exactly (same float32 arithmetic),
 because RoPE errors grow with the position: a frequency that is off in the last bit is
