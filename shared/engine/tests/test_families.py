@@ -196,3 +196,36 @@ def test_a_family_we_cannot_compute_is_refused_with_what_is_missing(
         load_model(directory)
     reason = name.split("(")[1].rstrip(")").split()[-1]
     assert reason in str(refused.value), str(refused.value)
+
+
+def test_pages_moved_as_bytes_decode_to_the_same_tokens(family: Family) -> None:
+    """Disaggregation's contract, per family: a prefill engine's pages, moved as the
+    bytes `page_view` exposes (what UCX and the kvstores carry), let another engine
+    decode exactly what the prefill engine would have."""
+    ids = family.prompt(45, seed=6)
+    prefill, pages = family.runner()
+    first = int(prefill.prefill(ids, pages).argmax())
+    decode = ModelRunner(family.model, PagedKVCache(family.model.config, PAGES, BLOCK))
+    theirs = list(range(PAGES - 1, -1, -1))  # other page numbers on the other side
+    needed = prefill.cache.pages_for(len(ids))
+    for layer in range(family.model.config.num_layers):
+        for i in range(needed):
+            source = prefill.cache.page_view(layer, pages[i])
+            assert source.is_contiguous()
+            assert source.numel() * source.element_size() == prefill.cache.page_nbytes
+            target = decode.cache.page_view(layer, theirs[i])
+            target.view(-1).view(torch.uint8).copy_(
+                torch.frombuffer(
+                    bytearray(memoryview(source.view(-1).view(torch.uint8).numpy())),
+                    dtype=torch.uint8,
+                )
+            )
+
+    def greedy(runner: ModelRunner, table: list[int]) -> list[int]:
+        out = [first]
+        while len(out) < 8:
+            step = runner.decode([DecodeSeq(table, len(ids) + len(out) - 1, out[-1])])
+            out.append(int(step[0].argmax()))
+        return out
+
+    assert greedy(decode, theirs) == greedy(prefill, pages)
