@@ -250,12 +250,29 @@ class Decoder:
             return q[c.hi - 1 : c.hi]
         return None
 
-    @staticmethod
-    def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        step: Step,
+        final: bool,
+        decode: Callable[[torch.Tensor, int], torch.Tensor],
+        prefill: Callable[[torch.Tensor | None, Chunk], torch.Tensor | None],
+    ) -> torch.Tensor | None:
+        """Attention for each part of the step, joined: `decode(q[:B], B)` for the
+        decode rows, `prefill(queries, chunk)` for each chunk (which writes the chunk's
+        KV and attends the rows this layer needs); `[rows, heads * dim]`, or None when
+        no row needs an output."""
+        parts = []
+        if step.decode is not None:
+            parts.append(decode(q[: step.num_decode], step.num_decode))
+        for c in step.chunks:
+            out = prefill(self._queries_for(q, c, final), c)
+            if out is not None:
+                parts.append(out)
         if not parts:
             return None
-        out = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return out.reshape(out.shape[0], -1)
+        joined = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return joined.reshape(joined.shape[0], -1)
 
     def _attention(
         self,
@@ -290,19 +307,16 @@ class Decoder:
             qk = Rotary.apply(qkv[:, : qk_heads * dim].view(t, qk_heads, dim), cos, sin)
             q, k = qk.split([heads, kv_heads], dim=1)
             v = qkv[:, qk_heads * dim :].view(t, kv_heads, dim)
-        kv_layer = self.cache.kv[j]
-        b = step.num_decode
-        parts = []
-        if step.decode is not None:
-            parts.append(self.backend.decode(kv_layer, q[:b], k[:b], v[:b], step.decode, opts))
-        for c in step.chunks:
-            queries = self._queries_for(q, c, final)
-            out = self.backend.prefill(
-                kv_layer, queries, k[c.lo : c.hi], v[c.lo : c.hi], c.plan, opts
-            )
-            if out is not None:
-                parts.append(out)
-        return self._joined(parts)
+        kv_layer, backend, plan = self.cache.kv[j], self.backend, step.decode
+        return self._attend(
+            q,
+            step,
+            final,
+            lambda qd, b: backend.decode(kv_layer, qd, k[:b], v[:b], plan, opts),  # type: ignore[arg-type]
+            lambda qc, c: backend.prefill(
+                kv_layer, qc, k[c.lo : c.hi], v[c.lo : c.hi], c.plan, opts
+            ),
+        )
 
     def _latent_attention(
         self,
@@ -345,21 +359,18 @@ class Decoder:
             shared = context[:, :, r:].expand(n, heads, mla.rope_dim)
             return torch.cat((k_nope, shared), dim=-1), values
 
-        kv_layer = self.cache.kv[j]
-        b = step.num_decode
-        parts = []
-        if step.decode is not None:
-            parts.append(
-                backend.decode_latent(kv_layer, q[:b], kept[:b], expand, step.decode, opts)  # type: ignore[attr-defined]
-            )
-        for c in step.chunks:
-            queries = self._queries_for(q, c, final)
-            out = backend.prefill_latent(  # type: ignore[attr-defined]
-                kv_layer, queries, kept[c.lo : c.hi], expand, c.plan, opts
-            )
-            if out is not None:
-                parts.append(out)
-        return self._joined(parts)
+        kv_layer, plan = self.cache.kv[j], step.decode
+        return self._attend(
+            q,
+            step,
+            final,
+            lambda qd, b: backend.decode_latent(  # type: ignore[attr-defined]
+                kv_layer, qd, kept[:b], expand, plan, opts
+            ),
+            lambda qc, c: backend.prefill_latent(  # type: ignore[attr-defined]
+                kv_layer, qc, kept[c.lo : c.hi], expand, c.plan, opts
+            ),
+        )
 
     # -- MLPs ---------------------------------------------------------------------------
 
