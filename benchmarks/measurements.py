@@ -92,6 +92,15 @@ SUMMARIES: dict[str, str] = {
         "docs/sim_matrix.json and its table in docs/simulation.md; with `--seeds`, every "
         "seed's matrix in docs/sim_seeds.json and the settings across the seeds there too."
     ),
+    "families": (
+        "Every model family the engine computes, at one size class (hidden 256, 4 layers; "
+        "random weights that transformers builds offline, loaded as a user's directory): "
+        "prefill and decode throughput of `ModelRunner` and the KV bytes one token keeps. "
+        "Then a mixture of experts against a dense model with the same active parameters, "
+        "in the same run, and MLA's latent against per-head K/V at Kimi K2's and "
+        "DeepSeek-V3's real sizes (from their configs: the bytes are arithmetic, the same "
+        "on any machine). Timings are medians of `--repeats` runs."
+    ),
     "engine": (
         "Prefill and decode throughput of the model runner (`yb_engine`) in one process, "
         "against transformers' own forward pass of the same model on the same tokens, "
@@ -309,6 +318,34 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         ("wins_by_seed", "settings the conductor wins on each of those seeds, in order"),
         ("settings_won_on_every_seed", "settings the conductor wins on every one of the seeds"),
         ("seeds_wall_s", "wall-clock seconds the matrices of every seed took, run side by side"),
+    ],
+    "families": [
+        ("threads", "torch threads"),
+        ("dtype", "weights' and KV cache's dtype of the timed models"),
+        (r"(\w+?)_prefill_tokens_per_s", "{0}: prompt tokens/s of a 512-token prefill"),
+        (
+            r"(\w+?)_decode_tokens_per_s_batch_8",
+            "{0}: tokens/s of one decode step over 8 sequences of 256 tokens",
+        ),
+        (
+            r"(moe|dense)_decode_tokens_per_s_batch_(\d+)",
+            "{0}: decode tokens/s at batch {1} (Qwen3-MoE, 16 experts of 512, 2 per token; "
+            "or Qwen3 with one MLP of 1,024: the same active parameters)",
+        ),
+        (r"moe_vs_dense_batch_(\d+)", "MoE decode tokens/s over dense at batch {0}"),
+        (r"(moe|dense)_layer_parameters", "{0}: parameters in its decoder layers (all experts)"),
+        (
+            r"(\w+?)_latent_kv_bytes_per_token",
+            "{0}: KV bytes per token as the engine keeps it (one latent per layer, bfloat16)",
+        ),
+        (
+            r"(\w+?)_per_head_kv_bytes_per_token",
+            "{0}: KV bytes per token as per-head keys and values would be (bfloat16)",
+        ),
+        (r"(\w+?)_per_head_over_latent", "{0}: per-head K/V bytes over the latent's"),
+        (r"(\w+?)_kv_bytes_per_token", "{0}: KV bytes one token keeps (every layer, float32)"),
+        (r"(\w+?)_pool_tokens_per_gb_latent", "{0}: tokens a GB of KV pool holds as latents"),
+        (r"(\w+?)_pool_tokens_per_gb_per_head", "{0}: tokens a GB holds as per-head K/V"),
     ],
     "engine": [
         ("model", "the model measured"),

@@ -58,6 +58,7 @@ BENCHMARKS = (
     "piggyback",
     "sim_matrix",
     "sim_capacity",
+    "families",
 )
 # The longest benchmark (the default model through `yb up`, on a loaded 2-core machine)
 # takes minutes; an hour means something is stuck.
