@@ -505,23 +505,28 @@ class TorchSDPABackend:
         kv_layer: torch.Tensor,
         q: torch.Tensor,
         latent: torch.Tensor,
-        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        value_dim: int,
         plan: DecodePlan,
         opts: AttnOptions,
     ) -> torch.Tensor:
-        """Write each sequence's new latent, then attend all B queries (see
-        `prefill_latent`)."""
+        """Write each sequence's new latent `[B, 1, latent_dim]`, then attend all B
+        queries in latent space: `q` `[B, heads, latent_dim]` is already absorbed (each
+        head's key up-projection folded into its query), so every head reads the
+        sequence's latents themselves as keys and their first `value_dim` numbers as
+        values, one shared KV head; `[B, heads, value_dim]`, still to be projected up."""
         flat = kv_layer.view(-1, kv_layer.shape[-2], kv_layer.shape[-1])
         flat.index_copy_(0, plan.rows_k, latent.to(flat.dtype))
         b, heads, dim = q.shape
         (context,) = self._gather_parts(kv_layer, plan.block_tables.flatten())
-        keys, values = expand(context.to(q.dtype))
-        keys = keys.view(b, -1, heads, dim).transpose(1, 2)
-        values = values.view(b, -1, heads, values.shape[-1]).transpose(1, 2)
+        keys = context.view(b, 1, -1, dim).to(q.dtype)
         out = F.scaled_dot_product_attention(
-            q[:, :, None, :], keys, values, attn_mask=plan.mask, scale=opts.scale
+            q.view(b, 1, heads, dim),
+            keys,
+            keys[..., :value_dim],
+            attn_mask=plan.mask,
+            scale=opts.scale,
         )
-        return out.reshape(b, heads, -1)
+        return out.view(b, heads, value_dim)
 
 
 class _PagedFlashBackend:

@@ -359,14 +359,28 @@ class Decoder:
             shared = context[:, :, r:].expand(n, heads, mla.rope_dim)
             return torch.cat((k_nope, shared), dim=-1), values
 
+        # Decode attends in latent space (weight absorption): a query head's key
+        # up-projection is folded into the query, so a step reads the latents as they
+        # lie instead of expanding every cached token to every head; the value
+        # up-projection is applied to the attention's output. The same function; a
+        # prefill chunk, which computes many queries, expands the latents instead.
+        up = w.kv_b.view(heads, mla.nope_dim + mla.v_dim, r)
+        key_up, value_up = up[:, : mla.nope_dim], up[:, mla.nope_dim :]
+
+        def decode(qd: torch.Tensor, b: int) -> torch.Tensor:
+            absorbed = torch.bmm(qd[..., : mla.nope_dim].transpose(0, 1), key_up)
+            q_latent = torch.cat((absorbed.transpose(0, 1), qd[..., mla.nope_dim :]), dim=-1)
+            out = backend.decode_latent(  # type: ignore[attr-defined]
+                kv_layer, q_latent, kept[:b], r, plan, opts
+            )
+            return torch.bmm(out.transpose(0, 1), value_up.transpose(1, 2)).transpose(0, 1)
+
         kv_layer, plan = self.cache.kv[j], step.decode
         return self._attend(
             q,
             step,
             final,
-            lambda qd, b: backend.decode_latent(  # type: ignore[attr-defined]
-                kv_layer, qd, kept[:b], expand, plan, opts
-            ),
+            decode,
             lambda qc, c: backend.prefill_latent(  # type: ignore[attr-defined]
                 kv_layer, qc, kept[c.lo : c.hi], expand, c.plan, opts
             ),
