@@ -70,13 +70,16 @@ Fields = dict[str, Any]
 class Family:
     """One registry entry: the family's name, the `architectures` and `model_type`s
     that select it, how its config differs from Llama's (`read`: the config and the
-    Llama fields read so far, to the fields that change), and its expert names."""
+    Llama fields read so far, to the fields that change), and where its weights lie
+    when the names differ (its expert names, fused projections)."""
 
     name: str
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
     read: Callable[[Any, Fields], Fields]
     experts: ExpertNames | None = None
+    #: The checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`.
+    fused_checkpoint: bool = False
 
 
 # -- the base decoder -----------------------------------------------------------------
@@ -199,6 +202,10 @@ def _gemma3(cfg: Any, fields: Fields) -> Fields:
     }
 
 
+def _phi3(cfg: Any, fields: Fields) -> Fields:
+    return _uniform_window(cfg, fields)
+
+
 def _olmo2(cfg: Any, fields: Fields) -> Fields:
     return {"norm_layout": "post", "qk_norm": "full"}
 
@@ -302,6 +309,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _qwen3),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), _gemma3),
     Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), _gemma3),
+    Family("phi3", ("Phi3ForCausalLM",), ("phi3",), _phi3, fused_checkpoint=True),
     Family("olmo2", ("Olmo2ForCausalLM",), ("olmo2",), _olmo2),
     Family("granite", ("GraniteForCausalLM",), ("granite",), _granite),
     Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), _mixtral, MIXTRAL_EXPERTS),

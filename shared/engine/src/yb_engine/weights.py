@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from yb_engine.architecture import ArchConfig, LayerRange
+from yb_engine.families import family_named
 
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
@@ -172,7 +173,17 @@ class _TensorReader:
             for field, name in _NORM_NAMES[arch.norm_layout].items()
         }
         attn = self.latent_attention(arch, p) if arch.mla else self.attention(arch, p)
-        mlp = self.experts(arch, p) if arch.is_sparse(i) else self.mlp(p + "mlp.", arch.mlp_bias)
+        if arch.is_sparse(i):
+            mlp: MLPWeights | MoEWeights = self.experts(arch, p)
+        elif family_named(arch.family).fused_checkpoint:
+            mlp = MLPWeights(
+                gate_up=self.put(p + "mlp.gate_up_proj.weight"),
+                gate_up_bias=None,
+                down=self.put(p + "mlp.down_proj.weight"),
+                down_bias=None,
+            )
+        else:
+            mlp = self.mlp(p + "mlp.", arch.mlp_bias)
         return LayerWeights(
             attn=attn,
             mlp=mlp,
@@ -184,6 +195,13 @@ class _TensorReader:
 
     def attention(self, arch: ArchConfig, p: str) -> AttentionWeights:
         a = p + "self_attn."
+        if family_named(arch.family).fused_checkpoint:  # Phi-3: fused as we fuse them
+            return AttentionWeights(
+                qkv=self.put(a + "qkv_proj.weight"),
+                qkv_bias=None,
+                o=self.put(a + "o_proj.weight"),
+                o_bias=None,
+            )
         qkv_bias = None
         if arch.qkv_bias:
             qkv_bias = self.fused([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
@@ -222,8 +240,6 @@ class _TensorReader:
         )
 
     def experts(self, arch: ArchConfig, p: str) -> MoEWeights:
-        from yb_engine.families import family_named
-
         moe, names = arch.moe, family_named(arch.family).experts
         assert moe is not None and names is not None
         experts = range(moe.num_experts)

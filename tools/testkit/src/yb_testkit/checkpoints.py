@@ -71,6 +71,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "olmo2": ("olmo2", {}),
+    "phi3": ("phi3", {"sliding_window": 24}),
     "granite": (
         "granite",
         {
