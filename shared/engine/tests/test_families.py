@@ -85,7 +85,7 @@ def test_the_registry_reads_the_family(family: Family) -> None:
         assert arch.moe is not None and arch.moe.sparse_layers
     if family.name == "deepseek_v3":
         assert arch.mla is not None
-    if family.name in ("gemma2", "gemma3_text", "mistral"):
+    if family.name in ("gemma2", "gemma3_text", "mistral", "phi3", "qwen2_windowed"):
         assert any(arch.layer_windows)
 
 

@@ -197,7 +197,8 @@ class ArchConfig(msgspec.Struct, frozen=True, kw_only=True):
         name), for all its layers or the layers `[start, end)` a stage holds."""
         parts, heads, dim = self.kv_parts
         end = self.num_layers if end is None else end
-        windows = self.layer_windows[start:end] if any(self.layer_windows) else ()
+        windows = self.layer_windows[start:end]
+        windows = windows if any(windows) else ()
         return KVCacheSpec(
             parts=parts, heads=heads, dim=dim, dtype=dtype, num_layers=end - start, windows=windows
         )

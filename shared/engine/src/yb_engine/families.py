@@ -122,14 +122,6 @@ def _activation(name: str) -> str:
     raise UnsupportedModelError(f"MLP activation {name!r} is not supported (silu, gelu_tanh)")
 
 
-def _no_sliding_window(cfg: Any) -> None:
-    # Qwen2/Qwen3 carry a `sliding_window` that only applies with `use_sliding_window`;
-    # Mistral's applies whenever it is set, and windows shorter than the context change
-    # the function, so they are read, not ignored.
-    if getattr(cfg, "use_sliding_window", False):
-        raise UnsupportedModelError("use_sliding_window over the bottom layers is not supported")
-
-
 def _uniform_window(cfg: Any, fields: Fields) -> Fields:
     window = getattr(cfg, "sliding_window", None)
     if window is None:
@@ -162,13 +154,13 @@ def _mistral(cfg: Any, fields: Fields) -> Fields:
 
 
 def _qwen2(cfg: Any, fields: Fields) -> Fields:
-    _no_sliding_window(cfg)
-    # Qwen2 always has q/k/v biases and no o_proj bias.
-    return {"qkv_bias": True, "o_bias": False}
+    # Qwen2 always has q/k/v biases and no o_proj bias. Its `sliding_window` applies
+    # only with `use_sliding_window`, from `max_window_layers` up: the config says which
+    # layers in `layer_types`.
+    return {"qkv_bias": True, "o_bias": False, **_layer_type_windows(cfg, fields)}
 
 
 def _qwen3(cfg: Any, fields: Fields) -> Fields:
-    _no_sliding_window(cfg)
     return {"qk_norm": "head", **_layer_type_windows(cfg, fields)}
 
 
@@ -234,7 +226,6 @@ def _mixtral(cfg: Any, fields: Fields) -> Fields:
 
 
 def _qwen3_moe(cfg: Any, fields: Fields) -> Fields:
-    _no_sliding_window(cfg)
     layers = fields["num_layers"]
     dense = set(int_list(getattr(cfg, "mlp_only_layers", None)))
     step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
@@ -244,6 +235,7 @@ def _qwen3_moe(cfg: Any, fields: Fields) -> Fields:
     )
     return {
         "qk_norm": "head",
+        **_layer_type_windows(cfg, fields),
         "moe": MoEConfig(
             num_experts=num_experts,
             top_k=int(cfg.num_experts_per_tok),

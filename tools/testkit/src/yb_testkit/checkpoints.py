@@ -37,6 +37,11 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
+    # Qwen's own windows: from `max_window_layers` up, with `use_sliding_window`.
+    "qwen2_windowed": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 2},
+    ),
     "mistral": ("mistral", {"sliding_window": 24}),
     "gemma2": (
         "gemma2",
