@@ -74,13 +74,17 @@ class Announced:
 def test_yb_up_says_what_each_engine_took(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_sizing, "read_host_memory_available", lambda: 12 * GiB)
     c, _ = cluster({"YB_MODEL__DEVICE": "cpu"}, Topology(prefill=2, decode=1))
-    page = KVCacheSpec(
-        parts=("k", "v"), heads=3, dim=64, dtype="float32", num_layers=30
-    ).block_nbytes(64)
+    spec = KVCacheSpec(parts=("k", "v"), heads=3, dim=64, dtype="float32", num_layers=30)
+    page = spec.block_nbytes(64)
 
     def up(name: str, role: ev.Role, pages: int) -> ev.InstanceUp:
         return ev.InstanceUp(
-            instance_id=name, role=role, host="h", kv_capacity_blocks=pages, kv_block_bytes=page
+            instance_id=name,
+            role=role,
+            host="h",
+            kv_capacity_blocks=pages,
+            kv_block_bytes=page,
+            kv_spec=spec,
         )
 
     ups = {"prefill-0": up("prefill-0", "prefill", 128), "decode-0": up("decode-0", "decode", 256)}
@@ -97,6 +101,7 @@ def test_yb_up_says_what_each_engine_took(monkeypatch: pytest.MonkeyPatch) -> No
         "  decode-0        256 pages =    16,384 tokens,      720 MiB",
         "  prefill-0       128 pages =     8,192 tokens,      360 MiB",
         "  prefill-1       128 pages =     8,192 tokens,      360 MiB",
+        "  one token keeps 46,080 bytes (k and v of 3 x 64 float32 in each of 30 layers)",
     ]
     monkeypatch.setattr(kv_sizing, "read_host_memory_available", lambda: GiB)
     assert "1.0 GiB of memory still available" in c.kv_report()[0]

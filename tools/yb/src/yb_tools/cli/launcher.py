@@ -456,7 +456,13 @@ class Cluster:
             "YB_PREFILL__KV_SEQUENCES / YB_DECODE__KV_SEQUENCES, or __NUM_KV_PAGES; "
             "docs/engine.md#how-many-pages):"
         )
-        return [head, *lines]
+        specs = {ups[name].kv_spec for name in engines if ups[name].kv_spec is not None}
+        per_token = [
+            f"  one token keeps {s.bytes_per_token:,} bytes ({' and '.join(s.parts)} of "
+            f"{s.heads} x {s.dim} {s.dtype} in each of {s.num_layers} layers)"
+            for s in sorted(specs, key=lambda s: s.layout_id)
+        ]
+        return [head, *lines, *per_token]
 
     def _settle_for_failover(self, nodes: int) -> None:
         """Settings a cluster needs so that losing a node changes nothing for clients.
