@@ -456,7 +456,7 @@ class Cluster:
             "YB_PREFILL__KV_SEQUENCES / YB_DECODE__KV_SEQUENCES, or __NUM_KV_PAGES; "
             "docs/engine.md#how-many-pages):"
         )
-        specs = {ups[name].kv_spec for name in engines if ups[name].kv_spec is not None}
+        specs = {spec for name in engines if (spec := ups[name].kv_spec) is not None}
         per_token = [
             f"  one token keeps {s.bytes_per_token:,} bytes ({' and '.join(s.parts)} of "
             f"{s.heads} x {s.dim} {s.dtype} in each of {s.num_layers} layers)"
