@@ -183,13 +183,45 @@ class Conductor:
 Script = Callable[[protocol.PrefillJob], list[protocol.TokenChunk]]
 
 
-def words_script(words: list[str] = WORDS, *, cached: int = 4) -> Script:
+def prompt_logprob_entries(job: protocol.PrefillJob) -> list[protocol.TokenLogprob]:
+    """What the fake engine gives as the prompt's logprobs (tokens 1..n-1): token i
+    gets -i/10, and its `prompt_logprobs` alternatives are token 1 (at -0.05) then
+    token i itself."""
+    top = job.sampling.prompt_logprobs or 0
+    return [
+        protocol.TokenLogprob(token_id=t, logprob=-i / 10, top=[(1, -0.05), (t, -i / 10)][:top])
+        for i, t in enumerate(job.token_ids[1:], start=1)
+    ]
+
+
+def words_script(
+    words: list[str] = WORDS,
+    *,
+    cached: int = 4,
+    prompt_logprobs: bool = True,
+    per_chunk: int = 3,
+) -> Script:
     """One chunk per word for each of the job's `n` choices, each choice's last chunk
     finished, numbered across choices and counted as decode counts (completion tokens
-    over all choices so far)."""
+    over all choices so far), each word with its logprob (-0.5, no alternatives) when
+    the job asks for logprobs. A job that asks for its prompt's logprobs gets them
+    first (`prompt_logprob_entries`, `per_chunk` a chunk), unless `prompt_logprobs` is
+    off (an engine that ignores the ask)."""
 
     def script(job: protocol.PrefillJob) -> list[protocol.TokenChunk]:
         chunks: list[protocol.TokenChunk] = []
+        if prompt_logprobs and job.sampling.prompt_logprobs is not None:
+            entries = prompt_logprob_entries(job)
+            for start in range(0, len(entries), per_chunk):
+                chunks.append(
+                    protocol.TokenChunk(
+                        request_id=job.request_id,
+                        seq=len(chunks),
+                        prompt_tokens=len(job.token_ids),
+                        cached_tokens=cached,
+                        prompt_logprobs=entries[start : start + per_chunk],
+                    )
+                )
         for index in range(job.sampling.n):
             for i, word in enumerate(words):
                 chunks.append(
@@ -198,6 +230,9 @@ def words_script(words: list[str] = WORDS, *, cached: int = 4) -> Script:
                         seq=len(chunks),
                         token_ids=[100 + i],
                         text=word,
+                        logprobs=[]
+                        if job.sampling.logprobs is None
+                        else [protocol.TokenLogprob(token_id=100 + i, logprob=-0.5)],
                         prompt_tokens=len(job.token_ids),
                         completion_tokens=index * len(words) + i + 1,
                         cached_tokens=cached,

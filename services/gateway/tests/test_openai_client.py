@@ -112,8 +112,11 @@ async def test_openai_client_gets_refusals_naming_the_field(
                 )
             assert (refused.value.param, refused.value.code) == (param, code), kwargs
     with pytest.raises(openai.BadRequestError) as refused:
-        await oai.completions.create(model=MODEL, prompt="Once", echo=True, logprobs=1)
-    assert refused.value.param == "echo" and "prompt's logprobs" in refused.value.message
+        await oai.completions.create(model=MODEL, prompt="Once", max_tokens=0)
+    assert refused.value.param == "max_tokens" and "echo" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:
+        await oai.completions.create(model=MODEL, prompt=[[5, 6], "x"])  # type: ignore[arg-type]
+    assert refused.value.param == "prompt" and "mixes" in refused.value.message
     assert cluster.conductor.admitted == []
 
 

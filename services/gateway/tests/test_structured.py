@@ -21,7 +21,7 @@ from yb_gateway.app import decode_body
 from yb_gateway.choices import Choices
 from yb_gateway.errors import ApiError
 from yb_gateway.logprobs import FLOOR, TokenTable, chat_logprobs, completion_logprobs
-from yb_gateway.prompt import PromptEncoder, prepare
+from yb_gateway.prompt import PromptEncoder, prepare, prepare_all
 from yb_gateway.render import ChatFormat, TextFormat
 from yb_gateway.schemas import ChatCompletionRequest, CompletionRequest, Usage
 from yb_gateway.structured import (
@@ -263,7 +263,7 @@ def test_choices_render_by_index_with_tool_calls_and_usage() -> None:
 
 def test_text_format_echoes_the_prompt() -> None:
     fmt = TextFormat("cmpl-1", "m")
-    fmt.prepared(None, TokenTable([b"a"]), "Once")
+    fmt.prepared(None, TokenTable([b"a"]), "Once", 2)
     choices = Choices(2, "none")
     choices.add(_chunk(0, 0, " upon", finished=True))
     choices.add(_chunk(1, 1, " a", finished=True))
@@ -345,18 +345,25 @@ async def test_prepare_maps_fields_to_sampling(encoder: PromptEncoder) -> None:
             },
             "response_format",
         ),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # generates nothing, echoes nothing
+        ({"prompt": [], "echo": True}, "prompt"),
+        ({"prompt": [[5], [6, "x"]]}, "prompt[1][1]"),
+        ({"prompt": [[5], [300]]}, "prompt[1]"),  # past the tiny vocabulary
+        ({"prompt": ["x", ""]}, "prompt[1]"),
     ],
 )
 async def test_prepare_refuses_what_cannot_be_served(
     encoder: PromptEncoder, body: dict[str, Any], param: str
 ) -> None:
-    if "prompt" in body:
-        request: Any = decode_body(json.dumps({"model": "m", **body}).encode(), CompletionRequest)
-    else:
-        request = chat_body(**body)
+    async def run() -> None:
+        if "prompt" in body:  # the decoder may refuse it already
+            text = json.dumps({"model": "m", **body}).encode()
+            await prepare_all(decode_body(text, CompletionRequest), encoder, MODEL, GatewayConfig())
+        else:
+            await prepare(chat_body(**body), encoder, MODEL, GatewayConfig())
+
     with pytest.raises(ApiError) as info:
-        await prepare(request, encoder, MODEL, GatewayConfig())
+        await run()
     assert (info.value.status, info.value.param) == (400, param)
     if param == "response_format":
         assert "nope" in info.value.message  # llguidance's own words

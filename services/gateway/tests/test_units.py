@@ -16,14 +16,14 @@ from prometheus_client import CollectorRegistry, Counter
 from yb_core import events as ev
 from yb_core.config import GatewayConfig, ModelConfig, TelemetryConfig, YbConfig
 from yb_core.events import decision_subjects
-from yb_core.protocol import TokenChunk
+from yb_core.protocol import SamplingParams, TokenChunk
 from yb_gateway.app import create_app, decode_body
 from yb_gateway.choices import Choices
 from yb_gateway.completions import CompletionsEndpoint
 from yb_gateway.decisions import DecisionRouter
 from yb_gateway.errors import ApiError
 from yb_gateway.metrics import GatewayMetrics
-from yb_gateway.prompt import PromptEncoder
+from yb_gateway.prompt import PreparedRequest, PromptEncoder
 from yb_gateway.readiness import InstanceTracker
 from yb_gateway.render import SSE_DONE, ChatFormat, TextFormat
 from yb_gateway.schemas import ChatCompletionRequest, CompletionRequest, Usage
@@ -301,7 +301,13 @@ class _StubSession:
         self.prompt_tokens = 3
         self.cached_tokens = 0
         self.completion_tokens = 0
-        self.prepared = type("Prepared", (), {"continuous_usage": False, "include_usage": True})
+        self.prepared = PreparedRequest(
+            token_ids=[1, 2, 3],
+            sampling=SamplingParams(max_tokens=2),
+            priority=0,
+            stream=True,
+            include_usage=True,
+        )
 
     async def chunks(self) -> Any:
         for chunk in self._chunks:
@@ -336,7 +342,7 @@ async def test_the_last_chunk_leaves_with_the_closing_frames_in_one_write() -> N
         ),
     ]
     exchange = _Exchange(
-        _StubSession(chunks),  # type: ignore[arg-type]
+        [_StubSession(chunks)],  # type: ignore[list-item]
         TextFormat("cmpl-1", "tiny"),
         Choices(1, "none"),
         {},

@@ -8,8 +8,8 @@ hands the job to this instance exactly as to a prefill instance: a `PrefillJob` 
 
 1. validates it (`refusal`): a job of a decision that is not piggybacked, or planned
    for other instances, or with an option a decode batch cannot run (a prefill
-   group's stages) is refused with a `JobRefused` that says why, never run another
-   way;
+   group's stages, the prompt's logprobs) is refused with a `JobRefused` that says
+   why, never run another way;
 2. loads the plan's reused blocks from the kvstores into its own pages over UCX
    (`PromptLoader`, the prefill's fetch code, `yb_dataplane.prefix_fetch`), within
    `decode.fetch_timeout_s` and the request's deadline; a fetch that fails is logged
@@ -91,6 +91,13 @@ def refusal(
         )
     if decision.prefill_stages:
         return "a prefill group's stages cannot run inside a decode batch", False
+    if job.sampling.prompt_logprobs is not None:
+        # A prompt's chunks in the batch keep the logits after its last token only.
+        return (
+            "a decode batch does not compute a prompt's logprobs (echo with logprobs): "
+            "only a prefill instance does",
+            False,
+        )
     if job.deadline and job.deadline < now:
         return "deadline passed before the job arrived", False
     total = len(job.token_ids) - job.generated_tokens + job.sampling.max_tokens

@@ -122,6 +122,9 @@ class Stream:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     gaps: list[float] = field(default_factory=list)
+    # The prompt's logprobs (`StartDecode.prompt_logprobs`), until they are streamed
+    # ahead of the first token.
+    prompt_logprobs: list[pr.TokenLogprob] = field(default_factory=list)
 
 
 class DecodeService(WorkerShell["DecodeWorker"]):
@@ -716,6 +719,7 @@ class DecodeWorker(Worker):
             deadline=reserve.deadline,
             completion_tokens=reserve.generated_tokens,
             max_tokens=reserve.sampling.max_tokens,
+            prompt_logprobs=start.prompt_logprobs,
         )
         with bind_request(rid):
             log.info(
@@ -871,6 +875,8 @@ class DecodeWorker(Worker):
             self._work.set()
 
     async def _send(self, stream: Stream, out: TokenOutput) -> None:
+        if stream.prompt_logprobs:
+            await self._send_prompt_logprobs(stream)
         chunk = pr.TokenChunk(
             request_id=stream.request_id,
             seq=stream.seq,
@@ -887,6 +893,24 @@ class DecodeWorker(Worker):
         )
         stream.seq += 1
         await self.emit(stream.request_id, stream.subject, chunk)
+
+    async def _send_prompt_logprobs(self, stream: Stream) -> None:
+        """The prompt's logprobs, ahead of the stream's first token: chunks without
+        tokens, of at most `PROMPT_LOGPROBS_PER_CHUNK` entries each (a long prompt's
+        would not fit one NATS message), numbered and kept for resends as any."""
+        entries, stream.prompt_logprobs = stream.prompt_logprobs, []
+        step = pr.PROMPT_LOGPROBS_PER_CHUNK
+        for start in range(0, len(entries), step):
+            chunk = pr.TokenChunk(
+                request_id=stream.request_id,
+                seq=stream.seq,
+                prompt_tokens=stream.prompt_tokens,
+                cached_tokens=stream.reused_tokens,
+                attempt=stream.attempt,
+                prompt_logprobs=entries[start : start + step],
+            )
+            stream.seq += 1
+            await self.emit(stream.request_id, stream.subject, chunk)
 
     async def _end_stream(
         self, stream: Stream, *, error: str, status: int, reason: str = "error"

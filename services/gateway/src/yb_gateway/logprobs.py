@@ -91,3 +91,40 @@ def completion_logprobs(
         ),
         offset,
     )
+
+
+def prompt_logprobs(
+    table: TokenTable, token_ids: list[int], entries: list[TokenLogprob], top: int
+) -> CompletionLogprobs:
+    """The prompt's part of a text completion's `logprobs` (`echo` with `logprobs`):
+    every prompt token, the first with `null` (nothing precedes it), each after it with
+    its logprob and alternatives from `entries` (prompt tokens 1..n-1, in order), as
+    `completion_logprobs` renders a generated token's. `text_offset` counts from the
+    start of the echoed text."""
+    tokens = [table.text(t) for t in token_ids]
+    values: list[float | None] = [None]
+    tops: list[dict[str, float] | None] = [None]
+    for token, e in zip(tokens[1:], entries, strict=True):
+        values.append(_number(e.logprob))
+        alternatives = {table.text(tid): _number(lp) for tid, lp in e.top[:top]}
+        alternatives.setdefault(token, _number(e.logprob))
+        tops.append(alternatives)
+    offsets, offset = [], 0
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets
+    )
+
+
+def joined(first: CompletionLogprobs, then: CompletionLogprobs | None) -> CompletionLogprobs:
+    """`first`'s tokens followed by `then`'s (the prompt's, then the generated ones)."""
+    if then is None:
+        return first
+    return CompletionLogprobs(
+        tokens=first.tokens + then.tokens,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        top_logprobs=first.top_logprobs + then.top_logprobs,
+        text_offset=first.text_offset + then.text_offset,
+    )

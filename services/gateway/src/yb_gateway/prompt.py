@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+import msgspec
 
 from yb_core.config import GatewayConfig, ModelConfig
 from yb_core.protocol import SamplingParams
@@ -45,6 +47,16 @@ T = TypeVar("T")
 #: Prompts (or chat messages, all together) of at most this many characters are
 #: tokenized on the event loop when the tokenizer thread is idle.
 INLINE_CHARS = 256
+#: The most prompts one `/v1/completions` request may list: each is a request of its
+#: own in the cluster.
+MAX_PROMPTS = 128
+#: What the prompt's logprobs of one prompt (`echo` with `logprobs`) may take on the
+#: wire, estimated as `PROMPT_LOGPROB_BYTES` a token plus `PROMPT_LOGPROB_TOP_BYTES`
+#: an alternative: they travel from prefill to decode in one message (a UCX control
+#: frame or a NATS message, each at most 1 MiB).
+MAX_PROMPT_LOGPROBS_BYTES = 768 * 1024
+PROMPT_LOGPROB_BYTES = 16
+PROMPT_LOGPROB_TOP_BYTES = 15
 
 
 class PromptEncoder:
@@ -182,6 +194,9 @@ class PreparedRequest:
     output: OutputSpec = field(default_factory=OutputSpec)
     #: Completions' `echo`: the prompt's text, which each choice's text starts with.
     echo: str | None = None
+    #: Completions' `max_tokens: 0` (with `echo`): the cluster generates one token
+    #: (`sampling.max_tokens` is 1), which the answer leaves out.
+    echo_only: bool = False
 
     @property
     def n(self) -> int:
@@ -226,46 +241,71 @@ async def prepare(
     model: ModelConfig,
     gateway: GatewayConfig,
 ) -> PreparedRequest:
-    """Tokenize and check `body` against the model's and the gateway's limits.
+    """`prepare_all` for a request of one prompt (a chat, or a completion of one)."""
+    prepared = await prepare_all(body, encoder, model, gateway)
+    if len(prepared) != 1:
+        raise invalid_request("Expected one prompt.", param="prompt")
+    return prepared[0]
 
-    Raises `ApiError` (400) naming the limit a request goes past.
+
+async def prepare_all(
+    body: ChatCompletionRequest | CompletionRequest,
+    encoder: PromptEncoder,
+    model: ModelConfig,
+    gateway: GatewayConfig,
+) -> list[PreparedRequest]:
+    """Tokenize and check `body` against the model's and the gateway's limits: one
+    request for the cluster per prompt (a completion may list several; each runs as
+    a request of its own, its choices numbered after the prompts' before it).
+
+    Raises `ApiError` (400) naming the limit a request goes past, and which prompt.
     """
     output = OutputSpec()
-    echo: str | None = None
+    echo_only = False
     if isinstance(body, ChatCompletionRequest):
         output = structured.output_spec(body)
-        token_ids = await encoder.chat(
-            body.messages, body.tools if output.tools != "none" else None
-        )
+        prompts = [
+            await encoder.chat(body.messages, body.tools if output.tools != "none" else None)
+        ]
+        params = ["messages"]
         requested = body.max_completion_tokens or body.max_tokens
         limit_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         top_logprobs = body.top_logprobs or 0
         if top_logprobs and not body.logprobs:
             raise invalid_request("`top_logprobs` needs `logprobs: true`.", param="top_logprobs")
         logprobs = top_logprobs if body.logprobs else None
+        echoes: list[str | None] = [None]
     else:
-        token_ids = await _completion_prompt(body, encoder)
+        texts, params = completion_prompts(body.prompt)
+        prompts = [
+            await _completion_prompt(p, param, encoder)
+            for p, param in zip(texts, params, strict=True)
+        ]
         requested = body.max_tokens
         limit_param = "max_tokens"
         logprobs = body.logprobs
-        if body.echo:
-            if logprobs is not None:
+        if requested == 0:
+            if not body.echo:
                 raise invalid_request(
-                    "`echo` with `logprobs` would need the prompt's logprobs, which this "
-                    "server does not compute; ask for one or the other.",
-                    param="echo",
+                    "`max_tokens: 0` generates nothing: it asks only for the prompt back, "
+                    "with `echo: true` (and its logprobs with `logprobs`).",
+                    param="max_tokens",
                 )
-            echo = body.prompt if isinstance(body.prompt, str) else await encoder.decode(token_ids)
+            # The cluster always samples a first token: it is left out of the answer.
+            echo_only, requested = True, 1
+        echoes = [None] * len(prompts)
+        if body.echo:
+            echoes = [
+                p if isinstance(p, str) else await encoder.decode(ids)
+                for p, ids in zip(texts, prompts, strict=True)
+            ]
     if output.grammar:
         try:
             await encoder.check_grammar(output.grammar)
         except ValueError as exc:  # yb_text.grammar.GrammarError
             raise invalid_request(f"Invalid schema: {exc}", param=output.param) from exc
-    if not token_ids:
-        raise invalid_request("The prompt is empty.", param="prompt")
-
-    prompt_tokens = len(token_ids)
-    room = model.max_model_len - prompt_tokens
+    # With `echo`, `logprobs` covers the prompt's tokens too.
+    prompt_logprobs = logprobs if isinstance(body, CompletionRequest) and body.echo else None
     if requested is not None and requested > gateway.max_max_tokens:
         raise invalid_request(
             f"{limit_param}={requested} exceeds this server's limit of "
@@ -273,23 +313,16 @@ async def prepare(
             param=limit_param,
             code="max_tokens_exceeded",
         )
-    # The default must leave room for the prompt; only a prompt that fills the whole
-    # context has no room at all.
-    max_tokens = min(gateway.default_max_tokens, room) if requested is None else requested
-    if max_tokens < 1 or prompt_tokens + max_tokens > model.max_model_len:
-        raise invalid_request(
-            f"This model's maximum context length is max_model_len={model.max_model_len} "
-            f"tokens; the prompt has {prompt_tokens} tokens and {limit_param} asks for "
-            f"{max_tokens if requested is not None else 'at least 1'} more.",
-            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-            code="context_length_exceeded",
-        )
+    limits = [
+        _prompt_limit(ids, param, requested, limit_param, prompt_logprobs, model, gateway)
+        for ids, param in zip(prompts, params, strict=True)
+    ]
 
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if any(not s for s in stop):
         raise invalid_request("Stop sequences must not be empty.", param="stop")
     sampling = SamplingParams(
-        max_tokens=max_tokens,
+        max_tokens=0,  # each prompt's own, below
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=max(0, body.top_k or 0),
@@ -302,19 +335,62 @@ async def prepare(
         logit_bias=_logit_bias(body.logit_bias or {}, encoder.vocab_size),
         logprobs=logprobs,
         grammar=output.grammar,
+        prompt_logprobs=prompt_logprobs,
     )
     options = body.stream_options
     include_usage = bool(body.stream and options and options.include_usage)
-    return PreparedRequest(
-        token_ids=token_ids,
-        sampling=sampling,
-        priority=body.priority,
-        stream=body.stream,
-        include_usage=include_usage,
-        continuous_usage=bool(include_usage and options and options.continuous_usage_stats),
-        output=output,
-        echo=echo,
-    )
+    return [
+        PreparedRequest(
+            token_ids=ids,
+            sampling=msgspec.structs.replace(sampling, max_tokens=max_tokens),
+            priority=body.priority,
+            stream=body.stream,
+            include_usage=include_usage,
+            continuous_usage=bool(include_usage and options and options.continuous_usage_stats),
+            output=output,
+            echo=echo,
+            echo_only=echo_only,
+        )
+        for ids, echo, max_tokens in zip(prompts, echoes, limits, strict=True)
+    ]
+
+
+def _prompt_limit(
+    token_ids: list[int],
+    param: str,
+    requested: int | None,
+    limit_param: str,
+    prompt_logprobs: int | None,
+    model: ModelConfig,
+    gateway: GatewayConfig,
+) -> int:
+    """How many tokens one prompt may generate (what was asked, or the default within
+    the room its context leaves); 400s naming the prompt (`param`) past a limit."""
+    if not token_ids:
+        raise invalid_request("The prompt is empty.", param=param)
+    prompt_tokens = len(token_ids)
+    room = model.max_model_len - prompt_tokens
+    # The default must leave room for the prompt; only a prompt that fills the whole
+    # context has no room at all.
+    max_tokens = min(gateway.default_max_tokens, room) if requested is None else requested
+    if max_tokens < 1 or prompt_tokens + max_tokens > model.max_model_len:
+        raise invalid_request(
+            f"This model's maximum context length is max_model_len={model.max_model_len} "
+            f"tokens; the prompt has {prompt_tokens} tokens and {limit_param} asks for "
+            f"{max_tokens if requested is not None else 'at least 1'} more.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if prompt_logprobs is not None:
+        per_token = PROMPT_LOGPROB_BYTES + PROMPT_LOGPROB_TOP_BYTES * prompt_logprobs
+        most = MAX_PROMPT_LOGPROBS_BYTES // per_token
+        if prompt_tokens > most:
+            raise invalid_request(
+                f"`echo` with `logprobs: {prompt_logprobs}` returns the logprobs of at most "
+                f"{most} prompt tokens; the prompt has {prompt_tokens}.",
+                param="logprobs",
+            )
+    return max_tokens
 
 
 def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
@@ -331,13 +407,47 @@ def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
     return out
 
 
-async def _completion_prompt(body: CompletionRequest, encoder: PromptEncoder) -> list[int]:
-    if isinstance(body.prompt, str):
-        return await encoder.text(body.prompt)
-    bad = next((t for t in body.prompt if not 0 <= t < encoder.vocab_size), None)
+_PROMPT_FORMS = (
+    "`prompt` is a string, a list of strings, a list of token ids or a list of lists of token ids"
+)
+
+
+def completion_prompts(
+    prompt: str | Sequence[str | int | list[int]],
+) -> tuple[list[str | list[int]], list[str]]:
+    """The prompts a completion's `prompt` holds, in OpenAI's four forms (a string, a
+    list of strings, a list of token ids, a list of token-id lists), and the `param`
+    that names each in an error (`prompt`, or `prompt[i]` in a list of prompts).
+    400 for an empty list, a mix of forms or more than `MAX_PROMPTS` prompts."""
+    if isinstance(prompt, str):
+        return [prompt], ["prompt"]
+    if not prompt:
+        raise invalid_request(f"`prompt` is an empty list; {_PROMPT_FORMS}.", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [[p for p in prompt if isinstance(p, int)]], ["prompt"]
+    if not (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        raise invalid_request(
+            f"`prompt` mixes strings, token ids and lists; {_PROMPT_FORMS}.", param="prompt"
+        )
+    if len(prompt) > MAX_PROMPTS:
+        raise invalid_request(
+            f"`prompt` lists {len(prompt)} prompts; at most {MAX_PROMPTS} are served "
+            "in one request.",
+            param="prompt",
+        )
+    prompts: list[str | list[int]] = [p for p in prompt if not isinstance(p, int)]
+    return prompts, [f"prompt[{i}]" for i in range(len(prompts))]
+
+
+async def _completion_prompt(
+    prompt: str | list[int], param: str, encoder: PromptEncoder
+) -> list[int]:
+    if isinstance(prompt, str):
+        return await encoder.text(prompt)
+    bad = next((t for t in prompt if not 0 <= t < encoder.vocab_size), None)
     if bad is not None:
         raise invalid_request(
             f"Token id {bad} is outside the vocabulary (0..{encoder.vocab_size - 1}).",
-            param="prompt",
+            param=param,
         )
-    return list(body.prompt)
+    return list(prompt)

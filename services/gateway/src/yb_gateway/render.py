@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Sequence
 
 import msgspec
 
 from yb_core.protocol import TokenLogprob
 from yb_gateway.choices import ChoiceState, ChoiceUpdate
-from yb_gateway.logprobs import TokenTable, chat_logprobs, completion_logprobs
+from yb_gateway.logprobs import (
+    TokenTable,
+    chat_logprobs,
+    completion_logprobs,
+    joined,
+    prompt_logprobs,
+)
 from yb_gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -53,7 +60,9 @@ class ResponseFormat(abc.ABC):
     """How one request's answer is shaped.
 
     `logprobs` (the number of alternatives per token, None for no logprobs), `tokens`
-    (their text) and `echo` are the request's, set once it is prepared.
+    (their text), `echoes` (each prompt's echoed text, None without `echo`) and `n`
+    (choices per prompt: choice i answers prompt i // n) are the request's, set once
+    it is prepared.
     """
 
     def __init__(self, request_id: str, model: str) -> None:
@@ -62,15 +71,40 @@ class ResponseFormat(abc.ABC):
         self.created = int(time.time())
         self.logprobs: int | None = None
         self.tokens: TokenTable | None = None
-        self.echo: str | None = None
+        self.echoes: list[str | None] = [None]
+        self.n = 1
 
-    def prepared(self, logprobs: int | None, tokens: TokenTable, echo: str | None) -> None:
-        """Set what the request asked for that changes its shape."""
-        self.logprobs, self.tokens, self.echo = logprobs, tokens, echo
+    def prepared(
+        self,
+        logprobs: int | None,
+        tokens: TokenTable,
+        echo: str | Sequence[str | None] | None,
+        n: int = 1,
+    ) -> None:
+        """Set what the request asked for that changes its shape (`echo`: the one
+        prompt's echoed text, or each prompt's)."""
+        self.logprobs, self.tokens, self.n = logprobs, tokens, n
+        self.echoes = [echo] if echo is None or isinstance(echo, str) else list(echo)
+
+    def echo_of(self, index: int) -> str:
+        """The text choice `index` starts with ("" without `echo`)."""
+        prompt = index // self.n
+        return (self.echoes[prompt] if prompt < len(self.echoes) else None) or ""
 
     def opening(self, n: int = 1) -> bytes | None:
-        """The frames sent before any text (chat announces the assistant's role)."""
+        """The frames sent before any text (chat announces the assistant's role, a
+        text completion echoes the prompts that wait for nothing: `open_prompt`)."""
         return None
+
+    def prompt_in(self, prompt: int, token_ids: list[int], entries: list[TokenLogprob]) -> None:
+        """Prompt `prompt`'s own logprobs are in (`entries`: those of tokens 1..n-1 of
+        `token_ids`); only `echo` with `logprobs` asks for them."""
+        return None
+
+    def open_prompt(self, prompt: int) -> bytes:
+        """The frames that open the choices of `prompt` once its logprobs are in, for a
+        request whose choices wait for them (nothing otherwise)."""
+        return b""
 
     @abc.abstractmethod
     def delta(self, update: ChoiceUpdate, usage: Usage | None = None) -> bytes:
@@ -161,6 +195,11 @@ class ChatFormat(ResponseFormat):
 class TextFormat(ResponseFormat):
     """`/v1/completions`."""
 
+    def __init__(self, request_id: str, model: str) -> None:
+        super().__init__(request_id, model)
+        #: Each prompt's own logprobs, rendered (`echo` with `logprobs`), once in.
+        self.prompt_parts: dict[int, CompletionLogprobs] = {}
+
     def _completion(self, choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
         return sse_data(
             Completion(
@@ -172,21 +211,45 @@ class TextFormat(ResponseFormat):
             )
         )
 
+    @property
+    def waits_for_prompts(self) -> bool:
+        """Whether each prompt's choices open only once its logprobs are in (`echo`
+        with `logprobs`)."""
+        return self.logprobs is not None and any(e is not None for e in self.echoes)
+
     def _logprobs(
         self, state: ChoiceState, entries: list[TokenLogprob]
     ) -> CompletionLogprobs | None:
         if self.logprobs is None or self.tokens is None:
             return None
+        if not state.offset and (echo := self.echo_of(state.index)):
+            state.offset = len(echo)  # offsets count in the choice's whole text
         rendered, state.offset = completion_logprobs(
             self.tokens, entries, self.logprobs, state.offset
         )
         return rendered
 
     def opening(self, n: int = 1) -> bytes | None:
-        if not self.echo:
+        if self.waits_for_prompts:
             return None
+        frames = [
+            self._completion([CompletionChoice(index=i, text=echo)])
+            for i in range(n)
+            if (echo := self.echo_of(i))
+        ]
+        return b"".join(frames) or None
+
+    def prompt_in(self, prompt: int, token_ids: list[int], entries: list[TokenLogprob]) -> None:
+        if self.tokens is None or self.logprobs is None:
+            return
+        self.prompt_parts[prompt] = prompt_logprobs(self.tokens, token_ids, entries, self.logprobs)
+
+    def open_prompt(self, prompt: int) -> bytes:
+        part = self.prompt_parts.get(prompt)
+        first = prompt * self.n
         return b"".join(
-            self._completion([CompletionChoice(index=i, text=self.echo)]) for i in range(n)
+            self._completion([CompletionChoice(index=i, text=self.echo_of(i), logprobs=part)])
+            for i in range(first, first + self.n)
         )
 
     def delta(self, update: ChoiceUpdate, usage: Usage | None = None) -> bytes:
@@ -204,15 +267,20 @@ class TextFormat(ResponseFormat):
         return self._completion([], usage)
 
     def whole(self, choices: list[ChoiceState], default_finish: str, usage: Usage) -> bytes:
-        out = [
-            CompletionChoice(
-                index=state.index,
-                text=(self.echo or "") + "".join(state.content),
-                finish_reason=state.finish_reason(default_finish),
-                logprobs=self._logprobs(state, state.logprobs),
+        out = []
+        for state in choices:
+            logprobs = self._logprobs(state, state.logprobs)
+            prompt_part = self.prompt_parts.get(state.index // self.n)
+            if prompt_part is not None:
+                logprobs = joined(prompt_part, logprobs)
+            out.append(
+                CompletionChoice(
+                    index=state.index,
+                    text=self.echo_of(state.index) + "".join(state.content),
+                    finish_reason=state.finish_reason(default_finish),
+                    logprobs=logprobs,
+                )
             )
-            for state in choices
-        ]
         return _json.encode(
             Completion(
                 id=self.request_id,

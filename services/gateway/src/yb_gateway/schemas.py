@@ -238,9 +238,13 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
-    """`POST /v1/completions`: a text prompt or a list of token ids."""
+    """`POST /v1/completions`: a prompt in any of OpenAI's four forms (a string, a list
+    of token ids, or a list of either for several prompts: `prompt.completion_prompts`
+    tells them apart, since a union may hold one list type only)."""
 
-    prompt: str | list[int]
+    prompt: str | list[str | int | list[int]]
+    # 0 with `echo` asks only for the prompt back (and its logprobs, with `logprobs`).
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS_TEXT)] | None = None
     echo: bool | None = None
     # Refused (see `REFUSED_FIELDS`).

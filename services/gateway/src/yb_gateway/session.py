@@ -351,11 +351,16 @@ class RequestSession:
         # subject of its own exists since it connected), so no chunk arrives unrouted.
         self._tokens.route(subject, on_tokens)
         self._stream_subject = subject
+        sampling = self.prepared.sampling
+        if self.received and sampling.prompt_logprobs is not None:
+            # The client has the prompt's logprobs (they come before its first token);
+            # a re-plan's prompt goes on with output, whose logprobs it has too.
+            sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
         job = protocol.PrefillJob(
             request_id=self.request_id,
             token_ids=self.prepared.token_ids if token_ids is None else token_ids,
             block_hashes=self.block_hashes if hashes is None else hashes,
-            sampling=self.prepared.sampling,
+            sampling=sampling,
             decision=decision,
             token_subject=subject,
             deadline=time.time() + max(0.0, self._deadline - time.monotonic()),

@@ -44,21 +44,26 @@ def take_group(
     one chunk (`max_tokens`, also the bound of all their tokens together: one forward
     pass of the batch is at most one chunk), and the pages of all their prompts fit
     in `room_pages`: a job of the group must never fail for want of pages another
-    member took.
+    member took. A job that asks for its prompt's logprobs starts alone: it needs
+    every row's logits, which the batched forward pass does not keep.
     """
     if not queued:
         return 0
     head = len(queued[0].token_ids)
-    if max_jobs <= 1 or head > max_tokens:
+    if max_jobs <= 1 or head > max_tokens or _alone(queued[0]):
         return 1
     tokens, pages, n = head, pages_for(head), 1
     for job in queued[1:max_jobs]:
         t = len(job.token_ids)
         p = pages_for(t)
-        if tokens + t > max_tokens or pages + p > room_pages:
+        if tokens + t > max_tokens or pages + p > room_pages or _alone(job):
             break
         tokens, pages, n = tokens + t, pages + p, n + 1
     return n
+
+
+def _alone(job: pr.PrefillJob) -> bool:
+    return job.sampling.prompt_logprobs is not None
 
 
 @dataclass(slots=True)

@@ -43,9 +43,9 @@ the conductor plans nothing more on the group until its live stages cover every 
 again. Every wait is bounded by the request's deadline and `transfer_timeout_s`.
 
 What a stage does not do (a whole-model instance does): keep blocks in its own page
-cache, copy blocks it reused from another host's kvstore to its own host, or batch
-several short prompts. A prefix in the kvstore is fetched by each stage for its own
-layers only.
+cache, copy blocks it reused from another host's kvstore to its own host, batch
+several short prompts, or compute a prompt's logprobs (the lead refuses such a job).
+A prefix in the kvstore is fetched by each stage for its own layers only.
 """
 
 from __future__ import annotations
@@ -271,6 +271,12 @@ class StageWorker(JobOwner, Worker):
             reason = (
                 f"{self.instance_id} is the lead of prefill group {self.pcfg.group!r}: it "
                 "runs only requests planned on the group"
+            )
+        if not reason and job.sampling.prompt_logprobs is not None:
+            # The last stage sends back the logits after the prompt only.
+            reason = (
+                f"prefill group {self.pcfg.group!r} does not compute a prompt's logprobs "
+                "(echo with logprobs): only a whole-model prefill instance does"
             )
         if reason:
             self.metrics.jobs.labels("refused").inc()

@@ -66,6 +66,7 @@ from yb_prefill.decode_link import DecodeLink
 from yb_prefill.failure import JobOwner
 from yb_prefill.job_queue import JobQueue, Liveness, QueuedJob, refusal, take_job
 from yb_prefill.prefix_cache import PrefixCache
+from yb_prefill.prompt_logprobs import prompt_logprobs
 from yb_prefill.reuse import Prefix, PrefixLoader
 from yb_prefill.streaming import LayerStreamer
 
@@ -118,6 +119,17 @@ class PrefillMetrics:
         )
         self.tokens = Counter(
             "yb_prefill_tokens_total", "Prompt tokens computed", registry=registry
+        )
+        self.prompt_logprobs = Counter(
+            "yb_prefill_prompt_logprobs_total",
+            "Jobs that asked for their prompt's logprobs (computed from the first token)",
+            registry=registry,
+        )
+        self.prompt_logprobs_recomputed = Counter(
+            "yb_prefill_prompt_logprobs_recomputed_tokens_total",
+            "Prompt tokens whose planned KV reuse was dropped to compute the prompt's "
+            "logprobs (a full prefill instead of a reused one)",
+            registry=registry,
         )
         self.reused = Counter(
             "yb_prefill_reused_tokens_total",
@@ -212,6 +224,11 @@ class PrefillWorker(JobOwner, Worker):
         self._streams: dict[str, _Lead] = {}
         # The batch each job of a group of several computes in (by id of the job).
         self._batch_of: dict[int, ComputeBatch[_Part, list[Sampled]]] = {}
+        # The prompt logprobs the engine thread computed for a job (by id of the job),
+        # until its hand-over takes them; and the logits rows of a compute split by a
+        # test failpoint, until its last part.
+        self._prompt_logprobs: dict[int, list[pr.TokenLogprob]] = {}
+        self._prompt_rows: dict[int, list[torch.Tensor]] = {}
         self.liveness = Liveness()
         self._draining = False
         # Test-only fault injection: inert unless YB_FAILPOINTS arms it.
@@ -382,6 +399,8 @@ class PrefillWorker(JobOwner, Worker):
         finally:
             if (batch := self._batch_of.pop(id(job), None)) is not None:
                 batch.leave(job)
+            self._prompt_logprobs.pop(id(job), None)
+            self._prompt_rows.pop(id(job), None)
             _resolve(left_engine)
 
     async def _run(self, queued: QueuedJob, left_engine: asyncio.Future[None]) -> None:
@@ -489,6 +508,8 @@ class PrefillWorker(JobOwner, Worker):
             "prefill_done",
             prompt_tokens=len(job.token_ids),
             reused_tokens=cached_tokens,
+            # Asked for the prompt's logprobs: computed whole, whatever was cached.
+            prompt_logprobs=job.sampling.prompt_logprobs is not None or None,
             fetch_s=round(prefix.fetch_s, 4),
             # Where the time went: reserve on decode and load the prefix, compute (with
             # streaming alongside), the streaming left after compute plus the hand-over.
@@ -511,8 +532,11 @@ class PrefillWorker(JobOwner, Worker):
         )
 
     async def _load_prefix(self, job: pr.PrefillJob, deadline_s: float) -> Prefix:
-        """Phase 2: pages here, the planned prefix loaded into them."""
+        """Phase 2: pages here, the planned prefix loaded into them; none for a job
+        that asks for its prompt's logprobs (`_drop_reuse`)."""
         plans = job.decision.reuse if self.pcfg.reuse else []
+        if job.sampling.prompt_logprobs is not None:
+            plans = self._drop_reuse(job, plans)
         try:
             await self.failpoint(job, "prefill.load")
             self.liveness.check(job)
@@ -525,6 +549,23 @@ class PrefillWorker(JobOwner, Worker):
             )
         except OutOfPages as exc:
             raise pr.JobFailed(f"prefill instance out of KV pages: {exc}") from exc
+
+    def _drop_reuse(self, job: pr.PrefillJob, plans: list[ev.ReusePlan]) -> list[ev.ReusePlan]:
+        """No reuse for a job that asks for its prompt's logprobs: a reused prefix has
+        KV but no logits, so the whole prompt is computed (the blocks it could have
+        reused stay cached). What that costs is counted and logged."""
+        self.metrics.prompt_logprobs.inc()
+        bs = self.engine.cache.block_size
+        limit = max(0, (len(job.token_ids) - 1) // bs)
+        planned = min(limit, sum(plan.num_blocks for plan in plans))
+        if planned:
+            self.metrics.prompt_logprobs_recomputed.inc(planned * bs)
+            log.info(
+                "prompt_logprobs_full_prefill",
+                prompt_tokens=len(job.token_ids),
+                dropped_reuse_tokens=planned * bs,
+            )
+        return []
 
     async def _give_back(
         self, job: pr.PrefillJob, reserving: asyncio.Future[pr.KVReserved]
@@ -664,14 +705,15 @@ class PrefillWorker(JobOwner, Worker):
         start = self._start_decode(job, first, cached_tokens)
         await self.decode.start(job.decision.decode_instance, start, deadline_s)
 
-    @staticmethod
     def _start_decode(
+        self,
         job: pr.PrefillJob,
         first: list[Sampled],
         cached_tokens: int,
         trace_headers: dict[str, str] | None = None,
     ) -> pr.StartDecode:
-        """The hand-over: every choice's first token (and its logprob when asked)."""
+        """The hand-over: every choice's first token (and its logprob when asked), and
+        the prompt's logprobs when asked."""
         return pr.StartDecode(
             request_id=job.request_id,
             first_token=first[0].token_id,
@@ -681,6 +723,7 @@ class PrefillWorker(JobOwner, Worker):
             first_tokens=[s.token_id for s in first] if len(first) > 1 else [],
             first_logprobs=[s.logprob for s in first if s.logprob is not None],
             trace_headers=trace_headers or {},
+            prompt_logprobs=self._prompt_logprobs.pop(id(job), []),
         )
 
     async def _account_prefix(self, job: pr.PrefillJob, prefix: Prefix, span: trace.Span) -> None:
@@ -796,14 +839,18 @@ class PrefillWorker(JobOwner, Worker):
         end: int,
         streamer: LayerStreamer,
     ) -> None:
-        """Engine thread: compute the KV of tokens [num_cached_tokens, end) only."""
-        self.engine.runner.prefill(
+        """Engine thread: compute the KV of tokens [num_cached_tokens, end) only (and
+        keep their logits rows when the prompt's logprobs are asked for)."""
+        rows = self.engine.runner.prefill(
             job.token_ids[:end],
             pages,
             num_cached_tokens=num_cached_tokens,
             chunk_size=self.pcfg.chunk_size,
             layer_hook=streamer.on_layer,
+            all_logits=job.sampling.prompt_logprobs is not None,
         )
+        if job.sampling.prompt_logprobs is not None:
+            self._prompt_rows.setdefault(id(job), []).append(rows)
 
     def _compute(
         self,
@@ -813,15 +860,23 @@ class PrefillWorker(JobOwner, Worker):
         streamer: LayerStreamer,
     ) -> list[Sampled]:
         """Engine thread: run the prefill over the uncached suffix, sample each choice's
-        first token (with the code the decode batcher samples with)."""
+        first token (with the code the decode batcher samples with). A job that asks
+        for its prompt's logprobs computes every row's logits (its whole prompt: it
+        reused nothing) and reads them from those."""
+        top = job.sampling.prompt_logprobs
         logits = self.engine.runner.prefill(
             job.token_ids,
             pages,
             num_cached_tokens=num_cached_tokens,
             chunk_size=self.pcfg.chunk_size,
             layer_hook=streamer.on_layer,
+            all_logits=top is not None,
         )
-        return self._sample_first(job, logits)
+        if top is None:
+            return self._sample_first(job, logits)
+        rows = [*self._prompt_rows.pop(id(job), []), logits]
+        self._prompt_logprobs[id(job)] = prompt_logprobs(job.token_ids, rows, top)
+        return self._sample_first(job, logits[-1])
 
     def _sample_first(self, job: pr.PrefillJob, logits: torch.Tensor) -> list[Sampled]:
         """Engine thread: each choice's first token from the logits after the prompt

@@ -57,6 +57,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
     #: An llguidance grammar (its JSON form, as the gateway built and checked it) that
     #: every generated token must follow; "" leaves generation unconstrained.
     grammar: str = ""
+    #: None: the prompt's logprobs are not computed. k >= 0: the prefill computes the
+    #: logprob of every prompt token after the first, with its k likeliest alternatives
+    #: (completions' `echo` with `logprobs`), from position 0 (no prefix reuse: a cached
+    #: prefix has no logits), and they reach the gateway before the first token
+    #: (`StartDecode.prompt_logprobs`, then `TokenChunk.prompt_logprobs`).
+    prompt_logprobs: int | None = None
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, gc=False, kw_only=True):
@@ -301,6 +307,9 @@ class StartDecode(_Msg, tag="start_decode"):
     #: The hand-over's trace context, when it rides on the commit (a control message
     #: carries it in its NATS headers).
     trace_headers: dict[str, str] = msgspec.field(default_factory=dict)
+    #: With `SamplingParams.prompt_logprobs`: prompt tokens 1..n-1's logprobs, in order
+    #: (token 0 has none); decode streams them ahead of the first token.
+    prompt_logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
 
 
 class AbortReservation(_Msg, tag="abort_reservation"):
@@ -333,6 +342,10 @@ class TokenChunk(_Msg, tag="token_chunk"):
     comes late from an older attempt. `finished` ends choice `index`; the stream ends
     when all `n` choices have finished, and an `error` ends the whole stream.
     `logprobs`, when the request asked for them, has one entry per token id.
+    `prompt_logprobs` (with `SamplingParams.prompt_logprobs`) are the next entries of
+    the prompt's logprobs (prompt tokens 1..n-1, in order), split over chunks of at most
+    `PROMPT_LOGPROBS_PER_CHUNK` entries that carry no token, all of them before the
+    stream's first token.
     """
 
     request_id: str
@@ -349,6 +362,12 @@ class TokenChunk(_Msg, tag="token_chunk"):
     index: int = 0
     attempt: int = 0
     logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
+
+
+#: The most prompt logprobs one `TokenChunk` carries: a long prompt's take several
+#: chunks, each well under NATS's 1 MiB message limit.
+PROMPT_LOGPROBS_PER_CHUNK: Final = 1024
 
 
 # --- gateway -> decode --------------------------------------------------------------
