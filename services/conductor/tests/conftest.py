@@ -138,6 +138,7 @@ class Crafted:
         priority: int = 0,
         ttft_slo: float = 10.0,
         tbt_slo: float = 1.0,
+        prompt_logprobs: bool = False,
     ) -> ev.Decision:
         chain = chain or []
         outputs = self.feed(
@@ -151,6 +152,7 @@ class Crafted:
                 max_tokens=max_tokens,
                 priority=priority,
                 slo=ev.Slo(ttft_s=ttft_slo, tbt_s=tbt_slo),
+                prompt_logprobs=prompt_logprobs,
             )
         )
         decisions = [o for o in outputs if isinstance(o, ev.Decision)]

@@ -128,3 +128,24 @@ def test_the_decode_instance_loads_the_cached_prefix_from_the_pool(crafted: Any)
     assert isinstance(again, ev.RequestScheduled) and again.piggyback
     assert again.estimates.queue_s > d.estimates.queue_s
     assert replay(c.records).divergences == []
+
+
+def test_a_request_for_its_prompt_logprobs_goes_to_a_whole_prefill_with_nothing_reused(
+    crafted: Any,
+) -> None:
+    c = cluster(crafted)
+    busy = c.admit("busy", keys(40, base=50_000), tbt_slo=TBT)
+    assert isinstance(busy, ev.RequestScheduled) and busy.prefill_instance == "p-0"
+    # What would join the batch (see above) is planned on the prefill pool instead:
+    # only a whole-model prefill computes a prompt's logprobs.
+    d = c.admit("scored", keys(2, base=70_000), tbt_slo=TBT, prompt_logprobs=True)
+    assert isinstance(d, ev.RequestScheduled)
+    assert not d.piggyback and d.prefill_instance == "p-0"
+    # A prefix the pool holds is not planned for reuse, and the price is a full prefill.
+    c.progress("busy", "p-0", "prefill_done")
+    again = c.admit("again", keys(40, base=50_000), tbt_slo=TBT, prompt_logprobs=True)
+    assert isinstance(again, ev.RequestScheduled) and again.reuse == []
+    plain = c.admit("plain", keys(40, base=50_000), tbt_slo=TBT)
+    assert isinstance(plain, ev.RequestScheduled) and plain.reuse != []
+    assert again.estimates.prefill_s > plain.estimates.prefill_s
+    assert replay(c.records).divergences == []

@@ -226,7 +226,15 @@ class Conductor:
         state = self.state
         rid = event.request_id
         info = state.admissions.get(rid)
-        decided = self.policy.decide(state, event, seq)
+        if event.prompt_logprobs:
+            # Only a whole-model prefill computes a prompt's logprobs, from its first
+            # token: no group (their stages hold parts of the model), no reuse.
+            with state.avoiding(*state.group_leads()):
+                decided = self.policy.decide(
+                    state, msgspec.structs.replace(event, block_hashes=[]), seq
+                )
+        else:
+            decided = self.policy.decide(state, event, seq)
         decision = decided.decision
         if attempt:
             decision = msgspec.structs.replace(decision, attempt=attempt)

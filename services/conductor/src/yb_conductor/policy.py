@@ -169,7 +169,7 @@ class MooncakePolicy:
         # not only by the estimate): a refusal would then shed load.
         queued = bool(chosen.instance.prefill_queue) or chosen.queue_s > 0.0
         piggy = None
-        if decode.instance.piggyback:
+        if decode.instance.piggyback and not request.prompt_logprobs:
             piggy = self._piggyback(state, request, view, decode.instance, tbt_limit)
         on_decode = piggy is not None and piggy.ttft_s < ttft
         if piggy is not None:

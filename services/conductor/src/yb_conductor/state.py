@@ -555,20 +555,24 @@ class ClusterState:
         )
 
     @contextlib.contextmanager
-    def avoiding(self, instance_id: str) -> Iterator[None]:
-        """Within the block, `instance_id` counts as not alive (a re-plan avoids the
+    def avoiding(self, *instance_ids: str) -> Iterator[None]:
+        """Within the block, `instance_ids` count as not alive (a re-plan avoids the
         engine whose failure ended the request's last attempt, before any verdict on
-        it reaches the log)."""
-        inst = self.instances.get(instance_id) if instance_id else None
-        if inst is None or not inst.alive:
+        it reaches the log; a request for its prompt's logprobs avoids the prefill
+        groups)."""
+        found = [self.instances.get(i) for i in instance_ids if i]
+        avoided = [inst for inst in found if inst is not None and inst.alive]
+        if not avoided:
             yield
             return
-        inst.alive = False
+        for inst in avoided:
+            inst.alive = False
         self._topology_changed()
         try:
             yield
         finally:
-            inst.alive = True
+            for inst in avoided:
+                inst.alive = True
             self._topology_changed()
 
     def expected_output(self, max_tokens: int) -> int:

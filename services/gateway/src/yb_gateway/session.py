@@ -299,6 +299,7 @@ class RequestSession:
                 priority=prepared.priority,
                 slo=ev.Slo(ttft_s=cfg.gateway.ttft_slo_s, tbt_s=cfg.gateway.tbt_slo_s),
                 deadline=time.time() + cfg.gateway.request_timeout_s,
+                prompt_logprobs=prepared.sampling.prompt_logprobs is not None,
             )
         # Registered before publishing: a fast conductor may answer before `publish`
         # returns.

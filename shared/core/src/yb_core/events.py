@@ -68,6 +68,10 @@ class RequestAdmitted(Event, tag="request_admitted"):
     priority: int = 0
     slo: Slo = msgspec.field(default_factory=Slo)
     deadline: float = 0.0
+    #: It asks for its prompt's logprobs: only a whole-model prefill instance computes
+    #: them (not a decode's piggybacked prefill, not a pipeline group), from the first
+    #: token (a reused prefix has no logits), so it is planned and priced with no reuse.
+    prompt_logprobs: bool = False
 
 
 class ReusePlan(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
