@@ -92,8 +92,15 @@ def test_the_registry_reads_the_family(family: Family) -> None:
 def test_prefill_logits_at_every_position(family: Family) -> None:
     ids = family.prompt(60)
     runner, pages = family.runner()
+    ref = family.ref_logits(ids)
     ours = runner.prefill(ids, pages, chunk_size=16, all_logits=True)
-    assert rel_err(ours, family.ref_logits(ids)) <= TOL
+    assert rel_err(ours, ref) <= TOL
+    # Handed over chunk by chunk instead (a long prompt's logits are never all held).
+    handed: list[tuple[int, torch.Tensor]] = []
+    last = runner.prefill(ids, pages, chunk_size=16, row_logits=lambda s, r: handed.append((s, r)))
+    assert [s for s, _ in handed] == [0, 16, 32, 48]
+    assert rel_err(torch.cat([r for _, r in handed]), ref) <= TOL
+    assert rel_err(last, ref[-1]) <= TOL
 
 
 def test_chunked_prefill_on_a_cached_prefix_last_row_only(family: Family) -> None:

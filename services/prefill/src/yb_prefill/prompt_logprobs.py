@@ -2,10 +2,13 @@
 harnesses score a continuation: lm-evaluation-harness sends context plus continuation
 with `echo: true, logprobs: 1, max_tokens: 0 or 1`).
 
-The prefill computes such a prompt from its first token (`ModelRunner.prefill(...,
-all_logits=True)`): a reused prefix brings KV but no logits, so the request's planned
-reuse is dropped and the whole prompt is computed; its full blocks are still kept and
-stored for the requests after it. Row i of the logits is the distribution after prompt
+The prefill computes such a prompt from its first token, handing each chunk's logits
+to a `PromptScorer` as they come (`ModelRunner.prefill(..., row_logits=...)`), so no
+more than one chunk's `[chunk, vocab]` logits is ever held: a long prompt's whole
+`[n, vocab]` in float32 (9.6 GB for 49,152 tokens of SmolLM2's vocabulary) would not
+fit. A reused prefix brings KV but no logits, so the request's planned reuse is dropped
+and the whole prompt is computed; its full blocks are still kept and stored for the
+requests after it. Row i of the logits is the distribution after prompt
 token i, which scores token i + 1; the first token has no entry (OpenAI's `null`).
 
 Each entry has the shape of a sampled token's (`TokenLogprob`: the token's logprob and
@@ -62,3 +65,27 @@ def prompt_logprobs(
                     )
                 )
     return out
+
+
+class PromptScorer:
+    """Prompt tokens 1..n-1's logprobs, built chunk by chunk: `add(start, rows)` takes
+    the logits after tokens `start ..` (what `ModelRunner.prefill(row_logits=...)`
+    hands over; chunks in order, from token 0), turns them into entries and lets them
+    go. `entries` holds what `prompt_logprobs` computes for the whole prompt."""
+
+    def __init__(self, token_ids: Sequence[int], top: int) -> None:
+        self.token_ids = token_ids
+        self.top = top
+        self.entries: list[TokenLogprob] = []
+        self._next = 0  # the row expected next
+
+    def add(self, start: int, rows: torch.Tensor) -> None:
+        if start != self._next:
+            raise ValueError(f"rows from token {start}, expected from {self._next}")
+        n = len(self.token_ids)
+        self._next = start + rows.shape[0]
+        # The row after the last token scores no prompt token.
+        scoring = rows[: max(0, min(rows.shape[0], n - 1 - start))]
+        if scoring.shape[0]:
+            ids = [*self.token_ids[start : start + scoring.shape[0] + 1]]
+            self.entries.extend(prompt_logprobs(ids, [scoring, scoring[-1:]], self.top))

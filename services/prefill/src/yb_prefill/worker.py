@@ -60,13 +60,13 @@ from yb_dataplane.worker import Capacity, Worker, WorkerContext
 from yb_engine.choice_sampling import Sampled, sample_first_tokens
 from yb_engine.host import EngineGauges, EngineHost
 from yb_engine.kv_cache import OutOfPages
-from yb_engine.runner import PrefillSeq
+from yb_engine.runner import PrefillSeq, RowLogits
 from yb_prefill.batching import ComputeBatch, Outcome, take_group
 from yb_prefill.decode_link import DecodeLink
 from yb_prefill.failure import JobOwner
 from yb_prefill.job_queue import JobQueue, Liveness, QueuedJob, refusal, take_job
 from yb_prefill.prefix_cache import PrefixCache
-from yb_prefill.prompt_logprobs import prompt_logprobs
+from yb_prefill.prompt_logprobs import PromptScorer
 from yb_prefill.reuse import Prefix, PrefixLoader
 from yb_prefill.streaming import LayerStreamer
 
@@ -225,10 +225,10 @@ class PrefillWorker(JobOwner, Worker):
         # The batch each job of a group of several computes in (by id of the job).
         self._batch_of: dict[int, ComputeBatch[_Part, list[Sampled]]] = {}
         # The prompt logprobs the engine thread computed for a job (by id of the job),
-        # until its hand-over takes them; and the logits rows of a compute split by a
-        # test failpoint, until its last part.
+        # until its hand-over takes them; and the scorer each chunk's logits go to while
+        # it computes (across the parts of a compute split by a test failpoint).
         self._prompt_logprobs: dict[int, list[pr.TokenLogprob]] = {}
-        self._prompt_rows: dict[int, list[torch.Tensor]] = {}
+        self._scorers: dict[int, PromptScorer] = {}
         self.liveness = Liveness()
         self._draining = False
         # Test-only fault injection: inert unless YB_FAILPOINTS arms it.
@@ -400,7 +400,7 @@ class PrefillWorker(JobOwner, Worker):
             if (batch := self._batch_of.pop(id(job), None)) is not None:
                 batch.leave(job)
             self._prompt_logprobs.pop(id(job), None)
-            self._prompt_rows.pop(id(job), None)
+            self._scorers.pop(id(job), None)
             _resolve(left_engine)
 
     async def _run(self, queued: QueuedJob, left_engine: asyncio.Future[None]) -> None:
@@ -841,16 +841,14 @@ class PrefillWorker(JobOwner, Worker):
     ) -> None:
         """Engine thread: compute the KV of tokens [num_cached_tokens, end) only (and
         keep their logits rows when the prompt's logprobs are asked for)."""
-        rows = self.engine.runner.prefill(
+        self.engine.runner.prefill(
             job.token_ids[:end],
             pages,
             num_cached_tokens=num_cached_tokens,
             chunk_size=self.pcfg.chunk_size,
             layer_hook=streamer.on_layer,
-            all_logits=job.sampling.prompt_logprobs is not None,
+            row_logits=self._scorer(job),
         )
-        if job.sampling.prompt_logprobs is not None:
-            self._prompt_rows.setdefault(id(job), []).append(rows)
 
     def _compute(
         self,
@@ -863,20 +861,29 @@ class PrefillWorker(JobOwner, Worker):
         first token (with the code the decode batcher samples with). A job that asks
         for its prompt's logprobs computes every row's logits (its whole prompt: it
         reused nothing) and reads them from those."""
-        top = job.sampling.prompt_logprobs
+        score = self._scorer(job)
         logits = self.engine.runner.prefill(
             job.token_ids,
             pages,
             num_cached_tokens=num_cached_tokens,
             chunk_size=self.pcfg.chunk_size,
             layer_hook=streamer.on_layer,
-            all_logits=top is not None,
+            row_logits=score,
         )
+        if score is not None:
+            self._prompt_logprobs[id(job)] = self._scorers.pop(id(job)).entries
+        return self._sample_first(job, logits)
+
+    def _scorer(self, job: pr.PrefillJob) -> RowLogits | None:
+        """Engine thread: where a job that asks for its prompt's logprobs hands each
+        chunk's logits (kept across the calls of a split compute); None otherwise."""
+        top = job.sampling.prompt_logprobs
         if top is None:
-            return self._sample_first(job, logits)
-        rows = [*self._prompt_rows.pop(id(job), []), logits]
-        self._prompt_logprobs[id(job)] = prompt_logprobs(job.token_ids, rows, top)
-        return self._sample_first(job, logits[-1])
+            return None
+        scorer = self._scorers.get(id(job))
+        if scorer is None:
+            scorer = self._scorers[id(job)] = PromptScorer(job.token_ids, top)
+        return scorer.add
 
     def _sample_first(self, job: pr.PrefillJob, logits: torch.Tensor) -> list[Sampled]:
         """Engine thread: each choice's first token from the logits after the prompt

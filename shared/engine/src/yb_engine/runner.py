@@ -17,7 +17,7 @@ the decode batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -28,7 +28,11 @@ from yb_engine.decoder import Chunk, Decoder, Keep, LayerHook, Step
 from yb_engine.kv_cache import PagedKVCache
 from yb_engine.loader import LoadedModel
 
-__all__ = ["DecodeSeq", "LayerHook", "ModelRunner", "PrefillChunk", "PrefillSeq"]
+__all__ = ["DecodeSeq", "LayerHook", "ModelRunner", "PrefillChunk", "PrefillSeq", "RowLogits"]
+
+#: `row_logits(start, rows)`: a prefill chunk's float32 logits `[chunk, vocab]`, after
+#: tokens `start ..` of the prompt.
+RowLogits = Callable[[int, torch.Tensor], None]
 
 
 class DecodeSeq(msgspec.Struct, frozen=True):
@@ -143,6 +147,7 @@ class ModelRunner:
         chunk_size: int = 512,
         layer_hook: LayerHook | None = None,
         all_logits: bool = False,
+        row_logits: RowLogits | None = None,
     ) -> torch.Tensor:
         """Compute the KV of `token_ids[num_cached_tokens:]` and the next-token logits.
 
@@ -158,9 +163,15 @@ class ModelRunner:
         `all_logits`, the logits after every computed token instead, `[n -
         num_cached_tokens, vocab]` (row j follows token `num_cached_tokens + j`; the
         last row is what `prefill` returns): what a prompt's logprobs are read from.
+        `row_logits(start, rows)` instead hands over each chunk's rows as they are
+        computed (`rows` follow tokens `start ..`), so no more than one chunk's logits
+        is ever held (a long prompt's `[n, vocab]` float32 would not fit), and the
+        call returns the last row only.
         """
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
+        if all_logits and row_logits is not None:
+            raise ValueError("ask for all_logits or row_logits, not both")
         self.check_prefill(token_ids, block_table, num_cached_tokens)
         n = len(token_ids)
         block_size = self.cache.block_size
@@ -171,14 +182,20 @@ class ModelRunner:
             for start in range(num_cached_tokens, n, chunk_size):
                 end = min(start + chunk_size, n)
                 plan = self.backend.plan_prefill(block_table, start, end, block_size)
-                keep: Keep = "all" if all_logits else "last" if end == n else "none"
+                every_row = all_logits or row_logits is not None
+                keep: Keep = "all" if every_row else "last" if end == n else "none"
                 step = Step(
                     positions=torch.arange(start, end, device=self.device),
                     chunks=[Chunk(plan, 0, end - start, keep, layer_hook)],
                 )
                 hidden = decoder.forward(decoder.embed(ids[start:end]), step)
-                if all_logits:
-                    rows.append(decoder.logits(hidden))
+                if every_row:
+                    chunk_rows = decoder.logits(hidden)
+                    if row_logits is not None:
+                        row_logits(start, chunk_rows)
+                        hidden = hidden[-1:]
+                    else:
+                        rows.append(chunk_rows)
             if all_logits:
                 return torch.cat(rows) if len(rows) > 1 else rows[0]
             return decoder.logits(hidden[-1:])[0]
