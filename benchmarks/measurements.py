@@ -101,6 +101,15 @@ SUMMARIES: dict[str, str] = {
         "DeepSeek-V3's real sizes (from their configs: the bytes are arithmetic, the same "
         "on any machine). Timings are medians of `--repeats` runs."
     ),
+    "hf_backend": (
+        "Two ways to compute a model family, on the default model (a Llama) in float32 "
+        "over the same weights and the same paged KV cache and attention backend, "
+        "alternating in one run: the model runner's own forward pass (`runner`), and "
+        "transformers' own decoder modules driven layer by layer with the paged attention "
+        "registered in transformers' `AttentionInterface` (`hf_modules`, as vLLM's "
+        "Transformers backend). Greedy argmax only, no sampling. The run fails unless "
+        "their logits agree within 1e-4. Medians of `--repeats` runs."
+    ),
     "engine": (
         "Prefill and decode throughput of the model runner (`yb_engine`) in one process, "
         "against transformers' own forward pass of the same model on the same tokens, "
@@ -346,6 +355,47 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         (r"(\w+?)_kv_bytes_per_token", "{0}: KV bytes one token keeps (every layer, float32)"),
         (r"(\w+?)_pool_tokens_per_gb_latent", "{0}: tokens a GB of KV pool holds as latents"),
         (r"(\w+?)_pool_tokens_per_gb_per_head", "{0}: tokens a GB holds as per-head K/V"),
+    ],
+    "hf_backend": [
+        ("model", "the model measured"),
+        ("device", "the device"),
+        ("dtype", "weights' and KV cache's dtype"),
+        ("threads", "torch threads"),
+        ("block_size", "tokens per KV page"),
+        ("chunk_size", "tokens per prefill chunk"),
+        ("decode_context_tokens", "about how many tokens each decoding sequence holds"),
+        ("decode_steps", "greedy decode steps per timed run"),
+        ("repeats", "timed runs of each way (medians reported)"),
+        ("attention_backend", "the attention backend both ways use"),
+        ("transformers", "the transformers version whose modules `hf_modules` runs"),
+        (
+            r"logits_max_abs_diff_prefill_(\d+)",
+            "largest absolute difference of the two ways' float32 logits after a {0}-token "
+            "prefill (the run fails above 1e-4)",
+        ),
+        (
+            r"logits_max_abs_diff_decode_batch_(\d+)",
+            "the same after one decode step of {0} sequences of different lengths",
+        ),
+        ("kv_max_abs_diff_prefill", "largest absolute difference of the KV the two ways wrote"),
+        (
+            r"(runner|hf_modules)_prefill_tokens_per_s_(\d+)",
+            "prompt tokens/s of `{0}` on a {1}-token prompt (chunked, KV written into pages)",
+        ),
+        (
+            r"(runner|hf_modules)_decode_tokens_per_s_batch_(\d+)",
+            "decode tokens/s of `{0}` with {1} sequences (greedy argmax)",
+        ),
+        (
+            r"hf_modules_over_runner_prefill_(\d+)",
+            "`hf_modules` prefill speed over `runner`'s, {0} tokens (median of the ratios of "
+            "neighbouring runs)",
+        ),
+        (
+            r"hf_modules_over_runner_decode_batch_(\d+)",
+            "`hf_modules` decode speed over `runner`'s, {0} sequences (median of the ratios of "
+            "neighbouring runs)",
+        ),
     ],
     "engine": [
         ("model", "the model measured"),

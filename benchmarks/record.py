@@ -59,6 +59,7 @@ BENCHMARKS = (
     "sim_matrix",
     "sim_capacity",
     "families",
+    "hf_backend",
 )
 # The longest benchmark (the default model through `yb up`, on a loaded 2-core machine)
 # takes minutes; an hour means something is stuck.
