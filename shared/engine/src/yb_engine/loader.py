@@ -252,14 +252,19 @@ def check_supported(path: str | Path) -> ArchConfig:
     """The architecture of the model in directory `path`, read from its config alone;
     `UnsupportedModelError` when no registered family computes it (or the config names
     a model type transformers does not know). Reads no weight and no tokenizer."""
+    path = Path(path).expanduser()
+    return arch_from_hf_config(_hf_config(path), model_id=path.name)
+
+
+def _hf_config(path: Path) -> Any:
+    """The directory's transformers config; `UnsupportedModelError` for a model type
+    transformers does not know."""
     from transformers import AutoConfig
 
-    path = Path(path).expanduser()
     try:
-        hf_config = AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError) as exc:  # an unknown model_type
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as exc:
         raise UnsupportedModelError(f"{path}: transformers cannot read its config: {exc}") from exc
-    return arch_from_hf_config(hf_config, model_id=path.name)
 
 
 def _read_config_and_tokenizer(path: Path) -> tuple[ArchConfig, Any]:
@@ -269,12 +274,12 @@ def _read_config_and_tokenizer(path: Path) -> tuple[ArchConfig, Any]:
     chat checkpoints often stop on a token (`<|im_end|>`, `<|eot_id|>`) that only one of
     them names.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     # The family is checked first: a model we cannot compute is refused before its
-    # tokenizer or any weight is read.
-    check_supported(path)
-    hf_config = AutoConfig.from_pretrained(path)
+    # tokenizer or any weight is read (the config is read once).
+    hf_config = _hf_config(path)
+    arch_from_hf_config(hf_config, model_id=path.name)
     tokenizer = AutoTokenizer.from_pretrained(path)
     extra_eos = _generation_eos(path)
     if tokenizer.eos_token_id is not None:
