@@ -23,8 +23,8 @@ def test_sizes_follow_the_parts() -> None:
 
 
 def test_the_layout_id_names_what_decides_the_bytes() -> None:
-    assert SMOLLM2.layout_id == "k+v:3x64:float32:30L"
-    assert KIMI_K2.layout_id == "latent:1x576:bfloat16:61L"
+    assert SMOLLM2.layout_id == "k+v:3x64:float32:30L:hm"
+    assert KIMI_K2.layout_id == "latent:1x576:bfloat16:61L:hm"
     half = msgspec.structs.replace(SMOLLM2, dtype="bfloat16")
     assert half.layout_id != SMOLLM2.layout_id
 

@@ -114,7 +114,7 @@ def test_chunked_prefill_over_cached_prefix_pages_matches_sdpa(
     # the prefix pages were read, not rewritten
     for layer in range(model.config.num_layers):
         head = slice(0, 300 - BLOCK)
-        assert torch.equal(caches["flash"][layer, 1, :, head], source.kv[layer, 1, :, head])
+        assert torch.equal(caches["flash"][layer, 1, :, :, head], source.kv[layer, 1, :, :, head])
 
 
 @pytest.mark.parametrize("make", FLASH)
@@ -196,7 +196,7 @@ def _inputs(
     rows: int, heads: int = 4, kv_heads: int = 2, dim: int = 16, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    kv = torch.randn(5, 2, BLOCK, kv_heads, dim, generator=gen).to(BF16)
+    kv = torch.randn(5, kv_heads, 2, BLOCK, dim, generator=gen).to(BF16)
     q = torch.randn(rows, heads, dim, generator=gen).to(BF16)
     k = torch.randn(rows, kv_heads, dim, generator=gen).to(BF16)
     v = torch.randn(rows, kv_heads, dim, generator=gen).to(BF16)

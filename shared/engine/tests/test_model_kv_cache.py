@@ -47,11 +47,11 @@ def test_double_free_and_foreign_free_are_errors_that_free_nothing() -> None:
 def test_cache_layout_and_page_views_are_contiguous_views() -> None:
     arch = tiny_random_model().config
     cache = PagedKVCache(arch, num_pages=7, block_size=16, dtype=torch.float32)
-    assert cache.kv.shape == (arch.num_layers, 7, 2, 16, arch.num_kv_heads, arch.head_dim)
+    assert cache.kv.shape == (arch.num_layers, 7, arch.num_kv_heads, 2, 16, arch.head_dim)
     assert cache.kv.is_contiguous()
     view = cache.page_view(1, 5)
     assert view.is_contiguous()
-    assert view.shape == (2, 16, arch.num_kv_heads, arch.head_dim)
+    assert view.shape == (arch.num_kv_heads, 2, 16, arch.head_dim)
     assert cache.page_nbytes == view.numel() * 4
     # a view, not a copy: its bytes are the cache's bytes at (layer, page)
     offset = (1 * 7 + 5) * cache.page_nbytes

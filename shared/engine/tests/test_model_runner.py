@@ -165,7 +165,7 @@ def test_layer_hook_runs_after_each_layer_wrote_its_chunk() -> None:
     seen: dict[tuple[int, int], torch.Tensor] = {}
 
     def k_of(layer: int, start: int, end: int) -> torch.Tensor:
-        rows = [cache.kv[layer, table[p // BLOCK], 0, p % BLOCK] for p in range(start, end)]
+        rows = [cache.kv[layer, table[p // BLOCK], :, 0, p % BLOCK] for p in range(start, end)]
         return torch.stack(rows).clone()
 
     def hook(layer: int, start: int, end: int) -> None:

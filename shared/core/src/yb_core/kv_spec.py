@@ -9,9 +9,11 @@ The engine derives a `KVCacheSpec` from its model and announces it (`InstanceUp.
 everything downstream reads the sizes from it instead of guessing from a head count.
 
 The page layout it implies: layer `l`'s page `p` is one contiguous region of
-`page_nbytes(block_size)` bytes, `[parts, block_size, heads, dim]` row-major (for K/V,
-all keys of the block then all values). A block in the pool is that region for every
-layer the model has.
+`page_nbytes(block_size)` bytes, `[heads, parts, block_size, dim]` row-major: head by
+head, each head's keys of the block then its values. Head-major, so the heads one
+tensor-parallel rank holds (a contiguous run) are one region of the page, at every
+degree. A block in the pool is that region for every layer the model has: the same
+bytes whatever degree wrote it.
 
 Torch-free: the conductor, the gateway and `yb sim` use it.
 """
@@ -89,4 +91,6 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     def layout_id(self) -> str:
         """Everything that decides a block's bytes, as a short string: two engines
         whose blocks can be exchanged have the same one (part of a block's key)."""
-        return f"{'+'.join(self.parts)}:{self.heads}x{self.dim}:{self.dtype}:{self.num_layers}L"
+        # "hm": head-major pages (the module doc).
+        parts = "+".join(self.parts)
+        return f"{parts}:{self.heads}x{self.dim}:{self.dtype}:{self.num_layers}L:hm"

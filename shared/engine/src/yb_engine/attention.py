@@ -11,7 +11,7 @@ that does not wait for the device; the per-layer work only launches kernels.
 - `FlashAttnBackend` (flash-attn 2, CUDA sm80-sm90): `flash_attn_with_kvcache` appends
   the new K/V through the block table and attends, in one kernel per layer.
 - `FlashAttnCuteBackend` (flash-attn 4, `flash_attn.cute`, sm80-sm120): the K/V
-  are written with `index_copy_`, then `flash_attn_varlen_func` attends through
+  are written with one indexed store, then `flash_attn_varlen_func` attends through
   `page_table` and `seqused_k`.
 
 `select_backend` picks the first flash backend whose every requirement holds (see its
@@ -69,9 +69,9 @@ class PrefillPlan:
     """One chunk `[start, end)` of one sequence.
 
     `block_table` covers the pages of tokens `[0, end)` (int64 `[pages]` for SDPA, int32
-    `[1, pages]` for flash-attn); `rows_k`/`rows_v` are the rows of the flattened layer
-    view `[pages * 2 * block_size, kv_heads, head_dim]` that the chunk's keys and values
-    go to; `mask` is SDPA's causal mask with the prefix offset (None when the chunk
+    `[1, pages]` for flash-attn); `write_pages`/`write_slots` (int64 `[end - start]`)
+    are the page and the slot in it that each of the chunk's tokens is written to;
+    `mask` is SDPA's causal mask with the prefix offset (None when the chunk
     starts at 0, and for flash-attn, whose causal mask is aligned bottom-right).
 
     The flash fields are int32 device tensors: `cache_seqlens` `[1]` = start (tokens
@@ -82,8 +82,8 @@ class PrefillPlan:
     start: int
     end: int
     block_table: torch.Tensor
-    rows_k: torch.Tensor
-    rows_v: torch.Tensor
+    write_pages: torch.Tensor
+    write_slots: torch.Tensor
     mask: torch.Tensor | None
     cache_seqlens: torch.Tensor | None = None
     seqused_k: torch.Tensor | None = None
@@ -107,8 +107,8 @@ class DecodePlan:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     positions: torch.Tensor
-    rows_k: torch.Tensor
-    rows_v: torch.Tensor
+    write_pages: torch.Tensor
+    write_slots: torch.Tensor
     mask: torch.Tensor | None
     cache_seqlens: torch.Tensor | None = None
     cu_seqlens_q: torch.Tensor | None = None
@@ -118,7 +118,8 @@ class DecodePlan:
 class AttentionBackend(Protocol):
     """What the runner needs from an attention implementation.
 
-    `kv_layer` is `cache.kv[layer]`, `[num_pages, 2, block_size, kv_heads, head_dim]`.
+    `kv_layer` is `cache.kv[layer]`, `[num_pages, kv_heads, 2, block_size, head_dim]`
+    (head-major pages: `yb_engine.kv_cache`).
     Queries are `[T, heads, head_dim]` and keys/values `[T, kv_heads, head_dim]`, with
     RoPE applied; the result has the queries' shape. Plans are made once per forward
     and shared by all layers; `opts` says how the layer attends (scale, window,
@@ -178,26 +179,22 @@ def host_ints(values: list[int], dtype: torch.dtype, device: torch.device) -> to
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _rows(
-    pages: torch.Tensor, slots: torch.Tensor, block_size: int, parts: int = 2
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # Row of (page, 0, slot) in the layer viewed as [pages * parts * block_size, ...];
-    # the value row is one block further, because K and V of a page are adjacent
-    # halves. With one part (MLA's latent) only the first is a row of the page.
-    rows_k = pages * (parts * block_size) + slots
-    return rows_k, rows_k + block_size
-
-
 def _write(
-    kv_layer: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    rows_k: torch.Tensor,
-    rows_v: torch.Tensor,
+    kv_layer: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, *parts: torch.Tensor
 ) -> None:
-    flat = kv_layer.view(-1, kv_layer.shape[-2], kv_layer.shape[-1])
-    flat.index_copy_(0, rows_k, k.to(flat.dtype))
-    flat.index_copy_(0, rows_v, v.to(flat.dtype))
+    """Write each token's parts (`[T, heads, dim]` each: K and V, or the latent) at
+    (its page, every head, the part, its slot) of `kv_layer` `[pages, heads, parts,
+    block, dim]`."""
+    heads = torch.arange(kv_layer.shape[1], device=kv_layer.device)[None, :]
+    at_page, at_slot = pages[:, None], slots[:, None]
+    for i, values in enumerate(parts):
+        kv_layer[at_page, heads, i, at_slot] = values.to(kv_layer.dtype)
+
+
+def key_cache(kv_layer: torch.Tensor, part: int) -> torch.Tensor:
+    """One part of every page as `[pages, block, heads, dim]` (a strided view, unit
+    stride in the last dimension): the paged layout flash-attn's kernels read."""
+    return kv_layer[:, :, part].transpose(1, 2)
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -302,12 +299,12 @@ class TorchSDPABackend:
         num_pages = _pages_needed(block_table, end, block_size, f"{end} tokens")
         table = host_ints(list(block_table[:num_pages]), torch.int64, self.device)
         pos = torch.arange(start, end, device=self.device)
-        rows_k, rows_v = _rows(table[pos // block_size], pos % block_size, block_size, self.parts)
+        write_pages, write_slots = table[pos // block_size], pos % block_size
         mask = None
         if start > 0:
             keys = torch.arange(end, device=self.device)
             mask = _additive(keys[None, :] <= pos[:, None], self.dtype)
-        return PrefillPlan(start, end, table, rows_k, rows_v, mask)
+        return PrefillPlan(start, end, table, write_pages, write_slots, mask)
 
     def plan_decode(
         self, block_tables: Sequence[Sequence[int]], positions: Sequence[int], block_size: int
@@ -320,10 +317,9 @@ class TorchSDPABackend:
         seq_lens = ints[b * width :]
         pos_t = seq_lens - 1
         page_of = tables.gather(1, (pos_t // block_size)[:, None])[:, 0]
-        rows_k, rows_v = _rows(page_of, pos_t % block_size, block_size, self.parts)
         keys = torch.arange(width * block_size, device=self.device)
         mask = _additive(keys[None, :] < seq_lens[:, None], self.dtype)[:, None, None, :]
-        return DecodePlan(tables, seq_lens, pos_t, rows_k, rows_v, mask)
+        return DecodePlan(tables, seq_lens, pos_t, page_of, pos_t % block_size, mask)
 
     def _prefill_visible(
         self, plan: PrefillPlan, window: int, last_only: bool
@@ -356,9 +352,9 @@ class TorchSDPABackend:
     # -- attention --------------------------------------------------------------------
 
     def _gather_parts(self, kv_layer: torch.Tensor, pages: torch.Tensor) -> list[torch.Tensor]:
-        """Each part (K, V; or the latent) of `pages`, `[len(pages) * block_size,
-        heads, dim]` each, in a reused workspace."""
-        _, parts, block, heads, dim = kv_layer.shape
+        """Each part (K, V; or the latent) of `pages`, head-major: `[heads,
+        len(pages) * block_size, dim]` each, in a reused workspace."""
+        _, heads, parts, block, dim = kv_layer.shape
         n = pages.numel()
         size = n * block * heads * dim
         key = (kv_layer.dtype, kv_layer.device.index or 0)
@@ -366,20 +362,23 @@ class TorchSDPABackend:
         if ws is None or ws.numel() < parts * size:
             ws = torch.empty(parts * size, dtype=kv_layer.dtype, device=kv_layer.device)
             self._workspace[key] = ws
-        # Each page part as one flat row: index_select then copies whole rows, faster
-        # than its generic path over the 4-d strided halves (2x with 16-token pages).
-        rows = kv_layer.view(kv_layer.shape[0], parts, block * heads * dim)
+        # Straight into the `[heads, tokens, dim]` order attention reads, one
+        # index_select per (part, head): each (head, page) row of `block * dim` numbers
+        # is contiguous, which its fast row-copy path takes (selecting along the pages
+        # of a transposed view in one call falls to its generic path, 30x slower).
+        rows = kv_layer.view(kv_layer.shape[0], heads, parts, block * dim)
         out = []
         for i in range(parts):
-            target = ws[i * size : (i + 1) * size]
-            torch.index_select(rows[:, i], 0, pages, out=target.view(n, -1))
-            out.append(target.view(n * block, heads, dim))
+            target = ws[i * size : (i + 1) * size].view(heads, n, block * dim)
+            for h in range(heads):
+                torch.index_select(rows[:, h, i], 0, pages, out=target[h])
+            out.append(target.view(heads, n * block, dim))
         return out
 
     def _gather(
         self, kv_layer: torch.Tensor, pages: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `pages`, each `[len(pages) * block_size, kv_heads, head_dim]`."""
+        """K and V of `pages`, each `[kv_heads, len(pages) * block_size, head_dim]`."""
         k, v = self._gather_parts(kv_layer, pages)
         return k, v
 
@@ -393,14 +392,15 @@ class TorchSDPABackend:
         opts: AttnOptions = PLAIN,
     ) -> torch.Tensor | None:
         """Write the chunk's K/V into its pages, then attend (see `AttentionBackend`)."""
-        _write(kv_layer, k, v, plan.rows_k, plan.rows_v)
+        _write(kv_layer, plan.write_pages, plan.write_slots, k, v)
         if q is None:
             return None
         if plan.start == 0 and kv_layer.dtype == k.dtype:
-            keys, values = k, v  # nothing cached before the chunk: skip the gather
+            # nothing cached before the chunk: skip the gather
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)
         else:
             keys, values = self._gather(kv_layer, plan.block_table)
-            keys, values = keys[: plan.end].to(q.dtype), values[: plan.end].to(q.dtype)
+            keys, values = keys[:, : plan.end].to(q.dtype), values[:, : plan.end].to(q.dtype)
         return self._attend_prefill(q, keys, values, plan, opts)
 
     def _attend_prefill(
@@ -412,14 +412,10 @@ class TorchSDPABackend:
         opts: AttnOptions,
     ) -> torch.Tensor:
         """`q` `[Q, heads, d]` (the chunk's rows, or its last only) against the
-        sequence's `[end, kv_heads, d]` keys and values."""
+        sequence's `[kv_heads, end, d]` keys and values."""
         last_only = q.shape[0] == 1 and plan.end - plan.start > 1
-        qh, kh, vh = (
-            q.transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-        )
-        gqa = q.shape[1] != keys.shape[1]
+        qh, kh, vh = q.transpose(0, 1)[None], keys[None], values[None]
+        gqa = q.shape[1] != keys.shape[0]
         if opts.plain:
             mask = None if last_only else plan.mask
             out = F.scaled_dot_product_attention(
@@ -437,7 +433,7 @@ class TorchSDPABackend:
             queries = torch.arange(plan.end - q.shape[0], plan.end, device=self.device)
             visible = _window_visible(queries, torch.arange(plan.end, device=self.device), 0, True)
         if gqa:
-            group = q.shape[1] // keys.shape[1]
+            group = q.shape[1] // keys.shape[0]
             kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
         scale = q.shape[-1] ** -0.5 if opts.scale is None else opts.scale
         out = _softcapped_attention(qh, kh, vh, visible, scale, opts.softcap)
@@ -453,12 +449,12 @@ class TorchSDPABackend:
         opts: AttnOptions = PLAIN,
     ) -> torch.Tensor:
         """Write each sequence's new K/V, then attend all B queries in one SDPA call."""
-        _write(kv_layer, k, v, plan.rows_k, plan.rows_v)
+        _write(kv_layer, plan.write_pages, plan.write_slots, k, v)
         b, heads, dim = q.shape
         kv_heads = k.shape[1]
         keys, values = self._gather(kv_layer, plan.block_tables.flatten())
-        keys = keys.view(b, -1, kv_heads, dim).transpose(1, 2).to(q.dtype)
-        values = values.view(b, -1, kv_heads, v.shape[-1]).transpose(1, 2).to(q.dtype)
+        keys = keys.view(kv_heads, b, -1, dim).transpose(0, 1).to(q.dtype)
+        values = values.view(kv_heads, b, -1, v.shape[-1]).transpose(0, 1).to(q.dtype)
         # Grouped-query attention without repeating K/V: the query heads that share a KV
         # head become that head's "query positions". One query token per sequence needs
         # no causal mask, only the length mask, which broadcasts over them.
@@ -488,17 +484,16 @@ class TorchSDPABackend:
         `q` `[Q, heads, qk_dim]` to the keys and values `expand` makes of the
         sequence's latents (`[N, 1, latent_dim]` to `[N, heads, qk_dim]`, `[N, heads,
         v_dim]`)."""
-        flat = kv_layer.view(-1, kv_layer.shape[-2], kv_layer.shape[-1])
-        flat.index_copy_(0, plan.rows_k, latent.to(flat.dtype))
+        _write(kv_layer, plan.write_pages, plan.write_slots, latent)
         if q is None:
             return None
         if plan.start == 0 and kv_layer.dtype == latent.dtype:
             context = latent
         else:
             (context,) = self._gather_parts(kv_layer, plan.block_table)
-            context = context[: plan.end].to(q.dtype)
+            context = context[:, : plan.end].transpose(0, 1).to(q.dtype)
         keys, values = expand(context)
-        return self._attend_prefill(q, keys, values, plan, opts)
+        return self._attend_prefill(q, keys.transpose(0, 1), values.transpose(0, 1), plan, opts)
 
     def decode_latent(
         self,
@@ -514,11 +509,10 @@ class TorchSDPABackend:
         head's key up-projection folded into its query), so every head reads the
         sequence's latents themselves as keys and their first `value_dim` numbers as
         values, one shared KV head; `[B, heads, value_dim]`, still to be projected up."""
-        flat = kv_layer.view(-1, kv_layer.shape[-2], kv_layer.shape[-1])
-        flat.index_copy_(0, plan.rows_k, latent.to(flat.dtype))
+        _write(kv_layer, plan.write_pages, plan.write_slots, latent)
         b, heads, dim = q.shape
         (context,) = self._gather_parts(kv_layer, plan.block_tables.flatten())
-        keys = context.view(b, 1, -1, dim).to(q.dtype)
+        keys = context.view(1, b, -1, dim).transpose(0, 1).to(q.dtype)
         out = F.scaled_dot_product_attention(
             q.view(b, 1, heads, dim),
             keys,
@@ -562,13 +556,12 @@ class _PagedFlashBackend:
         )
         table = ints[:n].view(1, n)
         pos = torch.arange(start, end, device=self.device)
-        rows_k, rows_v = _rows(table[0].long()[pos // block_size], pos % block_size, block_size)
         return PrefillPlan(
             start,
             end,
             table,
-            rows_k,
-            rows_v,
+            table[0].long()[pos // block_size],
+            pos % block_size,
             None,
             cache_seqlens=ints[n : n + 1],
             seqused_k=ints[n + 1 : n + 2],
@@ -593,13 +586,12 @@ class _PagedFlashBackend:
         seq_lens = ints[at + b : at + 2 * b]
         pos = cache_seqlens.long()
         page_of = tables.gather(1, (pos // block_size)[:, None])[:, 0].long()
-        rows_k, rows_v = _rows(page_of, pos % block_size, block_size)
         return DecodePlan(
             tables,
             seq_lens,
             pos,
-            rows_k,
-            rows_v,
+            page_of,
+            pos % block_size,
             None,
             cache_seqlens=cache_seqlens,
             cu_seqlens_q=ints[at + 2 * b :],
@@ -627,9 +619,9 @@ class FlashAttnBackend(_PagedFlashBackend):
     table and attends with bottom-right causal alignment, which is exactly chunked
     prefill over a cached prefix (and, with one query row, last-row-only: causal is
     moot for a single row, which sees every key), and decode with B sequences of
-    different lengths. The cache layout's K half `kv[layer][:, 0]` is `[pages, block,
-    kv_heads, dim]` with a page stride of two blocks, which flash-attn accepts (it
-    needs a unit stride in the last dimension only).
+    different lengths. The cache's keys, `key_cache(kv[layer], 0)`, are a `[pages, block,
+    kv_heads, dim]` view strided over the head-major pages, which flash-attn accepts
+    (it needs a unit stride in the last dimension only, and reads the other strides).
 
     Requires (checked by `select_backend`, enforced by the kernel): CUDA sm80-sm90,
     fp16/bf16, `block_size % 256 == 0`, `heads % kv_heads == 0`, `head_dim <= 256`,
@@ -656,12 +648,12 @@ class FlashAttnBackend(_PagedFlashBackend):
         """Append the chunk to its pages and attend, in one kernel."""
         _plain_only(self.name, opts)
         if q is None:
-            _write(kv_layer, k, v, plan.rows_k, plan.rows_v)
+            _write(kv_layer, plan.write_pages, plan.write_slots, k, v)
             return None
         out = self._fn(
             q[None],
-            kv_layer[:, 0],
-            kv_layer[:, 1],
+            key_cache(kv_layer, 0),
+            key_cache(kv_layer, 1),
             k=k[None],
             v=v[None],
             cache_seqlens=plan.cache_seqlens,
@@ -683,8 +675,8 @@ class FlashAttnBackend(_PagedFlashBackend):
         _plain_only(self.name, opts)
         out = self._fn(
             q[:, None],
-            kv_layer[:, 0],
-            kv_layer[:, 1],
+            key_cache(kv_layer, 0),
+            key_cache(kv_layer, 1),
             k=k[:, None],
             v=v[:, None],
             cache_seqlens=plan.cache_seqlens,
@@ -697,7 +689,7 @@ class FlashAttnBackend(_PagedFlashBackend):
 class FlashAttnCuteBackend(_PagedFlashBackend):
     """flash-attn 4 (`flash_attn.cute`, CuTe DSL) over the paged cache.
 
-    It cannot append to the cache, so the chunk's K/V are written with `index_copy_`
+    It cannot append to the cache, so the chunk's K/V are written with an indexed store
     first (the same writer as SDPA's); `flash_attn_varlen_func` then attends through
     `page_table` with `seqused_k` keys per sequence and `cu_seqlens_q` query rows,
     causal aligned bottom-right (a single row sees every key). Requires compute
@@ -726,14 +718,14 @@ class FlashAttnCuteBackend(_PagedFlashBackend):
     ) -> torch.Tensor | None:
         """Write the chunk's K/V, then attend its queries (or only the last row)."""
         _plain_only(self.name, opts)
-        _write(kv_layer, k, v, plan.rows_k, plan.rows_v)
+        _write(kv_layer, plan.write_pages, plan.write_slots, k, v)
         if q is None:
             return None
         last_only = q.shape[0] != k.shape[0]
         out = self._fn(
             q,
-            kv_layer[:, 0],
-            kv_layer[:, 1],
+            key_cache(kv_layer, 0),
+            key_cache(kv_layer, 1),
             cu_seqlens_q=plan.cu_seqlens_q_last if last_only else plan.cu_seqlens_q,
             max_seqlen_q=q.shape[0],
             seqused_k=plan.seqused_k,
@@ -753,11 +745,11 @@ class FlashAttnCuteBackend(_PagedFlashBackend):
     ) -> torch.Tensor:
         """Write each sequence's token, then attend all B in one varlen call."""
         _plain_only(self.name, opts)
-        _write(kv_layer, k, v, plan.rows_k, plan.rows_v)
+        _write(kv_layer, plan.write_pages, plan.write_slots, k, v)
         out = self._fn(
             q,
-            kv_layer[:, 0],
-            kv_layer[:, 1],
+            key_cache(kv_layer, 0),
+            key_cache(kv_layer, 1),
             cu_seqlens_q=plan.cu_seqlens_q,
             max_seqlen_q=1,
             seqused_k=plan.seq_lens,
@@ -870,7 +862,7 @@ def probe_backend(
         return torch.randn(*shape, generator=gen).to(dev, dtype)
 
     sdpa = TorchSDPABackend(dev, dtype)
-    kv = rand(3, 2, block_size, kv_heads, head_dim)
+    kv = rand(3, kv_heads, 2, block_size, head_dim)
     ref_kv = kv.clone()
     start, end = block_size - 2, block_size + 3
 

@@ -1,13 +1,17 @@
 """Paged KV cache storage and the page allocator.
 
-The whole cache of an engine is ONE tensor `kv[num_layers, num_pages, parts, block_size,
-heads, dim]`, its per-token shape taken from the model's `KVCacheSpec`
-(`yb_core.kv_spec`): `parts` 2, `heads` the KV heads and `dim` the head size for
-grouped-query attention (keys, then values); `parts` 1, `heads` 1 and `dim` the latent
-size for MLA. That layout is a contract with the UCX data plane: the bytes of (layer,
-page) are one contiguous chunk of `spec.page_nbytes(block_size)`, so a page is sent or
-received straight from or into this tensor without a staging copy, and a prefill engine
-can ship layer `l` while it computes layer `l + 1`.
+The whole cache of an engine is ONE tensor `kv[num_layers, num_pages, heads, parts,
+block_size, dim]`, its per-token shape taken from the model's `KVCacheSpec`
+(`yb_core.kv_spec`): `heads` the KV heads this engine (or tensor-parallel rank) holds,
+`parts` 2 and `dim` the head size for grouped-query attention (a head's keys, then its
+values); `heads` 1, `parts` 1 and `dim` the latent size for MLA. Pages are head-major:
+each head's share of a page is one contiguous region, so a run of heads (what one
+tensor-parallel rank holds) is one region too, of the same bytes for every degree.
+
+That layout is a contract with the UCX data plane: the bytes of (layer, page) are one
+contiguous chunk of `spec.page_nbytes(block_size)`, so a page is sent or received
+straight from or into this tensor without a staging copy, and a prefill engine can ship
+layer `l` while it computes layer `l + 1`.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ class PagedKVCache:
         # zeros, not empty: a page that is read before it is written (a bug elsewhere)
         # then gives finite garbage instead of NaNs that poison a whole batch.
         self.kv = torch.zeros(
-            (spec.num_layers, num_pages, len(spec.parts), block_size, spec.heads, spec.dim),
+            (spec.num_layers, num_pages, spec.heads, len(spec.parts), block_size, spec.dim),
             dtype=dtype,
             device=self.device,
         )
@@ -68,7 +72,7 @@ class PagedKVCache:
         return self.spec.page_nbytes(self.block_size)
 
     def page_view(self, layer: int, page: int) -> torch.Tensor:
-        """`kv[layer, page]`, `[parts, block_size, heads, dim]`: a contiguous view.
+        """`kv[layer, page]`, `[heads, parts, block_size, dim]`: a contiguous view.
 
         Writing into the view writes the cache; this is what transfers send and receive.
         """
@@ -81,7 +85,7 @@ class PagedKVCache:
         return view
 
     def layer_view(self, layer: int) -> torch.Tensor:
-        """`kv[layer]`, `[num_pages, parts, block_size, heads, dim]`, a view."""
+        """`kv[layer]`, `[num_pages, heads, parts, block_size, dim]`, a view."""
         return self.kv[layer]
 
     def copy_page(self, source: int, target: int) -> None:
