@@ -191,6 +191,13 @@ class ModelConfig(_Section):
     weights' and the KV cache's: `auto` is bfloat16 on CUDA and float32 on the CPU
     (`dtype_for`).
 
+    `tensor_parallel` is how many devices (ranks, one process each) an engine instance
+    spans: each rank holds its share of the attention heads, the MLP (or the experts)
+    and the vocabulary, and its heads' KV pages (docs/engine.md#tensor-parallelism).
+    It is the default of both roles; `prefill.tensor_parallel` and
+    `decode.tensor_parallel` set one role's own (`yb up --prefill-tp N --decode-tp M`).
+    `collective_timeout_s` bounds every wait of one rank for the others.
+
     `block_size` is ONE size for everything that cuts a prompt: the gateway's prefix
     hashes (a block key covers `block_size` tokens), the conductor's index, the
     kvstores' blocks and every engine's KV page (a block is a page, so prefix reuse is
@@ -212,6 +219,8 @@ class ModelConfig(_Section):
     block_size: Annotated[int, msgspec.Meta(ge=0)] = 0
     max_model_len: int = 8192
     cache_dir: str = ""
+    tensor_parallel: _Count = 1
+    collective_timeout_s: _Seconds = 60.0
 
     def __post_init__(self) -> None:
         if not _DEVICE_RE.fullmatch(self.device):
@@ -474,6 +483,8 @@ class EngineConfig(_Section):
     ucx_port: _Port = 0
     transfer_timeout_s: _Seconds = 30.0
     load_report_interval_s: _Seconds = 1.0
+    # 0: `model.tensor_parallel`.
+    tensor_parallel: Annotated[int, msgspec.Meta(ge=0)] = 0
     reuse: bool = True
     store_blocks: bool = True
     fetch_timeout_s: _Seconds = 10.0
@@ -665,6 +676,11 @@ class YbConfig(_Section):
         if self.data_dir:
             return Path(self.data_dir).expanduser()
         return Path.home() / ".local" / "share" / "yuebing"
+
+    def tensor_parallel_of(self, engine: EngineConfig) -> int:
+        """The tensor-parallel degree of an engine of this role: its own setting, else
+        the model's."""
+        return engine.tensor_parallel or self.model.tensor_parallel
 
     def model_cache_dir(self) -> Path:
         """Where converted models are cached: `model.cache_dir`, `$YB_MODEL_CACHE`,

@@ -399,6 +399,10 @@ class InstanceUp(Event, tag="instance_up"):
     each (one block's KV across the layers it holds); `kv_spec` says what one token's
     KV is (parts, heads, numbers, dtype, layers: `yb_core.kv_spec`), which the
     conductor prices transfers with.
+
+    `tensor_parallel` is how many devices (ranks) the instance spans, each holding its
+    share of the heads and of their KV; `transfer_lanes` how many independent data-plane
+    endpoints its KV moves over at once (1: every rank's pages go through one).
     """
 
     instance_id: str
@@ -420,6 +424,8 @@ class InstanceUp(Event, tag="instance_up"):
     piggyback: bool = False
     kv_block_bytes: int = 0
     kv_spec: KVCacheSpec | None = None
+    tensor_parallel: int = 1
+    transfer_lanes: int = 1
 
 
 class InstanceDown(Event, tag="instance_down"):

@@ -31,6 +31,7 @@ from yb_engine.architecture import ArchConfig
 from yb_engine.attention import AttentionBackend, AttnOptions, DecodePlan, PrefillPlan
 from yb_engine.kv_cache import PagedKVCache
 from yb_engine.rope import Rotary
+from yb_engine.tensor_parallel import TPGroup
 from yb_engine.weights import (
     AttentionWeights,
     LatentAttentionWeights,
@@ -118,7 +119,12 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 class Decoder:
     """The layers `[first_layer, first_layer + len(layers))` of a model, and its
     embeddings and head where this holder has them: computes a `Step` over the KV
-    pages of `cache` (whose layer j is the model's layer `first_layer + j`)."""
+    pages of `cache` (whose layer j is the model's layer `first_layer + j`).
+
+    With `tp`, this is one rank of a tensor-parallel instance: `arch` is the rank's
+    (`Shard.local_arch`: its heads), the weights its share, and the partial sums of
+    each layer's attention and MLP meet in an all-reduce (`yb_engine.tensor_parallel`).
+    """
 
     def __init__(
         self,
@@ -133,8 +139,15 @@ class Decoder:
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TPGroup | None = None,
     ) -> None:
         self.arch = arch
+        self.tp = tp
+        self.experts = (
+            tp.shard.experts(arch)
+            if tp is not None and arch.moe is not None
+            else range(arch.moe.num_experts if arch.moe is not None else 0)
+        )
         self.layers = layers
         self.first_layer = first_layer
         self.embed_weight = embed
@@ -166,7 +179,10 @@ class Decoder:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids `[T]` to hidden states `[T, hidden]`."""
         assert self.embed_weight is not None, "only the first stage embeds tokens"
-        x = F.embedding(ids, self.embed_weight)
+        if self.tp is not None:
+            x = self.tp.embed(ids, self.embed_weight)
+        else:
+            x = F.embedding(ids, self.embed_weight)
         if self._embed_scale is not None:
             x = x * self._embed_scale
         return x
@@ -176,6 +192,8 @@ class Decoder:
         assert self.final_norm is not None and self.lm_head is not None
         arch = self.arch
         logits = F.linear(self.norm(hidden, self.final_norm), self.lm_head)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits)
         if arch.logit_scale != 1.0:
             logits = logits * arch.logit_scale
         if arch.final_softcap is not None:
@@ -231,13 +249,26 @@ class Decoder:
                 x = x.index_select(0, kept)
         if attn is None:  # a last layer whose output no row needs
             return x
-        out = F.linear(attn, lw.attn.o, lw.attn.o_bias)
+        tp = self.tp
+        if tp is None:
+            out = F.linear(attn, lw.attn.o, lw.attn.o_bias)
+        else:  # each rank's heads give a partial sum; the bias is added once
+            out = tp.all_reduce(F.linear(attn, lw.attn.o))
+            if lw.attn.o_bias is not None:
+                out = out + lw.attn.o_bias
         if lw.post_attn_norm is not None:
             out = self.norm(out, lw.post_attn_norm)
         x = x + out * arch.residual_scale if arch.residual_scale != 1.0 else x + out
         h = self.norm(x, lw.mlp_norm) if lw.mlp_norm is not None else x
         mlp = lw.mlp
-        out = self._experts(mlp, h) if isinstance(mlp, MoEWeights) else self._mlp(mlp, h)
+        if tp is None:
+            out = self._experts(mlp, h) if isinstance(mlp, MoEWeights) else self._mlp(mlp, h)
+        elif isinstance(mlp, MoEWeights):
+            out = tp.all_reduce(self._experts(mlp, h))
+        else:
+            out = tp.all_reduce(self._mlp(mlp, h, bias=False))
+            if mlp.down_bias is not None:
+                out = out + mlp.down_bias
         if lw.post_mlp_norm is not None:
             out = self.norm(out, lw.post_mlp_norm)
         return x + out * arch.residual_scale if arch.residual_scale != 1.0 else x + out
@@ -388,9 +419,9 @@ class Decoder:
 
     # -- MLPs ---------------------------------------------------------------------------
 
-    def _mlp(self, w: MLPWeights, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, w: MLPWeights, h: torch.Tensor, bias: bool = True) -> torch.Tensor:
         gate, up = F.linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(self.act(gate).mul_(up), w.down, w.down_bias)
+        return F.linear(self.act(gate).mul_(up), w.down, w.down_bias if bias else None)
 
     def _route(self, w: MoEWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's `top_k` experts `[T, k]` and their weights `[T, k]` (float32)."""
@@ -423,25 +454,36 @@ class Decoder:
         """The mixture of experts over all the step's tokens at once: the (token,
         expert) pairs are sorted by expert, so each expert that got tokens runs one
         gate/up and one down matmul over all of them; the results are weighted and
-        summed back into their tokens with one `index_add_`."""
+        summed back into their tokens with one `index_add_`.
+
+        A tensor-parallel rank runs only the experts it holds (`self.experts`, a
+        contiguous run, so their pairs are one run of the sorted order) and its share of
+        the shared expert: a partial sum, which the caller all-reduces."""
         moe = self.arch.moe
         assert moe is not None
         experts, weights = self._route(w, h)
         flat = experts.flatten()
         order = flat.argsort(stable=True)
-        token_of = order // moe.top_k
         counts = torch.bincount(flat, minlength=moe.num_experts).tolist()
+        held = self.experts
+        lo = sum(counts[: held.start])
+        order = order[lo : lo + sum(counts[held.start : held.stop])]
+        token_of = order // moe.top_k
         rows = h.index_select(0, token_of)
         outs = []
         start = 0
-        for e, n in enumerate(counts):
+        for e in held:
+            n = counts[e]
             if not n:
                 continue
-            gate, up = F.linear(rows[start : start + n], w.gate_up[e]).chunk(2, dim=-1)
-            outs.append(F.linear(self.act(gate).mul_(up), w.down[e]))
+            j = e - held.start
+            gate, up = F.linear(rows[start : start + n], w.gate_up[j]).chunk(2, dim=-1)
+            outs.append(F.linear(self.act(gate).mul_(up), w.down[j]))
             start += n
-        weighted = torch.cat(outs) * weights.flatten()[order, None].to(h.dtype)
-        out = torch.zeros_like(h).index_add_(0, token_of, weighted)
+        out = torch.zeros_like(h)
+        if outs:
+            weighted = torch.cat(outs) * weights.flatten()[order, None].to(h.dtype)
+            out.index_add_(0, token_of, weighted)
         if w.shared is not None:
-            out = out + self._mlp(w.shared, h)
+            out = out + self._mlp(w.shared, h, bias=self.tp is None)
         return out

@@ -22,11 +22,13 @@ from yb_engine.models import load_engine_model, load_engine_stage
 if TYPE_CHECKING:
     import torch
 
+    from yb_engine.architecture import ArchConfig
     from yb_engine.kv_cache import PageAllocator, PagedKVCache
     from yb_engine.kv_sizing import KVSizing
     from yb_engine.loader import LoadedModel, LoadedStage
     from yb_engine.runner import ModelRunner
     from yb_engine.stages import StageRunner
+    from yb_engine.tp_instance import TPInstance
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -90,6 +92,7 @@ class EngineHost:
         allocator: PageAllocator,
         runner: ModelRunner,
         kv: KVSizing,
+        ranks: TPInstance | None = None,
     ) -> None:
         self._executor = executor
         self.model = model
@@ -97,6 +100,22 @@ class EngineHost:
         self.allocator = allocator
         self.runner = runner
         self.kv = kv
+        self.ranks = ranks
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The ranks (devices) this instance spans."""
+        return self.ranks.size if self.ranks is not None else 1
+
+    async def watch_ranks(self) -> None:
+        """Raise `RankLost` when a rank of this tensor-parallel instance exits; return
+        at once for an instance of one rank. An engine service runs it as a
+        supervised task, so a lost rank takes the whole instance down."""
+        if self.ranks is None:
+            return
+        from yb_engine.tp_instance import RankLost
+
+        raise RankLost(await self.ranks.lost())
 
     @property
     def attention_backend(self) -> str:
@@ -135,8 +154,11 @@ class EngineHost:
         return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def close(self) -> None:
-        """Stop the engine thread after the work already submitted."""
+        """Stop the engine thread after the work already submitted, and the other
+        ranks of a tensor-parallel instance."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.ranks is not None:
+            self.ranks.close()
 
 
 def _load(
@@ -152,13 +174,16 @@ def _load(
     # engines share the machine, and more threads than cores only contend).
     threads = engine.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
+    size = cfg.tensor_parallel_of(engine)
+    if size > 1:
+        return _load_tensor_parallel(cls, executor, cfg, engine, size, threads)
     model = load_engine_model(
         cfg.model,
         cfg.model_cache_dir(),
         progress=lambda msg: log.info("model_progress", message=msg),
     )
     device = torch.device(model.device)
-    kv = size_kv_cache(cfg, engine, model, device)
+    kv = size_kv_cache(cfg, engine, model.config, model.dtype, device)
     spec = model.config.kv_spec(str(model.dtype).removeprefix("torch."))
     log.info(
         "kv_cache_sized",
@@ -193,6 +218,78 @@ def _load(
         threads=threads,
     )
     return cls(executor, model, cache, allocator, runner, kv)
+
+
+def _load_tensor_parallel(
+    cls: type[EngineHost],
+    executor: ThreadPoolExecutor,
+    cfg: YbConfig,
+    engine: EngineConfig,
+    size: int,
+    threads: int,
+) -> EngineHost:
+    """Engine thread: start a tensor-parallel instance of `size` ranks
+    (`yb_engine.tp_instance`): its pages sized for the whole instance, every rank
+    loading its share at once."""
+    from yb_engine.kv_cache import PageAllocator
+    from yb_engine.models import engine_arch, resolve_device, resolve_dtype
+    from yb_engine.tensor_parallel import check_degree
+    from yb_engine.tp_instance import check_device, start_instance
+
+    device = resolve_device(cfg.model.device)
+    dtype = resolve_dtype(cfg.model, device)
+    arch = engine_arch(cfg.model, cfg.model_cache_dir())
+    why = check_degree(arch, size) or check_device(device, size)
+    if why is not None:
+        raise ValueError(f"{arch.model_id} cannot run on {size} tensor-parallel ranks: {why}")
+    kv = size_kv_cache(cfg, engine, arch, dtype, device)
+    runner, sharded, ranks, model = start_instance(
+        cfg.model,
+        cfg.model_cache_dir(),
+        size=size,
+        arch=arch,
+        num_pages=kv.pages,
+        block_size=cfg.model.block_size,
+        dtype=dtype,
+        threads=threads,
+        timeout_s=cfg.model.collective_timeout_s,
+        load_timeout_s=max(600.0, cfg.model.collective_timeout_s),
+        load_own=lambda shard: load_engine_model(
+            cfg.model,
+            cfg.model_cache_dir(),
+            progress=lambda msg: log.info("model_progress", message=msg),
+            shard=shard,
+        ),
+    )
+    try:
+        allocator = PageAllocator(kv.pages)
+        _warm_up(runner, allocator, sharded)
+    except BaseException:
+        ranks.close()
+        raise
+    spec = sharded.spec
+    log.info(
+        "kv_cache_sized",
+        device=str(device),
+        family=arch.family,
+        kv_layout=spec.layout_id,
+        kv_bytes_per_token=spec.bytes_per_token,
+        tensor_parallel=size,
+        **kv.log_fields(),
+    )
+    log.info(
+        "engine_loaded",
+        layers=arch.num_layers,
+        pages=kv.pages,
+        block_size=cfg.model.block_size,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        attention=runner.attention_backend,
+        threads=threads,
+        tensor_parallel=size,
+        head_cuts=sharded.head_cuts,
+    )
+    return cls(executor, model, sharded, allocator, runner, kv, ranks)
 
 
 class StageHost:
@@ -239,7 +336,7 @@ def _load_stage(
     """Worker thread: read the model's shape, load the stage's layers, size its pages."""
     import torch
 
-    from yb_engine.architecture import ArchConfig, LayerRange
+    from yb_engine.architecture import LayerRange
     from yb_engine.kv_cache import PageAllocator
     from yb_engine.stages import stage_cache
 
@@ -257,7 +354,7 @@ def _load_stage(
     layer_range = stage.layer_range
     arch = stage.config
     device = torch.device(stage.device)
-    kv = size_kv_cache(cfg, engine, stage, device, num_layers=len(layer_range))
+    kv = size_kv_cache(cfg, engine, arch, stage.dtype, device, num_layers=len(layer_range))
     cache = stage_cache(stage, kv.pages, cfg.model.block_size)
     log.info(
         "stage_loaded",
@@ -273,23 +370,24 @@ def _load_stage(
 def size_kv_cache(
     cfg: YbConfig,
     engine: EngineConfig,
-    model: LoadedModel | LoadedStage,
+    arch: ArchConfig,
+    dtype: torch.dtype,
     device: torch.device,
     num_layers: int | None = None,
 ) -> KVSizing:
     """How many KV pages this engine allocates (`yb_engine.kv_sizing`'s rule), from
     its settings and the memory of the machine (and device) it runs on; a pipeline
-    stage's pages hold its `num_layers` layers only."""
+    stage's pages hold its `num_layers` layers only. A page is counted whole (every
+    head): a tensor-parallel instance's ranks hold it between them."""
     import torch
 
     from yb_engine import kv_sizing as ks
 
-    arch = model.config
-    element_size = torch.empty(0, dtype=model.dtype).element_size()
+    element_size = torch.empty(0, dtype=dtype).element_size()
     block_size = cfg.model.block_size
     layers = arch.num_layers if num_layers is None else num_layers
     # What a page holds is the model's (its KV cache spec), of every layer it keeps.
-    spec = arch.kv_spec(str(model.dtype).removeprefix("torch."), 0, layers)
+    spec = arch.kv_spec(str(dtype).removeprefix("torch."), 0, layers)
     page = spec.block_nbytes(block_size)
     # Only a prefill engine keeps a prefix cache.
     prefix_cache_pages = getattr(engine, "prefix_cache_pages", 0)

@@ -16,7 +16,8 @@ layer `l` while it computes layer `l + 1`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -43,7 +44,11 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        storage: torch.Tensor | None = None,
     ) -> None:
+        """`storage`: memory to hold the pages in (zeroed, of exactly the cache's
+        elements: a tensor-parallel rank's pages live in memory its instance's first
+        rank maps too); by default a fresh zeroed tensor."""
         if num_pages <= 0 or block_size <= 0:
             raise ValueError("num_pages and block_size must be positive")
         self.arch = arch
@@ -53,13 +58,27 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.spec: KVCacheSpec = arch.kv_spec(str(dtype).removeprefix("torch."))
         spec = self.spec
-        # zeros, not empty: a page that is read before it is written (a bug elsewhere)
-        # then gives finite garbage instead of NaNs that poison a whole batch.
-        self.kv = torch.zeros(
-            (spec.num_layers, num_pages, spec.heads, len(spec.parts), block_size, spec.dim),
-            dtype=dtype,
-            device=self.device,
-        )
+        shape = self.shape_of(spec, num_pages, block_size)
+        if storage is not None:
+            if storage.numel() != self.numel(spec, num_pages, block_size) or storage.dtype != dtype:
+                raise ValueError(
+                    f"storage of {storage.numel()} {storage.dtype} for a cache {shape}"
+                )
+            self.kv = storage.view(shape)
+        else:
+            # zeros, not empty: a page that is read before it is written (a bug
+            # elsewhere) then gives finite garbage instead of NaNs that poison a batch.
+            self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    @staticmethod
+    def shape_of(spec: KVCacheSpec, num_pages: int, block_size: int) -> tuple[int, ...]:
+        """The cache tensor's shape: `[layers, pages, heads, parts, block_size, dim]`."""
+        return (spec.num_layers, num_pages, spec.heads, len(spec.parts), block_size, spec.dim)
+
+    @staticmethod
+    def numel(spec: KVCacheSpec, num_pages: int, block_size: int) -> int:
+        """Numbers in a cache of `num_pages` pages of `spec`."""
+        return spec.num_layers * num_pages * block_size * spec.numbers_per_token_layer
 
     @property
     def num_layers(self) -> int:
@@ -83,6 +102,24 @@ class PagedKVCache:
         view = self.kv[layer, page]
         assert view.is_contiguous()
         return view
+
+    @property
+    def head_cuts(self) -> list[int]:
+        """The runs of KV heads a page is sent and received in by this cache's holder:
+        one run, every head (a tensor-parallel instance cuts it by rank:
+        `yb_engine.tp_instance.ShardedKV`)."""
+        return [0, self.spec.heads]
+
+    def pieces(self, layer: int, page: int, cuts: Sequence[int]) -> list[torch.Tensor]:
+        """The (layer, page) region cut at the head boundaries `cuts` (which include
+        `head_cuts`): contiguous views, heads `[cuts[i], cuts[i + 1])` each, in order.
+        Their bytes back to back are the page's."""
+        view = self.page_view(layer, page)
+        return [view[a:b] for a, b in itertools.pairwise(cuts)]
+
+    def replicate(self, pages: Iterable[int]) -> None:
+        """Copy received pages to the ranks that keep a replica of their heads; a
+        cache of one holder has none."""
 
     def layer_view(self, layer: int) -> torch.Tensor:
         """`kv[layer]`, `[num_pages, heads, parts, block_size, dim]`, a view."""

@@ -40,6 +40,7 @@ from yb_engine.architecture import (
     UnsupportedModelError,
     arch_from_hf_config,
 )
+from yb_engine.tensor_parallel import Shard
 from yb_engine.weights import ModelWeights, StageWeights
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -289,17 +290,23 @@ def _read_config_and_tokenizer(path: Path) -> tuple[ArchConfig, Any]:
 
 
 def load_model(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    shard: Shard | None = None,
 ) -> LoadedModel:
     """Load a local Hugging Face directory (safetensors weights) of any registered
-    family (`families.py`); `UnsupportedModelError` for any other."""
+    family (`families.py`); `UnsupportedModelError` for any other. With a
+    tensor-parallel `shard`, the weights are that rank's share (read as such: the rest
+    of each tensor is never copied out of the file's map)."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path).expanduser()
     arch, tokenizer = _read_config_and_tokenizer(path)
     with contextlib.ExitStack() as stack:
         weights = ModelWeights.from_hf_state_dict(
-            _LazyCheckpoint(path, stack), arch, dtype=dtype, device=device
+            _LazyCheckpoint(path, stack), arch, dtype=dtype, device=device, shard=shard
         )
 
     def reference() -> Any:
@@ -496,6 +503,7 @@ def tiny_random_model(
     num_layers: int = 2,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    shard: Shard | None = None,
 ) -> LoadedModel:
     """A seeded random Llama (2 layers unless `num_layers` says otherwise, hidden 64,
     4 heads, 2 KV heads) for fast tests.
@@ -571,7 +579,7 @@ def tiny_random_model(
         state[p + "mlp.gate_proj.weight"] = rand(inter, h)
         state[p + "mlp.up_proj.weight"] = rand(inter, h)
         state[p + "mlp.down_proj.weight"] = rand(h, inter, std=0.1)
-    weights = ModelWeights.from_hf_state_dict(state, arch, dtype=dtype, device=device)
+    weights = ModelWeights.from_hf_state_dict(state, arch, dtype=dtype, device=device, shard=shard)
 
     def reference() -> Any:
         from transformers import AutoConfig, AutoModelForCausalLM

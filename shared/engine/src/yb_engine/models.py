@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from yb_core.config import ModelConfig
     from yb_engine.architecture import ArchConfig, LayerRange
     from yb_engine.loader import LoadedModel, LoadedStage
+    from yb_engine.tensor_parallel import Shard
 
 log = get_logger(__name__)
 
@@ -99,9 +100,13 @@ def resolve_model_dir(
 
 
 def load_engine_model(
-    model: ModelConfig, cache_dir: Path, progress: Callable[[str], None] | None = None
+    model: ModelConfig,
+    cache_dir: Path,
+    progress: Callable[[str], None] | None = None,
+    shard: Shard | None = None,
 ) -> LoadedModel:
-    """The model with weights on the configured device in the configured dtype.
+    """The model with weights on the configured device in the configured dtype (a
+    tensor-parallel rank's share of them with `shard`).
 
     The device is resolved first, so `DeviceUnavailable` comes before any loading.
     """
@@ -111,8 +116,20 @@ def load_engine_model(
     dtype = resolve_dtype(model, device)
     path = resolve_model_dir(model, cache_dir, progress)
     if path is None:
-        return tiny_random_model(dtype=dtype, device=str(device))
-    return load_model(path, dtype=dtype, device=str(device))
+        return tiny_random_model(dtype=dtype, device=str(device), shard=shard)
+    return load_model(path, dtype=dtype, device=str(device), shard=shard)
+
+
+def engine_arch(model: ModelConfig, cache_dir: Path) -> ArchConfig:
+    """The architecture of the configured model, read from its config alone (the tiny
+    random model is built: it is tiny); `UnsupportedModelError` for a family the
+    engine cannot compute."""
+    from yb_engine.loader import check_supported, tiny_random_model
+
+    path = resolve_model_dir(model, cache_dir, None)
+    if path is None:
+        return tiny_random_model().config
+    return check_supported(path)
 
 
 def load_engine_stage(

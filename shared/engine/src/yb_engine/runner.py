@@ -27,6 +27,7 @@ from yb_engine.attention import AttentionBackend, host_ints, select_backend
 from yb_engine.decoder import Chunk, Decoder, Keep, LayerHook, Step
 from yb_engine.kv_cache import PagedKVCache
 from yb_engine.loader import LoadedModel
+from yb_engine.tensor_parallel import TPGroup
 
 __all__ = ["DecodeSeq", "LayerHook", "ModelRunner", "PrefillChunk", "PrefillSeq", "RowLogits"]
 
@@ -96,8 +97,12 @@ class ModelRunner:
         model: LoadedModel,
         cache: PagedKVCache,
         backend: AttentionBackend | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
-        arch = model.config
+        """`tp`: this is one rank of a tensor-parallel instance (`model` holds the
+        rank's share of the weights, `cache` its heads' pages); every rank runs the
+        same calls in the same order (`yb_engine.tp_instance`)."""
+        arch = model.config if tp is None else tp.shard.local_arch(model.config)
         if cache.spec != arch.kv_spec(cache.spec.dtype):
             raise ValueError(f"KV cache {cache.spec} does not fit {arch.model_id}")
         if cache.device.type != torch.device(model.device).type:
@@ -130,6 +135,7 @@ class ModelRunner:
             backend=backend,
             dtype=self.dtype,
             device=self.device,
+            tp=tp,
         )
 
     @property
@@ -217,6 +223,22 @@ class ModelRunner:
         if len(block_table) * block_size < n:
             raise ValueError(f"{len(block_table)} pages of {block_size} cannot hold {n} tokens")
 
+    def check_positions(self, batch: Sequence[DecodeSeq]) -> None:
+        """Raise ValueError unless every decode position is one the model has."""
+        for seq in batch:
+            if not 0 <= seq.position < self.arch.max_position:
+                raise ValueError(f"position {seq.position} outside [0, {self.arch.max_position})")
+
+    def check_mixed(self, batch: Sequence[DecodeSeq], chunk: PrefillChunk) -> None:
+        """Raise ValueError unless `mixed` can compute this step."""
+        if not chunk.token_ids:
+            raise ValueError("a prefill chunk needs at least one token")
+        if chunk.start < 0 or chunk.end > self.arch.max_position:
+            raise ValueError(
+                f"chunk [{chunk.start}, {chunk.end}) outside [0, {self.arch.max_position}]"
+            )
+        self.check_positions(batch)
+
     def prefill_batch(self, seqs: Sequence[PrefillSeq]) -> torch.Tensor:
         """`prefill` of several prompts in one forward pass; float32 logits `[N, vocab]`,
         row i after the last token of `seqs[i]`.
@@ -264,9 +286,7 @@ class ModelRunner:
         """
         if not batch:
             return torch.empty(0, self.arch.vocab, dtype=torch.float32, device=self.device)
-        for seq in batch:
-            if not 0 <= seq.position < self.arch.max_position:
-                raise ValueError(f"position {seq.position} outside [0, {self.arch.max_position})")
+        self.check_positions(batch)
         with torch.inference_mode():
             plan = self.backend.plan_decode(
                 [s.block_table for s in batch], [s.position for s in batch], self.cache.block_size
@@ -289,15 +309,7 @@ class ModelRunner:
         the logits `[vocab]` after the chunk's last token (else None); float32.
         """
         n = len(chunk.token_ids)
-        if n == 0:
-            raise ValueError("a prefill chunk needs at least one token")
-        if chunk.start < 0 or chunk.end > self.arch.max_position:
-            raise ValueError(
-                f"chunk [{chunk.start}, {chunk.end}) outside [0, {self.arch.max_position}]"
-            )
-        for seq in batch:
-            if not 0 <= seq.position < self.arch.max_position:
-                raise ValueError(f"position {seq.position} outside [0, {self.arch.max_position})")
+        self.check_mixed(batch, chunk)
         block_size = self.cache.block_size
         with torch.inference_mode():
             prefill_plan = self.backend.plan_prefill(

@@ -18,6 +18,7 @@ import torch
 
 from yb_engine.architecture import ArchConfig, LayerRange
 from yb_engine.families import family_named
+from yb_engine.tensor_parallel import Shard
 
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
@@ -131,14 +132,24 @@ class _TensorReader:
     fused is taken with `state.copy_of(name)` where the state offers it (the loader's
     does: such a tensor is read into memory of its own instead of through the file's
     map, whose pages would otherwise stay resident beside the fused copy).
+
+    With a tensor-parallel `shard`, each tensor is cut to the rank's share as it is read
+    (`yb_engine.tensor_parallel`): only the rows or columns of the share are copied
+    out of the file's map, so a rank holds its share and no more.
     """
 
     def __init__(
-        self, state: Mapping[str, torch.Tensor], *, dtype: torch.dtype, device: str | torch.device
+        self,
+        state: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        shard: Shard | None = None,
     ) -> None:
         self.state = state
         self.dtype = dtype
         self.device = device
+        self.shard = shard if shard is not None and shard.size > 1 else None
 
     def get(self, name: str) -> torch.Tensor:
         try:
@@ -166,6 +177,24 @@ class _TensorReader:
     def fused(self, names: list[str]) -> torch.Tensor:
         return self.place(torch.cat([self.part(n) for n in names]))
 
+    # -- a rank's share ---------------------------------------------------------------
+
+    def rows(self, name: str, share: range, per: int, offset: int = 0) -> torch.Tensor:
+        """Rows `[offset + share.start * per, offset + share.stop * per)` of `name`."""
+        t = self.get(name)
+        return t[offset + share.start * per : offset + share.stop * per]
+
+    def cols(self, name: str, share: range, per: int) -> torch.Tensor:
+        """Columns `[share.start * per, share.stop * per)` of `name`."""
+        t = self.get(name)
+        return t[:, share.start * per : share.stop * per]
+
+    def cut_rows(self, names: list[str], shares: list[tuple[range, int]]) -> torch.Tensor:
+        """Each of `names` cut to its rows (`(share, per)`), fused."""
+        return self.place(
+            torch.cat([self.rows(n, r, per) for n, (r, per) in zip(names, shares, strict=True)])
+        )
+
     def layer(self, arch: ArchConfig, i: int) -> LayerWeights:
         p = f"model.layers.{i}."
         norms = {
@@ -175,6 +204,19 @@ class _TensorReader:
         attn = self.latent_attention(arch, p) if arch.mla else self.attention(arch, p)
         if arch.is_sparse(i):
             mlp: MLPWeights | MoEWeights = self.experts(arch, p)
+        elif family_named(arch.family).fused_checkpoint and self.shard is not None:
+            name = p + "mlp.gate_up_proj.weight"
+            share = self.shard.columns(arch.intermediate)
+            mlp = MLPWeights(
+                gate_up=self.place(
+                    torch.cat(
+                        [self.rows(name, share, 1), self.rows(name, share, 1, arch.intermediate)]
+                    )
+                ),
+                gate_up_bias=None,
+                down=self.place(self.cols(p + "mlp.down_proj.weight", share, 1)),
+                down_bias=None,
+            )
         elif family_named(arch.family).fused_checkpoint:
             mlp = MLPWeights(
                 gate_up=self.put(p + "mlp.gate_up_proj.weight"),
@@ -195,6 +237,8 @@ class _TensorReader:
 
     def attention(self, arch: ArchConfig, p: str) -> AttentionWeights:
         a = p + "self_attn."
+        if self.shard is not None:
+            return self._attention_share(arch, a, self.shard)
         if family_named(arch.family).fused_checkpoint:  # Phi-3: fused as we fuse them
             return AttentionWeights(
                 qkv=self.put(a + "qkv_proj.weight"),
@@ -214,24 +258,86 @@ class _TensorReader:
             k_norm=self.put(a + "k_norm.weight") if arch.qk_norm else None,
         )
 
+    def _attention_share(self, arch: ArchConfig, a: str, shard: Shard) -> AttentionWeights:
+        """The rank's query heads and the KV heads they read: q/k/v by rows, the output
+        projection by columns (its bias whole: it is added once, after the sum)."""
+        d = arch.head_dim
+        qh, kvh = shard.q_heads(arch), shard.kv_heads(arch)
+        cuts = [(qh, d), (kvh, d), (kvh, d)]
+        if family_named(arch.family).fused_checkpoint:  # Phi-3: q, k, v in one tensor
+            name = a + "qkv_proj.weight"
+            q, kv = arch.q_size, arch.kv_size
+            qkv = self.place(
+                torch.cat(
+                    [
+                        self.rows(name, qh, d),
+                        self.rows(name, kvh, d, offset=q),
+                        self.rows(name, kvh, d, offset=q + kv),
+                    ]
+                )
+            )
+            return AttentionWeights(
+                qkv=qkv,
+                qkv_bias=None,
+                o=self.place(self.cols(a + "o_proj.weight", qh, d)),
+                o_bias=None,
+            )
+        projections = [a + "q_proj", a + "k_proj", a + "v_proj"]
+        qkv_bias = None
+        if arch.qkv_bias:
+            qkv_bias = self.cut_rows([n + ".bias" for n in projections], cuts)
+        return AttentionWeights(
+            qkv=self.cut_rows([n + ".weight" for n in projections], cuts),
+            qkv_bias=qkv_bias,
+            o=self.place(self.cols(a + "o_proj.weight", qh, d)),
+            o_bias=self.put(a + "o_proj.bias") if arch.o_bias else None,
+            q_norm=self.put(a + "q_norm.weight") if arch.qk_norm else None,
+            k_norm=self.put(a + "k_norm.weight") if arch.qk_norm else None,
+        )
+
     def latent_attention(self, arch: ArchConfig, p: str) -> LatentAttentionWeights:
         a = p + "self_attn."
-        assert arch.mla is not None
-        low_rank = arch.mla.q_lora_rank is not None
+        mla = arch.mla
+        assert mla is not None
+        low_rank = mla.q_lora_rank is not None
+        if self.shard is None:
+            q = None if low_rank else self.put(a + "q_proj.weight")
+            q_b = self.put(a + "q_b_proj.weight") if low_rank else None
+            kv_b, o = self.put(a + "kv_b_proj.weight"), self.put(a + "o_proj.weight")
+        else:
+            # The rank's heads of every per-head projection; the latent's own
+            # projection (`kv_a`) and the query bottleneck (`q_a`) are whole.
+            heads = self.shard.q_heads(arch)
+            q_name = a + ("q_b_proj.weight" if low_rank else "q_proj.weight")
+            q_share = self.place(self.rows(q_name, heads, mla.qk_dim))
+            q, q_b = (None, q_share) if low_rank else (q_share, None)
+            kv_b = self.place(self.rows(a + "kv_b_proj.weight", heads, mla.nope_dim + mla.v_dim))
+            o = self.place(self.cols(a + "o_proj.weight", heads, mla.v_dim))
         return LatentAttentionWeights(
-            q=None if low_rank else self.put(a + "q_proj.weight"),
+            q=q,
             q_a=self.put(a + "q_a_proj.weight") if low_rank else None,
             q_a_norm=self.put(a + "q_a_layernorm.weight") if low_rank else None,
-            q_b=self.put(a + "q_b_proj.weight") if low_rank else None,
+            q_b=q_b,
             kv_a=self.put(a + "kv_a_proj_with_mqa.weight"),
             kv_a_norm=self.put(a + "kv_a_layernorm.weight"),
-            kv_b=self.put(a + "kv_b_proj.weight"),
-            o=self.put(a + "o_proj.weight"),
+            kv_b=kv_b,
+            o=o,
             o_bias=self.maybe(a + "o_proj.bias"),
         )
 
     def mlp(self, m: str, bias: bool, names: tuple[str, str, str] | None = None) -> MLPWeights:
         gate, up, down = names or (m + "gate_proj", m + "up_proj", m + "down_proj")
+        if self.shard is not None:
+            width = self.get(gate + ".weight").shape[0]
+            share = [(self.shard.columns(width), 1)] * 2
+            return MLPWeights(
+                gate_up=self.cut_rows([gate + ".weight", up + ".weight"], share),
+                gate_up_bias=(
+                    self.cut_rows([gate + ".bias", up + ".bias"], share) if bias else None
+                ),
+                down=self.place(self.cols(down + ".weight", self.shard.columns(width), 1)),
+                down_bias=self.put(down + ".bias") if bias else None,
+            )
         return MLPWeights(
             gate_up=self.fused([gate + ".weight", up + ".weight"]),
             gate_up_bias=self.fused([gate + ".bias", up + ".bias"]) if bias else None,
@@ -242,7 +348,8 @@ class _TensorReader:
     def experts(self, arch: ArchConfig, p: str) -> MoEWeights:
         moe, names = arch.moe, family_named(arch.family).experts
         assert moe is not None and names is not None
-        experts = range(moe.num_experts)
+        # A tensor-parallel rank holds whole experts, its share of them.
+        experts = self.shard.experts(arch) if self.shard is not None else range(moe.num_experts)
         gate_up = torch.stack(
             [
                 torch.cat(
@@ -268,11 +375,19 @@ class _TensorReader:
             shared=shared,
         )
 
+    def embed(self, arch: ArchConfig) -> torch.Tensor:
+        """The embedding rows (a tensor-parallel rank's: its share of the vocabulary)."""
+        if self.shard is None:
+            return self.put(EMBED)
+        return self.place(self.rows(EMBED, self.shard.vocab(arch), 1))
+
     def lm_head(self, arch: ArchConfig, embed: torch.Tensor | None) -> torch.Tensor:
         """The head: the embedding tensor itself when tied (read here if `embed` is None)."""
         if arch.tie_embeddings or LM_HEAD not in self.state:
-            return embed if embed is not None else self.put(EMBED)
-        return self.put(LM_HEAD)
+            return embed if embed is not None else self.embed(arch)
+        if self.shard is None:
+            return self.put(LM_HEAD)
+        return self.place(self.rows(LM_HEAD, self.shard.vocab(arch), 1))
 
 
 def _count_distinct(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -298,12 +413,13 @@ class ModelWeights:
         *,
         dtype: torch.dtype,
         device: str | torch.device,
+        shard: Shard | None = None,
     ) -> ModelWeights:
         """Fuse a Hugging Face state dict (names `model.layers.N...`) of any registered
-        family."""
+        family; with a tensor-parallel `shard`, only that rank's share of it."""
 
-        read = _TensorReader(state, dtype=dtype, device=device)
-        embed = read.put(EMBED)
+        read = _TensorReader(state, dtype=dtype, device=device, shard=shard)
+        embed = read.embed(arch)
         return cls(
             embed=embed,
             layers=tuple(read.layer(arch, i) for i in range(arch.num_layers)),

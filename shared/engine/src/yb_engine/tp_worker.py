@@ -1,0 +1,101 @@
+"""A rank (1..N-1) of a tensor-parallel instance: `python -m yb_engine.tp_worker`.
+
+Started by the instance's rank 0 (`yb_engine.tp_instance`), which writes a `RankStart`
+on its stdin first: the rank loads its share of the weights, maps the KV pages rank 0
+made for it, says `ready` on stdout, joins the process group, and then runs every call
+rank 0 sends, in order, until `StopCall` or the end of its stdin (rank 0 gone). Any
+error ends the process with a non-zero code: rank 0 notices, and the instance goes
+down as one.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+from yb_core.telemetry import get_logger
+
+log = get_logger(__name__)
+
+
+def main() -> int:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+
+    from yb_engine.kv_cache import PagedKVCache
+    from yb_engine.models import load_engine_model
+    from yb_engine.runner import ModelRunner, PrefillSeq
+    from yb_engine.tensor_parallel import Shard, TPGroup
+    from yb_engine.tp_instance import (
+        DecodeCall,
+        MixedCall,
+        PrefillBatchCall,
+        PrefillCall,
+        StopCall,
+        decode_call,
+        decode_start,
+        map_pages,
+        read_frame,
+    )
+
+    stdin = sys.stdin.buffer
+    first = read_frame(stdin)
+    if first is None:
+        return 0
+    start = decode_start(first)
+    if start.threads:
+        torch.set_num_threads(start.threads)
+    shard = Shard(start.rank, start.size)
+    model = load_engine_model(start.model, Path(start.cache_dir), shard=shard)
+    arch = shard.local_arch(model.config)
+    dtype_name = str(model.dtype).removeprefix("torch.")
+    spec = arch.kv_spec(dtype_name)
+    pages = map_pages(
+        start.kv_fd, PagedKVCache.numel(spec, start.num_pages, start.block_size), model.dtype
+    )
+    cache = PagedKVCache(
+        arch, start.num_pages, start.block_size, dtype=model.dtype, device="cpu", storage=pages
+    )
+    timeout = timedelta(seconds=start.timeout_s)
+    store = TCPStore(start.store_host, start.store_port, start.size, False, timeout)
+    sys.stdout.buffer.write(b"ready\n")
+    sys.stdout.buffer.flush()
+    dist.init_process_group(
+        "gloo", store=store, rank=start.rank, world_size=start.size, timeout=timeout
+    )
+    runner = ModelRunner(model, cache, tp=TPGroup(shard, model.config, start.timeout_s))
+    log.info("tp_rank_ready", rank=start.rank, size=start.size, heads=spec.heads)
+
+    def discard(start: int, rows: torch.Tensor) -> None:
+        """Rank 0 keeps the logits; this rank only takes part in computing them."""
+
+    while (payload := read_frame(stdin)) is not None:
+        call = decode_call(payload)
+        match call:
+            case PrefillCall():
+                runner.prefill(
+                    call.token_ids,
+                    call.block_table,
+                    call.num_cached_tokens,
+                    call.chunk_size,
+                    all_logits=call.logits == "all",
+                    row_logits=discard if call.logits == "rows" else None,
+                )
+            case PrefillBatchCall():
+                runner.prefill_batch(
+                    [PrefillSeq(s.token_ids, s.block_table, s.num_cached_tokens) for s in call.seqs]
+                )
+            case DecodeCall():
+                runner.decode(call.batch)
+            case MixedCall():
+                runner.mixed(call.batch, call.chunk)
+            case StopCall():
+                break
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
