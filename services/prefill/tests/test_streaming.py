@@ -9,6 +9,7 @@ which pages.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -44,10 +45,12 @@ class FakeCache:
         self.block_size = BLOCK
         self.num_layers = LAYERS
         self.device = torch.device(device)
-        self.kv = torch.zeros(LAYERS, pages, 2, BLOCK, 1, 2)
+        self.kv = torch.zeros(LAYERS, pages, 1, 2, BLOCK, 2)
+        self.head_cuts = [0, 1]
+        self.page_nbytes = self.kv[0, 0].numel() * self.kv.element_size()
 
-    def page_view(self, layer: int, page: int) -> torch.Tensor:
-        return self.kv[layer, page]
+    def pieces(self, layer: int, page: int, cuts: list[int]) -> list[torch.Tensor]:
+        return [self.kv[layer, page, a:b] for a, b in itertools.pairwise(cuts)]
 
 
 class RecordingSender:
@@ -55,6 +58,7 @@ class RecordingSender:
 
     def __init__(self) -> None:
         self.sent: list[list[int]] = []
+        self.items: list[list[tuple[int, Any]]] = []
         self.committed_with: list[bool] = []
         self.commits = 0
         #: The note of each commit, in order (on a segment's or on its own).
@@ -74,6 +78,7 @@ class RecordingSender:
         assert deadline_s > 0
         assert commit or not note
         self.sent.append([index for index, _ in items])
+        self.items.append(list(items))
         self.committed_with.append(commit)
         if commit:
             self.notes.append(note)
@@ -303,3 +308,34 @@ async def test_a_small_request_goes_out_whole_with_its_commit(
     assert sender.sent == segments
     assert sender.committed_with == [False] * (len(segments) - 1) + [True]
     assert sender.commits == 0 and s.pages_sent == 4
+
+
+async def test_pages_cut_at_head_runs_go_as_pieces_at_their_indices() -> None:
+    # Two KV heads, cut between them (a tensor-parallel side): each page is two
+    # pieces, index `(layer * num_pages + i) * 2 + j`, each a view of its heads.
+    cache = FakeCache(2)
+    cache.kv = torch.arange(LAYERS * 2 * 2 * 2 * BLOCK * 2, dtype=torch.float32).view(
+        LAYERS, 2, 2, 2, BLOCK, 2
+    )
+    cache.head_cuts = [0, 2]
+    cache.page_nbytes = cache.kv[0, 0].numel() * 4
+    sender = RecordingSender()
+    s = LayerStreamer(
+        asyncio.get_running_loop(),
+        sender,  # type: ignore[arg-type]
+        PeerAddress("127.0.0.1", 1, b"w"),
+        "req",
+        cache,  # type: ignore[arg-type]
+        [1, 0],
+        2 * BLOCK,
+        0,
+        30.0,
+        cuts=[0, 1, 2],
+    )
+    s.start()
+    await asyncio.to_thread(s.on_layer, 1, 0, 2 * BLOCK)
+    await until(lambda: sender.sent == [[4, 5, 6, 7]])
+    items = sender.items[0]
+    assert torch.equal(items[0][1], cache.kv[1, 1, 0:1])  # page 1 of the table first
+    assert torch.equal(items[3][1], cache.kv[1, 0, 1:2])
+    await s.abort()

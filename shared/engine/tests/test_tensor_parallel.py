@@ -24,13 +24,12 @@ from yb_engine.architecture import ArchConfig
 from yb_engine.loader import load_model
 from yb_engine.models import load_engine_model
 from yb_engine.runner import PrefillChunk
-from yb_engine.tensor_parallel import Shard, check_degree, head_cuts, owner_ranks
+from yb_engine.tensor_parallel import Shard, check_degree, head_cuts, merge_cuts, owner_ranks
 from yb_engine.tp_instance import (
     RankLost,
     ShardedKV,
     TensorParallelRunner,
     TPInstance,
-    merge_cuts,
     start_instance,
 )
 from yb_testkit.checkpoints import build_checkpoint
@@ -129,7 +128,7 @@ def test_tp_logits_and_kv_match_one_process(checkpoint: Path, size: int) -> None
 
 def test_pieces_land_in_the_owners_and_reach_the_replicas(tmp_path: Path) -> None:
     path = build_checkpoint("llama", tmp_path / "ckpt")
-    runner, sharded, ranks = start(path, 4)  # 2 KV heads: each held by two ranks
+    _, sharded, ranks = start(path, 4)  # 2 KV heads: each held by two ranks
     try:
         assert sharded.head_cuts == [0, 1, 2]
         arch: ArchConfig = sharded.arch

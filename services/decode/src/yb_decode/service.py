@@ -260,6 +260,7 @@ class DecodeWorker(Worker):
             max_batch_size=self.cfg.decode.max_batch_size,
             attention_backend=self.engine.attention_backend,
             piggyback=self.piggyback,
+            tensor_parallel=self.engine.tensor_parallel,
         )
 
     async def serve(self) -> None:
@@ -273,6 +274,8 @@ class DecodeWorker(Worker):
         await self.bus.subscribe(pr.resend_subject(self.instance_id), cb=self._on_resend)
         self.tasks.spawn("engine", self._engine_loop())
         self.tasks.spawn("outbox", self.outbox.run())
+        # A lost tensor-parallel rank fails this task, which takes the instance down.
+        self.tasks.spawn("ranks", self.engine.watch_ranks())
 
     def refuse_work(self) -> None:
         self._draining = True
@@ -466,6 +469,18 @@ class DecodeWorker(Worker):
                 request_id=rid,
                 reason=f"prompt plus max_tokens ({total}) exceeds {self.cfg.model.max_model_len}",
             )
+        # Each page arrives cut at the sender's choice of head runs, which must refine
+        # this instance's own (a tensor-parallel instance's ranks each hold a run).
+        cuts = req.head_cuts or [0, cache.spec.heads]
+        if (
+            cuts != sorted(set(cuts))
+            or (cuts[0], cuts[-1]) != (0, cache.spec.heads)
+            or not set(cache.head_cuts) <= set(cuts)
+        ):
+            return pr.ReserveRefused(
+                request_id=rid,
+                reason=f"KV head cuts {cuts} do not refine this instance's {cache.head_cuts}",
+            )
         num_pages = cache.pages_for(req.num_tokens)
         # The choices of n > 1 each need a copy of the last prompt page: set aside now,
         # so a request admitted is never refused for them after its prefill.
@@ -476,7 +491,10 @@ class DecodeWorker(Worker):
             return pr.ReserveRefused(request_id=rid, reason=f"out of KV pages: {exc}")
         pages, copy_pages = allocated[:num_pages], allocated[num_pages:]
         buffers = [
-            cache.page_view(layer, page) for layer in range(cache.num_layers) for page in pages
+            piece
+            for layer in range(cache.num_layers)
+            for page in pages
+            for piece in cache.pieces(layer, page, cuts)
         ]
         # The reservation lasts until the request's deadline: the prefill computes
         # while it streams, and a long prompt on a busy engine takes longer than any
@@ -499,6 +517,7 @@ class DecodeWorker(Worker):
             block_size=cache.block_size,
             breaks=reservation.breaks(),
             handover_on_commit=True,
+            head_cuts=req.head_cuts,
         )
 
     async def replace_older_attempt(self, rid: str, attempt: int) -> str:
@@ -565,6 +584,10 @@ class DecodeWorker(Worker):
                 )
                 await self._fail_reservation(pending, reason)
             return False
+        pending = self._pending.get(request_id)
+        if pending is not None and self.engine.cache.has_replicas:
+            # Heads kept by several ranks arrived once, into the first of them.
+            await self.engine.call(self.engine.cache.replicate, pending.pages)
         if reservation.note:
             await self._take_over(request_id, reservation.note)
         return True

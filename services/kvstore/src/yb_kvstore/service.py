@@ -38,7 +38,7 @@ from yb_dataplane.transport import (
     SegmentHeader,
     TransferError,
 )
-from yb_dataplane.transport.blocks import fetch_layers, parse_key, parse_put_id
+from yb_dataplane.transport.blocks import fetch_layers, fetch_pieces, parse_key, parse_put_id
 from yb_dataplane.worker import Capacity, Worker, WorkerContext, WorkerShell
 from yb_kvstore.eviction import eviction_policy
 from yb_kvstore.replication import Replicator
@@ -261,8 +261,10 @@ class KVStoreWorker(Worker):
             self.metrics.puts.labels("duplicate").inc()
             # Already held: the sender learns it is there (and its bytes are drained).
             raise ReservationRefused(f"block {put.key:x} is held already", reason=Reason.DUPLICATE)
-        n = put.page_nbytes
-        return [slot[i * n : (i + 1) * n] for i in range(put.num_layers)]
+        # Each layer's chunk in `put.pieces` pieces (a tensor-parallel sender's runs of
+        # heads), side by side: the slot holds the block whole either way.
+        n = put.page_nbytes // put.pieces
+        return [slot[i * n : (i + 1) * n] for i in range(put.num_layers * put.pieces)]
 
     def _watch_put(self, reservation: Reservation) -> None:
         put = parse_put_id(reservation.request_id)
@@ -304,7 +306,8 @@ class KVStoreWorker(Worker):
             self.metrics.fetches.labels("missing").inc()
             raise ReservationRefused(f"blocks not held here: {MissingBlocks(missing)}")
         layout = fetch_layers(order.request_id)
-        if layout is None:
+        pieces = fetch_pieces(order.request_id)
+        if layout is None or pieces is None:
             self.metrics.fetches.labels("refused").inc()
             raise ReservationRefused(f"malformed layer range in {order.request_id!r}")
         layers, wanted = layout
@@ -318,7 +321,7 @@ class KVStoreWorker(Worker):
                 self.metrics.fetches.labels("missing").inc()
                 raise ReservationRefused(f"blocks not held here: {exc}") from None
             try:
-                items, checksums = self._fetch_items(part, slots, first, layers, wanted)
+                items, checksums = self._fetch_items(part, slots, first, layers, wanted, pieces)
                 # The last batch carries the commit: a small fetch is one round trip.
                 # Each block's layers lie side by side in its slot; they share a
                 # message only where the asker's destinations are adjacent too
@@ -340,26 +343,39 @@ class KVStoreWorker(Worker):
         self.metrics.bytes.labels("out").inc(sent)
 
     def _fetch_items(
-        self, keys: list[int], slots: list[np.ndarray], first: int, layers: int, wanted: range
+        self,
+        keys: list[int],
+        slots: list[np.ndarray],
+        first: int,
+        layers: int,
+        wanted: range,
+        pieces: int = 1,
     ) -> tuple[list[tuple[int, BufferLike]], list[int] | None]:
-        """The (reservation index, chunk) pairs of chunks `wanted` of blocks `keys`
-        (the fetch's blocks `first`, `first + 1`, ...; each cut into `layers`), with
-        their stored checksums when every block has them in this layout (else None:
-        the sender hashes)."""
+        """The (reservation index, piece) pairs of chunks `wanted` of blocks `keys`
+        (the fetch's blocks `first`, `first + 1`, ...; each cut into `layers`, each
+        chunk into `pieces`), with their stored checksums when every block has them in
+        this layout (put in as many pieces; else None: the sender hashes)."""
         items: list[tuple[int, BufferLike]] = []
         checksums: list[int] | None = []
         width = len(wanted)
+        cuts = layers * pieces
         for i, (key, block) in enumerate(zip(keys, slots, strict=True), start=first):
-            if block.nbytes % layers:
-                raise ReservationRefused(f"block {key:x} does not split into {layers} layers")
-            n = block.nbytes // layers
+            if block.nbytes % cuts:
+                raise ReservationRefused(
+                    f"block {key:x} does not split into {layers} layers of {pieces} pieces"
+                )
+            n = block.nbytes // cuts
             items += [
-                (i * width + layer - wanted.start, block[layer * n : (layer + 1) * n])
+                (
+                    (i * width + layer - wanted.start) * pieces + j,
+                    block[(layer * pieces + j) * n : (layer * pieces + j + 1) * n],
+                )
                 for layer in wanted
+                for j in range(pieces)
             ]
             meta = self.store.meta(key)
-            if checksums is not None and meta is not None and len(meta.checksums) == layers:
-                checksums += meta.checksums[wanted.start : wanted.stop]
+            if checksums is not None and meta is not None and len(meta.checksums) == cuts:
+                checksums += meta.checksums[wanted.start * pieces : wanted.stop * pieces]
             else:
                 checksums = None
         return items, checksums

@@ -34,12 +34,13 @@ class DecodeLink:
         cache: PagedKVCache,
         num_layers: int,
         timeout_s: float,
+        head_cuts: list[int] | None = None,
     ) -> pr.KVReserved:
         """Pages for `job` on its decode instance, which must lay them out as this
         side's `cache` does for `num_layers` layers (the whole model's, for a stage
         that holds only some): the same pages, layers, bytes per page and tokens per
-        page. A mismatch gives the reservation back and fails the job (500: a
-        misconfigured cluster)."""
+        page, cut at `head_cuts` (None: whole pages). A mismatch gives the reservation
+        back and fails the job (500: a misconfigured cluster)."""
         layout = (
             cache.pages_for(len(job.token_ids)),
             num_layers,
@@ -60,9 +61,17 @@ class DecodeLink:
             priority=job.priority,
             attempt=job.attempt,
             generated_tokens=job.generated_tokens,
+            head_cuts=head_cuts or [],
         )
         reply = await self.reserve(decode_id, reserve, timeout_s)
         found = (reply.num_pages, reply.num_layers, reply.page_nbytes, reply.block_size)
+        if reply.head_cuts != (head_cuts or []):
+            await self.abort(decode_id, job.request_id, "layout mismatch")
+            raise pr.JobFailed(
+                f"decode instance {decode_id} reserved pages cut at {reply.head_cuts}, "
+                f"not at {head_cuts}: it predates tensor-parallel transfers",
+                status=500,
+            )
         if found != layout:
             await self.abort(decode_id, job.request_id, "layout mismatch")
             raise pr.JobFailed(

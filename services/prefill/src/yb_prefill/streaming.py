@@ -111,9 +111,11 @@ class LayerStreamer:
     """Ships each (layer, page) of one request to the decode reservation as it completes.
 
     Index `layer * num_pages + i` of the reservation is page `i` of the request in
-    layer `layer` (the layout `KVReserved` announces). Made without a `peer`, it
-    queues what completes until `direct()` says where the reservation is, so that
-    compute need not wait for the reservation's round trip.
+    layer `layer` (the layout `KVReserved` announces); with `cuts` (a tensor-parallel
+    side: `KVReserved.head_cuts`), each page goes as `k` pieces, index `(layer *
+    num_pages + i) * k + j`, each straight from the rank that holds those heads. Made
+    without a `peer`, it queues what completes until `direct()` says where the
+    reservation is, so that compute need not wait for the reservation's round trip.
 
     With `commit_last`, the segment that completes the request (every page of every
     layer queued) goes out once the sends before it have returned, carrying the
@@ -142,8 +144,11 @@ class LayerStreamer:
         *,
         commit_last: bool = False,
         whole_below: int = WHOLE_TRANSFER_BYTES,
+        cuts: Sequence[int] | None = None,
     ) -> None:
         self._loop = loop
+        self._cuts = list(cuts) if cuts is not None else cache.head_cuts
+        self._k = len(self._cuts) - 1
         self._sender = sender
         self._peer = peer
         self._request_id = request_id
@@ -228,11 +233,7 @@ class LayerStreamer:
         if done_pages <= first:
             return
         self._next_page[layer] = done_pages
-        num_pages = len(self._block_table)
-        segment: Segment = [
-            (layer * num_pages + i, self._cache.page_view(layer, self._block_table[i]))
-            for i in range(first, done_pages)
-        ]
+        segment = self._pages(layer, range(first, done_pages))
         # Recorded here, on the engine thread, so that it follows exactly the kernels
         # launched so far on the engine's stream.
         event = self._layer_event() if self._layer_event is not None else None
@@ -244,14 +245,20 @@ class LayerStreamer:
         No event: their KV was written by steps that have finished (an engine step
         ends by reading its results back), or landed by a transfer already committed.
         """
-        num_pages = len(self._block_table)
         for layer in range(self._cache.num_layers):
-            segment: Segment = [
-                (layer * num_pages + i, self._cache.page_view(layer, self._block_table[i]))
-                for i in range(cached_pages)
-            ]
+            segment = self._pages(layer, range(cached_pages))
             if segment:
                 self._queue.put_nowait((segment, None))
+
+    def _pages(self, layer: int, pages: range) -> Segment:
+        """The items of the request's `pages` in `layer`: each page's pieces, at their
+        reservation indices."""
+        num_pages, k = len(self._block_table), self._k
+        return [
+            ((layer * num_pages + i) * k + j, piece)
+            for i in pages
+            for j, piece in enumerate(self._cache.pieces(layer, self._block_table[i], self._cuts))
+        ]
 
     def hand_over(self, note: bytes) -> None:
         """The note the commit carries (see the class docstring); call it once, before
@@ -322,12 +329,15 @@ class LayerStreamer:
                 events = [first[1]] if first[1] is not None else []
                 nbytes = sum(_nbytes(page) for _, page in segment)
                 if self._whole_below and segment:
-                    total = self._pages_left * _nbytes(segment[0][1])
+                    total = self._pages_left * self._cache.page_nbytes
                     self._whole = total <= self._whole_below
                     self._whole_below = 0
                 while (
                     # Held for the rest of a whole transfer, or merging what is queued.
-                    ((self._whole and len(segment) < self._pages_left) or not self._queue.empty())
+                    (
+                        (self._whole and len(segment) < self._pages_left * self._k)
+                        or not self._queue.empty()
+                    )
                     and nbytes < MAX_SEGMENT_BYTES
                     and len(segment) < MAX_SEGMENT_PAGES
                 ):
@@ -339,7 +349,7 @@ class LayerStreamer:
                     if more[1] is not None:
                         events.append(more[1])
                     nbytes += sum(_nbytes(page) for _, page in more[0])
-                self._pages_left -= len(segment)
+                self._pages_left -= len(segment) // self._k
                 last = self._commit_last and self._pages_left == 0
                 # The commit must follow every other send of the request.
                 while in_flight and (last or len(in_flight) >= WINDOW):
@@ -401,12 +411,16 @@ class LayerStreamer:
             nbytes = sum(_nbytes(page) for _, page in segment)
             self.bytes_sent += nbytes
             num_pages = len(self._block_table)
-            layers = [index // num_pages for index, _ in segment]
+            layers = [index // (num_pages * self._k) for index, _ in segment]
             self._span.add_event(
                 "kv_segment_sent",
-                {"pages": len(segment), "bytes": nbytes, "layers": f"{min(layers)}-{max(layers)}"},
+                {
+                    "pages": len(segment) // self._k,
+                    "bytes": nbytes,
+                    "layers": f"{min(layers)}-{max(layers)}",
+                },
             )
-        return len(segment)
+        return len(segment) // self._k
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -61,6 +61,7 @@ from yb_engine.choice_sampling import Sampled, sample_first_tokens
 from yb_engine.host import EngineGauges, EngineHost
 from yb_engine.kv_cache import OutOfPages
 from yb_engine.runner import PrefillSeq, RowLogits
+from yb_engine.tensor_parallel import transfer_cuts
 from yb_prefill.batching import ComputeBatch, Outcome, take_group
 from yb_prefill.decode_link import DecodeLink
 from yb_prefill.failure import JobOwner
@@ -250,11 +251,14 @@ class PrefillWorker(JobOwner, Worker):
             max_batch_size=1,
             attention_backend=self.engine.attention_backend,
             epoch=self.block_log.epoch,
+            tensor_parallel=self.engine.tensor_parallel,
         )
 
     async def serve(self) -> None:
-        """Take jobs, publish block events, run the queue."""
+        """Take jobs, publish block events, run the queue; a lost tensor-parallel rank
+        fails the `ranks` task, which takes the instance down."""
         await self.bus.subscribe(pr.prefill_job_subject(self.instance_id), cb=self._on_job)
+        self.tasks.spawn("ranks", self.engine.watch_ranks())
         self.tasks.spawn("block-events", self.publisher.run_publisher())
         self.tasks.spawn("resyncs", self.publisher.run_resyncs())
         self.tasks.spawn("worker", self._run_queue())
@@ -527,9 +531,23 @@ class PrefillWorker(JobOwner, Worker):
 
     async def _reserve(self, job: pr.PrefillJob, deadline_s: float) -> pr.KVReserved:
         cache = self.engine.cache
+        cuts = self._cuts_to(job.decision.decode_instance)
         return await self.decode.reserve_for(
-            job, self.instance_id, cache, cache.num_layers, deadline_s
+            job,
+            self.instance_id,
+            cache,
+            cache.num_layers,
+            deadline_s,
+            head_cuts=cuts if len(cuts) > 2 else None,
         )
+
+    def _cuts_to(self, decode_id: str) -> list[int]:
+        """Where this instance's pages are cut on the way to `decode_id`: at every
+        boundary between the runs of heads one rank holds, on either side (the
+        degrees may differ: `yb_engine.tensor_parallel.transfer_cuts`)."""
+        up = self.peers.get(decode_id)
+        theirs = up.tensor_parallel if up is not None else 1
+        return transfer_cuts(self.engine.model.config, self.engine.tensor_parallel, theirs)
 
     async def _load_prefix(self, job: pr.PrefillJob, deadline_s: float) -> Prefix:
         """Phase 2: pages here, the planned prefix loaded into them; none for a job
@@ -689,6 +707,7 @@ class PrefillWorker(JobOwner, Worker):
             len(job.token_ids),
             cached_tokens,
             deadline_s,
+            cuts=self._cuts_to(job.decision.decode_instance),
             # The test failpoint `prefill.commit` holds a job between its last send
             # and its commit: the commit cannot ride on that send then.
             commit_last=self.failpoints.count("prefill.commit") is None,

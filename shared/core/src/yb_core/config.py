@@ -670,6 +670,14 @@ class YbConfig(_Section):
             from yb_core.failpoints import parse
 
             parse(self.failpoints)
+        if self.prefill.group and self.tensor_parallel_of(self.prefill) > 1:
+            # A pipeline stage is one process: its pages are addressed per stage, not
+            # per rank. Refused rather than run as something else.
+            raise ConfigError(
+                f"prefill.group {self.prefill.group!r} with tensor_parallel "
+                f"{self.tensor_parallel_of(self.prefill)}: a prefill group's stages run "
+                "on one device each"
+            )
 
     def resolved_data_dir(self) -> Path:
         """The data directory: the configured one or `~/.local/share/yuebing`."""

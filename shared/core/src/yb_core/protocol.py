@@ -238,6 +238,10 @@ class ReserveKV(_Msg, tag="reserve_kv"):
 
     The decode instance reserves `num_tokens` worth of pages and posts UCX receives
     into them; it accepts KV bytes for this request only, of exactly those sizes.
+
+    `head_cuts`: the KV head boundaries each page travels cut at, so that each piece is
+    a run of heads one rank holds on either side (tensor-parallel instances of any
+    degrees; the sender merges both sides' cuts). Empty: whole pages.
     """
 
     request_id: str
@@ -254,12 +258,15 @@ class ReserveKV(_Msg, tag="reserve_kv"):
     priority: int = 0
     attempt: int = 0
     generated_tokens: int = 0
+    head_cuts: list[int] = msgspec.field(default_factory=list)
 
 
 class KVReserved(_Msg, tag="kv_reserved"):
-    """Pages are reserved: send `num_layers * num_pages` page buffers of `page_nbytes`.
+    """Pages are reserved: send `num_layers * num_pages` page buffers of `page_nbytes`,
+    each cut at the reservation's `head_cuts` into `k = len(head_cuts) - 1` pieces.
 
-    Buffer index `layer * num_pages + i` is page `i` of the request in layer `layer`.
+    Buffer index `(layer * num_pages + i) * k + j` is piece `j` of page `i` of the
+    request in layer `layer` (k is 1 for whole pages).
     """
 
     request_id: str
@@ -276,6 +283,8 @@ class KVReserved(_Msg, tag="kv_reserved"):
     #: after it: one round trip and four NATS messages less per request. False from
     #: an older decode instance, which only takes it as a control message.
     handover_on_commit: bool = False
+    #: The cuts the reservation was made with (`ReserveKV.head_cuts`); empty: whole pages.
+    head_cuts: list[int] = msgspec.field(default_factory=list)
 
 
 class ReserveRefused(_Msg, tag="reserve_refused"):

@@ -153,6 +153,12 @@ class BlockUploader:
 
     async def _put(self, store: PeerAddress, page: int, key: int) -> None:
         layers = self.kv.num_layers
-        rid = PutId(key, layers, self.kv.page_nbytes).request_id()
-        items = [(layer, self.kv.page_view(layer, page)) for layer in range(layers)]
+        # A tensor-parallel engine's page is cut across its ranks: one piece per run.
+        cuts = self.kv.head_cuts
+        rid = PutId(key, layers, self.kv.page_nbytes, len(cuts) - 1).request_id()
+        items = list(
+            enumerate(
+                piece for layer in range(layers) for piece in self.kv.pieces(layer, page, cuts)
+            )
+        )
         await self.sender.send(store, rid, items, deadline_s=self.deadline_s, commit=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,7 +46,9 @@ ANNOUNCE_WAIT_S = 0.5
 
 class PagedBuffers(Protocol):
     """An engine's paged KV memory as the transport sees it (the engine's
-    `PagedKVCache` is one): per layer, one buffer per page."""
+    `PagedKVCache` is one, a tensor-parallel instance's `ShardedKV` another): per
+    layer, each page in runs of heads (`head_cuts`; one run when the holder is one
+    process), each run one buffer."""
 
     @property
     def num_layers(self) -> int: ...
@@ -57,8 +59,22 @@ class PagedBuffers(Protocol):
     @property
     def page_nbytes(self) -> int: ...
 
-    def page_view(self, layer: int, page: int) -> BufferLike:
-        """The buffer of `page` in `layer` (what a UCX receive writes into)."""
+    @property
+    def head_cuts(self) -> list[int]:
+        """The head boundaries this holder cuts a page at."""
+        ...
+
+    def pieces(self, layer: int, page: int, cuts: Sequence[int]) -> Sequence[BufferLike]:
+        """The buffers of `page` in `layer`, cut at `cuts` (what UCX writes into)."""
+        ...
+
+    @property
+    def has_replicas(self) -> bool:
+        """Whether some heads are kept by more than one rank (`replicate` copies)."""
+        ...
+
+    def replicate(self, pages: Iterable[int]) -> None:
+        """Copy received pages to the ranks keeping a replica of their heads."""
         ...
 
 
@@ -234,13 +250,19 @@ class BlockFetcher:
             address = self.peers.address(run.source)
         if address is None:
             raise PeerUnreachable(f"kvstore {run.source} is not up (or has no UCX address)")
-        layers = self.kv.num_layers
         pages = block_table[run.first : run.first + run.count]
-        buffers = [self.kv.page_view(layer, page) for page in pages for layer in range(layers)]
+        cuts = self.kv.head_cuts
+        buffers = [
+            piece
+            for page in pages
+            for layer in range(self.kv.num_layers)
+            for piece in self.kv.pieces(layer, page, cuts)
+        ]
         rid = fetch_request_id(
             f"fetch.{request_id}.{run.first}.{uuid.uuid4().hex[:6]}",
             self.model_layers,
             self.layers,
+            pieces=len(cuts) - 1,
         )
         reservation = self.receiver.reserve(rid, buffers, deadline_s=deadline_s)
         try:
@@ -253,6 +275,9 @@ class BlockFetcher:
                 breaks=reservation.breaks(),
             )
             await reservation.wait_committed()
+            if self.kv.has_replicas:
+                # Off the loop: a long prefix is megabytes of copies.
+                await asyncio.to_thread(self.kv.replicate, pages)
         except BaseException as exc:
             # Closes the connection if receives are still posted into these pages, so
             # nothing writes into them once they are computed (or freed) instead.

@@ -93,6 +93,10 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     layer_end: int = 0
     num_layers: int = 0
     chunk_tokens: int = 0
+    # An engine: the ranks it spans, and the data-plane endpoints its KV moves over
+    # (one: rank 0 moves every rank's pages).
+    tensor_parallel: int = 1
+    transfer_lanes: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +297,8 @@ class WorkerShell(Service, Generic[W]):
             layer_end=capacity.layer_end,
             num_layers=capacity.num_layers,
             chunk_tokens=capacity.chunk_tokens,
+            tensor_parallel=capacity.tensor_parallel,
+            transfer_lanes=capacity.transfer_lanes,
         )
 
     async def stop(self) -> None:

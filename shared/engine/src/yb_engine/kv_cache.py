@@ -117,6 +117,12 @@ class PagedKVCache:
         view = self.page_view(layer, page)
         return [view[a:b] for a, b in itertools.pairwise(cuts)]
 
+    @property
+    def has_replicas(self) -> bool:
+        """Whether some heads are kept by more than one rank (a cache of one holder
+        keeps each once)."""
+        return False
+
     def replicate(self, pages: Iterable[int]) -> None:
         """Copy received pages to the ranks that keep a replica of their heads; a
         cache of one holder has none."""

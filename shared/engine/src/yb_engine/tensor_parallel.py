@@ -28,6 +28,8 @@ says whether a model can be cut N ways, and `TPGroup` runs the collectives over
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -36,7 +38,15 @@ import torch
 
 from yb_engine.architecture import ArchConfig
 
-__all__ = ["Shard", "TPGroup", "check_degree", "head_cuts", "owner_ranks"]
+__all__ = [
+    "Shard",
+    "TPGroup",
+    "check_degree",
+    "head_cuts",
+    "merge_cuts",
+    "owner_ranks",
+    "transfer_cuts",
+]
 
 
 def span(n: int, rank: int, size: int) -> range:
@@ -80,6 +90,21 @@ def head_cuts(arch: ArchConfig, n: int) -> list[int]:
     heads = 1 if arch.mla is not None else arch.num_kv_heads
     g = kv_groups(arch, n)
     return [i * heads // g for i in range(g + 1)]
+
+
+def merge_cuts(*cuts: Sequence[int]) -> list[int]:
+    """The head boundaries both sides of a transfer cut a page at: every boundary of
+    either, so each piece is one run of heads that one rank holds on each side."""
+    ends = {(c[0], c[-1]) for c in cuts}
+    if len(ends) != 1:
+        raise ValueError(f"head cuts of different pages: {list(cuts)}")
+    return sorted(set(itertools.chain.from_iterable(cuts)))
+
+
+def transfer_cuts(arch: ArchConfig, sender: int, receiver: int) -> list[int]:
+    """The head boundaries a page travels cut at between instances of degrees `sender`
+    and `receiver` (`merge_cuts` of theirs)."""
+    return merge_cuts(head_cuts(arch, sender), head_cuts(arch, receiver))
 
 
 def owner_ranks(arch: ArchConfig, n: int) -> list[list[int]]:
@@ -139,15 +164,25 @@ class Shard:
 
 
 class TPGroup:
-    """The collectives of one rank of a tensor-parallel instance, over a
-    `torch.distributed` process group (gloo on the CPU, NCCL on CUDA). Every call is
-    bounded by the group's timeout: a rank that stops answering makes the others
-    raise, never wait forever."""
+    """The collectives of one rank of a tensor-parallel instance, over its own gloo
+    process group (`torch.distributed.ProcessGroupGloo`, made on the instance's
+    store: no process-wide default group, so a process may hold several instances).
+    Every call is bounded by the group's timeout: a rank that stops answering makes
+    the others raise, never wait forever."""
 
-    def __init__(self, shard: Shard, arch: ArchConfig, timeout_s: float) -> None:
+    def __init__(self, shard: Shard, arch: ArchConfig, store: object, timeout_s: float) -> None:
+        """`store`: the instance's `torch.distributed.Store` (rank 0 holds it)."""
+        import torch.distributed as dist
+
         self.shard = shard
         self.arch = arch
         self.timeout = timedelta(seconds=timeout_s)
+        self.pg = dist.ProcessGroupGloo(
+            dist.PrefixStore("tp/", store),  # type: ignore[arg-type]
+            shard.rank,
+            shard.size,
+            self.timeout,
+        )
         self.vocab = shard.vocab(arch)
         # The widest share: every rank's logits are padded to it for the gather.
         self._vocab_width = -(-arch.vocab // shard.size)
@@ -162,9 +197,7 @@ class TPGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; returns it."""
-        import torch.distributed as dist
-
-        dist.all_reduce(t)
+        self.pg.allreduce([t]).wait()
         return t
 
     def embed(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -180,14 +213,12 @@ class TPGroup:
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """This rank's logits `[T, its vocabulary share]` joined with every other
         rank's into `[T, vocab]`."""
-        import torch.distributed as dist
-
         t, width = logits.shape[0], self._vocab_width
         if logits.shape[1] < width:
             pad = logits.new_zeros(t, width - logits.shape[1])
             logits = torch.cat((logits, pad), dim=1)
         parts = [torch.empty_like(logits) for _ in range(self.size)]
-        dist.all_gather(parts, logits.contiguous())
+        self.pg.allgather([parts], [logits.contiguous()]).wait()
         vocab = self.arch.vocab
         return torch.cat(
             [p[:, : len(span(vocab, r, self.size))] for r, p in enumerate(parts)], dim=1

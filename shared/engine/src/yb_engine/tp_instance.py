@@ -67,7 +67,6 @@ __all__ = [
     "TPInstance",
     "TensorParallelRunner",
     "check_device",
-    "merge_cuts",
 ]
 
 log = get_logger(__name__)
@@ -85,15 +84,6 @@ def check_device(device: torch.device, size: int) -> str | None:
             f"ranks on {device.type} need their pages shared by CUDA IPC, not built yet"
         )
     return None
-
-
-def merge_cuts(*cuts: Sequence[int]) -> list[int]:
-    """The head boundaries both sides of a transfer cut a page at: every boundary of
-    either, so each piece is one run of heads that one rank holds on each side."""
-    ends = {(c[0], c[-1]) for c in cuts}
-    if len(ends) != 1:
-        raise ValueError(f"head cuts of different pages: {list(cuts)}")
-    return sorted(set(itertools.chain.from_iterable(cuts)))
 
 
 # -- what rank 0 tells the other ranks -----------------------------------------------
@@ -263,6 +253,11 @@ class ShardedKV(PagedKVCache):
             out.append(self._ranks[owner][layer, page, a - first : b - first])
         return out
 
+    @property
+    def has_replicas(self) -> bool:
+        """Whether some run of heads is kept by more than one rank."""
+        return any(len(ranks) > 1 for ranks in self._owners)
+
     def copy_page(self, source: int, target: int) -> None:
         """Copy page `source`'s KV into page `target`, in every layer of every rank."""
         for kv in self._ranks:
@@ -394,11 +389,6 @@ class TPInstance:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        with contextlib.suppress(Exception):
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
 
 
 def _resolve(future: asyncio.Future[str], why: str) -> None:
@@ -522,7 +512,6 @@ def start_instance(
     """Start ranks 1..size-1, load rank 0's share (`load_own(shard)`, while they load
     theirs), meet them, and return rank 0's runner, the instance's pages, the ranks
     and rank 0's model."""
-    import torch.distributed as dist
     from torch.distributed import TCPStore
 
     dtype_name = str(dtype).removeprefix("torch.")
@@ -565,10 +554,7 @@ def start_instance(
         local_arch = shard.local_arch(arch)
         cache0 = PagedKVCache(local_arch, num_pages, block_size, dtype=dtype, device="cpu")
         ranks.wait_ready(time.monotonic() + load_timeout_s)
-        dist.init_process_group(
-            "gloo", store=store, rank=0, world_size=size, timeout=timedelta(seconds=timeout_s)
-        )
-        group = TPGroup(shard, arch, timeout_s)
+        group = TPGroup(shard, arch, store, timeout_s)
         sharded = ShardedKV(
             arch,
             size,

@@ -21,7 +21,6 @@ log = get_logger(__name__)
 
 def main() -> int:
     import torch
-    import torch.distributed as dist
     from torch.distributed import TCPStore
 
     from yb_engine.kv_cache import PagedKVCache
@@ -62,10 +61,8 @@ def main() -> int:
     store = TCPStore(start.store_host, start.store_port, start.size, False, timeout)
     sys.stdout.buffer.write(b"ready\n")
     sys.stdout.buffer.flush()
-    dist.init_process_group(
-        "gloo", store=store, rank=start.rank, world_size=start.size, timeout=timeout
-    )
-    runner = ModelRunner(model, cache, tp=TPGroup(shard, model.config, start.timeout_s))
+    group = TPGroup(shard, model.config, store, start.timeout_s)
+    runner = ModelRunner(model, cache, tp=group)
     log.info("tp_rank_ready", rank=start.rank, size=start.size, heads=spec.heads)
 
     def discard(start: int, rows: torch.Tensor) -> None:
@@ -93,7 +90,6 @@ def main() -> int:
                 runner.mixed(call.batch, call.chunk)
             case StopCall():
                 break
-    dist.destroy_process_group()
     return 0
 
 
