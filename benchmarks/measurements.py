@@ -50,6 +50,18 @@ SUMMARIES: dict[str, str] = {
         "piggybacked on decode steps, a prefix cache each), with the paper's engine model. "
         "Simulated in virtual time: the same code gives the same figures on any machine."
     ),
+    "sim_tp": (
+        "Tensor-parallel degrees in `yb sim`: LLaMA2-70B (`llama2-70b-a800`) on the "
+        "synthetic trace, the matrix's two shapes of 8-device instances (8 prefill + 8 "
+        "decode: 128 devices; 8 + 1: 72) laid out again at the same device count with "
+        "prefill and decode at TP=8, prefill at TP=8 and decode at TP=4, both at TP=4, and "
+        "prefill at TP=4 and decode at TP=8; the trace at 1x and 2x, the conductor with "
+        "admission `predicted`, SLOs TTFT 30 s and TBT 100 ms. Each instance is timed by "
+        "the profile at its degree (`CostModel.at_degree`: the work split over the ranks "
+        "plus two all-reduces per layer, decode KV room = memory less the weights held "
+        "once per instance, loads over one lane per device). Simulated in virtual time: "
+        "the same code gives the same figures on any machine."
+    ),
     "cpp": (
         "Chunked pipeline parallelism at the engine level: time to first token of a long "
         "prompt over a group of stage processes (each holding only its layers, one torch "
@@ -216,6 +228,46 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         (r"(coupled|mooncake)_slo_attainment", "share of requests within both SLOs there"),
         (r"(coupled|mooncake)_capped", "whether `{0}` held even at the search's top rate"),
         ("capacity_ratio", "the conductor's capacity over the baseline's (goal >= 1.28)"),
+    ],
+    "sim_tp": [
+        ("profile", "the engine model"),
+        ("requests", "requests of the trace"),
+        (
+            r"dev(\d+)_([\d.]+)x_p(\d+)d(\d+)_devices",
+            "devices the engines span ({0}-device budget, trace at {1}x, prefill TP={2}, "
+            "decode TP={3})",
+        ),
+        (
+            r"dev(\d+)_([\d.]+)x_p(\d+)d(\d+)_instances",
+            "prefill + decode instances ({0} devices, {1}x, prefill TP={2}, decode TP={3})",
+        ),
+        (
+            r"dev(\d+)_([\d.]+)x_p(\d+)d(\d+)_goodput_rps",
+            "requests/s completed within both SLOs ({0} devices, {1}x, prefill TP={2}, "
+            "decode TP={3})",
+        ),
+        (
+            r"dev(\d+)_([\d.]+)x_p(\d+)d(\d+)_slo_attainment",
+            "share of requests within both SLOs ({0} devices, {1}x, prefill TP={2}, decode TP={3})",
+        ),
+        (
+            r"dev(\d+)_([\d.]+)x_p(\d+)d(\d+)_ttft_p(\d+)_s",
+            "p{4} time to first token, s ({0} devices, {1}x, prefill TP={2}, decode TP={3})",
+        ),
+        (
+            r"dev(\d+)_([\d.]+)x_p(\d+)d(\d+)_tbt_p(\d+)_s",
+            "p{4} of requests' mean time between tokens, s ({0} devices, {1}x, prefill "
+            "TP={2}, decode TP={3})",
+        ),
+        (
+            r"dev(\d+)_([\d.]+)x_p(\d+)d(\d+)_rejected",
+            "requests refused ({0} devices, {1}x, prefill TP={2}, decode TP={3})",
+        ),
+        (
+            r"dev(\d+)_([\d.]+)x_best",
+            "the degrees (p<prefill TP>d<decode TP>) of the highest goodput at {0} devices, "
+            "{1}x (ties: the lower p90 TTFT)",
+        ),
     ],
     "cpp": [
         ("model", "the model measured"),

@@ -58,6 +58,7 @@ BENCHMARKS = (
     "piggyback",
     "sim_matrix",
     "sim_capacity",
+    "sim_tp",
     "families",
     "hf_backend",
 )

@@ -210,3 +210,27 @@ def test_a_cluster_with_prefill_groups_decides_the_same_pruned_and_full(
     ]
     assert grouped  # the groups took work, so they were weighed both ways
     assert planners.pruned > 0
+
+
+def test_a_tensor_parallel_cluster_decides_the_same_pruned_and_full(
+    planners: Planners,
+) -> None:
+    from yb_conductor.cost_model import LLAMA2_70B_A800
+    from yb_tools.sim.params import SimParams
+    from yb_tools.sim.simulator import Simulation
+    from yb_tools.sim.workload import load_workload
+
+    # Every instance at TP=4: one model prices the pool, not the profile's own.
+    params = SimParams(prefill=24, prefill_tp=4, decode=6, decode_tp=4, speedup=2.0)
+    items = load_workload(TRACE, block_size=512, speedup=2.0, limit=250)
+
+    def make() -> list[LogRecord]:
+        sim = Simulation(items, params, LLAMA2_70B_A800, policy="mooncake", record_log=True)
+        sim.run()
+        assert sim.records is not None
+        return sim.records
+
+    log = _same_decisions_both_ways(make, planners, keep=9)
+    ups = [r.event for r in log if isinstance(r.event, ev.InstanceUp) and r.event.role != "kvstore"]
+    assert ups and all(e.tensor_parallel == 4 for e in ups)
+    assert planners.pruned > 0

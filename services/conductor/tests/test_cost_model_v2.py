@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from yb_conductor.cost_model import (
+    COST_MODEL_VERSION,
     DEFAULT,
     CostModel,
     CostModelError,
@@ -107,11 +108,12 @@ def test_a_version_1_file_means_what_it_meant(tmp_path: Path) -> None:
 
 
 def test_a_newer_version_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "v3.json"
+    newer = COST_MODEL_VERSION + 1
+    path = tmp_path / f"v{newer}.json"
     doc = msgspec.to_builtins(DEFAULT)
-    doc["version"] = 3
+    doc["version"] = newer
     path.write_bytes(msgspec.json.encode(doc))
-    with pytest.raises(CostModelError, match="version 3"):
+    with pytest.raises(CostModelError, match=f"version {newer}"):
         load_cost_model(path)
 
 

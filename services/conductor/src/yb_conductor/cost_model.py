@@ -33,6 +33,36 @@ chunk k, and takes that stage's share of the layers times the whole model's time
 the chunk at its context (`prefill_s(chunk, cached + tokens before it)`). So the
 pipeline fills, then advances one chunk per slowest-stage chunk time.
 
+Version 3 adds tensor parallelism (`tensor_parallel`, `TensorParallelCost`): the
+prefill and decode coefficients describe an instance of `degree` ranks and the
+transfer bandwidths one of `transfer_lanes` data-plane lanes (1 and 1 by default: a
+file without the section, and every `yb profile` fit, describes one device and one
+lane). An instance announces its own degree and lanes (`InstanceUp`), and
+`at_degree` prices it there:
+
+- times measured at that degree (`measured`), where the file carries them;
+- else each rank does `1/n` of the work, plus the all-reduces the ranks add: two per
+  layer (after attention and after the MLP) of the hidden state of every token in
+  the pass. A ring all-reduce of `B` bytes over `n` ranks takes `latency + B ·
+  2(n-1)/n / bus bandwidth`. So with `r = degree / n` and `A(n)` the all-reduce
+  cost at `n` ranks (zero at 1, and zero when the file gives no `layers` or no
+  bandwidth), a coefficient `c` measured at `degree` becomes `(c - A(degree)) · r +
+  A(n)`: per token (prefill `per_token`, decode `per_seq`) the bytes term, per pass
+  (decode `base`, which is reading the weights; prefill `base`, a fixed overhead
+  that does not shrink with ranks) the latency term. Attention (`per_pair`,
+  `per_context_token`), the squared term and the KV-utilisation terms scale by `r`
+  alone: they move no hidden state;
+- the decode KV room (`kv_capacity_tokens`) is the devices' memory less the weights
+  (`weight_bytes`, held once per instance whatever its degree): the file's room plus
+  the weights, times `n / degree`, less the weights (in proportion when the weights
+  are not given);
+- a prefix load moves `lanes / transfer_lanes` times the bandwidth (each lane an
+  endpoint of its own; the fixed cost is paid once, the lanes run side by side).
+
+An instance at the file's own degree and lanes is priced by the file itself, so a
+log recorded before tensor parallelism (every instance at 1 and 1, a cost model
+without the section) decides exactly as it did.
+
 The file is JSON, versioned (`version`); a reader refuses a newer version instead
 of guessing, and a model is saved with the lowest version that expresses it, so a
 plain `yb profile` fit stays readable by version-1 conductors. `load_cost_model("")`
@@ -47,14 +77,14 @@ import math
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Final
+from typing import Final, Protocol
 
 import msgspec
 
 from yb_core import events as ev
 
 # The newest file version this reader understands.
-COST_MODEL_VERSION: Final = 2
+COST_MODEL_VERSION: Final = 3
 
 
 class PrefillCost(msgspec.Struct, kw_only=True):
@@ -99,6 +129,37 @@ class TransferCost(msgspec.Struct, kw_only=True):
     ssd_remote_gbps: float = 1.5
 
 
+class DegreeCost(msgspec.Struct, kw_only=True):
+    """Prefill and decode coefficients measured on an instance of `tensor_parallel`
+    ranks (version 3): `CostModel.at_degree` takes them as they are."""
+
+    tensor_parallel: int
+    prefill: PrefillCost
+    decode: DecodeCost
+
+
+class TensorParallelCost(msgspec.Struct, kw_only=True):
+    """The degree the coefficients describe and what another degree changes
+    (version 3; see the module docstring).
+
+    `degree`: ranks of the instance the prefill and decode coefficients were measured
+    on; `transfer_lanes`: data-plane lanes the transfer bandwidths were measured over.
+    `layers`: layers whose outputs are all-reduced (two all-reduces each);
+    `allreduce_gbps`: the all-reduce's bus bandwidth, GB/s (nccl-tests' `busbw`);
+    `allreduce_latency_s`: the fixed cost of one all-reduce. Either of the first two
+    at 0 makes the all-reduces free. `weight_bytes`: the model's weights (0: KV room
+    scales with the degree). `measured`: coefficients measured at other degrees.
+    """
+
+    degree: int = 1
+    transfer_lanes: int = 1
+    layers: int = 0
+    allreduce_gbps: float = 0.0
+    allreduce_latency_s: float = 0.0
+    weight_bytes: int = 0
+    measured: list[DegreeCost] = msgspec.field(default_factory=list)
+
+
 class FitReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How well the fit matched its own measurements (relative errors)."""
 
@@ -124,6 +185,7 @@ class CostModel(msgspec.Struct, kw_only=True):
     fit: FitReport = msgspec.field(default_factory=FitReport)
     block_size: int = 0
     hidden_bytes_per_token: int = 0
+    tensor_parallel: TensorParallelCost = msgspec.field(default_factory=TensorParallelCost)
     notes: list[str] = msgspec.field(default_factory=list)
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
@@ -235,8 +297,98 @@ class CostModel(msgspec.Struct, kw_only=True):
                 points.append(vertex)
         return any(alpha + beta * c + gamma * c * c <= floor for c in points)
 
+    def at_degree(self, tensor_parallel: int, transfer_lanes: int) -> CostModel:
+        """This model for an instance of `tensor_parallel` ranks moving KV over
+        `transfer_lanes` lanes (see the module docstring): itself at its own degree
+        and lanes. Values below 1 count as 1."""
+        tp = self.tensor_parallel
+        n = tensor_parallel if tensor_parallel > 1 else 1
+        lanes = transfer_lanes if transfer_lanes > 1 else 1
+        if n == tp.degree and lanes == tp.transfer_lanes:
+            return self
+        prefill, decode = self.prefill, self.decode
+        if n != tp.degree:
+            prefill, decode = self._compute_at(n)
+        transfer = self.transfer
+        if lanes != tp.transfer_lanes:
+            f = lanes / tp.transfer_lanes
+            transfer = msgspec.structs.replace(
+                transfer,
+                dram_local_gbps=transfer.dram_local_gbps * f,
+                dram_remote_gbps=transfer.dram_remote_gbps * f,
+                ssd_local_gbps=transfer.ssd_local_gbps * f,
+                ssd_remote_gbps=transfer.ssd_remote_gbps * f,
+            )
+        return msgspec.structs.replace(
+            self,
+            prefill=prefill,
+            decode=decode,
+            transfer=transfer,
+            tensor_parallel=msgspec.structs.replace(tp, degree=n, transfer_lanes=lanes),
+        )
+
+    def allreduce_s(self, ranks: int) -> tuple[float, float]:
+        """What the all-reduces of one pass over `ranks` ranks add: seconds per token
+        in the pass, and fixed seconds per pass (0 and 0 on one rank)."""
+        tp = self.tensor_parallel
+        if ranks <= 1 or tp.layers <= 0:
+            return 0.0, 0.0
+        count = 2 * tp.layers
+        per_token = 0.0
+        if tp.allreduce_gbps > 0.0:
+            ring = 2.0 * (ranks - 1) / ranks
+            per_token = count * self.hidden_bytes_per_token * ring / (tp.allreduce_gbps * 1e9)
+        return per_token, count * tp.allreduce_latency_s
+
+    def kv_capacity_at(self, ranks: int) -> int:
+        """Decode KV room, tokens, of an instance of `ranks` ranks (0: unknown; at least
+        1 where it is known: an instance whose weights leave no room holds a token)."""
+        tp = self.tensor_parallel
+        room = self.decode.kv_capacity_tokens
+        if not room or ranks == tp.degree:
+            return room
+        weights, per_token = tp.weight_bytes, self.kv_bytes_per_token
+        if weights and per_token:
+            memory = (room * per_token + weights) * ranks / tp.degree
+            return max(1, int((memory - weights) // per_token))
+        return max(1, room * ranks // tp.degree)
+
+    def _compute_at(self, n: int) -> tuple[PrefillCost, DecodeCost]:
+        """Prefill and decode coefficients at `n` ranks: measured, else modelled."""
+        tp = self.tensor_parallel
+        for m in tp.measured:
+            if m.tensor_parallel == n:
+                return m.prefill, m.decode
+        r = tp.degree / n
+        token_p, pass_p = self.allreduce_s(tp.degree)
+        token_n, pass_n = self.allreduce_s(n)
+        p, d = self.prefill, self.decode
+        prefill = msgspec.structs.replace(
+            p,
+            base_s=max(0.0, p.base_s - pass_p) + pass_n,
+            per_token_s=max(0.0, p.per_token_s - token_p) * r + token_n,
+            per_pair_s=p.per_pair_s * r,
+            per_token_sq_s=p.per_token_sq_s * r,
+        )
+        room = self.kv_capacity_at(n)
+        # The utilisation terms are in u = context / room: r times the time at a
+        # context, over the new room.
+        grow = room / d.kv_capacity_tokens if d.kv_capacity_tokens else 1.0
+        decode = msgspec.structs.replace(
+            d,
+            base_s=max(0.0, d.base_s - pass_p) * r + pass_n,
+            per_seq_s=max(0.0, d.per_seq_s - token_p) * r + token_n,
+            per_context_token_s=d.per_context_token_s * r,
+            per_util_s=d.per_util_s * r * grow,
+            per_util_sq_s=d.per_util_sq_s * r * grow * grow,
+            kv_capacity_tokens=room,
+        )
+        return prefill, decode
+
     def min_version(self) -> int:
         """The lowest file version that expresses this model."""
+        if self.tensor_parallel != TensorParallelCost():
+            return 3
         p, d = self.prefill, self.decode
         v2 = (
             p.per_token_sq_s
@@ -278,6 +430,45 @@ class CostModel(msgspec.Struct, kw_only=True):
 
 class CostModelError(ValueError):
     """A cost model file that cannot be used."""
+
+
+class Shaped(Protocol):
+    """What prices an instance beyond the model: its ranks and its transfer lanes."""
+
+    @property
+    def tensor_parallel(self) -> int: ...
+
+    @property
+    def transfer_lanes(self) -> int: ...
+
+
+class DegreeCosts:
+    """One cost model at every (degree, lanes) that instances announce, each derived
+    once (`CostModel.at_degree`). The conductor adjusts the model's KV size in place
+    when engines announce theirs (`Conductor._price_kv`): the derived models follow."""
+
+    __slots__ = ("_at", "_kv_bytes", "model")
+
+    def __init__(self, model: CostModel) -> None:
+        self.model = model
+        self._at: dict[tuple[int, int], CostModel] = {}
+        self._kv_bytes = model.kv_bytes_per_token
+
+    def at(self, tensor_parallel: int, transfer_lanes: int) -> CostModel:
+        """The model at that degree and those lanes."""
+        model = self.model
+        if model.kv_bytes_per_token != self._kv_bytes:
+            self._at.clear()
+            self._kv_bytes = model.kv_bytes_per_token
+        key = (tensor_parallel, transfer_lanes)
+        found = self._at.get(key)
+        if found is None:
+            found = self._at[key] = model.at_degree(tensor_parallel, transfer_lanes)
+        return found
+
+    def of(self, inst: Shaped) -> CostModel:
+        """The model for one instance, at the degree and lanes it announced."""
+        return self.at(inst.tensor_parallel, inst.transfer_lanes)
 
 
 # Fitted with `yb profile --quick` on the development machine (2 shared CPU cores,

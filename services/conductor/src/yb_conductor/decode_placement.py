@@ -42,6 +42,10 @@ pages, which the accounting does not foresee (a request holds its pages until it
 end is logged); it is judged at its prefill's end as above. The instance's reports
 are compared with the blocks of the requests committed there and of those whose
 prefill started (their pages are reserved and counted in what it uses).
+
+Tensor parallelism: each instance's TBT is priced at the degree it announced
+(`CostModel.at_degree`). In a pool of one degree every idle instance still predicts
+the same; a pool that mixes degrees works out every instance.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from yb_conductor.candidates import DECODE_PRUNE_ABOVE, still_busy
-from yb_conductor.cost_model import CostModel
+from yb_conductor.cost_model import CostModel, DegreeCosts
 from yb_conductor.state import ClusterState, InstanceState
 
 
@@ -116,6 +120,7 @@ class DecodePlanner:
         reserved_at_start: bool = False,
     ) -> None:
         self.cost = cost
+        self.costs = DegreeCosts(cost)
         self.priority_order = priority_order
         self.calibrated_kv = calibrated_kv
         self.reserved_at_start = reserved_at_start
@@ -137,7 +142,9 @@ class DecodePlanner:
         prefill should end) with this request added, and pick the lowest TBT among
         those with KV room for a request of `priority` (ties: the smaller assigned
         batch, then by id)."""
-        d = self.cost.decode
+        # One degree in the pool: one model for all; else each instance's own.
+        shape = state.shape_of(decodes)
+        d = (self.costs.at(*shape) if shape is not None else self.cost).decode
         base, per_seq, per_ctx = d.base_s, d.per_seq_s, d.per_context_token_s
         out_tokens = state.expected_output(max_tokens)
         context = prompt_tokens + out_tokens // 2
@@ -168,7 +175,12 @@ class DecodePlanner:
         idle: list[int] | None = None
         first_idle = -1
         min_cap = state.min_decode_capacity(decodes)
-        if not self.full_scan and n > self.prune_above and (not min_cap or need_blocks <= min_cap):
+        if (
+            shape is not None
+            and not self.full_scan
+            and n > self.prune_above
+            and (not min_cap or need_blocks <= min_cap)
+        ):
             # Every idle instance fits and predicts `idle_tbt` with nothing assigned:
             # only the first of them can be chosen (ties go to the lower id).
             order, idle = self._busy(state, decodes)
@@ -176,6 +188,9 @@ class DecodePlanner:
             evaluated = sorted([*order, first_idle]) if first_idle >= 0 else list(order)
         for i in order:
             inst = decodes[i]
+            if shape is None:
+                d = self.costs.of(inst).decode
+                base, per_seq, per_ctx = d.base_s, d.per_seq_s, d.per_context_token_s
             cap = inst.kv_capacity_blocks
             held = inst.decode_kv_blocks
             batch, ctx = 1, context
@@ -265,7 +280,7 @@ class DecodePlanner:
     def estimate(self, choice: DecodeChoice, i: int) -> DecodeEstimate:
         """Instance `i` of a choice at all three horizons."""
         inst = choice.instances[i]
-        cost = self.cost
+        cost = self.costs.of(inst)
         decoding_batch = inst.decoding_requests + 1
         assigned_batch = inst.decode_requests + 1
         return DecodeEstimate(
@@ -296,11 +311,12 @@ class DecodePlanner:
         members.sort()
         batch = len(members) + 1
         ctx = sum(c for _, c in members) + context
-        if self.cost.tbt_s(batch, ctx) <= limit_s:
+        cost = self.costs.of(est.instance)
+        if cost.tbt_s(batch, ctx) <= limit_s:
             return 0.0
         for end, c in members:
             batch -= 1
             ctx -= c
-            if self.cost.tbt_s(batch, ctx) <= limit_s:
+            if cost.tbt_s(batch, ctx) <= limit_s:
                 return max(0.0, end - state.now)
         return t_d  # even alone it would be too slow: waiting helps little

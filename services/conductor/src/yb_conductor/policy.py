@@ -278,7 +278,7 @@ class MooncakePolicy:
         whichever is faster; None when its steps cannot keep within `limit_s`."""
         bs = max(1, request.block_size)
         prompt = request.prompt_tokens
-        cost = self.cost
+        cost = self.prefill.costs.of(inst)  # the decode instance's degree and lanes
         batch, context = inst.decoding_requests, inst.decoding_context_tokens
         now = state.now
         wait = inst.busy_until - now if inst.busy_until > now else 0.0
@@ -288,7 +288,7 @@ class MooncakePolicy:
         options = [(0, 0.0)]
         if best is not None and best.blocks:
             remote = best.instance.host != inst.host
-            options.append((best.blocks, self.prefill.load_s(best, best.blocks, bs, remote)))
+            options.append((best.blocks, self.prefill.load_s(cost, best, best.blocks, bs, remote)))
         found: PiggybackEstimate | None = None
         for blocks, load in options:
             steps = plan_steps(

@@ -51,6 +51,13 @@ loading its share of every reused block (from its own host's kvstore locally, fr
 any other over the network). Its local prefix is what its lead's host holds: the
 group stores what it computes there.
 
+Tensor parallelism: each instance is priced at the degree and transfer lanes it
+announced (`CostModel.at_degree`): its prefill at its compute, its loads over its
+lanes; a group at its lead's. A pool of one shape (the usual case: every prefill
+instance at one degree) is priced by one model, and everything above holds as it
+is. A pool that mixes shapes shares one estimate per shape, and every instance is
+evaluated: the quiet non-holders no longer rank by their learned slowdown alone.
+
 Stickiness (`prefix_stickiness` > 0): instances are ranked by TTFT plus what the
 copy of the prefix they would make costs (`CopyCost`: the copied blocks, at the
 compute a block saves, times how full the pool is), ties going to the instance
@@ -68,7 +75,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 from yb_conductor.candidates import PREFILL_PRUNE_ABOVE, Candidates, still_busy
-from yb_conductor.cost_model import CostModel
+from yb_conductor.cost_model import CostModel, DegreeCosts
 from yb_conductor.speed import InstanceSpeed
 from yb_conductor.state import ClusterState, InstanceState, usable_blocks
 from yb_core import events as ev
@@ -178,6 +185,38 @@ class PoolView:
     best_any_source: str
     host_best: dict[str, Source]
     engines: dict[str, Source]
+
+
+class Pricing:
+    """One decision's prices on the instances of one shape (tensor-parallel degree,
+    transfer lanes): the cost model there, prefill seconds by blocks reused
+    (memoised), the estimate every such instance without a local prefix shares, and
+    the copy cost (with `prefix_stickiness`)."""
+
+    __slots__ = ("copy", "cost", "prefill_s", "shared")
+
+    def __init__(
+        self,
+        planner: PrefillPlanner,
+        state: ClusterState,
+        view: PoolView,
+        cost: CostModel,
+        prompt: int,
+        bs: int,
+    ) -> None:
+        memo: dict[int, float] = {}
+
+        def prefill_s(reuse_blocks: int) -> float:
+            t = memo.get(reuse_blocks)
+            if t is None:
+                cached = reuse_blocks * bs
+                t = memo[reuse_blocks] = cost.prefill_s(prompt - cached, cached)
+            return t
+
+        self.cost = cost
+        self.prefill_s = prefill_s
+        self.shared = planner.estimate(0, None, None, view.best, prefill_s, bs, cost)
+        self.copy = CopyCost(planner, state, view, prefill_s) if planner.stickiness > 0.0 else None
 
 
 def overtaken_s(
@@ -318,6 +357,7 @@ class PrefillPlanner:
         pending_prefixes: bool = False,
     ) -> None:
         self.cost = cost
+        self.costs = DegreeCosts(cost)
         self.threshold = balancing_threshold
         self.weigh_transfer = weigh_transfer
         self.priority_order = priority_order
@@ -385,16 +425,22 @@ class PrefillPlanner:
 
     # --- estimates -------------------------------------------------------------------
 
+    @staticmethod
     def load_s(
-        self, src: Source, blocks: int, block_size: int, remote: bool, share: float = 1.0
+        cost: CostModel,
+        src: Source,
+        blocks: int,
+        block_size: int,
+        remote: bool,
+        share: float = 1.0,
     ) -> float:
-        """Seconds to load `blocks` of a source's prefix (its SSD share pro rata;
-        `share` of each block's layers, a pipeline stage's)."""
+        """Seconds to load `blocks` of a source's prefix at `cost` (the loading
+        instance's: its lanes) (its SSD share pro rata; `share` of each block's
+        layers, a pipeline stage's)."""
         if blocks <= 0 or src.instance.role != "kvstore":
             return 0.0
         ssd = round(blocks * src.ssd_blocks / src.blocks) if src.ssd_blocks else 0
         dram = blocks - ssd
-        cost = self.cost
         t = cost.load_s(dram, block_size, "dram", remote, share) if dram else 0.0
         if ssd:
             t += cost.load_s(ssd, block_size, "ssd", remote, share)
@@ -414,30 +460,21 @@ class PrefillPlanner:
         are evaluated (`candidates`). Ties go to the first instance by id.
         """
         bs = max(1, request.block_size)
-        prompt = request.prompt_tokens
-        cost = self.cost
-        memo: dict[int, float] = {}
-
-        def prefill_s(reuse_blocks: int) -> float:
-            t = memo.get(reuse_blocks)
-            if t is None:
-                cached = reuse_blocks * bs
-                t = memo[reuse_blocks] = cost.prefill_s(prompt - cached, cached)
-            return t
-
-        shared = self.estimate(0, None, None, view.best, prefill_s, bs)
+        shape = state.shape_of(prefills)
+        # One shape: one pricing for all. Several: one per shape, every instance evaluated.
+        pricing = None
+        if shape is not None:
+            pricing = Pricing(self, state, view, self.costs.at(*shape), request.prompt_tokens, bs)
         subset: list[int] | None = None
         exact_top = 0
-        if not self.full_scan and len(prefills) > self.prune_above:
-            picked = self._candidates(state, view, prefills, shared.work_s)
+        if pricing is not None and not self.full_scan and len(prefills) > self.prune_above:
+            picked = self._candidates(state, view, prefills, pricing.shared.work_s)
             if picked is not None:
                 subset, exact_top = picked
-        choice = self._evaluate(state, request, view, prefills, subset, shared, prefill_s, bs)
+        choice = self._evaluate(state, request, view, prefills, subset, pricing, bs)
         if subset is not None:
             choice.exact_top = exact_top
-            choice.full = lambda: self._evaluate(
-                state, request, view, prefills, None, shared, prefill_s, bs
-            )
+            choice.full = lambda: self._evaluate(state, request, view, prefills, None, pricing, bs)
         return choice
 
     def _candidates(
@@ -582,17 +619,28 @@ class PrefillPlanner:
         view: PoolView,
         prefills: list[InstanceState],
         subset: list[int] | None,
-        shared: Estimate,
-        prefill_s: Callable[[int], float],
+        pricing: Pricing | None,
         bs: int,
     ) -> PrefillChoice:
         """The options of the instances at `subset`'s positions in `prefills` (None:
-        all of them), in that order, and the fastest."""
+        all of them), in that order, and the fastest. `pricing`: the prices of every
+        instance (a pool of one shape); None prices each at its own shape."""
         pool = len(prefills)
         if subset is not None:
             prefills = [prefills[i] for i in subset]
         now = state.now
         best = view.best
+        by_shape: dict[tuple[int, int], Pricing] = {}
+        if pricing is None:
+            for inst in prefills:
+                key = (inst.tensor_parallel, inst.transfer_lanes)
+                if key not in by_shape:
+                    cost = self.costs.at(*key)
+                    by_shape[key] = Pricing(self, state, view, cost, request.prompt_tokens, bs)
+            pricing = by_shape[(prefills[0].tensor_parallel, prefills[0].transfer_lanes)]
+        shared = pricing.shared
+        prefill_s = pricing.prefill_s
+        cost = pricing.cost
         shared_work = shared.work_s
         host_best = view.host_best
         engines = view.engines
@@ -626,9 +674,16 @@ class PrefillPlanner:
                     stretch = 1.0 / (1.0 - rho)
         chosen = 0
         chosen_rank = math.inf
-        copy = CopyCost(self, state, view, prefill_s) if self.stickiness > 0.0 else None
+        copy = pricing.copy
         copy_best, copy_per_block = (copy.best, copy.per_block) if copy else (0, 0.0)
         for i, inst in enumerate(prefills):
+            if by_shape:
+                pricing = by_shape[(inst.tensor_parallel, inst.transfer_lanes)]
+                shared, prefill_s, cost = pricing.shared, pricing.prefill_s, pricing.cost
+                shared_work = shared.work_s
+                estimates[i] = shared
+                if pricing.copy is not None:
+                    copy_per_block = pricing.copy.per_block
             factor = 1.0
             if factors is not None:
                 if solo is not None:
@@ -651,7 +706,7 @@ class PrefillPlanner:
             work = shared_work
             held = 0
             if inst.stages:
-                est = self.group_estimate(inst, view, request.prompt_tokens, bs)
+                est = self.group_estimate(inst, view, request.prompt_tokens, bs, cost)
                 estimates[i] = est
                 work = est.transfer_s + est.prefill_s
                 held = est.local_blocks
@@ -660,7 +715,7 @@ class PrefillPlanner:
                 engine = engines.get(inst.instance_id)
                 if local is not None or engine is not None:
                     held = max(local.blocks if local else 0, engine.blocks if engine else 0)
-                    est = self.estimate(held, local, engine, best, prefill_s, bs)
+                    est = self.estimate(held, local, engine, best, prefill_s, bs, cost)
                     estimates[i] = est
                     work = est.transfer_s + est.prefill_s
             t = queue + work * factor if factors is not None else queue + work
@@ -694,18 +749,20 @@ class PrefillPlanner:
         best: Source | None,
         prefill_s: Callable[[int], float],
         bs: int,
+        cost: CostModel,
     ) -> Estimate:
         """The option an instance with this local prefix takes: the fastest of
-        recompute / local / transfer (or the paper's rule when `weigh_transfer` is off)."""
+        recompute / local / transfer (or the paper's rule when `weigh_transfer` is off),
+        its loads at `cost` (the instance's)."""
         # The local load: engine blocks are free, the host's kvstore covers the rest.
         # Blocks still being computed there are priced as a load from the host's
         # DRAM: the engine's page cache may keep them, the host's pool will.
         engine_blocks = engine.blocks if engine else 0
         local_load = 0.0
         if engine is not None and engine.pending:
-            local_load = self.cost.load_s(engine_blocks, bs, "dram", False)
+            local_load = cost.load_s(engine_blocks, bs, "dram", False)
         if local is not None and local.blocks > engine_blocks:
-            local_load += self.load_s(local, local.blocks - engine_blocks, bs, remote=False)
+            local_load += self.load_s(cost, local, local.blocks - engine_blocks, bs, remote=False)
         recompute = Estimate(RECOMPUTE, local_blocks, 0, 0.0, prefill_s(0))
         local_est: Estimate | None = None
         if local_blocks > 0:
@@ -726,7 +783,7 @@ class PrefillPlanner:
             and best.blocks > local_blocks
             and (local_blocks == 0 or best.blocks / local_blocks > self.threshold)
         ):
-            remote_load = self.load_s(best, best.blocks - local_blocks, bs, remote=True)
+            remote_load = self.load_s(cost, best, best.blocks - local_blocks, bs, remote=True)
             transfer_est = Estimate(
                 TRANSFER,
                 local_blocks,
@@ -752,10 +809,12 @@ class PrefillPlanner:
                 chosen = est
         return chosen
 
-    def group_estimate(self, lead: InstanceState, view: PoolView, prompt: int, bs: int) -> Estimate:
+    def group_estimate(
+        self, lead: InstanceState, view: PoolView, prompt: int, bs: int, cost: CostModel
+    ) -> Estimate:
         """The option a prefill group takes (see the module docstring): as `estimate`,
-        with the pipeline's prefill and each stage loading its share of the blocks."""
-        cost = self.cost
+        with the pipeline's prefill and each stage loading its share of the blocks,
+        at `cost` (the lead's)."""
         shares, hosts, chunk = lead.stage_shares, lead.stage_hosts, lead.chunk_tokens
 
         def prefill_s(reuse_blocks: int) -> float:
@@ -768,7 +827,7 @@ class PrefillPlanner:
             for share, host in zip(shares, hosts, strict=True):
                 t = 0.0
                 for src, blocks in parts:
-                    t += self.load_s(src, blocks, bs, src.instance.host != host, share)
+                    t += self.load_s(cost, src, blocks, bs, src.instance.host != host, share)
                 if t > worst:
                     worst = t
             return worst

@@ -7,7 +7,9 @@ a `set` of strings (its order changes with the process's hash seed): ordered dic
 and sorted lists only.
 
 What is tracked, and why:
-- instances, with liveness from heartbeats (`LoadReport`) measured in event time;
+- instances, with liveness from heartbeats (`LoadReport`) measured in event time,
+  and each engine's tensor-parallel degree and transfer lanes (`InstanceUp`), at
+  which the policies price its work (`CostModel.at_degree`);
 - the global block index (`BlockIndex`), guarded per instance by (epoch, event_id):
   a gap or a new epoch voids that instance's entries and asks for an inventory;
 - placements: every scheduled request until it finishes, with what the conductor
@@ -122,6 +124,11 @@ class InstanceState(msgspec.Struct, kw_only=True):
     # Decode: it takes prompts into its batch (`InstanceUp.piggyback`); they queue
     # there as a prefill instance's jobs do (`prefill_queue`, `busy_until`).
     piggyback: bool = False
+    # Engines: the ranks it spans and the lanes its KV moves over (`InstanceUp`;
+    # 1 and 1 in a log from before tensor parallelism), which price its work
+    # (`CostModel.at_degree`).
+    tensor_parallel: int = 1
+    transfer_lanes: int = 1
 
 
 class Placement(msgspec.Struct, kw_only=True):
@@ -375,6 +382,7 @@ class ClusterState:
         self._live_cache: dict[tuple[ev.Role, str, int], list[InstanceState]] = {}
         self._live_positions: dict[int, tuple[list[InstanceState], dict[str, int]]] = {}
         self._min_capacity: dict[int, tuple[list[InstanceState], int]] = {}
+        self._shapes: dict[int, tuple[list[InstanceState], tuple[int, int] | None]] = {}
         # Which prefill instances a decision must evaluate (see `candidates`).
         self._candidates = Candidates()
         self._hosts_cache: dict[str, list[InstanceState]] | None = None
@@ -605,6 +613,8 @@ class ClusterState:
             num_layers=event.num_layers,
             chunk_tokens=event.chunk_tokens,
             piggyback=event.piggyback,
+            tensor_parallel=max(1, event.tensor_parallel),
+            transfer_lanes=max(1, event.transfer_lanes),
         )
         if old is not None:
             # Requests in flight there stay accounted until they finish or expire.
@@ -737,6 +747,7 @@ class ClusterState:
         self._live_cache.clear()
         self._live_positions.clear()
         self._min_capacity.clear()
+        self._shapes.clear()
         self._hosts_cache = None
 
     # --- requests ---------------------------------------------------------------------
@@ -1208,6 +1219,17 @@ class ClusterState:
         if found is None or found[0] is not decodes:
             caps = [i.kv_capacity_blocks for i in decodes if i.kv_capacity_blocks]
             found = self._min_capacity[key] = (decodes, min(caps) if caps else 0)
+        return found[1]
+
+    def shape_of(self, live: list[InstanceState]) -> tuple[int, int] | None:
+        """The (tensor-parallel degree, transfer lanes) every instance of a list
+        `live` gave shares; None when they differ or the list is empty (cached with
+        the live lists). A pool of one shape is priced by one cost model."""
+        key = id(live)
+        found = self._shapes.get(key)
+        if found is None or found[0] is not live:
+            shapes = {(i.tensor_parallel, i.transfer_lanes) for i in live}
+            found = self._shapes[key] = (live, shapes.pop() if len(shapes) == 1 else None)
         return found[1]
 
     def live_by_host(self) -> dict[str, list[InstanceState]]:

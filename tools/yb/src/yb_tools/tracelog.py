@@ -135,6 +135,9 @@ class TraceLog:
         """Instances come up (and the conductor records its settings)."""
         topo = self.cluster
         self.emit(configured_event(self.cfg, self.cost, "conductor-0", time=t))
+        # Engines as the cost model's profile measured them: priced by it unchanged.
+        tp = self.cost.tensor_parallel
+        degree, lanes = tp.degree, tp.transfer_lanes
         for i in range(topo.prefill):
             host = f"host-{i}"
             kv = SimKvstore(f"kvstore-{i}", f"host-{i}", topo.kvstore_blocks)
@@ -151,7 +154,8 @@ class TraceLog:
             self.emit(
                 ev.InstanceUp(
                     time=t, instance_id=f"prefill-{i}", role="prefill", host=host,
-                    max_batch_size=1, block_size=TRACE_BLOCK_TOKENS,
+                    max_batch_size=1, block_size=TRACE_BLOCK_TOKENS, tensor_parallel=degree,
+                    transfer_lanes=lanes,
                 )
             )  # fmt: skip
         for j in range(topo.decode):
@@ -159,7 +163,7 @@ class TraceLog:
                 ev.InstanceUp(
                     time=t, instance_id=f"decode-{j}", role="decode", host=f"host-{j}",
                     max_batch_size=topo.max_batch, kv_capacity_blocks=topo.decode_kv_blocks,
-                    block_size=TRACE_BLOCK_TOKENS,
+                    block_size=TRACE_BLOCK_TOKENS, tensor_parallel=degree, transfer_lanes=lanes,
                 )
             )  # fmt: skip
         self._next_report = t + self.report_interval_s

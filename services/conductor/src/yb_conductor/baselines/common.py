@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import dataclass
 
 from yb_conductor.admission import NO_DECODE, NO_PREFILL, Verdict
-from yb_conductor.cost_model import CostModel, load_cost_model
+from yb_conductor.cost_model import CostModel, DegreeCosts, load_cost_model
 from yb_conductor.policy_base import Decided, reject
 from yb_conductor.state import ClusterState, InstanceState, usable_blocks
 from yb_core import events as ev
@@ -113,6 +113,7 @@ class BaselinePolicy:
     def __init__(self, cfg: ConductorConfig | None = None, cost: CostModel | None = None) -> None:
         self.cfg = cfg or ConductorConfig()
         self.cost = cost or load_cost_model(self.cfg.cost_model)
+        self.costs = DegreeCosts(self.cost)
 
     def live_pools(
         self, state: ClusterState, request: ev.RequestAdmitted, seq: int
@@ -156,7 +157,7 @@ def _reuse_plan(state: ClusterState, view: LocalView, i: int) -> tuple[int, list
 
 def scheduled(
     name: str,
-    cost: CostModel,
+    costs: DegreeCosts,
     state: ClusterState,
     request: ev.RequestAdmitted,
     seq: int,
@@ -166,8 +167,10 @@ def scheduled(
     reason: str,
 ) -> ev.RequestScheduled:
     """The decision to run the request on prefill `i` of the view (reusing its local
-    prefix) and on `decode`, with the cost model's estimates."""
+    prefix) and on `decode`, with the cost model's estimates (each instance's at its
+    degree)."""
     prefill = view.prefills[i]
+    cost = costs.of(prefill)
     bs = max(1, request.block_size)
     reused, plan = _reuse_plan(state, view, i)
     transfer_s = 0.0
@@ -183,7 +186,7 @@ def scheduled(
         transfer_s=transfer_s,
         prefill_s=prefill_s,
         ttft_s=queue_s + transfer_s + prefill_s,
-        tbt_s=cost.tbt_s(batch, decode.decode_context_tokens + request.prompt_tokens),
+        tbt_s=costs.of(decode).tbt_s(batch, decode.decode_context_tokens + request.prompt_tokens),
         decode_batch=batch,
     )
     explain = ev.Explanation(

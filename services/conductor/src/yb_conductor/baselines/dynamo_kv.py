@@ -60,7 +60,7 @@ class DynamoKvPolicy(BaselinePolicy):
             f"({view.blocks[i]} of {request_blocks} cached); decode blocks {decode_costs[j]:.0f}"
         )
         return Decided(
-            scheduled(self.name, self.cost, state, request, seq, view, i, decode, reason), []
+            scheduled(self.name, self.costs, state, request, seq, view, i, decode, reason), []
         )
 
     def _pick(self, costs: list[float], request_id: str, salt: str) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from yb_conductor.admission import NO_DECODE, NO_PREFILL, Verdict
 from yb_conductor.baselines.common import usable_keys
-from yb_conductor.cost_model import CostModel, load_cost_model
+from yb_conductor.cost_model import CostModel, DegreeCosts, load_cost_model
 from yb_conductor.policy_base import Decided, reject
 from yb_conductor.state import ClusterState, InstanceState
 from yb_core import events as ev
@@ -28,6 +28,7 @@ class LeastLoadedPolicy:
     def __init__(self, cfg: ConductorConfig | None = None, cost: CostModel | None = None) -> None:
         self.cfg = cfg or ConductorConfig()
         self.cost = cost or load_cost_model(self.cfg.cost_model)
+        self.costs = DegreeCosts(self.cost)
 
     def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decided:
         """Place on the least-loaded pair, or reject when a pool is empty or saturated."""
@@ -45,15 +46,16 @@ class LeastLoadedPolicy:
         keys = usable_keys(request)
         cached = state.prefix_blocks(keys, prefill.instance_id)
         computed = request.prompt_tokens - cached * request.block_size
-        queue_s = self.cost.prefill_s(prefill.prefill_tokens_in_flight)
-        prefill_s = self.cost.prefill_s(computed, cached * request.block_size)
+        cost = self.costs.of(prefill)
+        queue_s = cost.prefill_s(prefill.prefill_tokens_in_flight)
+        prefill_s = cost.prefill_s(computed, cached * request.block_size)
         batch = decode.decode_requests + 1
         context = decode.decode_context_tokens + request.prompt_tokens
         estimates = ev.Estimates(
             queue_s=queue_s,
             prefill_s=prefill_s,
             ttft_s=queue_s + prefill_s,
-            tbt_s=self.cost.tbt_s(batch, context),
+            tbt_s=self.costs.of(decode).tbt_s(batch, context),
             decode_batch=batch,
         )
         if decode.max_batch_size and decode.decode_requests >= 4 * decode.max_batch_size:

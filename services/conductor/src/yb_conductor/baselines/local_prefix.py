@@ -33,23 +33,25 @@ class LocalPrefixPolicy(BaselinePolicy):
         if missing is not None:
             return missing
         view = local_view(state, request, prefills)
-        cost = self.cost
         bs = max(1, request.block_size)
         prompt = request.prompt_tokens
-        # Most instances hold nothing of this prompt: they share one prefill estimate.
-        memo: dict[int, float] = {}
+        # Most instances hold nothing of this prompt: they share one prefill estimate
+        # (one per degree and lanes).
+        memo: dict[tuple[int, int, int], float] = {}
         best, best_t = 0, math.inf
         now = state.now
         for i, inst in enumerate(prefills):
             blocks = view.blocks[i]
-            work = memo.get(blocks)
+            key = (blocks, inst.tensor_parallel, inst.transfer_lanes)
+            work = memo.get(key)
             if work is None:
+                cost = self.costs.of(inst)
                 cached = blocks * bs
                 work = cost.prefill_s(prompt - cached, cached)
                 source = view.sources[i]
                 if blocks and source is not None and source.instance_id != inst.instance_id:
                     work += cost.load_s(blocks, bs, "dram", remote=False)
-                memo[blocks] = work
+                memo[key] = work
             busy = inst.busy_until
             t = (busy - now if busy > now else 0.0) + work
             if t < best_t:
@@ -60,5 +62,5 @@ class LocalPrefixPolicy(BaselinePolicy):
             f"estimated TTFT {best_t:.3f}s"
         )
         return Decided(
-            scheduled(self.name, cost, state, request, seq, view, best, decode, reason), []
+            scheduled(self.name, self.costs, state, request, seq, view, best, decode, reason), []
         )

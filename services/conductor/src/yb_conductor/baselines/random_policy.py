@@ -27,6 +27,6 @@ class RandomPolicy(BaselinePolicy):
         decode = decodes[draw(seed, rid, "decode", len(decodes))]
         view = local_view(state, request, prefills)
         return Decided(
-            scheduled(self.name, self.cost, state, request, seq, view, i, decode, "drawn"),
+            scheduled(self.name, self.costs, state, request, seq, view, i, decode, "drawn"),
             [],
         )

@@ -35,6 +35,6 @@ class RoundRobinPolicy(BaselinePolicy):
         decode = decodes[turn % len(decodes)]
         i = turn % len(prefills)
         return Decided(
-            scheduled(self.name, self.cost, state, request, seq, view, i, decode, f"turn {turn}"),
+            scheduled(self.name, self.costs, state, request, seq, view, i, decode, f"turn {turn}"),
             [],
         )

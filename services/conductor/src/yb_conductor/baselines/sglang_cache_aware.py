@@ -120,7 +120,7 @@ class SglangCacheAwarePolicy(BaselinePolicy):
         decode = min(decodes, key=lambda d: d.decode_requests)
         view = local_view(state, request, prefills)
         return Decided(
-            scheduled(self.name, self.cost, state, request, seq, view, i, decode, reason), []
+            scheduled(self.name, self.costs, state, request, seq, view, i, decode, reason), []
         )
 
     @staticmethod

@@ -1,7 +1,8 @@
 """`yb sim`: replay a trace through a simulated cluster around the real conductor.
 
     yb sim --trace FILE --policy NAME[,NAME...] [--admission none|early|predicted[,...]]
-           [--prefill N --decode N --profile NAME|FILE --speedup X] --json PATH
+           [--prefill N --decode N --prefill-tp N --decode-tp N --profile NAME|FILE
+            --speedup X] --json PATH
     yb sim --workload shared-prefix[:groups=32,...] [--write-trace PATH] [--json PATH ...]
     yb sim --matrix [--limit N] [--seeds 0-5] [--json PATH]
     yb sim --trace FILE --policy coupled,mooncake --capacity [--json PATH]
@@ -100,12 +101,30 @@ def add_parser(sub: Any) -> None:
     cluster.add_argument("--prefill", type=int, default=8, help="prefill instances (8)")
     cluster.add_argument("--decode", type=int, default=8, help="decode instances (8)")
     cluster.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=0,
+        metavar="N",
+        help="devices (tensor-parallel ranks) of each prefill instance (default: the "
+        "profile's, 8 for llama2-70b-a800)",
+    )
+    cluster.add_argument(
+        "--decode-tp",
+        type=int,
+        default=0,
+        metavar="N",
+        help="devices (tensor-parallel ranks) of each decode instance (default: the profile's)",
+    )
+    cluster.add_argument(
         "--profile",
         default="llama2-70b-a800",
         help="cost model: llama2-70b-a800, dynamo-mocker, or a `yb profile` file",
     )
     cluster.add_argument(
-        "--pool-tokens", type=int, default=3_000_000, help="KV pool per host, tokens (3M)"
+        "--pool-tokens",
+        type=int,
+        default=3_000_000,
+        help="KV pool per host of one profile instance's devices, tokens (3M)",
     )
     cluster.add_argument(
         "--eviction",
@@ -249,6 +268,8 @@ def params_from(args: argparse.Namespace) -> SimParams:
         piggyback=args.piggyback,
         chunk_tokens=args.chunk_tokens,
         model_layers=args.model_layers,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
     )
 
 
@@ -261,6 +282,8 @@ _SETTING_FLAGS = {
     "prefill": "--prefill",
     "decode": "--decode",
     "speedup": "--speedup",
+    "prefill_tp": "--prefill-tp",
+    "decode_tp": "--decode-tp",
 }
 _OUTPUT_FLAGS = {"plots": "--plots", "log_dir": "--log-dir", "report": "--report"}
 _CAPACITY_FLAGS = {
@@ -349,6 +372,9 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
         return 2
     if params.prefill < 1 or params.decode < 1:
         print("yb sim: need at least one prefill and one decode instance", file=sys.stderr)
+        return 2
+    if params.prefill_tp < 0 or params.decode_tp < 0:
+        print("yb sim: --prefill-tp and --decode-tp count devices: 1 or more", file=sys.stderr)
         return 2
     if params.speedup <= 0:
         print(f"yb sim: --speedup {params.speedup:g}: a factor above 0", file=sys.stderr)

@@ -24,6 +24,10 @@ starts only when the instance has KV room (prompt + output tokens) and a batch s
 otherwise it waits, and a request whose prefill has not started `request_timeout_s`
 after arrival is cancelled. There is no conductor and no early rejection. Everything
 is deterministic in virtual time (the `jitter` parameter does not apply).
+
+Every coupled instance spans the same devices (`prefill_tp` = `decode_tp`, the
+profile's by default), timed by the cost model at that degree, with the KV room of
+that degree.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from yb_tools.sim.job import Job
 from yb_tools.sim.kvstore import SimKvstore
 from yb_tools.sim.params import SimParams
 from yb_tools.sim.results import LoadSeries, PolicyResult, summarize
-from yb_tools.sim.simulator import DEFAULT_DECODE_KV_TOKENS, Progress, block_size_for
+from yb_tools.sim.simulator import Progress, block_size_for, decode_kv_tokens, engine_costs
 from yb_tools.sim.workload import TraceItem, draw_priorities
 
 COUPLED_POLICY = "coupled"
@@ -102,11 +106,17 @@ class CoupledSimulation:
     ) -> None:
         self.items = items
         self.params = params
-        self.cost = cost
-        self.label = label or COUPLED_POLICY
+        params.check_degrees()
+        prefill_tp, decode_tp = params.degrees(cost)
+        if prefill_tp != decode_tp:
+            raise ValueError(
+                "the coupled baseline's instances each prefill and decode, at one degree: "
+                f"tensor parallel {prefill_tp} for prefill and {decode_tp} for decode"
+            )
         self.bs = bs = block_size_for(params, cost)
-        kv_tokens = params.decode_kv_tokens or cost.decode.kv_capacity_tokens
-        self.kv_capacity = kv_tokens or DEFAULT_DECODE_KV_TOKENS
+        self.cost = cost = engine_costs(params, cost)[1]
+        self.label = label or COUPLED_POLICY
+        self.kv_capacity = decode_kv_tokens(params, cost, bs)
         n = params.prefill + params.decode
         self.instances = [
             CoupledInstance(

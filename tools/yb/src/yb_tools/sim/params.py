@@ -6,6 +6,7 @@ from typing import Literal, get_args
 
 import msgspec
 
+from yb_conductor.cost_model import CostModel
 from yb_core.config import EvictionPolicyName
 
 DecodeAdmission = Literal["engine", "reject", "queue"]
@@ -58,6 +59,16 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     drawn from it with a generator of its own seeded by `seed`, so a mix changes
     nothing else a run draws. Larger runs earlier: prefill queues and decode
     admission order by priority, then arrival, and the results break down by it.
+
+    `prefill_tp` and `decode_tp`: the tensor-parallel degree (devices) of each
+    prefill and each decode instance (0: the profile's own, `tensor_parallel.degree`
+    of the cost model). Each is timed by the cost model at its degree
+    (`CostModel.at_degree`), announces it (`InstanceUp.tensor_parallel`), and moves
+    KV over as many lanes per device as the profile's instance (`lanes_at`); a decode
+    instance's KV room is the profile's at its degree unless `decode_kv_tokens` sets
+    it. `pool_tokens` is the pool of a host of one profile instance's devices: a
+    prefill instance of another degree gets its share of it (`pool_tokens_at`), so
+    that clusters of equal device counts have equal pools.
     """
 
     prefill: int = 8
@@ -85,6 +96,29 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     piggyback: bool = False
     chunk_tokens: int = 2048
     model_layers: int = 80
+    prefill_tp: int = 0
+    decode_tp: int = 0
+
+    def degrees(self, cost: CostModel) -> tuple[int, int]:
+        """The prefill and decode instances' tensor-parallel degrees under `cost`."""
+        own = cost.tensor_parallel.degree
+        return self.prefill_tp or own, self.decode_tp or own
+
+    def devices(self, cost: CostModel) -> int:
+        """Devices the cluster's engines span (kvstores hold none)."""
+        prefill_tp, decode_tp = self.degrees(cost)
+        return self.prefill * prefill_tp + self.decode * decode_tp
+
+    def pool_tokens_at(self, cost: CostModel) -> int:
+        """The pool of each prefill instance's host: `pool_tokens` in proportion to its
+        devices against the profile's instance."""
+        prefill_tp, _ = self.degrees(cost)
+        return self.pool_tokens * prefill_tp // cost.tensor_parallel.degree
+
+    def check_degrees(self) -> None:
+        """ValueError for a degree below 0."""
+        if self.prefill_tp < 0 or self.decode_tp < 0:
+            raise ValueError("a tensor-parallel degree is a count of devices, 1 or more")
 
     def check_groups(self) -> None:
         """ValueError when `prefill_groups` does not fit the cluster."""
@@ -101,6 +135,13 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"more stages than the model's {self.model_layers} layers")
         if self.chunk_tokens < 1:
             raise ValueError("chunk_tokens must be at least 1")
+
+
+def lanes_at(cost: CostModel, degree: int) -> int:
+    """Transfer lanes of a simulated instance of `degree` devices: the profile's lanes
+    per device (its ranks move their own pages, as a GPU instance's do), at least 1."""
+    tp = cost.tensor_parallel
+    return max(1, tp.transfer_lanes * degree // tp.degree)
 
 
 def stage_layers(stages: int, layers: int) -> list[tuple[int, int]]:

@@ -76,6 +76,9 @@ def run(params: SimParams = PARAMS, trace: Path = TRACE) -> SimReport:
         cost_model=cost.name,
         block_size=bs,
         wall_s=wall,
+        prefill_tp=params.degrees(cost)[0],
+        decode_tp=params.degrees(cost)[1],
+        devices=params.devices(cost),
     )
 
 

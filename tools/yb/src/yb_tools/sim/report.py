@@ -145,7 +145,8 @@ def summary_line(report: SimReport) -> str:
     """What ran, on what, how fast."""
     p = report.params
     return (
-        f"{report.requests} requests, {p.prefill} prefill + {p.decode} decode instances, "
+        f"{report.requests} requests, {p.prefill} prefill (TP {report.prefill_tp}) + "
+        f"{p.decode} decode (TP {report.decode_tp}) instances on {report.devices} devices, "
         f"profile {report.cost_model}, block {report.block_size}, speedup {p.speedup:g}x"
         + (
             f", prefill groups of {'+'.join(map(str, p.prefill_groups))} stages "

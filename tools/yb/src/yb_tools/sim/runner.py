@@ -47,7 +47,8 @@ class RunSpec:
 
 
 class SimReport(msgspec.Struct, kw_only=True):
-    """Every run's figures, and what they were run with."""
+    """Every run's figures, and what they were run with (`prefill_tp`, `decode_tp`:
+    the instances' tensor-parallel degrees; `devices`: what they span together)."""
 
     policies: dict[str, PolicyResult]
     simulated_seconds_per_wall_second: float
@@ -57,6 +58,9 @@ class SimReport(msgspec.Struct, kw_only=True):
     cost_model: str
     block_size: int
     wall_s: float
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    devices: int = 0
 
 
 def expand(policies: list[str], admissions: list[str]) -> list[RunSpec]:
@@ -176,6 +180,7 @@ def simulate(
     wall = time.perf_counter() - started
     simulated = sum(r.simulated_s for r in results.values())
     run_wall = sum(r.wall_s for r in results.values())
+    prefill_tp, decode_tp = params.degrees(cost)
     return SimReport(
         policies=results,
         simulated_seconds_per_wall_second=simulated / run_wall if run_wall > 0 else 0.0,
@@ -185,6 +190,9 @@ def simulate(
         cost_model=cost.name,
         block_size=bs,
         wall_s=wall,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        devices=params.devices(cost),
     )
 
 

@@ -12,6 +12,10 @@ load. Each decision is logged back to the conductor as the live service does, so
 log replays. The conductor decides exactly as it would live: `Conductor.apply` is
 the production code path, fed in event-time order.
 
+Prefill and decode instances span the devices `SimParams.degrees` gives them: each
+announces its degree and lanes, and is timed by the cost model at them
+(`engine_costs`), which is what the conductor prices it with.
+
 Events are a heap of (time, sequence, kind, ...); arrivals come straight from the
 sorted trace. Nothing here reads the wall clock except to measure itself.
 """
@@ -37,7 +41,7 @@ from yb_core.config import ConductorConfig
 from yb_tools.sim.decode import SimDecode
 from yb_tools.sim.job import Job
 from yb_tools.sim.kvstore import SimKvstore
-from yb_tools.sim.params import SimParams, stage_layers
+from yb_tools.sim.params import SimParams, lanes_at, stage_layers
 from yb_tools.sim.prefill import SimPrefill
 from yb_tools.sim.results import LoadSeries, PolicyResult, summarize
 from yb_tools.sim.workload import TraceItem, draw_priorities
@@ -54,6 +58,32 @@ DEFAULT_DECODE_KV_TOKENS = 1 << 20
 def block_size_for(params: SimParams, cost: CostModel) -> int:
     """The block size a run uses: the parameter, else the cost model's, else 512."""
     return params.block_size or cost.block_size or 512
+
+
+def engine_costs(params: SimParams, cost: CostModel) -> tuple[CostModel, CostModel]:
+    """The cost model of a prefill and of a decode instance, each at its degree and
+    lanes (`SimParams.degrees`, `lanes_at`)."""
+    prefill_tp, decode_tp = params.degrees(cost)
+    return (
+        cost.at_degree(prefill_tp, lanes_at(cost, prefill_tp)),
+        cost.at_degree(decode_tp, lanes_at(cost, decode_tp)),
+    )
+
+
+def decode_kv_tokens(params: SimParams, decode_cost: CostModel, block_size: int) -> int:
+    """KV room of one decode instance, tokens: the parameter, else the cost model's at
+    the decode degree, else `DEFAULT_DECODE_KV_TOKENS`. ValueError when the model's
+    weights leave the decode degree less than a block."""
+    if params.decode_kv_tokens:
+        return params.decode_kv_tokens
+    room = decode_cost.decode.kv_capacity_tokens
+    if room and room < block_size:
+        raise ValueError(
+            f"{decode_cost.name} at tensor parallel {decode_cost.tensor_parallel.degree} "
+            f"leaves {room} tokens of KV room, less than a block of {block_size}: its "
+            "weights do not fit beside a request"
+        )
+    return room or DEFAULT_DECODE_KV_TOKENS
 
 
 class Simulation:
@@ -77,6 +107,9 @@ class Simulation:
         self.label = label or policy
         self.admission = admission
         self.bs = bs = block_size_for(params, cost)
+        params.check_degrees()
+        self.prefill_tp, self.decode_tp = params.degrees(cost)
+        self.prefill_cost, self.decode_cost = engine_costs(params, cost)
         # Simulated engines run exactly at the cost model's speed, each on its own
         # hardware: nothing to learn (`learn_speed` would only add rounding noise to
         # the published figures); `settings` may still turn it on.
@@ -93,7 +126,7 @@ class Simulation:
         self.records: list[LogRecord] | None = [] if record_log else None
         self.rng = random.Random(params.seed)
         self.slo = ev.Slo(ttft_s=params.ttft_slo_s, tbt_s=params.tbt_slo_s)
-        pool_blocks = max(1, params.pool_tokens // bs)
+        pool_blocks = max(1, params.pool_tokens_at(cost) // bs)
         self.kvstores = [
             SimKvstore(f"kvstore-{i}", f"host-{i}", pool_blocks, params.eviction)
             for i in range(params.prefill)
@@ -116,12 +149,11 @@ class Simulation:
             lead.shares = [(end - start) / params.model_layers for start, end in spans]
             lead.hosts = [m.host for m in members]
             first += size
-        kv_tokens = params.decode_kv_tokens or cost.decode.kv_capacity_tokens
-        self.decode_kv_tokens = kv_tokens or DEFAULT_DECODE_KV_TOKENS
+        self.decode_kv_tokens = decode_kv_tokens(params, self.decode_cost, bs)
         self.decodes = [
             SimDecode(
                 f"decode-{j}",
-                cost,
+                self.decode_cost,
                 kv_capacity=self.decode_kv_tokens,
                 max_batch=params.decode_max_batch,
                 tbt_slo_s=params.tbt_slo_s,
@@ -257,6 +289,8 @@ class Simulation:
                     block_size=bs, max_batch_size=1, group=group, layer_start=start,
                     layer_end=end, num_layers=self.params.model_layers if group else 0,
                     chunk_tokens=self.params.chunk_tokens if group else 0,
+                    tensor_parallel=self.prefill_tp,
+                    transfer_lanes=self.prefill_cost.tensor_parallel.transfer_lanes,
                 )
             )  # fmt: skip
         for j, d in enumerate(self.decodes):
@@ -265,6 +299,8 @@ class Simulation:
                     instance_id=d.instance_id, role="decode", host=self._decode_host(j),
                     epoch=1, block_size=bs, max_batch_size=d.max_batch,
                     kv_capacity_blocks=d.kv_capacity // bs, piggyback=self.params.piggyback,
+                    tensor_parallel=self.decode_tp,
+                    transfer_lanes=self.decode_cost.tensor_parallel.transfer_lanes,
                 )
             )  # fmt: skip
 
@@ -362,7 +398,7 @@ class Simulation:
             have = holder.prefix(keys[:end])
             if have > local + pulled:
                 pulled, source = have - local, holder
-        cost = self.cost
+        cost = self.prefill_cost
         if local:
             kv.touch(keys[:local])
         if pulled and source is not None:
@@ -422,7 +458,7 @@ class Simulation:
                 cached = max(cached, holder.prefix(keys[: run.first_block + run.num_blocks]))
                 holder.touch(keys[:cached])
                 remote = holder is not self.decode_pools[job.decode]
-        load = self.cost.load_s(cached, bs, "dram", remote=remote) if cached else 0.0
+        load = self.decode_cost.load_s(cached, bs, "dram", remote=remote) if cached else 0.0
         if remote:
             job.reused_remote = cached
         else:
