@@ -113,6 +113,18 @@ SUMMARIES: dict[str, str] = {
         "DeepSeek-V3's real sizes (from their configs: the bytes are arithmetic, the same "
         "on any machine). Timings are medians of `--repeats` runs."
     ),
+    "tensor_parallel": (
+        "Tensor-parallel instances on this machine's CPU (gloo, float32): prefill of a "
+        "2,048-token prompt and one decode step of 8 sequences of 512 tokens, by one "
+        "process with every core and by a tensor-parallel instance whose ranks share the "
+        "same cores, alternating in one run (medians of `--rounds`). A random Llama of "
+        "SmolLM2-135M's size with 8 heads and 4 KV heads at TP=2 (SmolLM2's 9 heads do "
+        "not cut in two), and the default model itself at TP=3. Then the KV bytes a "
+        "prompt's pages move from a prefill of degree a to a decode of degree b, over "
+        "real UCX, from and into the pages as each side's ranks hold them: per-head K/V "
+        "(the same Llama) and a DeepSeek-V3-shaped latent (tiny: 4 layers, a latent of "
+        "40), against sending the latent to every decode rank."
+    ),
     "hf_backend": (
         "Two ways to compute a model family, on the default model (a Llama) in float32 "
         "over the same weights and the same paged KV cache and attention backend, "
@@ -407,6 +419,57 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         (r"(\w+?)_kv_bytes_per_token", "{0}: KV bytes one token keeps (every layer, float32)"),
         (r"(\w+?)_pool_tokens_per_gb_latent", "{0}: tokens a GB of KV pool holds as latents"),
         (r"(\w+?)_pool_tokens_per_gb_per_head", "{0}: tokens a GB holds as per-head K/V"),
+    ],
+    "tensor_parallel": [
+        ("cores", "the machine's cores (every timed way uses all of them)"),
+        ("dtype", "weights' and KV cache's dtype"),
+        ("tokens", "prompt tokens of the timed prefill and of the transfers"),
+        (
+            r"(llama|smollm2)_logits_rel_diff",
+            "{0}: largest difference of the instance's next-token logits from one "
+            "process's, relative to the largest logit",
+        ),
+        (
+            r"(llama|smollm2)_tp(\d+)_prefill_(\d+)_s",
+            "{0}: seconds to prefill {2} tokens at TP={1}",
+        ),
+        (
+            r"(llama|smollm2)_tp(\d+)_prefill_tokens_per_s",
+            "{0}: prompt tokens/s at TP={1}",
+        ),
+        (
+            r"(llama|smollm2)_tp(\d+)_decode_batch_8_tokens_per_s",
+            "{0}: decode tokens/s at TP={1}, 8 sequences of 512 tokens",
+        ),
+        (
+            r"(llama|smollm2)_tp(\d+)_over_tp1_prefill_speed",
+            "{0}: prefill speed at TP={1} over one process's, same cores, same run",
+        ),
+        (
+            r"(llama|smollm2)_tp(\d+)_over_tp1_decode_speed",
+            "{0}: decode speed at TP={1} over one process's, same cores, same run",
+        ),
+        (
+            r"(llama|mla)_p(\d+)_d(\d+)_bytes_per_token",
+            "{0}, prefill TP={1} to decode TP={2}: KV bytes received per prompt token",
+        ),
+        (
+            r"(llama|mla)_p(\d+)_d(\d+)_pieces_per_page",
+            "{0}, TP={1} to TP={2}: pieces each (layer, page) travels in (runs of heads "
+            "one rank holds on both sides)",
+        ),
+        (
+            r"(llama|mla)_p(\d+)_d(\d+)_buffers",
+            "{0}, TP={1} to TP={2}: pieces of the whole transfer",
+        ),
+        (
+            r"(llama|mla)_p(\d+)_d(\d+)_s",
+            "{0}, TP={1} to TP={2}: seconds from the first send to the commit (replicas copied)",
+        ),
+        (
+            r"mla_p(\d+)_d(\d+)_bytes_per_token_if_sent_to_every_rank",
+            "MLA, TP={0} to TP={1}: bytes per token were the latent sent to every decode rank",
+        ),
     ],
     "hf_backend": [
         ("model", "the model measured"),

@@ -61,6 +61,7 @@ BENCHMARKS = (
     "sim_tp",
     "families",
     "hf_backend",
+    "tensor_parallel",
 )
 # The longest benchmark (the default model through `yb up`, on a loaded 2-core machine)
 # takes minutes; an hour means something is stuck.
