@@ -176,19 +176,18 @@ async def transfer(arch: ArchConfig, a: int, b: int, tokens: int, repeats: int) 
     try:
         for _ in range(repeats):
             rid = f"bench.{uuid.uuid4().hex[:8]}"
-            buffers = [
-                piece
-                for layer in range(arch.num_layers)
-                for page in range(pages)
-                for piece in target.pieces(layer, page, cuts)
-            ]
+            buffers, items = [], []
+            for layer in range(arch.num_layers):
+                # Piece-major, as the engines lay a reservation out (`KVReserved`).
+                ours = [target.pieces(layer, page, cuts) for page in range(pages)]
+                theirs = [source.pieces(layer, page, cuts) for page in range(pages)]
+                for j in range(k):
+                    buffers += [of_page[j] for of_page in ours]
+                    items += [
+                        ((layer * k + j) * pages + page, of_page[j])
+                        for page, of_page in enumerate(theirs)
+                    ]
             res = rx.reserve(rid, buffers, deadline_s=60)
-            items = [
-                ((layer * pages + page) * k + j, piece)
-                for layer in range(arch.num_layers)
-                for page in range(pages)
-                for j, piece in enumerate(source.pieces(layer, page, cuts))
-            ]
             start = time.perf_counter()
             await tx.send(
                 address, rid, items, deadline_s=60, commit=True, receiver_breaks=res.breaks()

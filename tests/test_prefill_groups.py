@@ -3,6 +3,8 @@
 One `yb up` cluster with the tiny random model (2 layers) and 16-token chunks: a
 whole-model prefill instance (`prefill-0`) and one group of 2 stages
 (`--prefill-groups 2`), each stage holding one layer; kept up when an instance dies.
+The decode instance is tensor-parallel (TP=2, one KV head per rank): each stage sends
+its layers' pages cut in its ranks' heads.
 The fixture arranges who serves what by construction:
 
 1. the group's second stage is killed, so the group cannot run (a layer is
@@ -121,6 +123,8 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
         "--keep-going",
         env={
             "YB_PREFILL__CHUNK_SIZE": str(CHUNK),
+            # Decode at TP=2: the stages' whole pages land cut in its ranks' KV heads.
+            "YB_DECODE__TENSOR_PARALLEL": "2",
             # Room in decode for several long streams at once (the tiny model's longest
             # sequence is 4,096 tokens; one is the laptop default).
             "YB_DECODE__KV_SEQUENCES": "8",
@@ -185,6 +189,8 @@ def test_the_stages_announce_their_group_and_requests_are_planned_on_it(group: G
     assert (lead.group, lead.layer_start, lead.layer_end, lead.num_layers) == ("g0", 0, 1, 2)
     assert (second.group, second.layer_start, second.layer_end) == ("g0", 1, 2)
     assert lead.chunk_tokens == second.chunk_tokens == CHUNK
+    assert lead.tensor_parallel == second.tensor_parallel == 1
+    assert ups["decode-0"].tensor_parallel == 2
     body = complete(cluster, PROMPTS[0], max_tokens=MAX_TOKENS)
     decision = decision_of(cluster, body["id"])
     assert isinstance(decision, ev.RequestScheduled), decision

@@ -490,12 +490,11 @@ class DecodeWorker(Worker):
         except Exception as exc:
             return pr.ReserveRefused(request_id=rid, reason=f"out of KV pages: {exc}")
         pages, copy_pages = allocated[:num_pages], allocated[num_pages:]
-        buffers = [
-            piece
-            for layer in range(cache.num_layers)
-            for page in pages
-            for piece in cache.pieces(layer, page, cuts)
-        ]
+        # Index `(layer * k + j) * num_pages + i` (`KVReserved`): piece-major.
+        buffers = []
+        for layer in range(cache.num_layers):
+            by_page = [cache.pieces(layer, page, cuts) for page in pages]
+            buffers += [of_page[j] for j in range(len(cuts) - 1) for of_page in by_page]
         # The reservation lasts until the request's deadline: the prefill computes
         # while it streams, and a long prompt on a busy engine takes longer than any
         # one transfer. A prefill that dies meanwhile is the conductor's to declare,

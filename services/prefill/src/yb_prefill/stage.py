@@ -90,6 +90,7 @@ from yb_engine.stages import (
     hidden_from_buffer,
     serve_stage_request,
 )
+from yb_engine.tensor_parallel import transfer_cuts
 from yb_prefill.decode_link import DecodeLink
 from yb_prefill.failure import JobOwner
 from yb_prefill.job_queue import JobQueue, Liveness, QueuedJob, refusal, respond, take_job
@@ -429,9 +430,17 @@ class StageWorker(JobOwner, Worker):
         log.info("group_prefill_done", prompt_tokens=n, reused_tokens=cached, stages=len(stages))
 
     async def _reserve(self, job: pr.PrefillJob, wait_s: float) -> pr.KVReserved:
-        """Decode's pages for every layer of the prompt, laid out as one instance's."""
+        """Decode's pages for every layer of the prompt, laid out as one instance's
+        (cut at a tensor-parallel decode instance's runs of heads)."""
+        up = self.peers.get(job.decision.decode_instance)
+        cuts = transfer_cuts(self.host.stage.config, 1, up.tensor_parallel if up else 1)
         return await self.decode.reserve_for(
-            job, self.instance_id, self.host.cache, self.num_layers, wait_s
+            job,
+            self.instance_id,
+            self.host.cache,
+            self.num_layers,
+            wait_s,
+            head_cuts=cuts if len(cuts) > 2 else None,
         )
 
     def _planned_puts(self, job: pr.PrefillJob) -> _Puts:
@@ -485,6 +494,7 @@ class StageWorker(JobOwner, Worker):
             decode_instance=job.decision.decode_instance,
             decode_address=reserved.ucx_address,
             num_pages=reserved.num_pages,
+            head_cuts=reserved.head_cuts,
             block_hashes=job.block_hashes,
             reuse=job.decision.reuse if self.pcfg.reuse else [],
             trace_headers=job.trace_headers,
@@ -531,6 +541,7 @@ class StageWorker(JobOwner, Worker):
                 kv=decode,
                 blocks=self._block_sinks(puts),
                 compute=self.host.call,
+                kv_cuts=reserved.head_cuts,
             )
         )
         # The logits come after the whole pipeline: bounded by the request's deadline.
@@ -663,6 +674,7 @@ class StageWorker(JobOwner, Worker):
                     commit_kv=job.last,
                     blocks=self._block_sinks(puts),
                     compute=self.host.call,
+                    kv_cuts=job.head_cuts,
                 )
                 if job.last:
                     # The last stage commits the puts: their outcome is its to count

@@ -112,8 +112,8 @@ class LayerStreamer:
 
     Index `layer * num_pages + i` of the reservation is page `i` of the request in
     layer `layer` (the layout `KVReserved` announces); with `cuts` (a tensor-parallel
-    side: `KVReserved.head_cuts`), each page goes as `k` pieces, index `(layer *
-    num_pages + i) * k + j`, each straight from the rank that holds those heads. Made
+    side: `KVReserved.head_cuts`), each page goes as `k` pieces, index `(layer * k +
+    j) * num_pages + i`, each straight from the rank that holds those heads. Made
     without a `peer`, it queues what completes until `direct()` says where the
     reservation is, so that compute need not wait for the reservation's round trip.
 
@@ -254,10 +254,12 @@ class LayerStreamer:
         """The items of the request's `pages` in `layer`: each page's pieces, at their
         reservation indices."""
         num_pages, k = len(self._block_table), self._k
+        pieces = [self._cache.pieces(layer, self._block_table[i], self._cuts) for i in pages]
+        # Piece-major (`KVReserved`): a rank's pieces of consecutive pages join.
         return [
-            ((layer * num_pages + i) * k + j, piece)
-            for i in pages
-            for j, piece in enumerate(self._cache.pieces(layer, self._block_table[i], self._cuts))
+            ((layer * k + j) * num_pages + i, of_page[j])
+            for j in range(k)
+            for i, of_page in zip(pages, pieces, strict=True)
         ]
 
     def hand_over(self, note: bytes) -> None:

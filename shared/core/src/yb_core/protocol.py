@@ -181,7 +181,8 @@ class StageJob(_Msg, tag="stage_job"):
     Blocks `first_put`, `first_put + 1`, ... of the prompt go into the block store at
     `store_address` too: `puts` are their put request ids, every stage sending its
     layers of each (the last one committing them). Every wait ends by `deadline`
-    (wall clock).
+    (wall clock). `head_cuts`: the reservation's (`KVReserved.head_cuts`: a
+    tensor-parallel decode instance takes each page in runs of heads).
     """
 
     request_id: str
@@ -194,6 +195,7 @@ class StageJob(_Msg, tag="stage_job"):
     decode_address: str
     num_pages: int
     block_hashes: list[int] = msgspec.field(default_factory=list)
+    head_cuts: list[int] = msgspec.field(default_factory=list)
     reuse: list[ReusePlan] = msgspec.field(default_factory=list)
     trace_headers: dict[str, str] = msgspec.field(default_factory=dict)
     store_address: str = ""
@@ -265,8 +267,10 @@ class KVReserved(_Msg, tag="kv_reserved"):
     """Pages are reserved: send `num_layers * num_pages` page buffers of `page_nbytes`,
     each cut at the reservation's `head_cuts` into `k = len(head_cuts) - 1` pieces.
 
-    Buffer index `(layer * num_pages + i) * k + j` is piece `j` of page `i` of the
-    request in layer `layer` (k is 1 for whole pages).
+    Buffer index `(layer * k + j) * num_pages + i` is piece `j` of page `i` of the
+    request in layer `layer` (k is 1 for whole pages: `layer * num_pages + i`). Piece
+    by piece, then page by page: one rank's pieces of consecutive pages lie back to
+    back on either side, so they travel as one UCX message.
     """
 
     request_id: str

@@ -367,7 +367,8 @@ class ChunkSink(Protocol):
 class PageSink(Protocol):
     """One request's KV reservation at decode (or the kvstore), laid out as the KV
     protocol says: buffer `layer * num_pages + i` is page i of the request in the
-    model's layer `layer`."""
+    model's layer `layer` (each in `k` pieces, `(layer * k + j) * num_pages + i`, when
+    the reservation cuts pages at a tensor-parallel decode's runs of heads)."""
 
     async def send(self, items: Sequence[tuple[int, Any]], *, deadline_s: float) -> None:
         """Send (index, page) items; the pages must not change until this returns."""
@@ -414,6 +415,7 @@ async def serve_stage_request(
     commit_kv: bool = False,
     blocks: Sequence[tuple[int, PageSink]] = (),
     compute: Callable[..., Awaitable[Any]] = asyncio.to_thread,
+    kv_cuts: Sequence[int] | None = None,
 ) -> int:
     """Run request `request_id` through `runner`'s stage: chunks from `inbound`, in
     prompt order, the stage's output to `outbound`.
@@ -442,6 +444,8 @@ async def serve_stage_request(
     stages after this one end it too, and the error is raised.
     """
     cache = runner.cache
+    cuts = list(kv_cuts) if kv_cuts else cache.head_cuts
+    k = len(cuts) - 1
     moving: set[asyncio.Task[None]] = set()
 
     def spawn(work: Coroutine[Any, Any, None]) -> None:
@@ -480,9 +484,12 @@ async def serve_stage_request(
                 filled = num_pages if header.is_last_chunk else header.end // cache.block_size
                 for j in range(len(runner.layer_range)):
                     layer = runner.layer_range.start + j
+                    pages = range(pages_sent, filled)
+                    pieces = [cache.pieces(j, block_table[i], cuts) for i in pages]
                     items = [
-                        (layer * num_pages + i, cache.page_view(j, block_table[i]))
-                        for i in range(pages_sent, filled)
+                        ((layer * k + p) * num_pages + i, of_page[p])
+                        for p in range(k)
+                        for i, of_page in zip(pages, pieces, strict=True)
                     ]
                     if items:
                         spawn(kv.send(items, deadline_s=wait_s))
