@@ -13,18 +13,16 @@ and layer for this DeepSeek-V3, not per-head keys and values).
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from openai import OpenAI
 
 from yb_testkit.checkpoints import build_checkpoint
 from yb_testkit.fixtures import LocalCluster
-from yb_testkit.reference import single_process_answer
+from yb_testkit.reference import assert_prefix_reused_from_pool, single_process_answer
 
 BLOCK = 64  # the default block size
 ASK: list[Any] = [{"role": "user", "content": "Tell me about the weather in Paris."}]
@@ -73,31 +71,7 @@ def test_the_openai_client_gets_what_one_process_computes(served: Served) -> Non
 
 
 def test_a_prefix_in_the_pool_is_reused_and_changes_nothing(served: Served) -> None:
-    cluster = served.cluster
-    rng = random.Random(11)
-    prompt = [rng.randrange(10, 250) for _ in range(4 * BLOCK)] + [1, 2, 3]
-
-    def complete() -> tuple[str, int]:
-        r = httpx.post(
-            f"{cluster.url}/v1/completions",
-            json={"model": served.family, "prompt": prompt, "max_tokens": 8, "temperature": 0},
-            timeout=60,
-            headers=cluster.headers,
-        )
-        assert r.status_code == 200, r.text
-        body = r.json()
-        cached = body["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
-        return body["choices"][0]["text"], cached
-
-    first, cached = complete()
-    assert cached == 0
-    # The blocks reach the kvstore after the answer: ask until the pool has them.
-    for _ in range(50):
-        again, cached = complete()
-        assert again == first
-        if cached:
-            break
-    assert cached == 4 * BLOCK
+    assert_prefix_reused_from_pool(served.cluster, served.family, block_size=BLOCK)
 
 
 def test_the_engines_announce_the_family_kv_spec(served: Served) -> None:

@@ -18,17 +18,17 @@ import pytest
 import torch
 
 from yb_core.bus import Bus
-from yb_core.config import KVStoreConfig, ModelConfig, NatsConfig, TelemetryConfig, YbConfig
+from yb_core.config import KVStoreConfig, NatsConfig, TelemetryConfig, YbConfig
 from yb_dataplane.block_upload import BlockUploader
 from yb_dataplane.peers import PeerDirectory
 from yb_dataplane.prefix_fetch import BlockFetcher, FetchRun
 from yb_dataplane.transport import KVReceiver, KVSender
 from yb_engine import ModelRunner, PagedKVCache
 from yb_engine.loader import load_model
-from yb_engine.models import load_engine_model
-from yb_engine.tp_instance import TPInstance, start_instance
+from yb_engine.tp_instance import TPInstance
 from yb_kvstore.service import KVStoreService
 from yb_testkit.checkpoints import build_checkpoint
+from yb_testkit.tensor_parallel import start_tp
 
 BLOCK = 8
 PAGES = 16
@@ -85,20 +85,7 @@ def instance(path: Path, size: int) -> tuple[ModelRunner, TPInstance | None]:
     if size == 1:
         model = load_model(path)
         return ModelRunner(model, PagedKVCache(model.config, PAGES, BLOCK)), None
-    cfg = ModelConfig(source=str(path), device="cpu", dtype="float32", block_size=BLOCK)
-    runner, _, ranks, _ = start_instance(
-        cfg,
-        path.parent,
-        size=size,
-        arch=load_model(path).config,
-        num_pages=PAGES,
-        block_size=BLOCK,
-        dtype=torch.float32,
-        threads=1,
-        timeout_s=30.0,
-        load_timeout_s=120.0,
-        load_own=lambda shard: load_engine_model(cfg, path.parent, shard=shard),
-    )
+    runner, _, ranks = start_tp(path, size, pages=PAGES, block_size=BLOCK)
     return runner, ranks
 
 

@@ -18,11 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from yb_core.config import ModelConfig
 from yb_engine import DecodeSeq, ModelRunner, PagedKVCache, PrefillSeq
 from yb_engine.architecture import ArchConfig
 from yb_engine.loader import load_model
-from yb_engine.models import load_engine_model
 from yb_engine.runner import PrefillChunk
 from yb_engine.tensor_parallel import Shard, check_degree, head_cuts, merge_cuts, owner_ranks
 from yb_engine.tp_instance import (
@@ -30,9 +28,9 @@ from yb_engine.tp_instance import (
     ShardedKV,
     TensorParallelRunner,
     TPInstance,
-    start_instance,
 )
 from yb_testkit.checkpoints import build_checkpoint
+from yb_testkit.tensor_parallel import start_tp
 
 BLOCK = 8
 PAGES = 24
@@ -44,22 +42,7 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def start(path: Path, size: int) -> tuple[TensorParallelRunner, ShardedKV, TPInstance]:
-    cfg = ModelConfig(source=str(path), device="cpu", dtype="float32", block_size=BLOCK)
-    whole = load_model(path)
-    runner, sharded, ranks, _ = start_instance(
-        cfg,
-        path.parent,
-        size=size,
-        arch=whole.config,
-        num_pages=PAGES,
-        block_size=BLOCK,
-        dtype=torch.float32,
-        threads=1,
-        timeout_s=30.0,
-        load_timeout_s=120.0,
-        load_own=lambda shard: load_engine_model(cfg, path.parent, shard=shard),
-    )
-    return runner, sharded, ranks
+    return start_tp(path, size, pages=PAGES, block_size=BLOCK)
 
 
 def exercise(runner: ModelRunner, prompt: list[int]) -> list[torch.Tensor]:

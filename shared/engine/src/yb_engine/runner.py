@@ -174,11 +174,9 @@ class ModelRunner:
         is ever held (a long prompt's `[n, vocab]` float32 would not fit), and the
         call returns the last row only.
         """
-        if chunk_size <= 0:
-            raise ValueError("chunk_size must be positive")
-        if all_logits and row_logits is not None:
-            raise ValueError("ask for all_logits or row_logits, not both")
-        self.check_prefill(token_ids, block_table, num_cached_tokens)
+        self.check_prefill(
+            token_ids, block_table, num_cached_tokens, chunk_size, all_logits, row_logits
+        )
         n = len(token_ids)
         block_size = self.cache.block_size
         with torch.inference_mode():
@@ -207,10 +205,20 @@ class ModelRunner:
             return decoder.logits(hidden[-1:])[0]
 
     def check_prefill(
-        self, token_ids: Sequence[int], block_table: Sequence[int], num_cached_tokens: int
+        self,
+        token_ids: Sequence[int],
+        block_table: Sequence[int],
+        num_cached_tokens: int,
+        chunk_size: int = 1,
+        all_logits: bool = False,
+        row_logits: RowLogits | None = None,
     ) -> None:
         """Raise ValueError unless `prefill` can compute this prompt (checked before
         anything is computed or written)."""
+        if chunk_size <= 0:
+            raise ValueError("chunk_size must be positive")
+        if all_logits and row_logits is not None:
+            raise ValueError("ask for all_logits or row_logits, not both")
         n = len(token_ids)
         if not 0 <= num_cached_tokens < n:
             raise ValueError(

@@ -444,11 +444,9 @@ class TensorParallelRunner(ModelRunner):
         all_logits: bool = False,
         row_logits: RowLogits | None = None,
     ) -> torch.Tensor:
-        if chunk_size <= 0:
-            raise ValueError("chunk_size must be positive")
-        if all_logits and row_logits is not None:
-            raise ValueError("ask for all_logits or row_logits, not both")
-        self.check_prefill(token_ids, block_table, num_cached_tokens)
+        self.check_prefill(
+            token_ids, block_table, num_cached_tokens, chunk_size, all_logits, row_logits
+        )
         kind: Literal["last", "all", "rows"] = (
             "all" if all_logits else "rows" if row_logits is not None else "last"
         )

@@ -53,3 +53,37 @@ def single_process_answer(
     while batcher.has_work():
         answer += "".join(out.text_delta for out in batcher.step())
     return answer
+
+
+def assert_prefix_reused_from_pool(cluster: Any, model: str, *, block_size: int = 64) -> None:
+    """A prompt of four full blocks and three tokens, asked again and again through
+    `cluster`'s `/v1/completions`: the first answer computes it all; once its blocks
+    reach the pool (after the answer), an answer reuses all four blocks, and every
+    answer is the first one's greedy text."""
+    import random
+
+    import httpx
+
+    rng = random.Random(11)
+    prompt = [rng.randrange(10, 250) for _ in range(4 * block_size)] + [1, 2, 3]
+
+    def complete() -> tuple[str, int]:
+        r = httpx.post(
+            f"{cluster.url}/v1/completions",
+            json={"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0},
+            timeout=60,
+            headers=cluster.headers,
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        cached = body["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        return body["choices"][0]["text"], cached
+
+    first, cached = complete()
+    assert cached == 0
+    for _ in range(50):
+        again, cached = complete()
+        assert again == first
+        if cached:
+            break
+    assert cached == 4 * block_size
