@@ -760,15 +760,20 @@ def test_gpu_variant_environment_is_valid_and_blocks_agree(name: str) -> None:
 
 
 def test_gpu_variant_engines_get_gpus_and_share_their_memory() -> None:
+    by_device: dict[str, float] = {}
     for name in ENGINES:
         devices = _gpu_service(name)["deploy"]["resources"]["reservations"]["devices"]
         assert devices and all("gpu" in d["capabilities"] for d in devices), name
-    by_device: dict[str, float] = {}
-    for name in ENGINES:
+        # Its own GPU, chosen per service (`YB_GPU_<SERVICE>`), seen inside as cuda:0.
+        (device,) = devices
+        variable = "YB_GPU_" + name.upper().replace("-", "_")
+        assert device["device_ids"] == [f"${{{variable}:-0}}"], name
         cfg = load_config(env=_gpu_env(name))
+        assert cfg.model.device == "cuda"
         role = _build_service(SERVICES[name])
         share = getattr(cfg, role).gpu_memory_utilization
-        by_device[cfg.model.device] = by_device.get(cfg.model.device, 0.0) + share
+        gpu = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", device["device_ids"][0])
+        by_device[gpu] = by_device.get(gpu, 0.0) + share
     # Engines on one GPU must not each plan to fill most of it.
     assert all(total <= 0.95 for total in by_device.values()), by_device
 

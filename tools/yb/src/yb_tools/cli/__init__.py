@@ -57,7 +57,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="prefill groups beside the --prefill instances, one of N pipeline stages "
         "per entry (chunked pipeline parallelism: each stage holds 1/N of the layers)",
     )
+    up.add_argument(
+        "--prefill-tp",
+        type=_degree,
+        metavar="N",
+        help="tensor-parallel degree of each prefill instance: N ranks (devices) each "
+        "(prefill.tensor_parallel; default model.tensor_parallel, 1)",
+    )
     up.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
+    up.add_argument(
+        "--decode-tp",
+        type=_degree,
+        metavar="N",
+        help="tensor-parallel degree of each decode instance (decode.tensor_parallel)",
+    )
+    up.add_argument(
+        "--gpus",
+        type=_gpu_list,
+        metavar="all|I[,I...]",
+        help="the GPUs the engines may use (default all): each engine instance gets its "
+        "own, as many as its tensor-parallel degree (CUDA_VISIBLE_DEVICES per instance)",
+    )
     up.add_argument("--kvstore", type=int, default=2, help="kvstore instances (default 2)")
     up.add_argument(
         "--piggyback",
@@ -180,9 +200,29 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["model"] = model
     if getattr(args, "piggyback", False) and args.command == "up":
         out["decode"] = {"piggyback": True}
+    for role in ("prefill", "decode"):
+        if (degree := getattr(args, f"{role}_tp", None)) is not None:
+            out.setdefault(role, {})["tensor_parallel"] = degree
     if getattr(args, "nats_port", None) is not None and args.command == "up":
         out["nats"] = {"url": f"nats://127.0.0.1:{args.nats_port}"}
     return out
+
+
+def _degree(text: str) -> int:
+    """`--prefill-tp` / `--decode-tp`: a tensor-parallel degree, 1 or more."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a degree is a whole number, 1 or more")
+    return int(text)
+
+
+def _gpu_list(text: str) -> list[int] | None:
+    """`--gpus`: `all`, or GPU indices."""
+    from yb_tools.placement import parse_gpus
+
+    try:
+        return parse_gpus(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _group_sizes(text: str) -> tuple[int, ...]:
@@ -210,7 +250,7 @@ def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
         nats=args.nats_cluster,
         prefill_groups=args.prefill_groups,
     )
-    cluster = Cluster(cfg, topology, say)
+    cluster = Cluster(cfg, topology, say, gpus=args.gpus)
     stopping = False
 
     def request_stop(signum: int, _frame: object) -> None:

@@ -84,6 +84,13 @@ from yb_tools.natsserver import (
     env_without_proxies,
     free_port,
 )
+from yb_tools.placement import (
+    PlacementError,
+    describe_machine,
+    engines_per_gpu,
+    machine_gpus,
+    place,
+)
 
 #: The roles that run the model and hold a KV cache.
 ENGINE_ROLES = ("prefill", "decode")
@@ -228,6 +235,10 @@ class Cluster:
     watcher: ClusterWatcher | None = None
     # What cluster.json says, once the services are started.
     info: ClusterInfo | None = None
+    # The GPUs the engines may use (`--gpus`; None: every one the machine shows), and
+    # each engine instance's own, once placed (`check_device`; none on the CPU).
+    gpus: list[int] | None = None
+    devices: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def data_dir(self) -> Path:
@@ -256,6 +267,41 @@ class Cluster:
                 f"model.device is {device!r} but this machine shows no NVIDIA GPU (no "
                 "/dev/nvidiaN, or CUDA_VISIBLE_DEVICES hides them); use --device cpu or auto"
             )
+        self.place_engines()
+
+    def place_engines(self) -> None:
+        """Give each engine instance its own GPUs (`yb_tools.placement`): on CUDA
+        (`model.device` auto or cuda), every engine gets as many as its tensor-parallel
+        degree. Raises `DeviceUnavailable` for GPUs the machine does not have, and for
+        `--gpus` where the engines run on the CPU or are pinned to one device."""
+        from yb_engine.models import DeviceUnavailable
+
+        device = self.cfg.model.device
+        if not self.cfg.model.cuda_expected():
+            if self.gpus is not None:
+                raise DeviceUnavailable(
+                    f"--gpus places engines on GPUs, but they run on the CPU (model.device "
+                    f"{device!r}): {describe_machine(machine_gpus())}"
+                )
+            return
+        if device not in ("auto", "cuda"):
+            if self.gpus is not None:
+                raise DeviceUnavailable(
+                    f"--gpus places each engine on its own GPUs; model.device {device!r} "
+                    "pins every engine to one: use --device cuda"
+                )
+            return
+        sections = {"prefill": self.cfg.prefill, "decode": self.cfg.decode}
+        engines = [
+            (s.instance_id, self.cfg.tensor_parallel_of(sections[s.role]))
+            for s in self.process_specs()
+            if s.role in ENGINE_ROLES
+        ]
+        try:
+            self.devices = place(engines, machine_gpus(), self.gpus)
+        except PlacementError as exc:
+            raise DeviceUnavailable(str(exc)) from None
+        self.say("GPUs: " + ", ".join(f"{name} {d}" for name, d in self.devices.items() if d))
 
     def prepare_model(self) -> None:
         """Convert and cache the model before any engine starts (they would wait).
@@ -412,6 +458,14 @@ class Cluster:
         engines = [s for s in self.process_specs() if s.role in ENGINE_ROLES]
         if not engines or not self.cfg.model.cuda_expected():
             return
+        if self.devices:
+            shared = {n: k for n, k in engines_per_gpu(self.devices).items() if k > 1}
+            if shared:
+                self.say(
+                    "KV memory: engines sharing a GPU split gpu_memory_utilization: "
+                    + ", ".join(f"{n} 1/{k}" for n, k in shared.items())
+                )
+            return  # each engine's share goes into its own environment (`service_env`)
         count = len(engines)
         sections = {"prefill": self.cfg.prefill, "decode": self.cfg.decode}
         free = {
@@ -660,6 +714,15 @@ class Cluster:
         env.setdefault("OMP_NUM_THREADS", "1")
         if spec.role == "conductor" and self.cfg.conductor.compute_sharing == "none":
             env["YB_CONDUCTOR__COMPUTE_SHARING"] = "all"
+        if (devices := self.devices.get(spec.instance_id)) is not None:
+            # Its own GPUs only: its ranks run on cuda:0.. of them.
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+            section = self.cfg.prefill if spec.role == "prefill" else self.cfg.decode
+            if not (section.num_kv_pages or section.kv_memory_bytes):
+                share = engines_per_gpu(self.devices)[spec.instance_id]
+                env[f"YB_{spec.role.upper()}__GPU_MEMORY_UTILIZATION"] = str(
+                    section.gpu_memory_utilization / share
+                )
         env.update(spec.env)
         return env
 
