@@ -2,7 +2,9 @@
 
     yb up [--port N] [--data-dir DIR] [--model SOURCE] [--prefill N --decode N --kvstore N]
           [--prefill-groups N[,N...]]
+          [--prefill-tp N --decode-tp M]    tensor-parallel degree of each instance
           [--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16]
+          [--gpus all|I[,I...]]             the GPUs the engines take, their own each
           [--conductors N]                  one active conductor, the rest standby
           [--on-exit restart|keep-going|stop]  an exited process: restarted (default),
                                             left down, or the cluster stopped
@@ -75,8 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--gpus",
         type=_gpu_list,
         metavar="all|I[,I...]",
-        help="the GPUs the engines may use (default all): each engine instance gets its "
-        "own, as many as its tensor-parallel degree (CUDA_VISIBLE_DEVICES per instance)",
+        help="the GPUs the engines may use, by nvidia-smi's index (default all): each "
+        "engine instance gets its own, as many as its tensor-parallel degree "
+        "(CUDA_VISIBLE_DEVICES per instance)",
     )
     up.add_argument("--kvstore", type=int, default=2, help="kvstore instances (default 2)")
     up.add_argument(
@@ -210,9 +213,13 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _degree(text: str) -> int:
     """`--prefill-tp` / `--decode-tp`: a tensor-parallel degree, 1 or more."""
-    if not text.isdigit() or int(text) < 1:
+    try:
+        degree = int(text)
+    except ValueError:
+        degree = 0
+    if degree < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: a degree is a whole number, 1 or more")
-    return int(text)
+    return degree
 
 
 def _gpu_list(text: str) -> list[int] | None:

@@ -18,6 +18,10 @@ service given all three URLs; a `ProcessSpec` with `netns` runs its service insi
 network namespace, which is how tests/test_multihost.py puts instances on "hosts"
 joined by a real network path (see `yb_testkit.netns`).
 
+Devices: before anything starts, each engine instance on CUDA is given its own GPUs,
+as many as its tensor-parallel degree (`yb_tools.placement`, `yb up --gpus`), and its
+process sees only those; on the CPU nothing is placed.
+
 Security: on first start the launcher generates the gateway's API key, the metrics
 token and one NATS password per service role under `<data dir>/secrets/` (mode 0600,
 reused later; see `yb_core.credentials`). nats-server gets an authorization block
@@ -86,10 +90,10 @@ from yb_tools.natsserver import (
 )
 from yb_tools.placement import (
     PlacementError,
-    describe_machine,
+    engine_env,
     engines_per_gpu,
     machine_gpus,
-    place,
+    place_engines,
 )
 
 #: The roles that run the model and hold a KV cache.
@@ -270,38 +274,16 @@ class Cluster:
         self.place_engines()
 
     def place_engines(self) -> None:
-        """Give each engine instance its own GPUs (`yb_tools.placement`): on CUDA
-        (`model.device` auto or cuda), every engine gets as many as its tensor-parallel
-        degree. Raises `DeviceUnavailable` for GPUs the machine does not have, and for
-        `--gpus` where the engines run on the CPU or are pinned to one device."""
+        """Give each engine instance its own GPUs (`yb_tools.placement.place_engines`).
+        Raises `DeviceUnavailable` for GPUs the machine does not have, and for `--gpus`
+        where the engines run on the CPU or are pinned to one device."""
         from yb_engine.models import DeviceUnavailable
 
-        device = self.cfg.model.device
-        if not self.cfg.model.cuda_expected():
-            if self.gpus is not None:
-                raise DeviceUnavailable(
-                    f"--gpus places engines on GPUs, but they run on the CPU (model.device "
-                    f"{device!r}): {describe_machine(machine_gpus())}"
-                )
-            return
-        if device not in ("auto", "cuda"):
-            if self.gpus is not None:
-                raise DeviceUnavailable(
-                    f"--gpus places each engine on its own GPUs; model.device {device!r} "
-                    "pins every engine to one: use --device cuda"
-                )
-            return
-        sections = {"prefill": self.cfg.prefill, "decode": self.cfg.decode}
-        engines = [
-            (s.instance_id, self.cfg.tensor_parallel_of(sections[s.role]))
-            for s in self.process_specs()
-            if s.role in ENGINE_ROLES
-        ]
+        engines = [(s.instance_id, s.role) for s in self.process_specs() if s.role in ENGINE_ROLES]
         try:
-            self.devices = place(engines, machine_gpus(), self.gpus)
+            self.devices = place_engines(self.cfg, engines, self.gpus, machine_gpus, self.say)
         except PlacementError as exc:
             raise DeviceUnavailable(str(exc)) from None
-        self.say("GPUs: " + ", ".join(f"{name} {d}" for name, d in self.devices.items() if d))
 
     def prepare_model(self) -> None:
         """Convert and cache the model before any engine starts (they would wait).
@@ -714,15 +696,8 @@ class Cluster:
         env.setdefault("OMP_NUM_THREADS", "1")
         if spec.role == "conductor" and self.cfg.conductor.compute_sharing == "none":
             env["YB_CONDUCTOR__COMPUTE_SHARING"] = "all"
-        if (devices := self.devices.get(spec.instance_id)) is not None:
-            # Its own GPUs only: its ranks run on cuda:0.. of them.
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
-            section = self.cfg.prefill if spec.role == "prefill" else self.cfg.decode
-            if not (section.num_kv_pages or section.kv_memory_bytes):
-                share = engines_per_gpu(self.devices)[spec.instance_id]
-                env[f"YB_{spec.role.upper()}__GPU_MEMORY_UTILIZATION"] = str(
-                    section.gpu_memory_utilization / share
-                )
+        if spec.instance_id in self.devices:
+            env.update(engine_env(self.cfg, spec.role, spec.instance_id, self.devices))
         env.update(spec.env)
         return env
 
