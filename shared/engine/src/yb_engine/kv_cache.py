@@ -115,6 +115,9 @@ class PagedKVCache:
         `head_cuts`): contiguous views, heads `[cuts[i], cuts[i + 1])` each, in order.
         Their bytes back to back are the page's."""
         view = self.page_view(layer, page)
+        if len(cuts) == 2 and cuts[-1] == self.spec.heads and not cuts[0]:
+            # The whole page, unsliced: this is on every transfer's path.
+            return [view]
         return [view[a:b] for a, b in itertools.pairwise(cuts)]
 
     @property
