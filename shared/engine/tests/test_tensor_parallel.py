@@ -152,6 +152,26 @@ def test_a_lost_rank_is_noticed_and_no_call_waits(tmp_path: Path) -> None:
         ranks.close()
 
 
+def test_a_rank_that_stops_answering_fails_the_instance_at_the_collective_deadline(
+    tmp_path: Path,
+) -> None:
+    path = build_checkpoint("llama", tmp_path / "ckpt")
+    runner, _, ranks = start_tp(path, 2, pages=PAGES, block_size=BLOCK, timeout_s=2.0)
+    stopped = ranks._procs[0].pid
+    try:
+        runner.prefill(list(range(3, 12)), [0, 1])
+        os.kill(stopped, signal.SIGSTOP)  # alive, but it never reaches the all-reduce
+        with pytest.raises(RankLost, match="failed"):
+            runner.decode([DecodeSeq([0, 1], 9, 4)])
+        assert ranks._lost is not None
+        # Out of step for good: every later call is refused at once.
+        with pytest.raises(RankLost):
+            runner.decode([DecodeSeq([0, 1], 9, 4)])
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+        ranks.close()
+
+
 def test_degrees_a_model_cannot_take_are_refused_with_the_reason(tmp_path: Path) -> None:
     arch = load_model(build_checkpoint("llama", tmp_path / "ckpt")).config  # 4 heads, 2 KV
     assert check_degree(arch, 3) == "4 attention heads cannot be cut 3 ways"

@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Literal, TypeVar
 
 import msgspec
 import torch
@@ -70,6 +70,7 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 
 class RankLost(RuntimeError):
@@ -341,8 +342,13 @@ class TPInstance:
         code = proc.wait()
         if self._closing:
             return
-        why = f"rank {rank} of {self.size} (pid {proc.pid}) exited with code {code}"
         log.error("tp_rank_lost", rank=rank, pid=proc.pid, code=code)
+        self.fail(f"rank {rank} of {self.size} (pid {proc.pid}) exited with code {code}")
+
+    def fail(self, why: str) -> None:
+        """The instance cannot compute any more (a rank exited, or a collective failed
+        or ran past its deadline: the ranks no longer agree on where they are): every
+        call from now on raises `RankLost`, and `lost` resolves."""
         with self._lock:
             if self._lost is None:
                 self._lost = why
@@ -453,14 +459,16 @@ class TensorParallelRunner(ModelRunner):
         self.ranks.send(
             PrefillCall(list(token_ids), list(block_table), num_cached_tokens, chunk_size, kind)
         )
-        return super().prefill(
-            token_ids,
-            block_table,
-            num_cached_tokens,
-            chunk_size,
-            layer_hook,
-            all_logits=all_logits,
-            row_logits=row_logits,
+        return self._together(
+            lambda: super(TensorParallelRunner, self).prefill(
+                token_ids,
+                block_table,
+                num_cached_tokens,
+                chunk_size,
+                layer_hook,
+                all_logits=all_logits,
+                row_logits=row_logits,
+            )
         )
 
     def prefill_batch(self, seqs: Sequence[PrefillSeq]) -> torch.Tensor:
@@ -476,21 +484,35 @@ class TensorParallelRunner(ModelRunner):
                 ]
             )
         )
-        return super().prefill_batch(seqs)
+        return self._together(lambda: super(TensorParallelRunner, self).prefill_batch(seqs))
 
     def decode(self, batch: Sequence[DecodeSeq]) -> torch.Tensor:
         if not batch:
             return super().decode(batch)
         self.check_positions(batch)
         self.ranks.send(DecodeCall(list(batch)))
-        return super().decode(batch)
+        return self._together(lambda: super(TensorParallelRunner, self).decode(batch))
 
     def mixed(
         self, batch: Sequence[DecodeSeq], chunk: PrefillChunk
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.check_mixed(batch, chunk)
         self.ranks.send(MixedCall(list(batch), chunk))
-        return super().mixed(batch, chunk)
+        return self._together(lambda: super(TensorParallelRunner, self).mixed(batch, chunk))
+
+    def _together(self, compute: Callable[[], T]) -> T:
+        """`compute()`, this rank's part of a call every rank runs. Its failure (a
+        collective whose peer is gone or missed its deadline, or any error here) leaves
+        the ranks out of step for good: the instance is failed (`TPInstance.fail`)."""
+        try:
+            return compute()
+        except RankLost:
+            raise
+        except RuntimeError as exc:
+            why = f"a call the ranks compute together failed: {exc}"
+            log.error("tp_call_failed", error=str(exc))
+            self.ranks.fail(why)
+            raise RankLost(why) from exc
 
 
 def start_instance(

@@ -15,9 +15,10 @@ from yb_engine.tp_instance import ShardedKV, TensorParallelRunner, TPInstance, s
 
 
 def start_tp(
-    path: Path, size: int, *, pages: int, block_size: int
+    path: Path, size: int, *, pages: int, block_size: int, timeout_s: float = 30.0
 ) -> tuple[TensorParallelRunner, ShardedKV, TPInstance]:
-    """A TP=`size` instance of the model in `path` with `pages` pages of `block_size`."""
+    """A TP=`size` instance of the model in `path` with `pages` pages of `block_size`,
+    each collective bounded by `timeout_s`."""
     cfg = ModelConfig(source=str(path), device="cpu", dtype="float32", block_size=block_size)
     runner, sharded, ranks, _ = start_instance(
         cfg,
@@ -28,7 +29,7 @@ def start_tp(
         block_size=block_size,
         dtype=torch.float32,
         threads=1,
-        timeout_s=30.0,
+        timeout_s=timeout_s,
         load_timeout_s=120.0,
         load_own=lambda shard: load_engine_model(cfg, path.parent, shard=shard),
     )
