@@ -364,9 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     cache_a = PagedKVCache(arch, pages, block, model.dtype, DEVICE)
     cache_b = PagedKVCache(arch, pages, block, model.dtype, DEVICE)
     runner = ModelRunner(model, cache_a)
-    hf_runner = HFModulesRunner(
-        model.hf_model, cache_b, TorchSDPABackend(DEVICE, model.dtype, parts=2)
-    )
+    hf_runner = HFModulesRunner(model.hf_model, cache_b, TorchSDPABackend(DEVICE, model.dtype))
 
     figures: dict[str, Any] = {
         "model": arch.model_id,

@@ -274,19 +274,18 @@ class TorchSDPABackend:
 
     It computes every family's attention: sliding windows (a mask), soft-capped scores
     (the eager formula, which SDPA cannot express), and MLA's latent pages
-    (`prefill_latent`, `decode_latent`): a page then holds one part per token, so
-    `parts` is 1.
+    (`prefill_latent`, `decode_latent`): a page then holds one part per token (the
+    writes and gathers read the parts from the pages' shape).
     """
 
     name = "torch-sdpa"
     cache_dtype_must_match = False
 
     def __init__(
-        self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, parts: int = 2
+        self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype  # the queries' dtype, which the masks must match
-        self.parts = parts
         self.fallback_reason: str | None = None
         self._workspace: dict[tuple[torch.dtype, int], torch.Tensor] = {}
 
@@ -959,7 +958,7 @@ def select_backend(
     if backend is not None:
         log.info("attention_backend", backend=backend.name, device=str(dev))
         return backend
-    sdpa = TorchSDPABackend(dev, dtype, parts=len(arch.kv_parts[0]) if arch is not None else 2)
+    sdpa = TorchSDPABackend(dev, dtype)
     sdpa.fallback_reason = reason
     if dev.type == "cuda":
         log.warning("attention_fallback", backend=sdpa.name, reason=reason, device=str(dev))
