@@ -76,6 +76,24 @@ def planners(monkeypatch: pytest.MonkeyPatch) -> Planners:
     return Planners(monkeypatch)
 
 
+def _simulated(params: Any) -> Any:
+    """A maker of the mooncake policy's log of 250 requests of the trace at 2x, run by
+    `yb sim` with `params` (`SimParams`) on the LLaMA2-70B profile."""
+    from yb_conductor.cost_model import LLAMA2_70B_A800
+    from yb_tools.sim.simulator import Simulation
+    from yb_tools.sim.workload import load_workload
+
+    items = load_workload(TRACE, block_size=512, speedup=2.0, limit=250)
+
+    def make() -> list[LogRecord]:
+        sim = Simulation(items, params, LLAMA2_70B_A800, policy="mooncake", record_log=True)
+        sim.run()
+        assert sim.records is not None
+        return sim.records
+
+    return make
+
+
 def _same_decisions_both_ways(make: Any, planners: Planners, keep: int) -> list[LogRecord]:
     """A log made pruned replays under the full scan, and one made under the full
     scan replays pruned (`replay` raises on the first difference)."""
@@ -190,21 +208,11 @@ def test_idle_order_follows_speed_and_drain_times() -> None:
 def test_a_cluster_with_prefill_groups_decides_the_same_pruned_and_full(
     planners: Planners,
 ) -> None:
-    from yb_conductor.cost_model import LLAMA2_70B_A800
     from yb_tools.sim.params import SimParams
-    from yb_tools.sim.simulator import Simulation
-    from yb_tools.sim.workload import load_workload
 
     params = SimParams(prefill=24, decode=6, prefill_groups=[2, 2, 3], speedup=2.0)
-    items = load_workload(TRACE, block_size=512, speedup=2.0, limit=250)
 
-    def make() -> list[LogRecord]:
-        sim = Simulation(items, params, LLAMA2_70B_A800, policy="mooncake", record_log=True)
-        sim.run()
-        assert sim.records is not None
-        return sim.records
-
-    log = _same_decisions_both_ways(make, planners, keep=9)
+    log = _same_decisions_both_ways(_simulated(params), planners, keep=9)
     grouped = [
         r.event for r in log if isinstance(r.event, ev.RequestScheduled) and r.event.prefill_stages
     ]
@@ -215,22 +223,12 @@ def test_a_cluster_with_prefill_groups_decides_the_same_pruned_and_full(
 def test_a_tensor_parallel_cluster_decides_the_same_pruned_and_full(
     planners: Planners,
 ) -> None:
-    from yb_conductor.cost_model import LLAMA2_70B_A800
     from yb_tools.sim.params import SimParams
-    from yb_tools.sim.simulator import Simulation
-    from yb_tools.sim.workload import load_workload
 
     # Every instance at TP=4: one model prices the pool, not the profile's own.
     params = SimParams(prefill=24, prefill_tp=4, decode=6, decode_tp=4, speedup=2.0)
-    items = load_workload(TRACE, block_size=512, speedup=2.0, limit=250)
 
-    def make() -> list[LogRecord]:
-        sim = Simulation(items, params, LLAMA2_70B_A800, policy="mooncake", record_log=True)
-        sim.run()
-        assert sim.records is not None
-        return sim.records
-
-    log = _same_decisions_both_ways(make, planners, keep=9)
+    log = _same_decisions_both_ways(_simulated(params), planners, keep=9)
     ups = [r.event for r in log if isinstance(r.event, ev.InstanceUp) and r.event.role != "kvstore"]
     assert ups and all(e.tensor_parallel == 4 for e in ups)
     assert planners.pruned > 0

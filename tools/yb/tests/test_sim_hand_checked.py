@@ -33,28 +33,16 @@ from __future__ import annotations
 
 import pytest
 
-from yb_conductor.cost_model import CostModel, DecodeCost, PrefillCost, TransferCost
 from yb_conductor.replay import replay
 from yb_core import events as ev
+from yb_testkit.cost_models import BLOCK_BYTES, ROUND_512
 from yb_tools.sim.params import SimParams
 from yb_tools.sim.results import PolicyResult
 from yb_tools.sim.simulator import Simulation
 from yb_tools.sim.workload import workload_from
 from yb_tools.traces import TraceRecord
 
-BLOCK_BYTES = 512 * 1000
-
-ROUND = CostModel(
-    name="round-512",
-    kv_bytes_per_token=1000,
-    prefill=PrefillCost(base_s=0.0, per_token_s=0.001, per_pair_s=0.0),
-    decode=DecodeCost(base_s=0.010, per_seq_s=0.0, per_context_token_s=0.0),
-    transfer=TransferCost(
-        setup_s=0.0,
-        dram_local_gbps=BLOCK_BYTES / 0.010 / 1e9,
-        dram_remote_gbps=BLOCK_BYTES / 0.020 / 1e9,
-    ),
-)
+ROUND = ROUND_512
 
 TRACE = [
     TraceRecord(timestamp=0, input_length=1124, output_length=3, hash_ids=[1, 2, 3]),

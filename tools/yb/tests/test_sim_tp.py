@@ -10,14 +10,11 @@ import pytest
 
 from yb_conductor.cost_model import (
     LLAMA2_70B_A800,
-    CostModel,
-    DecodeCost,
-    PrefillCost,
     TensorParallelCost,
-    TransferCost,
 )
 from yb_conductor.replay import replay
 from yb_core import events as ev
+from yb_testkit.cost_models import ROUND_512
 from yb_tools.cli import main as yb_main
 from yb_tools.sim.coupled import CoupledSimulation
 from yb_tools.sim.params import SimParams, lanes_at
@@ -27,22 +24,7 @@ from yb_tools.sim.workload import workload_from
 from yb_tools.traces import TraceRecord, read_trace
 
 TRACE = Path(__file__).resolve().parents[3] / "benchmarks" / "traces" / "synthetic_trace.jsonl"
-BLOCK_BYTES = 512 * 1000
-
-# Round numbers at one device: 1 ms a prompt token, a decode step 10 ms, a block
-# loaded from another host in 20 ms; no all-reduce figures, so two devices halve the
-# work and two lanes halve a load.
-ROUND = CostModel(
-    name="round-512",
-    kv_bytes_per_token=1000,
-    prefill=PrefillCost(base_s=0.0, per_token_s=0.001, per_pair_s=0.0),
-    decode=DecodeCost(base_s=0.010, per_seq_s=0.0, per_context_token_s=0.0),
-    transfer=TransferCost(
-        setup_s=0.0,
-        dram_local_gbps=BLOCK_BYTES / 0.010 / 1e9,
-        dram_remote_gbps=BLOCK_BYTES / 0.020 / 1e9,
-    ),
-)
+ROUND = ROUND_512
 
 
 def _ups(sim: Simulation) -> dict[str, ev.InstanceUp]:
