@@ -162,3 +162,51 @@ def test_a_log_with_replans_replays_to_the_same_decisions(crafted: type[Crafted]
     assert result.decisions == len(recorded) - 1  # the late copy was not a decision
     assert sorted(d.attempt for d in recorded if d.request_id == moved[0]) == [0, 0, 1]
     assert result.conductor.state.placements.keys() == c.c.state.placements.keys()
+
+
+def test_the_end_of_a_replanned_request_releases_its_last_attempt(
+    crafted: type[Crafted],
+) -> None:
+    c = cluster(crafted)
+    first = c.admit("r", [51, 52])
+    assert isinstance(first, ev.RequestScheduled)
+    failed = first.prefill_instance
+    decision = only_decision(replanned(c, "r", [51, 52], failed=failed))
+    assert isinstance(decision, ev.RequestScheduled) and decision.attempt == 1
+    state = c.c.state
+    # The failed prefill's word on attempt 0 reaches the log after the re-plan's
+    # decision: attempt 1 stays placed, its decode pages counted.
+    stale = ev.RequestFinished(
+        request_id="r", instance_id=failed, outcome="failed", reason="gone", attempt=0
+    )
+    c.feed(stale)
+    assert state.placements["r"].attempt == 1
+    assert "r" in state.instances[decision.decode_instance].assigned
+    # The last attempt's end is logged apart from the failed one's (JetStream
+    # de-duplicates by the id) and releases it.
+    done = ev.RequestFinished(
+        request_id="r",
+        instance_id=decision.decode_instance,
+        outcome="completed",
+        output_tokens=10,
+        attempt=1,
+    )
+    assert ev.message_id_for(done) != ev.message_id_for(stale)
+    c.feed(done)
+    assert "r" not in state.placements
+    assert "r" not in state.instances[decision.decode_instance].assigned
+    assert replay(c.records).divergences == []
+
+
+def test_an_end_logged_before_ends_carried_their_attempt_ends_the_placed_one(
+    crafted: type[Crafted],
+) -> None:
+    c = cluster(crafted)
+    first = c.admit("r", [61])
+    assert isinstance(first, ev.RequestScheduled)
+    only_decision(replanned(c, "r", [61], failed=first.decode_instance))
+    old = ev.RequestFinished(request_id="r", instance_id=first.decode_instance, outcome="failed")
+    assert old.attempt is None
+    assert ev.message_id_for(old) == "request_finished:r"  # as such logs were written
+    c.feed(old)
+    assert "r" not in c.c.state.placements

@@ -139,6 +139,8 @@ class Placement(msgspec.Struct, kw_only=True):
     decode_instance: str
     prompt_tokens: int
     computed_tokens: int
+    # The decision's attempt: a late `RequestFinished` of an earlier one is ignored.
+    attempt: int = 0
     gateway_id: str = ""
     max_tokens: int = 0
     priority: int = 0
@@ -176,6 +178,8 @@ class PendingAdmission(msgspec.Struct, kw_only=True, gc=False):
     block_size: int
     # Its block chain: once placed, its prefill's prefix is pending there.
     keys: list[int] = msgspec.field(default_factory=list)
+    # 0 for an admission, k for the k-th re-plan.
+    attempt: int = 0
 
 
 class BlockTracker(msgspec.Struct, kw_only=True, gc=False):
@@ -474,6 +478,7 @@ class ClusterState:
             decode_instance=decision.decode_instance,
             prompt_tokens=decision.prompt_tokens,
             computed_tokens=decision.computed_tokens,
+            attempt=decision.attempt,
             gateway_id=decision.gateway_id,
             max_tokens=max_tokens,
             priority=pending.priority if pending else 0,
@@ -560,6 +565,7 @@ class ClusterState:
             deadline=event.deadline,
             block_size=event.block_size,
             keys=event.block_hashes,
+            attempt=event.attempt,
         )
 
     @contextlib.contextmanager
@@ -882,6 +888,10 @@ class ClusterState:
             self._candidates.queued(instance_id)
 
     def _finished(self, event: ev.RequestFinished) -> None:
+        if event.attempt is not None and event.attempt < self._attempt_of(event.request_id):
+            # The end of an attempt already re-planned (its engine's word reached
+            # the log after the re-plan's): the newer attempt lives on.
+            return
         placement = self.placements.get(event.request_id)
         if placement is not None and event.outcome == "completed":
             started = placement.decode_started or placement.prefill_end
@@ -920,6 +930,14 @@ class ClusterState:
                     )
                 )
         self._release(event.request_id)
+
+    def _attempt_of(self, request_id: str) -> int:
+        """The attempt of `request_id` placed or waiting for its decision (0 if none)."""
+        placement = self.placements.get(request_id)
+        if placement is not None:
+            return placement.attempt
+        pending = self.admissions.get(request_id)
+        return pending.attempt if pending is not None else 0
 
     def _release(self, request_id: str) -> None:
         self.admissions.pop(request_id, None)

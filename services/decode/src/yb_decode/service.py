@@ -649,6 +649,7 @@ class DecodeWorker(Worker):
                 outcome="failed",
                 reason=reason,
                 prompt_tokens=reserve.num_tokens - reserve.generated_tokens,
+                attempt=reserve.attempt,
             )
         )
 
@@ -980,6 +981,7 @@ class DecodeWorker(Worker):
                 output_tokens=stream.completion_tokens,
                 ttft_s=max(0.0, ttft),
                 tbt_mean_s=sum(stream.gaps) / len(stream.gaps) if stream.gaps else 0.0,
+                attempt=stream.attempt,
             )
         )
 

@@ -815,6 +815,7 @@ class RequestSession:
                 outcome="failed",
                 reason=reason,
                 prompt_tokens=len(self.prepared.token_ids),
+                attempt=self.attempt,
             )
         )
 

@@ -274,7 +274,13 @@ CUT_SHORT_REASON = "kv_exhausted"
 
 
 class RequestFinished(Event, tag="request_finished"):
-    """A request left the system; the outcome and the measured latencies."""
+    """An attempt of a request ended; the outcome and the measured latencies.
+
+    A request re-planned after a failure has one per attempt that ended: the failed
+    attempt's (from the engine or the gateway that saw it fail) and the last one's.
+    `attempt` is the attempt it ends (`RequestScheduled.attempt`); None in logs
+    written before events carried it, where it ends whatever attempt is placed.
+    """
 
     request_id: str
     instance_id: str
@@ -284,6 +290,7 @@ class RequestFinished(Event, tag="request_finished"):
     output_tokens: int = 0
     ttft_s: float = 0.0
     tbt_mean_s: float = 0.0
+    attempt: int | None = None
 
 
 class RequestCancelled(Event, tag="request_cancelled"):
@@ -649,7 +656,16 @@ def _message_id_format(cls: type) -> Callable[[Any], str]:
         )
     if issubclass(cls, RequestReplanned):
         return lambda e: f"{tag}:{e.request_id}:{e.attempt}"
-    if issubclass(cls, (RequestAdmitted, RequestFinished, RequestCancelled)):
+    if issubclass(cls, RequestFinished):
+        # Each attempt ends once on each instance that ends it: an id of the request
+        # alone made the log drop the end of a re-planned request's last attempt as a
+        # copy of its failed first one.
+        return lambda e: (
+            f"{tag}:{e.request_id}"
+            if e.attempt is None
+            else f"{tag}:{e.request_id}:{e.attempt}:{e.instance_id}"
+        )
+    if issubclass(cls, (RequestAdmitted, RequestCancelled)):
         return lambda e: f"{tag}:{e.request_id}"
     if issubclass(cls, RequestProgress):
         return lambda e: f"{tag}:{e.request_id}:{e.instance_id}:{e.stage}"

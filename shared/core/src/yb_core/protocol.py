@@ -160,6 +160,7 @@ def failed_job(
         outcome=outcome,
         reason=exc.reason,
         prompt_tokens=prompt_tokens,
+        attempt=job.attempt,
     )
     return chunk, finished
 

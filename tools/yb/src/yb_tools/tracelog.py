@@ -252,7 +252,7 @@ class TraceLog:
             ev.RequestFinished(
                 time=done, request_id=rid, instance_id=did, outcome="completed",
                 prompt_tokens=d.prompt_tokens, output_tokens=out_tokens,
-                ttft_s=end - t, tbt_mean_s=tbt,
+                ttft_s=end - t, tbt_mean_s=tbt, attempt=0,
             ),
         )  # fmt: skip
 

@@ -530,7 +530,7 @@ class Simulation:
         self.emit(
             ev.RequestFinished(
                 time=t, request_id=job.item.request_id, instance_id=d.instance_id,
-                outcome="rejected", reason=refusal, prompt_tokens=job.item.prompt_tokens,
+                outcome="rejected", reason=refusal, prompt_tokens=job.item.prompt_tokens, attempt=0,
             )
         )  # fmt: skip
 
@@ -551,6 +551,7 @@ class Simulation:
                 time=t, request_id=item.request_id, instance_id=d.instance_id,
                 outcome="completed", prompt_tokens=item.prompt_tokens,
                 output_tokens=item.output_tokens, ttft_s=job.ttft_s, tbt_mean_s=job.tbt_s,
+                attempt=0,
             )
         )  # fmt: skip
 
@@ -569,7 +570,7 @@ class Simulation:
                 time=t, request_id=item.request_id, instance_id=d.instance_id,
                 outcome="completed", reason=ev.CUT_SHORT_REASON, prompt_tokens=item.prompt_tokens,
                 output_tokens=job.generated, ttft_s=job.ttft_s,
-                tbt_mean_s=(t - start) / gaps if gaps > 0 else 0.0,
+                tbt_mean_s=(t - start) / gaps if gaps > 0 else 0.0, attempt=0,
             )
         )  # fmt: skip
 

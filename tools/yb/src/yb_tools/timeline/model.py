@@ -278,7 +278,8 @@ def build_timeline(
                     life.stages.setdefault(e.stage, e.time)
             case ev.RequestFinished():
                 life = lives.get(e.request_id)
-                if life is not None and life.ended is None:
+                # A re-planned request's failed attempt ends first; its last one decides.
+                if life is not None and (life.ended is None or life.outcome == "failed"):
                     life.ended = e.time
                     rejected_late = e.outcome == "rejected"
                     life.outcome = "rejected_at_decode" if rejected_late else e.outcome
