@@ -188,8 +188,12 @@ class ModelConfig(_Section):
     `device` is where engines run the model: `auto` (CUDA when torch sees a GPU, else
     the CPU), `cpu`, `cuda` or `cuda:N`. An engine asked for CUDA that torch cannot
     reach stops at start (`yb_engine.models.DeviceUnavailable`). `dtype` is the
-    weights' and the KV cache's: `auto` is bfloat16 on CUDA and float32 on the CPU
-    (`dtype_for`).
+    weights' and, by default, the KV cache's: `auto` is bfloat16 on CUDA and float32
+    on the CPU (`dtype_for`). `kv_dtype` keeps the KV cache, its transfers and the
+    pool's blocks in another type: `auto` is `dtype`; `fp8_e4m3` is 8-bit FP8 with a
+    float32 scale per token and head (docs/engine.md#8-bit-kv), at a measured cost in
+    accuracy. It is part of every block's key, so 8-bit and full-precision blocks never
+    mix; every engine of a cluster must agree on it.
 
     `tensor_parallel` is how many devices (ranks, one process each) an engine instance
     spans: each rank holds its share of the attention heads, the MLP (or the experts)
@@ -216,6 +220,7 @@ class ModelConfig(_Section):
     name: str = "SmolLM2-135M-Instruct"
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kv_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     block_size: Annotated[int, msgspec.Meta(ge=0)] = 0
     max_model_len: int = 8192
     cache_dir: str = ""

@@ -9,8 +9,11 @@ The engine derives a `KVCacheSpec` from its model and announces it (`InstanceUp.
 everything downstream reads the sizes from it instead of guessing from a head count.
 
 The page layout it implies: layer `l`'s page `p` is one contiguous region of
-`page_nbytes(block_size)` bytes, `[heads, parts, block_size, dim]` row-major: head by
-head, each head's keys of the block then its values. Head-major, so the heads one
+`page_nbytes(block_size)` bytes, `[heads, parts, block_size, row]` row-major: head by
+head, each head's keys of the block then its values, a row per token of `dim` numbers
+(`row_nbytes`). An 8-bit dtype (`SCALED_DTYPES`) keeps each row's float32 scale after
+its `dim` bytes: a token's row, quantized on its own, never changes when later tokens
+join its page, so a block's bytes depend on its tokens alone. Head-major, so the heads one
 tensor-parallel rank holds (a contiguous run) are one region of the page, at every
 degree. A block in the pool is that region for every layer the model has: the same
 bytes whatever degree wrote it.
@@ -30,6 +33,13 @@ DTYPE_BYTES: dict[str, int] = {
     "float8_e4m3fn": 1,
 }
 
+#: Dtypes whose rows carry a scale: a row holds `dim` numbers `q` and then the float32
+#: `s` with `q * s` the value (`s` = the row's largest magnitude over the dtype's).
+SCALED_DTYPES: frozenset[str] = frozenset({"float8_e4m3fn"})
+
+#: Bytes of one row's scale, in a scaled dtype.
+SCALE_NBYTES = 4
+
 
 class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One model's KV per token and per layer, and how a page holds it.
@@ -37,7 +47,8 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     - `parts`: what is kept per token, each `heads` x `dim` numbers: `("k", "v")` for
       grouped-query attention, `("latent",)` for MLA (one head of `kv_lora_rank +
       qk_rope_head_dim` numbers: the normalized compressed KV, then the rotated shared key).
-    - `dtype`: the element type in pages, transfers and blocks (a torch dtype's name).
+    - `dtype`: the element type in pages, transfers and blocks (a torch dtype's name);
+      an 8-bit one keeps a scale per row (`SCALED_DTYPES`).
     - `num_layers`: the layers that keep KV (every decoder layer).
     - `windows`: per layer, the sliding window in tokens (0: global attention). A
       windowed layer still keeps every token's KV, so blocks are whole-prefix and
@@ -65,14 +76,20 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
         return DTYPE_BYTES[self.dtype]
 
     @property
-    def numbers_per_token_layer(self) -> int:
-        """Numbers one token keeps in one layer."""
-        return len(self.parts) * self.heads * self.dim
+    def scaled(self) -> bool:
+        """Whether each row carries its scale (an 8-bit dtype)."""
+        return self.dtype in SCALED_DTYPES
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one token's row of one head and part: its numbers, then its scale
+        in a scaled dtype."""
+        return self.dim * self.element_size + (SCALE_NBYTES if self.scaled else 0)
 
     @property
     def bytes_per_token_layer(self) -> int:
         """Bytes one token keeps in one layer."""
-        return self.numbers_per_token_layer * self.element_size
+        return len(self.parts) * self.heads * self.row_nbytes
 
     @property
     def bytes_per_token(self) -> int:

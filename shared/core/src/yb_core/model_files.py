@@ -74,18 +74,21 @@ def context_limit(model: ModelConfig, cache_dir: Path) -> int | None:
     return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
-_KV_IDENTITIES: dict[tuple[str, str, str, str], str] = {}
+_KV_IDENTITIES: dict[tuple[str, str, str, str, str], str] = {}
 
 
 def kv_identity(model: ModelConfig, cache_dir: Path | None) -> str:
     """What, beside the model's name, decides the bytes of its KV blocks: the dtype
-    setting (the KV's element type) and a digest of the checkpoint's `config.json`
-    (its family and shapes decide what a token keeps: per-head K/V or a latent, how
-    many heads and layers). Read once per process and model."""
-    key = (model.name, model.source, model.dtype, str(cache_dir))
+    settings (the KV's element type: `dtype`, and `kv_dtype` unless `auto`) and a
+    digest of the checkpoint's `config.json` (its family and shapes decide what a
+    token keeps: per-head K/V or a latent, how many heads and layers). Read once per
+    process and model."""
+    key = (model.name, model.source, model.dtype, model.kv_dtype, str(cache_dir))
     found = _KV_IDENTITIES.get(key)
     if found is None:
         found = f"dtype={model.dtype}"
+        if model.kv_dtype != "auto":
+            found += f";kv_dtype={model.kv_dtype}"
         try:
             path = model_dir(model, cache_dir) if cache_dir is not None else None
         except FileNotFoundError:  # not prepared here: whoever serves it has it

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from yb_core.telemetry import get_logger
 from yb_engine.architecture import ArchConfig
+from yb_engine.kv_quant import dequantize_rows, quantize_rows
 
 log = get_logger(__name__)
 
@@ -184,11 +185,13 @@ def _write(
 ) -> None:
     """Write each token's parts (`[T, heads, dim]` each: K and V, or the latent) at
     (its page, every head, the part, its slot) of `kv_layer` `[pages, heads, parts,
-    block, dim]`."""
+    block, row]`, quantized in an 8-bit cache (`yb_engine.kv_quant`)."""
     heads = torch.arange(kv_layer.shape[1], device=kv_layer.device)[None, :]
     at_page, at_slot = pages[:, None], slots[:, None]
+    scaled = kv_layer.dtype == torch.uint8
     for i, values in enumerate(parts):
-        kv_layer[at_page, heads, i, at_slot] = values.to(kv_layer.dtype)
+        rows = quantize_rows(values) if scaled else values.to(kv_layer.dtype)
+        kv_layer[at_page, heads, i, at_slot] = rows
 
 
 def key_cache(kv_layer: torch.Tensor, part: int) -> torch.Tensor:
@@ -352,7 +355,8 @@ class TorchSDPABackend:
 
     def _gather_parts(self, kv_layer: torch.Tensor, pages: torch.Tensor) -> list[torch.Tensor]:
         """Each part (K, V; or the latent) of `pages`, head-major: `[heads,
-        len(pages) * block_size, dim]` each, in a reused workspace."""
+        len(pages) * block_size, dim]` each, in a reused workspace (dequantized into
+        the queries' dtype from an 8-bit cache)."""
         _, heads, parts, block, dim = kv_layer.shape
         n = pages.numel()
         size = n * block * heads * dim
@@ -372,6 +376,8 @@ class TorchSDPABackend:
             for h in range(heads):
                 torch.index_select(rows[:, h, i], 0, pages, out=target[h])
             out.append(target.view(heads, n * block, dim))
+        if kv_layer.dtype == torch.uint8:
+            return [dequantize_rows(part, self.dtype) for part in out]
         return out
 
     def _gather(

@@ -168,6 +168,7 @@ def _load(
     import torch
 
     from yb_engine.kv_cache import PageAllocator, PagedKVCache
+    from yb_engine.kv_quant import kv_dtype_for
     from yb_engine.runner import ModelRunner
 
     # 0: torch's own default, which honours OMP_NUM_THREADS (`yb up` sets 1: its
@@ -184,7 +185,14 @@ def _load(
     )
     device = torch.device(model.device)
     kv = size_kv_cache(cfg, engine, model.config, model.dtype, device)
-    spec = model.config.kv_spec(str(model.dtype).removeprefix("torch."))
+    cache = PagedKVCache(
+        model.config,
+        kv.pages,
+        cfg.model.block_size,
+        dtype=kv_dtype_for(cfg.model.kv_dtype, model.dtype),
+        device=device,
+    )
+    spec = cache.spec
     log.info(
         "kv_cache_sized",
         device=str(device),
@@ -201,9 +209,6 @@ def _load(
             consequence="allocating one longest request's pages anyway; lower "
             "model.max_model_len or give the engine more memory",
         )
-    cache = PagedKVCache(
-        model.config, kv.pages, cfg.model.block_size, dtype=model.dtype, device=device
-    )
     allocator = PageAllocator(kv.pages)
     runner = ModelRunner(model, cache)
     _warm_up(runner, allocator, cache)
@@ -232,6 +237,7 @@ def _load_tensor_parallel(
     (`yb_engine.tp_instance`): its pages sized for the whole instance, every rank
     loading its share at once."""
     from yb_engine.kv_cache import PageAllocator
+    from yb_engine.kv_quant import kv_dtype_for
     from yb_engine.models import engine_arch, resolve_device, resolve_dtype
     from yb_engine.tensor_parallel import check_degree
     from yb_engine.tp_instance import check_device, start_instance
@@ -250,7 +256,7 @@ def _load_tensor_parallel(
         arch=arch,
         num_pages=kv.pages,
         block_size=cfg.model.block_size,
-        dtype=dtype,
+        kv_dtype=kv_dtype_for(cfg.model.kv_dtype, dtype),
         threads=threads,
         timeout_s=cfg.model.collective_timeout_s,
         load_timeout_s=max(600.0, cfg.model.collective_timeout_s),
@@ -338,6 +344,7 @@ def _load_stage(
 
     from yb_engine.architecture import LayerRange
     from yb_engine.kv_cache import PageAllocator
+    from yb_engine.kv_quant import kv_dtype_for
     from yb_engine.stages import stage_cache
 
     torch.set_num_threads(engine.threads or torch.get_num_threads())
@@ -355,7 +362,9 @@ def _load_stage(
     arch = stage.config
     device = torch.device(stage.device)
     kv = size_kv_cache(cfg, engine, arch, stage.dtype, device, num_layers=len(layer_range))
-    cache = stage_cache(stage, kv.pages, cfg.model.block_size)
+    cache = stage_cache(
+        stage, kv.pages, cfg.model.block_size, dtype=kv_dtype_for(cfg.model.kv_dtype, stage.dtype)
+    )
     log.info(
         "stage_loaded",
         layers=f"[{layer_range.start}, {layer_range.end}) of {arch.num_layers}",
@@ -378,16 +387,19 @@ def size_kv_cache(
     """How many KV pages this engine allocates (`yb_engine.kv_sizing`'s rule), from
     its settings and the memory of the machine (and device) it runs on; a pipeline
     stage's pages hold its `num_layers` layers only. A page is counted whole (every
-    head): a tensor-parallel instance's ranks hold it between them."""
+    head): a tensor-parallel instance's ranks hold it between them. `dtype` is the
+    model's; the pages hold `model.kv_dtype`."""
     import torch
 
     from yb_engine import kv_sizing as ks
+    from yb_engine.kv_quant import kv_dtype_for
 
     element_size = torch.empty(0, dtype=dtype).element_size()
     block_size = cfg.model.block_size
     layers = arch.num_layers if num_layers is None else num_layers
     # What a page holds is the model's (its KV cache spec), of every layer it keeps.
-    spec = arch.kv_spec(str(dtype).removeprefix("torch."), 0, layers)
+    kv_dtype = kv_dtype_for(cfg.model.kv_dtype, dtype)
+    spec = arch.kv_spec(str(kv_dtype).removeprefix("torch."), 0, layers)
     page = spec.block_nbytes(block_size)
     # Only a prefill engine keeps a prefix cache.
     prefix_cache_pages = getattr(engine, "prefix_cache_pages", 0)

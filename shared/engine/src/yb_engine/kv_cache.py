@@ -1,12 +1,14 @@
 """Paged KV cache storage and the page allocator.
 
 The whole cache of an engine is ONE tensor `kv[num_layers, num_pages, heads, parts,
-block_size, dim]`, its per-token shape taken from the model's `KVCacheSpec`
+block_size, row]`, its per-token shape taken from the model's `KVCacheSpec`
 (`yb_core.kv_spec`): `heads` the KV heads this engine (or tensor-parallel rank) holds,
 `parts` 2 and `dim` the head size for grouped-query attention (a head's keys, then its
 values); `heads` 1, `parts` 1 and `dim` the latent size for MLA. Pages are head-major:
 each head's share of a page is one contiguous region, so a run of heads (what one
 tensor-parallel rank holds) is one region too, of the same bytes for every degree.
+A row is a head's `dim` numbers of one token, or, in an 8-bit cache, their bytes and
+their scale (`yb_engine.kv_quant`): the tensor then holds bytes.
 
 That layout is a contract with the UCX data plane: the bytes of (layer, page) are one
 contiguous chunk of `spec.page_nbytes(block_size)`, so a page is sent or received
@@ -17,12 +19,14 @@ layer `l` while it computes layer `l + 1`.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from yb_core.kv_spec import KVCacheSpec
 from yb_engine.architecture import ArchConfig
+from yb_engine.kv_quant import storage_dtype
 
 
 class OutOfPages(RuntimeError):
@@ -46,9 +50,10 @@ class PagedKVCache:
         device: str | torch.device = "cpu",
         storage: torch.Tensor | None = None,
     ) -> None:
-        """`storage`: memory to hold the pages in (zeroed, of exactly the cache's
-        elements: a tensor-parallel rank's pages live in memory its instance's first
-        rank maps too); by default a fresh zeroed tensor."""
+        """`dtype`: what the KV is kept in (the pages' tensor holds bytes for an
+        8-bit one: `storage_dtype`). `storage`: memory to hold the pages in (zeroed,
+        of exactly the cache's elements: a tensor-parallel rank's pages live in memory
+        its instance's first rank maps too); by default a fresh zeroed tensor."""
         if num_pages <= 0 or block_size <= 0:
             raise ValueError("num_pages and block_size must be positive")
         self.arch = arch
@@ -59,8 +64,9 @@ class PagedKVCache:
         self.spec: KVCacheSpec = arch.kv_spec(str(dtype).removeprefix("torch."))
         spec = self.spec
         shape = self.shape_of(spec, num_pages, block_size)
+        held = storage_dtype(dtype)
         if storage is not None:
-            if storage.numel() != self.numel(spec, num_pages, block_size) or storage.dtype != dtype:
+            if storage.numel() != self.numel(spec, num_pages, block_size) or storage.dtype != held:
                 raise ValueError(
                     f"storage of {storage.numel()} {storage.dtype} for a cache {shape}"
                 )
@@ -68,17 +74,19 @@ class PagedKVCache:
         else:
             # zeros, not empty: a page that is read before it is written (a bug
             # elsewhere) then gives finite garbage instead of NaNs that poison a batch.
-            self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.kv = torch.zeros(shape, dtype=held, device=self.device)
 
     @staticmethod
     def shape_of(spec: KVCacheSpec, num_pages: int, block_size: int) -> tuple[int, ...]:
-        """The cache tensor's shape: `[layers, pages, heads, parts, block_size, dim]`."""
-        return (spec.num_layers, num_pages, spec.heads, len(spec.parts), block_size, spec.dim)
+        """The cache tensor's shape: `[layers, pages, heads, parts, block_size, row]`,
+        a row `dim` numbers, or the bytes of a scaled row."""
+        row = spec.row_nbytes if spec.scaled else spec.dim
+        return (spec.num_layers, num_pages, spec.heads, len(spec.parts), block_size, row)
 
     @staticmethod
     def numel(spec: KVCacheSpec, num_pages: int, block_size: int) -> int:
-        """Numbers in a cache of `num_pages` pages of `spec`."""
-        return spec.num_layers * num_pages * block_size * spec.numbers_per_token_layer
+        """Elements of the tensor of a cache of `num_pages` pages of `spec`."""
+        return math.prod(PagedKVCache.shape_of(spec, num_pages, block_size))
 
     @property
     def num_layers(self) -> int:

@@ -57,6 +57,7 @@ from yb_core.config import ModelConfig
 from yb_core.telemetry import get_logger
 from yb_engine.architecture import ArchConfig
 from yb_engine.kv_cache import PagedKVCache
+from yb_engine.kv_quant import storage_dtype
 from yb_engine.loader import LoadedModel
 from yb_engine.runner import DecodeSeq, LayerHook, ModelRunner, PrefillChunk, PrefillSeq, RowLogits
 from yb_engine.tensor_parallel import Shard, TPGroup, head_cuts, owner_ranks
@@ -523,7 +524,7 @@ def start_instance(
     arch: ArchConfig,
     num_pages: int,
     block_size: int,
-    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
     threads: int,
     timeout_s: float,
     load_timeout_s: float,
@@ -534,7 +535,7 @@ def start_instance(
     and rank 0's model."""
     from torch.distributed import TCPStore
 
-    dtype_name = str(dtype).removeprefix("torch.")
+    dtype_name = str(kv_dtype).removeprefix("torch.")
     ranks = TPInstance(size)
     fds: list[int] = []
     rank_pages: list[torch.Tensor] = []
@@ -546,7 +547,7 @@ def start_instance(
         for rank in range(1, size):
             local = Shard(rank, size).local_arch(arch)
             numel = PagedKVCache.numel(local.kv_spec(dtype_name), num_pages, block_size)
-            fd, pages = _shared_pages(numel, dtype, f"yb-kv-rank{rank}")
+            fd, pages = _shared_pages(numel, storage_dtype(kv_dtype), f"yb-kv-rank{rank}")
             fds.append(fd)
             rank_pages.append(pages)
             ranks.spawn(
@@ -572,7 +573,7 @@ def start_instance(
         shard = Shard(0, size)
         model: LoadedModel = load_own(shard)
         local_arch = shard.local_arch(arch)
-        cache0 = PagedKVCache(local_arch, num_pages, block_size, dtype=dtype, device="cpu")
+        cache0 = PagedKVCache(local_arch, num_pages, block_size, dtype=kv_dtype, device="cpu")
         ranks.wait_ready(time.monotonic() + load_timeout_s)
         group = TPGroup(shard, arch, store, timeout_s)
         sharded = ShardedKV(
@@ -580,7 +581,7 @@ def start_instance(
             size,
             num_pages,
             block_size,
-            dtype,
+            kv_dtype,
             [
                 cache0.kv,
                 *(

@@ -24,6 +24,7 @@ def main() -> int:
     from torch.distributed import TCPStore
 
     from yb_engine.kv_cache import PagedKVCache
+    from yb_engine.kv_quant import kv_dtype_for, storage_dtype
     from yb_engine.models import load_engine_model
     from yb_engine.runner import ModelRunner, PrefillSeq
     from yb_engine.tensor_parallel import Shard, TPGroup
@@ -49,13 +50,15 @@ def main() -> int:
     shard = Shard(start.rank, start.size)
     model = load_engine_model(start.model, Path(start.cache_dir), shard=shard)
     arch = shard.local_arch(model.config)
-    dtype_name = str(model.dtype).removeprefix("torch.")
-    spec = arch.kv_spec(dtype_name)
+    kv_dtype = kv_dtype_for(start.model.kv_dtype, model.dtype)
+    spec = arch.kv_spec(str(kv_dtype).removeprefix("torch."))
     pages = map_pages(
-        start.kv_fd, PagedKVCache.numel(spec, start.num_pages, start.block_size), model.dtype
+        start.kv_fd,
+        PagedKVCache.numel(spec, start.num_pages, start.block_size),
+        storage_dtype(kv_dtype),
     )
     cache = PagedKVCache(
-        arch, start.num_pages, start.block_size, dtype=model.dtype, device="cpu", storage=pages
+        arch, start.num_pages, start.block_size, dtype=kv_dtype, device="cpu", storage=pages
     )
     timeout = timedelta(seconds=start.timeout_s)
     store = TCPStore(start.store_host, start.store_port, start.size, False, timeout)

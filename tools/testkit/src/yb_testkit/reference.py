@@ -17,19 +17,21 @@ def single_process_answer(
     *,
     device: str = "cpu",
     dtype: str = "float32",
+    kv_dtype: str = "auto",
     block_size: int = 64,
     num_pages: int = 64,
     model_path: Any = None,
 ) -> str:
     """The greedy answer of the default model (or of the directory `model_path`) to
     `messages`, prefilled and decoded by one `ModelRunner` on `device` in `dtype`, with
-    pages of `block_size` tokens."""
+    pages of `block_size` tokens in `kv_dtype` (`model.kv_dtype`)."""
     import torch
 
     from yb_core.model_files import default_model_cache_dir
     from yb_core.protocol import SamplingParams
     from yb_engine.batcher import DecodeBatcher
     from yb_engine.kv_cache import PageAllocator, PagedKVCache
+    from yb_engine.kv_quant import kv_dtype_for
     from yb_engine.loader import ensure_default_model, load_model
     from yb_engine.runner import ModelRunner
     from yb_engine.sampling import Sampler
@@ -40,7 +42,13 @@ def single_process_answer(
     tok = model.tokenizer
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt = tok.encode(text, add_special_tokens=False)
-    cache = PagedKVCache(model.config, num_pages, block_size, dtype=torch_dtype, device=device)
+    cache = PagedKVCache(
+        model.config,
+        num_pages,
+        block_size,
+        dtype=kv_dtype_for(kv_dtype, torch_dtype),
+        device=device,
+    )
     allocator = PageAllocator(num_pages)
     runner = ModelRunner(model, cache)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)

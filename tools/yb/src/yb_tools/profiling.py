@@ -170,6 +170,7 @@ def profile_engine(
     import torch
 
     from yb_engine import ModelRunner, PageAllocator, PagedKVCache
+    from yb_engine.kv_quant import kv_dtype_for
     from yb_engine.models import load_engine_model
     from yb_engine.runner import DecodeSeq
 
@@ -180,7 +181,8 @@ def profile_engine(
     model = load_engine_model(cfg.model, cfg.model_cache_dir(), progress)
     device = torch.device(model.device)
     dtype_name = str(model.dtype).removeprefix("torch.")
-    progress(f"on {device} in {dtype_name}, {cfg.model.block_size}-token pages")
+    kv_name = str(kv_dtype_for(cfg.model.kv_dtype, model.dtype)).removeprefix("torch.")
+    progress(f"on {device} in {dtype_name} (KV {kv_name}), {cfg.model.block_size}-token pages")
 
     def sync() -> None:
         if device.type == "cuda":
@@ -192,7 +194,8 @@ def profile_engine(
     max_tokens = max(max_new + c for n, c in grid.prefill)
     max_decode = max(b * -(-(ctx + 1) // bs) for b, ctx in grid.decode)
     num_pages = max(-(-max_tokens // bs), max_decode) + 4
-    cache = PagedKVCache(arch, num_pages, bs, dtype=model.dtype, device=model.device)
+    kv_dtype = kv_dtype_for(cfg.model.kv_dtype, model.dtype)
+    cache = PagedKVCache(arch, num_pages, bs, dtype=kv_dtype, device=model.device)
     alloc = PageAllocator(num_pages)
     runner = ModelRunner(model, cache)
     progress(f"attention: {runner.attention_backend}")

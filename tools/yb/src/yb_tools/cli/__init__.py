@@ -161,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--device` and `--dtype`: `model.device` and `model.dtype` for the engines."""
+    """`--device`, `--dtype` and `--kv-dtype`: `model.device`, `model.dtype` and
+    `model.kv_dtype` for the engines."""
     parser.add_argument(
         "--device",
         help="where engines run the model: auto (CUDA when torch sees it), cpu, cuda, cuda:N",
@@ -170,6 +171,12 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
         help="weights' and KV's dtype (auto: bfloat16 on CUDA, float32 on the CPU)",
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        choices=["auto", "fp8_e4m3"],
+        help="the KV cache's, transfers' and pool's dtype (auto: --dtype; fp8_e4m3: "
+        "8 bits with a scale per token and head, half of bfloat16's bytes)",
     )
 
 
@@ -196,7 +203,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         model["source"] = args.model
     if getattr(args, "model_name", None):
         model["name"] = args.model_name
-    for key in ("device", "dtype"):
+    for key in ("device", "dtype", "kv_dtype"):
         if getattr(args, key, None):
             model[key] = getattr(args, key)
     if model:
