@@ -113,6 +113,22 @@ SUMMARIES: dict[str, str] = {
         "DeepSeek-V3's real sizes (from their configs: the bytes are arithmetic, the same "
         "on any machine). Timings are medians of `--repeats` runs."
     ),
+    "kv_fp8": (
+        "The 8-bit KV cache (`model.kv_dtype` `fp8_e4m3`: FP8 e4m3 rows with a float32 "
+        "scale each) against float32 KV on the default model (float32 weights), in the "
+        "same run. Accuracy, in one process, greedy: each of `prompts` fixed chat prompts "
+        "(20 subjects x 10 asks) generates `tokens_per_prompt` tokens with float32 KV; "
+        "the same sequences fed through an 8-bit cache (teacher forcing) give the share "
+        "of positions whose argmax is the reference token and the |difference| of that "
+        "token's log-probability; the 8-bit cache also generates on its own (whole "
+        "output identical or not); and the perplexity of a fixed public-domain text "
+        "through the pages in 64-token chunks. Then the bytes of one pool block, the "
+        "time `benchmarks/transfer.py` takes to move a 2,048-token prefix's pages over "
+        "UCX between two processes, and `benchmarks/e2e_reuse.py`'s TTFT with a "
+        "2,048-token prefix fetched from the other host's kvstore through a `yb up` "
+        "cluster, once per KV dtype. Compute is float32 on the CPU: pages are "
+        "dequantized as attention gathers them."
+    ),
     "tensor_parallel": (
         "Tensor-parallel instances on this machine's CPU (gloo, float32): prefill of a "
         "2,048-token prompt and one decode step of 8 sequences of 512 tokens, by one "
@@ -419,6 +435,26 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         (r"(\w+?)_kv_bytes_per_token", "{0}: KV bytes one token keeps (every layer, float32)"),
         (r"(\w+?)_pool_tokens_per_gb_latent", "{0}: tokens a GB of KV pool holds as latents"),
         (r"(\w+?)_pool_tokens_per_gb_per_head", "{0}: tokens a GB holds as per-head K/V"),
+    ],
+    "kv_fp8": [
+        ("prompts", "chat prompts of the accuracy run"),
+        ("tokens_per_prompt", "positions compared per prompt"),
+        ("greedy_match", "share of positions where the 8-bit cache's argmax is float32's token"),
+        ("dlogprob_mean", "mean |difference| of the float32 token's log-probability"),
+        ("dlogprob_max", "largest |difference| of the float32 token's log-probability"),
+        ("free_run_identical", "share of prompts whose 8-bit greedy output is float32's"),
+        ("ppl_text_tokens", "tokens of the perplexity text"),
+        ("ppl_full", "perplexity of the text with float32 KV"),
+        ("ppl_fp8", "perplexity of the text with 8-bit KV"),
+        ("ppl_ratio", "8-bit perplexity over float32's"),
+        (r"block_bytes_(full|fp8)", "bytes of one pool block ({0}: full = float32)"),
+        (r"blocks_per_gib_(full|fp8)", "pool blocks a GiB holds ({0})"),
+        ("blocks_per_gib_ratio", "8-bit blocks per GiB over float32's"),
+        (r"transfer_2048_s_(full|fp8)", "seconds to move a 2,048-token prefix over UCX ({0})"),
+        ("transfer_2048_speedup", "float32 transfer time over 8-bit's"),
+        (r"ttft_reuse_s_(full|fp8)", "TTFT with a 2,048-token prefix from a remote kvstore ({0})"),
+        (r"ttft_recompute_s_(full|fp8)", "TTFT computing the whole prompt ({0})"),
+        (r"reused_tokens_(full|fp8)", "prompt tokens the reuse request fetched ({0})"),
     ],
     "tensor_parallel": [
         ("cores", "the machine's cores (every timed way uses all of them)"),

@@ -62,6 +62,7 @@ BENCHMARKS = (
     "families",
     "hf_backend",
     "tensor_parallel",
+    "kv_fp8",
 )
 # The longest benchmark (the default model through `yb up`, on a loaded 2-core machine)
 # takes minutes; an hour means something is stuck.

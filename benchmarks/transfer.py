@@ -65,9 +65,9 @@ PAGE_BYTES = 2 * MIB
 SEGMENT_BYTES = 16 * MIB
 
 
-def layout(size_mb: int, page_bytes: int = PAGE_BYTES) -> list[int]:
+def layout(size_mb: float, page_bytes: int = PAGE_BYTES) -> list[int]:
     """Buffer sizes for a payload of `size_mb` MiB (see the module docstring)."""
-    total = size_mb * MIB
+    total = int(size_mb * MIB)
     if page_bytes == PAGE_BYTES and total < 16 * MIB:
         return [total // 8] * 8
     return [page_bytes] * (total // page_bytes)
@@ -144,11 +144,11 @@ def require_cuda() -> str | None:
 
 
 async def run_receiver(
-    sizes_mb: list[int], page_bytes: int, layouts: list[str], ucx_host: str, device: str
+    sizes_mb: list[float], page_bytes: int, layouts: list[str], ucx_host: str, device: str
 ) -> None:
     make = device_buffers if device == "cuda" else buffers
     destinations = {
-        (mb, name): make(layout(mb, page_bytes), name == "contiguous", 0)
+        (str(mb), name): make(layout(mb, page_bytes), name == "contiguous", 0)
         for mb in sizes_mb
         for name in layouts
     }
@@ -156,7 +156,7 @@ async def run_receiver(
     def factory(request_id: str, header: SegmentHeader) -> list[Any] | None:
         del header
         mb, name, _rep = request_id.split("-")
-        return destinations.get((int(mb), name))
+        return destinations.get((mb, name))
 
     receiver = KVReceiver(host=ucx_host)
     receiver.set_reservation_factory(factory, deadline_s=120.0)
@@ -263,7 +263,7 @@ def best_of(fn: object, repeat: int) -> list[float]:
 
 
 async def start_receiver(
-    sizes_mb: list[int], page_bytes: int, layouts: list[str], device: str
+    sizes_mb: list[float], page_bytes: int, layouts: list[str], device: str
 ) -> tuple[asyncio.subprocess.Process, PeerAddress]:
     """A receiver process of this same file, and the address it listens on."""
     receiver = await asyncio.create_subprocess_exec(
@@ -273,8 +273,8 @@ async def start_receiver(
         "receiver",
         "--sizes",
         ",".join(map(str, sizes_mb)),
-        "--page-kib",
-        str(page_bytes // 1024),
+        "--page-bytes",
+        str(page_bytes),
         "--layouts",
         ",".join(layouts),
         "--device",
@@ -289,7 +289,7 @@ async def start_receiver(
 
 
 async def run_sender(
-    sizes_mb: list[int],
+    sizes_mb: list[float],
     repeat: int,
     page_bytes: int,
     layouts: list[str],
@@ -313,8 +313,8 @@ async def run_sender(
         for name in layouts:
             tag = "" if name == "scattered" else f"_{name}"
             for mb in sizes_mb:
-                total = mb * MIB
                 sizes = layout(mb, page_bytes)
+                total = sum(sizes)
                 if cuda:
                     bufs = device_buffers(sizes, name == "contiguous", None)
                     expected[f"{mb}-{name}"] = page_sums(bufs)
@@ -412,6 +412,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,16,64,256", help="payload sizes, MiB")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--page-kib", type=int, default=PAGE_BYTES // 1024)
+    parser.add_argument(
+        "--page-bytes", type=int, help="pages of exactly this many bytes (beats --page-kib)"
+    )
     parser.add_argument("--layouts", default="scattered,contiguous")
     parser.add_argument("--no-perftest", action="store_true", help="skip ucx_perftest")
     parser.add_argument("--role", choices=["sender", "receiver"], default="sender")
@@ -432,11 +435,12 @@ def main() -> None:
         why = require_cuda()
         if why is not None:
             parser.error(f"--device cuda needs a CUDA device: {why}")
-    sizes_mb = [int(s) for s in args.sizes.split(",")]
+    # Whole MiB name the figures as ever; a fraction sizes a payload of exact pages.
+    sizes_mb = [int(s) if s.isdigit() else float(s) for s in args.sizes.split(",")]
     layouts = [name for name in args.layouts.split(",") if name]
     if set(layouts) - {"scattered", "contiguous"}:
         parser.error("--layouts takes scattered and/or contiguous")
-    page_bytes = args.page_kib * 1024
+    page_bytes = args.page_bytes or args.page_kib * 1024
     if args.role == "receiver":
         asyncio.run(run_receiver(sizes_mb, page_bytes, layouts, args.ucx_host, args.device))
         return
