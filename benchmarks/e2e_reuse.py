@@ -35,6 +35,8 @@ import os
 import random
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -223,6 +225,28 @@ async def run_rounds(
         await reader.close()
         await bus.close()
     return recompute, reuse
+
+
+def run_with(
+    settings: dict[str, str], *, prefix_tokens: int, question_tokens: int, rounds: int = 3
+) -> dict[str, float]:
+    """This benchmark's figures from a run in a process of its own, the cluster given
+    `settings` (`YB_*` variables): what another benchmark compares settings with."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "e2e_reuse.json"
+        subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                *("--prefix-tokens", str(prefix_tokens)),
+                *("--question-tokens", str(question_tokens)),
+                *("--rounds", str(rounds), "--json", str(out)),
+            ],
+            check=True,
+            env={**os.environ, **settings},
+        )
+        figures: dict[str, float] = json.loads(out.read_text())
+    return figures
 
 
 def main() -> None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from e2e_reuse import run_with
 
 from yb_core.model_files import default_model_cache_dir
 from yb_engine import DecodeSeq, LoadedModel, ModelRunner, PagedKVCache
@@ -254,24 +254,6 @@ def transfer_seconds(page_bytes: int, layers: int) -> float:
     return pages * page_bytes / (gbps * 1e9)
 
 
-def reuse_ttft(kv_dtype: str) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "r.json"
-        env = {**os.environ, "YB_MODEL__KV_DTYPE": kv_dtype}
-        subprocess.run(
-            [
-                sys.executable,
-                str(HERE / "e2e_reuse.py"),
-                *("--prefix-tokens", str(PREFIX_TOKENS), "--rounds", "3"),
-                *("--json", str(out)),
-            ],
-            check=True,
-            env=env,
-        )
-        figures: dict[str, float] = json.loads(out.read_text())
-    return figures
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the figures here")
@@ -301,7 +283,11 @@ def main() -> None:
     if not args.no_cluster:
         for name, setting in (("full", "auto"), ("fp8", "fp8_e4m3")):
             print(f"reuse TTFT through a cluster, model.kv_dtype={setting}", flush=True)
-            figures = reuse_ttft(setting)
+            figures = run_with(
+                {"YB_MODEL__KV_DTYPE": setting},
+                prefix_tokens=PREFIX_TOKENS,
+                question_tokens=40,
+            )
             results[f"ttft_reuse_s_{name}"] = figures["ttft_reuse_s"]
             results[f"ttft_recompute_s_{name}"] = figures["ttft_recompute_s"]
             results[f"reused_tokens_{name}"] = figures["reused_tokens"]

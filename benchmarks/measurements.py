@@ -62,6 +62,17 @@ SUMMARIES: dict[str, str] = {
         "once per instance, loads over one lane per device). Simulated in virtual time: "
         "the same code gives the same figures on any machine."
     ),
+    "sim_retention": (
+        "What the KV pool keeps, in `yb sim`: each kvstore's own LRU against the "
+        "conductor's retention advice (`RetentionPlanned`: blocks predicted to be reused "
+        "soon kept longer, new blocks of prompts whose tails are rarely reused dropped "
+        "first, copies demoted), against Belady's offline optimum (every kvstore evicts "
+        "the block whose next use in the trace is farthest) as the limit, and the "
+        "retention with hot-prefix replication; Mooncake's synthetic trace, "
+        "conversations and shared system prompts, each host's pool cut until it "
+        "evicts, the paper's engine model, 8 prefill + 8 decode instances. Simulated in "
+        "virtual time: the same code gives the same figures on any machine."
+    ),
     "cpp": (
         "Chunked pipeline parallelism at the engine level: time to first token of a long "
         "prompt over a group of stage processes (each holding only its layers, one torch "
@@ -92,7 +103,9 @@ SUMMARIES: dict[str, str] = {
         "The scheduling matrix of `yb sim --matrix`: the conductor (`mooncake`) against "
         "every peer policy on the synthetic trace and three generated workloads "
         "(shared-prefix, multi-turn, tool-agent), both engine models, 1x and 2x speed, "
-        "8P+8D and 8P+1D. A setting is won when the conductor's mean and p90 TTFT are at "
+        "8P+8D and 8P+1D, and llm-d's shared-prefix ladder (150 groups of 5 users, load "
+        "stepping up to 60 requests/s) in its own setting, `llama2-70b-a800` at 1x, 8P+8D. "
+        "A setting is won when the conductor's mean and p90 TTFT are at "
         "or below the best peer's, its goodput at or above it, and it neither rejects "
         "nor loses to KV exhaustion a request where some peer meets every SLO. The "
         "simulated decode instances hold KV as the engine does (the prompt's pages from "
@@ -112,6 +125,17 @@ SUMMARIES: dict[str, str] = {
         "in the same run, and MLA's latent against per-head K/V at Kimi K2's and "
         "DeepSeek-V3's real sizes (from their configs: the bytes are arithmetic, the same "
         "on any machine). Timings are medians of `--repeats` runs."
+    ),
+    "prefix_overlap": (
+        "A 4,096-token prompt whose first 3,584 tokens are in a kvstore (a real kvstore "
+        "service over UCX, the default model in float32 on the CPU): the prefix's load "
+        "alone, the compute of the 512 new tokens alone, the load then the compute, and "
+        "the compute running on the prefix as it lands layer by layer (what the prefill "
+        "does with `overlap_prefix_load`), alternating round by round in one process "
+        "(medians of `rounds`; the two loading ways' logits checked equal every round). "
+        "Then `benchmarks/e2e_reuse.py`'s TTFT through a `yb up` cluster with the same "
+        "prompt shape, the prefix fetched from the other host's kvstore, with the "
+        "prefill overlapping and loading first."
     ),
     "kv_fp8": (
         "The 8-bit KV cache (`model.kv_dtype` `fp8_e4m3`: FP8 e4m3 rows with a float32 "
@@ -297,6 +321,36 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
             "{1}x (ties: the lower p90 TTFT)",
         ),
     ],
+    "sim_retention": [
+        ("profile", "the engine model"),
+        (r"(\w+?)_(\d+)k_requests", "requests of the `{0}` workload"),
+        (
+            r"(\w+?)_(\d+)k_(lru|retention|belady|replicated)_hit_ratio",
+            "share of prefilled prompt tokens taken from the pool (`{0}`, {1}k tokens of "
+            "pool per host, kept by `{2}`)",
+        ),
+        (
+            r"(\w+?)_(\d+)k_(lru|retention|belady|replicated)_ttft_mean_s",
+            "mean time to first token, s (`{0}`, {1}k tokens per host, `{2}`)",
+        ),
+        (
+            r"(\w+?)_(\d+)k_(lru|retention|belady|replicated)_ttft_p90_s",
+            "p90 time to first token, s (`{0}`, {1}k tokens per host, `{2}`)",
+        ),
+        (
+            r"(\w+?)_(\d+)k_(lru|retention|belady|replicated)_slo_attainment",
+            "share of requests within both SLOs (`{0}`, {1}k tokens per host, `{2}`)",
+        ),
+        (
+            r"(\w+?)_(\d+)k_(lru|retention|belady|replicated)_rejected",
+            "requests refused (`{0}`, {1}k tokens per host, `{2}`)",
+        ),
+        (
+            r"(\w+?)_(\d+)k_gap_closed",
+            "share of Belady's hit-ratio gain over LRU that the retention reaches (`{0}`, "
+            "{1}k tokens per host; empty: no gap)",
+        ),
+    ],
     "cpp": [
         ("model", "the model measured"),
         ("chunk_size", "prompt tokens per chunk"),
@@ -435,6 +489,22 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         (r"(\w+?)_kv_bytes_per_token", "{0}: KV bytes one token keeps (every layer, float32)"),
         (r"(\w+?)_pool_tokens_per_gb_latent", "{0}: tokens a GB of KV pool holds as latents"),
         (r"(\w+?)_pool_tokens_per_gb_per_head", "{0}: tokens a GB holds as per-head K/V"),
+    ],
+    "prefix_overlap": [
+        ("prompt_tokens", "prompt tokens"),
+        ("cached_tokens", "prompt tokens whose KV is fetched from the kvstore"),
+        ("prefix_mb", "MB of KV the prefix fetch moves"),
+        ("load_s", "seconds to fetch the prefix alone"),
+        ("compute_s", "seconds to compute the rest alone, the prefix in place"),
+        ("load_then_compute_s", "seconds to fetch, then compute"),
+        ("overlapped_s", "seconds with the compute running on the prefix as it lands"),
+        ("overlapped_over_max", "overlapped over the longer of load and compute (goal <= 1.15)"),
+        ("load_then_compute_over_max", "load then compute over the longer of the two"),
+        ("overlap_speedup", "load-then-compute time over overlapped time"),
+        ("rounds", "rounds the medians are of"),
+        (r"ttft_reuse_s_(overlap|load_first)", "TTFT, prefix from the other host's kvstore ({0})"),
+        (r"ttft_recompute_s_(overlap|load_first)", "TTFT computing the whole prompt ({0} run)"),
+        (r"reused_tokens_(overlap|load_first)", "prompt tokens the reuse request fetched ({0})"),
     ],
     "kv_fp8": [
         ("prompts", "chat prompts of the accuracy run"),

@@ -59,10 +59,12 @@ BENCHMARKS = (
     "sim_matrix",
     "sim_capacity",
     "sim_tp",
+    "sim_retention",
     "families",
     "hf_backend",
     "tensor_parallel",
     "kv_fp8",
+    "prefix_overlap",
 )
 # The longest benchmark (the default model through `yb up`, on a loaded 2-core machine)
 # takes minutes; an hour means something is stuck.

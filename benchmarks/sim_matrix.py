@@ -5,8 +5,9 @@
 
 Runs `yb sim --matrix` (`yb_tools.sim.matrix`: every peer policy and the conductor on
 the synthetic trace and the three generated workloads, both engine models, 1x and
-2x, 8P+8D and 8P+1D; `--limit 0`, the default here, runs every request of each
-workload) and, on the same code, the setting Dynamo published a replay of: the
+2x, 8P+8D and 8P+1D, and `shared-prefix-ladder`, llm-d's shape, in its own setting,
+`llama2-70b-a800` at 1x, 8P+8D; `--limit 0`, the default here, runs every request of
+each workload) and, on the same code, the setting Dynamo published a replay of: the
 synthetic trace, the `dynamo-mocker` engine model, 8 + 8, admission `none`, the
 conductor against `dynamo-kv` (Dynamo 1.6.1's own replay: mean TTFT 168.5 ms, hit
 ratio 0.529).

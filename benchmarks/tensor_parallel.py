@@ -76,7 +76,7 @@ def _instance(
         arch=engine_arch(model_cfg, cache_dir),
         num_pages=pages,
         block_size=BLOCK,
-        dtype=torch.float32,
+        kv_dtype=torch.float32,
         threads=threads,
         timeout_s=120.0,
         load_timeout_s=600.0,

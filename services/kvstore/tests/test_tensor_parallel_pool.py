@@ -10,15 +10,14 @@ cut as that instance cuts them. The store keeps the block whole either way.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from yb_core.bus import Bus
-from yb_core.config import KVStoreConfig, NatsConfig, TelemetryConfig, YbConfig
+from yb_core.config import NatsConfig
 from yb_dataplane.block_upload import BlockUploader
 from yb_dataplane.peers import PeerDirectory
 from yb_dataplane.prefix_fetch import BlockFetcher, FetchRun
@@ -26,8 +25,8 @@ from yb_dataplane.transport import KVReceiver, KVSender
 from yb_engine import ModelRunner, PagedKVCache
 from yb_engine.loader import load_model
 from yb_engine.tp_instance import TPInstance
-from yb_kvstore.service import KVStoreService
 from yb_testkit.checkpoints import build_checkpoint
+from yb_testkit.pool import HeldPages, running_kvstore
 from yb_testkit.tensor_parallel import start_tp
 
 BLOCK = 8
@@ -41,44 +40,15 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max()) / max(float(ref.abs().max()), 1e-6)
 
 
-class Held:
-    """The uploaded blocks' pages (`HeldBlocks`)."""
-
-    def __init__(self, pages: dict[int, int]) -> None:
-        self.pages = pages
-
-    def page_of(self, key: int) -> int:
-        return self.pages[key]
-
-    def release(self, keys: Sequence[int]) -> None:
-        del keys
-
-
 @pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint(request.param, tmp_path_factory.mktemp(request.param) / "ckpt")
 
 
 @pytest.fixture
-async def store(bus: Bus, nats_config: NatsConfig, tmp_path: Path) -> AsyncIterator[PeerDirectory]:
-    cfg = YbConfig(
-        instance_id=STORE,
-        nats=nats_config,
-        kvstore=KVStoreConfig(dram_blocks=16, ssd_blocks=0),
-        telemetry=TelemetryConfig(log_json=False),
-    )
-    service = KVStoreService(cfg)
-    await service.start()
-    peers = PeerDirectory(bus)
-    await peers.open()
-    runner = asyncio.create_task(peers.run())
-    try:
-        assert await peers.wait_for(STORE, 30.0) is not None
+async def store(bus: Bus, nats_config: NatsConfig) -> AsyncIterator[PeerDirectory]:
+    async with running_kvstore(bus, nats_config, STORE, dram_blocks=16) as peers:
         yield peers
-    finally:
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
-        await service.stop()
 
 
 def instance(path: Path, size: int) -> tuple[ModelRunner, TPInstance | None]:
@@ -110,7 +80,7 @@ async def test_a_prefix_put_at_one_degree_is_reused_at_another(
         expected = writer.prefill(prompt, table)
         uploader = BlockUploader(writer.cache, sender, deadline_s=10.0)
         put = await uploader.upload(
-            address, keys, Held({key: table[i] for i, key in enumerate(keys)})
+            address, keys, HeldPages({key: table[i] for i, key in enumerate(keys)})
         )
         assert put.stored == PREFIX_BLOCKS, put
         fetcher = BlockFetcher(f"engine-tp{reused_by}", reader.cache, store, receiver, sender)

@@ -65,6 +65,9 @@ def _samples() -> list[ev.AnyEvent]:
         ),
         ev.ConductorConfigured(instance_id="c0", settings_json="{}", cost_model_json="{}"),
         ev.TransferFailed(request_id="r1", source_instance="p0", target_instance="d0", reason="x"),
+        ev.RetentionPlanned(
+            instance_id="kv0", request_id="r1", reuse=[1], reuse_s=[2.5], demote=[2], drop=[3]
+        ),
         ev.RequestReplanned(
             request_id="r",
             gateway_id="g",

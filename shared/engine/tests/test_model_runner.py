@@ -281,3 +281,29 @@ def test_cuda_backend_matches_transformers() -> None:
     runner = ModelRunner(model, cache)
     ref = reference_logits(model, ids)
     assert rel_err(runner.prefill(ids, [2, 0], chunk_size=33), ref[-1]) < 2e-2
+
+
+def test_a_prefix_landing_layer_by_layer_is_read_only_once_each_layer_is_there() -> None:
+    """`layer_ready(layer)` runs before each layer of the first chunk reads the cache:
+    here it is what copies that layer's prefix pages in (as a fetch landing while the
+    compute runs would), so a layer read before its call would read zeros. The logits
+    are those of a prefix copied in whole beforehand, and later chunks wait on nothing."""
+    model = tiny_random_model(3)
+    ids = prompt(model, 90)
+    ref = reference_logits(model, ids)
+    source = PagedKVCache(model.config, 16, BLOCK)
+    ModelRunner(model, source).prefill(ids[:64], [0, 1, 2, 3])
+    target = PagedKVCache(model.config, 32, BLOCK)
+    table = [9, 4, 30, 17, 2, 11]
+    called: list[int] = []
+
+    def ready(layer: int) -> None:
+        called.append(layer)
+        for src_page, dst_page in zip([0, 1, 2, 3], table, strict=False):
+            target.page_view(layer, dst_page).copy_(source.page_view(layer, src_page))
+
+    logits = ModelRunner(model, target).prefill(
+        ids, table, num_cached_tokens=64, chunk_size=16, layer_ready=ready
+    )
+    assert called == list(range(model.config.num_layers))  # the first chunk's layers only
+    assert rel_err(logits, ref[-1]) < TOL

@@ -32,6 +32,7 @@ import pytest
 
 from yb_conductor.cost_model import CostModel, DecodeCost, PrefillCost, TransferCost
 from yb_tools.cli import main as yb_main
+from yb_tools.sim.matrix import FOCUSED
 from yb_tools.sim.params import SimParams
 from yb_tools.sim.quality import needless_rejections
 from yb_tools.sim.runner import RunSpec, simulate
@@ -160,9 +161,11 @@ def test_the_command_line_writes_a_workload_and_the_matrix(
     argv = ["--matrix", "--limit", "10", "--trace-file", str(SYNTHETIC), "--json", str(out)]
     assert _cli([*argv, "--quiet"]) == 0
     doc = json.loads(out.read_text())
-    assert len(doc["settings"]) == 4 * 2 * 2 * 2
+    # Every combination, and the settings of their own (the ladder).
+    assert len(doc["settings"]) == 4 * 2 * 2 * 2 + len(FOCUSED)
     assert all(s["requests"] == 10 and len(s["policies"]) == 7 for s in doc["settings"])
-    assert f"mooncake wins {doc['wins']} of 32 settings." in capsys.readouterr().out
+    total = len(doc["settings"])
+    assert f"mooncake wins {doc['wins']} of {total} settings." in capsys.readouterr().out
     # Conductor settings reach every run, and are recorded; an unknown one is refused.
     settings = ["--set", "prefix_stickiness=0", "--set", "calibrated_admission=false"]
     assert _cli([*argv, "--quiet", *settings]) == 0
@@ -223,7 +226,8 @@ def test_the_command_line_runs_the_matrix_on_several_seeds_at_once(
     assert _cli([*argv, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["seeds"] == [0, 1] and [m["seed"] for m in doc["matrices"]] == [0, 1]
-    assert len(doc["spread"]) == 32 and doc["wins_by_seed"] == [m["wins"] for m in doc["matrices"]]
+    assert len(doc["spread"]) == 32 + len(FOCUSED)
+    assert doc["wins_by_seed"] == [m["wins"] for m in doc["matrices"]]
     captured = capsys.readouterr()
     assert "on every one of 2 seeds" in captured.out
     assert "seed 0: mooncake wins" in captured.err and "seed 1: mooncake wins" in captured.err

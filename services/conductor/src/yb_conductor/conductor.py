@@ -32,13 +32,15 @@ import msgspec
 from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.hotness import HotPrefixes
 from yb_conductor.policy import Policy, placement_policy
+from yb_conductor.prefill_placement import PrefillPlanner
 from yb_conductor.quality import DecisionQuality
+from yb_conductor.retention import Retention
 from yb_conductor.settings import from_event, with_overrides
 from yb_conductor.state import ClusterState, Outcome, PendingAdmission
 from yb_core import events as ev
 from yb_core.config import ConductorConfig
 
-Companion = ev.LoadPrediction | ev.ReplicationPlanned
+Companion = ev.LoadPrediction | ev.ReplicationPlanned | ev.RetentionPlanned
 Output = ev.Decision | Companion
 
 # Companions computed here and not yet seen in the log, at most (oldest dropped).
@@ -98,6 +100,7 @@ class Conductor:
         )
         self.policy = policy if policy is not None else placement_policy(cfg, _own(cfg, cost))
         self._announced_kv_bytes = 0
+        self._announced_layers = 0
         self.cfg = cfg
         self.follow_recorded = follow_recorded
         self.adopt_logged_config = adopt_logged_config
@@ -129,6 +132,7 @@ class Conductor:
         self.decided: dict[str, float] = {}
         self.quality = DecisionQuality()
         self.hot = HotPrefixes()
+        self.retention = Retention()
         # Completions not yet collected by the service's metrics (bounded).
         self.outcomes: list[Outcome] = []
 
@@ -150,7 +154,7 @@ class Conductor:
                 if self.follow_recorded:
                     self._recorded(seq, event)
                 return []
-            case ev.LoadPrediction() | ev.ReplicationPlanned():
+            case ev.LoadPrediction() | ev.ReplicationPlanned() | ev.RetentionPlanned():
                 if self.follow_recorded:
                     self._recorded_companion(seq, event)
                 return []
@@ -170,27 +174,34 @@ class Conductor:
                 return []
             case ev.InstanceUp(kv_spec=spec) if spec is not None:
                 self.state.apply(event)
-                self._price_kv(spec.bytes_per_token_layer * (event.num_layers or spec.num_layers))
+                layers = event.num_layers or spec.num_layers
+                self._price_kv(spec.bytes_per_token_layer * layers, layers)
                 return []
             case _:
                 self.state.apply(event)
                 return []
 
-    def _price_kv(self, bytes_per_token: int) -> None:
+    def _price_kv(self, bytes_per_token: int, layers: int) -> None:
         """Price KV transfers at what the engines announce one token's KV to be (a
         model with latent attention keeps a fraction of what per-head K/V would): the
-        cost model's figure is the profile's, which may be of another model."""
+        cost model's figure is the profile's, which may be of another model. A load
+        the prefill computes on as it lands overlaps layer by layer, over the model's
+        `layers`."""
         self._announced_kv_bytes = bytes_per_token
+        self._announced_layers = layers
         cost = getattr(self.policy, "cost", None)
         if cost is not None:
             cost.kv_bytes_per_token = bytes_per_token
+        planner = getattr(self.policy, "prefill", None)
+        if isinstance(planner, PrefillPlanner):
+            planner.overlap_layers = layers
 
     def configure(self, cfg: ConductorConfig, cost: CostModel | None = None) -> None:
         """Decide with these settings from now on (the state and its history stay)."""
         self.cfg = cfg
         self.policy = placement_policy(cfg, _own(cfg, cost))
         if self._announced_kv_bytes:  # what the engines said outlives a reconfiguration
-            self._price_kv(self._announced_kv_bytes)
+            self._price_kv(self._announced_kv_bytes, self._announced_layers)
         state = self.state
         state.heartbeat_timeout_s = cfg.heartbeat_timeout_s
         state.request_timeout_s = cfg.request_timeout_s
@@ -251,6 +262,9 @@ class Conductor:
         replica = self.hot.observe(self.cfg, state, event, decision)
         if replica is not None:
             extra.append(replica)
+        advice = self.retention.observe(self.cfg, state, event, decision)
+        if advice is not None:
+            extra.append(advice)
         companions = self.unrecorded_companions
         for out in extra:
             companions[ev.message_id_for(out)] = out

@@ -43,6 +43,28 @@ end is logged); it is judged at its prefill's end as above. The instance's repor
 are compared with the blocks of the requests committed there and of those whose
 prefill started (their pages are reserved and counted in what it uses).
 
+The projected peak (`kv_peak`): the budgets above count every request at its final
+length at once, and the requests decoding now as if they never ended. An instance
+that has no room by them is still taken when the pages it will hold fit: from when
+this request's pages are taken to its expected end, each request counted holds what
+it holds now (its prompt, and what it has generated at its expected pace since its
+decode started; `ClusterState.held_blocks_now`), grows at that pace (one page per
+`block_size` tokens) and frees everything at its expected end (`t_d`, or less by its
+`max_tokens`); one past its expected end holds what it has to the end of the window;
+this request holds its prompt from when its pages are reserved (with
+`reserved_at_start`, its prefill's start, whether it waits in a queue or not), then
+grows to its expected output from its prefill's end. The sum rises
+between ends and falls at each, so its peak is found in one sweep over the sorted
+ends. What the instance reports using beyond the projection of its committed
+requests (`kv_unprojected_blocks`) is added. Only an instance that fails the budget
+is projected, so the sweep runs only near full, and only for a request whose pages
+are taken after some request counted there is expected to end (a request waiting
+behind prefills): foreseeing those ends is what the budget lacks. A request whose
+pages are taken at once, or before anything ends, is judged by the budget, which
+keeps room for requests outliving their expected ends; judged by the projection in a
+decode pool kept full (8 prefill and 1 decode instances on `shared-prefix`), it
+admitted requests that ended others mid-stream and served fewer.
+
 Tensor parallelism: each instance's TBT is priced at the degree it announced
 (`CostModel.at_degree`). In a pool of one degree every idle instance still predicts
 the same; a pool that mixes degrees works out every instance.
@@ -56,7 +78,7 @@ from dataclasses import dataclass
 
 from yb_conductor.candidates import DECODE_PRUNE_ABOVE, still_busy
 from yb_conductor.cost_model import CostModel, DegreeCosts
-from yb_conductor.state import ClusterState, InstanceState
+from yb_conductor.state import ClusterState, InstanceState, Placement
 
 
 @dataclass(slots=True)
@@ -77,7 +99,8 @@ class DecodeEstimate:
 @dataclass(slots=True)
 class DecodeChoice:
     """Every decode instance's predicted batch and TBT (parallel lists), and the pick
-    (`chosen_index` is -1 when no instance has room)."""
+    (`chosen_index` is -1 when no instance has room). `fits`: room by the budgets, or
+    by the projected peak where that could change the pick (`kv_peak`)."""
 
     instances: list[InstanceState]
     fits: list[bool]
@@ -118,12 +141,14 @@ class DecodePlanner:
         full_scan: bool | None = None,
         calibrated_kv: bool = False,
         reserved_at_start: bool = False,
+        kv_peak: bool = False,
     ) -> None:
         self.cost = cost
         self.costs = DegreeCosts(cost)
         self.priority_order = priority_order
         self.calibrated_kv = calibrated_kv
         self.reserved_at_start = reserved_at_start
+        self.kv_peak = kv_peak
         self.full_scan = self.default_full_scan if full_scan is None else full_scan
 
     def choose(
@@ -156,12 +181,20 @@ class DecodePlanner:
         floor = priority if self.priority_order else -math.inf
         waits_behind = floor > state.priorities_placed()[0]
         calibrated = self.calibrated_kv
+        peak = self.kv_peak
         # With `reserved_at_start`, a request whose prefill starts now takes its pages
         # now: the room left is what every started prefill has reserved and every
         # queued one has not. A queued request is judged at its prefill's end, as
         # without the setting (see the module's docstring).
         at_start = self.reserved_at_start and start_time is not None and start_time <= state.now
         taken_by = start_time if at_start and start_time is not None else at_time
+        # The projected peak runs from when the instance reserves this request's
+        # pages: its prefill's start when the engines reserve there.
+        reserve_at = taken_by
+        if self.reserved_at_start and start_time is not None and start_time < taken_by:
+            reserve_at = start_time
+        # Only a request whose pages are taken later can find pages freed first.
+        projecting = peak and reserve_at > state.now
         n = len(decodes)
         fits = [True] * n
         batches = [1] * n
@@ -194,6 +227,13 @@ class DecodePlanner:
             cap = inst.kv_capacity_blocks
             held = inst.decode_kv_blocks
             batch, ctx = 1, context
+            # The requests whose pages count, for the projected peak: only where the
+            # budget may say no (leaving requests out only lowers it).
+            kept: list[Placement] | None = None
+            if projecting and cap:
+                over = inst.kv_overcount_blocks if calibrated else 0.0
+                if held - (over if over > 0.0 else 0.0) + need_blocks > cap:
+                    kept = []
             for rid in inst.assigned:
                 p = placements.get(rid)
                 if p is None:
@@ -207,6 +247,8 @@ class DecodePlanner:
                     and (p.prefill_end - p.prefill_s if at_start else p.prefill_end) > taken_by
                 ):
                     held -= p.kv_blocks  # its pages are taken after this one's
+                elif kept is not None:
+                    kept.append(p)
                 start = p.decode_started or p.prefill_end
                 duration = p.duration_cap if p.duration_cap < t_d else t_d
                 if start <= at_time < start + duration:
@@ -218,9 +260,22 @@ class DecodePlanner:
             taken: float = held
             if calibrated and inst.kv_overcount_blocks > 0.0:
                 taken = max(0.0, held - inst.kv_overcount_blocks)
-            if cap and taken + need_blocks > cap:
+            room = not cap or taken + need_blocks <= cap
+            better = tbt < chosen_tbt or (
+                tbt == chosen_tbt and inst.decode_requests < chosen_requests
+            )
+            # Projected only where it can change the pick: an instance that would not
+            # be chosen with room keeps the budget's verdict.
+            if not room and better and kept is not None:
+                own_s = max_tokens * tbt if max_tokens and max_tokens * tbt < t_d else t_d
+                room = self._peak_fits(
+                    state, inst, kept, start=reserve_at, decode_from=at_time,
+                    prompt_tokens=prompt_tokens, need_blocks=need_blocks, duration=own_s,
+                    block_size=block_size, cap=cap,
+                )  # fmt: skip
+            if not room:
                 fits[i] = False
-            elif tbt < chosen_tbt or (tbt == chosen_tbt and inst.decode_requests < chosen_requests):
+            elif better:
                 chosen_tbt, chosen_requests = tbt, inst.decode_requests
                 chosen = i
         if first_idle >= 0 and (
@@ -232,6 +287,80 @@ class DecodePlanner:
         ):
             chosen = first_idle
         return DecodeChoice(decodes, fits, batches, tbts, chosen, at_time, context, evaluated, idle)
+
+    @staticmethod
+    def _peak_fits(
+        state: ClusterState,
+        inst: InstanceState,
+        kept: list[Placement],
+        *,
+        start: float,
+        decode_from: float,
+        prompt_tokens: int,
+        need_blocks: int,
+        duration: float,
+        block_size: int,
+        cap: int,
+    ) -> bool:
+        """Whether the pages `inst` is projected to hold, from `start` (when this
+        request's pages are taken) to its expected end (`decode_from + duration`),
+        stay within `cap` with this request added (see the module's docstring)."""
+        now = state.now
+        t_d = state.learned.decode_time_s
+        bs = max(1, block_size)
+        horizon = decode_from + duration
+        # Pages held at `start`, and how fast the sum grows there (pages per second).
+        # A request grows from the pages it holds to its budget's (its prompt and
+        # expected output), evenly until its expected end.
+        prompt_blocks = -(-prompt_tokens // bs)
+        level = float(prompt_blocks)
+        if inst.kv_unprojected_blocks > 0.0:
+            level += inst.kv_unprojected_blocks
+        rate = (need_blocks - prompt_blocks) / duration if duration > 0.0 else 0.0
+        slope = rate if decode_from <= start else 0.0
+        # (time, kind: 0 starts growing / 1 ends, pages at the end, pages/s, grows from)
+        events: list[tuple[float, int, float, float, float]] = []
+        frees = False
+        if decode_from > start:
+            events.append((decode_from, 0, 0.0, rate, decode_from))
+        for p in kept:
+            pages = state.held_blocks_now(p, inst, t_d)
+            begin = p.decode_started or p.prefill_end
+            took = p.duration_cap if p.duration_cap < t_d else t_d
+            end = begin + took
+            if end <= now:
+                if p.decode_started:  # past its expected end: holds what it has
+                    level += pages
+                    continue
+                begin, end = now, now + took  # its prefill runs late
+            if end <= start:
+                frees = True
+                continue  # it frees its pages before this request takes its own
+            grows_from = begin if begin > now else now
+            grow = (p.kv_blocks - pages) / (end - grows_from) if p.kv_blocks > pages else 0.0
+            if grows_from <= start:
+                level += pages + grow * (start - grows_from)
+                slope += grow
+            else:
+                level += pages
+                events.append((grows_from, 0, 0.0, grow, grows_from))
+            if end < horizon:
+                events.append((end, 1, float(pages), grow, grows_from))
+        if level > cap or not frees:
+            return False
+        t = start
+        for at, kind, held, grow, grows_from in sorted(events):
+            level += slope * (at - t)
+            t = at
+            if not kind:
+                slope += grow
+                continue
+            if level > cap:
+                return False
+            level -= held + grow * (at - grows_from if at > grows_from else 0.0)
+            if grows_from < at:
+                slope -= grow
+        return level + slope * (horizon - t) <= cap
 
     @staticmethod
     def table(state: ClusterState, choice: DecodeChoice, top_k: int) -> list[int]:

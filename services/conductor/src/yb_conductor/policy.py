@@ -82,12 +82,14 @@ class MooncakePolicy:
             stickiness=cfg.prefix_stickiness,
             eviction_regret=cfg.eviction_regret,
             pending_prefixes=cfg.pending_prefixes,
+            load_overlap=cfg.prefix_load_overlap,
         )
         self.decode = DecodePlanner(
             self.cost,
             priority_order=priority_order,
             calibrated_kv=cfg.calibrated_admission,
             reserved_at_start=cfg.kv_reserved_at_start,
+            kv_peak=cfg.decode_kv_peak,
         )
         self.admission = AdmissionPolicy(
             cfg.admission,

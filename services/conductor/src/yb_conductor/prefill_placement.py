@@ -355,6 +355,7 @@ class PrefillPlanner:
         stickiness: float = 0.0,
         eviction_regret: bool = False,
         pending_prefixes: bool = False,
+        load_overlap: bool = False,
     ) -> None:
         self.cost = cost
         self.costs = DegreeCosts(cost)
@@ -367,6 +368,11 @@ class PrefillPlanner:
         # (`eviction_regret`), rather than each one its recompute.
         self.eviction_regret = eviction_regret
         self.pending_prefixes = pending_prefixes
+        # Whether a one-process prefill computes on a prefix as it lands
+        # (`prefix_load_overlap`), and over how many layers: what the engines
+        # announce (`KVCacheSpec.num_layers`); 1 until then, which prices no overlap.
+        self.load_overlap = load_overlap
+        self.overlap_layers = 1
         # Evaluate every instance (the reference the pruned evaluation must equal).
         self.full_scan = self.default_full_scan if full_scan is None else full_scan
         # How many of the fastest idle non-holders a decision evaluates: the
@@ -765,13 +771,15 @@ class PrefillPlanner:
             local_load += self.load_s(cost, local, local.blocks - engine_blocks, bs, remote=False)
         recompute = Estimate(RECOMPUTE, local_blocks, 0, 0.0, prefill_s(0))
         local_est: Estimate | None = None
+        overlaps = self.load_overlap and cost.tensor_parallel.degree <= 1
         if local_blocks > 0:
+            compute_s = prefill_s(local_blocks)
             local_est = Estimate(
                 LOCAL,
                 local_blocks,
                 local_blocks,
-                local_load,
-                prefill_s(local_blocks),
+                self._exposed(local_load, compute_s) if overlaps else local_load,
+                compute_s,
                 local=local,
                 engine=engine,
             )
@@ -784,17 +792,29 @@ class PrefillPlanner:
             and (local_blocks == 0 or best.blocks / local_blocks > self.threshold)
         ):
             remote_load = self.load_s(cost, best, best.blocks - local_blocks, bs, remote=True)
+            compute_s = prefill_s(best.blocks)
+            load = local_load + remote_load
             transfer_est = Estimate(
                 TRANSFER,
                 local_blocks,
                 best.blocks,
-                local_load + remote_load,
-                prefill_s(best.blocks),
+                self._exposed(load, compute_s) if overlaps else load,
+                compute_s,
                 local=local,
                 engine=engine,
                 remote=best,
             )
         return self._fastest(recompute, local_est, transfer_est)
+
+    def _exposed(self, load_s: float, compute_s: float) -> float:
+        """What a prefix load adds to the compute when the compute runs on it as it
+        lands, layer by layer: the whole takes the longer of the two plus one layer's
+        share of the shorter (the first layer's load, or the last layer's compute)."""
+        if load_s <= 0.0:
+            return 0.0
+        layers = max(1, self.overlap_layers)
+        whole = max(load_s, compute_s) + min(load_s, compute_s) / layers
+        return whole - compute_s
 
     def _fastest(
         self, recompute: Estimate, local: Estimate | None, transfer: Estimate | None

@@ -30,9 +30,12 @@ _ABSENT_MEANS: dict[str, Any] = {
     "explain_decode_top_k": 0,
     "admit_unqueued_overrun": False,
     "kv_reserved_at_start": False,
+    "prefix_load_overlap": False,
     "learn_from_cut_short": True,
     "pending_prefixes": False,
     "decode_now_floor": False,
+    "retention": False,
+    "decode_kv_peak": False,
 }
 
 

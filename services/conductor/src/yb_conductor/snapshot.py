@@ -26,6 +26,7 @@ from yb_conductor.conductor import Conductor
 from yb_conductor.cost_model import CostModel
 from yb_conductor.hotness import HotPrefixes
 from yb_conductor.quality import DecisionQuality
+from yb_conductor.retention import Retention
 from yb_conductor.settings import recorded_settings
 from yb_conductor.speed import InstanceSpeed, SharedSpeed
 from yb_conductor.state import (
@@ -66,8 +67,8 @@ class Snapshot(msgspec.Struct, kw_only=True):
     decided: list[tuple[str, float]]
     quality: DecisionQuality
     hot: HotPrefixes = msgspec.field(default_factory=HotPrefixes)
-    companions: list[ev.LoadPrediction | ev.ReplicationPlanned] = msgspec.field(
-        default_factory=list
+    companions: list[ev.LoadPrediction | ev.ReplicationPlanned | ev.RetentionPlanned] = (
+        msgspec.field(default_factory=list)
     )
     admission_info: dict[str, PendingAdmission] = msgspec.field(default_factory=dict)
     declared_dead: dict[str, str] = msgspec.field(default_factory=dict)
@@ -80,6 +81,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     evicted_unheld: list[int] = msgspec.field(default_factory=list)
     evicted_blocks: int = 0
     evicted_wanted: int = 0
+    retention: Retention = msgspec.field(default_factory=Retention)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -122,6 +124,7 @@ def take(c: Conductor) -> Snapshot:
         evicted_unheld=list(s.evicted_unheld),
         evicted_blocks=s.evicted_blocks,
         evicted_wanted=s.evicted_wanted,
+        retention=c.retention,
     )
     # Round-trip through bytes: the snapshot must not alias the live state.
     return _decoder.decode(_encoder.encode(snap))
@@ -179,6 +182,7 @@ def restore(snap: Snapshot, *, follow_recorded: bool = True) -> Conductor:
     c.decided = dict(snap.decided)
     c.quality = snap.quality
     c.hot = snap.hot
+    c.retention = snap.retention
     c.unrecorded_companions = {ev.message_id_for(o): o for o in snap.companions}
     c.admission_info = dict(snap.admission_info)
     return c

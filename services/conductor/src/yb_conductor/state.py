@@ -108,6 +108,10 @@ class InstanceState(msgspec.Struct, kw_only=True):
     # here than the instance reports using (its own page accounting), a moving
     # average over its load reports (`KV_CALIBRATION_ALPHA`).
     kv_overcount_blocks: float = 0.0
+    # Decode: how many blocks more the instance reports using than the pages its
+    # committed requests are projected to hold now (`held_blocks_now`), a moving
+    # average over its load reports (`decode_kv_peak`; may be negative).
+    kv_unprojected_blocks: float = 0.0
     # Prefill: a stage of a prefill group (`InstanceUp.group`), its layers and the
     # group's chunk size.
     group: str = ""
@@ -150,6 +154,9 @@ class Placement(msgspec.Struct, kw_only=True):
     prefill_end: float = 0.0
     context_tokens: int = 0
     kv_blocks: int = 0
+    # The tokens of the request's pages (its admission's block size; 0 in a snapshot
+    # from before the field: the decode instance's).
+    block_size: int = 0
     est_ttft_s: float = 0.0
     est_tbt_s: float = 0.0
     # Its decode cannot last longer than max_tokens at the estimated TBT.
@@ -488,6 +495,7 @@ class ClusterState:
             prefill_end=start + prefill_s,
             context_tokens=context,
             kv_blocks=-(-(decision.prompt_tokens + out) // block_size),
+            block_size=block_size,
             est_ttft_s=est.ttft_s,
             est_tbt_s=est.tbt_s,
             duration_cap=max_tokens * est.tbt_s if max_tokens and est.tbt_s else math.inf,
@@ -672,20 +680,44 @@ class ClusterState:
                 self.resync_wanted[inst.instance_id] = None
 
     def _learn_kv_overcount(self, inst: InstanceState, used_blocks: int) -> None:
-        """Compare the blocks accounted for the requests committed on a decode
-        instance with what it reports using."""
+        """Compare what the conductor counts for the requests committed on a decode
+        instance, their budgets and the pages they are projected to hold now, with
+        what it reports using."""
         placements = self.placements
-        committed = 0
+        committed = projected = 0
         at_start = self.kv_reserved_at_start
+        t_d = self.learned.decode_time_s
         for rid in inst.assigned:
             p = placements.get(rid)
             if p is not None and (p.decode_started or (at_start and p.reserved)):
                 committed += p.kv_blocks
+                projected += self.held_blocks_now(p, inst, t_d)
         if not committed:
             return  # nothing to compare: an idle instance teaches nothing
         inst.kv_overcount_blocks += KV_CALIBRATION_ALPHA * (
             committed - used_blocks - inst.kv_overcount_blocks
         )
+        inst.kv_unprojected_blocks += KV_CALIBRATION_ALPHA * (
+            used_blocks - projected - inst.kv_unprojected_blocks
+        )
+
+    def held_blocks_now(self, p: Placement, inst: InstanceState, t_d: float) -> int:
+        """The pages a request holds on its decode instance now, as the engine holds
+        them (`decode_kv_peak`): its prompt's, and once it decodes, one more per
+        `block_size` tokens generated, at its expected pace (its expected output over
+        its expected decode time, `t_d` or less by its `max_tokens`), up to its
+        `max_tokens`. Whether its pages are taken yet is the caller's to judge."""
+        bs = p.block_size or inst.block_size or 1
+        tokens = p.prompt_tokens
+        if p.decode_started:
+            out = 2 * (p.context_tokens - p.prompt_tokens)  # its expected output
+            duration = p.duration_cap if p.duration_cap < t_d else t_d
+            if duration > 0.0 and self.now > p.decode_started:
+                generated = int(out * (self.now - p.decode_started) / duration)
+                if p.max_tokens and generated > p.max_tokens:
+                    generated = p.max_tokens
+                tokens += generated
+        return -(-tokens // bs)
 
     def _instance_down(self, event: ev.InstanceDown) -> None:
         # The log says it now: a standby must not say it again when it takes over.

@@ -2,13 +2,17 @@
 
 A policy only orders keys; the tier asks it for candidates and skips the ones it may
 not evict (pinned by a transfer, being written). `eviction_policy` maps the configured
-name (`kvstore.eviction_policy`) to a fresh instance; each tier gets its own.
+name (`kvstore.eviction_policy`) to a fresh instance; each tier gets its own. With
+`retention=True` it is a `RetentionPolicy` in that order: the same order until the
+conductor's retention advice comes, then the advice first.
 """
 
 from __future__ import annotations
 
+import heapq
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 
@@ -60,10 +64,140 @@ EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
 }
 
 
-def eviction_policy(name: str) -> EvictionPolicy:
-    """A fresh policy by name; ValueError for an unknown one."""
-    try:
-        return EVICTION_POLICIES[name]()
-    except KeyError:
+def eviction_policy(name: str, *, retention: bool = False) -> EvictionPolicy:
+    """A fresh policy by name (a `RetentionPolicy` in its order with `retention`);
+    ValueError for an unknown one."""
+    if name not in EVICTION_POLICIES:
         known = sorted(EVICTION_POLICIES)
-        raise ValueError(f"unknown eviction policy {name!r} (known: {known})") from None
+        raise ValueError(f"unknown eviction policy {name!r} (known: {known})")
+    if retention:
+        return RetentionPolicy(fifo=name == "fifo")
+    return EVICTION_POLICIES[name]()
+
+
+class RetentionPolicy:
+    """LRU that takes the conductor's retention advice (`RetentionPlanned`).
+
+    Victims come in this order: blocks advised `drop` (least recently used first),
+    then those advised `demote`, then every other block by recency, where a block
+    predicted to be reused every `g` seconds counts as `g` seconds older than it is.
+    A block without advice keeps its own age, so with no advice at all this is LRU
+    (`fifo`: FIFO, a read does not rejuvenate a block). A read clears a `drop` or
+    `demote` mark: the block was reused after all. Advice for a key the tier does not
+    hold waits for it (the request's blocks arrive after the decision), at most
+    `pending_limit` keys, the oldest forgotten first.
+
+    The clock is `clock` (seconds); tests pass one they move by hand.
+    """
+
+    def __init__(
+        self,
+        *,
+        fifo: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        pending_limit: int = 65536,
+    ) -> None:
+        self._fifo = fifo
+        self._clock = clock
+        self._pending_limit = pending_limit
+        self._last: dict[int, float] = {}
+        self._intervals: dict[int, float] = {}
+        self._marked: dict[str, OrderedDict[int, None]] = {
+            "drop": OrderedDict(),
+            "demote": OrderedDict(),
+        }
+        self._pending: OrderedDict[int, tuple[str, float]] = OrderedDict()
+        # (last use - interval, push order, key); entries that no longer match skipped.
+        self._heap: list[tuple[float, int, int]] = []
+        self._pushed = 0
+
+    def advise(
+        self,
+        *,
+        reuse: Sequence[int] = (),
+        reuse_s: Sequence[float] = (),
+        demote: Sequence[int] = (),
+        drop: Sequence[int] = (),
+    ) -> None:
+        """Take advice: `reuse[i]` is predicted to be used every `reuse_s[i]` seconds;
+        `demote` and `drop` leave first (drop before demote)."""
+        advice = [
+            *((key, "reuse", s) for key, s in zip(reuse, reuse_s, strict=False)),
+            *((key, "demote", 0.0) for key in demote),
+            *((key, "drop", 0.0) for key in drop),
+        ]
+        for key, kind, interval in advice:
+            if key in self._last:
+                self._apply(key, kind, interval)
+            else:
+                self._pending.pop(key, None)
+                self._pending[key] = (kind, interval)
+        while len(self._pending) > self._pending_limit:
+            self._pending.popitem(last=False)
+
+    def marked(self, key: int) -> str | None:
+        """`drop` or `demote` if the block is advised to leave first, else None."""
+        for kind, keys in self._marked.items():
+            if key in keys:
+                return kind
+        return None
+
+    def touch(self, key: int) -> None:
+        """`key` was stored or read now."""
+        known = key in self._last
+        if known and self._fifo:
+            return
+        for keys in self._marked.values():
+            keys.pop(key, None)
+        self._last[key] = self._clock()
+        if not known and key in self._pending:
+            kind, interval = self._pending.pop(key)
+            self._apply(key, kind, interval)
+        else:
+            self._rank(key)
+
+    def forget(self, key: int) -> None:
+        """`key` left the tier."""
+        self._last.pop(key, None)
+        self._intervals.pop(key, None)
+        for keys in self._marked.values():
+            keys.pop(key, None)
+
+    def victims(self) -> Iterator[int]:
+        """Drop-advised, then demote-advised, then by recency less the interval."""
+        for kind in ("drop", "demote"):
+            yield from list(self._marked[kind])
+        if len(self._heap) > 2 * len(self._last) + 64:
+            self._compact()
+        heap = list(self._heap)
+        seen: set[int] = set()  # a key re-ranked at the same rank has two entries
+        while heap:
+            rank, _, key = heapq.heappop(heap)
+            if self._current(key) == rank and key not in seen and self.marked(key) is None:
+                seen.add(key)
+                yield key
+
+    def _apply(self, key: int, kind: str, interval: float) -> None:
+        for keys in self._marked.values():
+            keys.pop(key, None)
+        if kind == "reuse":
+            self._intervals[key] = interval
+        else:
+            self._intervals.pop(key, None)
+            self._marked[kind][key] = None
+        self._rank(key)
+
+    def _current(self, key: int) -> float | None:
+        last = self._last.get(key)
+        return None if last is None else last - self._intervals.get(key, 0.0)
+
+    def _rank(self, key: int) -> None:
+        rank = self._current(key)
+        if rank is None:
+            return
+        self._pushed += 1
+        heapq.heappush(self._heap, (rank, self._pushed, key))
+
+    def _compact(self) -> None:
+        self._heap = [e for e in self._heap if self._current(e[2]) == e[0]]
+        heapq.heapify(self._heap)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -79,9 +80,10 @@ def _tiers(kcfg: KVStoreConfig, io: ThreadPoolExecutor) -> tuple[DramSlab, SsdTi
             Path(kcfg.ssd_dir).expanduser(),
             kcfg.ssd_blocks,
             io,
-            eviction_policy(kcfg.eviction_policy),
+            eviction_policy(kcfg.eviction_policy, retention=kcfg.retention_advice),
         )
-    return DramSlab(kcfg.dram_blocks, eviction_policy(kcfg.eviction_policy)), ssd
+    dram_policy = eviction_policy(kcfg.eviction_policy, retention=kcfg.retention_advice)
+    return DramSlab(kcfg.dram_blocks, dram_policy), ssd
 
 
 class StoreMetrics:
@@ -114,6 +116,11 @@ class StoreMetrics:
             "yb_kvstore_replicated_blocks_total",
             "Blocks of hot prefixes copied here on the conductor's plan, by outcome",
             ["outcome"],
+            registry=registry,
+        )
+        self.advised = Counter(
+            "yb_kvstore_retention_advice_total",
+            "Retention advice (RetentionPlanned) from the conductor taken by this store",
             registry=registry,
         )
         for tier in ("dram", "ssd"):
@@ -202,6 +209,10 @@ class KVStoreWorker(Worker):
             f"yb.ev.decision.replication.{ev.subject_token(self.instance_id)}", new_only=True
         )
         self._tasks.spawn("replication", self._follow_plans(plans))
+        advice = await self._bus.read_ordered(
+            f"yb.ev.decision.retention.{ev.subject_token(self.instance_id)}", new_only=True
+        )
+        self._tasks.spawn("retention", self._follow_advice(advice))
         self._tasks.spawn("block-events", self.publisher.run_publisher())
         self._tasks.spawn("resyncs", self.publisher.run_resyncs())
         ssd = self.store.ssd
@@ -238,6 +249,18 @@ class KVStoreWorker(Worker):
                         await self.replicator.carry_out(item.event)
                     except Exception as exc:  # an optimisation must not stop the store
                         log.exception("replication_error", error=repr(exc))
+        finally:
+            with contextlib.suppress(Exception):
+                await reader.close()
+
+    async def _follow_advice(self, reader: EventReader) -> None:
+        """Take the conductor's retention advice for this store as it comes: it orders
+        what the tiers evict when they must make room (`BlockStore.advise`)."""
+        try:
+            async for item in reader:
+                if isinstance(item.event, ev.RetentionPlanned):
+                    self.store.advise(item.event)
+                    self.metrics.advised.inc()
         finally:
             with contextlib.suppress(Exception):
                 await reader.close()
@@ -354,30 +377,42 @@ class KVStoreWorker(Worker):
         """The (reservation index, piece) pairs of chunks `wanted` of blocks `keys`
         (the fetch's blocks `first`, `first + 1`, ...; each cut into `layers`, each
         chunk into `pieces`), with their stored checksums when every block has them in
-        this layout (put in as many pieces; else None: the sender hashes)."""
-        items: list[tuple[int, BufferLike]] = []
-        checksums: list[int] | None = []
+        this layout (put in as many pieces; else None: the sender hashes).
+
+        Layer-major: every block's first wanted layer, then the next layer's. They land
+        in that order, so an engine that computes on a prefix as it arrives
+        (`yb_dataplane.prefix_fetch.LayerArrivals`) starts its first layer after one
+        layer's share of the bytes, not after the whole prefix."""
         width = len(wanted)
         cuts = layers * pieces
+        chunks: list[tuple[int, int, np.ndarray, int]] = []  # (i, key, block, chunk bytes)
         for i, (key, block) in enumerate(zip(keys, slots, strict=True), start=first):
             if block.nbytes % cuts:
                 raise ReservationRefused(
                     f"block {key:x} does not split into {layers} layers of {pieces} pieces"
                 )
-            n = block.nbytes // cuts
-            items += [
-                (
-                    (i * width + layer - wanted.start) * pieces + j,
-                    block[(layer * pieces + j) * n : (layer * pieces + j + 1) * n],
-                )
-                for layer in wanted
-                for j in range(pieces)
-            ]
+            chunks.append((i, key, block, block.nbytes // cuts))
+        items: list[tuple[int, BufferLike]] = []
+        stored: list[Sequence[int]] | None = []
+        for _, key, _, _ in chunks:
             meta = self.store.meta(key)
-            if checksums is not None and meta is not None and len(meta.checksums) == cuts:
-                checksums += meta.checksums[wanted.start * pieces : wanted.stop * pieces]
+            if stored is not None and meta is not None and len(meta.checksums) == cuts:
+                stored.append(meta.checksums)
             else:
-                checksums = None
+                stored = None
+        checksums: list[int] | None = None if stored is None else []
+        for layer in wanted:
+            for b, (i, _, block, n) in enumerate(chunks):
+                for j in range(pieces):
+                    at = layer * pieces + j
+                    items.append(
+                        (
+                            (i * width + layer - wanted.start) * pieces + j,
+                            block[at * n : (at + 1) * n],
+                        )
+                    )
+                    if checksums is not None and stored is not None:
+                        checksums.append(stored[b][at])
         return items, checksums
 
     # --- load -----------------------------------------------------------------------

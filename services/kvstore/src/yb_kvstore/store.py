@@ -14,6 +14,12 @@ the slot of the least recently used block at once: its bytes are copied aside an
 written from the copy, and reads of it are served from the copy until the file is
 complete.
 
+The conductor's retention advice (`RetentionPlanned`, `advise`) orders both tiers
+where their policies take it (`eviction.RetentionPolicy`): blocks advised `drop` leave
+first and are dropped, never written to SSD; blocks advised `demote` leave DRAM next;
+the rest by recency, a block predicted to be reused every `g` seconds counting as `g`
+seconds older. Nothing is evicted on the advice alone.
+
 Every change of what the pool holds is announced as it happens, in order:
 `BlockStored` (a committed put), `BlockMoved` (DRAM <-> SSD), `BlockEvicted`
 (dropped), `BlocksCleared` (a new life). `announced` is exactly what those events
@@ -34,6 +40,7 @@ import numpy as np
 from yb_core import events as ev
 from yb_core.block_events import AnyBlockEvent, BlockLog
 from yb_core.telemetry import get_logger
+from yb_kvstore.eviction import RetentionPolicy
 from yb_kvstore.slab import DramSlab, SlabFull
 from yb_kvstore.ssd import BlockCorrupt, SsdFull, SsdTier
 
@@ -150,6 +157,19 @@ class BlockStore:
             return "ssd"
         return None
 
+    def advise(self, plan: ev.RetentionPlanned) -> None:
+        """Take the conductor's retention advice into the tiers whose policy takes it."""
+        for tier in (self.dram, self.ssd):
+            policy = tier.policy if tier is not None else None
+            if isinstance(policy, RetentionPolicy):
+                policy.advise(
+                    reuse=plan.reuse, reuse_s=plan.reuse_s, demote=plan.demote, drop=plan.drop
+                )
+
+    def _drop_advised(self, key: int) -> bool:
+        policy = self.dram.policy
+        return isinstance(policy, RetentionPolicy) and policy.marked(key) == "drop"
+
     def meta(self, key: int) -> BlockMeta | None:
         """The block's layer checksums, if held."""
         return self._meta.get(key)
@@ -219,7 +239,7 @@ class BlockStore:
     def _move_down_now(self, key: int) -> None:
         """Free `key`'s slot at once: to SSD through a copy, or dropped without SSD."""
         meta = self._meta.get(key)
-        if self.ssd is not None and meta is not None:
+        if self.ssd is not None and meta is not None and not self._drop_advised(key):
             data = self.dram.view(key).copy()
             try:
                 dropped = self.ssd.admit(key, data.nbytes, meta.checksums, staging=data)
@@ -253,6 +273,11 @@ class BlockStore:
             meta = self._meta.get(victim) if victim is not None else None
             if victim is None or meta is None:
                 return
+            if self._drop_advised(victim):
+                # No reuse is predicted: its slot is freed at once, no file written.
+                self.dram.discard(victim)
+                self._announce_dropped([victim])
+                continue
             try:
                 dropped = self.ssd.admit(victim, self.dram.block_nbytes, meta.checksums)
             except SsdFull:

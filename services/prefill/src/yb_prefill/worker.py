@@ -55,12 +55,13 @@ from yb_core.telemetry import (
     wall_time_ns,
 )
 from yb_dataplane.block_upload import BlockUploader, blocks_to_store, full_blocks
+from yb_dataplane.prefix_fetch import PrefixLoadFailed
 from yb_dataplane.transport import PeerAddress, TransferError
 from yb_dataplane.worker import Capacity, Worker, WorkerContext
 from yb_engine.choice_sampling import Sampled, sample_first_tokens
 from yb_engine.host import EngineGauges, EngineHost
 from yb_engine.kv_cache import OutOfPages
-from yb_engine.runner import PrefillSeq, RowLogits
+from yb_engine.runner import LayerReady, PrefillSeq, RowLogits
 from yb_engine.tensor_parallel import transfer_cuts
 from yb_prefill.batching import ComputeBatch, Outcome, take_group
 from yb_prefill.decode_link import DecodeLink
@@ -491,9 +492,22 @@ class PrefillWorker(JobOwner, Worker):
             raise
         t_loaded = time.monotonic()
         cached_tokens = prefix.reused_blocks * self.engine.cache.block_size
-        computed = await self._compute_and_stream(
-            job, reserving, prefix, cached_tokens, transfer_deadline, span, left_engine
-        )
+        try:
+            computed = await self._compute_and_stream(
+                job, reserving, prefix, cached_tokens, transfer_deadline, span, left_engine
+            )
+        except PrefixLoadFailed as exc:
+            # Computed on while it landed, and it did not land: the job cannot stand.
+            self.metrics.fetch_failures.inc()
+            self._log_event(
+                ev.TransferFailed(
+                    request_id=job.request_id,
+                    source_instance=",".join(sorted({r.source for r in prefix.runs})),
+                    target_instance=self.instance_id,
+                    reason=str(exc),
+                )
+            )
+            raise pr.JobFailed(f"prefix load failed mid-way: {exc}") from exc
         if not computed.handed_over:
             with child_span(_tracer, "prefill hand-over"):
                 await self._hand_over(job, computed.first, cached_tokens, transfer_deadline)
@@ -564,9 +578,20 @@ class PrefillWorker(JobOwner, Worker):
                 job.block_hashes,
                 plans,
                 min(deadline_s, self.pcfg.fetch_timeout_s),
+                overlap=self._overlaps(job),
             )
         except OutOfPages as exc:
             raise pr.JobFailed(f"prefill instance out of KV pages: {exc}") from exc
+
+    def _overlaps(self, job: pr.PrefillJob) -> bool:
+        """Whether the job computes on its prefix while it lands (`overlap_prefix_load`):
+        not in a batch (its chunk is other jobs' too), not on a tensor-parallel
+        instance (the other ranks would read their pages unguarded)."""
+        return (
+            self.pcfg.overlap_prefix_load
+            and self.engine.tensor_parallel == 1
+            and id(job) not in self._batch_of
+        )
 
     def _drop_reuse(self, job: pr.PrefillJob, plans: list[ev.ReusePlan]) -> list[ev.ReusePlan]:
         """No reuse for a job that asks for its prompt's logprobs: a reused prefix has
@@ -621,8 +646,10 @@ class PrefillWorker(JobOwner, Worker):
         decode_id = job.decision.decode_instance
         streamer: LayerStreamer | None = None
         handed_over = False
+        overlapped = prefix.fetching is not None
         try:
-            await self._account_prefix(job, prefix, span)
+            if not overlapped:
+                await self._account_prefix(job, prefix, span)
             streamer = self._start_streaming(job, prefix, cached_tokens, deadline_s)
             # Its pages go out once the connection to the decode instance is known to
             # carry data: streams to one instance share one UCX connection, which a
@@ -634,8 +661,9 @@ class PrefillWorker(JobOwner, Worker):
             # group computed together would otherwise go out one round trip apart.
             before = self._stream_before(decode_id, self._batch_of.get(id(job)), streamer)
             try:
+                ready = prefix.arrivals.wait_layer if prefix.arrivals is not None else None
                 computing = asyncio.ensure_future(
-                    self._compute_traced(job, prefix.block_table, cached_tokens, streamer)
+                    self._compute_traced(job, prefix.block_table, cached_tokens, streamer, ready)
                 )
                 computing.add_done_callback(lambda _: _resolve(left_engine))
                 try:
@@ -650,6 +678,9 @@ class PrefillWorker(JobOwner, Worker):
                         hand_over=handed_over,
                     )
                     first = await computing
+                    if overlapped:
+                        await self.loader.landed(prefix)
+                        await self._account_prefix(job, prefix, span)
                 except BaseException:
                     computing.cancel()
                     await asyncio.gather(computing, return_exceptions=True)
@@ -696,7 +727,9 @@ class PrefillWorker(JobOwner, Worker):
         self, job: pr.PrefillJob, prefix: Prefix, cached_tokens: int, deadline_s: float
     ) -> LayerStreamer:
         """A streamer into the decode reservation (directed there once it is known),
-        sending the loaded prefix first."""
+        sending the loaded prefix first. A prefix still landing goes out a layer at a
+        time, with the layer's computed pages (it has landed by then)."""
+        loaded = prefix.engine_blocks if prefix.fetching is not None else prefix.reused_blocks
         streamer = LayerStreamer(
             asyncio.get_running_loop(),
             self.sender,
@@ -705,7 +738,7 @@ class PrefillWorker(JobOwner, Worker):
             self.engine.cache,
             prefix.block_table,
             len(job.token_ids),
-            cached_tokens,
+            loaded * self.engine.cache.block_size,
             deadline_s,
             cuts=self._cuts_to(job.decision.decode_instance),
             # The test failpoint `prefill.commit` holds a job between its last send
@@ -713,7 +746,7 @@ class PrefillWorker(JobOwner, Worker):
             commit_last=self.failpoints.count("prefill.commit") is None,
         )
         streamer.start()
-        streamer.queue_prefix(prefix.reused_blocks)
+        streamer.queue_prefix(loaded)
         return streamer
 
     async def _hand_over(
@@ -771,9 +804,11 @@ class PrefillWorker(JobOwner, Worker):
         """After a prefill: cache its full blocks, upload the new ones, free the rest."""
         cache = self.cache
         if not computed:
-            # The pages hold garbage or half a prompt: give them back, but only once the
-            # engine thread is done with them (a cancelled call may still be running;
-            # the engine runs its calls in order).
+            # The pages hold garbage or half a prompt: give them back, but only once no
+            # fetch lands in them any more and the engine thread is done with them (a
+            # cancelled call may still be running, or waiting on a layer that will
+            # not land; the engine runs its calls in order).
+            await self.loader.settle(prefix, "the job ended before its prefix landed")
             try:
                 await self.engine.call(_engine_barrier)
             except RuntimeError:
@@ -818,7 +853,12 @@ class PrefillWorker(JobOwner, Worker):
     # --- the engine thread ----------------------------------------------------------
 
     async def _compute_traced(
-        self, job: pr.PrefillJob, pages: list[int], cached: int, streamer: LayerStreamer
+        self,
+        job: pr.PrefillJob,
+        pages: list[int],
+        cached: int,
+        streamer: LayerStreamer,
+        ready: LayerReady | None = None,
     ) -> list[Sampled]:
         """`_compute_with_holds` in the `prefill compute` span."""
         with child_span(_tracer, "prefill compute") as computing:
@@ -829,14 +869,20 @@ class PrefillWorker(JobOwner, Worker):
                         "yb.chunk_size": self.pcfg.chunk_size,
                     }
                 )
-            return await self._compute_with_holds(job, pages, cached, streamer)
+            return await self._compute_with_holds(job, pages, cached, streamer, ready)
 
     async def _compute_with_holds(
-        self, job: pr.PrefillJob, pages: list[int], cached: int, streamer: LayerStreamer
+        self,
+        job: pr.PrefillJob,
+        pages: list[int],
+        cached: int,
+        streamer: LayerStreamer,
+        ready: LayerReady | None = None,
     ) -> list[Sampled]:
         """`_compute` on the engine thread; with failpoint `prefill.chunk` armed at k,
         in two calls (chunks before k, then the rest: the same chunk boundaries) with
-        the hold between them, so the engine thread is never the one that waits."""
+        the hold between them, so the engine thread is never the one that waits (but
+        on a prefix still landing: `ready`, before each layer of the first chunk)."""
         batch = self._batch_of.get(id(job))
         if batch is not None:
             return await batch.compute(job, (job, pages, cached, streamer))
@@ -844,11 +890,13 @@ class PrefillWorker(JobOwner, Worker):
         split = cached + k * self.pcfg.chunk_size if k is not None else len(job.token_ids)
         if split < len(job.token_ids):
             if split > cached:
-                await self.engine.call(self._compute_part, job, pages, cached, split, streamer)
-                cached = split
+                await self.engine.call(
+                    self._compute_part, job, pages, cached, split, streamer, ready
+                )
+                cached, ready = split, None
             await self.failpoint(job, "prefill.chunk")
             self.liveness.check(job)
-        return await self.engine.call(self._compute, job, pages, cached, streamer)
+        return await self.engine.call(self._compute, job, pages, cached, streamer, ready)
 
     def _compute_part(
         self,
@@ -857,6 +905,7 @@ class PrefillWorker(JobOwner, Worker):
         num_cached_tokens: int,
         end: int,
         streamer: LayerStreamer,
+        ready: LayerReady | None = None,
     ) -> None:
         """Engine thread: compute the KV of tokens [num_cached_tokens, end) only (and
         keep their logits rows when the prompt's logprobs are asked for)."""
@@ -867,6 +916,7 @@ class PrefillWorker(JobOwner, Worker):
             chunk_size=self.pcfg.chunk_size,
             layer_hook=streamer.on_layer,
             row_logits=self._scorer(job),
+            layer_ready=ready,
         )
 
     def _compute(
@@ -875,6 +925,7 @@ class PrefillWorker(JobOwner, Worker):
         pages: list[int],
         num_cached_tokens: int,
         streamer: LayerStreamer,
+        ready: LayerReady | None = None,
     ) -> list[Sampled]:
         """Engine thread: run the prefill over the uncached suffix, sample each choice's
         first token (with the code the decode batcher samples with). A job that asks
@@ -888,6 +939,7 @@ class PrefillWorker(JobOwner, Worker):
             chunk_size=self.pcfg.chunk_size,
             layer_hook=streamer.on_layer,
             row_logits=score,
+            layer_ready=ready,
         )
         if score is not None:
             self._prompt_logprobs[id(job)] = self._scorers.pop(id(job)).entries

@@ -394,12 +394,37 @@ class ConductorConfig(_Section):
     `explain_decode_top_k`: how many decode instances a decision's explanation
     lists (the chosen one, then the lowest predicted TBT; 0: every instance, as
     logs recorded before the setting do).
+    `decode_kv_peak` (the default): a decode instance without room by the budget of
+    every request there (prompt plus expected output, all at once) is still taken
+    for a request whose pages are reserved after some of those requests are
+    expected to end (one waiting behind prefills), when the pages it will hold fit
+    over the request's lifetime: each request holds its prompt and what it has
+    generated, grows at its expected pace and frees everything at its expected end,
+    and the projected peak (plus what the instance's reports show the projection to
+    miss) must fit; off, the budget alone decides (how logs recorded before the
+    setting replay).
+
+    `prefix_load_overlap` prices a prefix load that the prefill computes on while it
+    lands (`prefill.overlap_prefix_load`, on by default): of an L-layer model, the
+    load and the compute take about the longer of the two plus 1/L of the shorter;
+    a tensor-parallel instance loads first. Off (how logs recorded before the setting
+    replay), a load and the compute add up.
 
     Hot prefixes: when `hot_replicas` > 0, a prefix wanted by `hot_demand` requests
     within `hot_window_s` and held on fewer than `hot_replicas` hosts gets a
     `ReplicationPlanned` decision (at most once per window per prefix). Snapshots
     go to the `snapshot_bucket` object store every `snapshot_every_events` events;
     the active conductor holds a lease of `lease_ttl_s` in `<snapshot_bucket>_lease`.
+
+    Retention (`retention`, off by default): with each placement the conductor tells
+    the kvstore that will hold the request's blocks how soon each is predicted to be
+    used again, and which to let go first (`RetentionPlanned`,
+    `yb_conductor.retention`): a block used before, every its mean gap; a new block,
+    every the mean time to a first reuse over the share of new blocks reused, or,
+    while that share is below `retention_drop_below`, dropped first; a copy pulled
+    from another kvstore of a prefix that is not hot, demoted first. Off, each
+    kvstore evicts by its own policy alone (how logs recorded before the setting
+    replay).
     """
 
     policy: str = "mooncake"
@@ -434,9 +459,13 @@ class ConductorConfig(_Section):
     explain_decode_top_k: Annotated[int, msgspec.Meta(ge=0)] = 8
     admit_unqueued_overrun: bool = True
     kv_reserved_at_start: bool = True
+    prefix_load_overlap: bool = True
     learn_from_cut_short: bool = False
     pending_prefixes: bool = True
     decode_now_floor: bool = True
+    retention: bool = False
+    retention_drop_below: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
+    decode_kv_peak: bool = True
 
 
 class EngineConfig(_Section):
@@ -510,6 +539,11 @@ class PrefillEngineConfig(EngineConfig):
     head of the queue whose prompts add up to at most `chunk_size` tokens, and whose
     pages are free, run in one forward pass (1: every job alone).
 
+    `overlap_prefix_load` computes on a prefix fetched from the kvstores while it
+    lands, layer by layer: each layer of the prompt's first chunk waits for that
+    layer's pages only (off: the whole prefix lands first). A job computed in a batch,
+    one that asks for its prompt's logprobs and a tensor-parallel instance load first.
+
     A prefill group (chunked pipeline parallelism): instances with the same `group`
     name and `stages` > 1 each hold one contiguous share of the model's layers, stage
     `stage` of `stages` (the layers cut as evenly as `LayerRange.split` cuts them), and
@@ -521,6 +555,7 @@ class PrefillEngineConfig(EngineConfig):
     max_batch_size: _Count = 1
     prefix_cache_pages: Annotated[int, msgspec.Meta(ge=0)] = 64
     batch_jobs: _Count = 16
+    overlap_prefix_load: bool = True
     group: str = ""
     stage: Annotated[int, msgspec.Meta(ge=0)] = 0
     stages: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -561,7 +596,11 @@ class KVStoreConfig(_Section):
     by writing its least recently used blocks to SSD in the background (-1: a
     sixteenth of the slab, at least 1), so a put rarely waits for a file write.
     `ssd_io_threads` run the file reads and writes. `ucx_host` and `ucx_port` as for
-    an engine.
+    an engine. With `retention_advice` (the default) both tiers also follow the
+    conductor's retention advice (`RetentionPlanned`): blocks advised to drop leave
+    first, never written to SSD, then those advised to demote, then the rest by
+    recency with each block's predicted reuse interval counted as age; without
+    advice that is the `eviction_policy` order.
 
     The DRAM slab is sized for a laptop by default: 256 blocks hold two sequences of
     the default model's longest length (8,192 tokens at 64 a block; 720 MiB in
@@ -577,6 +616,7 @@ class KVStoreConfig(_Section):
     eviction_policy: EvictionPolicyName = "lru"
     dram_headroom_blocks: Annotated[int, msgspec.Meta(ge=-1)] = -1
     ssd_io_threads: _Count = 2
+    retention_advice: bool = True
 
 
 class TelemetryConfig(_Section):

@@ -516,6 +516,36 @@ class TransferFailed(Event, tag="transfer_failed"):
     reason: str
 
 
+# --- retention ----------------------------------------------------------------------
+
+
+class RetentionPlanned(Event, tag="retention_planned"):
+    """The conductor's advice to one kvstore on which blocks to keep and which to let
+    go first (`yb_conductor.retention`).
+
+    Decided with the placement of `request_id`, from what the conductor has seen of
+    each block's prefix (how many requests used it, how long apart, what share of new
+    blocks are ever used again) and of where copies are. `reuse`: blocks expected to
+    be used again, each about `reuse_s` seconds (the same position) after its last
+    use; the store evicts first the block whose next use is farthest, taking the
+    larger of that interval and the time since its last use (for an unmarked block,
+    that time alone: LRU). `demote`: copies of a prefix another kvstore holds, first
+    to leave DRAM (to SSD where there is one). `drop`: no reuse predicted: the first
+    to leave, dropped rather than written to SSD. A block not held yet (the request's
+    own, stored when its prefill ends) takes the advice when it arrives. The store
+    follows advice only when it must make room: nothing is evicted on the advice
+    alone.
+    """
+
+    instance_id: str
+    request_id: str = ""
+    reuse: list[int] = msgspec.field(default_factory=list)
+    reuse_s: list[float] = msgspec.field(default_factory=list)
+    demote: list[int] = msgspec.field(default_factory=list)
+    drop: list[int] = msgspec.field(default_factory=list)
+    reason: str = ""
+
+
 AnyEvent = (
     RequestAdmitted
     | RequestScheduled
@@ -539,6 +569,7 @@ AnyEvent = (
     | ReplicationPlanned
     | ConductorConfigured
     | TransferFailed
+    | RetentionPlanned
 )
 
 
@@ -595,6 +626,8 @@ def subject_for(event: AnyEvent) -> str:
             return f"yb.ev.decision.prediction.{subject_token(event.instance_id)}"
         case ReplicationPlanned():
             return f"yb.ev.decision.replication.{subject_token(event.target_instance)}"
+        case RetentionPlanned():
+            return f"yb.ev.decision.retention.{subject_token(event.instance_id)}"
         case BlockEvent():
             return f"yb.ev.block.{tag}.{subject_token(event.instance_id)}"
         case ResyncRequested():
@@ -678,6 +711,9 @@ def _message_id_format(cls: type) -> Callable[[Any], str]:
         return lambda e: (
             f"{tag}:{e.target_instance}:{e.block_hashes[-1] if e.block_hashes else 0}:{e.time!r}"
         )
+    if issubclass(cls, RetentionPlanned):
+        # One per kvstore per decision; a re-plan's decision comes at another time.
+        return lambda e: f"{tag}:{e.instance_id}:{e.request_id}:{e.time!r}"
     return periodic
 
 

@@ -15,14 +15,20 @@ those blocks there. The receives of a failed fetch are cancelled first, so nothi
 writes into those pages afterwards. At least the last prompt token is always
 computed (its logits are needed), so a prompt made only of full blocks reuses all but
 its last block (`reusable_blocks`).
+
+A fetch may also be computed on while it lands (`LayerArrivals`): the kvstores send
+layer by layer (every block's first layer, then the next), each buffer is verified as
+it lands, and the engine thread waits before each layer only for that layer's pages.
+A prefix then costs about the longer of its load and the compute, not their sum.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -117,6 +123,88 @@ class Fetched:
         return end
 
 
+class PrefixLoadFailed(TransferError):
+    """A prefix being computed on while it lands did not land (a fetch failed or ran
+    past its deadline, or the job was abandoned): what the engine thread raises."""
+
+
+class LayerArrivals:
+    """Which layers of a prefix fetch have landed in the engine's pages, for the
+    engine thread to wait on before it computes each layer.
+
+    The fetch's runs (one per kvstore) report their leading complete layers from the
+    event loop (`advance`); `wait_layer` blocks the engine thread until every run has
+    delivered `layer`, within the fetch's deadline. `fail` ends every wait with
+    `PrefixLoadFailed`: a fetch failed, or the job was abandoned, and an engine thread
+    must never stay blocked on pages that will not come. `first` resolves (on the
+    event loop, where `advance` and `fail` are called) once the first layer has
+    landed or the load failed: a load that fails before any layer is computed on
+    can still fall back to computing the prefix.
+    """
+
+    def __init__(self, layers: range, runs: int, deadline: float) -> None:
+        """`layers`: the model layers the pages hold (their index `layers.start + j`
+        is page layer `j`); `deadline`: `time.monotonic()` past which a wait fails."""
+        self.layers = layers
+        self.deadline = deadline
+        self._cond = threading.Condition()
+        self._per_run = [0] * runs
+        self._ready = len(layers) if runs == 0 else 0
+        self._failed: str | None = None
+        #: Seconds the engine thread spent waiting, in all.
+        self.waited_s = 0.0
+        self.first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._ready:
+            self.first.set_result(None)
+
+    @property
+    def ready(self) -> int:
+        """Leading page layers every run has delivered."""
+        return self._ready
+
+    def advance(self, run: int, layers: int) -> None:
+        """Run `run` has delivered its first `layers` page layers."""
+        with self._cond:
+            self._per_run[run] = layers
+            ready = min(self._per_run)
+            if ready > self._ready:
+                self._ready = ready
+                self._cond.notify_all()
+        if self._ready and not self.first.done():
+            self.first.set_result(None)
+
+    def fail(self, reason: str) -> None:
+        """End every wait, now and later, with `reason`."""
+        with self._cond:
+            if self._failed is None:
+                self._failed = reason
+                self._cond.notify_all()
+        if not self.first.done():
+            self.first.set_result(None)
+
+    def wait_layer(self, layer: int) -> None:
+        """Engine thread: return once model layer `layer`'s pages have landed."""
+        j = layer - self.layers.start
+        with self._cond:
+            if self._ready > j and self._failed is None:
+                return
+            started = time.monotonic()
+            try:
+                while True:
+                    if self._failed is not None:
+                        raise PrefixLoadFailed(self._failed)
+                    if self._ready > j:
+                        return
+                    remaining = self.deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise PrefixLoadFailed(
+                            f"the prefix's layer {layer} had not landed by the fetch's deadline"
+                        )
+                    self._cond.wait(remaining)
+            finally:
+                self.waited_s += time.monotonic() - started
+
+
 def reusable_blocks(num_tokens: int, num_keys: int, block_size: int) -> int:
     """Most leading blocks a prompt may reuse: full blocks, the last token computed."""
     return max(0, min(num_keys, (num_tokens - 1) // block_size))
@@ -192,16 +280,21 @@ class BlockFetcher:
         keys: Sequence[int],
         block_table: Sequence[int],
         deadline_s: float,
+        arrivals: LayerArrivals | None = None,
     ) -> Fetched:
         """Every run at once, each into its blocks' pages of `block_table`, within
         `deadline_s`. A failed transfer is recorded, not raised; any other failure
-        (a bug) is re-raised once every fetch has ended."""
+        (a bug) is re-raised once every fetch has ended. `arrivals` (made for
+        `len(runs)` runs) learns of each run's layers as they land."""
         fetched = Fetched()
         if not runs:
             return fetched
         started = time.monotonic()
         results = await asyncio.gather(
-            *(self._fetch(request_id, run, keys, block_table, deadline_s) for run in runs),
+            *(
+                self._fetch(request_id, run, keys, block_table, deadline_s, arrivals, n)
+                for n, run in enumerate(runs)
+            ),
             return_exceptions=True,
         )
         fetched.fetch_s = time.monotonic() - started
@@ -241,8 +334,32 @@ class BlockFetcher:
         keys: Sequence[int],
         block_table: Sequence[int],
         deadline_s: float,
+        arrivals: LayerArrivals | None = None,
+        run_index: int = 0,
     ) -> None:
-        """Pull one run of blocks from its kvstore straight into their pages."""
+        """Pull one run of blocks from its kvstore straight into their pages,
+        telling `arrivals` (as run `run_index`) of its layers as they land."""
+        try:
+            await self._fetch_run(
+                request_id, run, keys, block_table, deadline_s, arrivals, run_index
+            )
+        except BaseException as exc:
+            if arrivals is not None:
+                arrivals.fail(f"prefix fetch from {run.source} failed: {exc or type(exc).__name__}")
+            raise
+        if arrivals is not None:
+            arrivals.advance(run_index, self.kv.num_layers)
+
+    async def _fetch_run(
+        self,
+        request_id: str,
+        run: FetchRun,
+        keys: Sequence[int],
+        block_table: Sequence[int],
+        deadline_s: float,
+        arrivals: LayerArrivals | None,
+        run_index: int,
+    ) -> None:
         address = self.peers.address(run.source)
         if address is None:
             # The decision may be newer than what this instance has read of the log.
@@ -265,6 +382,12 @@ class BlockFetcher:
             pieces=len(cuts) - 1,
         )
         reservation = self.receiver.reserve(rid, buffers, deadline_s=deadline_s)
+        if arrivals is not None and not self.kv.has_replicas:
+            # Replicated heads are copied to their other ranks after the commit, so
+            # such a run's layers count only then (the advance after this call).
+            reservation.on_received = _layer_counter(
+                arrivals, run_index, run.count, self.kv.num_layers, len(cuts) - 1
+            )
         try:
             await self.sender.request_fetch(
                 address,
@@ -290,3 +413,24 @@ class BlockFetcher:
                 error=str(exc),
             )
             raise
+
+
+def _layer_counter(
+    arrivals: LayerArrivals, run: int, blocks: int, layers: int, pieces: int
+) -> Callable[[int], None]:
+    """`Reservation.on_received` for one run of a fetch: counts each landed index
+    against its layer (index `(i * layers + layer) * pieces + j`) and tells `arrivals`
+    how many leading layers are whole."""
+    per_layer = blocks * pieces
+    counts = [0] * layers
+    whole = 0
+
+    def landed(index: int) -> None:
+        nonlocal whole
+        counts[(index // pieces) % layers] += 1
+        if whole < layers and counts[whole] == per_layer:
+            while whole < layers and counts[whole] == per_layer:
+                whole += 1
+            arrivals.advance(run, whole)
+
+    return landed

@@ -41,6 +41,8 @@ from yb_engine.weights import (
 )
 
 LayerHook = Callable[[int, int, int], None]
+#: Called with a layer's index before the layer reads the cache (see `Chunk.ready`).
+LayerReady = Callable[[int], None]
 Keep = Literal["all", "last", "none"]
 
 
@@ -66,13 +68,16 @@ def rms_norm(
 class Chunk:
     """One prompt's rows `[lo, hi)` of a step, attended with `plan`; `keep` says which of
     its rows the model's last layer computes; `hook(layer, start, end)` runs after each
-    layer wrote the chunk's KV (the caller ships those pages while later layers run)."""
+    layer wrote the chunk's KV (the caller ships those pages while later layers run);
+    `ready(layer)` runs before each layer reads the cache and returns once the layer's
+    cached prefix is in the pages (the caller loads it while earlier layers run)."""
 
     plan: PrefillPlan
     lo: int
     hi: int
     keep: Keep
     hook: LayerHook | None = None
+    ready: LayerReady | None = None
 
 
 @dataclass(slots=True)
@@ -217,7 +222,10 @@ class Decoder:
         )
         last = len(self.layers) - 1
         hooks = [c for c in step.chunks if c.hook is not None]
+        waits = [c.ready for c in step.chunks if c.ready is not None]
         for j, lw in enumerate(self.layers):
+            for ready in waits:
+                ready(self.first_layer + j)
             opts = self.opts[j]
             final = self.holds_last and j == last
             rope = local if opts.window and self.rotary_local is not None else cos_sin

@@ -24,12 +24,20 @@ import msgspec
 import torch
 
 from yb_engine.attention import AttentionBackend, host_ints, select_backend
-from yb_engine.decoder import Chunk, Decoder, Keep, LayerHook, Step
+from yb_engine.decoder import Chunk, Decoder, Keep, LayerHook, LayerReady, Step
 from yb_engine.kv_cache import PagedKVCache
 from yb_engine.loader import LoadedModel
 from yb_engine.tensor_parallel import TPGroup
 
-__all__ = ["DecodeSeq", "LayerHook", "ModelRunner", "PrefillChunk", "PrefillSeq", "RowLogits"]
+__all__ = [
+    "DecodeSeq",
+    "LayerHook",
+    "LayerReady",
+    "ModelRunner",
+    "PrefillChunk",
+    "PrefillSeq",
+    "RowLogits",
+]
 
 #: `row_logits(start, rows)`: a prefill chunk's float32 logits `[chunk, vocab]`, after
 #: tokens `start ..` of the prompt.
@@ -154,6 +162,7 @@ class ModelRunner:
         layer_hook: LayerHook | None = None,
         all_logits: bool = False,
         row_logits: RowLogits | None = None,
+        layer_ready: LayerReady | None = None,
     ) -> torch.Tensor:
         """Compute the KV of `token_ids[num_cached_tokens:]` and the next-token logits.
 
@@ -163,6 +172,9 @@ class ModelRunner:
         and the earlier chunks, so peak activation memory is bounded by the chunk, not
         the prompt. After each layer has written a chunk's KV, `layer_hook(layer, start,
         end)` runs, so the caller can ship those pages while later layers compute.
+        `layer_ready(layer)` runs before each layer of the first chunk reads the
+        cache: the cached prefix may still be landing, layer by layer, and must be
+        there (in every layer) once it returns. It raises to abandon the call.
 
         Returns float32 logits `[vocab]` for the token after the prompt. At least the
         last prompt token must be computed (its logits are not cached anywhere). With
@@ -188,9 +200,12 @@ class ModelRunner:
                 plan = self.backend.plan_prefill(block_table, start, end, block_size)
                 every_row = all_logits or row_logits is not None
                 keep: Keep = "all" if every_row else "last" if end == n else "none"
+                # The first chunk runs behind the prefix's arrival; later chunks find
+                # every layer of it there.
+                ready = layer_ready if start == num_cached_tokens else None
                 step = Step(
                     positions=torch.arange(start, end, device=self.device),
-                    chunks=[Chunk(plan, 0, end - start, keep, layer_hook)],
+                    chunks=[Chunk(plan, 0, end - start, keep, layer_hook, ready)],
                 )
                 hidden = decoder.forward(decoder.embed(ids[start:end]), step)
                 if every_row:

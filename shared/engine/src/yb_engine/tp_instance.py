@@ -59,7 +59,15 @@ from yb_engine.architecture import ArchConfig
 from yb_engine.kv_cache import PagedKVCache
 from yb_engine.kv_quant import storage_dtype
 from yb_engine.loader import LoadedModel
-from yb_engine.runner import DecodeSeq, LayerHook, ModelRunner, PrefillChunk, PrefillSeq, RowLogits
+from yb_engine.runner import (
+    DecodeSeq,
+    LayerHook,
+    LayerReady,
+    ModelRunner,
+    PrefillChunk,
+    PrefillSeq,
+    RowLogits,
+)
 from yb_engine.tensor_parallel import Shard, TPGroup, head_cuts, owner_ranks
 
 __all__ = [
@@ -450,7 +458,11 @@ class TensorParallelRunner(ModelRunner):
         layer_hook: LayerHook | None = None,
         all_logits: bool = False,
         row_logits: RowLogits | None = None,
+        layer_ready: LayerReady | None = None,
     ) -> torch.Tensor:
+        if layer_ready is not None:
+            # The other ranks read their pages without waiting on rank 0's arrivals.
+            raise ValueError("a tensor-parallel instance loads a prefix before computing on it")
         self.check_prefill(
             token_ids, block_table, num_cached_tokens, chunk_size, all_logits, row_logits
         )

@@ -181,6 +181,10 @@ class Reservation:
         self._timer: asyncio.TimerHandle | None = None
         #: What the sender attached to its commit (b"" when nothing): set once committed.
         self.note = b""
+        #: Called (on the event loop) with each index as it is written and verified,
+        #: before the commit: an owner that uses buffers as they land (a prefix whose
+        #: layers are computed on as they arrive) learns of each here.
+        self.on_received: Callable[[int], None] | None = None
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -765,6 +769,8 @@ class KVReceiver:
                     else:
                         res.received.add(index)
                         res.checksums[index] = verified
+                        if res.on_received is not None:
+                            res.on_received(index)
                 if staged is not None:
                     self._staging.give(staged)
         finally:

@@ -1,7 +1,9 @@
 """The matrix: every policy on every workload, engine model, speed and cluster shape,
 and whether the conductor wins each setting (issue 18's criteria).
 
-A setting is (workload, profile, speed-up, prefill + decode instances). In each, the
+A setting is (workload, profile, speed-up, prefill + decode instances): every
+combination of the workloads, profiles, speeds and shapes, and settings of their own
+(`FOCUSED`: a workload in the one setting it was made for). In each, the
 peer policies run with admission `none` (they never refuse on load) and `mooncake`
 with the conductor's default admission. The conductor *wins* a setting when
 
@@ -33,10 +35,17 @@ from yb_tools.traces import TraceRecord, read_trace
 
 PEERS = ("random", "round-robin", "least-loaded", "local-prefix", "sglang-cache-aware", "dynamo-kv")
 SYNTHETIC = "synthetic"
-WORKLOADS = (SYNTHETIC, *GENERATORS)
 PROFILES = ("llama2-70b-a800", "dynamo-mocker")
 SPEEDUPS = (1.0, 2.0)
 SHAPES = ((8, 8), (8, 1))
+# The workloads run in every combination of profile, speed and shape.
+CROSSED = (SYNTHETIC, *GENERATORS)
+# Settings of their own: (workload, profile, speed-up, prefill, decode). llm-d's
+# shared-prefix ladder where the decode pool's KV binds at its top steps.
+FOCUSED: tuple[tuple[str, str, float, int, int], ...] = (
+    ("shared-prefix-ladder", "llama2-70b-a800", 1.0, 8, 8),
+)
+WORKLOADS = tuple(dict.fromkeys([*CROSSED, *(f[0] for f in FOCUSED)]))
 # Requests per workload by default: the whole matrix runs in minutes on two cores.
 DEFAULT_LIMIT = 1000
 
@@ -164,10 +173,13 @@ def run_matrix(
     base: SimParams | None = None,
     settings: Mapping[str, Any] | None = None,
     on_setting: Callable[[Setting], None] | None = None,
+    focused: tuple[tuple[str, str, float, int, int], ...] = FOCUSED,
 ) -> Matrix:
-    """Run every setting; `base` gives everything a setting does not (SLOs, pools),
-    `settings` the conductor settings every run takes (`--set`). `on_setting` is
-    handed each setting as it completes."""
+    """Run every setting: each workload of `workloads` in `CROSSED` in every
+    combination of `profiles`, `speedups` and `shapes`, and the `focused` settings
+    whose workload is in `workloads`. `base` gives everything a setting does not
+    (SLOs, pools), `settings` the conductor settings every run takes (`--set`).
+    `on_setting` is handed each setting as it completes."""
     base = base or SimParams()
     specs = [RunSpec(name, name, "none") for name in peers]
     specs.append(RunSpec(PAPER_POLICY, PAPER_POLICY, ConductorConfig().admission))
@@ -175,24 +187,31 @@ def run_matrix(
     cells: list[Setting] = []
     for workload in workloads:
         records = workload_records(workload, trace, seed)
-        for profile in profiles:
-            for speedup in speedups:
-                for prefill, decode in shapes:
-                    params = msgspec.structs.replace(
-                        base, profile=profile, speedup=speedup, prefill=prefill,
-                        decode=decode, limit=limit, seed=seed,
-                    )  # fmt: skip
-                    report = simulate(workload, specs, params, records=records, settings=settings)
-                    figures = {k: PolicyFigures.of(r) for k, r in report.policies.items()}
-                    verdict = judge(figures)
-                    setting = Setting(
-                        workload=workload, profile=profile, speedup=speedup, prefill=prefill,
-                        decode=decode, requests=report.requests, policies=figures,
-                        verdict=verdict, wins=verdict.wins,
-                    )  # fmt: skip
-                    cells.append(setting)
-                    if on_setting is not None:
-                        on_setting(setting)
+        runs: list[tuple[str, float, int, int]] = []
+        if workload in CROSSED:
+            runs.extend(
+                (profile, speedup, prefill, decode)
+                for profile in profiles
+                for speedup in speedups
+                for prefill, decode in shapes
+            )
+        runs.extend((f[1], f[2], f[3], f[4]) for f in focused if f[0] == workload)
+        for profile, speedup, prefill, decode in runs:
+            params = msgspec.structs.replace(
+                base, profile=profile, speedup=speedup, prefill=prefill, decode=decode,
+                limit=limit, seed=seed,
+            )  # fmt: skip
+            report = simulate(workload, specs, params, records=records, settings=settings)
+            figures = {k: PolicyFigures.of(r) for k, r in report.policies.items()}
+            verdict = judge(figures)
+            setting = Setting(
+                workload=workload, profile=profile, speedup=speedup, prefill=prefill,
+                decode=decode, requests=report.requests, policies=figures,
+                verdict=verdict, wins=verdict.wins,
+            )  # fmt: skip
+            cells.append(setting)
+            if on_setting is not None:
+                on_setting(setting)
     return Matrix(
         limit=limit,
         seed=seed,

@@ -337,6 +337,8 @@ class Simulation:
                 self._left(t)
             elif isinstance(out, ev.ReplicationPlanned):
                 self._replicate(out, t)
+            elif isinstance(out, ev.RetentionPlanned) and out.instance_id in self.kvstore_by_id:
+                self.kvstore_by_id[out.instance_id].advise(out, t)
 
     def _schedule(self, job: Job, d: ev.RequestScheduled, t: float) -> None:
         job.decode = self.decode_index[d.decode_instance]

@@ -7,8 +7,11 @@ of its own. Three shapes, each with sensible defaults:
 
 - `shared-prefix` (llm-d's prefix-cache benchmark): `groups` groups, each with a
   long shared system prompt (`system` tokens) and `users` users asking `questions`
-  long questions each (`question` tokens, `output` out), at a rate rising linearly
-  from `qps_start` to `qps_end` requests/s over the run;
+  long questions each (`question` tokens, `output` out), at a rate rising from
+  `qps_start` to `qps_end` requests/s over the run: linearly, or with `steps` > 1 in
+  that many steps, each an equal share of the requests at one rate (llm-d's
+  stages); with `repeats` > 1 each question is asked that many times, the same
+  prompt each time (llm-d sends each user's prompt again and again);
 - `multi-turn`: `sessions` conversations starting at `session_rate`/s, each of
   `turns` turns `think_s` apart whose prompt is the previous prompt, its answer
   (`output` tokens) and a new question (`question` tokens), after a `system` prompt;
@@ -18,7 +21,8 @@ of its own. Three shapes, each with sensible defaults:
   (`result` tokens).
 
 Lengths are drawn uniformly within +-`spread` of their mean; arrivals are Poisson.
-`generate("name:k=v,...")` reads a spec; `write_trace` writes JSON lines.
+`generate("name:k=v,...")` reads a spec (a generator's name, or a preset of one:
+`PRESETS`); `write_trace` writes JSON lines.
 """
 
 from __future__ import annotations
@@ -98,24 +102,44 @@ def shared_prefix(
     qps_start: float = 1.0,
     qps_end: float = 16.0,
     spread: float = 0.25,
+    steps: int = 0,
+    repeats: int = 1,
 ) -> list[TraceRecord]:
     """Groups sharing long system prompts, long questions, rising QPS (see the module)."""
     rng = random.Random(f"shared-prefix:{seed}")
     ids = BlockIds()
     prefixes = [ids.take(system // TRACE_BLOCK_TOKENS) for _ in range(groups)]
-    asks = [g for g in range(groups) for _ in range(users * questions)]
+    per_group = users * questions
+    # (group, its question) per request, each question `repeats` times.
+    asks = [(g, q) for g in range(groups) for q in range(per_group) for _ in range(repeats)]
     rng.shuffle(asks)
+    # A question asked again is the same prompt (lengths and blocks): drawn once.
+    asked: dict[tuple[int, int], TraceRecord] = {}
     n = len(asks)
-    # The rate rises with the share of requests sent, so it spans the whole range.
+    # The rate rises with the share of requests sent, so it spans the whole range:
+    # linearly, or in `steps` equal shares of the requests at evenly spaced rates.
     mean_rate = (qps_start + qps_end) / 2.0
     out: list[TraceRecord] = []
     t = 0.0
-    for k, group in enumerate(asks):
-        rate = qps_start + (qps_end - qps_start) * k / max(1, n - 1)
+    for k, ask in enumerate(asks):
+        if steps > 1:
+            rate = qps_start + (qps_end - qps_start) * (k * steps // n) / (steps - 1)
+        else:
+            rate = qps_start + (qps_end - qps_start) * k / max(1, n - 1)
         t += rng.expovariate(rate if rate > 0 else mean_rate)
-        stream = TokenStream(ids, prefixes[group], system)
-        stream.extend(_length(rng, question, spread))
-        out.append(stream.prompt(t, _length(rng, output, spread)))
+        first = asked.get(ask)
+        if first is None:
+            stream = TokenStream(ids, prefixes[ask[0]], system)
+            stream.extend(_length(rng, question, spread))
+            record = asked[ask] = stream.prompt(t, _length(rng, output, spread))
+        else:
+            record = TraceRecord(
+                timestamp=round(t * 1000.0, 3),
+                input_length=first.input_length,
+                output_length=_length(rng, output, spread),
+                hash_ids=first.hash_ids,
+            )
+        out.append(record)
     return out
 
 
@@ -189,15 +213,32 @@ GENERATORS: dict[str, Callable[..., list[TraceRecord]]] = {
     "tool-agent": tool_agent,
 }
 
+# Named settings of a generator. `shared-prefix-ladder`: the shape of llm-d's
+# prefix-cache benchmark (150 groups of 5 users on 6,000-token system prompts,
+# 1,200-token questions) with its load stepping up to 60 requests/s, 8 questions a
+# user and 500-token answers: at the top steps the prefill pool queues and the
+# decode pool's KV binds on `llama2-70b-a800` with 8 + 8 instances.
+PRESETS: dict[str, str] = {
+    "shared-prefix-ladder": (
+        "shared-prefix:groups=150,users=5,questions=8,system=6000,question=1200,"
+        "output=500,qps_start=3,qps_end=60,steps=8"
+    ),
+}
+
 
 def generate(spec: str, *, seed: int = 0) -> list[TraceRecord]:
     """The workload `spec` names: `NAME` or `NAME:key=value,...` (the generator's
-    parameters; `seed` unless the spec sets one). ValueError on an unknown name or
-    parameter, or a value that does not parse."""
+    parameters; `seed` unless the spec sets one), or a preset (`PRESETS`), whose
+    parameters the spec's own override. ValueError on an unknown name or parameter,
+    or a value that does not parse."""
     name, _, rest = spec.partition(":")
     name = name.strip()
+    if name in PRESETS:
+        name, _, preset = PRESETS[name].partition(":")
+        rest = f"{preset},{rest}"
     if name not in GENERATORS:
-        raise ValueError(f"unknown workload {name!r}; known: {', '.join(GENERATORS)}")
+        known = ", ".join([*GENERATORS, *PRESETS])
+        raise ValueError(f"unknown workload {name!r}; known: {known}")
     generator = GENERATORS[name]
     defaults = generator.__kwdefaults__ or {}
     kwargs: dict[str, int | float] = {"seed": seed}

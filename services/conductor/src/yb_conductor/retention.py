@@ -1,0 +1,232 @@
+"""Retention: which blocks the pool keeps, decided where every prefix is seen.
+
+Each kvstore alone can only order its blocks by its own recency (LRU). The conductor
+sees every request's chain, so for every block it knows how many requests used its
+prefix, when last and how long apart, and what share of the blocks that appear for
+the first time are ever asked for again. From that it predicts, for each block of a
+placed request, the time between its uses:
+
+- a block used before: its own mean gap between uses (a shared system prompt asked
+  every few seconds is worth more than one asked every few minutes);
+- a new block: the mean time to a new block's first reuse over the share of new
+  blocks that get one; while that share is below `retention_drop_below`, a new
+  block is **dropped** first instead (the unique tails of prompts that share a
+  prefix: questions, documents);
+- a block is worth at least any block after it in its chain (a block without its
+  prefix is worthless): the intervals are a running minimum from the tail, so only
+  a tail is ever dropped;
+- a block the request pulls from another host's kvstore, whose prefix is not hot
+  (wanted about `hot_demand` times in `hot_window_s`), is **demoted** first on this
+  host: the copy saves a transfer, the original a recompute.
+
+The advice goes, with the decision, to the kvstore on the host where the request's
+blocks will be stored (`RetentionPlanned`). The store evicts marked blocks first
+(drop, then demote), then by recency where a block predicted to be reused every `g`
+seconds counts as `g` seconds older than it is: an unmarked block keeps its age,
+which is plain LRU. It is advice, not an order: a store evicts only when it must make
+room.
+
+Everything here is a pure function of the log in event time: integer counts and
+float means folded in log order, insertion-ordered dicts, no wall clock. The
+statistics are bounded (`_MAX_TRACKED` blocks, the least recently used forgotten);
+a forgotten block counts as new when it comes back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from yb_conductor.state import ClusterState
+from yb_core import events as ev
+from yb_core.config import ConductorConfig
+
+_MAX_TRACKED = 500_000
+# The share of reused first-seen blocks is learnt over about this many first sightings
+# (both counts are halved when the first passes twice this), so it follows a workload
+# that changes.
+_SHARE_WINDOW = 50_000
+# How quickly a block's mean gap between uses follows its latest gap.
+_GAP_ALPHA = 0.3
+# How quickly the mean time to a new block's first reuse follows each one (over many
+# blocks: a slow average).
+_LOG_ALPHA = 0.01
+
+
+class BlockUses(msgspec.Struct, array_like=True, gc=False):
+    """What the log showed of one block: requests that used it, the event time of
+    the latest, and the mean time between uses (0 until used twice)."""
+
+    uses: int
+    last: float
+    gap: float = 0.0
+
+
+class Retention(msgspec.Struct, kw_only=True):
+    """Per-block use statistics, and what the log taught of new blocks: how many
+    appeared, how many of those were used a second time, and the mean time to it."""
+
+    blocks: dict[int, BlockUses] = msgspec.field(default_factory=dict)
+    first_seen: int = 0
+    first_reused: int = 0
+    first_gap: float = 0.0
+
+    def reuse_share(self) -> float:
+        """The share of new blocks used again (a prior of one half)."""
+        return (self.first_reused + 1) / (self.first_seen + 2)
+
+    def interval(self, seen: BlockUses) -> float:
+        """The predicted time between the block's uses: its own mean gap once it was
+        reused; for a new block, the mean time to a first reuse over the share of new
+        blocks that get one."""
+        if seen.uses > 1:
+            return seen.gap
+        return self.first_gap / self.reuse_share()
+
+    def observe(
+        self,
+        cfg: ConductorConfig,
+        state: ClusterState,
+        request: ev.RequestAdmitted,
+        decision: ev.Decision,
+    ) -> ev.RetentionPlanned | None:
+        """Count one placed request's blocks; advise the kvstore that will hold them."""
+        if not cfg.retention or not isinstance(decision, ev.RequestScheduled):
+            return None
+        keys = _stored_keys(request)
+        if not keys:
+            return None
+        share = self.reuse_share()  # as it stood before this request
+        uses = self._count(keys, state.now)
+        target = _kvstore_of(state, decision)
+        if target is None:
+            return None
+        pulled = self._pulled(cfg, state, decision, target, keys)
+        # A block is worth at least what any block after it in the chain is worth (a
+        # block without its prefix is worthless): intervals are a running minimum from
+        # the tail, and only a tail is dropped.
+        new_kept = share >= cfg.retention_drop_below
+        intervals: list[float] = []
+        soonest = math.inf
+        for seen in reversed(uses):
+            if seen.uses > 1 or new_kept:
+                soonest = min(soonest, self.interval(seen))
+            intervals.append(soonest)
+        intervals.reverse()
+        reuse: list[int] = []
+        reuse_s: list[float] = []
+        demote: list[int] = []
+        drop: list[int] = []
+        for i, (key, interval) in enumerate(zip(keys, intervals, strict=True)):
+            if i < pulled:
+                demote.append(key)
+            elif interval == math.inf:
+                drop.append(key)
+            else:
+                reuse.append(key)
+                reuse_s.append(round(interval, 3))
+        if not (reuse or demote or drop):
+            return None
+        return ev.RetentionPlanned(
+            time=state.now,
+            instance_id=target,
+            request_id=decision.request_id,
+            reuse=reuse,
+            reuse_s=reuse_s,
+            demote=demote,
+            drop=drop,
+            reason=_reason(reuse_s, demote, drop, uses),
+        )
+
+    def _count(self, keys: list[int], now: float) -> list[BlockUses]:
+        """Fold one use of each key; their statistics after it, in chain order."""
+        blocks = self.blocks
+        out: list[BlockUses] = []
+        for key in keys:
+            seen = blocks.pop(key, None)
+            if seen is None:
+                seen = BlockUses(1, now)
+                self.first_seen += 1
+            else:
+                gap = now - seen.last
+                if seen.uses == 1:
+                    seen.gap = gap
+                    self.first_reused += 1
+                    self.first_gap += _LOG_ALPHA * (gap - self.first_gap)
+                else:
+                    seen.gap += _GAP_ALPHA * (gap - seen.gap)
+                seen.uses += 1
+                seen.last = now
+            blocks[key] = seen  # most recent last: the oldest is forgotten first
+            out.append(seen)
+        while len(blocks) > _MAX_TRACKED:
+            del blocks[next(iter(blocks))]
+        if self.first_seen > 2 * _SHARE_WINDOW:
+            self.first_seen //= 2
+            self.first_reused //= 2
+        return out
+
+    def _pulled(
+        self,
+        cfg: ConductorConfig,
+        state: ClusterState,
+        decision: ev.RequestScheduled,
+        target: str,
+        keys: list[int],
+    ) -> int:
+        """How many leading blocks the request copies from another kvstore that keeps
+        holding them (0 when the prefix is hot: its copies are wanted)."""
+        end = 0
+        for plan in decision.reuse:
+            if plan.source_instance == target or plan.tier == "engine":
+                continue
+            source = state.instances.get(plan.source_instance)
+            if source is None or source.role != "kvstore":
+                continue
+            end = max(end, min(plan.first_block + plan.num_blocks, len(keys)))
+        if end <= 0 or _hot(cfg, self.blocks.get(keys[end - 1])):
+            return 0
+        return end
+
+
+def _hot(cfg: ConductorConfig, seen: BlockUses | None) -> bool:
+    """Whether a prefix is wanted as often as a hot one (`hot_demand` in `hot_window_s`)."""
+    if seen is None or seen.uses < 2 or seen.gap <= 0.0:
+        return seen is not None and seen.uses >= cfg.hot_demand
+    return cfg.hot_window_s / seen.gap >= cfg.hot_demand
+
+
+def _stored_keys(request: ev.RequestAdmitted) -> list[int]:
+    """The request's full blocks: what its prefill stores in the pool."""
+    keys = request.block_hashes
+    if request.block_size > 0 and request.prompt_tokens > 0:
+        return list(keys[: request.prompt_tokens // request.block_size])
+    return list(keys)
+
+
+def _kvstore_of(state: ClusterState, decision: ev.RequestScheduled) -> str | None:
+    """The live kvstore on the host whose engine computes the request (its pool gets
+    the blocks), the lowest id if there are several."""
+    engine = state.instances.get(decision.prefill_instance)
+    if engine is None:
+        return None
+    for inst in state.live_by_host().get(engine.host, ()):
+        if inst.role == "kvstore":
+            return inst.instance_id  # by id: the lowest
+    return None
+
+
+def _reason(reuse_s: list[float], demote: list[int], drop: list[int], uses: list[BlockUses]) -> str:
+    parts = []
+    if reuse_s:
+        most = max(u.uses for u in uses)
+        parts.append(
+            f"{len(reuse_s)} block(s) used by up to {most} requests, next use predicted in "
+            f"{min(reuse_s):.3g}-{max(reuse_s):.3g}s"
+        )
+    if demote:
+        parts.append(f"demote {len(demote)} block(s) copied from a kvstore that keeps them")
+    if drop:
+        parts.append(f"drop {len(drop)} block(s) first: blocks used as often are rarely used again")
+    return "; ".join(parts)
