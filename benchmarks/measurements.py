@@ -133,9 +133,10 @@ SUMMARIES: dict[str, str] = {
         "the compute running on the prefix as it lands layer by layer (what the prefill "
         "does with `overlap_prefix_load`), alternating round by round in one process "
         "(medians of `rounds`; the two loading ways' logits checked equal every round). "
-        "Then `benchmarks/e2e_reuse.py`'s TTFT through a `yb up` cluster with the same "
-        "prompt shape, the prefix fetched from the other host's kvstore, with the "
-        "prefill overlapping and loading first."
+        "Then `benchmarks/e2e_reuse.py`'s TTFT through a `yb up` cluster with prompts of "
+        "the same length, the prefix fetched from the other host's kvstore, with the "
+        "prefill overlapping and loading first; it sends each prompt twice, so the "
+        "second time reuses every full block (4,032 tokens), not only the first 3,584."
     ),
     "kv_fp8": (
         "The 8-bit KV cache (`model.kv_dtype` `fp8_e4m3`: FP8 e4m3 rows with a float32 "
