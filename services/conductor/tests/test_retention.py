@@ -106,10 +106,13 @@ def test_a_copy_pulled_from_another_kvstore_is_demoted(crafted: type[Crafted]) -
     d = c.admit("r", chain)
     assert isinstance(d, ev.RequestScheduled) and d.prefill_instance == "p-1"
     assert d.reuse and d.reuse[0].source_instance == "kv-0"
-    plan = advice([r.event for r in c.records if r.seq > 0])[-1]
-    assert plan.instance_id == "kv-1"
+    plans = {p.instance_id: p for p in advice([r.event for r in c.records if r.seq > 0])}
     pulled = d.reuse[0].num_blocks
-    assert plan.demote == chain[:pulled]
+    assert plans["kv-1"].demote == chain[:pulled]
+    # kv-0 keeps what the request will read from it until it is read.
+    assert plans["kv-0"].needed == chain[:pulled] and plans["kv-0"].needed_s > 0
+    assert not (plans["kv-0"].reuse or plans["kv-0"].demote or plans["kv-0"].drop)
+    assert replay(c.records).divergences == []
 
 
 def test_off_by_setting_and_in_logs_recorded_before_it(crafted: type[Crafted]) -> None:

@@ -105,3 +105,22 @@ def test_the_policy_orders_drop_demote_then_age_plus_interval() -> None:
     assert next(iter(policy.victims())) == 6
     policy.forget(6)
     assert 6 not in list(policy.victims())
+
+
+def test_blocks_a_placed_request_will_read_leave_last_until_read_or_their_time() -> None:
+    now = [0.0]
+    policy = RetentionPolicy(clock=lambda: now[0])
+    for t, key in enumerate((1, 2, 3, 4)):
+        now[0] = float(t)
+        policy.touch(key)
+    # A queued request will read 1 and 2 (2 also advised to drop by an earlier one); 7
+    # is not held, so nothing waits for it.
+    policy.advise(drop=[2], needed=[1, 2, 7], needed_s=10.0)
+    assert list(policy.victims()) == [3, 4, 2, 1]  # among the kept: drop first
+    now[0] = 5.0
+    policy.touch(1)  # read: an ordinary block again, by its age
+    assert list(policy.victims()) == [3, 4, 1, 2]
+    policy.touch(7)
+    assert list(policy.victims())[-1] == 2  # 7 arrived after the advice: not kept
+    now[0] = 13.0  # 2's time ran out (advised at 3, kept for 10 s)
+    assert next(iter(policy.victims())) == 2

@@ -104,10 +104,16 @@ def test_a_run_with_retention_advises_and_replays_exactly(
     assert sim.records is not None
     advice = [r.event for r in sim.records if isinstance(r.event, ev.RetentionPlanned)]
     placed = [r.event for r in sim.records if isinstance(r.event, ev.RequestScheduled)]
-    assert len(advice) == len(placed) == result.completed
+    assert len(placed) == result.completed
+    # One advice per placement for the kvstore that stores the request's blocks (the
+    # first of its request's), and one for each other kvstore it reads a prefix from.
+    stored = {a.request_id: a for a in reversed(advice)}
+    assert sorted(stored) == sorted(d.request_id for d in placed)
+    assert any(a.needed for a in advice)
     # Groups share 11 blocks; each question is new and never asked again: once that
     # is learnt, the questions' blocks are dropped first.
-    assert advice[-1].drop and set(advice[-1].drop).isdisjoint(advice[-1].reuse)
+    last = stored[placed[-1].request_id]
+    assert last.drop and set(last.drop).isdisjoint(last.reuse)
     evictions = [r.event for r in sim.records if isinstance(r.event, ev.BlockEvicted)]
     assert evictions, "the pool must be small enough to evict"
     assert replay(sim.records).divergences == []
@@ -123,3 +129,18 @@ def test_the_three_modes_play_the_same_requests(shared_prefix: list[TraceItem]) 
         assert 0.0 < r.cache_hit_ratio < 1.0
     with pytest.raises(ValueError, match="unknown retention mode"):
         run_retention(shared_prefix, PARAMS, COST, "mru")
+
+
+def test_the_sim_kvstore_keeps_what_a_placed_request_will_read() -> None:
+    kv = SimKvstore("kv", "h", capacity=2)
+    kv.store([1], 0.0)
+    kv.store([2], 1.0)
+    # Advice makes the store rank by use and advice; 1, the oldest, is needed.
+    kv.advise(ev.RetentionPlanned(instance_id="kv", needed=[1], needed_s=10.0), 2.0)
+    evicted = [e for e in kv.store([3], 3.0) if isinstance(e, ev.BlockEvicted)]
+    assert evicted[0].block_hashes == [2]
+    kv.advise(ev.RetentionPlanned(instance_id="kv", needed=[3], needed_s=1.0), 4.0)
+    kv.touch([1])  # read at 4: an ordinary block again, and newer than 3
+    assert 1 not in kv.needed
+    evicted = [e for e in kv.store([4], 6.0) if isinstance(e, ev.BlockEvicted)]
+    assert evicted[0].block_hashes == [3]  # its time ran out at 5: the oldest goes

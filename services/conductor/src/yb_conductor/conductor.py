@@ -262,9 +262,7 @@ class Conductor:
         replica = self.hot.observe(self.cfg, state, event, decision)
         if replica is not None:
             extra.append(replica)
-        advice = self.retention.observe(self.cfg, state, event, decision)
-        if advice is not None:
-            extra.append(advice)
+        extra.extend(self.retention.observe(self.cfg, state, event, decision))
         companions = self.unrecorded_companions
         for out in extra:
             companions[ev.message_id_for(out)] = out

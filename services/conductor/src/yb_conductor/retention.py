@@ -7,7 +7,8 @@ the first time are ever asked for again. From that it predicts, for each block o
 placed request, the time between its uses:
 
 - a block used before: its own mean gap between uses (a shared system prompt asked
-  every few seconds is worth more than one asked every few minutes);
+  every few seconds is worth more than one asked every few minutes), shrunk towards
+  the mean gap of all blocks while it has few gaps to its name;
 - a new block: the mean time to a new block's first reuse over the share of new
   blocks that get one; while that share is below `retention_drop_below`, a new
   block is **dropped** first instead (the unique tails of prompts that share a
@@ -19,8 +20,15 @@ placed request, the time between its uses:
   (wanted about `hot_demand` times in `hot_window_s`), is **demoted** first on this
   host: the copy saves a transfer, the original a recompute.
 
+The blocks the request will read, by its reuse plan, are **needed**: each kvstore
+they are read from keeps them over every other block until they are read (or for
+twice the predicted TTFT and `_NEEDED_SLACK_S` more). A request that waits in a queue
+then finds the prefix it was placed for; on Mooncake's trace, whose prefills queue
+for seconds, this is much of what separates LRU from Belady's bound.
+
 The advice goes, with the decision, to the kvstore on the host where the request's
-blocks will be stored (`RetentionPlanned`). The store evicts marked blocks first
+blocks will be stored, and a `needed` list to every other kvstore the request reads
+from (`RetentionPlanned`). The store evicts marked blocks first
 (drop, then demote), then by recency where a block predicted to be reused every `g`
 seconds counts as `g` seconds older than it is: an unmarked block keeps its age,
 which is plain LRU. It is advice, not an order: a store evicts only when it must make
@@ -52,6 +60,14 @@ _GAP_ALPHA = 0.3
 # How quickly the mean time to a new block's first reuse follows each one (over many
 # blocks: a slow average).
 _LOG_ALPHA = 0.01
+# A block's own mean gap counts against every block's as this many gaps: a block
+# used a few times has a noisy mean (a conversation's think times are all alike,
+# however different the few seen), one used often has its own.
+_PRIOR_GAPS = 3.0
+# Blocks a placed request will read are kept until read or for twice its predicted
+# TTFT and this much more (a request that never reads them, re-planned or failed,
+# must not hold them for long).
+_NEEDED_SLACK_S = 5.0
 
 
 class BlockUses(msgspec.Struct, array_like=True, gc=False):
@@ -64,24 +80,30 @@ class BlockUses(msgspec.Struct, array_like=True, gc=False):
 
 
 class Retention(msgspec.Struct, kw_only=True):
-    """Per-block use statistics, and what the log taught of new blocks: how many
-    appeared, how many of those were used a second time, and the mean time to it."""
+    """Per-block use statistics; what the log taught of new blocks: how many
+    appeared, how many of those were used a second time, and the mean time to it;
+    and the mean gap between uses of blocks used before."""
 
     blocks: dict[int, BlockUses] = msgspec.field(default_factory=dict)
     first_seen: int = 0
     first_reused: int = 0
     first_gap: float = 0.0
+    reuse_gap: float = 0.0
+    reuse_gaps: int = 0
 
     def reuse_share(self) -> float:
         """The share of new blocks used again (a prior of one half)."""
         return (self.first_reused + 1) / (self.first_seen + 2)
 
     def interval(self, seen: BlockUses) -> float:
-        """The predicted time between the block's uses: its own mean gap once it was
-        reused; for a new block, the mean time to a first reuse over the share of new
+        """The predicted time between the block's uses: once it was reused, its own
+        mean gap, shrunk towards every block's as if that were `_PRIOR_GAPS` more
+        gaps; for a new block, the mean time to a first reuse over the share of new
         blocks that get one."""
         if seen.uses > 1:
-            return seen.gap
+            gaps = seen.uses - 1
+            prior = _PRIOR_GAPS if self.reuse_gaps else 0.0
+            return (gaps * seen.gap + prior * self.reuse_gap) / (gaps + prior)
         return self.first_gap / self.reuse_share()
 
     def observe(
@@ -90,18 +112,34 @@ class Retention(msgspec.Struct, kw_only=True):
         state: ClusterState,
         request: ev.RequestAdmitted,
         decision: ev.Decision,
-    ) -> ev.RetentionPlanned | None:
-        """Count one placed request's blocks; advise the kvstore that will hold them."""
+    ) -> list[ev.RetentionPlanned]:
+        """Count one placed request's blocks; advise the kvstore that will hold them,
+        and every kvstore the request will read its prefix from."""
         if not cfg.retention or not isinstance(decision, ev.RequestScheduled):
-            return None
+            return []
         keys = _stored_keys(request)
         if not keys:
-            return None
+            return []
         share = self.reuse_share()  # as it stood before this request
         uses = self._count(keys, state.now)
+        needed = _needed(state, request, decision)
+        wait = 2.0 * decision.estimates.ttft_s + _NEEDED_SLACK_S
+        needed_s = round(min(cfg.request_timeout_s, wait), 3)
         target = _kvstore_of(state, decision)
+        out = [
+            ev.RetentionPlanned(
+                time=state.now,
+                instance_id=source,
+                request_id=decision.request_id,
+                needed=blocks,
+                needed_s=needed_s,
+                reason=f"{len(blocks)} block(s) to be read by a placed request",
+            )
+            for source, blocks in needed.items()
+            if source != target
+        ]
         if target is None:
-            return None
+            return out
         pulled = self._pulled(cfg, state, decision, target, keys)
         # A block is worth at least what any block after it in the chain is worth (a
         # block without its prefix is worthless): intervals are a running minimum from
@@ -126,18 +164,25 @@ class Retention(msgspec.Struct, kw_only=True):
             else:
                 reuse.append(key)
                 reuse_s.append(round(interval, 3))
-        if not (reuse or demote or drop):
-            return None
-        return ev.RetentionPlanned(
-            time=state.now,
-            instance_id=target,
-            request_id=decision.request_id,
-            reuse=reuse,
-            reuse_s=reuse_s,
-            demote=demote,
-            drop=drop,
-            reason=_reason(reuse_s, demote, drop, uses),
+        mine = needed.get(target, [])
+        if not (reuse or demote or drop or mine):
+            return out
+        out.insert(
+            0,
+            ev.RetentionPlanned(
+                time=state.now,
+                instance_id=target,
+                request_id=decision.request_id,
+                reuse=reuse,
+                reuse_s=reuse_s,
+                demote=demote,
+                drop=drop,
+                reason=_reason(reuse_s, demote, drop, uses, mine),
+                needed=mine,
+                needed_s=needed_s if mine else 0.0,
+            ),
         )
+        return out
 
     def _count(self, keys: list[int], now: float) -> list[BlockUses]:
         """Fold one use of each key; their statistics after it, in chain order."""
@@ -156,6 +201,10 @@ class Retention(msgspec.Struct, kw_only=True):
                     self.first_gap += _LOG_ALPHA * (gap - self.first_gap)
                 else:
                     seen.gap += _GAP_ALPHA * (gap - seen.gap)
+                    # A plain mean at first, then a slow moving one.
+                    self.reuse_gaps += 1
+                    alpha = max(_LOG_ALPHA, 1.0 / self.reuse_gaps)
+                    self.reuse_gap += alpha * (gap - self.reuse_gap)
                 seen.uses += 1
                 seen.last = now
             blocks[key] = seen  # most recent last: the oldest is forgotten first
@@ -217,8 +266,32 @@ def _kvstore_of(state: ClusterState, decision: ev.RequestScheduled) -> str | Non
     return None
 
 
-def _reason(reuse_s: list[float], demote: list[int], drop: list[int], uses: list[BlockUses]) -> str:
+def _needed(
+    state: ClusterState, request: ev.RequestAdmitted, decision: ev.RequestScheduled
+) -> dict[str, list[int]]:
+    """The blocks the request will read from each kvstore, by its reuse plan."""
+    out: dict[str, list[int]] = {}
+    keys = request.block_hashes
+    for plan in decision.reuse:
+        source = state.instances.get(plan.source_instance)
+        if plan.tier == "engine" or source is None or source.role != "kvstore":
+            continue
+        blocks = keys[plan.first_block : plan.first_block + plan.num_blocks]
+        if blocks:
+            out.setdefault(plan.source_instance, []).extend(blocks)
+    return out
+
+
+def _reason(
+    reuse_s: list[float],
+    demote: list[int],
+    drop: list[int],
+    uses: list[BlockUses],
+    needed: list[int],
+) -> str:
     parts = []
+    if needed:
+        parts.append(f"keep {len(needed)} block(s) the request will read")
     if reuse_s:
         most = max(u.uses for u in uses)
         parts.append(

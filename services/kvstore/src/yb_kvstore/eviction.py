@@ -80,7 +80,9 @@ class RetentionPolicy:
 
     Victims come in this order: blocks advised `drop` (least recently used first),
     then those advised `demote`, then every other block by recency, where a block
-    predicted to be reused every `g` seconds counts as `g` seconds older than it is.
+    predicted to be reused every `g` seconds counts as `g` seconds older than it is;
+    last of all, blocks a placed request will read (`needed`), until read or until
+    their time runs out.
     A block without advice keeps its own age, so with no advice at all this is LRU
     (`fifo`: FIFO, a read does not rejuvenate a block). A read clears a `drop` or
     `demote` mark: the block was reused after all. Advice for a key the tier does not
@@ -107,6 +109,8 @@ class RetentionPolicy:
             "demote": OrderedDict(),
         }
         self._pending: OrderedDict[int, tuple[str, float]] = OrderedDict()
+        # Blocks a placed request will read: the clock time each is kept until.
+        self._needed: dict[int, float] = {}
         # (last use - interval, push order, key); entries that no longer match skipped.
         self._heap: list[tuple[float, int, int]] = []
         self._pushed = 0
@@ -118,9 +122,16 @@ class RetentionPolicy:
         reuse_s: Sequence[float] = (),
         demote: Sequence[int] = (),
         drop: Sequence[int] = (),
+        needed: Sequence[int] = (),
+        needed_s: float = 0.0,
     ) -> None:
         """Take advice: `reuse[i]` is predicted to be used every `reuse_s[i]` seconds;
-        `demote` and `drop` leave first (drop before demote)."""
+        `demote` and `drop` leave first (drop before demote); `needed` (held blocks a
+        placed request will read) leave last, until read or for `needed_s`."""
+        until = self._clock() + needed_s
+        for key in needed:
+            if key in self._last:
+                self._needed[key] = max(until, self._needed.get(key, until))
         advice = [
             *((key, "reuse", s) for key, s in zip(reuse, reuse_s, strict=False)),
             *((key, "demote", 0.0) for key in demote),
@@ -149,6 +160,7 @@ class RetentionPolicy:
             return
         for keys in self._marked.values():
             keys.pop(key, None)
+        self._needed.pop(key, None)
         self._last[key] = self._clock()
         if not known and key in self._pending:
             kind, interval = self._pending.pop(key)
@@ -160,13 +172,24 @@ class RetentionPolicy:
         """`key` left the tier."""
         self._last.pop(key, None)
         self._intervals.pop(key, None)
+        self._needed.pop(key, None)
         for keys in self._marked.values():
             keys.pop(key, None)
 
     def victims(self) -> Iterator[int]:
-        """Drop-advised, then demote-advised, then by recency less the interval."""
+        """Drop-advised, then demote-advised, then by recency less the interval, and
+        the blocks a placed request will read last."""
+        now = self._clock()
+        needed = self._needed
+        for key in [k for k, until in needed.items() if until <= now]:
+            del needed[key]
+        kept: list[int] = []
         for kind in ("drop", "demote"):
-            yield from list(self._marked[kind])
+            for key in list(self._marked[kind]):
+                if key in needed:
+                    kept.append(key)
+                else:
+                    yield key
         if len(self._heap) > 2 * len(self._last) + 64:
             self._compact()
         heap = list(self._heap)
@@ -175,7 +198,11 @@ class RetentionPolicy:
             rank, _, key = heapq.heappop(heap)
             if self._current(key) == rank and key not in seen and self.marked(key) is None:
                 seen.add(key)
-                yield key
+                if key in needed:
+                    kept.append(key)
+                else:
+                    yield key
+        yield from kept
 
     def _apply(self, key: int, kind: str, interval: float) -> None:
         for keys in self._marked.values():

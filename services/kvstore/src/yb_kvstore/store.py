@@ -163,7 +163,12 @@ class BlockStore:
             policy = tier.policy if tier is not None else None
             if isinstance(policy, RetentionPolicy):
                 policy.advise(
-                    reuse=plan.reuse, reuse_s=plan.reuse_s, demote=plan.demote, drop=plan.drop
+                    reuse=plan.reuse,
+                    reuse_s=plan.reuse_s,
+                    demote=plan.demote,
+                    drop=plan.drop,
+                    needed=plan.needed,
+                    needed_s=plan.needed_s,
                 )
 
     def _drop_advised(self, key: int) -> bool:

@@ -422,7 +422,9 @@ class ConductorConfig(_Section):
     `yb_conductor.retention`): a block used before, every its mean gap; a new block,
     every the mean time to a first reuse over the share of new blocks reused, or,
     while that share is below `retention_drop_below`, dropped first; a copy pulled
-    from another kvstore of a prefix that is not hot, demoted first. Off, each
+    from another kvstore of a prefix that is not hot, demoted first; the blocks a
+    placed request will read, kept on every kvstore it reads them from until read.
+    Off, each
     kvstore evicts by its own policy alone (how logs recorded before the setting
     replay).
     """

@@ -534,7 +534,10 @@ class RetentionPlanned(Event, tag="retention_planned"):
     to leave, dropped rather than written to SSD. A block not held yet (the request's
     own, stored when its prefill ends) takes the advice when it arrives. The store
     follows advice only when it must make room: nothing is evicted on the advice
-    alone.
+    alone. `needed`: blocks of this store that the placed request will read when its
+    prefill starts: the last to leave, until read or for `needed_s` seconds (the
+    predicted wait, with slack), so a queued request finds the prefix it was placed
+    for.
     """
 
     instance_id: str
@@ -544,6 +547,8 @@ class RetentionPlanned(Event, tag="retention_planned"):
     demote: list[int] = msgspec.field(default_factory=list)
     drop: list[int] = msgspec.field(default_factory=list)
     reason: str = ""
+    needed: list[int] = msgspec.field(default_factory=list)
+    needed_s: float = 0.0
 
 
 AnyEvent = (

@@ -13,7 +13,8 @@ does (`yb_kvstore.eviction.RetentionPolicy`): when it must make room it evicts t
 blocks marked `drop` first, then those marked `demote` (it has no SSD: demoted is
 dropped), then by recency where a block advised to be reused every `g` seconds
 counts as `g` seconds older than it is (an unmarked block: its own age, which is
-LRU; ties: the chain's tail first). A read clears a `drop` or `demote` mark (the
+LRU; ties: the chain's tail first), and last the blocks advised `needed` until they
+are read or their time runs out. A read clears a `drop` or `demote` mark (the
 block was reused after all). Advice for a block not held yet waits for it
 (bounded). Its clock is the latest time it was told of (an advice, a store).
 
@@ -56,6 +57,7 @@ class SimKvstore:
         "last",
         "lru",
         "marked",
+        "needed",
         "oracle",
         "pending",
         "pushed",
@@ -82,6 +84,8 @@ class SimKvstore:
         self.pushed = 0
         # Advice for blocks not held yet: class and reuse interval.
         self.pending: OrderedDict[int, tuple[int, float]] = OrderedDict()
+        # Blocks a placed request will read: the time each stays kept until.
+        self.needed: dict[int, float] = {}
         self.advised = False
         self.clock = 0.0
         self.oracle: NextUse | None = None
@@ -110,9 +114,12 @@ class SimKvstore:
         """`keys` were read (LRU: they become the most recent, head last)."""
         if self.advised:
             now = self.clock
+            needed = self.needed
             for key in reversed(keys):
                 for marked in self.marked:
                     marked.pop(key, None)
+                if needed:
+                    needed.pop(key, None)
                 self._used(key, now)
         if not self.lru:
             return
@@ -140,6 +147,10 @@ class SimKvstore:
             else:
                 pending.pop(key, None)
                 pending[key] = (cls, interval)
+        until = t + plan.needed_s
+        for key in plan.needed:
+            if key in blocks:
+                self.needed[key] = max(until, self.needed.get(key, 0.0))
         while len(pending) > 4 * self.capacity:
             pending.popitem(last=False)
 
@@ -192,19 +203,42 @@ class SimKvstore:
                 del blocks[key]
             return farthest
         out: list[int] = []
+        needed = self.needed
+        for key in [k for k, until in needed.items() if until <= t]:
+            del needed[key]
+        # Kept for a placed request: the last to go, in their ranks' order.
+        kept: list[tuple[float, int, int]] = []
         for marked in self.marked:
-            while marked and len(out) < excess:
-                key = marked.popitem(last=False)[0]
+            for key in list(marked):
+                if len(out) == excess:
+                    break
+                if key in needed:
+                    continue
+                del marked[key]
                 del blocks[key]
                 out.append(key)
         heap = self.heap
         last = self.last
         intervals = self.intervals
-        while len(out) < excess:
-            rank, _, key = heapq.heappop(heap)
+        while len(out) < excess and heap:
+            entry = heapq.heappop(heap)
+            rank, _, key = entry
             if key in blocks and rank == last[key] - intervals.get(key, 0.0):
+                if key in needed:
+                    kept.append(entry)
+                    continue
                 del blocks[key]
                 out.append(key)
+        for entry in kept:
+            key = entry[2]
+            if len(out) < excess:
+                del blocks[key]
+                del needed[key]
+                for marked in self.marked:
+                    marked.pop(key, None)
+                out.append(key)
+            else:
+                heapq.heappush(heap, entry)
         for key in out:
             last.pop(key, None)
             intervals.pop(key, None)
