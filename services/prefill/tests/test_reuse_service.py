@@ -356,3 +356,49 @@ async def test_a_reservation_refused_while_computing_fails_the_job_and_frees_its
     assert worker.engine.allocator.num_used == len(worker.cache)
     out, _done = await cluster.run("prefill-0", prompt(8, BLOCK + 1), max_tokens=2)
     assert len(out) == 2
+
+
+async def test_a_prefix_that_fails_after_its_first_layer_landed_fails_the_job_cleanly(
+    cluster: Cluster,
+) -> None:
+    # The prefill computes on the prefix as it lands (`overlap_prefix_load`, on). Here
+    # the first layers land and verify, then a later layer of the first block fails its
+    # checksum (its bytes in kvstore-0's slot were overwritten, the stored checksums
+    # kept): too late to recompute instead, since the compute has begun on the pages.
+    # The job fails on the token stream with a `TransferFailed` in the log, every page
+    # is given back, and the next job on the instance is served. The order holds by
+    # construction: the store sends layer by layer, the first layer is known to have
+    # landed as its buffers verify, and the failure only once the store has answered
+    # the corrupt buffer's refusal, a round trip later.
+    tokens = prompt(11, 4 * BLOCK + 3)
+    keys = block_hashes(tokens, BLOCK, model_identity(MODEL.name))
+    reference, _ = await cluster.run("prefill-0", tokens)
+    await cluster.wait_for(
+        "kvstore-0 blocks", lambda e: cluster.stored("kvstore-0", "dram") >= set(keys)
+    )
+    store = cluster.services["kvstore-0"]
+    assert isinstance(store, KVStoreService)
+    slot = store.worker.store.dram.view(keys[0])
+    slot[-64:] ^= 0xFF  # the end of the slot: the last layer's page of the block
+    worker = cluster.prefill("prefill-1").worker
+    with pytest.raises(AssertionError, match="prefix load failed mid-way"):
+        await cluster.run("prefill-1", tokens, [plan("kvstore-0", "dram", 0, 4)])
+    failed = await cluster.wait_for(
+        "TransferFailed",
+        lambda e: isinstance(e, ev.TransferFailed) and e.target_instance == "prefill-1",
+    )
+    assert isinstance(failed, ev.TransferFailed)
+    assert failed.source_instance == "kvstore-0" and "checksum" in failed.reason
+    finished = await cluster.wait_for(
+        "the failed job's RequestFinished",
+        lambda e: (
+            isinstance(e, ev.RequestFinished)
+            and e.instance_id == "prefill-1"
+            and e.outcome == "failed"
+        ),
+    )
+    assert isinstance(finished, ev.RequestFinished)
+    assert worker.engine.allocator.num_used == len(worker.cache)
+    # The same prompt computed whole on that instance gives the reference.
+    out, done = await cluster.run("prefill-1", tokens)
+    assert out == reference and done.reused_tokens == 0
