@@ -10,6 +10,7 @@ from yb_conductor import block_index
 from yb_conductor.block_index import BlockIndex
 from yb_conductor.state import ClusterState
 from yb_core import events as ev
+from yb_core.config import ConductorConfig
 
 INSTANCES = [f"i{n}" for n in range(70)]  # past 64: masks wider than a machine word
 
@@ -197,7 +198,7 @@ def test_gaps_and_new_epochs_void_the_instance_and_ask_for_an_inventory() -> Non
 
 
 def test_silent_instances_lose_their_blocks_by_event_time() -> None:
-    s = ClusterState(heartbeat_timeout_s=5.0)
+    s = ClusterState(ConductorConfig(heartbeat_timeout_s=5.0))
     s.apply(ev.InstanceUp(instance_id="kv", role="kvstore", host="h", time=1.0))
     s.apply(ev.InstanceUp(instance_id="p", role="prefill", host="h", time=1.0))
     s.apply(ev.BlockStored(instance_id="kv", epoch=1, event_id=1, block_hashes=[1], tier="dram"))

@@ -11,6 +11,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+import pytest
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from yb_conductor import snapshot
@@ -18,6 +20,7 @@ from yb_conductor.conductor import Conductor
 from yb_conductor.cost_model import load_cost_model
 from yb_conductor.replay import LogRecord, replay
 from yb_conductor.service import SNAPSHOT_OBJECT, ConductorService, read_snapshot
+from yb_conductor.settings import RecordedSettingsError
 from yb_core import events as ev
 from yb_core.bus import Bus
 from yb_core.config import ConductorConfig, NatsConfig, YbConfig
@@ -334,6 +337,51 @@ async def test_a_snapshot_rewritten_while_read_is_read_again_not_waited_for(bus:
     async with asyncio.timeout(DEADLINE_S):
         restored = await read
     assert restored is not None and restored.last_seq == 9
+
+
+async def test_unreadable_recorded_settings_stop_the_conductor(
+    bus: Bus, nats_config: NatsConfig
+) -> None:
+    """Settings in the log that do not read are not replaced by defaults: deciding with
+    other settings than recorded would not replay, so the conductor stops there."""
+    await _cluster(bus)  # seq 1..3
+    await bus.publish(ev.ConductorConfigured(instance_id="old", settings_json='{"seed": "x"}'))
+    service = ConductorService(_config("cond-1", nats_config))
+    await service.start()
+    try:
+        await bus.publish(_admitted("r0"))
+        with pytest.raises(RecordedSettingsError, match="stream sequence 4"):
+            async with asyncio.timeout(DEADLINE_S):
+                await service.tasks.wait_failure()
+        assert not service.active
+    finally:
+        await service.stop()
+    assert await _every_decision(bus) == []
+
+
+async def test_a_snapshot_with_unreadable_settings_is_passed_over_for_the_log(
+    bus: Bus, nats_config: NatsConfig
+) -> None:
+    await _cluster(bus)
+    store = await bus.jetstream.create_object_store(
+        bucket=ConductorConfig().snapshot_bucket, replicas=nats_config.replicas
+    )
+    broken = msgspec.structs.replace(
+        snapshot.decode(_snapshot_bytes(3)), settings_json='{"admission": "sometimes"}'
+    )
+    await store.put(SNAPSHOT_OBJECT, snapshot.encode(broken))
+    found = await read_snapshot(store, timeout_s=DEADLINE_S)
+    assert found is not None and found.last_seq == 3  # only its settings are bad
+    service = ConductorService(_config("cond-1", nats_config))
+    await service.start()
+    try:
+        assert service.restored_from_seq == 0  # read the log from seq 1 instead
+        await bus.publish(_admitted("r0"))
+        (decision,) = await _decisions(bus, 1, service)
+        assert isinstance(decision, ev.RequestScheduled)
+        assert service.conductor.cfg.admission == ConductorConfig().admission
+    finally:
+        await service.stop()
 
 
 def _metrics_threads() -> int:

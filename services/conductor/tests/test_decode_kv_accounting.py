@@ -132,14 +132,16 @@ def test_what_the_instance_reports_beyond_the_projection_is_added(crafted: Any) 
 
 def _without_setting(records: list[LogRecord]) -> list[LogRecord]:
     """The log as a conductor from before `decode_kv_peak` recorded it: its
-    `ConductorConfigured` without the field."""
+    `ConductorConfigured` without the field, and without a behaviour version."""
     out = []
     for rec in records:
         event = rec.event
         if isinstance(event, ev.ConductorConfigured):
             raw = msgspec.json.decode(event.settings_json.encode())
             assert raw.pop("decode_kv_peak") is False
-            event = msgspec.structs.replace(event, settings_json=msgspec.json.encode(raw).decode())
+            event = msgspec.structs.replace(
+                event, settings_json=msgspec.json.encode(raw).decode(), behaviour_version=0
+            )
         out.append(LogRecord(seq=rec.seq, event=event, subject=rec.subject))
     return out
 

@@ -84,7 +84,7 @@ def test_ties_go_to_the_instance_idle_longest(crafted: Any) -> None:
     assert picks[1.0] == ["p-0", "p-1", "p-2", "p-0"]
 
 
-@pytest.mark.parametrize("recorded", ['{"policy": "mooncake"}', "{}", "not json"])
+@pytest.mark.parametrize("recorded", ['{"policy": "mooncake"}', "{}"])
 def test_a_log_recorded_without_the_setting_replays_without_stickiness(recorded: str) -> None:
     assert recorded_settings(recorded).prefix_stickiness == 0.0
     assert recorded_settings('{"prefix_stickiness": 0.5}').prefix_stickiness == 0.5
@@ -124,7 +124,7 @@ def test_evicted_blocks_asked_for_again_raise_the_regret(crafted: Any) -> None:
     assert replay(c.records).divergences == []
 
 
-@pytest.mark.parametrize("recorded", ['{"policy": "mooncake"}', "{}", "not json"])
+@pytest.mark.parametrize("recorded", ['{"policy": "mooncake"}', "{}"])
 def test_a_log_recorded_without_eviction_regret_replays_without_it(recorded: str) -> None:
     assert recorded_settings(recorded).eviction_regret is False
     assert recorded_settings('{"eviction_regret": true}').eviction_regret is True

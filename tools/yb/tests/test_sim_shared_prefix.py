@@ -83,7 +83,10 @@ def _as_recorded_before_the_setting(records: list[LogRecord]) -> list[LogRecord]
         if isinstance(event, ev.ConductorConfigured):
             raw = msgspec.json.decode(event.settings_json.encode())
             del raw["decode_kv_peak"]
-            event = msgspec.structs.replace(event, settings_json=msgspec.json.encode(raw).decode())
+            # ... by a conductor from before behaviour versions, which recorded none.
+            event = msgspec.structs.replace(
+                event, settings_json=msgspec.json.encode(raw).decode(), behaviour_version=0
+            )
         out.append(LogRecord(seq=rec.seq, event=event, subject=rec.subject))
     return out
 

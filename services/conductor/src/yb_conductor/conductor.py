@@ -18,7 +18,9 @@ copy of an earlier attempt's decision changes nothing.
 
 Settings are part of the log too: at a `ConductorConfigured` event the fold adopts
 the settings and cost model it records (a what-if run layers its overrides on top),
-so a replay needs nothing but the log.
+so a replay needs nothing but the log. A record it cannot read stops the fold
+(`settings.RecordedSettingsError`, naming the event): deciding on with other
+settings than recorded would make decisions no replay reproduces.
 """
 
 from __future__ import annotations
@@ -71,8 +73,9 @@ def _own(cfg: ConductorConfig, cost: CostModel | None) -> CostModel:
 class Conductor:
     """Folds events and makes decisions; owns no I/O.
 
-    `policy` defaults to the one `cfg` names. `follow_recorded=False` makes a
-    what-if conductor (recorded decisions ignored); `overrides` are settings laid
+    `policy` defaults to the one `cfg` names; `cfg` is also what the state reads
+    (`ClusterState.cfg`, one object: `configure` swaps it). `follow_recorded=False`
+    makes a what-if conductor (recorded decisions ignored); `overrides` are settings laid
     over every configuration the log records; `adopt_logged_config=False` ignores
     those records altogether (tests of one fixed policy); `ignore_explain` compares
     recorded and recomputed decisions without their explanations (an explanation
@@ -85,7 +88,6 @@ class Conductor:
         *,
         cfg: ConductorConfig | None = None,
         cost: CostModel | None = None,
-        heartbeat_timeout_s: float | None = None,
         follow_recorded: bool = True,
         adopt_logged_config: bool = True,
         overrides: Mapping[str, Any] | None = None,
@@ -101,25 +103,10 @@ class Conductor:
         self.policy = policy if policy is not None else placement_policy(cfg, _own(cfg, cost))
         self._announced_kv_bytes = 0
         self._announced_layers = 0
-        self.cfg = cfg
         self.follow_recorded = follow_recorded
         self.adopt_logged_config = adopt_logged_config
         self.ignore_explain = ignore_explain
-        self.state = ClusterState(
-            heartbeat_timeout_s=(
-                cfg.heartbeat_timeout_s if heartbeat_timeout_s is None else heartbeat_timeout_s
-            ),
-            request_timeout_s=cfg.request_timeout_s,
-            decode_time_s=cfg.decode_time_s,
-            decode_time_alpha=cfg.decode_time_alpha,
-            learn_speed=cfg.learn_speed,
-            speed_alpha=cfg.speed_alpha,
-            compute_sharing=cfg.compute_sharing,
-            sharing_prior=cfg.sharing_prior,
-            priority_order=cfg.priority_order,
-            kv_reserved_at_start=cfg.kv_reserved_at_start,
-            learn_from_cut_short=cfg.learn_from_cut_short,
-        )
+        self.state = ClusterState(cfg)
         self.last_seq = 0
         # Decisions computed here whose recorded copy has not been seen yet.
         self.unrecorded: dict[str, ev.Decision] = {}
@@ -136,10 +123,16 @@ class Conductor:
         # Completions not yet collected by the service's metrics (bounded).
         self.outcomes: list[Outcome] = []
 
+    @property
+    def cfg(self) -> ConductorConfig:
+        """The settings in force (the state's: one object)."""
+        return self.state.cfg
+
     def apply(self, seq: int, event: ev.AnyEvent) -> list[Output]:
         """Fold the event at stream sequence `seq`; return what it calls for.
 
         Events at or below the last applied sequence are redeliveries and ignored.
+        Raises `RecordedSettingsError` at a `ConductorConfigured` it cannot read.
         """
         if seq and seq <= self.last_seq:
             return []
@@ -160,7 +153,7 @@ class Conductor:
                 return []
             case ev.ConductorConfigured():
                 if self.adopt_logged_config:
-                    cfg, cost = from_event(event)
+                    cfg, cost = from_event(event, seq=seq)
                     self.configure(with_overrides(cfg, self.overrides), self._cost_override or cost)
                 return []
             case ev.RequestFinished():
@@ -197,23 +190,13 @@ class Conductor:
             planner.overlap_layers = layers
 
     def configure(self, cfg: ConductorConfig, cost: CostModel | None = None) -> None:
-        """Decide with these settings from now on (the state and its history stay)."""
-        self.cfg = cfg
+        """Decide with these settings from now on. The state and its history stay
+        and read the new settings: what was learned stays, and a learning turned off
+        is no longer applied; `decode_time_s` seeded the learned decode time once."""
         self.policy = placement_policy(cfg, _own(cfg, cost))
         if self._announced_kv_bytes:  # what the engines said outlives a reconfiguration
             self._price_kv(self._announced_kv_bytes, self._announced_layers)
-        state = self.state
-        state.heartbeat_timeout_s = cfg.heartbeat_timeout_s
-        state.request_timeout_s = cfg.request_timeout_s
-        state.decode_time_alpha = cfg.decode_time_alpha
-        # What was learned stays; turned off, it is no longer applied.
-        state.learn_speed = cfg.learn_speed
-        state.speed_alpha = cfg.speed_alpha
-        state.compute_sharing = cfg.compute_sharing
-        state.sharing_prior = cfg.sharing_prior
-        state.priority_order = cfg.priority_order
-        state.kv_reserved_at_start = cfg.kv_reserved_at_start
-        state.learn_from_cut_short = cfg.learn_from_cut_short
+        self.state.cfg = cfg
 
     def _admit(self, seq: int, event: ev.RequestAdmitted) -> list[Output]:
         state = self.state

@@ -15,6 +15,8 @@ seeded from the request). That is what lets a replay recompute every decision.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 
 from yb_conductor.admission import (
@@ -26,7 +28,7 @@ from yb_conductor.admission import (
 )
 from yb_conductor.baselines import BASELINES
 from yb_conductor.cost_model import CostModel, load_cost_model
-from yb_conductor.decode_placement import DecodeEstimate, DecodePlanner
+from yb_conductor.decode_placement import DecodeChoice, DecodeEstimate, DecodePlanner
 from yb_conductor.piggyback import PiggybackEstimate, plan_steps
 from yb_conductor.policy_base import Decided, Policy, PolicyFactory, reject
 from yb_conductor.prefill_placement import (
@@ -35,9 +37,10 @@ from yb_conductor.prefill_placement import (
     Estimate,
     Option,
     PoolView,
+    PrefillChoice,
     PrefillPlanner,
 )
-from yb_conductor.state import ClusterState, InstanceState
+from yb_conductor.state import Calibration, ClusterState, InstanceState
 from yb_core import events as ev
 from yb_core.config import ConductorConfig
 
@@ -52,6 +55,30 @@ __all__ = [
     "placement_policy",
     "reject",
 ]
+
+
+# What completed requests taught of the (TTFT, TBT) estimates (`calibrated_admission`).
+Calibrations = tuple[Calibration, Calibration]
+
+
+@dataclass(frozen=True, slots=True)
+class _Estimated:
+    """A request's estimates on the instances chosen for it (`MooncakePolicy._estimate`).
+
+    `ttft_s` is the TTFT admission judges (`estimates.ttft_s`), `lag` the decode
+    instance's learned first-token lag in it, `queued` whether work waits ahead of
+    it where it would be prefilled. `piggy`: prefilling it inside the decode batch,
+    when that can be planned; `on_decode` when it wins, against `prefill_ttft_s` on
+    the prefill pool.
+    """
+
+    estimates: ev.Estimates
+    ttft_s: float
+    lag: float
+    queued: bool
+    piggy: PiggybackEstimate | None = None
+    on_decode: bool = False
+    prefill_ttft_s: float = 0.0
 
 
 class MooncakePolicy:
@@ -102,34 +129,109 @@ class MooncakePolicy:
         )
 
     def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decided:
-        """Place the request, or refuse it with the figures that led there."""
-        name = self.name
-        # Whose pages hold another number of tokens cannot take it (`ClusterState.live`).
+        """Place the request, or refuse it with the figures that led there.
+
+        In steps: the live pools (`_live_pools`), the prefill instance
+        (`_choose_prefill`) and the decode instance (`_choose_decode`) with the
+        candidate tables they leave (`_explanation`), the estimates, against
+        prefilling inside the decode batch (`_estimate`), admission (`_admission`),
+        and the decision (`_piggybacked` or `_on_prefill`).
+        """
+        pools = self._live_pools(state, request, seq)
+        if isinstance(pools, Decided):
+            return pools
+        prefills, decodes = pools
+        view, choice = self._choose_prefill(state, request, prefills)
+        chosen = choice.chosen
+        dchoice = self._choose_decode(state, request, decodes, chosen)
+        explain = self._explanation(state, request, view, choice, dchoice)
+        if dchoice.chosen_index < 0:
+            verdict = Verdict(
+                DECODE_KV_FULL, f"no decode instance has KV room for {request.prompt_tokens}", 1.0
+            )
+            explain.branch, explain.reason = "reject", verdict.reason
+            return Decided(reject(request, seq, self.name, verdict, explain=explain), [])
+        decode = self.decode.estimate(dchoice, dchoice.chosen_index)
+        est = self._estimate(state, request, view, chosen, decode, explain)
+        predictions = self._predictions(request, decode)
+        calibration = (
+            (state.learned.ttft, state.learned.tbt) if self.cfg.calibrated_admission else None
+        )
+        verdict_or_none = self._admission(state, request, est, decode, dchoice, calibration)
+        if verdict_or_none is not None:
+            explain.branch, explain.reason = "reject", verdict_or_none.reason
+            return Decided(
+                reject(request, seq, self.name, verdict_or_none, est.estimates, explain),
+                predictions,
+            )
+        if est.piggy is not None and est.on_decode:
+            return self._piggybacked(
+                state, request, seq, view, decode, est.piggy, est.estimates, explain, predictions,
+                f"against {est.prefill_ttft_s:.3f}s on {chosen.instance.instance_id}",
+            )  # fmt: skip
+        decision = self._on_prefill(
+            state, request, seq, view, chosen, choice.chosen_copy_s, decode, est, explain,
+            calibration,
+        )  # fmt: skip
+        return Decided(decision, predictions)
+
+    def _live_pools(
+        self, state: ClusterState, request: ev.RequestAdmitted, seq: int
+    ) -> tuple[list[InstanceState], list[InstanceState]] | Decided:
+        """The live prefill and decode instances that can take the request (whose
+        pages hold its block size, `ClusterState.live`), or its refusal when a pool
+        has none."""
         prefills = state.live("prefill", request.model, request.block_size)
         decodes = state.live("decode", request.model, request.block_size)
         if not prefills:
             reason = _none_live(state, "prefill", request)
-            return Decided(reject(request, seq, name, Verdict(NO_PREFILL, reason, 1.0)), [])
+            return Decided(reject(request, seq, self.name, Verdict(NO_PREFILL, reason, 1.0)), [])
         if not decodes:
             reason = _none_live(state, "decode", request)
-            return Decided(reject(request, seq, name, Verdict(NO_DECODE, reason, 1.0)), [])
+            return Decided(reject(request, seq, self.name, Verdict(NO_DECODE, reason, 1.0)), [])
+        return prefills, decodes
+
+    def _choose_prefill(
+        self, state: ClusterState, request: ev.RequestAdmitted, prefills: list[InstanceState]
+    ) -> tuple[PoolView, PrefillChoice]:
+        """What the pool holds of the request's prefix, and every prefill instance's
+        best option with the pick (`prefill_placement`)."""
         view = self.prefill.view(state, request)
-        choice = self.prefill.options(state, request, view, prefills)
-        chosen = choice.chosen
-        est = chosen.est
-        bs = max(1, request.block_size)
-        dchoice = self.decode.choose(
+        return view, self.prefill.options(state, request, view, prefills)
+
+    def _choose_decode(
+        self,
+        state: ClusterState,
+        request: ev.RequestAdmitted,
+        decodes: list[InstanceState],
+        chosen: Option,
+    ) -> DecodeChoice:
+        """The decode instance by its TBT predicted for when the chosen prefill ends
+        (`decode_placement`); its pages are taken from the prefill's start on."""
+        return self.decode.choose(
             state,
             decodes,
             prompt_tokens=request.prompt_tokens,
             max_tokens=request.max_tokens,
-            block_size=bs,
+            block_size=max(1, request.block_size),
             at_time=state.now + chosen.ttft_s,
             priority=request.priority,
             start_time=state.now + chosen.queue_s,
         )
+
+    def _explanation(
+        self,
+        state: ClusterState,
+        request: ev.RequestAdmitted,
+        view: PoolView,
+        choice: PrefillChoice,
+        dchoice: DecodeChoice,
+    ) -> ev.Explanation:
+        """The decision's explanation so far: the SLO limits and both candidate
+        tables (`explain_top_k`, `explain_decode_top_k` rows); the branch and the
+        reason are filled in by the step that settles the decision."""
         ttft_limit, tbt_limit = self.admission.limits(request)
-        explain = ev.Explanation(
+        return ev.Explanation(
             admission=self.admission.name,
             best_blocks=view.best_any_blocks,
             best_source=view.best_any_source,
@@ -148,13 +250,19 @@ class MooncakePolicy:
                 for i in self.decode.table(state, dchoice, self.cfg.explain_decode_top_k)
             ],
         )
-        if dchoice.chosen_index < 0:
-            verdict = Verdict(
-                DECODE_KV_FULL, f"no decode instance has KV room for {request.prompt_tokens}", 1.0
-            )
-            explain.branch, explain.reason = "reject", verdict.reason
-            return Decided(reject(request, seq, name, verdict, explain=explain), [])
-        decode = self.decode.estimate(dchoice, dchoice.chosen_index)
+
+    def _estimate(
+        self,
+        state: ClusterState,
+        request: ev.RequestAdmitted,
+        view: PoolView,
+        chosen: Option,
+        decode: DecodeEstimate,
+        explain: ev.Explanation,
+    ) -> _Estimated:
+        """The request's estimates on the chosen instances, or prefilled inside the
+        decode instance's batch when that has the lower TTFT (its row joins the
+        candidate table, first when it wins)."""
         # The first token follows the prefill's end by the decode instance's learned
         # lag (0 without `learn_speed`); the decode batch is predicted at the end.
         lag = state.first_token_lag_s(decode.instance.instance_id)
@@ -172,71 +280,97 @@ class MooncakePolicy:
         queued = bool(chosen.instance.prefill_queue) or chosen.queue_s > 0.0
         piggy = None
         if decode.instance.piggyback and not request.prompt_logprobs:
-            piggy = self._piggyback(state, request, view, decode.instance, tbt_limit)
-        on_decode = piggy is not None and piggy.ttft_s < ttft
-        if piggy is not None:
-            row = self._piggyback_row(decode.instance, view, piggy)
-            explain.candidates.insert(0 if on_decode else min(1, len(explain.candidates)), row)
-            if on_decode:
-                prefill_ttft, ttft = ttft, piggy.ttft_s
-                queued = bool(decode.instance.prefill_queue) or piggy.wait_s > 0.0
-                estimates = msgspec.structs.replace(
-                    estimates,
-                    queue_s=piggy.wait_s,
-                    transfer_s=piggy.load_s,
-                    prefill_s=piggy.prefill_s,
-                    ttft_s=ttft,
-                )
-        predictions: list[ev.LoadPrediction] = []
-        if self.admission.name == "predicted":
-            predictions.append(
-                ev.LoadPrediction(
-                    time=request.time,
-                    instance_id=decode.instance.instance_id,
-                    at_time=decode.at_time,
-                    predicted_batch=decode.predicted_batch,
-                    predicted_tbt_s=decode.predicted_tbt_s,
-                    request_id=request.request_id,
-                    current_batch=decode.decoding_batch - 1,
-                )
-            )
-        calibration = (
-            (state.learned.ttft, state.learned.tbt) if self.cfg.calibrated_admission else None
+            piggy = self._piggyback(state, request, view, decode.instance, explain.tbt_limit_s)
+        if piggy is None:
+            return _Estimated(estimates, ttft, lag, queued)
+        on_decode = piggy.ttft_s < ttft
+        row = self._piggyback_row(decode.instance, view, piggy)
+        explain.candidates.insert(0 if on_decode else min(1, len(explain.candidates)), row)
+        if not on_decode:
+            return _Estimated(estimates, ttft, lag, queued, piggy)
+        estimates = msgspec.structs.replace(
+            estimates,
+            queue_s=piggy.wait_s,
+            transfer_s=piggy.load_s,
+            prefill_s=piggy.prefill_s,
+            ttft_s=piggy.ttft_s,
         )
-        verdict_or_none = self.admission.check(
+        queued = bool(decode.instance.prefill_queue) or piggy.wait_s > 0.0
+        return _Estimated(estimates, piggy.ttft_s, lag, queued, piggy, True, ttft)
+
+    def _predictions(
+        self, request: ev.RequestAdmitted, decode: DecodeEstimate
+    ) -> list[ev.LoadPrediction]:
+        """Under `predicted` admission, the decode load predicted for the end of the
+        request's prefill, logged beside the decision."""
+        if self.admission.name != "predicted":
+            return []
+        return [
+            ev.LoadPrediction(
+                time=request.time,
+                instance_id=decode.instance.instance_id,
+                at_time=decode.at_time,
+                predicted_batch=decode.predicted_batch,
+                predicted_tbt_s=decode.predicted_tbt_s,
+                request_id=request.request_id,
+                current_batch=decode.decoding_batch - 1,
+            )
+        ]
+
+    def _admission(
+        self,
+        state: ClusterState,
+        request: ev.RequestAdmitted,
+        est: _Estimated,
+        decode: DecodeEstimate,
+        dchoice: DecodeChoice,
+        calibration: Calibrations | None,
+    ) -> Verdict | None:
+        """Why the request is refused on these estimates (`admission`), or None; with
+        `calibrated_admission`, judged by what outcomes taught of the estimates."""
+        return self.admission.check(
             request,
-            ttft,
+            est.ttft_s,
             decode,
             lambda limit: self.decode.drain_time_s(state, decode, limit, dchoice.context),
             calibration=calibration,
-            queued=queued,
+            queued=est.queued,
         )
-        if verdict_or_none is not None:
-            explain.branch, explain.reason = "reject", verdict_or_none.reason
-            return Decided(
-                reject(request, seq, name, verdict_or_none, estimates, explain), predictions
-            )
-        if on_decode and piggy is not None:
-            return self._piggybacked(
-                state, request, seq, view, decode, piggy, estimates, explain, predictions,
-                f"against {prefill_ttft:.3f}s on {chosen.instance.instance_id}",
-            )  # fmt: skip
+
+    def _on_prefill(
+        self,
+        state: ClusterState,
+        request: ev.RequestAdmitted,
+        seq: int,
+        view: PoolView,
+        chosen: Option,
+        copy_s: float,
+        decode: DecodeEstimate,
+        est: _Estimated,
+        explain: ev.Explanation,
+        calibration: Calibrations | None,
+    ) -> ev.RequestScheduled:
+        """The decision that the chosen prefill instance computes the prompt (reusing
+        what its option plans) and the chosen decode instance decodes it; `copy_s` is
+        what copying the prefix there costs (with `prefix_stickiness`)."""
         reuse = self.prefill.reuse_plan(state, view, chosen)
-        explain.branch = est.option
+        explain.branch = chosen.est.option
         # Only with stickiness, so that older logs explain as they always did.
         sticky = self.prefill.stickiness > 0.0
-        explain.reason = self._why(chosen, decode, view, lag, "TTFT" if sticky else "lowest TTFT")
-        explain.reason += self.admission.overrun_note(request, ttft, queued, calibration)
+        explain.reason = self._why(
+            chosen, decode, view, est.lag, "TTFT" if sticky else "lowest TTFT"
+        )
+        explain.reason += self.admission.overrun_note(request, est.ttft_s, est.queued, calibration)
         if sticky:
             explain.reason += (
-                f"; chosen for the lowest TTFT + copy cost (copy {choice.chosen_copy_s:.3f}s, "
+                f"; chosen for the lowest TTFT + copy cost (copy {copy_s:.3f}s, "
                 f"prefix_stickiness {self.prefill.stickiness:g})"
             )
         decision = self._scheduled(
-            request, seq, chosen.instance, decode.instance, reuse, estimates, explain
+            request, seq, chosen.instance, decode.instance, reuse, est.estimates, explain
         )
         decision.prefill_stages = list(chosen.instance.stages)
-        return Decided(decision, predictions)
+        return decision
 
     def _scheduled(
         self,

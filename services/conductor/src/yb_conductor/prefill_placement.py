@@ -493,7 +493,7 @@ class PrefillPlanner:
         """Positions in `prefills` that can win, in order, and how many of the fastest
         are sure to be the fastest of all; None when every instance must be evaluated
         (see `candidates` for why it is exact)."""
-        if state.learn_speed and state.compute_sharing != "none":
+        if state.cfg.learn_speed and state.cfg.compute_sharing != "none":
             return None  # an idle engine's speed depends on its group's load
         positions = state.positions(prefills)
         index = state.candidates()
@@ -527,7 +527,7 @@ class PrefillPlanner:
         earliest `busy_until`, then the lowest position: the tie order of
         `_evaluate`). `positions` and `index`: the state's, for `prefills`."""
         queued = index.may_be_queued
-        learned = state.learn_speed
+        learned = state.cfg.learn_speed
         best: tuple[float, int] | None = None  # (busy_until, position)
         best_t = math.inf
         # One pass over (slowdown, idle since, id): the first quiet entry of a
@@ -590,7 +590,7 @@ class PrefillPlanner:
                 picked.add(i)
         holding_or_queued = set(picked)
         # The quiet non-holders, fastest first: each one's TTFT is `0.0 + w * f`.
-        learned = state.learn_speed
+        learned = state.cfg.learn_speed
         order = index.by_speed() if learned else ((1.0, i.instance_id) for i in prefills)
         keep = self.keep
         taken = 0
@@ -659,9 +659,9 @@ class PrefillPlanner:
         counts: dict[str, tuple[int, int]] = {}
         # Without shared compute an engine's slowdown is its `solo` alone.
         solo: dict[str, InstanceSpeed] | None = None
-        if state.learn_speed:
+        if state.cfg.learn_speed:
             factors = [1.0] * n
-            if state.compute_sharing == "none":
+            if state.cfg.compute_sharing == "none":
                 solo = state.speeds
             else:
                 counts = state.busy_by_group()

@@ -27,6 +27,13 @@ it had, and asks every block holder it knows for a full inventory, since the ind
 missed their stores and evictions. Instances whose announcement was trimmed and
 that it never knew stay unknown until they announce again (a restart).
 
+Settings recorded in the log (`ConductorConfigured`) that this conductor cannot
+read stop it (`recorded_settings_unreadable` logged as an error, naming the event,
+and the process exits non-zero): deciding on with other settings than recorded
+would publish decisions no replay reproduces, so it refuses rather than guess. A
+snapshot whose settings cannot be read is unusable like a corrupt one: the
+conductor reads the log instead.
+
 The active conductor also says what the fold concluded about failures: an instance
 silent past the heartbeat timeout is declared dead (`InstanceDown`), and the
 requests it orphaned — and those of a gateway that died or restarted — are
@@ -56,7 +63,7 @@ from yb_conductor.conductor import Conductor, Output
 from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.lease import Lease
 from yb_conductor.metrics import ConductorMetrics
-from yb_conductor.settings import configured_event
+from yb_conductor.settings import RecordedSettingsError, configured_event
 from yb_conductor.state import BLOCK_HOLDER_ROLES, HEARTBEAT_ROLES
 from yb_core import events as ev
 from yb_core.bus import Bus, BusError, EventReader, LoggedEvent
@@ -262,7 +269,11 @@ class ConductorService(Service):
         snap = await read_snapshot(self._store)
         if snap is None or snap.last_seq <= self.conductor.last_seq:
             return False
-        self.conductor = snapshot.restore(snap)
+        try:
+            self.conductor = snapshot.restore(snap)
+        except snapshot.SnapshotError as exc:
+            log.warning("snapshot_unusable", error=str(exc))
+            return False
         self.restored_from_seq = snap.last_seq
         self.metrics.snapshot_seq.set(snap.last_seq)
         log.info("snapshot_restored", last_seq=snap.last_seq)
@@ -387,7 +398,17 @@ class ConductorService(Service):
             if item.seq > self.conductor.last_seq + 1 and await self._bridge_gap(item.seq):
                 continue  # restored from a snapshot; the reader starts after it
             started = time.perf_counter()
-            outputs = self.conductor.apply(item.seq, item.event)
+            try:
+                outputs = self.conductor.apply(item.seq, item.event)
+            except RecordedSettingsError as exc:
+                log.error(
+                    "recorded_settings_unreadable",
+                    seq=item.seq,
+                    error=str(exc),
+                    why="deciding with other settings than the log records would not "
+                    "replay; this conductor stops",
+                )
+                raise
             self.metrics.applied.inc()
             if self._live:
                 # Counted only live: a conductor catching up on the log would count

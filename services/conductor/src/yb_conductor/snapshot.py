@@ -9,7 +9,9 @@ Everything that decides is in the snapshot, in its order: instances, placements 
 every queue (dict order is FIFO order), the block index (per slot, so slots come back
 the same, with each slot's keys in the order it holds them), block trackers, what
 completions taught, the decisions not yet seen in the log, the de-duplication memory,
-the quality counters, and the settings and cost model in force. msgpack carries it;
+the quality counters, and the settings and cost model in force, with the behaviour
+version they were written by (read as `compat` says; a snapshot whose settings or
+cost model do not read is unusable, never restored with defaults). msgpack carries it;
 the index's bitmasks are not stored (they can exceed 64 bits) but rebuilt from the
 per-slot key lists.
 """
@@ -22,12 +24,12 @@ from typing import Final
 import msgspec
 
 from yb_conductor.block_index import BlockIndex
+from yb_conductor.compat import BEHAVIOUR_VERSION
 from yb_conductor.conductor import Conductor
-from yb_conductor.cost_model import CostModel
 from yb_conductor.hotness import HotPrefixes
 from yb_conductor.quality import DecisionQuality
 from yb_conductor.retention import Retention
-from yb_conductor.settings import recorded_settings
+from yb_conductor.settings import RecordedSettingsError, recorded_cost_model, recorded_settings
 from yb_conductor.speed import InstanceSpeed, SharedSpeed
 from yb_conductor.state import (
     BlockTracker,
@@ -82,6 +84,8 @@ class Snapshot(msgspec.Struct, kw_only=True):
     evicted_blocks: int = 0
     evicted_wanted: int = 0
     retention: Retention = msgspec.field(default_factory=Retention)
+    # The behaviour version `settings_json` was written by (0: before versions).
+    behaviour_version: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -125,6 +129,7 @@ def take(c: Conductor) -> Snapshot:
         evicted_blocks=s.evicted_blocks,
         evicted_wanted=s.evicted_wanted,
         retention=c.retention,
+        behaviour_version=BEHAVIOUR_VERSION,
     )
     # Round-trip through bytes: the snapshot must not alias the live state.
     return _decoder.decode(_encoder.encode(snap))
@@ -150,9 +155,14 @@ def decode(data: bytes) -> Snapshot:
 
 
 def restore(snap: Snapshot, *, follow_recorded: bool = True) -> Conductor:
-    """A conductor in exactly the state the snapshot recorded."""
-    cfg = recorded_settings(snap.settings_json)
-    cost = msgspec.json.decode(snap.cost_model_json.encode(), type=CostModel)
+    """A conductor in exactly the state the snapshot recorded; `SnapshotError` when
+    its settings or cost model cannot be read."""
+    origin = f"snapshot at stream sequence {snap.last_seq}"
+    try:
+        cfg = recorded_settings(snap.settings_json, snap.behaviour_version, origin=origin)
+        cost = recorded_cost_model(snap.cost_model_json, origin=origin)
+    except RecordedSettingsError as exc:
+        raise SnapshotError(str(exc)) from exc
     c = Conductor(cfg=cfg, cost=cost, follow_recorded=follow_recorded)
     s = c.state
     s.now = snap.now

@@ -55,6 +55,7 @@ from yb_conductor.speed import (
     slowdown,
 )
 from yb_core import events as ev
+from yb_core.config import ConductorConfig
 
 BLOCK_HOLDER_ROLES: tuple[ev.Role, ...] = ("kvstore", "prefill")
 # Roles whose silence is a death: they heartbeat from their first moment. Others
@@ -334,31 +335,10 @@ class PlacedPriorities:
 class ClusterState:
     """Instances, their loads, scheduled requests and the global block index."""
 
-    def __init__(
-        self,
-        *,
-        heartbeat_timeout_s: float = 15.0,
-        request_timeout_s: float = 600.0,
-        decode_time_s: float = 10.0,
-        decode_time_alpha: float = 0.1,
-        learn_speed: bool = False,
-        speed_alpha: float = 0.3,
-        compute_sharing: str = "none",
-        sharing_prior: float = 1.0,
-        priority_order: bool = False,
-        kv_reserved_at_start: bool = False,
-        learn_from_cut_short: bool = True,
-    ) -> None:
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.priority_order = priority_order
-        self.kv_reserved_at_start = kv_reserved_at_start
-        self.learn_from_cut_short = learn_from_cut_short
-        self.request_timeout_s = request_timeout_s
-        self.decode_time_alpha = decode_time_alpha
-        self.learn_speed = learn_speed
-        self.speed_alpha = speed_alpha
-        self.compute_sharing = compute_sharing
-        self.sharing_prior = sharing_prior
+    def __init__(self, cfg: ConductorConfig | None = None) -> None:
+        # The conductor's settings, one object read where needed (`Conductor.configure`
+        # swaps it); `decode_time_s` seeds the learned decode time once, here.
+        self.cfg = cfg or ConductorConfig()
         # Per engine (by id, kept across restarts: the hardware stays), and per group
         # of engines sharing compute (by group, see `_group`).
         self.speeds: dict[str, InstanceSpeed] = {}
@@ -381,7 +361,7 @@ class ClusterState:
         # Request id -> the event time before which its wanted cancel is not
         # published: its gateway lives and may re-plan it.
         self.cancel_not_before: dict[str, float] = {}
-        self.learned = Learned(decode_time_s=decode_time_s)
+        self.learned = Learned(decode_time_s=self.cfg.decode_time_s)
         # First block key -> the placements whose prefill has not ended and whose
         # prompt starts with it, in placement order (`pending_prefixes`).
         self.pending_prefixes: dict[int, dict[str, None]] = {}
@@ -464,14 +444,14 @@ class ClusterState:
         max_tokens = pending.max_tokens if pending else 0
         block_size = pending.block_size if pending and pending.block_size else 1
         deadline = pending.deadline if pending and pending.deadline else 0.0
-        if not deadline or deadline > decision.time + self.request_timeout_s:
-            deadline = decision.time + self.request_timeout_s
+        if not deadline or deadline > decision.time + self.cfg.request_timeout_s:
+            deadline = decision.time + self.cfg.request_timeout_s
         est = decision.estimates
         prefill_s = est.transfer_s + est.prefill_s
         prefill = self.instances.get(decision.prefill_instance)
         start = max(self.now, prefill.busy_until) if prefill is not None else self.now
         work_s = prefill_s
-        if self.learn_speed and prefill is not None and decision.policy in SPEED_AWARE:
+        if self.cfg.learn_speed and prefill is not None and decision.policy in SPEED_AWARE:
             # The estimate was priced at the slowdown expected now (the same state
             # the policy saw); the queue keeps its work at the cost model's speed.
             factor = self.prefill_slowdown(prefill, self.busy_others(prefill))
@@ -517,7 +497,7 @@ class ClusterState:
             prefill.prefill_work_s += work_s
             prefill.prefill_tokens_in_flight += decision.computed_tokens
             prefill.prefill_requests_in_flight += 1
-            if not (self.priority_order and self._overtake(prefill, placement)):
+            if not (self.cfg.priority_order and self._overtake(prefill, placement)):
                 prefill.prefill_queue[rid] = None
                 prefill.busy_until = placement.prefill_end
             if prefill.role == "prefill":
@@ -660,7 +640,7 @@ class ClusterState:
         elif inst.role == "decode" and self.decode_busy(inst):
             self._candidates.decode_busy[inst.instance_id] = None
         self._topology_changed()
-        self._next_expiry = min(self._next_expiry, event.time + self.heartbeat_timeout_s)
+        self._next_expiry = min(self._next_expiry, event.time + self.cfg.heartbeat_timeout_s)
 
     def _load_report(self, event: ev.LoadReport) -> None:
         inst = self.instances.get(event.instance_id)
@@ -685,7 +665,7 @@ class ClusterState:
         what it reports using."""
         placements = self.placements
         committed = projected = 0
-        at_start = self.kv_reserved_at_start
+        at_start = self.cfg.kv_reserved_at_start
         t_d = self.learned.decode_time_s
         for rid in inst.assigned:
             p = placements.get(rid)
@@ -731,7 +711,7 @@ class ClusterState:
         self._orphan(inst, f"{inst.role} instance {inst.instance_id} went down: {event.reason}")
 
     def _expire_silent_instances(self) -> None:
-        limit = self.now - self.heartbeat_timeout_s
+        limit = self.now - self.cfg.heartbeat_timeout_s
         oldest = math.inf
         for inst in self.instances.values():
             if not inst.alive:
@@ -741,12 +721,12 @@ class ClusterState:
                 self._forget_blocks(inst.instance_id)
                 self._topology_changed()
                 if inst.role in HEARTBEAT_ROLES or inst.last_report is not None:
-                    reason = f"no heartbeat for {self.heartbeat_timeout_s:g}s"
+                    reason = f"no heartbeat for {self.cfg.heartbeat_timeout_s:g}s"
                     self.declared_dead[inst.instance_id] = reason
                     self._orphan(inst, f"{inst.role} instance {inst.instance_id}: {reason}")
             elif inst.last_seen < oldest:
                 oldest = inst.last_seen
-        self._next_expiry = oldest + self.heartbeat_timeout_s
+        self._next_expiry = oldest + self.cfg.heartbeat_timeout_s
 
     def _orphan(self, inst: InstanceState, reason: str) -> None:
         """Mark for cancellation the requests that `inst` was needed to finish."""
@@ -798,12 +778,12 @@ class ClusterState:
             placement.reserved = True
             if not placement.prefill_done:
                 inst = self.instances.get(placement.prefill_instance)
-                if self.priority_order and inst is not None:
+                if self.cfg.priority_order and inst is not None:
                     self._runs_first(inst, event.request_id)
                 self._reanchor(placement.prefill_instance, event.request_id, event.time)
                 if inst is not None:
                     inst.running_since = event.time
-                    if self.learn_speed and not placement.started_at:
+                    if self.cfg.learn_speed and not placement.started_at:
                         placement.started_at = event.time
                         placement.others_at_start = self.busy_others(inst, forward=False)
             return
@@ -869,17 +849,17 @@ class ClusterState:
         inst = self.instances.get(placement.prefill_instance)
         if inst is None:
             return
-        if self.learn_speed and placement.started_at and inst.role == "prefill":
+        if self.cfg.learn_speed and placement.started_at and inst.role == "prefill":
             others = (placement.others_at_start + self.busy_others(inst, forward=False)) / 2
             group = self._group(inst)
-            shared = self.shared_speeds.get(group) or SharedSpeed(per_busy=self.sharing_prior)
+            shared = self.shared_speeds.get(group) or SharedSpeed(per_busy=self.cfg.sharing_prior)
             learn_prefill(
                 self.speed_of(inst.instance_id),
                 shared,
                 at - placement.started_at,
                 placement.work_s,
                 others,
-                alpha=self.speed_alpha,
+                alpha=self.cfg.speed_alpha,
             )
             if shared.samples:
                 self.shared_speeds[group] = shared
@@ -931,9 +911,9 @@ class ClusterState:
             if not decode_s:
                 decode_s = event.output_tokens * event.tbt_mean_s
             learned = self.learned
-            a = self.decode_time_alpha
+            a = self.cfg.decode_time_alpha
             # A request cut short for lack of KV ended before its output did.
-            whole = self.learn_from_cut_short or event.reason != ev.CUT_SHORT_REASON
+            whole = self.cfg.learn_from_cut_short or event.reason != ev.CUT_SHORT_REASON
             if decode_s > 0 and whole:
                 learned.decode_time_s += a * (decode_s - learned.decode_time_s)
             if event.output_tokens > 0 and whole:
@@ -943,12 +923,12 @@ class ClusterState:
             if placement.est_tbt_s > 0 and event.tbt_mean_s > 0:
                 learned.tbt.learn(placement.est_tbt_s, event.tbt_mean_s)
             learned.completions += 1
-            if self.learn_speed and placement.prefill_done_at and event.ttft_s > 0:
+            if self.cfg.learn_speed and placement.prefill_done_at and event.ttft_s > 0:
                 # TTFT runs from the decision; what follows the prefill's end is the lag.
                 learn_first_token(
                     self.speed_of(placement.decode_instance),
                     event.ttft_s - (placement.prefill_done_at - placement.scheduled_at),
-                    alpha=self.speed_alpha,
+                    alpha=self.cfg.speed_alpha,
                 )
             if len(self.outcomes) < 10_000:
                 self.outcomes.append(
@@ -1306,7 +1286,7 @@ class ClusterState:
         return speed
 
     def _group(self, inst: InstanceState) -> str:
-        match self.compute_sharing:
+        match self.cfg.compute_sharing:
             case "all":
                 return ""
             case "host":
@@ -1332,7 +1312,7 @@ class ClusterState:
     def busy_by_group(self) -> dict[str, tuple[int, int]]:
         """Per compute group: engines busy now, and decode engines busy soon."""
         counts: dict[str, tuple[int, int]] = {}
-        if self.compute_sharing == "none":
+        if self.cfg.compute_sharing == "none":
             return counts
         for inst in self.instances.values():
             busy = self._busy(inst)
@@ -1355,7 +1335,7 @@ class ClusterState:
         will be decoding while it runs; an idle engine starts it at once, before any
         other prefill ends (most often).
         """
-        if self.compute_sharing == "none":
+        if self.cfg.compute_sharing == "none":
             return 0
         if counts is None:
             counts = self.busy_by_group()
@@ -1368,9 +1348,9 @@ class ClusterState:
     def prefill_slowdown(self, inst: InstanceState, others: int) -> float:
         """The factor on the cost model's prefill time on `inst` beside `others`
         busy engines (1.0 without `learn_speed`)."""
-        if not self.learn_speed:
+        if not self.cfg.learn_speed:
             return 1.0
-        per_busy = self.sharing_prior
+        per_busy = self.cfg.sharing_prior
         if others:
             shared = self.shared_speeds.get(self._group(inst))
             if shared is not None:
@@ -1393,7 +1373,7 @@ class ClusterState:
     def first_token_lag_s(self, decode_instance: str) -> float:
         """Learned seconds from a prefill's end to the first token on that decode
         instance (0.0 without `learn_speed`)."""
-        if not self.learn_speed:
+        if not self.cfg.learn_speed:
             return 0.0
         speed = self.speeds.get(decode_instance)
         return speed.first_token_s if speed is not None else 0.0

@@ -318,6 +318,11 @@ class ConductorConfig(_Section):
     prefill, Mooncake §7). `cost_model` is a built-in name or a file written by
     `yb profile` ("" = the built-in default).
 
+    Settings described below with "(how logs recorded before the setting replay)"
+    exist so that old logs replay decision for decision: their defaults are today's
+    behaviour, and `yb_conductor.compat` lists them with the value an old log's
+    record stands for and the behaviour version that retired it.
+
     `kvcache_balancing_threshold` is the paper's ratio: a remote prefix is considered
     only when it is longer than the local one by more than this factor. With
     `weigh_transfer` (the default) transfer, local reuse and recomputation are all

@@ -496,12 +496,18 @@ class ConductorConfigured(Event, tag="conductor_configured"):
     the settings and cost model the live conductor had, not with the replaying
     operator's. Both are JSON text: readers of another version drop what they do
     not know instead of failing on the whole event.
+
+    `behaviour_version` is the conductor's behaviour version
+    (`yb_conductor.compat.BEHAVIOUR_VERSION`); 0, a record made before versions
+    existed. It says what a setting the record lacks stands for: the value that
+    reproduces that conductor, or today's default.
     """
 
     instance_id: str
     settings_json: str
     cost_model_json: str = ""
     software: str = ""
+    behaviour_version: int = 0
 
 
 # --- data plane ---------------------------------------------------------------------

@@ -106,6 +106,7 @@ def render(seq: int, decision: ev.Decision) -> str:
 def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     """`yb explain`."""
     from yb_conductor.replay import find_decision, recompute_decision, to_json
+    from yb_conductor.settings import RecordedSettingsError
     from yb_core.bus import BusUnavailable
 
     try:
@@ -127,7 +128,11 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     elif args.full:
-        full = recompute_decision(records, args.request_id, top_k=0)
+        try:
+            full = recompute_decision(records, args.request_id, top_k=0)
+        except RecordedSettingsError as exc:
+            print(f"yb explain: {exc}", file=sys.stderr)
+            return 1
         if full is not None:
             decision = full
     print(to_json(decision) if args.json else render(seq, decision))

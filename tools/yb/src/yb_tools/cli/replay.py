@@ -21,6 +21,13 @@ the first retained sequence, when no snapshot reaches back to it. A what-if run
 and an exported file that starts past seq 1 are refused the same way (both need
 the log from its beginning).
 
+Settings the log records (`ConductorConfigured`) that cannot be read end any run
+with exit code 1 and a message naming the event: the conductor would decide with
+other settings than recorded. `--set` takes any conductor setting, including the
+switches that exist only so that old logs replay as recorded
+(`yb_conductor.compat`): setting one is how to see what today's behaviour would
+have decided on an old log, or the old behaviour on a new one.
+
 `--report` writes the timeline of a window of the log as one self-contained HTML
 file (docs/timeline.md): lanes per instance, and each request's decision on a click;
 with `--policy`/`--set`, the what-if decision of every request beside it.
@@ -103,7 +110,8 @@ def add_parser(sub: Any) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="what-if: a conductor setting (repeatable), e.g. admission=early",
+        help="what-if: a conductor setting (repeatable), e.g. admission=early "
+        "(or a switch kept for old logs, yb_conductor.compat, e.g. learn_speed=true)",
     )
     p.add_argument("--until", type=int, default=0, metavar="SEQ", help="stop after SEQ")
     p.add_argument("--keep-going", action="store_true", help="list every divergence")
@@ -265,8 +273,8 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
         what_if,
         write_log,
     )
-    from yb_conductor.settings import SettingsError, parse_assignments
-    from yb_conductor.snapshot import restore
+    from yb_conductor.settings import RecordedSettingsError, SettingsError, parse_assignments
+    from yb_conductor.snapshot import SnapshotError, restore
     from yb_core.bus import BusUnavailable
 
     if (why := ineffective_flags(args)) is not None:
@@ -303,6 +311,9 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     if overrides:
         try:
             report = what_if(records, overrides, cfg=cfg.conductor, until_seq=args.until)
+        except RecordedSettingsError as exc:
+            print(f"yb replay: {exc}", file=sys.stderr)
+            return 1
         except (SettingsError, ValueError) as exc:
             print(f"yb replay: {exc}", file=sys.stderr)
             return 2
@@ -338,6 +349,9 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     except NondeterminismError as exc:
         print(f"NondeterminismError: {exc}")
         return 1
+    except (RecordedSettingsError, SnapshotError) as exc:
+        print(f"yb replay: {exc}", file=sys.stderr)
+        return 1
     elapsed = time.perf_counter() - started
     quality = result.conductor.quality.summary()
     print(
@@ -363,7 +377,7 @@ def _write_report(
     cfg: YbConfig, args: argparse.Namespace, loaded: LoadedLog, overrides: dict[str, Any]
 ) -> int:
     """`yb replay --report`: the window's timeline, with what-if decisions when asked."""
-    from yb_conductor.settings import SettingsError
+    from yb_conductor.settings import RecordedSettingsError, SettingsError
     from yb_tools.timeline.model import Window
     from yb_tools.timeline.report import write_report
 
@@ -386,6 +400,9 @@ def _write_report(
             overrides=overrides or None,
             cfg=cfg.conductor,
         )
+    except RecordedSettingsError as exc:
+        print(f"yb replay: {exc}", file=sys.stderr)
+        return 1
     except (SettingsError, ValueError) as exc:
         print(f"yb replay: {exc}", file=sys.stderr)
         return 2
