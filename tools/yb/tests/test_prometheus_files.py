@@ -193,6 +193,33 @@ async def test_watcher_tells_who_announced_and_publishes_verdicts(
         await asyncio.to_thread(watcher.stop)
 
 
+async def test_watcher_confirms_an_announcement_from_the_log_itself(
+    nats_config: NatsConfig, bus: Bus, tmp_path: Path
+) -> None:
+    # The instance stream the watcher follows is a copy of the log, a moment behind:
+    # when a child exits before the copy showed its announcement, the supervisor asks
+    # the log, which holds it as soon as the publish was acknowledged.
+    started = time.time()
+    running = {"prefill-0": started}
+    watcher = ClusterWatcher(nats_config, tmp_path / "targets.json", lambda: dict(running))
+    watcher.start()
+    try:
+        await bus.publish(up(PREFILL, at=time.time()))
+        await _wait_for(tmp_path / "targets.json", [PREFILL])  # connected and following
+        decode = ScrapeTarget(
+            instance="decode-0", role="decode", host="host-0", address="127.0.0.1:9102"
+        )
+        await bus.publish(up(decode, at=time.time()))
+        confirm = watcher.confirm_announced
+        assert await asyncio.to_thread(confirm, "decode-0", started)
+        # An announcement older than the process is an earlier process's; none at all.
+        assert not await asyncio.to_thread(confirm, "decode-0", time.time() + 60)
+        assert not await asyncio.to_thread(confirm, "decode-9", started)
+    finally:
+        await asyncio.to_thread(watcher.stop)
+    assert not watcher.confirm_announced("decode-0", started)  # stopped: cannot tell
+
+
 def test_launcher_keeps_an_inline_token_out_of_the_config(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:

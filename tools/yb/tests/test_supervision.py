@@ -271,3 +271,33 @@ def test_the_log_tail_is_the_current_process_s_and_readable(tmp_path: Path) -> N
     ]
     assert log_tail(log)[0] == "info started"
     assert log_tail(tmp_path / "missing.log") == []
+
+
+def test_an_exit_before_the_announcement_was_seen_asks_the_log_once(
+    members: list[ShellMember], tmp_path: Path
+) -> None:
+    # Killed right after it announced itself, before the launcher's copy of the log
+    # showed it: the log confirms it had started, so it is no failed start.
+    decode = _member(members, tmp_path, "decode-0", "decode", "exec sleep 600")
+    asked: list[str] = []
+
+    def confirm(name: str) -> bool:
+        asked.append(name)
+        return True
+
+    said: list[str] = []
+    supervisor = Supervisor(
+        [decode],
+        "restart",
+        announced=lambda name: False,
+        confirm_announced=confirm,
+        say=said.append,
+        clock=Clock(),
+    )
+    assert supervisor.tick(ready=True) is None
+    assert asked == []  # only an exit asks
+    decode.kill()
+    assert supervisor.tick(ready=True) is None
+    assert asked == ["decode-0"]
+    assert "decode-0 (decode) exited with signal SIGKILL after 0.0s" in said
+    assert said[-1] == "restarting decode-0 in 1s (restart 1)"

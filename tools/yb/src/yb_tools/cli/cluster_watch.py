@@ -8,7 +8,9 @@ loop and one NATS connection as the operator's user. It
   Prometheus file_sd file current (`yb_tools.cli.prometheus_files`): rewritten when
   the set of targets changes, empty once the cluster stopped;
 - tells the supervisor which children announced themselves since their process
-  started (`announced`): a process that never did and exits failed at start;
+  started (`announced`, from the instance stream it follows; `confirm_announced`,
+  asked of the log itself when a child exits before that stream showed it): a
+  process that never did and exits failed at start;
 - publishes the launcher's verdict when one of its processes exits (`declare_down`):
   the launcher knows at once what a heartbeat timeout would tell everyone else only
   seconds later, so the requests the process held are re-planned now.
@@ -38,6 +40,8 @@ _INSTANCE_SUBJECTS = ["yb.ev.instance.instance_up.>", "yb.ev.instance.instance_d
 _POLL_S = 0.5
 # How long one verdict may take to publish (it is a hint: heartbeats still decide).
 _VERDICT_TIMEOUT_S = 2.0
+# How long the supervisor may wait for the log to confirm an announcement.
+_CONFIRM_TIMEOUT_S = 3.0
 
 
 class ClusterWatcher:
@@ -85,6 +89,31 @@ class ClusterWatcher:
         """The launcher's running children that announced themselves since they
         started. Safe to call from another thread."""
         return set(self.announcements())
+
+    def confirm_announced(
+        self, instance_id: str, since: float, timeout_s: float = _CONFIRM_TIMEOUT_S
+    ) -> bool:
+        """Whether `instance_id` announced itself at or after `since` (wall clock),
+        asked of the log itself: the instance stream `announced` follows is a copy of
+        it, a moment behind. False when the log cannot answer within `timeout_s`. Call
+        from another thread than the watcher's (it blocks until the answer)."""
+        loop, bus = self._loop, self._bus
+        if loop is None or bus is None:
+            return False
+        subject = f"yb.ev.instance.instance_up.{ev.subject_token(instance_id)}"
+        asked = asyncio.run_coroutine_threadsafe(bus.last_event(subject, timeout_s=timeout_s), loop)
+        try:
+            found = asked.result(timeout_s + 1.0)
+        except Exception as exc:  # no answer is "not seen": the exit counts as at start
+            asked.cancel()
+            log.warning("announcement_not_confirmed", instance_id=instance_id, why=repr(exc))
+            return False
+        up = found.event if found is not None else None
+        if not isinstance(up, ev.InstanceUp) or up.time < since:
+            return False
+        with self._lock:
+            self._ups[instance_id] = up
+        return True
 
     def declare_down(self, instance_id: str, reason: str) -> None:
         """Publish `InstanceDown` for a process of the launcher's that exited, without

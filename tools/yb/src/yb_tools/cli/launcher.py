@@ -760,6 +760,12 @@ class Cluster:
             # A NATS node is up once `start()` returned; a service once it said so.
             return name in nats or (watcher is not None and name in watcher.announced())
 
+        def confirm_announced(name: str) -> bool:
+            started = self.started_at.get(name)
+            if name in nats or watcher is None or started is None:
+                return False
+            return watcher.confirm_announced(name, since=started)
+
         def exit_seen(member: Member, code: int) -> None:
             if member.role != "nats" and watcher is not None:
                 watcher.declare_down(
@@ -770,6 +776,7 @@ class Cluster:
             members,
             on_exit,
             announced=announced,
+            confirm_announced=confirm_announced,
             say=self.say,
             on_exit_seen=exit_seen,
             policy=policy,

@@ -202,7 +202,12 @@ class Supervisor:
     """Applies `on_exit` to the members of a running cluster; `tick()` is its step.
 
     `announced(name)` says whether the member's current process has announced itself
-    (its `InstanceUp` since it started; NATS nodes count from their start). `say`
+    (its `InstanceUp` since it started; NATS nodes count from their start), as far as
+    the launcher has seen so far; `confirm_announced(name)` is asked once when a member
+    exits before `announced` said so, and may take a moment: what the launcher follows
+    is a copy of the log that can lag behind it (a busy machine, an instance killed
+    right after it announced itself), and an exit counts as a failed start, which
+    backs off and gives up, only if it never announced itself. `say`
     prints to the user; `on_exit_seen(member, code)` is told of every exit as soon as
     it is seen (the launcher declares the instance down on the bus). Call `tick()`
     every half second or so, from one thread.
@@ -214,6 +219,7 @@ class Supervisor:
         on_exit: OnExit,
         *,
         announced: Callable[[str], bool],
+        confirm_announced: Callable[[str], bool] = lambda name: False,
         say: Callable[[str], None],
         on_exit_seen: Callable[[Member, int], None] = lambda member, code: None,
         policy: RestartPolicy | None = None,
@@ -222,6 +228,7 @@ class Supervisor:
         self.on_exit = on_exit
         self.policy = policy or RestartPolicy()
         self._announced = announced
+        self._confirm_announced = confirm_announced
         self._say = say
         self._on_exit_seen = on_exit_seen
         self._clock = clock
@@ -267,6 +274,8 @@ class Supervisor:
                 continue
             if w.reported:
                 continue
+            if w.announced_at is None and self._confirm_announced(name):
+                w.announced_at = now  # seen only now: how long it was up is not known
             self._report_exit(w, code, now)
             self._on_exit_seen(w.member, code)
             if self.on_exit != "restart":
