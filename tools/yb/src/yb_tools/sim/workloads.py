@@ -3,7 +3,7 @@
 Prompts are streams of tokens named by 512-token blocks (`hash_ids`); a block's id
 stands for the whole prefix up to its end, so two prompts share ids exactly as far
 as they share full blocks of content, and a prompt's last, partial block gets an id
-of its own. Three shapes, each with sensible defaults:
+of its own. Five shapes, each with sensible defaults:
 
 - `shared-prefix` (llm-d's prefix-cache benchmark): `groups` groups, each with a
   long shared system prompt (`system` tokens) and `users` users asking `questions`
@@ -18,7 +18,16 @@ of its own. Three shapes, each with sensible defaults:
 - `tool-agent`: `tools` long tool prompts (`system` tokens) shared by agent tasks
   arriving at `task_rate`/s; a task (`task` tokens) runs `steps` calls `step_s`
   apart, each extending the last by its short answer (`output`) and a tool result
-  (`result` tokens).
+  (`result` tokens);
+- `phase-change` (for sizing the pools): `phase_s` seconds of long prompts
+  (`long_prompt` tokens, `short_output` out: prefill-bound), then `phase_s` of short
+  prompts with long answers (`short_prompt`, `long_output`: decode-bound), at `rate`
+  requests/s throughout, each prompt opening with one of `systems` shared system
+  prompts (`system` tokens, counted in the prompt lengths);
+- `daily`: a day compressed into `period_s` seconds, the arrival rate following a
+  cosine from `rate` at night to `peak` times that at midday (a Poisson process of
+  that rate, by thinning), each prompt one of `systems` shared system prompts and a
+  question (`question` tokens, `output` out).
 
 Lengths are drawn uniformly within +-`spread` of their mean; arrivals are Poisson.
 `generate("name:k=v,...")` reads a spec (a generator's name, or a preset of one:
@@ -27,6 +36,7 @@ Lengths are drawn uniformly within +-`spread` of their mean; arrivals are Poisso
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -207,10 +217,83 @@ def tool_agent(
     return out
 
 
+def phase_change(
+    *,
+    seed: int = 0,
+    phase_s: float = 600.0,
+    rate: float = 8.0,
+    systems: int = 16,
+    system: int = 1000,
+    long_prompt: int = 8000,
+    short_output: int = 50,
+    short_prompt: int = 1500,
+    long_output: int = 1000,
+    spread: float = 0.5,
+) -> list[TraceRecord]:
+    """A prompt-heavy phase, then an output-heavy one (see the module)."""
+    rng = random.Random(f"phase-change:{seed}")
+    ids = BlockIds()
+    prompts = [ids.take(system // TRACE_BLOCK_TOKENS) for _ in range(systems)]
+    out: list[TraceRecord] = []
+    for t in _poisson(rng, lambda _t: rate):
+        if t >= 2.0 * phase_s:
+            break
+        prompt, output = (long_prompt, short_output) if t < phase_s else (short_prompt, long_output)
+        stream = TokenStream(ids, prompts[rng.randrange(systems)], system)
+        stream.extend(_length(rng, max(1, prompt - system), spread))
+        out.append(stream.prompt(t, _length(rng, output, spread)))
+    return out
+
+
+def daily(
+    *,
+    seed: int = 0,
+    period_s: float = 3600.0,
+    rate: float = 6.0,
+    peak: float = 4.0,
+    systems: int = 16,
+    system: int = 1000,
+    question: int = 1500,
+    output: int = 300,
+    spread: float = 0.5,
+) -> list[TraceRecord]:
+    """A day compressed into `period_s`: the rate from `rate` at night to `peak` times
+    that at midday (see the module)."""
+    rng = random.Random(f"daily:{seed}")
+    ids = BlockIds()
+    prompts = [ids.take(system // TRACE_BLOCK_TOKENS) for _ in range(systems)]
+    out: list[TraceRecord] = []
+    for t in _thinned(rng, lambda t: daily_rate(t, period_s, rate, peak), rate * max(1.0, peak)):
+        if t >= period_s:
+            break
+        stream = TokenStream(ids, prompts[rng.randrange(systems)], system)
+        stream.extend(_length(rng, question, spread))
+        out.append(stream.prompt(t, _length(rng, output, spread)))
+    return out
+
+
+def daily_rate(t: float, period_s: float, rate: float, peak: float) -> float:
+    """The `daily` workload's arrival rate at `t`: a cosine from `rate` at 0 (night)
+    to `peak` x `rate` at half the period (midday) and back."""
+    return rate * (1.0 + (peak - 1.0) * (1.0 - math.cos(2.0 * math.pi * t / period_s)) / 2.0)
+
+
+def _thinned(rng: random.Random, rate: Callable[[float], float], most: float) -> Iterator[float]:
+    """Arrival times of a Poisson process of rate `rate(t)` <= `most`, by thinning:
+    exact however fast the rate changes."""
+    t = 0.0
+    while True:
+        t += rng.expovariate(most)
+        if rng.random() * most <= rate(t):
+            yield t
+
+
 GENERATORS: dict[str, Callable[..., list[TraceRecord]]] = {
     "shared-prefix": shared_prefix,
     "multi-turn": multi_turn,
     "tool-agent": tool_agent,
+    "phase-change": phase_change,
+    "daily": daily,
 }
 
 # Named settings of a generator. `shared-prefix-ladder`: the shape of llm-d's
