@@ -70,6 +70,9 @@ def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Local
         root / "cluster",
         *("--model", "tiny-random", "--model-name", "tiny"),
         *("--prefill", "2", "--decode", "2", "--kvstore", "2"),
+        # Kills in earlier tests count as exits in a row: a short ceiling keeps the
+        # give-up tests' five back-offs short (what they check is the count).
+        *("--restart-max-backoff", "4"),
         env={
             "YB_CONDUCTOR__HEARTBEAT_TIMEOUT_S": "60",
             "YB_PREFILL__LOAD_REPORT_INTERVAL_S": "0.5",

@@ -301,3 +301,17 @@ def test_an_exit_before_the_announcement_was_seen_asks_the_log_once(
     assert asked == ["decode-0"]
     assert "decode-0 (decode) exited with signal SIGKILL after 0.0s" in said
     assert said[-1] == "restarting decode-0 in 1s (restart 1)"
+
+
+def test_a_restart_back_off_below_its_first_wait_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from yb_tools.cli import main
+
+    code = main(["up", "--restart-max-backoff", "0.5", "--data-dir", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--restart-max-backoff: the restart back-off needs 0 < initial <= max" in err
+    assert "max 0.5 s" in err
+    assert not (tmp_path / "nats").exists()
+    assert RestartPolicy(max_backoff_s=4.0).backoff(5) == 4.0

@@ -8,6 +8,7 @@
           [--conductors N]                  one active conductor, the rest standby
           [--on-exit restart|keep-going|stop]  an exited process: restarted (default),
                                             left down, or the cluster stopped
+          [--restart-max-backoff SECONDS]   the longest wait before a restart (30)
           [--nats-cluster 3]                three NATS nodes, the event stream at R3
     yb status [--data-dir DIR | --nats URL]
     yb prepare [--model SOURCE]     convert and cache the model (setup.sh runs it)
@@ -34,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from yb_core.config import ConfigError, YbConfig, load_config
-from yb_tools.cli.supervision import ON_EXIT_CHOICES
+from yb_tools.cli.supervision import ON_EXIT_CHOICES, RestartPolicy
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -98,6 +99,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="when a process exits: restart it with a growing back-off, giving up on one "
         "that keeps dying at start (restart, the default); leave it down and keep the rest "
         "up (keep-going); or stop the whole cluster (stop)",
+    )
+    up.add_argument(
+        "--restart-max-backoff",
+        type=float,
+        default=RestartPolicy.max_backoff_s,
+        metavar="SECONDS",
+        help="the longest wait before a restart (the wait doubles from 1 s with each "
+        f"exit in a row; default {RestartPolicy.max_backoff_s:g})",
     )
     up.add_argument(
         "--keep-going",
@@ -264,6 +273,11 @@ def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
         nats=args.nats_cluster,
         prefill_groups=args.prefill_groups,
     )
+    try:
+        policy = RestartPolicy(max_backoff_s=args.restart_max_backoff)
+    except ValueError as exc:
+        print(f"yb up: --restart-max-backoff: {exc}", file=sys.stderr)
+        return 2
     cluster = Cluster(cfg, topology, say, gpus=args.gpus)
     stopping = False
 
@@ -297,7 +311,7 @@ def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
             return 130
         cluster.start_nats()
         cluster.start_services()
-        supervisor = cluster.supervisor(args.on_exit)
+        supervisor = cluster.supervisor(args.on_exit, policy)
 
         def check(ready: bool) -> str | None:
             failure = supervisor.tick(ready=ready)

@@ -57,7 +57,10 @@ class RestartPolicy:
 
     def __post_init__(self) -> None:
         if not 0 < self.initial_backoff_s <= self.max_backoff_s:
-            raise ValueError("restart back-off: need 0 < initial <= max")
+            raise ValueError(
+                f"the restart back-off needs 0 < initial <= max; initial "
+                f"{self.initial_backoff_s:g} s, max {self.max_backoff_s:g} s"
+            )
         if self.give_up_after < 1:
             raise ValueError("give_up_after must be at least 1")
 
