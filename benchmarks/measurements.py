@@ -74,6 +74,15 @@ SUMMARIES: dict[str, str] = {
         "evicts, the paper's engine model, 8 prefill + 8 decode instances. Simulated in "
         "virtual time: the same code gives the same figures on any machine."
     ),
+    "sim_elastic": (
+        "Elastic pools in `yb sim`: the conductor's planner (`PoolPlanned`: a forecast "
+        "of the load priced with the cost model, hysteresis, a budget) against every "
+        "static split of the same 8 instances, found with hindsight, and against the "
+        "HorizontalPodAutoscaler's utilisation-threshold rule; a day compressed into an "
+        "hour with a 4x peak and a phase change from long prompts to long answers, the "
+        "paper's engine model, instances up 60 s after the decision to add them. "
+        "Simulated in virtual time: the same code gives the same figures on any machine."
+    ),
     "cpp": (
         "Chunked pipeline parallelism at the engine level: time to first token of a long "
         "prompt over a group of stage processes (each holding only its layers, one torch "
@@ -321,6 +330,44 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
             r"dev(\d+)_([\d.]+)x_best",
             "the degrees (p<prefill TP>d<decode TP>) of the highest goodput at {0} devices, "
             "{1}x (ties: the lower p90 TTFT)",
+        ),
+    ],
+    "sim_elastic": [
+        ("profile", "the engine model"),
+        ("budget", "instances the pools may hold in all"),
+        (r"(\w+?)_best_static", "the static split with the most goodput (`{0}`)"),
+        (
+            r"(\w+?)_(p\d+_d\d+|(?:threshold|forecast|forecast_tuned)_from_\w+)_goodput_rps",
+            "requests a second finished within both SLOs (`{0}`, `{1}`)",
+        ),
+        (
+            r"(\w+?)_(p\d+_d\d+|(?:threshold|forecast|forecast_tuned)_from_\w+)_instance_hours",
+            "engine instance-hours held, starting and draining included (`{0}`, `{1}`)",
+        ),
+        (
+            r"(\w+?)_(p\d+_d\d+|(?:threshold|forecast|forecast_tuned)_from_\w+)_slo_attainment",
+            "share of requests within both SLOs (`{0}`, `{1}`)",
+        ),
+        (
+            r"(\w+?)_(p\d+_d\d+|(?:threshold|forecast|forecast_tuned)_from_\w+)_ttft_p90_s",
+            "p90 time to first token, s (`{0}`, `{1}`)",
+        ),
+        (
+            r"(\w+?)_((?:threshold|forecast|forecast_tuned)_from_\w+)_actions",
+            "pool actions carried out: adds, drains, moves (`{0}`, `{1}`)",
+        ),
+        (
+            r"(\w+?)_((?:threshold|forecast|forecast_tuned)_from_\w+)_goodput_vs_best",
+            "goodput over the best static split's (`{0}`, `{1}`; goal on `daily` >= 0.97)",
+        ),
+        (
+            r"(\w+?)_((?:threshold|forecast|forecast_tuned)_from_\w+)_hours_saved_vs_best",
+            "1 - instance-hours over the best static split's (`{0}`, `{1}`; goal on "
+            "`daily` >= 0.25)",
+        ),
+        (
+            r"(\w+?)_((?:threshold|forecast|forecast_tuned)_from_\w+)_start",
+            "the split the elastic run starts at (`{0}`, `{1}`)",
         ),
     ],
     "sim_retention": [

@@ -60,6 +60,7 @@ BENCHMARKS = (
     "sim_capacity",
     "sim_tp",
     "sim_retention",
+    "sim_elastic",
     "families",
     "hf_backend",
     "tensor_parallel",

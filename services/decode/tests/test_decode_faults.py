@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 from nats.aio.msg import Msg
@@ -105,7 +106,9 @@ def release(gate: Path, request_id: str) -> None:
     (gate / f"decode.token.{safe_name(request_id)}.release").touch()
 
 
-async def reserve(bus: Bus, *, max_tokens: int = 8, deadline_s: float = 60.0) -> Played:
+async def reserve(
+    bus: Bus, *, max_tokens: int = 8, deadline_s: float = 60.0, prompt: list[int] = PROMPT
+) -> Played:
     rid = f"req-{uuid.uuid4().hex[:8]}"
     subject = pr.token_subject("gw", rid)
     chunks: asyncio.Queue[pr.TokenChunk] = asyncio.Queue()
@@ -114,18 +117,30 @@ async def reserve(bus: Bus, *, max_tokens: int = 8, deadline_s: float = 60.0) ->
         chunks.put_nowait(pr.token_decoder.decode(msg.data))
 
     await bus.subscribe(subject, cb=on_chunk)
-    message = pr.ReserveKV(
-        request_id=rid,
-        prefill_instance="prefill-x",
-        num_tokens=len(PROMPT),
-        sampling=pr.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-        token_subject=subject,
-        deadline=time.time() + deadline_s,
-        prompt_token_ids=PROMPT,
-    )
-    reserved = await control(bus, message)
+    message = reservation(rid, len(prompt), max_tokens=max_tokens, deadline_s=deadline_s)
+    reserved = await control(bus, msgspec.structs.replace(message, prompt_token_ids=prompt))
     assert isinstance(reserved, pr.KVReserved), reserved
     return Played(rid, chunks, reserved)
+
+
+def reservation(
+    request_id: str,
+    num_tokens: int,
+    *,
+    max_tokens: int = 8,
+    deadline_s: float = 60.0,
+    wait_s: float = 0.0,
+    n: int = 1,
+) -> pr.ReserveKV:
+    return pr.ReserveKV(
+        request_id=request_id,
+        prefill_instance="prefill-x",
+        num_tokens=num_tokens,
+        sampling=pr.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=n),
+        token_subject=pr.token_subject("gw", request_id),
+        deadline=time.time() + deadline_s,
+        wait_s=wait_s,
+    )
 
 
 async def control(bus: Bus, message: pr.DecodeControl) -> pr.DecodeReply:
@@ -420,3 +435,62 @@ async def test_a_hand_over_lost_with_the_last_segment_fails_the_reservation(
     await pages_back(decode)
     end = await finish_of(finished, played.request_id)
     assert end.outcome == "failed"
+
+
+# --- reservations short of pages ------------------------------------------------------
+
+#: A prompt that takes 248 of the instance's 256 pages (16 tokens each).
+LONG_PROMPT = [10 + i % 1000 for i in range(248 * 16)]
+
+
+async def waiting(service: DecodeService, count: int) -> None:
+    """Wait until `count` reservations wait for pages."""
+    async with asyncio.timeout(DEADLINE_S):
+        while service.worker.reservations_waiting != count:
+            await asyncio.sleep(0.02)
+
+
+async def test_a_reservation_short_of_pages_waits_its_turn_and_gets_them_when_a_request_ends(
+    decode: DecodeService, bus: Bus, gate: Path
+) -> None:
+    # `big` holds 248 pages and is parked mid-decode, so nothing frees pages until the
+    # test releases it: the reservation of 10 pages must wait, and is answered once
+    # `big` has ended, however long that takes.
+    arm(gate)
+    big = await reserve(bus, max_tokens=HOLD_AT + 2, prompt=LONG_PROMPT)
+    await start(bus, big)
+    await parked(gate, big.request_id)
+    waiter = asyncio.create_task(control(bus, reservation("req-waits", 10 * 16, wait_s=DEADLINE_S)))
+    await waiting(decode, 1)
+    # Three pages are free for it, but it would jump the queue: refused, not waiting.
+    impatient = await control(bus, reservation("req-impatient", 3 * 16))
+    assert isinstance(impatient, pr.ReserveRefused), impatient
+    assert "waiting for pages" in impatient.reason, impatient.reason
+    assert not waiter.done()
+
+    release(gate, big.request_id)
+    granted = await asyncio.wait_for(waiter, DEADLINE_S)
+    assert isinstance(granted, pr.KVReserved) and granted.num_pages == 10, granted
+    while not (chunk := await big.next_chunk()).finished:
+        pass
+    assert not chunk.error, chunk  # the running request was not cut short for it
+    assert decode.worker.reservations_waiting == 0
+    await control(bus, pr.AbortReservation(request_id="req-waits", reason="test over"))
+    await pages_back(decode)
+
+
+async def test_a_reservation_is_refused_when_its_wait_ends_or_it_could_never_fit(
+    decode: DecodeService, bus: Bus
+) -> None:
+    held = await reserve(bus, prompt=LONG_PROMPT)  # held until the test gives it back
+    short = await control(bus, reservation("req-short", 10 * 16, wait_s=0.5))
+    assert isinstance(short, pr.ReserveRefused), short
+    assert "after waiting" in short.reason, short.reason
+    assert decode.worker.reservations_waiting == 0
+    # 256 pages and a copy of the last for the second choice: more than the instance
+    # has, so it is refused at once however long it may wait.
+    never = await control(bus, reservation("req-never", 4090, max_tokens=4, wait_s=DEADLINE_S, n=2))
+    assert isinstance(never, pr.ReserveRefused), never
+    assert "the instance has 256" in never.reason, never.reason
+    await control(bus, pr.AbortReservation(request_id=held.request_id, reason="test over"))
+    await pages_back(decode)

@@ -135,6 +135,7 @@ class Conductor:
     mode: str = "schedule"
     retry_after_s: float = 3.0
     admitted: list[ev.RequestAdmitted] = field(default_factory=list)
+    replanned: list[ev.RequestReplanned] = field(default_factory=list)
     _reader: EventReader | None = None
     _task: asyncio.Task[None] | None = None
 
@@ -145,9 +146,15 @@ class Conductor:
     async def _run(self, reader: EventReader) -> None:
         async for logged in reader:
             event = logged.event
-            if not isinstance(event, ev.RequestAdmitted):
+            attempt = 0
+            if isinstance(event, ev.RequestReplanned):
+                # A re-plan travels with the admissions: decided as one, on its attempt.
+                self.replanned.append(event)
+                attempt = event.attempt
+            elif isinstance(event, ev.RequestAdmitted):
+                self.admitted.append(event)
+            else:
                 continue
-            self.admitted.append(event)
             decision: ev.Decision
             if self.mode == "silent":
                 continue
@@ -168,6 +175,7 @@ class Conductor:
                     reused_blocks=1,
                     policy="test",
                     admitted_seq=logged.seq,
+                    attempt=attempt,
                 )
             await self.bus.publish(decision)
 
@@ -267,7 +275,9 @@ class Engine:
     """
 
     bus: Bus
-    reply: str = "accept"  # accept | refuse | silent
+    # accept | refuse (for good) | refuse_once (draining: the gateway may re-plan the
+    # first job; later ones are taken) | silent
+    reply: str = "accept"
     script: Script = field(default_factory=words_script)
     delay_s: float = 0.0
     resend: str = "answer"  # answer | forget | silent
@@ -307,11 +317,15 @@ class Engine:
         self.jobs.append(job)
         if self.reply == "silent":
             return
-        if self.reply == "refuse":
+        if self.reply == "refuse" or (self.reply == "refuse_once" and len(self.jobs) == 1):
+            draining = self.reply == "refuse_once"
             await msg.respond(
                 protocol.encode(
                     protocol.JobRefused(
-                        request_id=job.request_id, instance_id=PREFILL_ID, reason="no KV pages"
+                        request_id=job.request_id,
+                        instance_id=PREFILL_ID,
+                        reason="prefill instance shutting down" if draining else "no KV pages",
+                        retryable=draining,
                     )
                 )
             )

@@ -9,6 +9,8 @@ import pytest
 from gateway_testkit import (
     METRICS_AUTH,
     MODEL,
+    PREFILL_ID,
+    WORDS,
     Cluster,
     GatewayFactory,
     client_for,
@@ -145,6 +147,21 @@ async def test_job_refused_is_503_and_recorded_as_failed(
     event = await next_event(finished, ev.RequestFinished)
     assert event.outcome == "failed" and event.request_id == response.headers["x-request-id"]
     await finished.close()
+
+
+async def test_a_job_refused_by_a_draining_engine_is_re_planned_not_failed(
+    client: httpx.AsyncClient, cluster: Cluster
+) -> None:
+    # Decided before the engine's drain reached the conductor, refused on arrival:
+    # nothing streams yet, so the gateway re-plans it around that engine.
+    cluster.engine.reply = "refuse_once"
+    response = await client.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "".join(WORDS)
+    [replan] = cluster.conductor.replanned
+    assert replan.attempt == 1 and replan.failed_instance == PREFILL_ID
+    assert "shutting down" in replan.reason
+    assert [job.attempt for job in cluster.engine.jobs] == [0, 1]
 
 
 async def test_prefill_silent_is_503_at_the_job_timeout(

@@ -58,6 +58,7 @@ def _samples() -> list[ev.AnyEvent]:
         ev.BlockInventory(instance_id="kv0", epoch=1, event_id=4, dram=[1]),
         ev.InstanceUp(instance_id="p0", role="prefill", host="h"),
         ev.InstanceDown(instance_id="p0"),
+        ev.InstanceDraining(instance_id="d0", reason="stopping", deadline=1_700_000_020.0),
         ev.LoadReport(instance_id="p0", role="prefill"),
         ev.LoadPrediction(instance_id="d0", at_time=1.0, predicted_batch=3, predicted_tbt_s=0.1),
         ev.ReplicationPlanned(
@@ -67,6 +68,17 @@ def _samples() -> list[ev.AnyEvent]:
         ev.TransferFailed(request_id="r1", source_instance="p0", target_instance="d0", reason="x"),
         ev.RetentionPlanned(
             instance_id="kv0", request_id="r1", reuse=[1], reuse_s=[2.5], demote=[2], drop=[3]
+        ),
+        ev.PoolPlanned(
+            planner_id="c0",
+            forecast=ev.PoolForecast(window_s=180.0, arrival_rate=2.5, forecast_rate=3.0),
+            pools=[
+                ev.PoolSize(role="prefill", current=2, needed=2.7, target=3),
+                ev.PoolSize(role="decode", current=2, needed=0.9, target=2, held_by="hysteresis"),
+            ],
+            actions=[ev.PoolAction(action="add", role="prefill")],
+            max_instances=8,
+            reason="forecast: ...",
         ),
         ev.RequestReplanned(
             request_id="r",

@@ -226,11 +226,14 @@ def test_what_if_decisions_are_a_second_conductors(records: list[LogRecord]) -> 
     assert build_timeline(records).requests[0].what_if == -1
 
 
-def test_deaths_and_failed_transfers_become_markers(records: list[LogRecord]) -> None:
+def test_deaths_drains_and_failed_transfers_become_markers(records: list[LogRecord]) -> None:
     # The simulated cluster never loses an instance; a live conductor logs these.
     mid = records[len(records) // 2]
     t = mid.event.time
     extra = [
+        LogRecord(seq=mid.seq, event=ev.InstanceDraining(
+            time=t - 1, instance_id="decode-1", reason="stopping", deadline=t + 19,
+        )),
         LogRecord(seq=mid.seq, event=ev.InstanceDown(
             time=t, instance_id="decode-1", reason="heartbeat timeout",
         )),
@@ -245,6 +248,9 @@ def test_deaths_and_failed_transfers_become_markers(records: list[LogRecord]) ->
     markers = {(tl.meta.marker_kinds[m.kind], lanes[m.lane]): m for m in tl.markers}
     assert markers[("down", "decode-1")].text == "heartbeat timeout"
     assert markers[("down", "decode-1")].time == pytest.approx(t - tl.meta.t0, abs=1e-4)
+    drain = markers[("draining", "decode-1")]
+    assert drain.text == "stopping; 20.0s to finish"
+    assert drain.time == pytest.approx(t - 1 - tl.meta.t0, abs=1e-4)
     assert "peer unreachable" in markers[("transfer_failed", "prefill-2")].text
     assert not build_timeline(records).markers
 

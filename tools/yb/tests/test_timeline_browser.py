@@ -155,3 +155,28 @@ async def test_the_wheel_zooms_around_the_pointer(page: Page) -> None:
         f"(v => v.t1 - v.t0 < {before['t1'] - before['t0']} && v)(window.ybTimeline.view())"
     )
     assert before["t0"] < after["t0"] < after["t1"] < before["t1"]
+
+
+async def test_a_drain_is_drawn_on_its_lane(records: list[LogRecord], tmp_path: Path) -> None:
+    # The simulated cluster never stops an instance; a live one logs these.
+    mid = records[len(records) // 2]
+    t = mid.event.time
+    stop = [
+        LogRecord(seq=mid.seq, event=ev.InstanceDraining(
+            time=t, instance_id="decode-1", reason="stopping", deadline=t + 20,
+        )),
+        LogRecord(seq=mid.seq, event=ev.InstanceDown(
+            time=t + 1, instance_id="decode-1", reason="stopped",
+        )),
+    ]  # fmt: skip
+    log = records[: len(records) // 2] + stop + records[len(records) // 2 :]
+    path = write_page(build_report(log), tmp_path / "timeline.html")
+    async with Browser.launch() as browser:
+        page = await browser.new_page(width=1400, height=900)
+        await page.navigate(path.as_uri())
+        await page.wait_for("window.__ybTimelineReady", timeout_s=30)
+        drawn = await page.evaluate("({...document.getElementById('yb-canvas').dataset})")
+        assert (drawn["drains"], drawn["downs"]) == ("1", "1")
+        legend = await page.evaluate("document.getElementById('yb-legend').textContent")
+        assert "instance draining" in legend
+        assert page.errors == []

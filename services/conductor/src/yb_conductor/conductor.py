@@ -33,6 +33,7 @@ import msgspec
 
 from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.hotness import HotPrefixes
+from yb_conductor.planner import Planner
 from yb_conductor.policy import Policy, placement_policy
 from yb_conductor.prefill_placement import PrefillPlanner
 from yb_conductor.quality import DecisionQuality
@@ -42,7 +43,7 @@ from yb_conductor.state import ClusterState, Outcome, PendingAdmission
 from yb_core import events as ev
 from yb_core.config import ConductorConfig
 
-Companion = ev.LoadPrediction | ev.ReplicationPlanned | ev.RetentionPlanned
+Companion = ev.LoadPrediction | ev.ReplicationPlanned | ev.RetentionPlanned | ev.PoolPlanned
 Output = ev.Decision | Companion
 
 # Companions computed here and not yet seen in the log, at most (oldest dropped).
@@ -120,6 +121,10 @@ class Conductor:
         self.quality = DecisionQuality()
         self.hot = HotPrefixes()
         self.retention = Retention()
+        # The pools' planner (`planner`), on the same fold; its decisions name the
+        # conductor that published the settings in force (`ConductorConfigured`).
+        self.planner = Planner()
+        self.planner_id = "conductor"
         # Completions not yet collected by the service's metrics (bounded).
         self.outcomes: list[Outcome] = []
 
@@ -138,6 +143,17 @@ class Conductor:
             return []
         if seq:
             self.last_seq = seq
+        planner = self.planner
+        planner.observe(event)  # first: an admission's placement reports to it
+        out = self._fold(seq, event)
+        if planner.due(self.cfg, self.state.now):
+            cost = getattr(self.policy, "cost", None) or _own(self.cfg, self._cost_override)
+            decision = planner.plan(self.cfg, self.state, cost, self.planner_id)
+            self.unrecorded_companions[ev.message_id_for(decision)] = decision
+            out = [*out, decision]
+        return out
+
+    def _fold(self, seq: int, event: ev.AnyEvent) -> list[Output]:
         match event:
             case ev.RequestAdmitted():
                 return self._admit(seq, event)
@@ -151,7 +167,16 @@ class Conductor:
                 if self.follow_recorded:
                     self._recorded_companion(seq, event)
                 return []
+            case ev.PoolPlanned():
+                if self.follow_recorded:
+                    mine = self._recorded_companion(seq, event)
+                    if mine != event:
+                        self.planner.adopt(
+                            event, mine if isinstance(mine, ev.PoolPlanned) else None
+                        )
+                return []
             case ev.ConductorConfigured():
+                self.planner_id = event.instance_id
                 if self.adopt_logged_config:
                     cfg, cost = from_event(event, seq=seq)
                     self.configure(with_overrides(cfg, self.overrides), self._cost_override or cost)
@@ -234,6 +259,9 @@ class Conductor:
             decision = msgspec.structs.replace(decision, attempt=attempt)
         if isinstance(decision, ev.RequestScheduled):
             state.place(decision)
+            if not attempt:
+                reused = max((r.first_block + r.num_blocks for r in decision.reuse), default=0)
+                self.planner.placed(rid, min(event.prompt_tokens, reused * event.block_size))
         else:
             state.admissions.pop(rid, None)
         self._remember(attempt_key(rid, attempt), decision.time)
@@ -269,12 +297,14 @@ class Conductor:
                 del self.unrecorded[rid]
                 self.admission_info.pop(rid, None)
 
-    def _recorded_companion(self, seq: int, recorded: Companion) -> None:
+    def _recorded_companion(self, seq: int, recorded: Companion) -> Companion | None:
+        """Match a recorded companion with the one made here (returned; None if none)."""
         key = ev.message_id_for(recorded)
         mine = self.unrecorded_companions.pop(key, None)
         if mine is not None and mine != recorded:
             rid = getattr(recorded, "request_id", "") or key
             self.divergences.append(Divergence(seq, rid, recorded, mine))
+        return mine
 
     def _recorded(self, seq: int, recorded: ev.Decision) -> None:
         rid = recorded.request_id

@@ -66,7 +66,10 @@ class ConductorMetrics:
             "yb_conductor_events_applied_total", "Events folded", registry=registry
         )
         self.instances = Gauge(
-            "yb_conductor_live_instances", "Live instances by role", ["role"], registry=registry
+            "yb_conductor_live_instances",
+            "Live instances by role that take new work (a draining one does not)",
+            ["role"],
+            registry=registry,
         )
         self.divergences = Counter(
             "yb_conductor_divergences_total",

@@ -183,6 +183,7 @@ class RunSummary:
     """Decisions of one run, by request id."""
 
     decisions: dict[str, ev.Decision] = field(default_factory=dict)
+    plans: list[ev.PoolPlanned] = field(default_factory=list)
 
     def add(self, d: ev.Decision) -> None:
         """Record one decision (the first for a request wins)."""
@@ -212,7 +213,23 @@ class RunSummary:
             out[f"branch {branch}"] = n
         for code in sorted({reject_code(d.reason) for d in rejected}):
             out[f"rejected {code}"] = sum(1 for d in rejected if reject_code(d.reason) == code)
+        if self.plans:
+            out.update(_plan_figures(self.plans))
         return out
+
+
+def _plan_figures(plans: list[ev.PoolPlanned]) -> dict[str, float]:
+    """The planner's rows: its decisions, their actions by kind, and each pool's mean
+    target. A what-if planner decides on the cluster the log recorded (its actions
+    change no instance there): what it would have asked for at each point."""
+    actions = [a for p in plans for a in p.actions]
+    out: dict[str, float] = {"planner decisions": len(plans)}
+    for kind in ("add", "drain", "move"):
+        out[f"planner {kind}s"] = sum(1 for a in actions if a.action == kind)
+    for role in ("prefill", "decode"):
+        targets = [s.target for p in plans for s in p.pools if s.role == role]
+        out[f"planner {role} target mean"] = statistics.fmean(targets) if targets else 0.0
+    return out
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -285,6 +302,8 @@ def what_if(
         if isinstance(r.event, ev.Decision):
             recorded.add(r.event)
             fate.setdefault(r.event.request_id, isinstance(r.event, ev.RequestScheduled))
+        elif isinstance(r.event, ev.PoolPlanned):
+            recorded.plans.append(r.event)
     c = Conductor(cfg=cfg, follow_recorded=False, overrides=overrides)
     mine = RunSummary()
     synthetic: list[tuple[float, int, ev.AnyEvent]] = []
@@ -297,6 +316,8 @@ def what_if(
         while synthetic and synthetic[0][0] <= t:
             c.apply(0, heapq.heappop(synthetic)[2])
         for out in c.apply(r.seq, r.event):
+            if isinstance(out, ev.PoolPlanned):
+                mine.plans.append(out)
             if not isinstance(out, ev.Decision):
                 continue
             mine.add(out)

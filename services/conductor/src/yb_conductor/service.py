@@ -421,7 +421,7 @@ class ConductorService(Service):
             elif self._active and item.seq >= self._live_from:
                 await self._go_live()
             match item.event:
-                case ev.InstanceUp() | ev.InstanceDown() | ev.LoadReport():
+                case ev.InstanceUp() | ev.InstanceDown() | ev.InstanceDraining() | ev.LoadReport():
                     self.metrics.instances_changed(self.conductor)
                 case ev.RequestFinished():
                     self.metrics.collect_outcomes(self.conductor)

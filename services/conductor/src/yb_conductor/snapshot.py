@@ -69,9 +69,9 @@ class Snapshot(msgspec.Struct, kw_only=True):
     decided: list[tuple[str, float]]
     quality: DecisionQuality
     hot: HotPrefixes = msgspec.field(default_factory=HotPrefixes)
-    companions: list[ev.LoadPrediction | ev.ReplicationPlanned | ev.RetentionPlanned] = (
-        msgspec.field(default_factory=list)
-    )
+    companions: list[
+        ev.LoadPrediction | ev.ReplicationPlanned | ev.RetentionPlanned | ev.PoolPlanned
+    ] = msgspec.field(default_factory=list)
     admission_info: dict[str, PendingAdmission] = msgspec.field(default_factory=dict)
     declared_dead: dict[str, str] = msgspec.field(default_factory=dict)
     cancel_wanted: dict[str, str] = msgspec.field(default_factory=dict)

@@ -9,7 +9,10 @@ and sorted lists only.
 What is tracked, and why:
 - instances, with liveness from heartbeats (`LoadReport`) measured in event time,
   and each engine's tensor-parallel degree and transfer lanes (`InstanceUp`), at
-  which the policies price its work (`CostModel.at_degree`);
+  which the policies price its work (`CostModel.at_degree`); an engine that drains
+  (`InstanceDraining`: it was told to stop) stays alive for what it holds (its
+  requests finish there, its load counts) but is no candidate for anything new
+  until an announcement of a new process under its id;
 - the global block index (`BlockIndex`), guarded per instance by (epoch, event_id):
   a gap or a new epoch voids that instance's entries and asks for an inventory;
 - placements: every scheduled request until it finishes, with what the conductor
@@ -88,6 +91,8 @@ class InstanceState(msgspec.Struct, kw_only=True):
     up_since: float = 0.0
     last_seen: float = 0.0
     alive: bool = True
+    # It drains (`InstanceDraining`): alive for what it holds, never placed on again.
+    draining: bool = False
     last_report: ev.LoadReport | None = None
     # Prefill: requests sent here whose prefill has not finished, in order.
     prefill_queue: dict[str, None] = msgspec.field(default_factory=dict)
@@ -426,6 +431,8 @@ class ClusterState:
                 self._instance_up(event)
             case ev.InstanceDown():
                 self._instance_down(event)
+            case ev.InstanceDraining():
+                self._instance_draining(event)
             case ev.BlockInventory():
                 self._inventory(event)
             case _:
@@ -629,6 +636,9 @@ class ClusterState:
                 setattr(inst, name, getattr(old, name))
             if old.epoch == event.epoch:
                 inst.last_report = old.last_report
+                # The same process announced again (a reconnect, a verdict it
+                # disputes): a drain goes on; a new process takes work.
+                inst.draining = old.draining
             if not old.alive and event.role in BLOCK_HOLDER_ROLES:
                 self._forget_blocks(event.instance_id)
         self.instances[event.instance_id] = inst
@@ -709,6 +719,14 @@ class ClusterState:
         self._forget_blocks(inst.instance_id)
         self._topology_changed()
         self._orphan(inst, f"{inst.role} instance {inst.instance_id} went down: {event.reason}")
+
+    def _instance_draining(self, event: ev.InstanceDraining) -> None:
+        """No candidate for new work from here on; what it holds finishes there."""
+        inst = self.instances.get(event.instance_id)
+        if inst is None or inst.draining:
+            return
+        inst.draining = True
+        self._topology_changed()
 
     def _expire_silent_instances(self) -> None:
         limit = self.now - self.cfg.heartbeat_timeout_s
@@ -1122,7 +1140,7 @@ class ClusterState:
 
     def live(self, role: ev.Role, model: str = "", block_size: int = 0) -> list[InstanceState]:
         """Live instances of a role (serving `model`, and with pages of `block_size`
-        tokens, when given), by id for determinism.
+        tokens, when given) that take new work (not draining), by id for determinism.
 
         A prefill group counts as one instance, its lead, while its live stages cover
         every layer (`stages` set); its other stages, and the stages of a group that
@@ -1142,6 +1160,7 @@ class ClusterState:
                     i
                     for i in self.instances.values()
                     if i.alive
+                    and not i.draining
                     and i.role == role
                     and (not model or not i.model or i.model == model)
                     and (not block_size or not i.block_size or i.block_size == block_size)
@@ -1155,12 +1174,13 @@ class ClusterState:
     def _resolve_groups(self) -> None:
         """Set each prefill group's lead and stages from its live members: the chain
         of stages from layer 0 to the last, each starting where the one before ends
-        (the lowest id first among equals); none where a layer is left uncovered."""
+        (the lowest id first among equals); none where a layer is left uncovered. A
+        stage that drains leaves its layers uncovered: it takes no new request."""
         groups: dict[str, list[InstanceState]] = {}
         for inst in self.instances.values():
             if inst.group and inst.role == "prefill":
                 inst.stages, inst.stage_shares, inst.stage_hosts = [], [], []
-                if inst.alive:
+                if inst.alive and not inst.draining:
                     groups.setdefault(inst.group, []).append(inst)
         self._group_leads = []
         for members in groups.values():

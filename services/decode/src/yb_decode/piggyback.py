@@ -218,6 +218,9 @@ class PiggybackJobs:
         self.uploader = uploader
         self.loading: dict[str, Loading] = {}
         self.prompts: dict[str, Piggybacked] = {}
+        # The uploads of computed prompts' blocks under way (a drain waits for them:
+        # the pool gets the blocks).
+        self.uploads: set[asyncio.Task[None]] = set()
 
     def cancel(self, request_id: str, reason: str) -> bool:
         """Give up a job whose prefix is loading (False: none is); its task frees the
@@ -250,7 +253,7 @@ class PiggybackJobs:
             job,
             self.host.instance_id,
             enabled=self.host.piggyback,
-            draining=self.host.draining,
+            draining=self.host.refuses_job(job),
             max_model_len=self.host.cfg.model.max_model_len,
             now=time.time(),
         )
@@ -444,7 +447,9 @@ class PiggybackJobs:
             )
             keys = [hashes[i] for i in blocks] if store else []
             pages = list(blocks.values())
-            self.host.tasks.spawn(f"store:{rid}", self._store(store, keys, pages))
+            task = self.host.tasks.spawn(f"store:{rid}", self._store(store, keys, pages))
+            self.uploads.add(task)
+            task.add_done_callback(self.uploads.discard)
 
     async def _store(self, store: str, keys: list[int], pages: list[int]) -> None:
         """Owned task: put blocks `keys` (in `pages`) into kvstore `store` (empty:

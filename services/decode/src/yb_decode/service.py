@@ -23,6 +23,13 @@ With `decode.piggyback` on it also takes short prompts into its batch, as the
 conductor plans them (`yb_decode.piggyback`): the gateway hands such a job to
 `yb.job.prefill.<id>` as to a prefill instance, and its tokens stream as any other.
 
+Told to stop, it drains first (`decode.drain_timeout_s`, the shell's stop step 0): it
+refuses new reservations ("decode instance shutting down": the prefill fails the job
+blaming this instance, and the gateway re-plans it elsewhere) and piggybacked jobs
+decided after its `InstanceDraining`, while the reservations it holds are committed
+and handed over, and its streams run to their end. What still runs at the deadline
+ends with a 503, which the gateway re-plans from the tokens its client has.
+
 The bus, presence, cancellations, peers, the UCX transport and the shutdown order are
 the data-plane shell's (`yb_dataplane.worker.WorkerShell`); `DecodeWorker` is what is
 decode's own.
@@ -62,10 +69,12 @@ from yb_core.telemetry import (
 from yb_dataplane.block_upload import BlockUploader
 from yb_dataplane.prefix_fetch import BlockFetcher
 from yb_dataplane.transport import Reservation, TransferError
-from yb_dataplane.worker import Capacity, Worker, WorkerContext, WorkerShell
+from yb_dataplane.worker import Capacity, Worker, WorkerContext, WorkerShell, decided_before
 from yb_decode.history import TokenHistory
+from yb_decode.page_wait import PageQueue, may_grant
 from yb_decode.piggyback import PiggybackJobs
 from yb_engine.host import EngineGauges, EngineHost
+from yb_engine.kv_cache import OutOfPages
 
 if TYPE_CHECKING:
     from yb_engine.batcher import DecodeBatcher, TokenOutput
@@ -133,7 +142,7 @@ class DecodeService(WorkerShell["DecodeWorker"]):
     role = "decode"
 
     def __init__(self, cfg: YbConfig) -> None:
-        super().__init__(cfg, cfg.decode)
+        super().__init__(cfg, cfg.decode, cfg.decode.drain_timeout_s)
         # Registered now, so /metrics shows them while the model loads.
         self.metrics = DecodeMetrics(self.registry)
         self.gauges = EngineGauges(self.registry)
@@ -189,6 +198,11 @@ class DecodeMetrics:
             ["tier"],
             registry=registry,
         )
+        self.reserve_waits = Counter(
+            "yb_decode_reservations_waited_total",
+            "Reservations that found too few pages free and waited for some to free",
+            registry=registry,
+        )
         self.puts = Counter(
             "yb_decode_block_puts_total",
             "Piggybacked prompts' blocks put into the host's kvstore, by outcome",
@@ -226,6 +240,10 @@ class DecodeWorker(Worker):
         self._aborts: dict[str, _Abort] = {}
         self._work = asyncio.Event()
         self._draining = False
+        # While it drains: where its `InstanceDraining` is in the log (0: refuse all).
+        self._drain_seq = 0
+        # Reservations waiting for pages (`ReserveKV.wait_s`).
+        self._page_queue = PageQueue()
         # The newest control message being handled of each request (`_on_control`).
         self._controls: dict[str, asyncio.Task[None]] = {}
         # Test-only fault injection: inert (None) unless YB_FAILPOINTS arms it.
@@ -279,11 +297,31 @@ class DecodeWorker(Worker):
 
     def refuse_work(self) -> None:
         self._draining = True
+        self._drain_seq = 0
+        self._page_queue.notify()  # the waiting reservations are refused now
+
+    def drain(self, logged_seq: int) -> None:
+        self.refuse_work()
+        self._drain_seq = logged_seq
+
+    def holds_work(self) -> bool:
+        return bool(self._pending or self._streams or self.piggy.loading or self.piggy.uploads)
 
     @property
     def draining(self) -> bool:
         """Whether it refuses new work (it is stopping)."""
         return self._draining
+
+    def refuses_job(self, job: pr.PrefillJob) -> bool:
+        """Whether it refuses a piggybacked job because it is stopping: any, once it
+        refuses all work; while it drains, those decided after its drain was logged
+        (`decided_before`)."""
+        return self._draining and not decided_before(job.decision, self._drain_seq)
+
+    @property
+    def reservations_waiting(self) -> int:
+        """Reservations waiting for pages to free (`ReserveKV.wait_s`)."""
+        return len(self._page_queue)
 
     def wake(self) -> None:
         """The batch has work: let the engine loop step."""
@@ -456,7 +494,6 @@ class DecodeWorker(Worker):
 
     async def _reserve(self, req: pr.ReserveKV, trace_headers: dict[str, str]) -> pr.ReserveReply:
         cache = self.engine.cache
-        allocator = self.engine.allocator
         rid = req.request_id
         if self._draining:
             return pr.ReserveRefused(request_id=rid, reason="decode instance shutting down")
@@ -485,10 +522,9 @@ class DecodeWorker(Worker):
         # The choices of n > 1 each need a copy of the last prompt page: set aside now,
         # so a request admitted is never refused for them after its prefill.
         copies = self.batcher.copies_needed(req.num_tokens, req.sampling.n)
-        try:
-            allocated = await self.engine.call(allocator.allocate, num_pages + copies)
-        except Exception as exc:
-            return pr.ReserveRefused(request_id=rid, reason=f"out of KV pages: {exc}")
+        allocated = await self._allocate(req, num_pages + copies)
+        if isinstance(allocated, str):
+            return pr.ReserveRefused(request_id=rid, reason=allocated)
         pages, copy_pages = allocated[:num_pages], allocated[num_pages:]
         # Index `(layer * k + j) * num_pages + i` (`KVReserved`): piece-major.
         buffers = []
@@ -518,6 +554,56 @@ class DecodeWorker(Worker):
             handover_on_commit=True,
             head_cuts=req.head_cuts,
         )
+
+    async def _allocate(self, req: pr.ReserveKV, needed: int) -> list[int] | str:
+        """`needed` pages for a reservation, waiting up to `req.wait_s` (and no later
+        than its deadline) for them behind the reservations that came first
+        (`yb_decode.page_wait`); or why not."""
+        allocator = self.engine.allocator
+        if needed > allocator.num_pages:
+            return f"out of KV pages: need {needed}, the instance has {allocator.num_pages}"
+        queue = self._page_queue
+        if not queue:
+            try:
+                return await self.engine.call(allocator.allocate, needed)
+            except OutOfPages as exc:
+                if req.wait_s <= 0:
+                    return f"out of KV pages: {exc}"
+        elif req.wait_s <= 0:
+            return f"out of KV pages: {len(queue)} reservations are waiting for pages"
+        loop = asyncio.get_running_loop()
+        wait_s = req.wait_s
+        if req.deadline:
+            wait_s = min(wait_s, req.deadline - time.time())
+        started = loop.time()
+        until = started + wait_s
+        ticket = queue.join(req.request_id, req.priority)
+        self.metrics.reserve_waits.inc()
+        try:
+            while not self._draining:
+                seen = queue.generation
+                if queue.is_head(ticket) and may_grant(
+                    needed, allocator.num_free, self.batcher.num_running
+                ):
+                    with contextlib.suppress(OutOfPages):
+                        pages = await self.engine.call(allocator.allocate, needed)
+                        log.info(
+                            "reservation_waited",
+                            request_id=req.request_id,
+                            pages=needed,
+                            waited_s=round(loop.time() - started, 3),
+                        )
+                        return pages
+                left = until - loop.time()
+                if left <= 0:
+                    return (
+                        f"out of KV pages: need {needed}, only {allocator.num_free} free "
+                        f"after waiting {wait_s:.1f}s"
+                    )
+                await queue.changed(seen, left)
+            return "decode instance shutting down"
+        finally:
+            queue.leave(ticket)
 
     async def replace_older_attempt(self, rid: str, attempt: int) -> str:
         """Make way for a re-planned request's reservation or piggybacked job: an older
@@ -769,6 +855,7 @@ class DecodeWorker(Worker):
         if not pending.commit.done():
             pending.commit.cancel()
         await self.engine.call(self.free, pending.pages + pending.copy_pages)
+        self._page_queue.notify()
 
     def free(self, pages: list[int]) -> None:
         self.engine.allocator.free(pages)
@@ -794,6 +881,7 @@ class DecodeWorker(Worker):
     async def _run_abort(self, batcher: DecodeBatcher, request_id: str) -> None:
         if not await self.engine.call(batcher.abort, request_id):
             self._aborts.pop(request_id, None)  # it finished on its own meanwhile
+        self._page_queue.notify()
         self._work.set()
 
     def _expire_streams(self) -> None:
@@ -828,6 +916,8 @@ class DecodeWorker(Worker):
             )
             if self.piggy.prompts:
                 self.piggy.progress(outputs)
+            if self._page_queue:
+                self._page_queue.notify()  # a step frees the pages of what ended
             await self._deliver(outputs)
 
     async def _deliver(self, outputs: list[TokenOutput]) -> None:
@@ -995,6 +1085,7 @@ class DecodeWorker(Worker):
             instance_id=self.instance_id,
             role="decode",
             queued_requests=len(self._pending)
+            + len(self._page_queue)
             + len(self.piggy.loading)
             + batcher.num_waiting
             + batcher.num_prefilling,

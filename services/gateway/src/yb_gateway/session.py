@@ -75,6 +75,15 @@ log = get_logger(__name__)
 _tracer = tracer(__name__)
 
 
+class _Refused(Exception):
+    """An engine refused a first attempt's job and said another may take it (it is
+    draining); `start` re-plans the request around it."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class StreamError(Exception):
     """The token stream ended abnormally; `status` is what a client is told."""
 
@@ -276,7 +285,15 @@ class RequestSession:
             with child_span(_tracer, "gateway hand-off") as hand_off:
                 if hand_off.is_recording():
                     hand_off.set_attribute("yb.prefill_instance", decision.prefill_instance)
-                await self._hand_off(decision, gcfg.job_timeout_s)
+                try:
+                    await self._hand_off(decision, gcfg.job_timeout_s)
+                except _Refused as refused:
+                    # The engine is draining (it was told to stop after the decision
+                    # was made): re-plan around it rather than fail the request.
+                    try:
+                        await self._continue(refused.reason, decision.prefill_instance)
+                    except StreamError as exc:
+                        raise exc.api_error() from exc
 
     async def _decide(
         self, timeout_s: float, event: ev.RequestAdmitted | ev.RequestReplanned | None = None
@@ -390,6 +407,9 @@ class RequestSession:
                 case protocol.JobRefused():
                     reason = f"{who} refused the job: {reply.reason}"
                     code = "job_refused"
+                    if reply.retryable and not attempt and self._can_replan():
+                        # Nothing streams yet: `start` re-plans it.
+                        raise _Refused(reason)
                     # Nobody holds the request: the failure needs no cancel after it.
                     self._ended = True
         # Without a reply the job may still have arrived: `close()` will also publish
@@ -513,11 +533,15 @@ class RequestSession:
     def _replan_cause(self, chunk: protocol.TokenChunk) -> str | None:
         """The instance to blame when an error chunk may be re-planned around: a 503 is
         an engine's failure (a KV transfer that broke, an engine stopping), not the
-        request's. Before the attempt's first token the KV never arrived (its prefill
-        side failed); after it, decode did. None: end the stream with the error."""
+        request's. The chunk names the instance when it knows (a decode instance that
+        refused the prefill its pages); else, before the attempt's first token the KV
+        never arrived (its prefill side failed), and after it, decode did. None: end
+        the stream with the error."""
         decision = self.decision
         if chunk.error_status != 503 or decision is None or not self._can_replan():
             return None
+        if chunk.failed_instance:
+            return chunk.failed_instance
         return decision.decode_instance if self._attempt_streaming else decision.prefill_instance
 
     async def _continue(self, reason: str, failed_instance: str) -> StreamRecovery:

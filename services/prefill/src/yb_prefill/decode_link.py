@@ -20,6 +20,10 @@ from yb_core.bus import Bus, BusError
 if TYPE_CHECKING:
     from yb_engine.kv_cache import PagedKVCache
 
+#: How much sooner than the requester gives up a decode instance must answer a
+#: reservation that waits for pages (`ReserveKV.wait_s`): its reply's way back.
+RESERVE_REPLY_MARGIN_S = 2.0
+
 
 class DecodeLink:
     """Requests to decode instances, with their replies checked."""
@@ -62,6 +66,7 @@ class DecodeLink:
             attempt=job.attempt,
             generated_tokens=job.generated_tokens,
             head_cuts=head_cuts or [],
+            wait_s=max(0.0, timeout_s - RESERVE_REPLY_MARGIN_S),
         )
         reply = await self.reserve(decode_id, reserve, timeout_s)
         found = (reply.num_pages, reply.num_layers, reply.page_nbytes, reply.block_size)
@@ -85,10 +90,13 @@ class DecodeLink:
     async def reserve(
         self, decode_id: str, reserve: pr.ReserveKV, timeout_s: float
     ) -> pr.KVReserved:
-        """Pages on `decode_id` for the request; a refusal is a `JobFailed`."""
+        """Pages on `decode_id` for the request; a refusal is a `JobFailed` that
+        blames the decode instance (a re-plan avoids it)."""
         reply = await self.request(decode_id, reserve, timeout_s)
         if isinstance(reply, pr.ReserveRefused):
-            raise pr.JobFailed(f"decode instance {decode_id} refused: {reply.reason}")
+            raise pr.JobFailed(
+                f"decode instance {decode_id} refused: {reply.reason}", failed_instance=decode_id
+            )
         if not isinstance(reply, pr.KVReserved):
             raise pr.JobFailed(f"unexpected reply from decode instance: {type(reply).__name__}")
         return reply
@@ -116,7 +124,9 @@ class DecodeLink:
                 pr.decode_control_subject(decode_id), pr.encode(message), timeout_s=timeout_s
             )
         except BusError as exc:
-            raise pr.JobFailed(f"decode instance {decode_id} unreachable: {exc}") from exc
+            raise pr.JobFailed(
+                f"decode instance {decode_id} unreachable: {exc}", failed_instance=decode_id
+            ) from exc
         try:
             return pr.decode_reply_decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -129,12 +129,21 @@ class Liveness:
             raise pr.JobFailed("request deadline passed during prefill", status=504)
 
 
+SHUTTING_DOWN = "prefill instance shutting down"
+QUEUE_FULL = "prefill queue full"
+#: Refusals another instance would not make: the gateway may re-plan the request
+#: (`JobRefused.retryable`). The others (a job planned elsewhere, or past its
+#: deadline) would fail anywhere.
+RETRYABLE = frozenset({SHUTTING_DOWN, QUEUE_FULL})
+
+
 def refusal(job: pr.PrefillJob, instance_id: str, queue: JobQueue, *, draining: bool) -> str:
-    """Why an instance will not queue `job` ('' if it will), whatever it is."""
+    """Why an instance will not queue `job` ('' if it will), whatever it is;
+    `draining`: it refuses the job because it is stopping."""
     if draining:
-        return "prefill instance shutting down"
+        return SHUTTING_DOWN
     if queue.full():
-        return "prefill queue full"
+        return QUEUE_FULL
     if job.decision.prefill_instance != instance_id:
         return f"job is planned for {job.decision.prefill_instance}"
     if job.deadline and job.deadline < time.time():
@@ -167,7 +176,13 @@ async def take_job(
         return None
     if reason := refuse(job):
         await respond(
-            msg, pr.JobRefused(request_id=job.request_id, instance_id=instance_id, reason=reason)
+            msg,
+            pr.JobRefused(
+                request_id=job.request_id,
+                instance_id=instance_id,
+                reason=reason,
+                retryable=reason in RETRYABLE,
+            ),
         )
         return None
     # The trace context comes in the NATS headers (the job's copy is the fallback).

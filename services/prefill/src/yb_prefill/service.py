@@ -13,6 +13,12 @@ computed here are put into the host's kvstore in the background
 with an error on its token stream and a `RequestFinished(failed)` event, and frees what it
 held; a failed prefix fetch only costs its recompute (and a `TransferFailed` event).
 
+Told to stop, it drains first (`prefill.drain_timeout_s`, the shell's stop step 0):
+it refuses the jobs the conductor decided after its `InstanceDraining` and runs those
+it holds (queued, computing, finishing, and jobs decided before the drain that are
+still on their way), and the uploads of their blocks to the kvstore; what is still
+queued at the deadline fails with a 503, which the gateway re-plans elsewhere.
+
 An instance configured as a stage of a prefill group (`prefill.group`, `stage` of
 `stages`) loads only its share of the layers and runs the group's requests with the
 other stages instead (`stage.StageWorker`).
@@ -36,7 +42,7 @@ class PrefillService(WorkerShell[PrefillWorker | StageWorker]):
     role = "prefill"
 
     def __init__(self, cfg: YbConfig) -> None:
-        super().__init__(cfg, cfg.prefill)
+        super().__init__(cfg, cfg.prefill, cfg.prefill.drain_timeout_s)
         # Registered now, so /metrics shows them while the model loads.
         self.metrics = PrefillMetrics(self.registry)
         self.gauges = EngineGauges(self.registry)

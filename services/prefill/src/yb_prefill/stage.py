@@ -78,7 +78,7 @@ from yb_dataplane.activations import ActivationReceiver, ActivationSender, Reser
 from yb_dataplane.prefix_fetch import BlockFetcher, FetchRun, plan_runs, reusable_blocks
 from yb_dataplane.transport import PeerAddress, TransferError
 from yb_dataplane.transport.blocks import PutId
-from yb_dataplane.worker import Capacity, Worker, WorkerContext
+from yb_dataplane.worker import Capacity, Worker, WorkerContext, decided_before
 from yb_engine.choice_sampling import Sampled, sample_first_tokens
 from yb_engine.host import EngineGauges, StageHost
 from yb_engine.kv_cache import OutOfPages
@@ -207,6 +207,8 @@ class StageWorker(JobOwner, Worker):
         self._serving: dict[str, asyncio.Task[None]] = {}
         self.liveness = Liveness()
         self._draining = False
+        # While it drains: where its `InstanceDraining` is in the log (0: refuse all).
+        self._drain_seq = 0
         self.failpoints = Failpoints.from_text(cfg.failpoints, self.instance_id)
 
     # --- lifecycle ------------------------------------------------------------------
@@ -236,6 +238,18 @@ class StageWorker(JobOwner, Worker):
 
     def refuse_work(self) -> None:
         self._draining = True
+        self._drain_seq = 0
+
+    def drain(self, logged_seq: int) -> None:
+        """The lead takes the group's jobs decided before the drain was logged; another
+        stage serves its lead's stage jobs while it drains (the lead sends only the
+        group's, and the conductor plans nothing more on a group with a stage
+        draining), and refuses them once it stops."""
+        self.refuse_work()
+        self._drain_seq = logged_seq
+
+    def holds_work(self) -> bool:
+        return self._running is not None or bool(self._serving) or not self._queue.empty()
 
     async def close(self) -> None:
         self.host.close()
@@ -267,7 +281,8 @@ class StageWorker(JobOwner, Worker):
     def _refusal(self, job: pr.PrefillJob) -> str:
         """Why the lead will not queue `job` ('' if it will)."""
         stages = job.decision.prefill_stages
-        reason = refusal(job, self.instance_id, self._queue, draining=self._draining)
+        stopping = self._draining and not decided_before(job.decision, self._drain_seq)
+        reason = refusal(job, self.instance_id, self._queue, draining=stopping)
         if not reason and (len(stages) < 2 or stages[0] != self.instance_id):
             reason = (
                 f"{self.instance_id} is the lead of prefill group {self.pcfg.group!r}: it "
@@ -620,7 +635,7 @@ class StageWorker(JobOwner, Worker):
 
     def _stage_refusal(self, job: pr.StageJob) -> str:
         """Why this stage will not serve `job` ('' if it will)."""
-        if self._draining:
+        if self._draining and not self._drain_seq:
             return "prefill instance shutting down"
         if self.is_lead:
             return f"{self.instance_id} leads its group: it sends stage jobs, it takes none"

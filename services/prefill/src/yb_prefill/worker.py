@@ -57,7 +57,7 @@ from yb_core.telemetry import (
 from yb_dataplane.block_upload import BlockUploader, blocks_to_store, full_blocks
 from yb_dataplane.prefix_fetch import PrefixLoadFailed
 from yb_dataplane.transport import PeerAddress, TransferError
-from yb_dataplane.worker import Capacity, Worker, WorkerContext
+from yb_dataplane.worker import Capacity, Worker, WorkerContext, decided_before
 from yb_engine.choice_sampling import Sampled, sample_first_tokens
 from yb_engine.host import EngineGauges, EngineHost
 from yb_engine.kv_cache import OutOfPages
@@ -233,6 +233,8 @@ class PrefillWorker(JobOwner, Worker):
         self._scorers: dict[int, PromptScorer] = {}
         self.liveness = Liveness()
         self._draining = False
+        # While it drains: where its `InstanceDraining` is in the log (0: refuse all).
+        self._drain_seq = 0
         # Test-only fault injection: inert unless YB_FAILPOINTS arms it.
         self.failpoints = Failpoints.from_text(cfg.failpoints, self.instance_id)
 
@@ -267,6 +269,15 @@ class PrefillWorker(JobOwner, Worker):
 
     def refuse_work(self) -> None:
         self._draining = True
+        self._drain_seq = 0
+
+    def drain(self, logged_seq: int) -> None:
+        self.refuse_work()
+        self._drain_seq = logged_seq
+
+    def holds_work(self) -> bool:
+        # The uploads too: the pool gets the blocks it computed.
+        return bool(self._jobs or self._uploads or not self._queue.empty())
 
     async def close(self) -> None:
         self.engine.close()
@@ -293,7 +304,8 @@ class PrefillWorker(JobOwner, Worker):
 
     def _refusal(self, job: pr.PrefillJob) -> str:
         """Why this instance will not queue `job` ('' if it will)."""
-        reason = refusal(job, self.instance_id, self._queue, draining=self._draining)
+        stopping = self._draining and not decided_before(job.decision, self._drain_seq)
+        reason = refusal(job, self.instance_id, self._queue, draining=stopping)
         if reason:
             self.metrics.jobs.labels("refused").inc()
         return reason

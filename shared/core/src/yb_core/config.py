@@ -432,6 +432,19 @@ class ConductorConfig(_Section):
     Off, each
     kvstore evicts by its own policy alone (how logs recorded before the setting
     replay).
+
+    The planner (`planner`, off by default; `yb up --elastic` turns it on) sizes the
+    prefill and decode pools from the log (`yb_conductor.planner`; `planner_rule`
+    `forecast` prices the forecast load with the cost model, `threshold` is the
+    utilisation rule Kubernetes' autoscaler applies, for comparison): every
+    `planner_interval_s` it forecasts the load `planner_lead_s` ahead (about how long
+    an instance takes to start) from the last `planner_window_s`, sizes each pool to
+    run at `planner_utilization` of what the cost model says an instance serves
+    within the SLOs, keeps at least `planner_min_prefill` and `planner_min_decode`
+    and at most `planner_max_instances` in all (0: as many as are up), and shrinks a
+    pool only after it has needed fewer for `planner_down_after_s`. An instance it
+    adds and that is not up within `planner_start_timeout_s` is counted as never
+    coming.
     """
 
     policy: str = "mooncake"
@@ -473,6 +486,17 @@ class ConductorConfig(_Section):
     retention: bool = False
     retention_drop_below: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
     decode_kv_peak: bool = True
+    planner: bool = False
+    planner_rule: Literal["forecast", "threshold"] = "forecast"
+    planner_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    planner_window_s: Annotated[float, msgspec.Meta(gt=0)] = 180.0
+    planner_lead_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    planner_max_instances: Annotated[int, msgspec.Meta(ge=0)] = 0
+    planner_min_prefill: Annotated[int, msgspec.Meta(ge=1)] = 1
+    planner_min_decode: Annotated[int, msgspec.Meta(ge=1)] = 1
+    planner_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.8
+    planner_down_after_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+    planner_start_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
 
 
 class EngineConfig(_Section):
@@ -508,6 +532,16 @@ class EngineConfig(_Section):
     logs the count, the bytes and why, and announces them; `yb up` prints them.
     Every page is allocated (and zeroed) at start: what an engine takes is resident
     from the first moment, never a surprise later.
+
+    Told to stop (SIGTERM: `yb up`, `docker stop`, Kubernetes), an engine drains
+    (`yb_dataplane.worker`): it logs `InstanceDraining`, after which the conductor
+    places nothing more on it, takes no new work, and finishes what it holds for up to
+    `drain_timeout_s`; what is left then ends with a 503, which the gateway re-plans
+    onto another instance from the tokens its client has. 20 s by default: a stream
+    of a few hundred tokens finishes in it, and the rest of the stop (a few seconds)
+    still fits in Kubernetes' default grace period of 30 s (compose's engines get 30 s
+    too); whoever stops an engine must allow it that long before SIGKILL. A second
+    signal ends the drain at once; 0: no drain (what it holds is handed off at once).
     """
 
     num_kv_pages: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -529,6 +563,7 @@ class EngineConfig(_Section):
     reuse: bool = True
     store_blocks: bool = True
     fetch_timeout_s: _Seconds = 10.0
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 20.0
 
 
 class PrefillEngineConfig(EngineConfig):

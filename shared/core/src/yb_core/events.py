@@ -442,6 +442,22 @@ class InstanceDown(Event, tag="instance_down"):
     reason: str = ""
 
 
+class InstanceDraining(Event, tag="instance_draining"):
+    """An engine instance stops taking new work: it finishes what it holds by
+    `deadline` (wall clock), hands what is left then to other instances through the
+    re-plan path, and stops (`InstanceDown`).
+
+    The instance publishes it itself when told to stop (a signal from its pool's
+    actuator, `docker stop`, Kubernetes), so the conductor places nothing more there
+    from this point of the log on. Its blocks in the kvstores stay: they belong to
+    the host's pool, not to the engine.
+    """
+
+    instance_id: str
+    reason: str = ""
+    deadline: float = 0.0
+
+
 class LoadReport(Event, tag="load_report"):
     """Periodic load of one instance; also serves as its heartbeat."""
 
@@ -557,6 +573,69 @@ class RetentionPlanned(Event, tag="retention_planned"):
     needed_s: float = 0.0
 
 
+# --- the planner ----------------------------------------------------------------------
+
+PoolRole = Literal["prefill", "decode"]
+
+
+class PoolForecast(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
+    """What the planner saw over its window and expects `lead_s` ahead: requests per
+    second, and the mean prompt, computed (prompt less reused) and output tokens of a
+    request."""
+
+    window_s: float = 0.0
+    lead_s: float = 0.0
+    arrival_rate: float = 0.0
+    forecast_rate: float = 0.0
+    prompt_tokens: float = 0.0
+    computed_tokens: float = 0.0
+    output_tokens: float = 0.0
+
+
+class PoolSize(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
+    """One pool as the planner sized it: the instances serving (`current`, neither
+    starting nor draining), starting and draining; how many the forecast needs
+    (fractional, before headroom is rounded up); and the target it decided."""
+
+    role: PoolRole
+    current: int = 0
+    starting: int = 0
+    draining: int = 0
+    needed: float = 0.0
+    target: int = 0
+    #: Why the target is not simply what is needed (held for hysteresis, capped by
+    #: the budget, kept at the minimum); empty when it is.
+    held_by: str = ""
+
+
+class PoolAction(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
+    """One step for the actuator: `add` an instance to `role`'s pool, `drain` one of
+    it (`instance_id`), or `move` one (`instance_id`) into `role` (a drain and a
+    restart in the other role)."""
+
+    action: Literal["add", "drain", "move"]
+    role: PoolRole
+    instance_id: str = ""
+
+
+class PoolPlanned(Event, tag="pool_planned"):
+    """The planner's decision on the pools' sizes (`yb_conductor.planner`): what it
+    forecast, each pool's size and target, and the actions that carry it out (none
+    when the pools are as they should be: then only logged when the target changed).
+
+    Published by the active conductor; replay recomputes it from the log before it
+    as it does placements, and `yb replay --set planner_*` asks what other planner
+    settings would have decided.
+    """
+
+    planner_id: str
+    forecast: PoolForecast
+    pools: list[PoolSize]
+    actions: list[PoolAction] = msgspec.field(default_factory=list)
+    max_instances: int = 0
+    reason: str = ""
+
+
 AnyEvent = (
     RequestAdmitted
     | RequestScheduled
@@ -575,12 +654,14 @@ AnyEvent = (
     | BlockInventory
     | InstanceUp
     | InstanceDown
+    | InstanceDraining
     | LoadReport
     | LoadPrediction
     | ReplicationPlanned
     | ConductorConfigured
     | TransferFailed
     | RetentionPlanned
+    | PoolPlanned
 )
 
 
@@ -643,8 +724,10 @@ def subject_for(event: AnyEvent) -> str:
             return f"yb.ev.block.{tag}.{subject_token(event.instance_id)}"
         case ResyncRequested():
             return f"yb.ev.block.{tag}.{subject_token(event.instance_id)}"
-        case InstanceUp() | InstanceDown() | LoadReport():
+        case InstanceUp() | InstanceDown() | InstanceDraining() | LoadReport():
             return f"yb.ev.instance.{tag}.{subject_token(event.instance_id)}"
+        case PoolPlanned():
+            return f"yb.ev.decision.pool.{subject_token(event.planner_id)}"
         case RequestReplanned():
             # A re-plan is an admission of the request's continuation: it travels
             # with the admissions (one subject for the conductor's admissions, one

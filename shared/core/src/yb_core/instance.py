@@ -3,7 +3,9 @@
 - `Presence` announces the instance (`InstanceUp`), reports its load every interval
   (the `LoadReport` doubles as its heartbeat: the conductor declares it dead when
   reports stop, with an `InstanceDown` of its own) and says goodbye (`InstanceDown`)
-  on a clean stop. An instance that was declared dead while it was only paused
+  on a clean stop; an engine told to stop says first that it drains
+  (`InstanceDraining`), so that nothing more is placed on it while it finishes what
+  it holds. An instance that was declared dead while it was only paused
   (SIGSTOP, a long GC, a partition) announces itself again when it sees that
   verdict, or everyone who follows announcements would forget it for good.
   A process that starts under the id of one that died without a goodbye (a
@@ -63,6 +65,8 @@ class Presence:
         self._was_connected = True
         self._retired = False
         self._verdicts: EventReader | None = None
+        # Once it drains: said again after every later announcement.
+        self._draining: ev.InstanceDraining | None = None
 
     async def announce(self) -> None:
         """Publish `InstanceUp` (again: after a reconnect the log may have moved on).
@@ -72,6 +76,10 @@ class Presence:
         self.announcement.time = 0.0  # a fresh timestamp, hence a fresh message id
         await self._bus.publish(self.announcement)
         self._announced = True
+        if self._draining is not None:
+            # Announced again (after a verdict, a reconnect) while draining: without
+            # this the log would read as an instance that takes work again.
+            await self._publish_draining()
 
     async def _end_previous(self) -> None:
         """Publish `InstanceDown` for the previous process under this instance id
@@ -159,6 +167,27 @@ class Presence:
     def instance_id(self) -> str:
         """The id this presence announces."""
         return self.announcement.instance_id
+
+    async def drain(self, reason: str, deadline: float) -> int:
+        """Publish `InstanceDraining` (best effort, bounded): from that point of the
+        log on the conductor places nothing more here. Its stream sequence (0: it did
+        not reach the log), which tells work decided before it from work decided
+        after (`yb_dataplane.worker.decided_before`)."""
+        self._draining = ev.InstanceDraining(
+            instance_id=self.instance_id, reason=reason, deadline=deadline
+        )
+        return await self._publish_draining()
+
+    async def _publish_draining(self) -> int:
+        draining = self._draining
+        if draining is None:
+            return 0
+        draining.time = 0.0  # a fresh message id: a repeat must reach the log too
+        try:
+            return await asyncio.wait_for(self._bus.publish(draining), timeout=2.0)
+        except (TimeoutError, BusError) as exc:
+            log.warning("draining_publish_failed", error=str(exc) or repr(exc))
+            return 0
 
     async def retire(self, reason: str) -> None:
         """Publish `InstanceDown` (best effort, bounded)."""

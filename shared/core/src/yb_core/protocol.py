@@ -128,12 +128,15 @@ JobReply = JobAccepted | JobRefused
 
 class JobFailed(Exception):
     """An engine's job that cannot complete (a prefill's, or a decode instance's
-    piggybacked one); `status` is the HTTP status the client should see."""
+    piggybacked one); `status` is the HTTP status the client should see, and
+    `failed_instance` the instance at fault when it is not the one that ran the job
+    (a decode instance that refused its pages), for the gateway's re-plan to avoid."""
 
-    def __init__(self, reason: str, status: int = 503) -> None:
+    def __init__(self, reason: str, status: int = 503, failed_instance: str = "") -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
+        self.failed_instance = failed_instance
 
 
 def failed_job(
@@ -152,6 +155,7 @@ def failed_job(
         error_status=exc.status,
         prompt_tokens=prompt_tokens,
         attempt=job.attempt,
+        failed_instance=exc.failed_instance,
     )
     outcome: RequestOutcome = "cancelled" if exc.status == 499 else "failed"
     finished = RequestFinished(
@@ -245,6 +249,12 @@ class ReserveKV(_Msg, tag="reserve_kv"):
     `head_cuts`: the KV head boundaries each page travels cut at, so that each piece is
     a run of heads one rank holds on either side (tensor-parallel instances of any
     degrees; the sender merges both sides' cuts). Empty: whole pages.
+
+    `wait_s`: how long the decode instance may wait for pages to free before it
+    answers, when too few are free now (the requester waits longer than this for the
+    answer). The conductor admits on a prediction of decode's pages, which can run
+    short for a moment; a request that waits is late, one refused has failed. 0: the
+    answer comes at once.
     """
 
     request_id: str
@@ -262,6 +272,7 @@ class ReserveKV(_Msg, tag="reserve_kv"):
     attempt: int = 0
     generated_tokens: int = 0
     head_cuts: list[int] = msgspec.field(default_factory=list)
+    wait_s: float = 0.0
 
 
 class KVReserved(_Msg, tag="kv_reserved"):
@@ -359,7 +370,9 @@ class TokenChunk(_Msg, tag="token_chunk"):
     `prompt_logprobs` (with `SamplingParams.prompt_logprobs`) are the next entries of
     the prompt's logprobs (prompt tokens 1..n-1, in order), split over chunks of at most
     `PROMPT_LOGPROBS_PER_CHUNK` entries that carry no token, all of them before the
-    stream's first token.
+    stream's first token. `failed_instance`, on an error chunk, names the instance at
+    fault when it is not the one the gateway would blame by the stream's phase (empty:
+    the prefill instance before the first token, the decode instance after).
     """
 
     request_id: str
@@ -377,6 +390,7 @@ class TokenChunk(_Msg, tag="token_chunk"):
     attempt: int = 0
     logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
+    failed_instance: str = ""
 
 
 #: The most prompt logprobs one `TokenChunk` carries: a long prompt's take several

@@ -5,7 +5,9 @@ place with a name, a crash in any of them is noticed at once (`asyncio.wait` wit
 FIRST_EXCEPTION), and shutdown runs in named steps — stop taking work, drain, cancel
 leftovers, close connections — bounded by a graceful timeout. `run_service` wires
 that to SIGINT/SIGTERM, logging, tracing and the metrics endpoint, and gives the
-process exit code: 0 after a requested stop, 1 after a crash.
+process exit code: 0 after a requested stop, 1 after a crash. A second signal while
+the service stops hurries it (`Service.hurry`: an engine ends its drain at once);
+the stop as a whole is bounded by `Service.stop_timeout_s` either way.
 """
 
 from __future__ import annotations
@@ -113,6 +115,9 @@ class Service(abc.ABC):
     """
 
     role: str = "service"
+    #: How long `run_service` lets `stop` take before it gives up on it (an engine
+    #: adds its drain to it).
+    stop_timeout_s: float = 15.0
 
     def __init__(self, cfg: YbConfig) -> None:
         self.cfg = cfg
@@ -129,6 +134,10 @@ class Service(abc.ABC):
     @abc.abstractmethod
     async def stop(self) -> None:
         """Stop taking work, drain, cancel leftovers, close connections."""
+
+    def hurry(self) -> None:  # noqa: B027 (optional hook)
+        """Told again to stop while stopping (a second signal): cut short what `stop`
+        waits for that can be cut short (an engine's drain). Called on the loop."""
 
     async def connect_bus(self) -> Bus:
         """Connect to NATS (waiting as long as it takes) and make sure the log exists."""
@@ -235,8 +244,11 @@ async def _run(service: Service) -> int:
         code = 1
     finally:
         log.info("stopping", role=service.role)
+        # From now on a signal hurries the stop rather than asking for it again.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, service.hurry)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(service.stop(), timeout=15.0)
+            await asyncio.wait_for(service.stop(), timeout=service.stop_timeout_s)
         log.info("stopped", role=service.role)
     return code
 

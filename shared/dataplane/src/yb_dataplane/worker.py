@@ -19,6 +19,14 @@ the worker does, as in the stop order.
 
 Stop order (`WorkerShell.stop`; each step says why it comes where it does):
 
+0. drain (an engine: `drain_timeout_s` > 0): `InstanceDraining` goes to the log, so
+   the conductor places nothing more here; the worker takes no new work
+   (`Worker.drain`) but finishes what it holds, with every task and the transport
+   still up, until it holds nothing (`Worker.holds_work`), the drain's deadline
+   passes, or a second signal hurries it (`WorkerShell.hurry`). What is left then is
+   handed off by the steps below: a request ended with a 503 is re-planned by its
+   gateway onto another instance, from the tokens its client already has. The
+   pool's blocks are the kvstores', not the engine's: they stay;
 1. refuse: the worker stops taking new work, so nothing starts while it goes down;
 2. retire: `InstanceDown`, so the conductor plans nothing more here;
 3. for a worker whose work arrives over the transport itself (a store serving puts
@@ -39,7 +47,9 @@ Stop order (`WorkerShell.stop`; each step says why it comes where it does):
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import ClassVar, Generic, Protocol, TypeVar
 
@@ -57,6 +67,18 @@ from yb_dataplane.peers import PeerDirectory, PreConnector
 from yb_dataplane.transport import KVReceiver, KVSender, PeerAddress
 
 log = get_logger(__name__)
+
+#: How often a drain looks whether the worker still holds work.
+DRAIN_POLL_S = 0.05
+
+
+def decided_before(decision: ev.RequestScheduled, logged_seq: int) -> bool:
+    """Whether the conductor decided `decision` before an instance's drain reached the
+    log at stream sequence `logged_seq` (0: it did not get there). Such a job was
+    placed before the conductor could know, so a draining instance takes it, as work
+    it holds: refused, its request would fail, since a gateway does not re-plan a
+    refused hand-off. Any job decided later is new work, and refused."""
+    return 0 < decision.admitted_seq < logged_seq
 
 
 class WorkerSection(Protocol):
@@ -161,6 +183,17 @@ class Worker(abc.ABC):
     def refuse_work(self) -> None:  # noqa: B027 (optional hook)
         """Stop step 1: refuse new work from now on."""
 
+    def drain(self, logged_seq: int) -> None:
+        """Stop step 0: the instance drains, its `InstanceDraining` at `logged_seq`
+        in the log (0: not logged). Take no new work; jobs the conductor decided
+        before `logged_seq` are not new (`decided_before`). By default: refuse all."""
+        del logged_seq
+        self.refuse_work()
+
+    def holds_work(self) -> bool:
+        """Whether work it took is still under way; a drain waits until it is not."""
+        return False
+
     async def settle(self) -> None:  # noqa: B027 (optional hook)
         """Stop step 4: get out what must reach the log while the tasks still run."""
 
@@ -190,13 +223,19 @@ class WorkerShell(Service, Generic[W]):
 
     role: ev.Role
 
-    def __init__(self, cfg: YbConfig, section: WorkerSection) -> None:
+    def __init__(self, cfg: YbConfig, section: WorkerSection, drain_timeout_s: float = 0.0) -> None:
         super().__init__(cfg)
         self.section = section
         self.receiver = KVReceiver(section.ucx_host, section.ucx_port)
         self.receiver.export_metrics(self.registry)
         self.sender = KVSender()
         self._running: _Running[W] | None = None
+        # Stop step 0 (0: none); the stop as a whole may take that much longer.
+        self.drain_timeout_s = drain_timeout_s
+        self.stop_timeout_s = Service.stop_timeout_s + drain_timeout_s
+        self._hurry = asyncio.Event()
+        # Set once a stop has run its course: a second `stop` waits for it.
+        self._stopped: asyncio.Event | None = None
 
     @abc.abstractmethod
     async def build(self, context: WorkerContext) -> W:
@@ -302,25 +341,60 @@ class WorkerShell(Service, Generic[W]):
         )
 
     async def stop(self) -> None:
-        """Go down in the order the module docstring gives; idempotent."""
+        """Go down in the order the module docstring gives; idempotent (a second call
+        while the first runs waits for it)."""
         running, self._running = self._running, None
         if running is None:
-            # Never started, or a failed start already closed what it opened.
+            # Never started, a failed start already closed what it opened, or stopping.
+            if self._stopped is not None:
+                await self._stopped.wait()
             await self.tasks.shutdown()
             return
-        worker = running.worker
-        worker.refuse_work()
-        await running.presence.retire("stopped")
-        if worker.transport_is_intake:
+        self._stopped = stopped = asyncio.Event()
+        try:
+            worker = running.worker
+            if self.drain_timeout_s > 0:
+                await self._drain(running)
+            worker.refuse_work()
+            await running.presence.retire("stopped")
+            if worker.transport_is_intake:
+                await self._close_transport()
+            await worker.settle()
+            await self.tasks.shutdown()
+            await worker.release()
+            if running.cancellations is not None:
+                await running.cancellations.close()
             await self._close_transport()
-        await worker.settle()
-        await self.tasks.shutdown()
-        await worker.release()
-        if running.cancellations is not None:
-            await running.cancellations.close()
-        await self._close_transport()
-        await worker.close()
-        await running.bus.close()
+            await worker.close()
+            await running.bus.close()
+        finally:
+            stopped.set()
+
+    def hurry(self) -> None:
+        """End the drain now (a second signal): what is left is handed off."""
+        self._hurry.set()
+
+    async def _drain(self, running: _Running[W]) -> None:
+        """Stop step 0 (see the module docstring): log the drain, take no new work,
+        and wait until the worker holds none, the deadline, or `hurry`."""
+        worker = running.worker
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.drain_timeout_s
+        logged_seq = await running.presence.drain("stopping", time.time() + self.drain_timeout_s)
+        worker.drain(logged_seq)
+        log.info("draining", timeout_s=self.drain_timeout_s, holds_work=worker.holds_work())
+        hurried = asyncio.ensure_future(self._hurry.wait())
+        try:
+            while worker.holds_work() and not hurried.done():
+                left = until - loop.time()
+                if left <= 0:
+                    break
+                await asyncio.wait({hurried}, timeout=min(left, DRAIN_POLL_S))
+        finally:
+            hurried.cancel()
+        held = worker.holds_work()
+        why = "done" if not held else "hurried" if self._hurry.is_set() else "deadline"
+        log.info("drained", outcome=why, holds_work=held)
 
     async def _close_transport(self) -> None:
         """Close the receiver, then the sender (both idempotent)."""

@@ -1,12 +1,17 @@
 """`yb explain <request-id>`: why the conductor decided what it did for one request.
 
     yb explain REQUEST_ID [--file LOG | --nats URL | --data-dir DIR] [--full] [--json]
+    yb explain planner [--file LOG | ...] [--full] [--json]
 
 The decision event carries its explanation (the best prefill candidates by
 estimated TTFT, every decode instance, the branch and the reason), so explaining
 needs no recomputation. `--full` recomputes the decision from the log with every
 prefill instance in the table, which needs the log from seq 1: on a log whose head
 was trimmed (`nats.max_bytes`) it says so and shows the recorded table.
+
+`yb explain planner` shows the planner's decisions (`PoolPlanned`) that asked for an
+action, each with what it forecast and each pool's size, need and target (`--full`:
+every decision, also those that changed nothing).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from yb_tools.cli.replay import add_source_args, load_log
 def add_parser(sub: Any) -> None:
     """Register `yb explain`."""
     p = sub.add_parser("explain", help="the candidate table and reason behind one decision")
-    p.add_argument("request_id")
+    p.add_argument("request_id", help="a request's id, or `planner` for the pools' planner")
     add_source_args(p)
     p.add_argument("--full", action="store_true", help="recompute with every candidate")
     p.add_argument("--json", action="store_true", help="print the decision as JSON")
@@ -103,6 +108,46 @@ def render(seq: int, decision: ev.Decision) -> str:
     return "\n".join(lines)
 
 
+def render_plan(seq: int, plan: ev.PoolPlanned) -> str:
+    """One planner decision as a text table."""
+    f = plan.forecast
+    lines = [
+        f"seq {seq}, t={plan.time:.1f}: planner {plan.planner_id}, budget {plan.max_instances}",
+        f"  forecast: {f.arrival_rate:.3f} req/s over {f.window_s:g}s -> {f.forecast_rate:.3f} "
+        f"req/s in {f.lead_s:g}s; prompt {f.prompt_tokens:g} tokens (computed "
+        f"{f.computed_tokens:g}), output {f.output_tokens:g}",
+        f"  {'pool':<8} {'serving':>7} {'starting':>8} {'draining':>8} {'needs':>7} "
+        f"{'target':>6}  held by",
+    ]
+    for p in plan.pools:
+        lines.append(
+            f"  {p.role:<8} {p.current:>7} {p.starting:>8} {p.draining:>8} {p.needed:>7.2f} "
+            f"{p.target:>6}  {p.held_by or '-'}"
+        )
+    for a in plan.actions:
+        what = a.instance_id + (f" to {a.role}" if a.action == "move" else "")
+        lines.append(f"  action: {a.action} {what or a.role}")
+    return "\n".join(lines)
+
+
+def _explain_planner(records: list[Any], args: argparse.Namespace) -> int:
+    from yb_conductor.replay import to_json
+
+    plans = [
+        (r.seq, r.event)
+        for r in records
+        if isinstance(r.event, ev.PoolPlanned) and (args.full or r.event.actions)
+    ]
+    if not plans:
+        print(
+            "yb explain: no planner decision in the log" + ("" if args.full else " with an action")
+        )
+        return 1
+    for seq, plan in plans:
+        print(to_json(plan) if args.json else render_plan(seq, plan))
+    return 0
+
+
 def run(cfg: YbConfig, args: argparse.Namespace) -> int:
     """`yb explain`."""
     from yb_conductor.replay import find_decision, recompute_decision, to_json
@@ -115,6 +160,8 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
         print(f"yb explain: cannot read the log: {exc}", file=sys.stderr)
         return 1
     records = loaded.records
+    if args.request_id == "planner":
+        return _explain_planner(records, args)
     found = find_decision(records, args.request_id)
     if found is None:
         gone = f" ({loaded.gone()}: an older decision is gone)" if loaded.trimmed else ""

@@ -101,6 +101,28 @@ def add_parser(sub: Any) -> None:
     cluster.add_argument("--prefill", type=int, default=8, help="prefill instances (8)")
     cluster.add_argument("--decode", type=int, default=8, help="decode instances (8)")
     cluster.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="hosts with a kvstore (default: one per prefill instance)",
+    )
+    cluster.add_argument(
+        "--max-instances",
+        type=int,
+        default=0,
+        metavar="N",
+        help="elastic pools (with --set planner=true): the instances the planner may "
+        "hold; --prefill and --decode are the start",
+    )
+    cluster.add_argument(
+        "--start-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds from the planner's decision to an added instance's start (60)",
+    )
+    cluster.add_argument(
         "--prefill-tp",
         type=int,
         default=0,
@@ -270,6 +292,9 @@ def params_from(args: argparse.Namespace) -> SimParams:
         model_layers=args.model_layers,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        hosts=args.hosts,
+        max_instances=args.max_instances,
+        start_s=args.start_s,
     )
 
 

@@ -1,8 +1,8 @@
 """`yb status`: instances, roles, loads and cache use, read from the event log.
 
 Everything a person needs to see is already in the log (`InstanceUp`, `LoadReport`,
-`InstanceDown`), so status folds the instance events and prints a table; it asks no
-service anything. It reads them from the instance stream, which keeps the newest
+`InstanceDraining`, `InstanceDown`), so status folds the instance events and prints a
+table; it asks no service anything. It reads them from the instance stream, which keeps the newest
 event of every instance whatever the log trimmed (`Bus.read_instances`), once that
 stream has copied every instance event the log holds (`Bus.sync_instances`).
 """
@@ -24,6 +24,7 @@ class InstanceRow:
     report: ev.LoadReport | None = None
     down: str = ""
     last_seen: float = 0.0
+    draining: bool = False
 
 
 async def collect(bus: Bus, timeout_s: float = 5.0) -> dict[str, InstanceRow]:
@@ -54,6 +55,10 @@ async def collect(bus: Bus, timeout_s: float = 5.0) -> dict[str, InstanceRow]:
                     row.report, row.last_seen = report, report.time
                 case ev.InstanceDown() as down if down.instance_id in rows:
                     rows[down.instance_id].down = down.reason or "down"
+                case ev.InstanceDraining() as draining if draining.instance_id in rows:
+                    # Delivered in log order: a later announcement (a new process)
+                    # made a new row.
+                    rows[draining.instance_id].draining = True
             if item.seq >= last:
                 break
     finally:
@@ -77,6 +82,8 @@ def render(rows: dict[str, InstanceRow], heartbeat_timeout_s: float, now: float)
             state = "down"
         elif heartbeating and age > heartbeat_timeout_s:
             state = "silent"
+        elif row.draining:
+            state = "draining"
         else:
             state = "up"
         kv = f"{rep.kv_used_blocks}/{rep.kv_total_blocks}" if rep and rep.kv_total_blocks else "-"

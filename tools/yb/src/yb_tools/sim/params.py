@@ -69,6 +69,18 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     it. `pool_tokens` is the pool of a host of one profile instance's devices: a
     prefill instance of another degree gets its share of it (`pool_tokens_at`), so
     that clusters of equal device counts have equal pools.
+
+    `hosts`: hosts with a kvstore (0: one per prefill instance). Host `i` is where
+    prefill instance `prefill-i` runs when it is up; the pools stay up whatever runs.
+
+    Elastic pools: with the conductor's `planner` on (a setting), `prefill` and
+    `decode` are the instances up at the start, and the planner's actions are
+    carried out: an added instance comes up `start_s` after the decision (what
+    loading a model takes), a drained one stops once it holds nothing, and a moved
+    one is drained and then started in the other role. `max_instances` (0: `prefill`
+    plus `decode`) bounds the instances the planner may hold and is its budget.
+    Instance-hours count every instance from its start to its stop (starting and
+    draining included: it holds its devices).
     """
 
     prefill: int = 8
@@ -98,6 +110,9 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     model_layers: int = 80
     prefill_tp: int = 0
     decode_tp: int = 0
+    hosts: int = 0
+    max_instances: int = 0
+    start_s: float = 60.0
 
     def degrees(self, cost: CostModel) -> tuple[int, int]:
         """The prefill and decode instances' tensor-parallel degrees under `cost`."""

@@ -124,6 +124,10 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     piggyback_requests: int = 0
     piggyback_prompt_p50: float = 0.0
     piggyback_ttft_mean_s: float = 0.0
+    # Engine instances held, integrated over the run (hours), and the planner's
+    # actions carried out (elastic pools: `SimParams.max_instances`).
+    instance_hours: float = 0.0
+    pool_actions: int = 0
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

@@ -47,7 +47,10 @@ from yb_tools.sim.results import LoadSeries, PolicyResult, summarize
 from yb_tools.sim.workload import TraceItem, draw_priorities
 
 # Kinds of heap events.
-_PREFILL_DONE, _DECODE_WAKE, _REPORT, _SAMPLE, _REPLICATE = range(5)
+_PREFILL_DONE, _DECODE_WAKE, _REPORT, _SAMPLE, _REPLICATE, _INSTANCE_UP = range(6)
+
+# An engine's state in an elastic run (`SimParams.max_instances`).
+_DOWN, _STARTING, _UP, _DRAINING = "down", "starting", "up", "draining"
 
 # (requests arrived, requests in the trace)
 Progress = Callable[[int, int], None]
@@ -127,9 +130,15 @@ class Simulation:
         self.rng = random.Random(params.seed)
         self.slo = ev.Slo(ttft_s=params.ttft_slo_s, tbt_s=params.tbt_slo_s)
         pool_blocks = max(1, params.pool_tokens_at(cost) // bs)
+        # Elastic pools (the planner on): every instance the budget allows exists,
+        # those beyond the starting split down until the planner adds them.
+        self.elastic = self.cfg.planner
+        budget = params.max_instances or params.prefill + params.decode
+        prefill_slots = max(params.prefill, params.hosts, budget if self.elastic else 0)
+        decode_slots = max(params.decode, budget if self.elastic else 0)
         self.kvstores = [
             SimKvstore(f"kvstore-{i}", f"host-{i}", pool_blocks, params.eviction)
-            for i in range(params.prefill)
+            for i in range(prefill_slots)
         ]
         self.kvstore_by_id = {kv.instance_id: kv for kv in self.kvstores}
         self.prefills = [
@@ -160,7 +169,7 @@ class Simulation:
                 enforce_slo=params.decode_admission == "reject",
                 block_size=bs,
             )
-            for j in range(params.decode)
+            for j in range(decode_slots)
         ]
         self.decode_index = {d.instance_id: j for j, d in enumerate(self.decodes)}
         # The pool on each decode instance's host, which its piggybacked prompts' blocks
@@ -168,8 +177,24 @@ class Simulation:
         # otherwise it sits on a host of its own and stores nothing.
         self.decode_pools: list[SimKvstore | None] = [
             self.kvstores[j % len(self.kvstores)] if params.piggyback and self.kvstores else None
-            for j in range(params.decode)
+            for j in range(decode_slots)
         ]
+        # Each engine's state, when it started holding its devices (`_hold`), the
+        # role a moved one restarts in, and the instance-seconds held so far.
+        self.engine_state: dict[str, str] = {}
+        for i, pf in enumerate(self.prefills):
+            self.engine_state[pf.instance_id] = _UP if i < params.prefill else _DOWN
+        for j, d in enumerate(self.decodes):
+            self.engine_state[d.instance_id] = _UP if j < params.decode else _DOWN
+        self.held_since: dict[str, float] = {
+            i: 0.0 for i, state in self.engine_state.items() if state == _UP
+        }
+        self.held_s = 0.0
+        self.restart_as: dict[str, str] = {}
+        self.draining: set[str] = set()
+        self.epochs: dict[str, int] = {}
+        self.plans: list[ev.PoolPlanned] = []
+        self.pool_actions = 0
         priorities = draw_priorities(len(items), params.priority_mix, params.seed)
         self.jobs: list[Job] = [
             Job(item, priority=priority) for item, priority in zip(items, priorities, strict=True)
@@ -195,6 +220,12 @@ class Simulation:
         started = time.perf_counter()
         out = self.conductor.apply(self.seq, event)
         self.conductor_s += time.perf_counter() - started
+        if out and isinstance(plan := out[-1], ev.PoolPlanned):
+            # The planner decides on any event: its decision is logged back and
+            # carried out here, whoever emitted the event.
+            out.pop()
+            self.emit(plan)
+            self._actuate(plan)
         return out
 
     def _push(self, t: float, kind: int, a: int, b: object) -> None:
@@ -232,9 +263,14 @@ class Simulation:
                     self._report(t)
                 elif kind == _SAMPLE:
                     self._sample(t)
+                elif kind == _INSTANCE_UP:
+                    assert isinstance(b, str)
+                    self._instance_up(a, b, t)
                 else:
                     assert isinstance(b, list)
                     self._replicated(a, b, t)
+                if self.draining:
+                    self._stop_drained(t)
             elif i < n:
                 self.now = arrival
                 self._arrive(self.jobs[i], arrival)
@@ -246,7 +282,9 @@ class Simulation:
                 break
         wall_s = time.perf_counter() - wall
         p = self.params
-        return summarize(
+        for instance_id in list(self.held_since):
+            self._release(instance_id, self.last_exit)
+        result = summarize(
             self.jobs,
             label=self.label,
             admission=self.admission,
@@ -261,6 +299,9 @@ class Simulation:
             conductor_s=self.conductor_s,
             load=self.load,
         )
+        result.instance_hours = self.held_s / 3600.0
+        result.pool_actions = self.pool_actions
+        return result
 
     def _left(self, t: float) -> None:
         """A request left the system at `t` (finished, rejected or cancelled)."""
@@ -274,7 +315,7 @@ class Simulation:
         emit = self.emit
         emit(configured_event(self.cfg, self.cost, "conductor-sim"))
         bs = self.bs
-        for kv, pf in zip(self.kvstores, self.prefills, strict=True):
+        for kv in self.kvstores:
             emit(
                 ev.InstanceUp(
                     instance_id=kv.instance_id, role="kvstore", host=kv.host, epoch=1,
@@ -282,27 +323,110 @@ class Simulation:
                 )
             )  # fmt: skip
             emit(kv.cleared(0.0))
-            group, (start, end) = self.stage_of.get(pf.instance_id, ("", (0, 0)))
-            emit(
-                ev.InstanceUp(
-                    instance_id=pf.instance_id, role="prefill", host=pf.host, epoch=1,
-                    block_size=bs, max_batch_size=1, group=group, layer_start=start,
-                    layer_end=end, num_layers=self.params.model_layers if group else 0,
-                    chunk_tokens=self.params.chunk_tokens if group else 0,
-                    tensor_parallel=self.prefill_tp,
-                    transfer_lanes=self.prefill_cost.tensor_parallel.transfer_lanes,
-                )
-            )  # fmt: skip
+        for p, pf in enumerate(self.prefills):
+            if self.engine_state[pf.instance_id] == _UP:
+                self._announce_prefill(p, 0.0)
         for j, d in enumerate(self.decodes):
-            emit(
-                ev.InstanceUp(
-                    instance_id=d.instance_id, role="decode", host=self._decode_host(j),
-                    epoch=1, block_size=bs, max_batch_size=d.max_batch,
-                    kv_capacity_blocks=d.kv_capacity // bs, piggyback=self.params.piggyback,
-                    tensor_parallel=self.decode_tp,
-                    transfer_lanes=self.decode_cost.tensor_parallel.transfer_lanes,
-                )
-            )  # fmt: skip
+            if self.engine_state[d.instance_id] == _UP:
+                self._announce_decode(j, 0.0)
+
+    def _announce_prefill(self, p: int, t: float) -> None:
+        pf = self.prefills[p]
+        bs = self.bs
+        epoch = self.epochs[pf.instance_id] = self.epochs.get(pf.instance_id, 0) + 1
+        group, (start, end) = self.stage_of.get(pf.instance_id, ("", (0, 0)))
+        self.emit(
+            ev.InstanceUp(
+                time=t, instance_id=pf.instance_id, role="prefill", host=pf.host, epoch=epoch,
+                block_size=bs, max_batch_size=1, group=group, layer_start=start,
+                layer_end=end, num_layers=self.params.model_layers if group else 0,
+                chunk_tokens=self.params.chunk_tokens if group else 0,
+                tensor_parallel=self.prefill_tp,
+                transfer_lanes=self.prefill_cost.tensor_parallel.transfer_lanes,
+            )
+        )  # fmt: skip
+
+    def _announce_decode(self, j: int, t: float) -> None:
+        d = self.decodes[j]
+        bs = self.bs
+        epoch = self.epochs[d.instance_id] = self.epochs.get(d.instance_id, 0) + 1
+        self.emit(
+            ev.InstanceUp(
+                time=t, instance_id=d.instance_id, role="decode", host=self._decode_host(j),
+                epoch=epoch, block_size=bs, max_batch_size=d.max_batch,
+                kv_capacity_blocks=d.kv_capacity // bs, piggyback=self.params.piggyback,
+                tensor_parallel=self.decode_tp,
+                transfer_lanes=self.decode_cost.tensor_parallel.transfer_lanes,
+            )
+        )  # fmt: skip
+
+    # --- elastic pools --------------------------------------------------------------------
+
+    def _actuate(self, plan: ev.PoolPlanned) -> None:
+        """Carry out the planner's actions, as `yb up --elastic` does."""
+        self.plans.append(plan)
+        t = plan.time
+        for action in plan.actions:
+            if action.action == "add":
+                self.pool_actions += self._start_engine(action.role, t)
+            elif self.engine_state.get(action.instance_id) == _UP:
+                self.pool_actions += 1
+                if action.action == "move":
+                    self.restart_as[action.instance_id] = action.role
+                self.engine_state[action.instance_id] = _DRAINING
+                self.draining.add(action.instance_id)
+                self.emit(
+                    ev.InstanceDraining(
+                        time=t, instance_id=action.instance_id, reason=plan.reason,
+                        deadline=t + self.params.request_timeout_s,
+                    )
+                )  # fmt: skip
+                self._stop_drained(t)
+
+    def _start_engine(self, role: str, t: float) -> int:
+        """Start a stopped engine of `role`: up `start_s` from `t`. 0 when every
+        engine of the role is held already (the budget is the actuator's too)."""
+        ids = [e.instance_id for e in (self.prefills if role == "prefill" else self.decodes)]
+        for index, instance_id in enumerate(ids):
+            if self.engine_state[instance_id] == _DOWN:
+                self.engine_state[instance_id] = _STARTING
+                self.held_since[instance_id] = t
+                self._push(t + self.params.start_s, _INSTANCE_UP, index, role)
+                return 1
+        return 0
+
+    def _instance_up(self, index: int, role: str, t: float) -> None:
+        if role == "prefill":
+            instance_id = self.prefills[index].instance_id
+            self.engine_state[instance_id] = _UP
+            self._announce_prefill(index, t)
+        else:
+            instance_id = self.decodes[index].instance_id
+            self.engine_state[instance_id] = _UP
+            self._announce_decode(index, t)
+
+    def _stop_drained(self, t: float) -> None:
+        """Stop the draining engines that hold no work any more."""
+        instances = self.conductor.state.instances
+        for instance_id in sorted(self.draining):
+            inst = instances.get(instance_id)
+            if inst is not None and (inst.prefill_queue or inst.assigned):
+                continue
+            p = self.prefill_index.get(instance_id)
+            if p is not None and self.prefills[p].in_flight:
+                continue
+            self.draining.discard(instance_id)
+            self.engine_state[instance_id] = _DOWN
+            self.emit(ev.InstanceDown(time=t, instance_id=instance_id, reason="drained"))
+            self._release(instance_id, t)
+            role = self.restart_as.pop(instance_id, "")
+            if role:
+                self._start_engine(role, t)
+
+    def _release(self, instance_id: str, t: float) -> None:
+        since = self.held_since.pop(instance_id, None)
+        if since is not None:
+            self.held_s += max(0.0, t - since)
 
     # --- requests -------------------------------------------------------------------------
 
@@ -631,6 +755,7 @@ class Simulation:
 
     def _report(self, t: float) -> None:
         emit = self.emit
+        serving = (_UP, _DRAINING)
         for kv, pf in zip(self.kvstores, self.prefills, strict=True):
             emit(
                 ev.LoadReport(
@@ -639,6 +764,8 @@ class Simulation:
                     dram_blocks=len(kv.blocks),
                 )
             )  # fmt: skip
+            if self.engine_state[pf.instance_id] not in serving:
+                continue
             emit(
                 ev.LoadReport(
                     time=t, instance_id=pf.instance_id, role="prefill",
@@ -647,6 +774,8 @@ class Simulation:
                 )
             )  # fmt: skip
         for d in self.decodes:
+            if self.engine_state[d.instance_id] not in serving:
+                continue
             emit(
                 ev.LoadReport(
                     time=t, instance_id=d.instance_id, role="decode",
@@ -662,18 +791,21 @@ class Simulation:
         load = self.load
         backlog = 0.0
         in_flight = 0
-        for pf in self.prefills:
+        state = self.engine_state
+        prefills = [pf for pf in self.prefills if state[pf.instance_id] in (_UP, _DRAINING)]
+        decodes = [d for d in self.decodes if state[d.instance_id] in (_UP, _DRAINING)]
+        for pf in prefills:
             if pf.current is not None and pf.busy_until > t:
                 backlog += pf.busy_until - t
             backlog += math.fsum(job.estimated_work_s for job in pf.queued())
             in_flight += pf.in_flight
         slo = self.params.tbt_slo_s
-        ratio = math.fsum(d.step_s() for d in self.decodes) / (len(self.decodes) * slo)
+        ratio = math.fsum(d.step_s() for d in decodes) / (max(1, len(decodes)) * slo)
         load.t.append(round(t, 3))
-        load.prefill_backlog_s.append(round(backlog / len(self.prefills), 4))
+        load.prefill_backlog_s.append(round(backlog / max(1, len(prefills)), 4))
         load.prefill_in_flight.append(in_flight)
         load.decode_tbt_ratio.append(round(ratio, 4))
-        load.decode_running.append(sum(d.running for d in self.decodes))
+        load.decode_running.append(sum(d.running for d in decodes))
         if self._busy():
             self._push(t + self.params.sample_interval_s, _SAMPLE, 0, None)
 

@@ -38,7 +38,7 @@ OUTCOMES = (
 )
 ROLES_SHOWN = ("prefill", "decode", "kvstore")
 TRANSFER_KINDS = ("pull", "replication")  # a reuse plan's remote run; a hot-prefix copy
-MARKER_KINDS = ("down", "up", "transfer_failed")
+MARKER_KINDS = ("down", "up", "transfer_failed", "draining")
 _DIGITS = re.compile(r"(\d+)")
 
 
@@ -121,7 +121,7 @@ class Transfer(msgspec.Struct, array_like=True, gc=False):
 
 class Marker(msgspec.Struct, array_like=True, gc=False):
     """A point event on a lane: an instance going down or (re)appearing, a failed
-    transfer."""
+    transfer, an instance starting to drain (it was told to stop)."""
 
     kind: int
     lane: int
@@ -391,6 +391,10 @@ def build_timeline(
                 )
             case ev.InstanceUp() if in_span and e.instance_id in lane_index:
                 markers.append(Marker(1, lane_index[e.instance_id], round(e.time - t0, 4), e.host))
+            case ev.InstanceDraining() if in_span and e.instance_id in lane_index:
+                left = f"; {max(0.0, e.deadline - e.time):.1f}s to finish" if e.deadline else ""
+                text = f"{e.reason or 'draining'}{left}"
+                markers.append(Marker(3, lane_index[e.instance_id], round(e.time - t0, 4), text))
             case ev.TransferFailed() if in_span and e.target_instance in lane_index:
                 text = f"{e.request_id}: {e.source_instance} -> {e.target_instance}: {e.reason}"
                 markers.append(

@@ -59,11 +59,18 @@
   });
   const byId = new Map(requests.map((r, i) => [r[R.id], i]));
   const downSpans = []; // [lane, from, to]: an instance down until it comes up again
+  const drainSpans = []; // [lane, from, to]: an instance draining until it goes down
   {
     const open = new Map();
+    const draining = new Map();
     const sorted = data.markers.slice().sort((a, b) => a[M.time] - b[M.time]);
     for (const m of sorted) {
       const kind = meta.marker_kinds[m[M.kind]];
+      if (kind === "draining" && !draining.has(m[M.lane])) draining.set(m[M.lane], m[M.time]);
+      if ((kind === "down" || kind === "up") && draining.has(m[M.lane])) {
+        drainSpans.push([m[M.lane], draining.get(m[M.lane]), m[M.time]]);
+        draining.delete(m[M.lane]);
+      }
       if (kind === "down" && !open.has(m[M.lane])) open.set(m[M.lane], m[M.time]);
       if (kind === "up" && open.has(m[M.lane])) {
         downSpans.push([m[M.lane], open.get(m[M.lane]), m[M.time]]);
@@ -71,6 +78,7 @@
       }
     }
     for (const [lane, from] of open) downSpans.push([lane, from, Infinity]);
+    for (const [lane, from] of draining) drainSpans.push([lane, from, Infinity]);
   }
 
   // --- view state ----------------------------------------------------------------
@@ -107,7 +115,9 @@
   }
 
   // --- drawing -------------------------------------------------------------------
-  const drawn = { bars: 0, transfers: 0, rejections: 0, downs: 0, handoffs: 0, series: 0 };
+  const drawn = {
+    bars: 0, transfers: 0, rejections: 0, downs: 0, drains: 0, handoffs: 0, series: 0,
+  };
 
   function draw() {
     for (const k in drawn) drawn[k] = 0;
@@ -143,6 +153,7 @@
       lanes: String(lanes.length), requests: String(requests.length),
       bars: String(drawn.bars), transfers: String(drawn.transfers),
       rejections: String(drawn.rejections), downs: String(drawn.downs),
+      drains: String(drawn.drains),
       series: String(drawn.series), handoffs: String(drawn.handoffs),
     });
   }
@@ -215,13 +226,17 @@
   }
 
   function drawDown() {
-    ctx.fillStyle = "rgba(217,45,32,.12)";
-    for (const [lane, from, to] of downSpans) {
-      const row = rowOfLane(lane);
-      const x0 = xOf(from);
-      const x1 = Math.min(xOf(Math.min(to, view.t1 + 1)), width);
-      if (x1 >= GUTTER) ctx.fillRect(x0, row.y, x1 - x0, row.h - 1);
-    }
+    const shade = (spans, colour) => {
+      ctx.fillStyle = colour;
+      for (const [lane, from, to] of spans) {
+        const row = rowOfLane(lane);
+        const x0 = xOf(from);
+        const x1 = Math.min(xOf(Math.min(to, view.t1 + 1)), width);
+        if (x1 >= GUTTER) ctx.fillRect(x0, row.y, x1 - x0, row.h - 1);
+      }
+    };
+    shade(drainSpans, "rgba(224,138,30,.14)");
+    shade(downSpans, "rgba(217,45,32,.12)");
   }
 
   const visible = (i) => !layers.changedOnly || requests[i][R.what_if] === 1;
@@ -344,6 +359,11 @@
       } else if (kind === "up") {
         ctx.fillStyle = "#2e8b57";
         ctx.fillRect(x, row.y, 2, row.h - 1);
+      } else if (kind === "draining") {
+        ctx.fillStyle = "#e08a1e";
+        ctx.fillRect(x - 1, row.y, 3, row.h - 1);
+        ctx.fillText("draining", x + 4, row.y + 8);
+        drawn.drains++;
       } else {
         ctx.strokeStyle = "#d92d20";
         ctx.lineWidth = 2;
@@ -671,6 +691,7 @@
     swatch("rgba(224,138,30,.5)", "kvstore pool use; transfer source \u2192 target"),
     swatch("rgba(105,65,198,.7)", "hot-prefix replication"),
     swatch("rgba(23,92,211,.5)", "hand-off prefill \u2192 decode"),
+    swatch("rgba(224,138,30,.35)", "instance draining (told to stop)"),
     swatch("rgba(217,45,32,.3)", "instance down"),
     "<span>drag: pan \u00b7 wheel: zoom \u00b7 click a request: its decision</span>",
   ].join("");
