@@ -158,8 +158,9 @@ async def test_concurrent_streams_do_not_mix(
     for request_id, text in results:
         assert text == f"{request_id[-4:]}." * 10
     assert gateway.in_flight == 0 and gateway.decisions.waiting == 0
-    # Per-request close tasks leave the supervisor once done: only http and bus stay.
-    await wait_for(lambda: len(gateway.tasks._tasks) == 2, 10, "close tasks to finish")
+    # Per-request close tasks leave the supervisor once done: only http, bus and the
+    # batch worker stay.
+    await wait_for(lambda: len(gateway.tasks._tasks) == 3, 10, "close tasks to finish")
 
 
 async def test_nats_down_then_back(
@@ -282,7 +283,8 @@ async def test_a_verdict_logged_before_admission_never_ends_the_request(
     old_seq = await bus.publish(old)
     await cluster.engine.announce()
     cluster.engine.pause_before = 2  # each stream holds after its first two chunks
-    gw = await gateway_factory()
+    # No re-plan: a verdict about the request must end its stream, not continue it.
+    gw = await gateway_factory(replan_budget=0)
 
     async def late(verdict: ev.InstanceDown, seq: int) -> AsyncIterator[LoggedEvent]:
         yield LoggedEvent(

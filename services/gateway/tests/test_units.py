@@ -329,8 +329,8 @@ class _StubSessions:
 async def test_the_last_chunk_leaves_with_the_closing_frames_in_one_write() -> None:
     """Every token but the last goes out on its own as it comes; the last one's frame
     goes out in the same write as the closing frame, the usage and [DONE]."""
-    from yb_gateway.completions import _Exchange
     from yb_gateway.metrics import RequestTiming
+    from yb_gateway.runner import Exchange
 
     cfg = YbConfig(model=ModelConfig(name="tiny"))
     sessions = _StubSessions()
@@ -341,14 +341,14 @@ async def test_the_last_chunk_leaves_with_the_closing_frames_in_one_write() -> N
             request_id="r", seq=1, token_ids=[2], text="b", finished=True, finish_reason="length"
         ),
     ]
-    exchange = _Exchange(
+    exchange = Exchange(
         [_StubSession(chunks)],  # type: ignore[list-item]
         TextFormat("cmpl-1", "tiny"),
         Choices(1, "none"),
         {},
         RequestTiming(0.0),
     )
-    writes = [w async for w in endpoint._sse(exchange)]
+    writes = [w async for w in endpoint.runner.sse(exchange)]
     assert len(writes) == 2, writes
     frames = [f for w in writes for f in w.split(b"\n\n") if f]
     texts = [json.loads(f[len(b"data: ") :])["choices"] for f in frames[:-1]]

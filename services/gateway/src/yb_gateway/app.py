@@ -1,7 +1,8 @@
 """The litestar application: routes, access guard, error translation, OpenAPI.
 
 Handlers are thin: they decode the body into its typed struct and hand over to
-`CompletionsEndpoint`, or answer from what `GatewayView` shows of the gateway.
+`CompletionsEndpoint` (or `batch_routes.BatchApi` for files and batches), or answer
+from what `GatewayView` shows of the gateway.
 Bodies are decoded here with msgspec in strict mode rather than through litestar's
 `data` parameter, whose conversion is lax (`"10"` would pass as an int) and whose
 errors do not have OpenAI's shape; the OpenAPI document still shows the request
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
@@ -43,15 +44,16 @@ from yb_gateway.auth import (
     SECURITY_COMPONENTS,
     AccessPolicy,
 )
+from yb_gateway.batch_routes import BatchApi, batch_handlers
 from yb_gateway.completions import CompletionsEndpoint
 from yb_gateway.errors import (
     ApiError,
-    from_decode_error,
     handle_api_error,
     handle_unexpected,
     make_http_exception_handler,
 )
 from yb_gateway.prompt import PromptEncoder
+from yb_gateway.runner import decode_body
 from yb_gateway.schemas import (
     REFUSED_FIELDS,
     ChatCompletion,
@@ -62,8 +64,6 @@ from yb_gateway.schemas import (
     ModelCard,
     ModelList,
 )
-
-S = TypeVar("S", bound=msgspec.Struct)
 
 _ERRORS = {
     400: ResponseSpec(ErrorBody, description="Malformed body, bad field, or a limit exceeded"),
@@ -92,15 +92,6 @@ _SSE = OpenAPIMediaType(
         },
     )
 )
-
-
-def decode_body(raw: bytes, kind: type[S]) -> S:
-    """Strictly decode a JSON body into `kind`; 400 in OpenAI's format otherwise,
-    naming the field that is unknown or not implemented (`REFUSED_FIELDS`)."""
-    try:
-        return msgspec.json.decode(raw, type=kind)
-    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-        raise from_decode_error(exc, REFUSED_FIELDS.get(kind)) from exc
 
 
 def _inline_schema(kind: type[msgspec.Struct]) -> dict[str, Any]:
@@ -190,6 +181,11 @@ class GatewayView(Protocol):
     @property
     def completions(self) -> CompletionsEndpoint:
         """The two generation endpoints."""
+        ...
+
+    @property
+    def batches(self) -> BatchApi:
+        """The Batch API (`/v1/files`, `/v1/batches`)."""
         ...
 
     def readiness(self) -> dict[str, Any]:
@@ -289,7 +285,15 @@ def create_app(cfg: YbConfig, gw: GatewayView) -> Litestar:
         return await gw.completions.complete(request, body)
 
     return Litestar(
-        route_handlers=[healthz, readyz, metrics, models, chat_completions, completions],
+        route_handlers=[
+            healthz,
+            readyz,
+            metrics,
+            models,
+            chat_completions,
+            completions,
+            *batch_handlers(gw, cfg, api_security),
+        ],
         guards=[policy.guard],
         exception_handlers={
             ApiError: handle_api_error,

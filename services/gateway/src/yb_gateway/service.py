@@ -7,8 +7,12 @@ connected by a task that retries for as long as the process lives; once connecte
 opens the decision consumer (before any request can be admitted) and follows the
 instance events for `/readyz`. Until then generation requests answer 503.
 
-`stop()` runs in named steps: stop accepting, end in-flight requests (each is
-cancelled on the bus), let uvicorn drain, cancel the owned tasks, close the bus.
+`stop()` runs in named steps: stop accepting, let the batch lines in flight finish
+(`gateway.batch_drain_s`), end in-flight requests (each is cancelled on the bus), let
+uvicorn drain, cancel the owned tasks, close the bus.
+
+The batch worker (`yb_gateway.batches`) is an owned task too: it runs the lines of
+the batches whose lease this gateway holds, through the same request path as HTTP.
 
 While connected the gateway heartbeats like an engine (`LoadReport`s), and its
 `InstanceUp` carries an epoch that is new in every process: the conductor cancels the
@@ -45,6 +49,9 @@ from yb_core.model_files import context_limit
 from yb_core.service import Service, freeze_startup_heap
 from yb_core.telemetry import get_logger
 from yb_gateway.app import create_app
+from yb_gateway.batch_routes import BatchApi
+from yb_gateway.batch_store import BatchStore
+from yb_gateway.batches import BatchWorker
 from yb_gateway.completions import CompletionsEndpoint
 from yb_gateway.decisions import DecisionRouter
 from yb_gateway.errors import unavailable
@@ -112,6 +119,15 @@ class GatewayService(Service):
         # This process's incarnation: a restart under the same id is a new epoch, so
         # the conductor knows the requests of the old one are orphans.
         self.epoch = time.time_ns()
+        # The Batch API: its buckets on the bus of the moment, the worker that runs
+        # batch lines through the same request path, and the routes' logic.
+        self._batch_store: BatchStore | None = None
+        self._batch_store_bus: Bus | None = None
+        self._batch_store_lock = asyncio.Lock()
+        self.batch_worker = BatchWorker(
+            cfg, f"{self.instance_id}:{self.epoch}", self.completions.runner, self.batch_store
+        )
+        self.batches = BatchApi(cfg, self.batch_store, self.batch_worker.wake)
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -135,6 +151,7 @@ class GatewayService(Service):
         await self._until_serving()
         self.tasks.spawn("tokenizer", self._load_tokenizer())
         self.tasks.spawn("bus", self._run_bus())
+        self.tasks.spawn("batches", self.batch_worker.run())
         log.info("gateway_listening", host=gcfg.host, port=self.port, model=self.cfg.model.name)
 
     async def _until_serving(self, timeout_s: float = 10.0) -> None:
@@ -157,6 +174,9 @@ class GatewayService(Service):
         # 1. Stop accepting: uvicorn closes its listener at its next tick.
         if self._server is not None:
             self._server.should_exit = True
+        # 1b. Start no batch line; let those running finish and be recorded (a line
+        #     cut off here would run again on the gateway that takes its batch).
+        await self.batch_worker.drain(self.cfg.gateway.batch_drain_s)
         # 2. End every in-flight request: its waits fail with 503 (or an SSE error
         #    event) and it is cancelled on the bus so engines free it.
         sessions = list(self._sessions.values())
@@ -401,6 +421,25 @@ class GatewayService(Service):
             await session.close(reason)
             return
         await asyncio.shield(task)
+
+    async def batch_store(self) -> BatchStore | None:
+        """The Batch API's buckets on the current bus (opened on first use after each
+        connection); None while the bus is down. Raises what JetStream raises."""
+        bus = self.bus
+        if bus is None or not bus.connected:
+            return None
+        async with self._batch_store_lock:
+            if self._batch_store is None or self._batch_store_bus is not bus:
+                gcfg = self.cfg.gateway
+                self._batch_store = await BatchStore.open(
+                    bus.jetstream,
+                    gcfg.batch_bucket,
+                    replicas=self.cfg.nats.replicas,
+                    lease_ttl_s=gcfg.batch_lease_ttl_s,
+                    timeout_s=self.cfg.nats.request_timeout_s,
+                )
+                self._batch_store_bus = bus
+            return self._batch_store
 
     @property
     def in_flight(self) -> int:

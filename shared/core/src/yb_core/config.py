@@ -295,6 +295,22 @@ class GatewayConfig(_Section):
     # SO_SNDBUF of each client connection; 0 leaves it to the kernel's autotuning
     # (up to net.ipv4.tcp_wmem's maximum, 4 MiB by default, per connection).
     socket_send_buffer_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # The Batch API (`yb_gateway.batches`). Files and batches live in JetStream, in
+    # buckets named after `batch_bucket` (KV `<b>`, `<b>_lines`, `<b>_leases`, object
+    # store `<b>_files`). An upload over `batch_max_file_bytes` is a 400, as is a batch
+    # of more than `batch_max_lines` lines. Each gateway runs at most
+    # `batch_concurrency` lines at once, each within `batch_line_timeout_s`; a batch is
+    # worked on by the gateway that holds its lease (`batch_lease_ttl_s`, renewed at a
+    # third of it); gateways look for batches to take every `batch_poll_s`. A stopping
+    # gateway lets the lines it runs finish for up to `batch_drain_s`.
+    batch_bucket: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$")] = "yb_batches"
+    batch_max_file_bytes: _Count = 64 * 1024 * 1024
+    batch_max_lines: _Count = 50_000
+    batch_concurrency: _Count = 8
+    batch_line_timeout_s: _Seconds = 600.0
+    batch_lease_ttl_s: Annotated[float, msgspec.Meta(ge=1)] = 10.0
+    batch_poll_s: _Seconds = 1.0
+    batch_drain_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
 
     def resolved_api_keys(self) -> list[str]:
         """`api_keys` and the keys listed in `api_keys_file`, without blanks."""

@@ -4,8 +4,9 @@ A service authenticates as its role (`conductor`, `gateway`, `prefill`, `decode`
 `kvstore`); the operator's tools (`yb status`, `yb replay`, `yb explain`, tests) use
 `admin`, which may do everything. The permissions below are derived from what each
 role really sends and receives (`events.subject_for`, `protocol`'s job and token
-subjects, and the JetStream API calls of `bus.Bus` and the conductor's lease and
-snapshot buckets), so that a role cannot speak for another:
+subjects, and the JetStream API calls of `bus.Bus`, the conductor's lease and
+snapshot buckets and the gateway's Batch API buckets), so that a role cannot speak
+for another:
 
 - only the conductor publishes decisions (`yb.ev.decision.>`), its settings and
   resync requests, and only it touches its lease (KV) and snapshot (object store)
@@ -14,7 +15,8 @@ snapshot buckets), so that a role cannot speak for another:
 - the gateway publishes admissions, cancellations and the outcome of requests it
   ended itself, sends jobs to prefill instances, asks decode instances to resend
   lost token chunks (`yb.resend.*`), and receives tokens addressed to it
-  (`yb.tok.<its id>.*`) and nothing else;
+  (`yb.tok.<its id>.*`) and nothing else; only it touches the Batch API's buckets
+  (`batch_api`: files, batches, line results and leases);
 - prefill and decode publish progress and completion, stream tokens and answer the
   requests sent to their own job subject (`allow_responses`); prefill alone sends
   decode control messages; decode also takes the jobs planned inside its batch
@@ -146,12 +148,27 @@ def owned_stream_api(stream: str) -> tuple[str, ...]:
     )
 
 
+def batch_api(bucket: str) -> tuple[str, ...]:
+    """Full control over the Batch API's buckets (`yb_gateway.batch_store`): the KV
+    buckets `<bucket>`, `<bucket>_lines` and `<bucket>_leases` and the object store
+    `<bucket>_files`, and the stream lookup by subject that nats-py's object store
+    makes."""
+    kv = (bucket, f"{bucket}_lines", f"{bucket}_leases")
+    return (
+        *(grant for name in kv for grant in (*owned_stream_api(f"KV_{name}"), f"$KV.{name}.>")),
+        *owned_stream_api(f"OBJ_{bucket}_files"),
+        f"$O.{bucket}_files.>",
+        "$JS.API.STREAM.NAMES",
+    )
+
+
 def role_permissions(
     role: str,
     instances: Sequence[str] | None = None,
     *,
     stream: str = "YB_EVENTS",
     snapshot_bucket: str = "yb_conductor",
+    batch_bucket: str = "yb_batches",
 ) -> Permissions:
     """The permissions of `role`, for the given instance ids (None: any id)."""
     ids = [ev.subject_token(i) for i in instances] if instances else ["*"]
@@ -190,6 +207,7 @@ def role_permissions(
                 f"{req}.{_tag(ev.RequestFinished)}",
                 "yb.job.prefill.*",
                 "yb.resend.*",
+                *batch_api(batch_bucket),
             ]
             subscribe += [f"yb.tok.{i}.*" for i in ids]
         case "prefill":
@@ -222,6 +240,7 @@ def cluster_users(
     *,
     stream: str = "YB_EVENTS",
     snapshot_bucket: str = "yb_conductor",
+    batch_bucket: str = "yb_batches",
 ) -> list[NatsUser]:
     """Every user of a cluster: one per role, then `admin`."""
     instances = instances or {}
@@ -229,7 +248,11 @@ def cluster_users(
         NatsUser(
             name=role,
             permissions=role_permissions(
-                role, instances.get(role), stream=stream, snapshot_bucket=snapshot_bucket
+                role,
+                instances.get(role),
+                stream=stream,
+                snapshot_bucket=snapshot_bucket,
+                batch_bucket=batch_bucket,
             ),
         )
         for role in ROLES

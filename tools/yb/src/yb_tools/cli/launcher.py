@@ -367,6 +367,7 @@ class Cluster:
             instances,
             stream=self.cfg.nats.stream,
             snapshot_bucket=self.cfg.conductor.snapshot_bucket,
+            batch_bucket=self.cfg.gateway.batch_bucket,
         )
         authorization = render_authorization(users, literal_passwords(secrets.nats_passwords))
         count = max(1, self.topology.nats)
