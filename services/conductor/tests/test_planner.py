@@ -199,3 +199,22 @@ def test_the_plans_replay_and_a_what_if_on_the_planner_settings_decides_otherwis
     rows = {name: (a, b) for name, a, b in patient.rows()}
     recorded, patient_drains = rows["planner drains"]
     assert recorded > 0 and patient_drains < recorded
+
+
+def test_a_pool_is_never_drained_below_its_target_while_an_added_instance_is_starting() -> None:
+    c = _started()
+    c.run(30.0, rate=8.0)  # the prefill pool grows: its adds never come up here
+    assert c.pool(c.plans[-1], "prefill").starting >= 1
+    c.run(120.0, rate=0.5)  # then it needs one instance, which is serving
+    drained = [a.instance_id for p in c.plans for a in p.actions if a.action == "drain"]
+    assert "prefill-0" not in drained and "decode-0" not in drained, drained
+
+
+def test_the_first_plan_waits_for_an_engine_of_each_pool() -> None:
+    c = Cluster()
+    c.up("prefill-0", "prefill")
+    c.run(60.0, rate=1.0)  # no decode instance yet: a cluster still starting
+    assert not c.plans
+    c.up("decode-0", "decode")
+    c.run(10.0, rate=1.0)
+    assert c.plans and c.pool(c.plans[0], "decode").current == 1

@@ -53,7 +53,9 @@ Both then apply the same limits.
 - Bookkeeping: an added or moved instance counts as starting until an instance of
   its role comes up (or `planner_start_timeout_s` passes), and one told to drain
   counts as draining until it is down. So no action is repeated while it is being
-  carried out.
+  carried out. A pool is never drained below its target in instances serving now
+  (one still starting may fail), and the first plan waits until an engine of each
+  pool is up.
 """
 
 from __future__ import annotations
@@ -182,12 +184,18 @@ class Planner:
     # --- deciding ------------------------------------------------------------------
 
     def due(self, cfg: ConductorConfig, now: float) -> bool:
-        """Whether a plan is due at log time `now` (the first one once the planner has
-        seen a full interval of the log)."""
+        """Whether a plan is due at log time `now`: the first once the planner has seen
+        a full interval of the log and an engine of each pool up (a cluster that is
+        still starting would have it add instances for engines about to announce
+        themselves), or `planner_start_timeout_s` without one (a pool that never came
+        up needs its instances); then every interval."""
         if not cfg.planner or self.first_seen < 0.0:
             return False
         if self.next_at == 0.0:
-            self.next_at = self.first_seen + cfg.planner_interval_s
+            started = set(self.up.values()) >= set(ROLES)
+            if not started and now - self.first_seen < cfg.planner_start_timeout_s:
+                return False
+            self.next_at = max(now, self.first_seen + cfg.planner_interval_s)
         return now >= self.next_at
 
     def plan(
@@ -406,7 +414,7 @@ class Planner:
         for role, other in _PAIRS:
             if delta[role] <= 0:
                 continue
-            moves = min(delta[role], max(0, -delta[other]))
+            moves = min(delta[role], max(0, min(-delta[other], counts[other] - want[other])))
             moved = _least_loaded(state, serving[other])[:moves]
             actions.extend(ev.PoolAction(action="move", role=role, instance_id=i) for i in moved)
             serving[other] = [i for i in serving[other] if i.instance_id not in moved]
@@ -416,8 +424,11 @@ class Planner:
             actions.extend(ev.PoolAction(action="add", role=role) for _ in range(adds))
             free -= adds
         for role in ROLES:
-            if delta[role] < 0:
-                for inst in _least_loaded(state, serving[role])[: -delta[role]]:
+            # Never below the target in instances serving now: one still starting
+            # may yet fail to come up.
+            drains = min(-delta[role], counts[role] - want[role])
+            if drains > 0:
+                for inst in _least_loaded(state, serving[role])[:drains]:
                     actions.append(ev.PoolAction(action="drain", role=role, instance_id=inst))
         return actions
 

@@ -10,6 +10,8 @@
                                             left down, or the cluster stopped
           [--restart-max-backoff SECONDS]   the longest wait before a restart (30)
           [--nats-cluster 3]                three NATS nodes, the event stream at R3
+          [--elastic --max-instances N]     the planner sizes the pools, `yb up` adds,
+                                            drains and moves engines (at most N)
     yb status [--data-dir DIR | --nats URL]
     yb prepare [--model SOURCE]     convert and cache the model (setup.sh runs it)
 
@@ -124,6 +126,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="N nats-server nodes in one JetStream cluster (3: the event stream at R3); "
         "node i listens on the NATS port + i",
     )
+    up.add_argument(
+        "--elastic",
+        action="store_true",
+        help="turn the conductor's planner on and carry out its decisions: add, drain "
+        "and move engine instances while the cluster runs, starting from --prefill and "
+        "--decode (needs --max-instances; docs/elastic.md)",
+    )
+    up.add_argument(
+        "--max-instances",
+        type=int,
+        metavar="N",
+        help="with --elastic: the most engine instances (prefill and decode, starting "
+        "and draining ones included) at once (conductor.planner_max_instances)",
+    )
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait")
 
     status = sub.add_parser("status", help="instances, roles, loads and cache use")
@@ -224,6 +240,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
             out.setdefault(role, {})["tensor_parallel"] = degree
     if getattr(args, "nats_port", None) is not None and args.command == "up":
         out["nats"] = {"url": f"nats://127.0.0.1:{args.nats_port}"}
+    if getattr(args, "elastic", False) and args.max_instances is not None:
+        # Every service gets it (`service_env`); the conductor's planner acts on it.
+        out["conductor"] = {"planner": True, "planner_max_instances": args.max_instances}
     return out
 
 
@@ -260,10 +279,22 @@ def _group_sizes(text: str) -> tuple[int, ...]:
 
 
 def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
+    from yb_tools.cli.elastic import ElasticPools, refusal
     from yb_tools.cli.launcher import Cluster, ModelNotPrepared, Topology
 
     def say(line: str) -> None:
         print(f"[yb] {line}", flush=True)
+
+    refused = refusal(
+        elastic=args.elastic,
+        max_instances=args.max_instances,
+        engines=args.prefill + args.decode,
+        prefill_groups=args.prefill_groups,
+        gpus=args.gpus,
+    )
+    if refused:
+        print(f"yb up: {refused}", file=sys.stderr)
+        return 2
 
     topology = Topology(
         args.prefill,
@@ -279,6 +310,8 @@ def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
         print(f"yb up: --restart-max-backoff: {exc}", file=sys.stderr)
         return 2
     cluster = Cluster(cfg, topology, say, gpus=args.gpus)
+    if args.elastic:
+        cluster.max_engines = args.max_instances
     stopping = False
 
     def request_stop(signum: int, _frame: object) -> None:
@@ -296,6 +329,13 @@ def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
         cluster.check_device()
     except DeviceUnavailable as exc:
         print(f"yb up: {exc}", file=sys.stderr)
+        return 2
+    if args.elastic and cluster.devices:
+        print(
+            "yb up: engines placed on GPUs of their own are not supported with --elastic "
+            "yet (an added engine would get none); use --device cpu or cuda:N",
+            file=sys.stderr,
+        )
         return 2
     code = 0
     try:
@@ -328,11 +368,19 @@ def _up(cfg: YbConfig, args: argparse.Namespace) -> int:
             for line in cluster.access_hint():
                 say(line)
             kv_reported = False
+            pools = ElasticPools(cluster, supervisor, say) if args.elastic else None
+            if pools is not None:
+                say(
+                    f"elastic: the planner sizes the pools, up to {args.max_instances} "
+                    "engine instances; its decisions are carried out here"
+                )
             while not stopping:
                 if failure := check(True):
                     say(f"{failure}: stopping the cluster")
                     code = 1
                     break
+                if pools is not None:
+                    pools.tick()
                 # Once every engine has announced what it took.
                 if not kv_reported and (report := cluster.kv_report()):
                     for line in report:

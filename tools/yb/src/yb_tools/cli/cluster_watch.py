@@ -13,7 +13,15 @@ loop and one NATS connection as the operator's user. It
   process that never did and exits failed at start;
 - publishes the launcher's verdict when one of its processes exits (`declare_down`):
   the launcher knows at once what a heartbeat timeout would tell everyone else only
-  seconds later, so the requests the process held are re-planned now.
+  seconds later, so the requests the process held are re-planned now;
+- for `yb up --elastic`, follows the planner's decisions (`PoolPlanned`) and the
+  instances' `InstanceUp`/`InstanceDown` made since the launcher started its
+  services, in log order, and hands them to the launcher's main loop through a
+  thread-safe queue (`pool_log`; `yb_tools.cli.elastic` carries the actions out,
+  keeping the planner's count of the instances on their way as the planner keeps
+  it). They are read from the log's start and what is older than the launcher's
+  start skipped, so nothing made after it is missed, however late the log is
+  created.
 
 `stop()` ends the thread and empties the targets file; it is safe to call twice.
 """
@@ -22,9 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+
+import nats.js.errors
 
 from yb_core import events as ev
 from yb_core.bus import Bus, BusError
@@ -36,6 +48,9 @@ log = get_logger(__name__)
 
 #: The instance events the watcher folds: announcements and their ends.
 _INSTANCE_SUBJECTS = ["yb.ev.instance.instance_up.>", "yb.ev.instance.instance_down.>"]
+#: The planner's decisions (`events.subject_for(PoolPlanned)`), any conductor's, and
+#: the instance events the planner counts instances by.
+POOL_LOG = ["yb.ev.decision.pool.>", *_INSTANCE_SUBJECTS]
 # How often the watcher checks the launcher's children between events.
 _POLL_S = 0.5
 # How long one verdict may take to publish (it is a hint: heartbeats still decide).
@@ -44,11 +59,45 @@ _VERDICT_TIMEOUT_S = 2.0
 _CONFIRM_TIMEOUT_S = 3.0
 
 
+@dataclass(frozen=True, slots=True)
+class PlannedAction:
+    """One action of a `PoolPlanned`: the decision's time (log time) and the action's
+    index in it identify it, so that it is carried out once however often it is read."""
+
+    time: float
+    index: int
+    action: ev.PoolAction
+
+    @property
+    def key(self) -> tuple[float, int]:
+        return (self.time, self.index)
+
+
+@dataclass(frozen=True, slots=True)
+class Announced:
+    """An engine's `InstanceUp`: decisions after it in the log count the instance."""
+
+    instance_id: str
+    role: ev.PoolRole
+
+
+@dataclass(frozen=True, slots=True)
+class WentDown:
+    """An instance's `InstanceDown` (an engine's or not: the log does not say)."""
+
+    instance_id: str
+
+
+PoolLogItem = PlannedAction | Announced | WentDown
+
+
 class ClusterWatcher:
     """Follows the cluster's instances for the launcher (module docstring).
 
     `running()` is the launcher's live children (instance id -> start, wall clock);
-    `targets_path` the file_sd file it keeps current.
+    `targets_path` the file_sd file it keeps current. `pool_log_since` (wall
+    clock; None: not followed) follows the planner's decisions and the instance
+    events made from then on (`pool_log`).
     """
 
     def __init__(
@@ -56,10 +105,15 @@ class ClusterWatcher:
         nats: NatsConfig,
         targets_path: Path,
         running: Callable[[], Mapping[str, float]],
+        *,
+        pool_log_since: float | None = None,
     ) -> None:
         self._nats = nats
         self.path = targets_path
         self._running = running
+        self._pool_since = pool_log_since
+        # Filled by the watcher's thread, emptied by the launcher's.
+        self._pool_log: queue.SimpleQueue[PoolLogItem] = queue.SimpleQueue()
         self.fold = TargetFold()
         # instance id -> its last announcement
         self._ups: dict[str, ev.InstanceUp] = {}
@@ -84,6 +138,15 @@ class ClusterWatcher:
                 for instance, started in running.items()
                 if (up := self._ups.get(instance)) is not None and up.time >= started
             }
+
+    def pool_log(self) -> list[PoolLogItem]:
+        """The planner's actions and the instance events read since the last call, in
+        log order. Safe to call from another thread."""
+        out: list[PoolLogItem] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                out.append(self._pool_log.get_nowait())
+        return out
 
     def announced(self) -> set[str]:
         """The launcher's running children that announced themselves since they
@@ -183,6 +246,11 @@ class ClusterWatcher:
     async def _follow(self) -> None:
         bus = await Bus.connect(self._nats, "yb-up-cluster-watch")
         self._bus = bus
+        decisions: asyncio.Task[None] | None = None
+        if self._pool_since is not None:
+            decisions = asyncio.create_task(
+                self._follow_pool_log(bus, self._pool_since), name="cluster-watch-pool"
+            )
         try:
             reader = None
             while True:
@@ -201,10 +269,44 @@ class ClusterWatcher:
                         self.fold.apply(event)
                         if isinstance(event, ev.InstanceUp):
                             self._ups[event.instance_id] = event
+                if decisions is not None and decisions.done():
+                    decisions.result()  # re-raises what ended it
                 self.refresh()
         finally:
+            if decisions is not None:
+                decisions.cancel()
+                await asyncio.gather(decisions, return_exceptions=True)
             self._bus = None
             await bus.close()
+
+    async def _follow_pool_log(self, bus: Bus, since: float) -> None:
+        """Queue every action of each `PoolPlanned`, every engine's `InstanceUp` and
+        every `InstanceDown`, made at or after `since`, in log order."""
+        reader = None
+        while reader is None:
+            try:
+                reader = await bus.read_ordered(POOL_LOG)
+            except (BusError, nats.js.errors.NotFoundError):
+                # No service has created the log yet.
+                await asyncio.sleep(_POLL_S)
+        try:
+            while True:
+                item = await reader.next(timeout_s=_POLL_S)
+                event = item.event if item is not None else None
+                if event is None or event.time < since:
+                    continue
+                match event:
+                    case ev.PoolPlanned(actions=actions):
+                        for index, action in enumerate(actions):
+                            self._pool_log.put(PlannedAction(event.time, index, action))
+                    case ev.InstanceUp(role="prefill" | "decode" as role):
+                        self._pool_log.put(Announced(event.instance_id, role))
+                    case ev.InstanceDown():
+                        self._pool_log.put(WentDown(event.instance_id))
+                    case _:
+                        pass
+        finally:
+            await reader.close()
 
     def refresh(self) -> None:
         """Rewrite the targets file if the targets changed since the last write."""

@@ -29,6 +29,11 @@ with one user per role and the permissions of `yb_core.nats_auth`; each service
 gets its role's user and the *paths* of its secrets in `YB_*` variables. Every
 listener binds to loopback by default (gateway, metrics, NATS and its monitor, UCX).
 
+Elastic pools: with `max_engines` (`yb up --elastic --max-instances N`), engine
+instances come and go while the cluster runs, as the conductor's planner decides
+(`yb_tools.cli.elastic`): `start_engine` and `retire` are how, and the engine roles'
+NATS users may take any instance id, since the ids are not known at start.
+
 Metrics: the launcher keeps a Prometheus scrape config and a file_sd targets file in
 `<data dir>/prometheus/` (see `yb_tools.cli.prometheus_files`), current as instances
 start and stop, and says where they are once the cluster is ready.
@@ -243,6 +248,9 @@ class Cluster:
     # each engine instance's own, once placed (`check_device`; none on the CPU).
     gpus: list[int] | None = None
     devices: dict[str, list[int]] = field(default_factory=dict)
+    # `yb up --elastic --max-instances N`: the engine processes it may run at once (0:
+    # the topology's, fixed).
+    max_engines: int = 0
 
     @property
     def data_dir(self) -> Path:
@@ -363,8 +371,11 @@ class Cluster:
         instances: dict[str, list[str]] = {}
         for spec in self.process_specs():
             instances.setdefault(spec.role, []).append(spec.instance_id)
+        granted: dict[str, list[str] | None] = dict(instances)
+        if self.max_engines:  # ids made up as engines are added: any id of the role
+            granted.update(dict.fromkeys(ENGINE_ROLES))
         users = cluster_users(
-            instances,
+            granted,
             stream=self.cfg.nats.stream,
             snapshot_bucket=self.cfg.conductor.snapshot_bucket,
             batch_bucket=self.cfg.gateway.batch_bucket,
@@ -449,7 +460,7 @@ class Cluster:
                     + ", ".join(f"{n} 1/{k}" for n, k in shared.items())
                 )
             return  # each engine's share goes into its own environment (`service_env`)
-        count = len(engines)
+        count = max(len(engines), self.max_engines)  # elastic: as many as may run
         sections = {"prefill": self.cfg.prefill, "decode": self.cfg.decode}
         free = {
             role: section
@@ -637,8 +648,14 @@ class Cluster:
         )
         if self.watcher is None:
             secrets = self.ensure_secrets()
+            # Elastic: the planner's decisions (and instance events) since the first
+            # service started.
+            since = min(self.started_at.values(), default=time.time())
             self.watcher = ClusterWatcher(
-                self._admin_nats(secrets), targets_path, self.running_instances
+                self._admin_nats(secrets),
+                targets_path,
+                self.running_instances,
+                pool_log_since=since if self.max_engines else None,
             )
             self.watcher.start()
         return config_path, targets_path
@@ -723,6 +740,21 @@ class Cluster:
             where = f"{spec.host}, netns {spec.netns}" if spec.netns else spec.host
             self.say(f"started {spec.instance_id:<12} ({spec.role}, {where}) log: {log_path}")
         return self.children[spec.instance_id].pid
+
+    def start_engine(self, spec: ProcessSpec) -> Member:
+        """Start an engine instance while the cluster runs (`yb up --elastic`); the
+        member for the supervisor."""
+        logs = self.data_dir / "logs"
+        self._spawn(spec, logs, say=False)
+        return _ServiceMember(self, spec, logs)
+
+    def retire(self, instance_id: str) -> None:
+        """Forget a child that exited for good (a drained engine, reaped): it leaves
+        the Prometheus targets and cluster.json."""
+        self.children.pop(instance_id, None)
+        self.started_at.pop(instance_id, None)
+        if self.info is not None and self.info.pids.pop(instance_id, None) is not None:
+            self._write_info()
 
     def wait_ready(
         self, timeout_s: float, stop: Callable[[], bool], check: Callable[[], str | None]

@@ -21,7 +21,9 @@ Every exit is reported with the exit code (or the signal), how long the process 
 and the last lines of its log; every restart with its delay. The decisions are pure
 functions of what was observed (`Incarnation.exited`), so the policy is tested without
 processes; `Supervisor` applies them to the launcher's members (`Member`): the service
-processes and the NATS nodes.
+processes and the NATS nodes. `yb up --elastic` adds members while the cluster runs
+(`Supervisor.add`) and releases the ones it drains before it signals them
+(`Supervisor.release`): a drained process that exits is not a crash.
 """
 
 from __future__ import annotations
@@ -237,6 +239,18 @@ class Supervisor:
         self._clock = clock
         now = clock()
         self._watched = {m.name: _Watched(m, now) for m in members}
+
+    def add(self, member: Member) -> None:
+        """Supervise a member started while the cluster runs (`yb up --elastic` adds
+        instances), from its start now."""
+        self._watched[member.name] = _Watched(member, self._clock())
+
+    def release(self, name: str) -> Member | None:
+        """Stop supervising `name` (an instance about to be drained: its exit is not a
+        crash) and return it; None when it is not supervised. A restart it was waiting
+        for is not made."""
+        watched = self._watched.pop(name, None)
+        return None if watched is None else watched.member
 
     def restarts(self) -> dict[str, int]:
         """Members restarted so far, with how often."""
