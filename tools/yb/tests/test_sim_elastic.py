@@ -115,3 +115,30 @@ def test_yb_replay_reproduces_and_yb_explain_shows_the_plans_of_an_elastic_run(
     assert yb_main(["replay", "--file", str(log), "--set", "planner_down_after_s=600"]) == 0
     table = capsys.readouterr().out
     assert "planner drains" in table and "planner prefill target mean" in table
+
+
+def test_yb_sim_runs_elastic_pools_from_its_flags(tmp_path: Path) -> None:
+    import json
+
+    from yb_tools.cli import main as yb_main
+
+    out = tmp_path / "sim.json"
+    argv = [
+        "sim", "--workload", "phase-change:phase_s=120,rate=6", "--policy", "mooncake",
+        "--prefill", "1", "--decode", "1", "--max-instances", "4", "--start-s", "30",
+        "--set", "planner=true", "--set", "planner_max_instances=4",
+        "--set", "planner_interval_s=15", "--json", str(out), "--quiet", "--no-plots",
+    ]  # fmt: skip
+    assert yb_main(argv) == 0
+    (run,) = json.loads(out.read_text())["policies"].values()
+    assert run["pool_actions"] > 0
+    hours = run["simulated_s"] / 3600.0
+    assert 2 * hours < run["instance_hours"] <= 4 * hours
+
+
+def test_elastic_flags_without_the_planner_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from yb_tools.cli import main as yb_main
+
+    argv = ["sim", "--workload", "daily", "--max-instances", "8", "--quiet", "--no-plots"]
+    assert yb_main(argv) == 2
+    assert "need --set planner=true" in capsys.readouterr().err

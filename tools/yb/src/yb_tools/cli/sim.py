@@ -347,6 +347,13 @@ def ineffective_flags(args: argparse.Namespace) -> str | None:
         return "--seed and --seeds both choose the seeds; give one"
     if args.limit < -1:
         return f"--limit {args.limit}: a count of requests, 0 or more"
+    elastic = {"max_instances": "--max-instances", "start_s": "--start-s"}
+    planner_on = any(
+        key.strip() == "planner" and value.strip().lower() in ("true", "yes", "on", "1")
+        for key, _, value in (item.partition("=") for item in args.settings)
+    )
+    if not planner_on and (flags := given(args, defaults, elastic)):
+        return f"{', '.join(flags)} size elastic pools: they need --set planner=true"
     return None
 
 
