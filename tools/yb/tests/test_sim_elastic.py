@@ -142,3 +142,24 @@ def test_elastic_flags_without_the_planner_are_refused(capsys: pytest.CaptureFix
     argv = ["sim", "--workload", "daily", "--max-instances", "8", "--quiet", "--no-plots"]
     assert yb_main(argv) == 2
     assert "need --set planner=true" in capsys.readouterr().err
+
+
+def test_a_conductor_restored_from_a_snapshot_plans_as_one_that_read_everything(
+    elastic: Simulation,
+) -> None:
+    from yb_conductor import snapshot
+    from yb_conductor.conductor import Conductor
+
+    records = elastic.records
+    assert records is not None
+    whole = Conductor()
+    expected = [out for r in records for out in whole.apply(r.seq, r.event)]
+    assert any(isinstance(out, ev.PoolPlanned) for out in expected)
+    cut = len(records) // 2  # the planner has windows and open actions by then
+    head = Conductor()
+    got = [out for r in records[:cut] for out in head.apply(r.seq, r.event)]
+    assert head.planner.arrivals and head.planner.up
+    tail = snapshot.restore(snapshot.decode(snapshot.encode(snapshot.take(head))))
+    got += [out for r in records[cut:] for out in tail.apply(r.seq, r.event)]
+    assert got == expected
+    assert tail.divergences == whole.divergences == []

@@ -61,9 +61,10 @@ Both then apply the same limits.
 from __future__ import annotations
 
 import math
-from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import msgspec
 
 from yb_core import events as ev
 
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
     from yb_conductor.state import ClusterState, InstanceState
     from yb_core.config import ConductorConfig
 
+T = TypeVar("T")
 ROLES: tuple[ev.PoolRole, ev.PoolRole] = ("prefill", "decode")
 _PAIRS: tuple[tuple[ev.PoolRole, ev.PoolRole], ...] = (("prefill", "decode"), ("decode", "prefill"))
 #: The HorizontalPodAutoscaler's default tolerance: no change while the utilisation
@@ -81,10 +83,10 @@ THRESHOLD_TOLERANCE = 0.1
 DEFAULT_MAX_BATCH = 256
 
 
-@dataclass(slots=True)
-class _Arrival:
+class Arrival(msgspec.Struct, array_like=True, gc=False):
     """One admitted request as the planner prices it."""
 
+    request_id: str
     time: float
     prompt_tokens: int
     reused_tokens: int = -1  # -1: not placed (rejected, or not decided yet)
@@ -92,8 +94,7 @@ class _Arrival:
     tbt_slo_s: float = 0.0
 
 
-@dataclass(slots=True)
-class _Pending:
+class Pending(msgspec.Struct, array_like=True, gc=False):
     """An action being carried out: an instance starting in `role`, or draining."""
 
     role: ev.PoolRole
@@ -101,24 +102,26 @@ class _Pending:
     instance_id: str = ""
 
 
-@dataclass
-class Planner:
-    """The planner's view of the log and its open actions; `plan` decides."""
+def _no_needs() -> dict[ev.PoolRole, list[tuple[float, int]]]:
+    return {role: [] for role in ROLES}
 
-    arrivals: deque[_Arrival] = field(default_factory=deque)
-    by_request: dict[str, _Arrival] = field(default_factory=dict)
+
+class Planner(msgspec.Struct, kw_only=True):
+    """The planner's view of the log and its open actions; `plan` decides. A struct,
+    so that a conductor's snapshot holds it (`yb_conductor.snapshot`)."""
+
+    # The windows, oldest first (trimmed at each plan).
+    arrivals: list[Arrival] = msgspec.field(default_factory=list)
     # (time, output tokens) of the requests that finished, in the window.
-    outputs: deque[tuple[float, int]] = field(default_factory=deque)
+    outputs: list[tuple[float, int]] = msgspec.field(default_factory=list)
     # (time, role, utilisation) of engine load reports, in the window (`threshold`).
-    reports: deque[tuple[float, ev.PoolRole, float]] = field(default_factory=deque)
-    starting: list[_Pending] = field(default_factory=list)
-    draining: dict[str, _Pending] = field(default_factory=dict)
+    reports: list[tuple[float, ev.PoolRole, float]] = msgspec.field(default_factory=list)
+    starting: list[Pending] = msgspec.field(default_factory=list)
+    draining: dict[str, Pending] = msgspec.field(default_factory=dict)
     # Engines up, by id: their role (a restart of one does not end a pending add).
-    up: dict[str, ev.PoolRole] = field(default_factory=dict)
+    up: dict[str, ev.PoolRole] = msgspec.field(default_factory=dict)
     # (time, needed instances) per role over `planner_down_after_s` (hysteresis).
-    needs: dict[ev.PoolRole, deque[tuple[float, int]]] = field(
-        default_factory=lambda: {role: deque() for role in ROLES}
-    )
+    needs: dict[ev.PoolRole, list[tuple[float, int]]] = msgspec.field(default_factory=_no_needs)
     first_seen: float = -1.0
     first_plan: float = -1.0
     next_at: float = 0.0
@@ -132,16 +135,18 @@ class Planner:
             self.first_seen = event.time
         match event:
             case ev.RequestAdmitted():
-                arrival = _Arrival(
-                    event.time, event.prompt_tokens, -1, event.slo.ttft_s, event.slo.tbt_s
+                self.arrivals.append(
+                    Arrival(
+                        event.request_id,
+                        event.time,
+                        event.prompt_tokens,
+                        -1,
+                        event.slo.ttft_s,
+                        event.slo.tbt_s,
+                    )
                 )
-                self.arrivals.append(arrival)
-                self.by_request[event.request_id] = arrival
             case ev.RequestFinished(outcome="completed") if event.output_tokens:
                 self.outputs.append((event.time, event.output_tokens))
-                self.by_request.pop(event.request_id, None)
-            case ev.RequestFinished():
-                self.by_request.pop(event.request_id, None)
             case ev.LoadReport(role="prefill" | "decode"):
                 self.reports.append((event.time, _pool(event.role), _utilisation(event)))
             case ev.InstanceUp(role="prefill" | "decode"):
@@ -150,7 +155,7 @@ class Planner:
                 pending = self.draining.get(event.instance_id)
                 role = self.up.get(event.instance_id)
                 if pending is None and role is not None:
-                    self.draining[event.instance_id] = _Pending(role, event.time, event.instance_id)
+                    self.draining[event.instance_id] = Pending(role, event.time, event.instance_id)
             case ev.InstanceDown():
                 self.up.pop(event.instance_id, None)
                 self.draining.pop(event.instance_id, None)
@@ -158,10 +163,10 @@ class Planner:
                 pass
 
     def placed(self, request_id: str, reused_tokens: int) -> None:
-        """The conductor placed the request, reusing `reused_tokens` of its prompt."""
-        arrival = self.by_request.get(request_id)
-        if arrival is not None:
-            arrival.reused_tokens = reused_tokens
+        """The conductor placed the request it was just told of, reusing
+        `reused_tokens` of its prompt (a decision follows its admission in the fold)."""
+        if self.arrivals and self.arrivals[-1].request_id == request_id:
+            self.arrivals[-1].reused_tokens = reused_tokens
 
     def _came_up(self, instance_id: str, role: ev.PoolRole) -> None:
         if self.up.get(instance_id) == role:
@@ -279,23 +284,16 @@ class Planner:
 
     def _trim(self, cfg: ConductorConfig, now: float) -> None:
         horizon = now - cfg.planner_window_s
-        while self.arrivals and self.arrivals[0].time < horizon:
-            self.arrivals.popleft()
-        while self.outputs and self.outputs[0][0] < horizon:
-            self.outputs.popleft()
-        while self.reports and self.reports[0][0] < horizon:
-            self.reports.popleft()
+        _drop_before(self.arrivals, horizon, lambda a: a.time)
+        _drop_before(self.outputs, horizon, lambda o: o[0])
+        _drop_before(self.reports, horizon, lambda r: r[0])
         for history in self.needs.values():
-            while history and history[0][0] < now - cfg.planner_down_after_s:
-                history.popleft()
+            _drop_before(history, now - cfg.planner_down_after_s, lambda n: n[0])
         timeout = now - cfg.planner_start_timeout_s
         self.starting = [p for p in self.starting if p.decided_at >= timeout]
         for instance_id in [i for i, p in self.draining.items() if i not in self.up]:
             if self.draining[instance_id].decided_at < timeout:
                 del self.draining[instance_id]
-        if len(self.by_request) > 4 * max(len(self.arrivals), 1024):
-            live = {id(a) for a in self.arrivals}
-            self.by_request = {r: a for r, a in self.by_request.items() if id(a) in live}
 
     def _forecast(self, cfg: ConductorConfig, now: float) -> ev.PoolForecast:
         span = min(cfg.planner_window_s, now - self.first_seen)
@@ -310,7 +308,7 @@ class Planner:
         slope = (recent_rate - older_rate) / (span / 2.0)
         forecast = max(recent_rate, recent_rate + slope * (cfg.planner_lead_s + span / 4.0))
         # The mix of the recent half too: a change of prompts shows at the rate's pace.
-        mix = [a for a in arrivals if a.time >= middle] or list(arrivals)
+        mix = [a for a in arrivals if a.time >= middle] or arrivals
         placed = [a for a in mix if a.reused_tokens >= 0]
         reuse = (
             sum(a.reused_tokens for a in placed) / max(1, sum(a.prompt_tokens for a in placed))
@@ -345,7 +343,7 @@ class Planner:
             return {"prefill": 0.0, "decode": 0.0}
         share = forecast.computed_tokens / forecast.prompt_tokens if forecast.prompt_tokens else 1.0
         middle = arrivals[-1].time - forecast.window_s / 2.0
-        mix = [a for a in arrivals if a.time >= middle] or list(arrivals)
+        mix = [a for a in arrivals if a.time >= middle] or arrivals
         work = 0.0
         for a in mix:
             reused = (
@@ -353,8 +351,10 @@ class Planner:
             )
             work += cost.prefill_s(a.prompt_tokens - reused, reused)
         service_s = work / len(mix)
-        ttft_slo = arrivals[-1].ttft_slo_s
-        tbt_slo = arrivals[-1].tbt_slo_s
+        # The strictest SLOs the recent requests ask for (tiers differ): a pool sized
+        # for the loosest would fail the others.
+        ttft_slo = min((a.ttft_slo_s for a in mix if a.ttft_slo_s > 0), default=0.0)
+        tbt_slo = min((a.tbt_slo_s for a in mix if a.tbt_slo_s > 0), default=0.0)
         rho = cfg.planner_utilization
         if ttft_slo > service_s > 0.0:
             # Mean wait of an M/D/1 queue at utilisation rho: rho / (2 (1 - rho)) services.
@@ -435,11 +435,11 @@ class Planner:
     def _open(self, decision: ev.PoolPlanned) -> None:
         for action in decision.actions:
             if action.action in ("add", "move"):
-                self.starting.append(_Pending(action.role, decision.time))
+                self.starting.append(Pending(action.role, decision.time))
             if action.action in ("drain", "move") and action.instance_id:
                 role = self.up.get(action.instance_id)
                 if role is not None:
-                    self.draining[action.instance_id] = _Pending(
+                    self.draining[action.instance_id] = Pending(
                         role, decision.time, action.instance_id
                     )
 
@@ -449,6 +449,14 @@ class Planner:
             pending = self.draining.get(action.instance_id)
             if pending is not None and pending.decided_at == decision.time:
                 del self.draining[action.instance_id]
+
+
+def _drop_before(items: list[T], horizon: float, time_of: Callable[[T], float]) -> None:
+    """Drop the items (oldest first) older than `horizon`."""
+    keep = 0
+    while keep < len(items) and time_of(items[keep]) < horizon:
+        keep += 1
+    del items[:keep]
 
 
 def _pool(role: ev.Role) -> ev.PoolRole:
@@ -464,7 +472,7 @@ def _utilisation(report: ev.LoadReport) -> float:
 
 
 def _serving(
-    state: ClusterState, draining: dict[str, _Pending]
+    state: ClusterState, draining: dict[str, Pending]
 ) -> dict[ev.PoolRole, list[InstanceState]]:
     """The live engines of each pool that are not draining (a prefill group counts as
     its stages: each is an instance on a device of its own)."""

@@ -9,7 +9,8 @@ Everything that decides is in the snapshot, in its order: instances, placements 
 every queue (dict order is FIFO order), the block index (per slot, so slots come back
 the same, with each slot's keys in the order it holds them), block trackers, what
 completions taught, the decisions not yet seen in the log, the de-duplication memory,
-the quality counters, and the settings and cost model in force, with the behaviour
+the quality counters, the planner's windows and open actions, and the settings and
+cost model in force, with the behaviour
 version they were written by (read as `compat` says; a snapshot whose settings or
 cost model do not read is unusable, never restored with defaults). msgpack carries it;
 the index's bitmasks are not stored (they can exceed 64 bits) but rebuilt from the
@@ -27,6 +28,7 @@ from yb_conductor.block_index import BlockIndex
 from yb_conductor.compat import BEHAVIOUR_VERSION
 from yb_conductor.conductor import Conductor
 from yb_conductor.hotness import HotPrefixes
+from yb_conductor.planner import Planner
 from yb_conductor.quality import DecisionQuality
 from yb_conductor.retention import Retention
 from yb_conductor.settings import RecordedSettingsError, recorded_cost_model, recorded_settings
@@ -84,6 +86,9 @@ class Snapshot(msgspec.Struct, kw_only=True):
     evicted_blocks: int = 0
     evicted_wanted: int = 0
     retention: Retention = msgspec.field(default_factory=Retention)
+    # The pools' planner: its windows and open actions, and the conductor it names.
+    planner: Planner = msgspec.field(default_factory=Planner)
+    planner_id: str = "conductor"
     # The behaviour version `settings_json` was written by (0: before versions).
     behaviour_version: int = 0
 
@@ -129,6 +134,8 @@ def take(c: Conductor) -> Snapshot:
         evicted_blocks=s.evicted_blocks,
         evicted_wanted=s.evicted_wanted,
         retention=c.retention,
+        planner=c.planner,
+        planner_id=c.planner_id,
         behaviour_version=BEHAVIOUR_VERSION,
     )
     # Round-trip through bytes: the snapshot must not alias the live state.
@@ -193,6 +200,8 @@ def restore(snap: Snapshot, *, follow_recorded: bool = True) -> Conductor:
     c.quality = snap.quality
     c.hot = snap.hot
     c.retention = snap.retention
+    c.planner = snap.planner
+    c.planner_id = snap.planner_id
     c.unrecorded_companions = {ev.message_id_for(o): o for o in snap.companions}
     c.admission_info = dict(snap.admission_info)
     return c

@@ -504,7 +504,7 @@ class ConductorConfig(_Section):
     decode_kv_peak: bool = True
     planner: bool = False
     planner_rule: Literal["forecast", "threshold"] = "forecast"
-    planner_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    planner_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 15.0
     planner_window_s: Annotated[float, msgspec.Meta(gt=0)] = 180.0
     planner_lead_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
     planner_max_instances: Annotated[int, msgspec.Meta(ge=0)] = 0
