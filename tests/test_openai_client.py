@@ -201,3 +201,31 @@ def test_logprobs_whole_and_streamed(client: OpenAI) -> None:
     assert logprobs.text_offset == offsets
     for token, top in zip(logprobs.tokens, logprobs.top_logprobs or [], strict=True):
         assert token in top and len(top) <= 3  # the two likeliest and the sampled one
+
+
+def test_service_tiers_through_the_cluster(client: OpenAI) -> None:
+    # The tier named is the one that served, whole and streamed, with the real
+    # conductor admitting each by its tier's SLOs and priority; `auto` is `default`.
+    tiers: list[tuple[Literal["flex", "priority", "auto"], str]] = [
+        ("flex", "flex"),
+        ("priority", "priority"),
+        ("auto", "default"),
+    ]
+    for asked, served in tiers:
+        whole = client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            max_tokens=4,
+            service_tier=asked,
+        )
+        assert whole.service_tier == served and whole.choices[0].finish_reason is not None
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=ASK,
+                max_tokens=4,
+                service_tier=asked,
+                stream=True,
+            )
+        )
+        assert chunks and {c.service_tier for c in chunks} == {served}

@@ -47,7 +47,8 @@ async def test_streaming_chat(
         "seed": 7,
         "stop": "\n\n",
         "max_tokens": 32,
-        "priority": 3,
+        # The extension names the tier of that priority: `priority`, with its SLOs.
+        "priority": 1,
     }
     events = []
     async with aconnect_sse(client, "POST", "/v1/chat/completions", json=body) as source:
@@ -82,7 +83,9 @@ async def test_streaming_chat(
     )
     assert admitted.block_hashes == job.block_hashes == hashes
     assert admitted.prompt_tokens == len(expected_ids) and admitted.max_tokens == 32
-    assert admitted.priority == 3 and admitted.gateway_id == gateway.instance_id
+    assert admitted.priority == 1 and admitted.gateway_id == gateway.instance_id
+    assert admitted.service_tier == "priority" and job.priority == 1
+    assert all(c["service_tier"] == "priority" for c in chunks)
     assert admitted.model == MODEL and admitted.deadline > admitted.time
     assert job.decision.prefill_instance == PREFILL_ID
     assert job.sampling.temperature == 0.5 and job.sampling.top_k == 20
@@ -209,7 +212,7 @@ async def test_models_health_and_metrics(client: httpx.AsyncClient, cluster: Clu
     text = (await client.get("/metrics", headers=METRICS_AUTH)).text
     assert 'yb_gateway_requests_total{status="200"} 1.0' in text
     assert 'yb_gateway_requests_total{status="404"} 1.0' in text
-    assert "yb_gateway_ttft_seconds_count 1.0" in text
+    assert 'yb_gateway_ttft_seconds_count{tier="default"} 1.0' in text
     assert "yb_gateway_inter_token_seconds_count" in text
     assert "yb_gateway_in_flight_requests 0.0" in text
     assert (await client.get("/schema/openapi.json")).json()["paths"]["/v1/chat/completions"]

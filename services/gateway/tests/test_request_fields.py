@@ -38,7 +38,6 @@ ASKING: dict[str, dict[str, Any]] = {
         "reasoning_effort": "low",
         "verbosity": "low",
         "web_search_options": {},
-        "service_tier": "flex",
         "store": True,
         "metadata": {"k": "v"},
         "moderation": {"model": "omni-moderation-latest"},
@@ -78,7 +77,6 @@ NEUTRAL: dict[str, dict[str, Any]] = {
         "reasoning_effort": None,
         "verbosity": None,
         "web_search_options": None,
-        "service_tier": "auto",
         "store": False,
         "metadata": {},
         "moderation": None,
@@ -240,7 +238,8 @@ async def test_supported_fields_are_served(client: httpx.AsyncClient, cluster: C
         "stop": ["\n\n"],
         "stream_options": {"include_usage": True},
         "user": "u-1",
-        "priority": 2,
+        "priority": -1,
+        "service_tier": "flex",
         "ignore_eos": True,
     }
     chat = base_body(CHAT)
@@ -255,7 +254,7 @@ async def test_supported_fields_are_served(client: httpx.AsyncClient, cluster: C
     assert [(s.temperature, s.top_p, s.top_k, s.seed, s.stop, s.ignore_eos) for s in sampling] == [
         (0.0, 0.9, 5, 7, ["\n\n"], True)
     ] * 2
-    assert [event.priority for event in cluster.conductor.admitted] == [2, 2]
+    assert [(e.priority, e.service_tier) for e in cluster.conductor.admitted] == [(-1, "flex")] * 2
 
 
 def test_readme_lists_every_field() -> None:

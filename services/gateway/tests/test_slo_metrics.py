@@ -42,28 +42,45 @@ def test_verdict_judges_ttft_and_the_p90_of_gaps() -> None:
 
 def test_counters_start_at_zero_and_count_goodput_and_refusals() -> None:
     registry = CollectorRegistry()
-    metrics = GatewayMetrics(registry)
-    assert value(registry, "yb_gateway_goodput_requests_total") == 0
-    assert value(registry, "yb_gateway_slo_missed_requests_total", slo="tbt") == 0
-    assert value(registry, "yb_gateway_refused_requests_total", code="request_rejected") == 0
+    metrics = GatewayMetrics(registry, ["default", "flex"])
+    for tier in ("default", "flex"):  # every tier's series, from the start
+        assert value(registry, "yb_gateway_goodput_requests_total", tier=tier) == 0
+        assert value(registry, "yb_gateway_slo_missed_requests_total", slo="tbt", tier=tier) == 0
+        assert (
+            value(registry, "yb_gateway_refused_requests_total", code="request_rejected", tier=tier)
+            == 0
+        )
+        assert value(registry, "yb_gateway_ttft_seconds_count", tier=tier) == 0
 
     slo = {"ttft_slo_s": 1.0, "tbt_slo_s": 0.5}
     metrics.completed(timing(0.0, 0.2, 0.3), prompt_tokens=100, cached_tokens=64, **slo)
     metrics.completed(timing(0.0, 2.0, 3.0), prompt_tokens=50, cached_tokens=0, **slo)
-    assert value(registry, "yb_gateway_goodput_requests_total") == 1
-    assert value(registry, "yb_gateway_slo_missed_requests_total", slo="ttft") == 1
-    assert value(registry, "yb_gateway_slo_missed_requests_total", slo="tbt") == 1
-    assert value(registry, "yb_gateway_prompt_tokens_total") == 150
+    # Judged against its own tier's SLOs: within flex's looser TTFT.
+    flex = {"ttft_slo_s": 4.0, "tbt_slo_s": 0.5, "tier": "flex"}
+    metrics.completed(timing(0.0, 2.0, 2.1), prompt_tokens=10, cached_tokens=0, **flex)
+    assert value(registry, "yb_gateway_goodput_requests_total", tier="default") == 1
+    assert value(registry, "yb_gateway_goodput_requests_total", tier="flex") == 1
+    assert value(registry, "yb_gateway_slo_missed_requests_total", slo="ttft", tier="default") == 1
+    assert value(registry, "yb_gateway_slo_missed_requests_total", slo="tbt", tier="default") == 1
+    assert value(registry, "yb_gateway_slo_missed_requests_total", slo="ttft", tier="flex") == 0
+    assert value(registry, "yb_gateway_prompt_tokens_total") == 160
     assert value(registry, "yb_gateway_cached_prompt_tokens_total") == 64
 
-    metrics.finished(429, "request_rejected")
-    metrics.finished(503, "some_new_code")
+    metrics.finished(429, "request_rejected", tier="flex")
+    metrics.finished(503, "some_new_code", tier="default")
     metrics.finished(400, "invalid_json")  # a bad request is not a refusal
-    metrics.finished(200)
-    assert value(registry, "yb_gateway_refused_requests_total", code="request_rejected") == 1
-    assert value(registry, "yb_gateway_refused_requests_total", code="some_new_code") == 1
+    metrics.finished(200, tier="default")
+    rejected = {"code": "request_rejected"}
+    assert value(registry, "yb_gateway_refused_requests_total", **rejected, tier="flex") == 1
+    assert value(registry, "yb_gateway_refused_requests_total", **rejected, tier="default") == 0
     assert (
-        registry.get_sample_value("yb_gateway_refused_requests_total", {"code": "invalid_json"})
+        value(registry, "yb_gateway_refused_requests_total", code="some_new_code", tier="default")
+        == 1
+    )
+    assert (
+        registry.get_sample_value(
+            "yb_gateway_refused_requests_total", {"code": "invalid_json", "tier": "default"}
+        )
         is None
     )
     assert value(registry, "yb_gateway_requests_total", status="400") == 1

@@ -27,6 +27,7 @@ from yb_gateway.prompt import PreparedRequest, PromptEncoder
 from yb_gateway.readiness import InstanceTracker
 from yb_gateway.render import SSE_DONE, ChatFormat, TextFormat
 from yb_gateway.schemas import ChatCompletionRequest, CompletionRequest, Usage
+from yb_gateway.tiers import default_tier
 
 
 def test_decode_body_reports_the_field_path() -> None:
@@ -304,7 +305,7 @@ class _StubSession:
         self.prepared = PreparedRequest(
             token_ids=[1, 2, 3],
             sampling=SamplingParams(max_tokens=2),
-            priority=0,
+            tier=default_tier(GatewayConfig()),
             stream=True,
             include_usage=True,
         )

@@ -10,8 +10,10 @@ from yb_core import config as config_module
 from yb_core.config import (
     CPU_BLOCK_SIZE,
     CUDA_BLOCK_SIZE,
+    FLEX_TTFT_FACTOR,
     ConfigError,
     ModelConfig,
+    ServiceTier,
     dump_env,
     load_config,
     nvidia_gpu_visible,
@@ -218,6 +220,65 @@ def test_gateway_deadlines_and_limits_out_of_range_are_errors(
 def test_gateway_bus_grace_and_port_may_be_zero() -> None:
     cfg = load_config(env={"YB_GATEWAY__BUS_GRACE_S": "0", "YB_GATEWAY__PORT": "0"})
     assert (cfg.gateway.bus_grace_s, cfg.gateway.port) == (0.0, 0)
+
+
+# --- gateway.service_tiers -------------------------------------------------------------
+
+
+def test_the_built_in_tiers_follow_the_gateway_slos() -> None:
+    gateway = load_config(env={"YB_GATEWAY__TTFT_SLO_S": "8", "YB_GATEWAY__TBT_SLO_S": "0.1"})
+    tiers = gateway.gateway.resolved_service_tiers()
+    assert tiers == {
+        "default": ServiceTier(ttft_slo_s=8.0, tbt_slo_s=0.1, priority=0),
+        "priority": ServiceTier(ttft_slo_s=8.0, tbt_slo_s=0.1, priority=1),
+        "flex": ServiceTier(ttft_slo_s=8.0 * FLEX_TTFT_FACTOR, tbt_slo_s=0.1, priority=-1),
+    }
+
+
+def test_tiers_are_set_from_the_file_and_the_environment(tmp_path: Path) -> None:
+    path = tmp_path / "yb.toml"
+    path.write_text(
+        "[gateway]\nttft_slo_s = 20\n"
+        "[gateway.service_tiers.default]\n"
+        "[gateway.service_tiers.gold]\npriority = 2\nttft_slo_s = 5\n"
+    )
+    cfg = load_config(path, env={})
+    # A tier's SLO left out is the gateway's; the configured tiers replace the built-in.
+    assert cfg.gateway.resolved_service_tiers() == {
+        "default": ServiceTier(ttft_slo_s=20.0, tbt_slo_s=2.0, priority=0),
+        "gold": ServiceTier(ttft_slo_s=5.0, tbt_slo_s=2.0, priority=2),
+    }
+    assert load_config(env=dump_env(cfg)) == cfg
+    # The environment's JSON is merged into the file's tiers.
+    env = {"YB_GATEWAY__SERVICE_TIERS": '{"gold": {"tbt_slo_s": 0.2}, "flex": {"priority": -3}}'}
+    tiers = load_config(path, env=env).gateway.resolved_service_tiers()
+    assert list(tiers) == ["default", "gold", "flex"]
+    assert tiers["gold"] == ServiceTier(ttft_slo_s=5.0, tbt_slo_s=0.2, priority=2)
+
+
+@pytest.mark.parametrize(
+    ("tiers", "needle"),
+    [
+        ('{"gold": {"priority": 2}}', "no `default` tier"),
+        ('{"default": {"ttft_slo_s": 3}}', r"default\.ttft_slo_s 3 differs from gateway\.ttft"),
+        ('{"default": {}, "auto": {}}', "'auto' is not a tier name"),
+        ('{"default": {}, "a b": {}}', "'a b' is not a tier name"),
+        ('{"default": {"ttft": 3}}', "unknown field `ttft`"),
+        ('{"default": {}, "gold": {"tbt_slo_s": -1}}', "tbt_slo_s"),
+        ('{"default": {}, "gold": {"priority": 18446744073709551616}}', "priority"),
+        ("default", "not a JSON object"),
+    ],
+)
+def test_bad_tiers_are_clear_errors(tiers: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_config(env={"YB_GATEWAY__SERVICE_TIERS": tiers})
+
+
+def test_a_config_file_without_a_default_tier_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "yb.toml"
+    path.write_text("[gateway.service_tiers.gold]\npriority = 2\n")
+    with pytest.raises(ConfigError, match="names gold but no `default` tier"):
+        load_config(path, env={})
 
 
 @pytest.mark.parametrize(

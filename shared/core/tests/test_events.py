@@ -18,6 +18,9 @@ def _samples() -> list[ev.AnyEvent]:
             block_hashes=[1, 2],
             prompt_tokens=40,
             max_tokens=8,
+            priority=-1,
+            slo=ev.Slo(ttft_s=120.0, tbt_s=2.0),
+            service_tier="flex",
         ),
         ev.RequestScheduled(
             request_id="r1",
@@ -119,6 +122,25 @@ def test_schema_version_travels_and_old_payloads_decode() -> None:
         {"type": "instance_down", "v": 2, "instance_id": "p0", "added_later": [1]}
     )
     assert ev.decode_event(newer) == ev.InstanceDown(v=2, instance_id="p0")
+
+
+def test_an_admission_logged_before_tiers_names_none() -> None:
+    older = msgspec.msgpack.encode(
+        {
+            "type": "request_admitted",
+            "request_id": "r1",
+            "gateway_id": "g",
+            "model": "m",
+            "block_size": 16,
+            "block_hashes": [1],
+            "prompt_tokens": 17,
+            "max_tokens": 8,
+            "priority": 3,
+        }
+    )
+    admitted = ev.decode_event(older)
+    assert isinstance(admitted, ev.RequestAdmitted)
+    assert (admitted.service_tier, admitted.priority) == ("", 3)
 
 
 @pytest.mark.parametrize(

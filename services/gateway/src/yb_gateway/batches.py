@@ -14,7 +14,7 @@ Working on a batch (`_BatchRun`):
    every time) and record the refused lines' results. The batch goes from
    `validating` to `in_progress` with its line count.
 2. Run every line without a recorded result through the request path
-   (`RequestRunner.run`, tier `batch`), at most `batch_concurrency` lines at once in
+   (`RequestRunner.run`, as a batch line), at most `batch_concurrency` lines at once in
    this gateway, each within `batch_line_timeout_s` and the batch's window. A 429 or
    503 is retried with a back-off until then. A line's result is recorded (KV
    `create`: once, whoever ran it) before it counts as done; the batch's
@@ -75,9 +75,10 @@ from yb_gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 log = get_logger(__name__)
 
-#: How batch lines run: an ordinary request of the `batch` tier (the seam where
+#: How batch lines run: an ordinary request of the service tier its body names
+#: (`service_tier`, `default` when none), marked as a batch line (the seam where
 #: scheduling into idle capacity will read it).
-BATCH_RUN = RunOptions(tier="batch")
+BATCH_RUN = RunOptions(batch=True)
 #: Statuses a line retries (the cluster refused or could not take it now).
 RETRIED = frozenset({429, 503})
 #: The back-off between retries of one line: first and longest wait.

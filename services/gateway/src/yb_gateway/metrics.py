@@ -13,21 +13,30 @@ client did not read for `stream_stall_timeout_s` with every buffer full), and
 `yb_gateway_stalled_connections` the connections whose writes wait for the client now.
 
 Goodput is judged here, per completed request (status 200), as `yb bench` judges it
-from the client's side: within both SLOs when its TTFT is at most
-`gateway.ttft_slo_s` and the 90th percentile of its inter-token gaps at most
-`gateway.tbt_slo_s` (a request with fewer than two token chunks has no gap to judge).
+from the client's side: within both SLOs when its TTFT is at most its service tier's
+TTFT SLO and the 90th percentile of its inter-token gaps at most its tier's TBT SLO
+(`gateway.service_tiers`; the default tier's are `gateway.ttft_slo_s` and
+`gateway.tbt_slo_s`; a request with fewer than two token chunks has no gap to judge).
 `yb_gateway_goodput_requests_total` counts those, `yb_gateway_slo_missed_requests_total`
 the others by the SLO they missed (both, for a request that missed both). The prompt
 tokens of completed requests, and those of them whose KV was reused (the
 `cached_tokens` of their usage), are counted for the cache hit ratio.
 `yb_gateway_refused_requests_total` counts requests turned away before any token,
 with 429 (the conductor rejected it) or 503 (nothing could serve it), by error code.
+
+The latencies, goodput, SLO misses and refusals carry the request's service tier
+(`tier`): the tiers are configured, so the series stay bounded, and a tier's SLO is
+only meaningful against its own requests. `yb_gateway_requests_total` does not: a
+request refused before its tier was known (a bad body) has none.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from yb_core.config import DEFAULT_TIER
 from yb_core.stats import percentile
 
 # Client disconnected before the answer was complete (nginx's convention).
@@ -62,18 +71,22 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 
 
 class GatewayMetrics:
-    """The series the gateway exports."""
+    """The series the gateway exports; `tiers` are the service tiers it serves (their
+    series are exported at 0 from the start)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, tiers: Sequence[str] = (DEFAULT_TIER,)) -> None:
         self.ttft = Histogram(
             "yb_gateway_ttft_seconds",
-            "Time from request arrival to the first generated token sent to the client",
+            "Time from request arrival to the first generated token sent to the client, "
+            "by service tier",
+            ["tier"],
             buckets=_TTFT_BUCKETS,
             registry=registry,
         )
         self.inter_token = Histogram(
             "yb_gateway_inter_token_seconds",
-            "Time between consecutive token chunks of a request",
+            "Time between consecutive token chunks of a request, by service tier",
+            ["tier"],
             buckets=_ITL_BUCKETS,
             registry=registry,
         )
@@ -110,18 +123,17 @@ class GatewayMetrics:
         )
         self.goodput = Counter(
             "yb_gateway_goodput_requests",
-            "Completed requests within both SLOs (TTFT <= gateway.ttft_slo_s, p90 of "
-            "inter-token gaps <= gateway.tbt_slo_s)",
+            "Completed requests within both SLOs of their service tier (TTFT, p90 of "
+            "inter-token gaps), by tier",
+            ["tier"],
             registry=registry,
         )
         self.slo_missed = Counter(
             "yb_gateway_slo_missed_requests",
-            "Completed requests that missed an SLO, by the SLO (ttft, tbt)",
-            ["slo"],
+            "Completed requests that missed an SLO of their tier, by the SLO (ttft, tbt) and tier",
+            ["slo", "tier"],
             registry=registry,
         )
-        for slo in (TTFT_SLO, TBT_SLO):
-            self.slo_missed.labels(slo)  # exported at 0 from the start
         self.prompt_tokens = Counter(
             "yb_gateway_prompt_tokens",
             "Prompt tokens of completed requests",
@@ -134,19 +146,25 @@ class GatewayMetrics:
         )
         self.refused = Counter(
             "yb_gateway_refused_requests",
-            "Requests refused before any token (429 or 503), by error code",
-            ["code"],
+            "Requests refused before any token (429 or 503), by error code and tier",
+            ["code", "tier"],
             registry=registry,
         )
-        for code in REFUSAL_CODES:
-            self.refused.labels(code)  # exported at 0 from the start
+        for tier in tiers:  # exported at 0 from the start
+            self.ttft.labels(tier)
+            self.inter_token.labels(tier)
+            self.goodput.labels(tier)
+            for slo in (TTFT_SLO, TBT_SLO):
+                self.slo_missed.labels(slo, tier)
+            for code in REFUSAL_CODES:
+                self.refused.labels(code, tier)
 
-    def finished(self, status: int, code: str | None = None) -> None:
+    def finished(self, status: int, code: str | None = None, *, tier: str | None = None) -> None:
         """Count one request that ended with `status` (and, for a refusal, its error
-        `code`)."""
+        `code`, by its `tier`: a refusal comes once the tier is known)."""
         self.requests.labels(str(status)).inc()
         if status in REFUSAL_STATUSES and code:
-            self.refused.labels(code).inc()
+            self.refused.labels(code, tier or DEFAULT_TIER).inc()
 
     def completed(
         self,
@@ -156,16 +174,17 @@ class GatewayMetrics:
         cached_tokens: int,
         ttft_slo_s: float,
         tbt_slo_s: float,
+        tier: str = DEFAULT_TIER,
     ) -> None:
-        """Count one request that completed (status 200): its SLO verdict and its
-        prompt tokens."""
+        """Count one request that completed (status 200): its SLO verdict against its
+        tier's SLOs, and its prompt tokens."""
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_prompt_tokens.inc(min(cached_tokens, prompt_tokens))
         missed = timing.missed_slos(ttft_slo_s, tbt_slo_s)
         for slo in missed:
-            self.slo_missed.labels(slo).inc()
+            self.slo_missed.labels(slo, tier).inc()
         if not missed:
-            self.goodput.inc()
+            self.goodput.labels(tier).inc()
 
 
 class RequestTiming:

@@ -39,6 +39,7 @@ from yb_gateway.schemas import (
     ToolDefinition,
 )
 from yb_gateway.structured import OutputSpec
+from yb_gateway.tiers import ServedTier, resolve_tier
 from yb_text.grammar import check_grammar
 from yb_text.tokenizer import load_tokenizer
 
@@ -185,7 +186,8 @@ class PreparedRequest:
 
     token_ids: list[int]
     sampling: SamplingParams
-    priority: int
+    #: The service tier it runs in: its SLOs and priority.
+    tier: ServedTier
     stream: bool
     include_usage: bool
     # Every streamed chunk carries the usage so far (vLLM's continuous_usage_stats).
@@ -197,6 +199,11 @@ class PreparedRequest:
     #: Completions' `max_tokens: 0` (with `echo`): the cluster generates one token
     #: (`sampling.max_tokens` is 1), which the answer leaves out.
     echo_only: bool = False
+
+    @property
+    def priority(self) -> int:
+        """Its place in the queues and in shedding: its tier's."""
+        return self.tier.priority
 
     @property
     def n(self) -> int:
@@ -253,13 +260,18 @@ async def prepare_all(
     encoder: PromptEncoder,
     model: ModelConfig,
     gateway: GatewayConfig,
+    tier: ServedTier | None = None,
 ) -> list[PreparedRequest]:
     """Tokenize and check `body` against the model's and the gateway's limits: one
     request for the cluster per prompt (a completion may list several; each runs as
-    a request of its own, its choices numbered after the prompts' before it).
+    a request of its own, its choices numbered after the prompts' before it). `tier`:
+    its service tier, when the caller resolved it already (`tiers.resolve_tier`).
 
-    Raises `ApiError` (400) naming the limit a request goes past, and which prompt.
+    Raises `ApiError` (400) naming the limit a request goes past, and which prompt,
+    or the service tier it names that is not served.
     """
+    if tier is None:
+        tier = resolve_tier(body.service_tier, body.priority, gateway)
     output = OutputSpec()
     echo_only = False
     if isinstance(body, ChatCompletionRequest):
@@ -343,7 +355,7 @@ async def prepare_all(
         PreparedRequest(
             token_ids=ids,
             sampling=msgspec.structs.replace(sampling, max_tokens=max_tokens),
-            priority=body.priority,
+            tier=tier,
             stream=body.stream,
             include_usage=include_usage,
             continuous_usage=bool(include_usage and options and options.continuous_usage_stats),

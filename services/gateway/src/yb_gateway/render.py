@@ -62,7 +62,8 @@ class ResponseFormat(abc.ABC):
     `logprobs` (the number of alternatives per token, None for no logprobs), `tokens`
     (their text), `echoes` (each prompt's echoed text, None without `echo`) and `n`
     (choices per prompt: choice i answers prompt i // n) are the request's, set once
-    it is prepared.
+    it is prepared, as is `service_tier`, the tier that serves it, which every frame
+    and the whole body report (as OpenAI's do).
     """
 
     def __init__(self, request_id: str, model: str) -> None:
@@ -73,6 +74,7 @@ class ResponseFormat(abc.ABC):
         self.tokens: TokenTable | None = None
         self.echoes: list[str | None] = [None]
         self.n = 1
+        self.service_tier: str | None = None
 
     def prepared(
         self,
@@ -80,10 +82,13 @@ class ResponseFormat(abc.ABC):
         tokens: TokenTable,
         echo: str | Sequence[str | None] | None,
         n: int = 1,
+        *,
+        service_tier: str | None = None,
     ) -> None:
         """Set what the request asked for that changes its shape (`echo`: the one
-        prompt's echoed text, or each prompt's)."""
+        prompt's echoed text, or each prompt's) and the tier that serves it."""
         self.logprobs, self.tokens, self.n = logprobs, tokens, n
+        self.service_tier = service_tier
         self.echoes = [echo] if echo is None or isinstance(echo, str) else list(echo)
 
     def echo_of(self, index: int) -> str:
@@ -135,6 +140,7 @@ class ChatFormat(ResponseFormat):
                 model=self.model,
                 choices=choices,
                 usage=usage,
+                service_tier=self.service_tier,
             )
         )
 
@@ -188,6 +194,7 @@ class ChatFormat(ResponseFormat):
                 model=self.model,
                 choices=out,
                 usage=usage,
+                service_tier=self.service_tier,
             )
         )
 
@@ -208,6 +215,7 @@ class TextFormat(ResponseFormat):
                 model=self.model,
                 choices=choices,
                 usage=usage,
+                service_tier=self.service_tier,
             )
         )
 
@@ -288,5 +296,6 @@ class TextFormat(ResponseFormat):
                 model=self.model,
                 choices=out,
                 usage=usage,
+                service_tier=self.service_tier,
             )
         )

@@ -30,17 +30,19 @@ cancelled); their chunks interleave as they come, choice j of prompt p numbered
 prompt's own logprobs come from its engine before its first token; a streamed
 answer opens that prompt's choices (their echo frames) once they are all in.
 
-`RunOptions` is where a request's class of service enters: its tier (`default` for
-the endpoints, `batch` for batch lines) and a priority that overrides the body's.
-Today a batch line runs as an ordinary request; scheduling batch work into idle
-capacity reads the tier from here.
+A request's class of service is its service tier (`tiers`), named by its body's
+`service_tier` (or `priority`) for the endpoints and batch lines alike, and resolved
+before anything else is checked but the model: its SLOs and priority go to the
+cluster, its name into the answer (`service_tier`) and the tier-labelled metrics.
+`RunOptions` says how a request runs beyond its body: whether it is a batch line.
+Today a batch line runs as an ordinary request of its tier; scheduling batch work
+into idle capacity reads `RunOptions.batch`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -66,6 +68,7 @@ from yb_gateway.schemas import (
 )
 from yb_gateway.session import RequestSession, StreamError
 from yb_gateway.slow_clients import DROPPED_STATE_KEY
+from yb_gateway.tiers import ServedTier, resolve_tier
 
 log = get_logger(__name__)
 
@@ -85,14 +88,13 @@ def decode_body(raw: bytes, kind: type[S]) -> S:
 
 @dataclass(frozen=True, slots=True)
 class RunOptions:
-    """How a request runs beyond what its body says: its service tier (`default`,
-    or `batch` for a batch line) and, when set, a priority that replaces the body's."""
+    """How a request runs beyond what its body says: `batch` for a line of a batch
+    (logged as such; the seam where scheduling into idle capacity will read it)."""
 
-    tier: str = "default"
-    priority: int | None = None
+    batch: bool = False
 
 
-#: An ordinary request: the default tier, the body's own priority.
+#: An ordinary request over HTTP.
 DEFAULT_RUN = RunOptions()
 
 
@@ -278,23 +280,24 @@ class RequestRunner:
         sessions, cfg, metrics = self._sessions, self._cfg, self._metrics
         request_id = fmt.request_id
         metrics.in_flight.inc()
+        tier: ServedTier | None = None
         try:
             check_common(body, cfg.model.name)
+            tier = resolve_tier(body.service_tier, body.priority, cfg.gateway)
             encoder = sessions.encoder
             if encoder is None:
                 raise unavailable(
                     f"The tokenizer is not loaded ({sessions.encoder_state}).",
                     code="tokenizer_not_ready",
                 )
-            prompts = await prepare_all(body, encoder, cfg.model, cfg.gateway)
-            if options.priority is not None:
-                prompts = [dataclasses.replace(p, priority=options.priority) for p in prompts]
+            prompts = await prepare_all(body, encoder, cfg.model, cfg.gateway, tier)
             prepared = prompts[0]
             fmt.prepared(
                 prepared.sampling.logprobs,
                 encoder.tokens,
                 [p.echo for p in prompts],
                 prepared.n,
+                service_tier=tier.name,
             )
             await sessions.wait_for_bus()
             opened: list[RequestSession] = []
@@ -314,10 +317,11 @@ class RequestRunner:
         except BaseException as exc:
             # Nothing reached the bus: only the books need settling.
             metrics.in_flight.dec()
+            name = tier.name if tier is not None else None
             if isinstance(exc, ApiError):
-                metrics.finished(exc.status, exc.code)
+                metrics.finished(exc.status, exc.code, tier=name)
             else:
-                metrics.finished(500)
+                metrics.finished(500, tier=name)
             tag(exc, request_id)
             raise
         log.info(
@@ -329,7 +333,8 @@ class RequestRunner:
             stream=prepared.stream,
             user=body.user,
             prompt_logprobs=prepared.sampling.prompt_logprobs,
-            tier=options.tier if options.tier != "default" else None,
+            tier=tier.name,
+            batch=options.batch or None,
         )
         return Exchange(
             opened,
@@ -421,16 +426,18 @@ class RequestRunner:
         exchange.settled = True
         if status == CLIENT_CLOSED and (dropped := exchange.state.get(DROPPED_STATE_KEY)):
             reason = f"client dropped: {dropped}"
+        tier = exchange.sessions[0].prepared.tier
         self._metrics.in_flight.dec()
-        self._metrics.finished(status, code)
+        self._metrics.finished(status, code, tier=tier.name)
         if status == 200:
-            gcfg = self._cfg.gateway
+            # Judged against its own tier's SLOs, as the conductor admitted it.
             self._metrics.completed(
                 exchange.timing,
                 prompt_tokens=exchange.prompt_tokens,
                 cached_tokens=exchange.cached_tokens,
-                ttft_slo_s=gcfg.ttft_slo_s,
-                tbt_slo_s=gcfg.tbt_slo_s,
+                ttft_slo_s=tier.ttft_slo_s,
+                tbt_slo_s=tier.tbt_slo_s,
+                tier=tier.name,
             )
         log.info(
             "request_finished",

@@ -191,8 +191,11 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Extension: larger runs earlier when the conductor has to choose.
-    priority: _Int64 = 0
+    # The tier the request runs in (`yb_gateway.tiers`): one of `gateway.service_tiers`,
+    # or `auto` (= `default`).
+    service_tier: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    # Extension: names the service tier of this priority (larger runs earlier).
+    priority: _Int64 | None = None
     # Extension (vLLM's spelling): keep generating past end-of-sequence, up to
     # `max_tokens` (load generators need outputs of a known length).
     ignore_eos: bool = False
@@ -227,7 +230,6 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     reasoning_effort: None = None
     verbosity: None = None
     web_search_options: None = None
-    service_tier: Literal["auto", "default"] | None = None
     store: Literal[False] | None = None
     metadata: _EmptyMap | None = None
     moderation: None = None
@@ -280,7 +282,6 @@ REFUSED_FIELDS: Mapping[type[msgspec.Struct], Mapping[str, Refused]] = {
         "reasoning_effort": _NULL,
         "verbosity": _NULL,
         "web_search_options": _NULL,
-        "service_tier": Refused('`"auto"`, `"default"` or `null`'),
         "store": Refused("`false` or `null`"),
         "metadata": Refused("`{}` or `null`"),
         "moderation": _NULL,
@@ -398,6 +399,8 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    #: The tier that served the request (OpenAI reports it on every response).
+    service_tier: str | None = None
 
 
 class FunctionCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -444,6 +447,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    service_tier: str | None = None
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -464,6 +468,7 @@ class Completion(msgspec.Struct, kw_only=True):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    service_tier: str | None = None
 
 
 class ModelCard(msgspec.Struct, kw_only=True):

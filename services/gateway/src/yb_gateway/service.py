@@ -97,8 +97,9 @@ class GatewayService(Service):
 
     def __init__(self, cfg: YbConfig) -> None:
         super().__init__(cfg)
-        # The gateway's series, registered on the registry `/metrics` serves.
-        self.metrics = GatewayMetrics(self.registry)
+        # The gateway's series, registered on the registry `/metrics` serves, each
+        # tier's exported from the start.
+        self.metrics = GatewayMetrics(self.registry, list(cfg.gateway.resolved_service_tiers()))
         self.started_at = int(time.time())
         self.decisions = DecisionRouter()
         self.tokens = TokenRoutes()

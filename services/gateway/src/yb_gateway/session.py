@@ -184,6 +184,9 @@ class RequestSession:
         self._router = router
         self._tokens = tokens
         self._metrics = metrics
+        # Latencies are observed by tier (a configured, bounded set).
+        self._ttft = metrics.ttft.labels(prepared.tier.name)
+        self._inter_token = metrics.inter_token.labels(prepared.tier.name)
         self._arrived = arrived  # monotonic
         self._deadline = arrived + cfg.gateway.request_timeout_s
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
@@ -313,10 +316,11 @@ class RequestSession:
                 block_hashes=self.block_hashes,
                 prompt_tokens=len(prepared.token_ids),
                 max_tokens=prepared.max_tokens,
-                priority=prepared.priority,
-                slo=ev.Slo(ttft_s=cfg.gateway.ttft_slo_s, tbt_s=cfg.gateway.tbt_slo_s),
+                priority=prepared.tier.priority,
+                slo=prepared.tier.slo,
                 deadline=time.time() + cfg.gateway.request_timeout_s,
                 prompt_logprobs=prepared.sampling.prompt_logprobs is not None,
+                service_tier=prepared.tier.name,
             )
         # Registered before publishing: a fast conductor may answer before `publish`
         # returns.
@@ -571,9 +575,10 @@ class RequestSession:
             generated_tokens=len(self.received),
             max_tokens=prepared.max_tokens - len(self.received),
             replans_left=self.replans_left,
-            priority=prepared.priority,
-            slo=ev.Slo(ttft_s=cfg.gateway.ttft_slo_s, tbt_s=cfg.gateway.tbt_slo_s),
+            priority=prepared.tier.priority,
+            slo=prepared.tier.slo,
             deadline=time.time() + max(0.0, self._deadline - time.monotonic()),
+            service_tier=prepared.tier.name,
         )
         log.info(
             "request_replanned",
@@ -703,10 +708,10 @@ class RequestSession:
                 self.received.extend(chunk.token_ids)
         if chunk.token_ids or chunk.text:
             if self._last_token_at is None:
-                self._metrics.ttft.observe(now - self._arrived)
+                self._ttft.observe(now - self._arrived)
                 self.span.add_event("first_token")
             else:
-                self._metrics.inter_token.observe(now - self._last_token_at)
+                self._inter_token.observe(now - self._last_token_at)
             self._last_token_at = now
         self.completion_tokens += len(chunk.token_ids)
         # The engine's own counts, when it sends them, are the authority.

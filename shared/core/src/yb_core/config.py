@@ -4,7 +4,9 @@ One `YbConfig` struct describes every service; each service reads its own sectio
 A file (TOML, YAML or JSON, named by `YB_CONFIG` or `--config`) overrides the
 defaults, and environment variables override the file: `YB_DATA_DIR` sets a top-level
 field, `YB_GATEWAY__PORT` a field of a section (double underscore = nesting), and list
-fields take JSON (`'["a","b"]'`) or comma-separated values. Values are validated and
+fields take JSON (`'["a","b"]'`) or comma-separated values, mapping fields JSON
+(`YB_GATEWAY__SERVICE_TIERS='{"default": {}, "gold": {"priority": 2}}'`). A mapping
+set by the environment is merged into the file's, key by key. Values are validated and
 converted by msgspec, so a typo in a type is a clear error at start-up, not a crash
 later.
 """
@@ -248,6 +250,27 @@ class ModelConfig(_Section):
         return "bfloat16" if device_type == "cuda" else "float32"
 
 
+#: The tier a request runs in when it names none (OpenAI's name); `auto` means it too.
+DEFAULT_TIER: Final = "default"
+AUTO_TIER: Final = "auto"
+#: The built-in `flex` tier's TTFT SLO, as a multiple of `gateway.ttft_slo_s`.
+FLEX_TTFT_FACTOR: Final = 4.0
+_TIER_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_INT64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+class ServiceTier(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One service tier of `gateway.service_tiers`: the SLOs its requests are admitted
+    against (`RequestAdmitted.slo`) and their priority (`RequestAdmitted.priority`:
+    larger runs earlier in the engines' queues and is shed later by the conductor;
+    docs/priorities.md). An SLO of 0 is the gateway's own (`gateway.ttft_slo_s`,
+    `gateway.tbt_slo_s`)."""
+
+    ttft_slo_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    tbt_slo_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    priority: _INT64 = 0
+
+
 class GatewayConfig(_Section):
     """The OpenAI-compatible front door; every wait has a deadline.
 
@@ -255,6 +278,29 @@ class GatewayConfig(_Section):
     `api_keys` (or of the keys in `api_keys_file`, one per line, `#` comments) as
     `Authorization: Bearer <key>` or `x-api-key: <key>`. A gateway with no key refuses
     to start unless `allow_unauthenticated` says that an open gateway is intended.
+
+    Service tiers (`service_tiers`, a request's `service_tier`): each tier is a pair of
+    SLOs and a priority (`ServiceTier`), the one source of both for its requests.
+    Empty (the default) means the built-in tiers, derived from `ttft_slo_s` and
+    `tbt_slo_s` (`resolved_service_tiers`):
+
+    - `default`: the gateway's SLOs, priority 0 (what every request got before tiers);
+    - `priority`: the same SLOs, priority 1. Its advantage is its place: it overtakes
+      the other tiers in the prefill queues and in decode admission, and the conductor
+      prices its wait as such, so it is admitted where the others are refused. A
+      tighter SLO would make the conductor refuse it sooner than `default` for the
+      same wait;
+    - `flex`: a TTFT SLO of `FLEX_TTFT_FACTOR` times the gateway's (it may wait),
+      the same TBT SLO, priority -1: it waits behind every other tier and is shed
+      first. Its TBT is not loosened because a decode batch is shared: a flex
+      request admitted into a batch whose step is over the others' TBT SLO would make
+      them miss theirs.
+
+    A configured mapping replaces the built-in one (a deployment lists the tiers it
+    serves) and must name `default`, whose SLOs are the gateway's: it may leave them
+    at 0, or repeat them, but not set others. A tier's SLO left at 0 is the gateway's.
+    Names are 1 to 64 letters, digits, `_`, `.` or `-`; `auto` is not one (a request's
+    `auto` means `default`).
     """
 
     host: str = "127.0.0.1"
@@ -311,6 +357,51 @@ class GatewayConfig(_Section):
     batch_lease_ttl_s: Annotated[float, msgspec.Meta(ge=1)] = 10.0
     batch_poll_s: _Seconds = 1.0
     batch_drain_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    service_tiers: dict[str, ServiceTier] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        tiers = self.service_tiers
+        for name in tiers:
+            if name == AUTO_TIER or not _TIER_NAME_RE.fullmatch(name):
+                raise ConfigError(
+                    f"gateway.service_tiers: {name!r} is not a tier name (1 to 64 letters, "
+                    f"digits, `_`, `.` or `-`; `{AUTO_TIER}` means `{DEFAULT_TIER}`)"
+                )
+        if tiers and DEFAULT_TIER not in tiers:
+            raise ConfigError(
+                f"gateway.service_tiers names {', '.join(sorted(tiers))} but no "
+                f"`{DEFAULT_TIER}` tier: requests that name no tier (or `{AUTO_TIER}`) run "
+                "in it"
+            )
+        default = tiers.get(DEFAULT_TIER)
+        if default is not None:
+            for setting, own in (("ttft_slo_s", self.ttft_slo_s), ("tbt_slo_s", self.tbt_slo_s)):
+                value = getattr(default, setting)
+                if value and value != own:
+                    raise ConfigError(
+                        f"gateway.service_tiers.default.{setting} {value:g} differs from "
+                        f"gateway.{setting} {own:g}: the default tier's SLOs are the "
+                        f"gateway's; set gateway.{setting}, or leave it out of the tier"
+                    )
+
+    def resolved_service_tiers(self) -> dict[str, ServiceTier]:
+        """Every tier served, with its SLOs resolved (none is 0): the configured
+        tiers, or the built-in `default`, `priority` and `flex` (see the class)."""
+        ttft, tbt = self.ttft_slo_s, self.tbt_slo_s
+        if not self.service_tiers:
+            return {
+                DEFAULT_TIER: ServiceTier(ttft_slo_s=ttft, tbt_slo_s=tbt, priority=0),
+                "priority": ServiceTier(ttft_slo_s=ttft, tbt_slo_s=tbt, priority=1),
+                "flex": ServiceTier(ttft_slo_s=ttft * FLEX_TTFT_FACTOR, tbt_slo_s=tbt, priority=-1),
+            }
+        return {
+            name: ServiceTier(
+                ttft_slo_s=tier.ttft_slo_s or ttft,
+                tbt_slo_s=tier.tbt_slo_s or tbt,
+                priority=tier.priority,
+            )
+            for name, tier in self.service_tiers.items()
+        }
 
     def resolved_api_keys(self) -> list[str]:
         """`api_keys` and the keys listed in `api_keys_file`, without blanks."""
@@ -861,7 +952,7 @@ def dump_env(config: YbConfig) -> dict[str, str]:
 
 
 def _env_value(value: Any) -> str:
-    if isinstance(value, list):
+    if isinstance(value, (list, dict)):
         return json.dumps(value)
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -934,6 +1025,12 @@ _FALSE: Final = frozenset({"0", "false", "no", "off"})
 
 
 def _parse_env(name: str, field_type: Any, value: str) -> Any:
+    if get_origin(field_type) is dict or field_type is dict:
+        # A mapping (`gateway.service_tiers`) takes JSON, as the file's table would be.
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{name}: not a JSON object: {exc}") from exc
     if get_origin(field_type) is list or field_type is list:
         text = value.strip()
         if text.startswith("["):

@@ -19,7 +19,7 @@ import msgspec
 
 from yb_core.kv_spec import KVCacheSpec
 
-SCHEMA_VERSION: Final = 3
+SCHEMA_VERSION: Final = 4
 
 Role = Literal["prefill", "decode", "kvstore", "conductor", "gateway"]
 Tier = Literal["engine", "dram", "ssd"]
@@ -56,7 +56,14 @@ class Slo(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
 
 
 class RequestAdmitted(Event, tag="request_admitted"):
-    """A gateway accepted a request and asks the conductor for a placement."""
+    """A gateway accepted a request and asks the conductor for a placement.
+
+    `priority` and `slo` are those of the request's service tier, named by
+    `service_tier` (the gateway's `gateway.service_tiers`; "" in a log recorded before
+    tiers, when every request had the gateway's SLOs and its own priority). The
+    conductor decides on the figures, never on the name: the name says, in the log,
+    which tier a request was.
+    """
 
     request_id: str
     gateway_id: str
@@ -72,6 +79,7 @@ class RequestAdmitted(Event, tag="request_admitted"):
     #: them (not a decode's piggybacked prefill, not a pipeline group), from the first
     #: token (a reused prefix has no logits), so it is planned and priced with no reuse.
     prompt_logprobs: bool = False
+    service_tier: str = ""
 
 
 class ReusePlan(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
@@ -229,6 +237,7 @@ class RequestReplanned(Event, tag="request_replanned"):
     priority: int = 0
     slo: Slo = msgspec.field(default_factory=Slo)
     deadline: float = 0.0
+    service_tier: str = ""
 
     def as_admission(self) -> RequestAdmitted:
         """The admission a placement policy decides on: this request as it stands."""
@@ -244,6 +253,7 @@ class RequestReplanned(Event, tag="request_replanned"):
             priority=self.priority,
             slo=self.slo,
             deadline=self.deadline,
+            service_tier=self.service_tier,
         )
 
 
