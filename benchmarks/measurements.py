@@ -83,6 +83,17 @@ SUMMARIES: dict[str, str] = {
         "paper's engine model, instances up 60 s after the decision to add them. "
         "Simulated in virtual time: the same code gives the same figures on any machine."
     ),
+    "elastic_live": (
+        "Elastic pools live: `yb up --elastic --max-instances 4` (the tiny model, 1 prefill "
+        "+ 1 decode to start; the planner every 5 s over a 30 s window, 10 s ahead, "
+        "shrinking after 30 s) under a load step from `yb bench`'s client: a low rate, a "
+        "high one that one prefill instance cannot serve within the TTFT SLO as the "
+        "conductor's cost model prices a prompt, and the low rate again. How long until "
+        "the pool grows, TTFT by the phase each request was sent in, and the drains once "
+        "the load falls, from the client's measurements and the cluster's log. All "
+        "engines share the machine's cores: an added instance adds no compute here, so "
+        "the TTFT figures show the step, not what a grown pool buys."
+    ),
     "cpp": (
         "Chunked pipeline parallelism at the engine level: time to first token of a long "
         "prompt over a group of stage processes (each holding only its layers, one torch "
@@ -913,6 +924,53 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         ("answer_names_paris", 'whether every answer contained "Paris"'),
         *MEMORY_FIGURES,
         (r"kv_pages_(\w+)", "KV pages {0} sized for itself (its `kv_cache_sized` log line)"),
+    ],
+    "elastic_live": [
+        ("model", "the model served"),
+        ("max_instances", "`--max-instances`: engine processes at most"),
+        (r"(low|high)_rate", "requests a second sent in the {0} phase"),
+        ("high_s", "seconds the high rate lasts"),
+        ("ttft_slo_s", "the TTFT SLO every request asked for, seconds"),
+        (
+            "first_add_s",
+            "seconds from the step to the first `PoolPlanned` that adds (or moves) an instance",
+        ),
+        ("first_add_role", "the pool that first add grew"),
+        (
+            "first_new_up_s",
+            "seconds from the step to the first `InstanceUp` of an engine not up before",
+        ),
+        ("first_new_instance", "that engine"),
+        ("instances_at_step", "engines serving at the last planner decision before the step"),
+        ("instances_peak", "the most engines serving at one planner decision"),
+        (
+            r"requests_(before|during|during_grown|after)",
+            "requests sent in the phase `{0}` (`during_grown`: in the high rate, after "
+            "the first new engine was up)",
+        ),
+        (
+            r"ttft_(p50|p90)_s_(before|during|during_grown|after)",
+            "{0} time to first token, s, of the requests sent in the phase `{1}`, as the "
+            "client measured it",
+        ),
+        (
+            r"ttft_within_slo_(before|during|during_grown|after)",
+            "share of the phase `{0}`'s completed requests within the TTFT SLO",
+        ),
+        ("requests_sent", "requests sent"),
+        ("requests_ok", "requests completed (200, a whole stream, `[DONE]`)"),
+        ("requests_failed", "requests that failed, refused or timed out"),
+        ("failed_kinds", "how those ended (empty: none)"),
+        ("drains_decided", "drain and move actions the planner decided after the load fell"),
+        ("first_drain_s", "seconds from the fall to the first of them"),
+        ("drained", "the instances drained"),
+        (
+            r"drain_to_down_s_(max|mean)",
+            "{0} seconds from a drained instance's `InstanceDraining` to its `InstanceDown`",
+        ),
+        ("drained_all_down", "whether every drained instance was down before the deadline"),
+        ("instances_at_end", "engines serving at the planner's last decision"),
+        ("run_wall_s", "seconds the whole benchmark took"),
     ],
     "e2e_reuse": [
         ("ttft_recompute_s", "median seconds to the first token, every token computed"),

@@ -61,6 +61,7 @@ BENCHMARKS = (
     "sim_tp",
     "sim_retention",
     "sim_elastic",
+    "elastic_live",
     "families",
     "hf_backend",
     "tensor_parallel",

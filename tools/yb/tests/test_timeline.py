@@ -21,7 +21,14 @@ from yb_tools.cli import main as yb
 from yb_tools.sim.params import SimParams
 from yb_tools.sim.simulator import Simulation
 from yb_tools.sim.workload import load_workload
-from yb_tools.timeline.model import OUTCOMES, Timeline, Window, build_timeline, select_requests
+from yb_tools.timeline.model import (
+    OUTCOMES,
+    PoolRow,
+    Timeline,
+    Window,
+    build_timeline,
+    select_requests,
+)
 from yb_tools.timeline.page import render_page
 from yb_tools.timeline.report import build_report
 
@@ -253,6 +260,72 @@ def test_deaths_drains_and_failed_transfers_become_markers(records: list[LogReco
     assert drain.time == pytest.approx(t - 1 - tl.meta.t0, abs=1e-4)
     assert "peer unreachable" in markers[("transfer_failed", "prefill-2")].text
     assert not build_timeline(records).markers
+
+
+def _plan(t: float, actions: list[ev.PoolAction], prefill: int, decode: int) -> ev.PoolPlanned:
+    """A planner decision on pools of `prefill` and `decode` serving instances."""
+    return ev.PoolPlanned(
+        time=t, planner_id="conductor-0", max_instances=4,
+        forecast=ev.PoolForecast(window_s=30, lead_s=10, arrival_rate=3.5, forecast_rate=4.25),
+        pools=[
+            ev.PoolSize(role="prefill", current=prefill, needed=2.6, target=3),
+            ev.PoolSize(role="decode", current=decode, draining=1, needed=0.4, target=1,
+                        held_by="hysteresis"),
+        ],
+        actions=actions, reason=f"prefill {prefill} -> 3",
+    )  # fmt: skip
+
+
+def with_plans(records: list[LogRecord]) -> tuple[list[LogRecord], list[ev.PoolPlanned]]:
+    """The simulation's log with three planner decisions in it (the simulated cluster
+    here runs no planner): an add, one without actions, a drain and a move."""
+    at = [records[len(records) * k // 4] for k in (1, 2, 3)]
+    plans = [
+        _plan(at[0].event.time, [ev.PoolAction(action="add", role="prefill")], 1, 2),
+        _plan(at[1].event.time, [], 2, 2),
+        _plan(at[2].event.time, [
+            ev.PoolAction(action="drain", role="decode", instance_id="decode-1"),
+            ev.PoolAction(action="move", role="prefill", instance_id="decode-0"),
+        ], 3, 2),
+    ]  # fmt: skip
+    log = list(records)
+    for record, plan in sorted(zip(at, plans, strict=True), key=lambda x: -x[0].seq):
+        i = log.index(record)
+        log.insert(i + 1, LogRecord(seq=record.seq, event=plan))
+    return log, plans
+
+
+def test_planner_decisions_become_the_planner_lane(records: list[LogRecord]) -> None:
+    log, plans = with_plans(records)
+    tl = build_timeline(log)
+    assert not build_timeline(records).plans
+    assert len(tl.plans) == len(plans)
+    assert tl.meta.plan_fields[0] == "time" and "pools" in tl.meta.plan_fields
+    for row, plan in zip(tl.plans, plans, strict=True):
+        assert row.time == pytest.approx(plan.time - tl.meta.t0, abs=1e-4)
+        assert row.reason == plan.reason
+        assert (row.rate, row.forecast_rate, row.max_instances) == (3.5, 4.25, 4)
+        assert [(a.action, a.role, a.instance) for a in row.actions] == [
+            (a.action, a.role, a.instance_id) for a in plan.actions
+        ]
+        assert [
+            (p.role, p.serving, p.starting, p.draining, p.needed, p.target, p.held_by)
+            for p in row.pools
+        ] == [
+            (p.role, p.current, p.starting, p.draining, p.needed, p.target, p.held_by)
+            for p in plan.pools
+        ]
+    # A window shows the decisions made over its span only.
+    for window in (Window(since_s=5, for_s=5), Window(since_s=-10)):
+        part = build_timeline(log, window)
+        t0, t_end = part.meta.t0, part.meta.t0 + part.meta.t_end
+        assert [r.reason for r in part.plans] == [p.reason for p in plans if t0 <= p.time <= t_end]
+    # The page carries them, with their column names.
+    data = re.search(r'id="yb-data">(.*?)</script>', render_page(tl), re.S)
+    assert data is not None
+    embedded = json.loads(data.group(1))
+    assert embedded["plans"] == msgspec.to_builtins(tl.plans)
+    assert embedded["meta"]["pool_fields"] == list(PoolRow.__struct_fields__)
 
 
 def test_the_page_is_one_file_that_fetches_nothing(timeline: Timeline) -> None:

@@ -180,3 +180,76 @@ async def test_a_drain_is_drawn_on_its_lane(records: list[LogRecord], tmp_path: 
         legend = await page.evaluate("document.getElementById('yb-legend').textContent")
         assert "instance draining" in legend
         assert page.errors == []
+
+
+def _plan(t: float, actions: list[ev.PoolAction], prefill: int) -> ev.PoolPlanned:
+    return ev.PoolPlanned(
+        time=t, planner_id="conductor-0", max_instances=4,
+        forecast=ev.PoolForecast(window_s=30, lead_s=10, arrival_rate=3.5, forecast_rate=4.25),
+        pools=[
+            ev.PoolSize(role="prefill", current=prefill, needed=2.6, target=3),
+            ev.PoolSize(role="decode", current=2, draining=1, needed=0.4, target=1,
+                        held_by="hysteresis"),
+        ],
+        actions=actions, reason=f"prefill {prefill} -> 3",
+    )  # fmt: skip
+
+
+async def test_the_planner_lane_shows_each_decision(
+    records: list[LogRecord], tmp_path: Path
+) -> None:
+    # The simulated cluster here runs no planner; a live one logs these: an add, a
+    # decision without actions, and a drain with a move.
+    at = [records[len(records) * k // 4] for k in (1, 2, 3)]
+    plans = [
+        _plan(at[0].event.time, [ev.PoolAction(action="add", role="prefill")], 1),
+        _plan(at[1].event.time, [], 2),
+        _plan(at[2].event.time, [
+            ev.PoolAction(action="drain", role="decode", instance_id="decode-1"),
+            ev.PoolAction(action="move", role="prefill", instance_id="decode-0"),
+        ], 3),
+    ]  # fmt: skip
+    log = list(records)
+    for record, plan in reversed(list(zip(at, plans, strict=True))):
+        log.insert(log.index(record) + 1, LogRecord(seq=record.seq, event=plan))
+    path = write_page(build_report(log), tmp_path / "timeline.html")
+    async with Browser.launch() as browser:
+        page = await browser.new_page(width=1400, height=900)
+        await page.navigate(path.as_uri())
+        await page.wait_for("window.__ybTimelineReady", timeout_s=30)
+        drawn = await page.evaluate("({...document.getElementById('yb-canvas').dataset})")
+        # A mark per decision, a glyph per action, a step line per pool.
+        assert int(drawn["plans"]) == len(plans)
+        assert int(drawn["actions"]) == sum(len(p.actions) for p in plans) == 3
+        assert drawn["pools"] == "2"
+        legend = await page.evaluate("document.getElementById('yb-legend').textContent")
+        assert "planner: add" in legend and "prefill serving" in legend
+        # A real click at the last decision's mark opens it: actions, reason, pools.
+        box = await page.evaluate("window.ybTimeline.planBox(2)")
+        assert box is not None
+        await page.click(box["x"] + 1, box["y"] + box["height"] / 2)
+        await page.wait_for(f"{PANEL}.dataset.plan === '2'", timeout_s=10)
+        shown = await page.evaluate(
+            f"""({{actions: {PANEL}.querySelector('.actions').textContent,
+                  reason: {PANEL}.querySelector('.reason').textContent,
+                  pools: [...{PANEL}.querySelectorAll('.pools tr')]
+                           .map(tr => [...tr.cells].map(td => td.textContent))}})"""
+        )
+        assert shown["actions"] == "drain decode-1, move decode-0 to prefill"
+        assert shown["reason"] == plans[2].reason
+        assert shown["pools"][1:] == [
+            ["prefill", "3", "0", "0", "2.60", "3", "-"],
+            ["decode", "2", "0", "1", "0.40", "1", "hysteresis"],
+        ]
+        assert await page.evaluate("window.ybTimeline.selectedPlan()") == 2
+        # Hovering it says the same in a tooltip (the open panel narrowed the chart).
+        box = await page.evaluate("window.ybTimeline.planBox(2)")
+        await page.send(
+            "Input.dispatchMouseEvent",
+            {"type": "mouseMoved", "x": box["x"] + 1, "y": box["y"] + box["height"] / 2},
+        )
+        tip = await page.wait_for(
+            "(t => !t.hidden && t.textContent)(document.getElementById('yb-tip'))"
+        )
+        assert plans[2].reason in tip and "decode: 2 serving" in tip
+        assert page.errors == []

@@ -18,8 +18,9 @@ Two rules size the pools (`planner_rule`):
   planned (a rejected request at the half's mean reuse).
 - The forecast: the arrival rate of the window's recent half, extrapolated
   `planner_lead_s` ahead (about how long an instance takes to start) along the
-  trend between the halves, but never below that recent rate: a pool sized for a
-  falling forecast would miss its SLO if the fall does not come.
+  trend between the halves (once the planner has seen a whole window), but never
+  below that recent rate: a pool sized for a falling forecast would miss its SLO if
+  the fall does not come.
 - Prefill: the forecast prefill seconds per second, over the utilisation an
   instance may run at. That is `planner_utilization`, or lower where a queue would
   break the TTFT SLO (an M/D/1 queue's mean wait, rho / (2 (1 - rho)) service
@@ -306,6 +307,10 @@ class Planner(msgspec.Struct, kw_only=True):
         older_rate = (len(arrivals) - recent) / (span / 2.0)
         recent_rate = recent / (span / 2.0)
         slope = (recent_rate - older_rate) / (span / 2.0)
+        if span < cfg.planner_window_s:
+            # Before a whole window the older half holds the start-up, not a load:
+            # its emptiness would read as a rising trend.
+            slope = 0.0
         forecast = max(recent_rate, recent_rate + slope * (cfg.planner_lead_s + span / 4.0))
         # The mix of the recent half too: a change of prompts shows at the rate's pace.
         mix = [a for a in arrivals if a.time >= middle] or arrivals

@@ -5,6 +5,9 @@ sequences and of event time (and at most the last `last` of them). Everything el
 the lanes show (load reports, transfers, instance deaths) is taken over the time
 span those requests cover, from the first admission to the last of their endings.
 
+The planner's decisions (`PoolPlanned`) over the same span are the `planner` lane:
+when each was made, its actions, its reason and the sizes of both pools.
+
 The payload is compact on purpose: a 10,000-request window is embedded in one HTML
 file. Rows are `array_like` structs (JSON arrays); their field names travel once, in
 `Meta.request_fields` and friends, and the page finds columns by name. Times are
@@ -129,6 +132,43 @@ class Marker(msgspec.Struct, array_like=True, gc=False):
     text: str
 
 
+class PoolRow(msgspec.Struct, array_like=True, gc=False):
+    """One pool as a planner decision saw and sized it (`PoolSize`): instances serving,
+    starting and draining, how many the forecast needs, the target, and what held
+    the target elsewhere ("" when nothing did)."""
+
+    role: str
+    serving: int
+    starting: int
+    draining: int
+    needed: float
+    target: int
+    held_by: str
+
+
+class ActionRow(msgspec.Struct, array_like=True, gc=False):
+    """One action of a planner decision: `add` to `role`'s pool, `drain` `instance`,
+    or `move` `instance` into `role`."""
+
+    action: str
+    role: str
+    instance: str
+
+
+class PlanRow(msgspec.Struct, array_like=True, gc=False):
+    """One planner decision (`PoolPlanned`) on the `planner` lane: when, what it asked
+    for, why (its `reason`), the forecast arrival rate (requests/s, `lead` seconds
+    ahead) and each pool as it sized it."""
+
+    time: float
+    actions: list[ActionRow]
+    reason: str
+    rate: float
+    forecast_rate: float
+    max_instances: int
+    pools: list[PoolRow]
+
+
 class Series(msgspec.Struct, array_like=True, gc=False):
     """A lane's load over time as a step function (change points only): the decode
     batch (`running_requests`), a kvstore's used share of its pool, a prefill
@@ -164,11 +204,15 @@ class Meta(msgspec.Struct, kw_only=True):
     request_fields: list[str]
     transfer_fields: list[str]
     marker_fields: list[str]
+    plan_fields: list[str] = msgspec.field(default_factory=list)
+    pool_fields: list[str] = msgspec.field(default_factory=list)
+    action_fields: list[str] = msgspec.field(default_factory=list)
 
 
 class Timeline(msgspec.Struct, kw_only=True):
     """The report's data. `decisions[i]` is `yb explain`'s text for `requests[i]`;
-    `what_if_decisions[i]` the other policy's for the same request ("" when none)."""
+    `what_if_decisions[i]` the other policy's for the same request ("" when none);
+    `plans` the planner's decisions over the span (none: no planner lane)."""
 
     meta: Meta
     lanes: list[Lane]
@@ -178,6 +222,7 @@ class Timeline(msgspec.Struct, kw_only=True):
     series: list[Series]
     decisions: list[str]
     what_if_decisions: list[str] = msgspec.field(default_factory=list)
+    plans: list[PlanRow] = msgspec.field(default_factory=list)
 
 
 @dataclass
@@ -367,6 +412,7 @@ def build_timeline(
             )
 
     markers: list[Marker] = []
+    plans: list[PlanRow] = []
     series_points: dict[int, tuple[list[float], list[float], float, str]] = {}
     # Pass 2: what the lanes show over the span (load, deaths, copies, failures).
     for r in records[first_index:] if lives else records:
@@ -400,6 +446,8 @@ def build_timeline(
                 markers.append(
                     Marker(2, lane_index[e.target_instance], round(e.time - t0, 4), text)
                 )
+            case ev.PoolPlanned() if in_span:
+                plans.append(_plan_row(e, t0))
             case ev.ReplicationPlanned() if in_span:
                 from_lane = lane_index.get(e.source_instance)
                 to_lane = lane_index.get(e.target_instance)
@@ -433,6 +481,9 @@ def build_timeline(
         request_fields=list(RequestRow.__struct_fields__),
         transfer_fields=list(Transfer.__struct_fields__),
         marker_fields=list(Marker.__struct_fields__),
+        plan_fields=list(PlanRow.__struct_fields__),
+        pool_fields=list(PoolRow.__struct_fields__),
+        action_fields=list(ActionRow.__struct_fields__),
     )
     return Timeline(
         meta=meta,
@@ -443,7 +494,25 @@ def build_timeline(
         series=series,
         decisions=texts,
         what_if_decisions=what_if_texts,
+        plans=plans,
     )
+
+
+def _plan_row(e: ev.PoolPlanned, t0: float) -> PlanRow:
+    """A `PoolPlanned` as the planner lane shows it."""
+    return PlanRow(
+        time=round(e.time - t0, 4),
+        actions=[ActionRow(a.action, a.role, a.instance_id) for a in e.actions],
+        reason=e.reason,
+        rate=round(e.forecast.arrival_rate, 4),
+        forecast_rate=round(e.forecast.forecast_rate, 4),
+        max_instances=e.max_instances,
+        pools=[
+            PoolRow(p.role, p.current, p.starting, p.draining, round(p.needed, 3), p.target,
+                    p.held_by)
+            for p in e.pools
+        ],
+    )  # fmt: skip
 
 
 def _load_value(e: ev.LoadReport) -> tuple[float, float, str]:

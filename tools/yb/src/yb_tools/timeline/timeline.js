@@ -17,21 +17,34 @@
   const M = col(meta.marker_fields);
   const requests = data.requests;
   const lanes = data.lanes;
+  // The planner's decisions (PoolPlanned), each with its actions and pools.
+  const plans = data.plans || [];
+  const P = col(meta.plan_fields || []);
+  const PO = col(meta.pool_fields || []);
+  const A = col(meta.action_fields || []);
 
   // --- geometry ------------------------------------------------------------------
   const GUTTER = 118; // lane labels
   const AXIS = 26;
-  const HEIGHT = { conductor: 22, prefill: 28, decode: 30, kvstore: 18 };
+  const HEIGHT = { conductor: 22, planner: 40, prefill: 28, decode: 30, kvstore: 18 };
   const BRANCH_COLORS = {
     recompute: "#7f8fa6", local: "#2e8b57", transfer: "#e08a1e",
     reject: "#d92d20", "": "#98a2b3",
   };
-  const ROLE_SHADE = { prefill: "#f2f6fc", decode: "#f4fbf6", kvstore: "#fbf7f0", conductor: "#f6f6f7" };
+  const ROLE_SHADE = {
+    prefill: "#f2f6fc", decode: "#f4fbf6", kvstore: "#fbf7f0", conductor: "#f6f6f7", planner: "#f8f6fc",
+  };
+  // The planner lane: a glyph per action, and each pool's serving count as a step line.
+  const ACTION_COLORS = { add: "#2e8b57", drain: "#e08a1e", move: "#6941c6" };
+  const POOL_COLORS = { prefill: "#175cd3", decode: "#2e8b57" };
   const OUTCOME = Object.fromEntries(meta.outcomes.map((name, i) => [name, i]));
 
-  // Row 0 is the conductor's lane (admissions, refusals); then one per instance.
-  const rows = [{ id: "conductor", role: "conductor", host: "", index: -1 }]
-    .concat(lanes.map(([id, role, host], index) => ({ id, role, host, index })));
+  // Row 0 is the conductor's lane (admissions, refusals); then the planner's when the
+  // log has its decisions; then one per instance.
+  const rows = [{ id: "conductor", role: "conductor", host: "", index: -1 }];
+  if (plans.length) rows.push({ id: "planner", role: "planner", host: "", index: -1 });
+  const FIRST_LANE = rows.length;
+  rows.push(...lanes.map(([id, role, host], index) => ({ id, role, host, index })));
   let y = AXIS;
   for (const row of rows) {
     row.y = y;
@@ -39,7 +52,8 @@
     y += row.h;
   }
   const totalHeight = y + 4;
-  const rowOfLane = (lane) => rows[lane + 1];
+  const rowOfLane = (lane) => rows[lane + FIRST_LANE];
+  const plannerRow = plans.length ? rows[1] : null;
 
   // Per request, the spans drawn on its prefill lane: q0 (decided) .. c0 (started)
   // is the queue wait, c0 .. c1 the prefill itself. A log may lack a stage (a live
@@ -86,6 +100,7 @@
   const view = { t0: -span * 0.01, t1: span * 1.01 };
   const layers = { queue: true, transfers: true, handoffs: false, changedOnly: false };
   let selected = -1;
+  let selectedPlan = -1; // a planner decision shown in the panel (not with a request)
   const canvas = document.getElementById("yb-canvas");
   const ctx = canvas.getContext("2d");
   let width = 0;
@@ -117,6 +132,7 @@
   // --- drawing -------------------------------------------------------------------
   const drawn = {
     bars: 0, transfers: 0, rejections: 0, downs: 0, drains: 0, handoffs: 0, series: 0,
+    plans: 0, actions: 0, pools: 0,
   };
 
   function draw() {
@@ -140,6 +156,7 @@
     drawDown();
     drawPrefill();
     drawConductorLane();
+    drawPlanner();
     if (layers.handoffs) drawHandoffs(-1);
     if (layers.transfers) drawTransfers(-1);
     drawMarkers();
@@ -155,6 +172,7 @@
       rejections: String(drawn.rejections), downs: String(drawn.downs),
       drains: String(drawn.drains),
       series: String(drawn.series), handoffs: String(drawn.handoffs),
+      plans: String(drawn.plans), actions: String(drawn.actions), pools: String(drawn.pools),
     });
   }
 
@@ -189,7 +207,8 @@
       const s = seriesOf.get(row.index);
       if (row.h > 24) {
         ctx.fillStyle = "#667085";
-        const note = s && row.role === "decode" ? `batch, max ${s[3]}` : row.role;
+        const note = s && row.role === "decode" ? `batch, max ${s[3]}`
+          : row.role === "planner" ? "pools, actions" : row.role;
         ctx.fillText(note, 6, row.y + row.h / 2 + 7);
       }
     }
@@ -290,6 +309,85 @@
         ctx.fillStyle = "rgba(102,112,133,.5)";
         ctx.fillRect(x, row.y + row.h - 7, 1, 5);
       }
+    }
+  }
+
+  // The planner lane: each pool's serving count as a step line over the lower part
+  // (its scale is the budget), and at each decision a tick, or a glyph per action
+  // with a short label (+P: add prefill, -D: drain decode, D>P: move to prefill).
+  const poolOf = (plan, role) => plan[P.pools].find((pool) => pool[PO.role] === role);
+  const planScale = Math.max(1, ...plans.map((plan) => Math.max(plan[P.max_instances],
+    ...plan[P.pools].map((pool) => Math.max(pool[PO.serving] + pool[PO.starting], pool[PO.target])))));
+  const ROLE_LETTER = { prefill: "P", decode: "D" };
+  const actionLabel = (a) => a[A.action] === "add" ? `+${ROLE_LETTER[a[A.role]] || a[A.role]}`
+    : a[A.action] === "drain" ? `\u2212${ROLE_LETTER[a[A.role]] || a[A.role]}`
+    : `\u2192${ROLE_LETTER[a[A.role]] || a[A.role]}`;
+
+  function drawPlanner() {
+    const row = plannerRow;
+    if (!row) return;
+    const base = row.y + row.h - 3;
+    const top = row.h - 18; // the glyphs keep the upper part
+    ctx.lineWidth = 1.5;
+    for (const role of ["prefill", "decode"]) {
+      ctx.strokeStyle = POOL_COLORS[role];
+      ctx.beginPath();
+      let started = false;
+      for (let k = 0; k < plans.length; k++) {
+        const pool = poolOf(plans[k], role);
+        if (!pool) continue;
+        const x0 = xOf(plans[k][P.time]);
+        const x1 = k + 1 < plans.length ? xOf(plans[k + 1][P.time]) : xOf(meta.t_end);
+        // Offset by a pixel per role, so equal counts stay two lines.
+        const yv = base - (pool[PO.serving] / planScale) * top - (role === "decode" ? 2 : 0);
+        if (!started) { ctx.moveTo(x0, yv); started = true; } else ctx.lineTo(x0, yv);
+        ctx.lineTo(x1, yv);
+      }
+      if (started) { ctx.stroke(); drawn.pools++; }
+    }
+    for (let k = 0; k < plans.length; k++) {
+      const plan = plans[k];
+      const x = xOf(plan[P.time]);
+      if (x < GUTTER - 30 || x > width + 6) continue;
+      const actions = plan[P.actions];
+      drawn.plans++;
+      if (!actions.length) {
+        ctx.fillStyle = "rgba(102,112,133,.55)";
+        ctx.fillRect(x, row.y + 3, 1, 6);
+        continue;
+      }
+      ctx.fillStyle = "rgba(105,65,198,.5)";
+      ctx.fillRect(x, row.y + 2, 1, row.h - 4);
+      actions.forEach((a, j) => {
+        const c = ACTION_COLORS[a[A.action]] || "#667085";
+        const gx = x + 4 + j * 28;
+        const gy = row.y + 8;
+        ctx.fillStyle = c;
+        ctx.beginPath();
+        if (a[A.action] === "add") {
+          ctx.moveTo(gx, gy + 4); ctx.lineTo(gx + 4, gy - 4); ctx.lineTo(gx + 8, gy + 4);
+        } else if (a[A.action] === "drain") {
+          ctx.moveTo(gx, gy - 4); ctx.lineTo(gx + 4, gy + 4); ctx.lineTo(gx + 8, gy - 4);
+        } else {
+          ctx.moveTo(gx + 4, gy - 4); ctx.lineTo(gx + 8, gy); ctx.lineTo(gx + 4, gy + 4); ctx.lineTo(gx, gy);
+        }
+        ctx.fill();
+        ctx.fillText(actionLabel(a), gx + 10, gy);
+        drawn.actions++;
+      });
+    }
+    if (selectedPlan >= 0) {
+      const x = xOf(plans[selectedPlan][P.time]);
+      ctx.strokeStyle = "#1d2330";
+      ctx.lineWidth = 2;
+      ctx.strokeRect(x - 3, row.y + 1, 6, row.h - 3);
+      ctx.setLineDash([4, 3]);
+      ctx.lineWidth = 1;
+      ctx.beginPath();
+      ctx.moveTo(x, AXIS);
+      ctx.lineTo(x, totalHeight);
+      ctx.stroke();
+      ctx.setLineDash([]);
     }
   }
 
@@ -418,6 +516,23 @@
     return { x: xOf(r[R.admitted]) - 4, y: row.y + 3, w: 8, h: row.h - 6 };
   }
 
+  // The planner decision nearest the pointer on the planner lane (-1: none within
+  // 6 px of its tick or the glyphs right of it).
+  function hitPlan(x, y) {
+    const row = plannerRow;
+    if (!row || y < row.y || y >= row.y + row.h || x < GUTTER) return -1;
+    let best = -1;
+    let bestD = Infinity;
+    for (let k = 0; k < plans.length; k++) {
+      const px = xOf(plans[k][P.time]);
+      const reach = 6 + plans[k][P.actions].length * 28;
+      const d = x < px ? px - x : Math.max(0, x - px - reach);
+      if (x >= px - 6 && d < bestD) { best = k; bestD = d; }
+    }
+    // Right of a tick without glyphs, the next decision's tick may be nearer.
+    return best >= 0 && bestD <= 6 ? best : -1;
+  }
+
   function hit(x, y) {
     const row = rows.find((rw) => y >= rw.y && y < rw.y + rw.h);
     if (!row || x < GUTTER) return -1;
@@ -474,6 +589,43 @@
   const panel = document.getElementById("yb-decision");
   const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
   const secs = (v) => (v == null ? "-" : v.toFixed(4) + " s");
+
+  const actionText = (a) => a[A.action] === "add" ? `add ${a[A.role]}`
+    : a[A.action] === "drain" ? `drain ${a[A.instance]}` : `move ${a[A.instance]} to ${a[A.role]}`;
+  const poolText = (pool) => `${pool[PO.role]}: ${pool[PO.serving]} serving, ${pool[PO.starting]} starting, ` +
+    `${pool[PO.draining]} draining, needs ${pool[PO.needed].toFixed(2)}, target ${pool[PO.target]}` +
+    (pool[PO.held_by] ? ` (${pool[PO.held_by]})` : "");
+
+  // A planner decision in the panel: its actions, its reason, the forecast and both pools.
+  function showPlan(k) {
+    const plan = plans[k];
+    const actions = plan[P.actions];
+    const head = ["pool", "serving", "starting", "draining", "needed", "target", "held by"];
+    const poolRows = plan[P.pools].map((pool) => [pool[PO.role], pool[PO.serving], pool[PO.starting],
+      pool[PO.draining], pool[PO.needed].toFixed(2), pool[PO.target], pool[PO.held_by] || "-"]);
+    panel.hidden = false;
+    delete panel.dataset.requestId;
+    panel.dataset.plan = String(k);
+    panel.innerHTML = `<h2>planner decision <span class="rid">${esc(secs(plan[P.time]))}</span>` +
+      `<button type="button" class="close" title="Escape">close</button></h2>` +
+      `<table class="facts">` +
+      `<tr><td>actions</td><td class="actions">${esc(actions.map(actionText).join(", ") || "none")}</td></tr>` +
+      `<tr><td>arrivals</td><td>${esc(plan[P.rate].toFixed(2))} req/s, forecast ${esc(plan[P.forecast_rate].toFixed(2))}</td></tr>` +
+      `<tr><td>budget</td><td>${esc(plan[P.max_instances] || "instances up")}</td></tr></table>` +
+      `<h3>Reason</h3><pre class="reason">${esc(plan[P.reason] || "-")}</pre>` +
+      `<h3>Pools</h3><table class="facts pools"><tr>${head.map((h) => `<td>${esc(h)}</td>`).join("")}</tr>` +
+      poolRows.map((cells) => `<tr>${cells.map((c) => `<td>${esc(c)}</td>`).join("")}</tr>`).join("") +
+      `</table>`;
+    panel.querySelector(".close").onclick = () => select(-1);
+    panel.dataset.loaded = "true";
+  }
+
+  function selectPlan(k) {
+    selected = -1;
+    selectedPlan = k;
+    if (k < 0) select(-1);
+    else { showPlan(k); resize(); draw(); }
+  }
   // The decision as `yb explain` prints it, its chosen candidates (the lines marked
   // `*`) highlighted.
   const explainBlock = (text) => "<pre>" + text.split("\n").map((line) =>
@@ -520,6 +672,8 @@
 
   function select(i) {
     selected = i;
+    selectedPlan = -1;
+    delete panel.dataset.plan;
     if (i < 0) {
       panel.hidden = true;
       delete panel.dataset.requestId;
@@ -606,6 +760,12 @@
     drag = null;
     canvas.classList.remove("dragging");
     if (!wasDrag && ev.target === canvas) {
+      const k = hitPlan(localX(ev), localY(ev));
+      if (k >= 0) {
+        tip.hidden = true;
+        selectPlan(k);
+        return;
+      }
       const i = hit(localX(ev), localY(ev));
       if (i >= 0) {
         tip.hidden = true;
@@ -618,6 +778,16 @@
 
   const tip = document.getElementById("yb-tip");
   function tooltip(ev) {
+    const k = hitPlan(localX(ev), localY(ev));
+    if (k >= 0) {
+      const plan = plans[k];
+      tip.textContent = `planner at ${secs(plan[P.time])}: ${plan[P.actions].map(actionText).join(", ") || "no action"}\n` +
+        `${plan[P.reason]}\n` + plan[P.pools].map(poolText).join("\n");
+      tip.hidden = false;
+      tip.style.left = Math.min(localX(ev) + 12, width - 420) + "px";
+      tip.style.top = localY(ev) + 14 + "px";
+      return;
+    }
     const i = hit(localX(ev), localY(ev));
     if (i < 0) { tip.hidden = true; return; }
     const r = requests[i];
@@ -693,6 +863,13 @@
     swatch("rgba(23,92,211,.5)", "hand-off prefill \u2192 decode"),
     swatch("rgba(224,138,30,.35)", "instance draining (told to stop)"),
     swatch("rgba(217,45,32,.3)", "instance down"),
+    ...(plans.length ? [
+      swatch(ACTION_COLORS.add, "planner: add"),
+      swatch(ACTION_COLORS.drain, "planner: drain"),
+      swatch(ACTION_COLORS.move, "planner: move"),
+      swatch(POOL_COLORS.prefill, "prefill serving"),
+      swatch(POOL_COLORS.decode, "decode serving"),
+    ] : []),
     "<span>drag: pan \u00b7 wheel: zoom \u00b7 click a request: its decision</span>",
   ].join("");
 
@@ -713,6 +890,16 @@
     select: (id) => { const i = byId.get(id); if (i != null) select(i); return i != null; },
     zoomTo: (id) => { const i = byId.get(id); if (i != null) zoomTo(i); return i != null; },
     selected: () => (selected >= 0 ? requests[selected][R.id] : null),
+    // Planner decisions by index into data.plans.
+    planBox(k) {
+      if (!plannerRow || k < 0 || k >= plans.length) return null;
+      const x = xOf(plans[k][P.time]);
+      if (x < GUTTER || x > width) return null;
+      const rect = canvas.getBoundingClientRect();
+      return { x: rect.left + x, y: rect.top + plannerRow.y, width: 1, height: plannerRow.h };
+    },
+    selectPlan: (k) => { if (k < 0 || k >= plans.length) return false; selectPlan(k); return true; },
+    selectedPlan: () => selectedPlan,
     decisions: () => decisionTexts().then(() => true),
     view: () => ({ t0: view.t0, t1: view.t1 }),
     setView: (t0, t1) => { view.t0 = t0; view.t1 = Math.max(t1, t0 + 1e-4); draw(); },
