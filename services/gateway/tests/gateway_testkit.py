@@ -129,11 +129,14 @@ def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
 
 @dataclass
 class Conductor:
-    """Decides every admission: schedule (default), reject, or stay silent."""
+    """Decides every admission: schedule (default), reject, or stay silent.
+    `hold_batch`: how many batch lines to refuse first as the conductor holds one back
+    while interactive load uses the capacity (429 `batch_held`)."""
 
     bus: Bus
     mode: str = "schedule"
     retry_after_s: float = 3.0
+    hold_batch: int = 0
     admitted: list[ev.RequestAdmitted] = field(default_factory=list)
     replanned: list[ev.RequestReplanned] = field(default_factory=list)
     _reader: EventReader | None = None
@@ -158,7 +161,17 @@ class Conductor:
             decision: ev.Decision
             if self.mode == "silent":
                 continue
-            if self.mode == "reject":
+            if isinstance(event, ev.RequestAdmitted) and event.batch and self.hold_batch > 0:
+                self.hold_batch -= 1
+                decision = ev.RequestRejected(
+                    request_id=event.request_id,
+                    gateway_id=event.gateway_id,
+                    reason="batch_held: held back, load on prefill-0 (queue 1.800s over "
+                    "batch_max_queue_s 0.05s)",
+                    retry_after_s=1.0,
+                    admitted_seq=logged.seq,
+                )
+            elif self.mode == "reject":
                 decision = ev.RequestRejected(
                     request_id=event.request_id,
                     gateway_id=event.gateway_id,

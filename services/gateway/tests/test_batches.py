@@ -259,6 +259,58 @@ async def test_a_batch_runs_lists_cancels_and_deletes(
         assert error_of(await client.get(f"/v1/files/{file_id}/content"), 404)
 
 
+async def test_a_line_held_back_for_interactive_load_is_tried_again_and_completes(
+    gateway_factory: GatewayFactory, cluster: Cluster
+) -> None:
+    """A batch line is logged as one, with its deadline; the conductor holds it back
+    (429 `batch_held`) while interactive load uses the capacity, and the worker tries
+    it again, without counting it as failed, until it is admitted once the load goes."""
+    cluster.conductor.hold_batch = 2
+    gw = await gateway_factory(**BATCH)
+    started = time.time()
+    async with client_for(gw) as client:
+        file_id = (await upload(client, jsonl(chat_line("held")))).json()["id"]
+        batch_id = (await create_batch(client, file_id)).json()["id"]
+        done = await wait_status(client, batch_id, {"completed"})
+        output = await file_lines(client, done["output_file_id"])
+    assert done["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
+    assert done["error_file_id"] is None
+    assert [(o["custom_id"], o["response"]["status_code"]) for o in output] == [("held", 200)]
+    tries = [e for e in cluster.conductor.admitted if f"-{batch_id}-0-" in e.request_id]
+    assert len(tries) == 3 and cluster.conductor.hold_batch == 0
+    line_timeout_s = gw.cfg.gateway.batch_line_timeout_s
+    for event in tries:
+        assert event.batch
+        assert started < event.batch_deadline <= time.time() + line_timeout_s
+    # Every try is due when the first was: the line's deadline, not the try's.
+    assert max(e.batch_deadline for e in tries) - min(e.batch_deadline for e in tries) < 1.0
+    # An ordinary request is no batch line.
+    async with client_for(gw) as client:
+        response = await client.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        )
+    assert response.status_code == 200, response.text
+    assert not cluster.conductor.admitted[-1].batch
+
+
+async def test_a_line_held_back_until_its_deadline_times_out(
+    gateway_factory: GatewayFactory, cluster: Cluster
+) -> None:
+    """Refused every time (the interactive load never goes), the line ends at its
+    deadline with `line_timeout` in the error file, not with the last 429."""
+    cluster.conductor.hold_batch = 10**6
+    gw = await gateway_factory(**BATCH, batch_line_timeout_s=2.0)
+    async with client_for(gw) as client:
+        file_id = (await upload(client, jsonl(chat_line("never")))).json()["id"]
+        batch_id = (await create_batch(client, file_id)).json()["id"]
+        done = await wait_status(client, batch_id, {"completed"})
+        errors = await file_lines(client, done["error_file_id"])
+    assert done["request_counts"] == {"total": 1, "completed": 0, "failed": 1}
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("never", "line_timeout")]
+    assert len([e for e in cluster.conductor.admitted if e.batch]) >= 2  # it was tried again
+
+
 # --- durability ----------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ seeded from the request). That is what lets a replay recompute every decision.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -27,6 +28,7 @@ from yb_conductor.admission import (
     Verdict,
 )
 from yb_conductor.baselines import BASELINES
+from yb_conductor.batch_admission import BatchAdmission
 from yb_conductor.cost_model import CostModel, load_cost_model
 from yb_conductor.decode_placement import DecodeChoice, DecodeEstimate, DecodePlanner
 from yb_conductor.piggyback import PiggybackEstimate, plan_steps
@@ -127,6 +129,8 @@ class MooncakePolicy:
             admit_unqueued_overrun=cfg.admit_unqueued_overrun,
             decode_now_floor=cfg.decode_now_floor,
         )
+        # Batch lines: only into capacity interactive traffic leaves idle.
+        self.batch = BatchAdmission(cfg)
 
     def decide(self, state: ClusterState, request: ev.RequestAdmitted, seq: int) -> Decided:
         """Place the request, or refuse it with the figures that led there.
@@ -134,7 +138,8 @@ class MooncakePolicy:
         In steps: the live pools (`_live_pools`), the prefill instance
         (`_choose_prefill`) and the decode instance (`_choose_decode`) with the
         candidate tables they leave (`_explanation`), the estimates, against
-        prefilling inside the decode batch (`_estimate`), admission (`_admission`),
+        prefilling inside the decode batch (`_estimate`), admission (`_admission`;
+        for a batch line, whether it fits into idle capacity: `batch_admission`),
         and the decision (`_piggybacked` or `_on_prefill`).
         """
         pools = self._live_pools(state, request, seq)
@@ -142,6 +147,11 @@ class MooncakePolicy:
             return pools
         prefills, decodes = pools
         view, choice = self._choose_prefill(state, request, prefills)
+        batch = self.batch.applies(request)
+        repicked = False
+        if batch:
+            picked = self.batch.repick(choice)
+            choice, repicked = picked, picked is not choice
         chosen = choice.chosen
         dchoice = self._choose_decode(state, request, decodes, chosen)
         explain = self._explanation(state, request, view, choice, dchoice)
@@ -157,7 +167,14 @@ class MooncakePolicy:
         calibration = (
             (state.learned.ttft, state.learned.tbt) if self.cfg.calibrated_admission else None
         )
-        verdict_or_none = self._admission(state, request, est, decode, dchoice, calibration)
+
+        def drain_s(limit: float) -> float:
+            return self.decode.drain_time_s(state, decode, limit, dchoice.context)
+
+        if batch:
+            verdict_or_none = self.batch.check(state, request, chosen, decode, drain_s)
+        else:
+            verdict_or_none = self._admission(request, est, decode, drain_s, calibration)
         if verdict_or_none is not None:
             explain.branch, explain.reason = "reject", verdict_or_none.reason
             return Decided(
@@ -173,6 +190,8 @@ class MooncakePolicy:
             state, request, seq, view, chosen, choice.chosen_copy_s, decode, est, explain,
             calibration,
         )  # fmt: skip
+        if batch and decision.explain is not None:
+            decision.explain.reason += self.batch.note(state, request, chosen, decode, repicked)
         return Decided(decision, predictions)
 
     def _live_pools(
@@ -279,7 +298,12 @@ class MooncakePolicy:
         # not only by the estimate): a refusal would then shed load.
         queued = bool(chosen.instance.prefill_queue) or chosen.queue_s > 0.0
         piggy = None
-        if decode.instance.piggyback and not request.prompt_logprobs:
+        # A batch line is not piggybacked: it would take step time from the streams.
+        if (
+            decode.instance.piggyback
+            and not request.prompt_logprobs
+            and not self.batch.applies(request)
+        ):
             piggy = self._piggyback(state, request, view, decode.instance, explain.tbt_limit_s)
         if piggy is None:
             return _Estimated(estimates, ttft, lag, queued)
@@ -319,20 +343,20 @@ class MooncakePolicy:
 
     def _admission(
         self,
-        state: ClusterState,
         request: ev.RequestAdmitted,
         est: _Estimated,
         decode: DecodeEstimate,
-        dchoice: DecodeChoice,
+        drain_s: Callable[[float], float],
         calibration: Calibrations | None,
     ) -> Verdict | None:
         """Why the request is refused on these estimates (`admission`), or None; with
-        `calibrated_admission`, judged by what outcomes taught of the estimates."""
+        `calibrated_admission`, judged by what outcomes taught of the estimates.
+        `drain_s(limit)`: how long until the decode batch's TBT falls under `limit`."""
         return self.admission.check(
             request,
             est.ttft_s,
             decode,
-            lambda limit: self.decode.drain_time_s(state, decode, limit, dchoice.context),
+            drain_s,
             calibration=calibration,
             queued=est.queued,
         )

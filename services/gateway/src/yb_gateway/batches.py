@@ -15,8 +15,11 @@ Working on a batch (`_BatchRun`):
    `validating` to `in_progress` with its line count.
 2. Run every line without a recorded result through the request path
    (`RequestRunner.run`, as a batch line), at most `batch_concurrency` lines at once in
-   this gateway, each within `batch_line_timeout_s` and the batch's window. A 429 or
-   503 is retried with a back-off until then. A line's result is recorded (KV
+   this gateway, each within `batch_line_timeout_s` and the batch's window (its
+   deadline, which the conductor is told). A 429 or 503 is retried with a back-off
+   until then: the conductor refuses a batch line (`batch_held`) while interactive
+   traffic uses the capacity it would take, and a line held back is neither a result
+   nor a failure until its deadline passes. A line's result is recorded (KV
    `create`: once, whoever ran it) before it counts as done; the batch's
    `request_counts` follow every `batch_poll_s`.
 3. Finalize: `finalizing`, the output and error files written in input order, then
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 import uuid
@@ -75,9 +79,10 @@ from yb_gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 log = get_logger(__name__)
 
-#: How batch lines run: an ordinary request of the service tier its body names
-#: (`service_tier`, `default` when none), marked as a batch line (the seam where
-#: scheduling into idle capacity will read it).
+#: How batch lines run: a request of the service tier its body names
+#: (`service_tier`, `default` when none), marked as a batch line with its deadline
+#: (`RunOptions.deadline`, set per line), which the conductor admits only into
+#: idle capacity.
 BATCH_RUN = RunOptions(batch=True)
 #: Statuses a line retries (the cluster refused or could not take it now).
 RETRIED = frozenset({429, 503})
@@ -416,6 +421,10 @@ class _BatchRun:
             # Refused as the HTTP endpoint refuses it, before anything runs.
             request_id = f"{prefix}-{self.batch_id}-{line.index}"
             return self._result(line, RunResult.of_error(request_id, exc))
+        # The conductor is told when the line is due (wall clock).
+        options = dataclasses.replace(
+            BATCH_RUN, deadline=time.time() + max(0.0, deadline - time.monotonic())
+        )
         delay = RETRY_FIRST_S
         while True:
             request_id = f"{prefix}-{self.batch_id}-{line.index}-{uuid.uuid4().hex[:8]}"
@@ -425,7 +434,7 @@ class _BatchRun:
             left = deadline - time.monotonic()
             try:
                 answer = await asyncio.wait_for(
-                    self.worker.runner.run(body, fmt, endpoint, options=BATCH_RUN), max(0.0, left)
+                    self.worker.runner.run(body, fmt, endpoint, options=options), max(0.0, left)
                 )
             except TimeoutError:
                 return self._timed_out(line)
@@ -436,6 +445,8 @@ class _BatchRun:
                     await asyncio.sleep(delay)
                     delay = min(RETRY_MAX_S, delay * 2)
                     continue
+                # Refused until its deadline: it timed out, as docs/batch.md says.
+                return self._timed_out(line)
             return self._result(line, answer)
 
     def _result(self, line: BatchLine, answer: RunResult) -> LineResult:

@@ -199,6 +199,10 @@ class PreparedRequest:
     #: Completions' `max_tokens: 0` (with `echo`): the cluster generates one token
     #: (`sampling.max_tokens` is 1), which the answer leaves out.
     echo_only: bool = False
+    #: A batch line, due by `batch_deadline` (wall-clock seconds): the conductor
+    #: admits it only into idle capacity (`RequestAdmitted.batch`).
+    batch: bool = False
+    batch_deadline: float = 0.0
 
     @property
     def priority(self) -> int:

@@ -34,15 +34,18 @@ A request's class of service is its service tier (`tiers`), named by its body's
 `service_tier` (or `priority`) for the endpoints and batch lines alike, and resolved
 before anything else is checked but the model: its SLOs and priority go to the
 cluster, its name into the answer (`service_tier`) and the tier-labelled metrics.
-`RunOptions` says how a request runs beyond its body: whether it is a batch line.
-Today a batch line runs as an ordinary request of its tier; scheduling batch work
-into idle capacity reads `RunOptions.batch`.
+`RunOptions` says how a request runs beyond its body: whether it is a batch line,
+and when that line is due. A batch line is logged as such (`RequestAdmitted.batch`
+and `batch_deadline`), and the conductor admits it only into the capacity
+interactive traffic leaves idle: otherwise it is refused (429, `batch_held`), which
+the batch worker tries again until the line's deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -88,10 +91,12 @@ def decode_body(raw: bytes, kind: type[S]) -> S:
 
 @dataclass(frozen=True, slots=True)
 class RunOptions:
-    """How a request runs beyond what its body says: `batch` for a line of a batch
-    (logged as such; the seam where scheduling into idle capacity will read it)."""
+    """How a request runs beyond what its body says: `batch` for a line of a batch,
+    due by `deadline` (wall-clock seconds; 0: none). Both go to the conductor in
+    `RequestAdmitted`, which admits a batch line only into idle capacity."""
 
     batch: bool = False
+    deadline: float = 0.0
 
 
 #: An ordinary request over HTTP.
@@ -291,6 +296,11 @@ class RequestRunner:
                     code="tokenizer_not_ready",
                 )
             prompts = await prepare_all(body, encoder, cfg.model, cfg.gateway, tier)
+            if options.batch:
+                prompts = [
+                    dataclasses.replace(p, batch=True, batch_deadline=options.deadline)
+                    for p in prompts
+                ]
             prepared = prompts[0]
             fmt.prepared(
                 prepared.sampling.logprobs,

@@ -321,6 +321,8 @@ class RequestSession:
                 deadline=time.time() + cfg.gateway.request_timeout_s,
                 prompt_logprobs=prepared.sampling.prompt_logprobs is not None,
                 service_tier=prepared.tier.name,
+                batch=prepared.batch,
+                batch_deadline=prepared.batch_deadline,
             )
         # Registered before publishing: a fast conductor may answer before `publish`
         # returns.

@@ -19,7 +19,7 @@ import msgspec
 
 from yb_core.kv_spec import KVCacheSpec
 
-SCHEMA_VERSION: Final = 4
+SCHEMA_VERSION: Final = 5
 
 Role = Literal["prefill", "decode", "kvstore", "conductor", "gateway"]
 Tier = Literal["engine", "dram", "ssd"]
@@ -63,6 +63,14 @@ class RequestAdmitted(Event, tag="request_admitted"):
     tiers, when every request had the gateway's SLOs and its own priority). The
     conductor decides on the figures, never on the name: the name says, in the log,
     which tier a request was.
+
+    `batch`: a line of a batch (the Batch API), due by `batch_deadline` (wall-clock
+    seconds: the end of its batch's window, or sooner by the gateway's line timeout;
+    `deadline` stays the deadline of this one attempt). It has no TTFT or TBT
+    objective of its own: the conductor admits it only into capacity interactive
+    traffic leaves idle (`yb_conductor.batch_admission`), and its `slo` is its tier's,
+    the interactive objective it must not disturb. False in a log recorded before
+    batch lines were marked (schema version 5).
     """
 
     request_id: str
@@ -80,6 +88,8 @@ class RequestAdmitted(Event, tag="request_admitted"):
     #: token (a reused prefix has no logits), so it is planned and priced with no reuse.
     prompt_logprobs: bool = False
     service_tier: str = ""
+    batch: bool = False
+    batch_deadline: float = 0.0
 
 
 class ReusePlan(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
