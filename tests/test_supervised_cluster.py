@@ -85,6 +85,16 @@ def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Local
     )
     cluster.start(timeout_s=300)
     try:
+        # Ready means one engine of each role is up; the tests kill one of two and
+        # re-plan onto the other, so wait until every instance has announced itself.
+        everyone = {i for i in cluster.pids if i.startswith(("prefill-", "decode-", "kvstore-"))}
+        assert len(everyone) == 6, cluster.pids
+
+        def all_up() -> bool:
+            up = {e.instance_id for e in events_of(read_log(cluster), ev.InstanceUp)}
+            return everyone <= up
+
+        wait_until(all_up, 120, "every instance to announce itself")
         yield cluster, gate
     finally:
         gate.release_everything()
