@@ -26,7 +26,8 @@ class Job:
     on its decode instance (-1: it never waited). `decode_order`: when its decode
     instance took it (the engine's order, which picks the newest to end when KV pages
     run out); `generated`: the tokens it had when it was ended for lack of KV pages
-    (`kv_exhausted`; 0 otherwise).
+    (`kv_exhausted`; 0 otherwise). `line`: the batch line (`yb_tools.sim.batch`) this
+    is a try of (-1: an interactive request).
     """
 
     item: TraceItem
@@ -51,6 +52,7 @@ class Job:
     kv_held: bool = False
     fate: Fate = ""
     reason: str = ""
+    line: int = -1
 
     @property
     def ttft_s(self) -> float:

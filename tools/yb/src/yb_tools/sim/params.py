@@ -81,6 +81,10 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     plus `decode`) bounds the instances the planner may hold and is its budget.
     Instance-hours count every instance from its start to its stop (starting and
     draining included: it holds its devices).
+
+    `batch_lines`: a backlog of that many Batch API lines queued at t = 0, each due
+    `batch_window_s` later (`yb_tools.sim.batch`); the run's figures stay those of
+    the interactive requests, the backlog's are `Simulation.batch_result`.
     """
 
     prefill: int = 8
@@ -113,6 +117,8 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     hosts: int = 0
     max_instances: int = 0
     start_s: float = 60.0
+    batch_lines: int = 0
+    batch_window_s: float = 3600.0
 
     def degrees(self, cost: CostModel) -> tuple[int, int]:
         """The prefill and decode instances' tensor-parallel degrees under `cost`."""

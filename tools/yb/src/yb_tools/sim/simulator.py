@@ -16,6 +16,12 @@ Prefill and decode instances span the devices `SimParams.degrees` gives them: ea
 announces its degree and lanes, and is timed by the cost model at them
 (`engine_costs`), which is what the conductor prices it with.
 
+A batch backlog (`SimParams.batch_lines`, `yb_tools.sim.batch`) is tried from the
+heap: each try is admitted as a batch line (`RequestAdmitted.batch`), a refused one
+tried again after the gateway worker's back-off until its deadline. The run's
+`PolicyResult` is over the interactive requests only; the backlog's figures are
+`Simulation.batch_result`.
+
 Events are a heap of (time, sequence, kind, ...); arrivals come straight from the
 sorted trace. Nothing here reads the wall clock except to measure itself.
 """
@@ -37,7 +43,8 @@ from yb_conductor.policy import placement_policy
 from yb_conductor.replay import LogRecord
 from yb_conductor.settings import configured_event, with_overrides
 from yb_core import events as ev
-from yb_core.config import ConductorConfig
+from yb_core.config import FLEX_TTFT_FACTOR, ConductorConfig
+from yb_tools.sim.batch import BatchLine, BatchResult, backlog, summarize_batch
 from yb_tools.sim.decode import SimDecode
 from yb_tools.sim.job import Job
 from yb_tools.sim.kvstore import SimKvstore
@@ -47,7 +54,7 @@ from yb_tools.sim.results import LoadSeries, PolicyResult, summarize
 from yb_tools.sim.workload import TraceItem, draw_priorities
 
 # Kinds of heap events.
-_PREFILL_DONE, _DECODE_WAKE, _REPORT, _SAMPLE, _REPLICATE, _INSTANCE_UP = range(6)
+_PREFILL_DONE, _DECODE_WAKE, _REPORT, _SAMPLE, _REPLICATE, _INSTANCE_UP, _BATCH_TRY = range(7)
 
 # An engine's state in an elastic run (`SimParams.max_instances`).
 _DOWN, _STARTING, _UP, _DRAINING = "down", "starting", "up", "draining"
@@ -209,6 +216,20 @@ class Simulation:
         self.decisions = 0
         self.conductor_s = 0.0
         self.load = LoadSeries(interval_s=params.sample_interval_s)
+        # The batch backlog: its lines, every try's job, the lines waiting for a try.
+        self.batch_lines: list[BatchLine] = (
+            backlog(
+                items, params.batch_lines, params.batch_window_s, block_size=bs, seed=params.seed
+            )
+            if params.batch_lines > 0
+            else []
+        )
+        self.batch_jobs: list[Job] = []
+        self.batch_waiting = 0
+        self.batch_slo = ev.Slo(ttft_s=params.ttft_slo_s * FLEX_TTFT_FACTOR, tbt_s=params.tbt_slo_s)
+        self.batch_result: BatchResult | None = None
+        # A generator of its own: a backlog must not shift the run's other draws.
+        self.batch_rng = random.Random(f"batch-retry:{params.seed}")
 
     # --- plumbing -------------------------------------------------------------------------
 
@@ -248,9 +269,16 @@ class Simulation:
             self._push(self.params.report_interval_s, _REPORT, 0, None)
         if self.params.sample_interval_s > 0:
             self._push(0.0, _SAMPLE, 0, None)
+        for line in self.batch_lines:
+            self.batch_waiting += 1
+            self._push(0.0, _BATCH_TRY, line.index, None)
         while True:
             arrival = items[i].arrival if i < n else math.inf
-            if heap and heap[0][0] <= arrival:
+            # A batch line's try waits for the interactive arrivals of its instant: it
+            # takes only the capacity they leave.
+            if heap and (
+                heap[0][0] < arrival or (heap[0][0] == arrival and heap[0][2] != _BATCH_TRY)
+            ):
                 t, _, kind, a, b = pop(heap)
                 self.now = t
                 if kind == _PREFILL_DONE:
@@ -266,6 +294,9 @@ class Simulation:
                 elif kind == _INSTANCE_UP:
                     assert isinstance(b, str)
                     self._instance_up(a, b, t)
+                elif kind == _BATCH_TRY:
+                    self.batch_waiting -= 1
+                    self._batch_try(self.batch_lines[a], t)
                 else:
                     assert isinstance(b, list)
                     self._replicated(a, b, t)
@@ -301,7 +332,27 @@ class Simulation:
         )
         result.instance_hours = self.held_s / 3600.0
         result.pool_actions = self.pool_actions
+        if self.batch_lines:
+            self.batch_result = self._batch_summary()
         return result
+
+    def _batch_summary(self) -> BatchResult:
+        """Each line's fate from its last try, and the backlog's figures."""
+        for line in self.batch_lines:
+            if line.fate or not line.jobs:
+                continue
+            job = line.jobs[-1]
+            if job.fate == "completed":
+                line.end = job.finish_time
+                line.fate = "completed" if job.finish_time <= line.deadline else "late"
+            else:
+                line.fate = "failed"
+        return summarize_batch(
+            self.batch_lines,
+            self.jobs,
+            prefill_instances=self.params.prefill,
+            run_end=self.last_exit,
+        )
 
     def _left(self, t: float) -> None:
         """A request left the system at `t` (finished, rejected or cancelled)."""
@@ -309,7 +360,7 @@ class Simulation:
         self.last_exit = t
 
     def _busy(self) -> bool:
-        return self.arrived < len(self.items) or self.open > 0
+        return self.arrived < len(self.items) or self.open > 0 or self.batch_waiting > 0
 
     def _start_cluster(self) -> None:
         emit = self.emit
@@ -430,9 +481,37 @@ class Simulation:
 
     # --- requests -------------------------------------------------------------------------
 
+    def _batch_try(self, line: BatchLine, t: float) -> None:
+        """Try `line` again at `t` (a request of its own), unless it is due."""
+        if t >= line.deadline:
+            line.fate, line.end = "timed_out", t
+            return
+        job = Job(
+            line.try_item(t, len(self.items) + len(self.batch_jobs)), priority=-1, line=line.index
+        )
+        line.jobs.append(job)
+        self.batch_jobs.append(job)
+        self._arrive(job, t)
+
+    def _batch_refused(self, job: Job, retry_after_s: float, t: float) -> None:
+        """A try of a batch line was refused: the next one after the back-off, or the
+        line timed out when its deadline is no further away than that."""
+        line = self.batch_lines[job.line]
+        line.held += 1
+        wait = line.wait_s(retry_after_s, self.batch_rng.random())
+        if line.deadline - t > wait:
+            self.batch_waiting += 1
+            self._push(t + wait, _BATCH_TRY, line.index, None)
+        else:
+            line.fate, line.end = "timed_out", t
+
     def _arrive(self, job: Job, t: float) -> None:
         item = job.item
         self.open += 1
+        batch = job.line >= 0
+        deadline = t + self.params.request_timeout_s
+        if batch:
+            deadline = min(deadline, self.batch_lines[job.line].deadline)
         admitted = ev.RequestAdmitted(
             time=t,
             request_id=item.request_id,
@@ -444,9 +523,12 @@ class Simulation:
             max_tokens=max(self.params.max_tokens, item.output_tokens)
             if self.params.max_tokens
             else item.output_tokens,
-            slo=self.slo,
-            deadline=t + self.params.request_timeout_s,
+            slo=self.batch_slo if batch else self.slo,
+            deadline=deadline,
             priority=job.priority,
+            service_tier="flex" if batch else "",
+            batch=batch,
+            batch_deadline=self.batch_lines[job.line].deadline if batch else 0.0,
         )
         for out in self.emit(admitted):
             # The live service publishes the decision; the conductor sees it again.
@@ -459,6 +541,8 @@ class Simulation:
                 job.fate = "rejected"
                 job.reason = out.reason
                 self._left(t)
+                if batch:
+                    self._batch_refused(job, out.retry_after_s, t)
             elif isinstance(out, ev.ReplicationPlanned):
                 self._replicate(out, t)
             elif isinstance(out, ev.RetentionPlanned) and out.instance_id in self.kvstore_by_id:

@@ -1,0 +1,192 @@
+"""Batch lines filling idle capacity in `yb sim` (issue 40, item 4).
+
+    python benchmarks/sim_batch.py --json PATH [--limit N] [--find-capacity]
+
+Two workloads: Mooncake's synthetic trace and the conversation workload
+(`multi-turn`, defaults, seed 0), on the paper's engine model (`llama2-70b-a800`),
+8 prefill + 8 decode instances, the conductor (`mooncake`, admission `predicted`),
+the simulator's default SLOs (TTFT 30 s, TBT 100 ms). Interactive load at 0.5x, 1x
+and 1.5x of the cluster's capacity: the trace's arrivals compressed by that multiple
+of the workload's unit speedup, the speedup at which `mooncake` keeps >= 90% of the
+requests within both SLOs (`yb_tools.sim.capacity`). Searching it costs ten runs a
+workload, so by default the unit speedups are `UNIT_SPEEDUP`: the synthetic trace's
+is `benchmarks/sim_capacity.py`'s recorded 3.152; the conversation workload's 1.0 is
+its generator's own rate, not a searched capacity. `--find-capacity` searches both.
+
+Ways, at each load:
+- `none`: the interactive trace alone;
+- `idle`: plus a backlog of `LINES` batch lines queued at t = 0 and due `WINDOW_S`
+  later (`yb_tools.sim.batch`), the conductor's idle-only rule on (the default);
+- `naive`: the same backlog with `batch_idle_only=false`, each line decided as any
+  request of its tier (`flex`: priority -1, a TTFT SLO four times the default's).
+
+Figures, per workload `<w>_` and load `x<m>_` and way: the interactive requests'
+`goodput_rps`, `ttft_p90_s` and `slo_attainment`; with a backlog, `goodput_vs_none`
+and `ttft_p90_vs_none` (ratios, goal within 1% for `idle`), `lines_completed` (in
+their window), `lines_timed_out`, `idle_used` (the share of the idle prefill
+instance-seconds over the interactive window the lines' prefills took, goal >= 0.8
+at 0.5x) and `batch_makespan_s`. `--limit N` keeps the first N interactive requests
+(and a backlog of N lines), for a smoke run. Simulated in virtual time with fixed
+seeds: the same code gives the same figures on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Runs from a checkout without installing the packages.
+for src in ("shared/core/src", "services/conductor/src", "tools/yb/src"):
+    sys.path.insert(0, str(ROOT / src))
+
+import msgspec  # noqa: E402
+from figures import emit  # noqa: E402
+
+from yb_tools.sim.batch import BatchResult  # noqa: E402
+from yb_tools.sim.capacity import run_capacity  # noqa: E402
+from yb_tools.sim.params import SimParams  # noqa: E402
+from yb_tools.sim.results import PolicyResult  # noqa: E402
+from yb_tools.sim.runner import PAPER_POLICY, expand, resolve_cost  # noqa: E402
+from yb_tools.sim.simulator import Simulation, block_size_for  # noqa: E402
+from yb_tools.sim.workload import workload_from  # noqa: E402
+from yb_tools.sim.workloads import generate  # noqa: E402
+from yb_tools.traces import TraceRecord, read_trace  # noqa: E402
+
+PROFILE = "llama2-70b-a800"
+TRACE = ROOT / "benchmarks" / "traces" / "synthetic_trace.jsonl"
+WORKLOADS = ("synthetic", "multi-turn")
+#: Each workload's speedup at 1x its capacity (module docstring).
+UNIT_SPEEDUP = {"synthetic": 3.152, "multi-turn": 1.0}
+LOADS = (0.5, 1.0, 1.5)
+#: The backlog: lines, and their window. Lines retry about every 7.5 s (the
+#: back-off's ceiling, jittered): 4,000 of them offer ~500 tries a second, more than
+#: 8 prefill instances can take, so idle capacity is never short of a line.
+LINES = 4000
+WINDOW_S = 3600.0
+WAYS: tuple[tuple[str, bool | None], ...] = (("none", None), ("idle", True), ("naive", False))
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    workload: str
+    load: float
+    way: str
+    result: PolicyResult
+    batch: BatchResult | None
+
+
+def records_of(workload: str, limit: int) -> list[TraceRecord]:
+    records = read_trace(TRACE) if workload == "synthetic" else generate(workload)
+    return records[:limit] if limit > 0 else records
+
+
+def unit_speedup(workload: str, records: list[TraceRecord], params: SimParams) -> float:
+    """The speedup at which `mooncake` keeps >= 90% of the requests within both SLOs."""
+    specs = expand([PAPER_POLICY], ["predicted"])
+    report = run_capacity(workload, records, specs, params)
+    return report.policies[specs[0].label].speedup
+
+
+def run(workload: str, limit: int, find: bool) -> list[Run]:
+    params = SimParams(profile=PROFILE)
+    cost = resolve_cost(params)
+    records = records_of(workload, limit)
+    unit = unit_speedup(workload, records, params) if find else UNIT_SPEEDUP[workload]
+    lines = min(LINES, limit) if limit > 0 else LINES
+    out = []
+    for load in LOADS:
+        items = workload_from(records, block_size=block_size_for(params, cost), speedup=unit * load)
+        for way, idle_only in WAYS:
+            at = params
+            settings = {}
+            if idle_only is not None:
+                at = msgspec.structs.replace(params, batch_lines=lines, batch_window_s=WINDOW_S)
+                settings = {"batch_idle_only": idle_only}
+            sim = Simulation(items, at, cost, policy=PAPER_POLICY, label=way, settings=settings)
+            result = sim.run()
+            out.append(Run(workload, load, way, result, sim.batch_result))
+            print(f"{workload} x{load:g} {way}: done", file=sys.stderr)
+    return out
+
+
+def table(runs: list[Run]) -> str:
+    lines = [
+        "| workload | load | way | goodput req/s | vs none | TTFT p90 s | vs none "
+        "| SLO attainment | lines done | timed out | idle used | makespan s |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    base: dict[tuple[str, float], PolicyResult] = {}
+    for r in runs:
+        res = r.result
+        if r.way == "none":
+            base[(r.workload, r.load)] = res
+        none = base[(r.workload, r.load)]
+        b = r.batch
+        batch = (
+            f"{b.completed}/{b.lines} | {b.timed_out} | {b.idle_used:.1%} | {b.makespan_s:.0f}"
+            if b is not None
+            else "- | - | - | -"
+        )
+        lines.append(
+            f"| {r.workload} | {r.load:g}x | {r.way} | {res.goodput_rps:.3f} "
+            f"| {_ratio(res.goodput_rps, none.goodput_rps):.2%} | {res.ttft_p90_s:.2f} "
+            f"| {_ratio(res.ttft_p90_s, none.ttft_p90_s):.2%} | {res.slo_attainment:.3f} "
+            f"| {batch} |"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def figures_of(runs: list[Run], limit: int) -> dict[str, float | int | str]:
+    figures: dict[str, float | int | str] = {
+        "profile": PROFILE,
+        "window_s": WINDOW_S,
+        "limit": limit,
+    }
+    base: dict[tuple[str, float], PolicyResult] = {}
+    for r in runs:
+        res = r.result
+        if r.way == "none":
+            base[(r.workload, r.load)] = res
+        none = base[(r.workload, r.load)]
+        k = f"{r.workload.replace('-', '_')}_x{str(r.load).replace('.', '_')}_{r.way}"
+        figures[f"{k}_goodput_rps"] = round(res.goodput_rps, 4)
+        figures[f"{k}_ttft_p90_s"] = round(res.ttft_p90_s, 3)
+        figures[f"{k}_slo_attainment"] = round(res.slo_attainment, 4)
+        b = r.batch
+        if b is None:
+            continue
+        figures[f"{k}_goodput_vs_none"] = round(_ratio(res.goodput_rps, none.goodput_rps), 4)
+        figures[f"{k}_ttft_p90_vs_none"] = round(_ratio(res.ttft_p90_s, none.ttft_p90_s), 4)
+        figures[f"{k}_lines"] = b.lines
+        figures[f"{k}_lines_completed"] = b.completed
+        figures[f"{k}_lines_timed_out"] = b.timed_out
+        figures[f"{k}_idle_used"] = round(b.idle_used, 4)
+        figures[f"{k}_batch_makespan_s"] = round(b.makespan_s, 1)
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="write the flat figures here")
+    parser.add_argument(
+        "--limit", type=int, default=0, help="keep the first N requests (and N lines): a smoke run"
+    )
+    parser.add_argument(
+        "--find-capacity", action="store_true", help="search each workload's 1x speedup"
+    )
+    args = parser.parse_args()
+    runs = [r for w in WORKLOADS for r in run(w, args.limit, args.find_capacity)]
+    print(table(runs))
+    emit(figures_of(runs, args.limit), args.json, decimals=4)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
