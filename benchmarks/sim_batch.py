@@ -15,8 +15,14 @@ its generator's own rate, not a searched capacity. `--find-capacity` searches bo
 
 Ways, at each load:
 - `none`: the interactive trace alone;
-- `idle`: plus a backlog of `LINES` batch lines queued at t = 0 and due `WINDOW_S`
-  later (`yb_tools.sim.batch`), the conductor's idle-only rule on (the default);
+- `idle`: plus a backlog of batch lines queued at t = 0 and due `WINDOW_S` later
+  (`yb_tools.sim.batch`), the conductor's idle-only rule on (the default), and
+  prefill engines pausing a line's prefill between chunks for interactive work
+  (`batch_preemption`, the default). The backlog is `FILL` times the lines whose
+  prefills alone would fill every prefill instance over the interactive window (at
+  the cost model's mean prefill of the trace's prompts), at most `MAX_LINES` (the
+  conversation workload's short prompts would ask for ~20,000: its lines are held
+  back by decode long before that);
 - `naive`: the same backlog with `batch_idle_only=false`, each line decided as any
   request of its tier (`flex`: priority -1, a TTFT SLO four times the default's).
 
@@ -33,6 +39,7 @@ seeds: the same code gives the same figures on any machine.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,13 +52,14 @@ for src in ("shared/core/src", "services/conductor/src", "tools/yb/src"):
 import msgspec  # noqa: E402
 from figures import emit  # noqa: E402
 
+from yb_conductor.cost_model import CostModel  # noqa: E402
 from yb_tools.sim.batch import BatchResult  # noqa: E402
 from yb_tools.sim.capacity import run_capacity  # noqa: E402
 from yb_tools.sim.params import SimParams  # noqa: E402
 from yb_tools.sim.results import PolicyResult  # noqa: E402
 from yb_tools.sim.runner import PAPER_POLICY, expand, resolve_cost  # noqa: E402
 from yb_tools.sim.simulator import Simulation, block_size_for  # noqa: E402
-from yb_tools.sim.workload import workload_from  # noqa: E402
+from yb_tools.sim.workload import TraceItem, workload_from  # noqa: E402
 from yb_tools.sim.workloads import generate  # noqa: E402
 from yb_tools.traces import TraceRecord, read_trace  # noqa: E402
 
@@ -61,10 +69,9 @@ WORKLOADS = ("synthetic", "multi-turn")
 #: Each workload's speedup at 1x its capacity (module docstring).
 UNIT_SPEEDUP = {"synthetic": 3.152, "multi-turn": 1.0}
 LOADS = (0.5, 1.0, 1.5)
-#: The backlog: lines, and their window. Lines retry about every 7.5 s (the
-#: back-off's ceiling, jittered): 4,000 of them offer ~500 tries a second, more than
-#: 8 prefill instances can take, so idle capacity is never short of a line.
-LINES = 4000
+#: The backlog (module docstring) and its window.
+FILL = 1.25
+MAX_LINES = 3000
 WINDOW_S = 3600.0
 WAYS: tuple[tuple[str, bool | None], ...] = (("none", None), ("idle", True), ("naive", False))
 
@@ -95,10 +102,10 @@ def run(workload: str, limit: int, find: bool) -> list[Run]:
     cost = resolve_cost(params)
     records = records_of(workload, limit)
     unit = unit_speedup(workload, records, params) if find else UNIT_SPEEDUP[workload]
-    lines = min(LINES, limit) if limit > 0 else LINES
     out = []
     for load in LOADS:
         items = workload_from(records, block_size=block_size_for(params, cost), speedup=unit * load)
+        lines = limit if limit > 0 else backlog_size(items, params, cost)
         for way, idle_only in WAYS:
             at = params
             settings = {}
@@ -110,6 +117,14 @@ def run(workload: str, limit: int, find: bool) -> list[Run]:
             out.append(Run(workload, load, way, result, sim.batch_result))
             print(f"{workload} x{load:g} {way}: done", file=sys.stderr)
     return out
+
+
+def backlog_size(items: list[TraceItem], params: SimParams, cost: CostModel) -> int:
+    """`FILL` times the lines whose prefills fill the prefill pool over the
+    interactive window, at most `MAX_LINES`."""
+    window = max(item.arrival for item in items)
+    mean_s = sum(cost.prefill_s(item.prompt_tokens) for item in items) / len(items)
+    return min(MAX_LINES, math.ceil(FILL * params.prefill * window / mean_s))
 
 
 def table(runs: list[Run]) -> str:

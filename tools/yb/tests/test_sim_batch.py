@@ -1,7 +1,8 @@
 """`yb sim` with a batch backlog (`yb_tools.sim.batch`): lines fill an idle cluster,
 are held back and retried under interactive load without changing the interactive
 figures, hurt interactive TTFT less than the naive way (`batch_idle_only=false`),
-and the log of such a run replays.
+and the log of such a run replays; a line's prefill pauses at a chunk boundary for an
+interactive request (`batch_preemption`), which the conductor prices.
 
 200 requests of Mooncake's synthetic trace at half speed on 2 prefill + 2 decode
 instances of the llama2-70b-a800 profile, beside 100 lines due in 300 s; the
@@ -16,6 +17,7 @@ import msgspec
 import pytest
 
 from yb_conductor.replay import replay
+from yb_core import events as ev
 from yb_tools.sim.params import SimParams
 from yb_tools.sim.results import PolicyResult
 from yb_tools.sim.runner import resolve_cost
@@ -113,3 +115,72 @@ def test_a_run_with_a_backlog_replays(items: list[TraceItem]) -> None:
     assert sim.records
     assert any(getattr(r.event, "batch", False) for r in sim.records), "the log holds batch lines"
     assert replay(sim.records).divergences == []
+
+
+def _preemption_run(preempt: bool) -> tuple[Simulation, float, float]:
+    """One 4,096-token batch line on one prefill instance, and an interactive
+    request of the same length arriving a third of the way into the line's
+    prefill, in chunks of 512 tokens: (the run, the line's compute, one chunk)."""
+    params = SimParams(prefill=1, decode=1, chunk_tokens=512, batch_lines=1)
+    params = msgspec.structs.replace(params, batch_window_s=600.0)
+    bs = block_size_for(params, COST)
+    compute = COST.prefill_s(4096)
+    item = TraceItem(
+        index=0,
+        request_id="interactive-0",
+        arrival=compute / 3,
+        prompt_tokens=4096,
+        output_tokens=4,
+        keys=list(range(1, 4096 // bs + 1)),
+    )
+    sim = Simulation(
+        [item],
+        params,
+        COST,
+        policy="mooncake",
+        record_log=True,
+        settings={"batch_preemption": preempt},
+    )
+    sim.run()
+    return sim, compute, compute * 512 / 4096
+
+
+def _queue_priced(sim: Simulation) -> float:
+    """The queue the conductor priced for the interactive request."""
+    assert sim.records is not None
+    (decision,) = [
+        r.event
+        for r in sim.records
+        if isinstance(r.event, ev.RequestScheduled) and r.event.request_id == "interactive-0"
+    ]
+    return decision.estimates.queue_s
+
+
+def test_a_batch_lines_prefill_pauses_at_its_next_chunk_for_an_interactive_request() -> None:
+    sim, compute, chunk = _preemption_run(True)
+    (line,) = sim.batch_jobs
+    (job,) = sim.jobs
+    assert line.fate == job.fate == "completed"
+    # The interactive prefill starts at the line's next chunk boundary (the third),
+    # not at its end; the line pauses there and resumes when it ends.
+    assert job.prefill_start == pytest.approx(3 * chunk)
+    assert job.prefill_start - job.item.arrival <= chunk
+    assert line.runs == [(0.0, pytest.approx(3 * chunk))]
+    assert line.prefill_end == pytest.approx(compute + job.prefill_s)
+    # The prefill time it took is its own compute, not its pause.
+    spans = line.busy_spans()
+    assert sum(end - start for start, end in spans) == pytest.approx(line.prefill_s)
+    # The conductor priced the pause (the chunk in progress is not priced), and the
+    # log replays.
+    assert _queue_priced(sim) == 0.0
+    assert sim.records is not None and replay(sim.records).divergences == []
+
+
+def test_without_preemption_the_interactive_request_waits_for_the_whole_line() -> None:
+    sim, compute, _ = _preemption_run(False)
+    (line,) = sim.batch_jobs
+    (job,) = sim.jobs
+    assert line.runs == []
+    assert job.prefill_start == pytest.approx(compute)
+    assert line.prefill_end == pytest.approx(compute)
+    assert _queue_priced(sim) == pytest.approx(compute - job.item.arrival)

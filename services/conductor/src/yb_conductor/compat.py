@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from typing import Final
 
 #: The behaviour version a conductor of this software decides by. 1 is the first
-#: version recorded; every switch below predates versions, so each retired at 1.
-BEHAVIOUR_VERSION: Final = 1
+#: version recorded; the switches that predate versions retired at 1. 2: batch
+#: lines' prefills are pre-empted.
+BEHAVIOUR_VERSION: Final = 2
 #: The version of a record that carries none (written before versions existed).
 UNVERSIONED: Final = 0
 
@@ -152,6 +153,14 @@ SWITCHES: Final[tuple[Switch, ...]] = (
         "A decode instance is judged by the budget of every request there at once, "
         "not by the projected peak of what they hold (`decode_placement`, "
         "`state.ClusterState.held_blocks_now`).",
+    ),
+    Switch(
+        "batch_preemption",
+        False,
+        2,
+        "A batch line's prefill that runs is never overtaken, as before engines paused "
+        "it for work of a higher priority (`prefill_placement.overtaken_s`, "
+        "`state.ClusterState._overtake`).",
     ),
 )
 

@@ -223,7 +223,8 @@ def overtaken_s(
     state: ClusterState, inst: InstanceState, priority: int, factor: float | None = None
 ) -> float:
     """Seconds of `inst`'s queue that a request of `priority` runs before: the waiting
-    requests of a lower priority (the head is never overtaken).
+    requests of a lower priority, and the head's rest when it is a batch line's
+    prefill (`Placement.preemptible`; any other head is never overtaken).
 
     `factor`: the queue is priced at `factor` times the cost model's work (as
     `ClusterState.speed_queue_s` does); None prices it as the state's predicted
@@ -231,7 +232,15 @@ def overtaken_s(
     """
     placements = state.placements
     total = 0.0
-    for rid in islice(inst.prefill_queue, 1, None):
+    queue = inst.prefill_queue
+    head = placements.get(next(iter(queue))) if queue else None
+    if head is not None and head.preemptible and head.priority < priority:
+        # A batch line's prefill pauses for it at its next chunk (not priced).
+        if factor is None:
+            total = head.prefill_end - state.now if head.prefill_end > state.now else 0.0
+        else:
+            total = state.head_left_s(inst, factor)
+    for rid in islice(queue, 1, None):
         p = placements.get(rid)
         if p is not None and p.priority < priority:
             total += p.prefill_s if factor is None else p.work_s * factor
@@ -703,7 +712,7 @@ class PrefillPlanner:
                 busy = inst.busy_until
                 queue = busy - now if busy > now else 0.0
             if by_priority and queue > 0.0:
-                if overtakes and len(inst.prefill_queue) > 1:
+                if overtakes:
                     speed = factor if factors is not None else None
                     ahead = queue - overtaken_s(state, inst, priority, speed)
                     queue = ahead if ahead > 0.0 else 0.0

@@ -180,6 +180,11 @@ class Placement(msgspec.Struct, kw_only=True):
     # The prompt's usable prefix blocks while its prefill runs on a prefill instance
     # (`pending_prefixes`): after it, the instance holds them.
     pending_keys: list[int] = msgspec.field(default_factory=list)
+    # A batch line's prefill, which its engine pauses between chunks for work of a
+    # higher priority (`batch_preemption`); `paused`: work started ahead of it while
+    # it ran, so its duration says nothing of the engine's speed.
+    preemptible: bool = False
+    paused: bool = False
 
 
 class PendingAdmission(msgspec.Struct, kw_only=True, gc=False):
@@ -193,6 +198,8 @@ class PendingAdmission(msgspec.Struct, kw_only=True, gc=False):
     keys: list[int] = msgspec.field(default_factory=list)
     # 0 for an admission, k for the k-th re-plan.
     attempt: int = 0
+    # A line of the Batch API (`RequestAdmitted.batch`).
+    batch: bool = False
 
 
 class BlockTracker(msgspec.Struct, kw_only=True, gc=False):
@@ -416,6 +423,7 @@ class ClusterState:
                     deadline=event.deadline,
                     block_size=event.block_size,
                     keys=event.block_hashes,
+                    batch=event.batch,
                 )
             case ev.RequestScheduled():
                 self.place(event)
@@ -487,6 +495,7 @@ class ClusterState:
             est_tbt_s=est.tbt_s,
             duration_cap=max_tokens * est.tbt_s if max_tokens and est.tbt_s else math.inf,
             work_s=work_s,
+            preemptible=bool(pending and pending.batch and self.cfg.batch_preemption),
         )
         self.placements[rid] = placement
         if pending and pending.keys and prefill is not None and prefill.role == "prefill":
@@ -519,21 +528,30 @@ class ClusterState:
 
     def _overtake(self, inst: InstanceState, placement: Placement) -> bool:
         """Queue `placement` ahead of the waiting requests of a lower priority (never
-        ahead of the head: it runs), re-timing them; False if it overtakes none."""
+        ahead of the head: it runs, unless it is a batch line's prefill, which its
+        engine pauses: `Placement.preemptible`), re-timing them; False if it
+        overtakes none."""
         if placement.priority <= self.priorities_placed()[0]:
             return False  # no request placed is of a lower priority
         placements = self.placements
         order = list(inst.prefill_queue)
-        at = 0
-        for k in range(1, len(order)):
+        at = -1
+        for k in range(len(order)):
             p = placements.get(order[k])
-            if p is not None and p.priority < placement.priority:
+            if p is not None and p.priority < placement.priority and (k or p.preemptible):
                 at = k
                 break
-        if not at:
+        if at < 0:
             return False
-        ahead = placements.get(order[at - 1])
-        start = ahead.prefill_end if ahead is not None else self.now
+        if at == 0:
+            # The batch line pauses at its next chunk: what it has left runs after.
+            head = placements[order[0]]
+            head.paused = True
+            start = self.now
+            inst.running_since = self.now
+        else:
+            ahead = placements.get(order[at - 1])
+            start = ahead.prefill_end if ahead is not None else self.now
         t = placement.prefill_end = max(self.now, start) + placement.prefill_s
         order.insert(at, placement.request_id)
         for rid in order[at + 1 :]:
@@ -814,12 +832,15 @@ class ClusterState:
                 decode.decoding_requests += 1
                 decode.decoding_context_tokens += placement.context_tokens
 
-    @staticmethod
-    def _runs_first(inst: InstanceState, request_id: str) -> None:
+    def _runs_first(self, inst: InstanceState, request_id: str) -> None:
         """The engine started `request_id`: it heads the queue now (the engine's
-        order may differ from ours, as when jobs reached it in another order)."""
+        order may differ from ours, as when jobs reached it in another order, or
+        when it paused a batch line's prefill for it)."""
         queue = inst.prefill_queue
-        if request_id in queue and next(iter(queue)) != request_id:
+        if request_id in queue and (head := next(iter(queue))) != request_id:
+            ahead = self.placements.get(head)
+            if ahead is not None and ahead.preemptible:
+                ahead.paused = True
             del queue[request_id]
             inst.prefill_queue = {request_id: None, **queue}
 
@@ -867,7 +888,12 @@ class ClusterState:
         inst = self.instances.get(placement.prefill_instance)
         if inst is None:
             return
-        if self.cfg.learn_speed and placement.started_at and inst.role == "prefill":
+        if (
+            self.cfg.learn_speed
+            and placement.started_at
+            and not placement.paused
+            and inst.role == "prefill"
+        ):
             others = (placement.others_at_start + self.busy_others(inst, forward=False)) / 2
             group = self._group(inst)
             shared = self.shared_speeds.get(group) or SharedSpeed(per_busy=self.cfg.sharing_prior)
@@ -1386,9 +1412,16 @@ class ClusterState:
         head = self.placements.get(next(iter(inst.prefill_queue)))
         head_work = head.work_s if head is not None else 0.0
         rest = inst.prefill_work_s - head_work
+        return self.head_left_s(inst, factor) + (rest * factor if rest > 0.0 else 0.0)
+
+    def head_left_s(self, inst: InstanceState, factor: float) -> float:
+        """Predicted seconds the head of `inst`'s prefill queue has left, its work
+        `factor` times the cost model's (0 past its estimate)."""
+        head = self.placements.get(next(iter(inst.prefill_queue)))
+        head_work = head.work_s if head is not None else 0.0
         elapsed = self.now - inst.running_since if inst.running_since else 0.0
         left = head_work * factor - elapsed
-        return (left if left > 0.0 else 0.0) + (rest * factor if rest > 0.0 else 0.0)
+        return left if left > 0.0 else 0.0
 
     def first_token_lag_s(self, decode_instance: str) -> float:
         """Learned seconds from a prefill's end to the first token on that decode

@@ -557,18 +557,22 @@ class ConductorConfig(_Section):
     completion deadline and no TTFT or TBT objective of its own) use only the capacity
     interactive traffic leaves idle (`batch_idle_only`, the default;
     `yb_conductor.batch_admission`). A line is admitted only when, on the instances
-    chosen for it, its prefill waits at most `batch_max_queue_s` (0.05 s: engines
-    never pre-empt a prefill, so a line queued ahead of interactive work of its
-    priority would delay it; the threshold only absorbs rounding and a prefill about
-    to end), the decode TBT with it (predicted for its prefill's end, and now) stays
-    within `batch_tbt_share` of the TBT SLO it carries, its tier's (0.8: the headroom
-    for the interactive requests that arrive while it decodes, which the prediction
-    does not count), and the decode instance keeps `batch_kv_reserve` of its KV pages
-    free after it (0.2: room for interactive prompts arriving meanwhile, so a line
-    never makes an interactive request wait for pages); otherwise it is refused
-    (`batch_held`) and its gateway tries again later. Off, a batch line is decided
-    as any request of its tier (for comparisons). A log recorded before batch lines
-    has none, so these settings change nothing in its replay.
+    chosen for it, its prefill waits at most `batch_max_queue_s` (0.05 s: an engine
+    pauses a line's prefill only for work of a higher priority, so a line queued ahead
+    of interactive work of its own priority, `flex`, would delay it; the threshold only
+    absorbs rounding and a prefill about to end), the decode TBT with it (predicted for
+    its prefill's end, and now) stays within `batch_tbt_share` of the TBT SLO it
+    carries, its tier's (0.8: the headroom for the interactive requests that arrive
+    while it decodes, which the prediction does not count), and the decode instance
+    keeps `batch_kv_reserve` of its KV pages free after it (0.2: room for interactive
+    prompts arriving meanwhile, so a line never makes an interactive request wait for
+    pages); otherwise it is refused (`batch_held`) and its gateway tries again later.
+    Off, a batch line is decided as any request of its tier (for comparisons). A prefill
+    engine pauses a batch line's prefill between chunks while work of a higher priority
+    waits (`PrefillJob.preemptible`), so with `batch_preemption` (the default) a request
+    of a higher priority is priced and queued ahead of a batch line's prefill running
+    there, not behind it. A log recorded before batch lines has none, so these settings
+    change nothing in its replay.
     """
 
     policy: str = "mooncake"
@@ -625,6 +629,7 @@ class ConductorConfig(_Section):
     batch_max_queue_s: Annotated[float, msgspec.Meta(ge=0)] = 0.05
     batch_tbt_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.8
     batch_kv_reserve: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.2
+    batch_preemption: bool = True
 
 
 class EngineConfig(_Section):

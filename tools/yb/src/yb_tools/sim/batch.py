@@ -134,10 +134,11 @@ class BatchResult(msgspec.Struct, kw_only=True):
 
 
 def _overlap(job: Job, end: float) -> float:
-    """The seconds of `job`'s prefill on a prefill instance within `[0, end]`."""
+    """The seconds of `job`'s prefill on a prefill instance within `[0, end]` (the
+    spans it ran: a paused one's pauses are other work's)."""
     if job.prefill < 0 or job.prefill_start < 0 or job.piggyback:
         return 0.0
-    return max(0.0, min(end, job.prefill_start + job.prefill_s) - job.prefill_start)
+    return sum(max(0.0, min(end, stop) - start) for start, stop in job.busy_spans())
 
 
 def summarize_batch(

@@ -28,6 +28,13 @@ class Job:
     run out); `generated`: the tokens it had when it was ended for lack of KV pages
     (`kv_exhausted`; 0 otherwise). `line`: the batch line (`yb_tools.sim.batch`) this
     is a try of (-1: an interactive request).
+
+    A batch line's prefill can be paused between chunks (`Simulation._pause`): `done_at`
+    is when the run in progress ends (-1 while paused or not started), `left_s` the work
+    a paused prefill has left, `chunk_s` one chunk of its compute and `compute_from`
+    when the compute of the run in progress began (its chunk boundaries count from
+    there), `pause_at` the boundary it pauses at (-1: none); `runs` the spans it ran
+    before its last run, for the prefill time it took (`busy_spans`).
     """
 
     item: TraceItem
@@ -53,6 +60,22 @@ class Job:
     fate: Fate = ""
     reason: str = ""
     line: int = -1
+    done_at: float = -1.0
+    left_s: float = 0.0
+    chunk_s: float = 0.0
+    compute_from: float = 0.0
+    pause_at: float = -1.0
+    runs: list[tuple[float, float]] = field(default_factory=list)
+
+    def busy_spans(self) -> list[tuple[float, float]]:
+        """The spans its prefill ran on its prefill instance (one unless paused)."""
+        if self.prefill_start < 0:
+            return []
+        if not self.runs:
+            return [(self.prefill_start, self.prefill_start + self.prefill_s)]
+        ran = sum(end - start for start, end in self.runs)
+        last = self.runs[-1][1] if self.prefill_end < 0 else self.prefill_end
+        return [*self.runs, (last - max(0.0, self.prefill_s - ran), last)]
 
     @property
     def ttft_s(self) -> float:

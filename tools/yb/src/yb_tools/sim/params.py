@@ -48,6 +48,9 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     Each group splits `model_layers` as evenly as it can (earlier stages take the
     extra layers) and cuts prompts into chunks of `chunk_tokens`. A group's stages
     keep their hosts; what the group computes goes into its first stage's host pool.
+    A whole-model instance pauses a batch line's prefill at a boundary of its
+    `chunk_tokens` chunks for work of a higher priority (with the conductor's
+    `batch_preemption`, the default); a group never pauses one.
 
     `piggyback`: the decode instances take prompts into their batch (the conductor
     sends one there when its TTFT is lower than through the prefill pool); each then

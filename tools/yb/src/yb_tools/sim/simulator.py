@@ -54,7 +54,16 @@ from yb_tools.sim.results import LoadSeries, PolicyResult, summarize
 from yb_tools.sim.workload import TraceItem, draw_priorities
 
 # Kinds of heap events.
-_PREFILL_DONE, _DECODE_WAKE, _REPORT, _SAMPLE, _REPLICATE, _INSTANCE_UP, _BATCH_TRY = range(7)
+(
+    _PREFILL_DONE,
+    _DECODE_WAKE,
+    _REPORT,
+    _SAMPLE,
+    _REPLICATE,
+    _INSTANCE_UP,
+    _BATCH_TRY,
+    _PAUSE,
+) = range(8)
 
 # An engine's state in an elastic run (`SimParams.max_instances`).
 _DOWN, _STARTING, _UP, _DRAINING = "down", "starting", "up", "draining"
@@ -230,6 +239,9 @@ class Simulation:
         self.batch_result: BatchResult | None = None
         # A generator of its own: a backlog must not shift the run's other draws.
         self.batch_rng = random.Random(f"batch-retry:{params.seed}")
+        # Prefill engines pause a batch line's prefill between chunks for work of a
+        # higher priority, as the real ones do, when the conductor prices it so.
+        self.preempt = self.cfg.batch_preemption
 
     # --- plumbing -------------------------------------------------------------------------
 
@@ -283,7 +295,11 @@ class Simulation:
                 self.now = t
                 if kind == _PREFILL_DONE:
                     assert isinstance(b, Job)
-                    self._prefill_done(a, b, t)
+                    if b.done_at == t and self.prefills[a].current is b:
+                        self._prefill_done(a, b, t)
+                elif kind == _PAUSE:
+                    assert isinstance(b, Job)
+                    self._pause(a, b, t)
                 elif kind == _DECODE_WAKE:
                     if self.decodes[a].version == b:
                         self._decode_wake(a, t)
@@ -563,10 +579,61 @@ class Simulation:
             self._start(p, job, t)
         else:
             inst.push(job)
+            self._pause_later(p, t)
+
+    def _pause_later(self, p: int, t: float) -> None:
+        """Work of a higher priority than the batch line prefilling on `p` waits: the
+        line pauses at its next chunk boundary, after at least one chunk of its run
+        (when it would not end first)."""
+        inst = self.prefills[p]
+        job = inst.current
+        if not self.preempt or job is None or job.line < 0 or job.chunk_s <= 0.0:
+            return
+        if not inst.queue or -inst.queue[0][0] <= job.priority:
+            return
+        if job.pause_at >= t:
+            return  # paused at the next boundary already
+        chunks = max(1, math.ceil((t - job.compute_from) / job.chunk_s - 1e-9))
+        at = job.compute_from + chunks * job.chunk_s
+        if at < job.done_at - 1e-9:
+            job.pause_at = at
+            self._push(at, _PAUSE, p, job)
+
+    def _pause(self, p: int, job: Job, t: float) -> None:
+        """Pause `job` (a batch line's prefill) on `p` at a chunk boundary, if work
+        of a higher priority still waits, and start that work; the line keeps its
+        place ahead of the rest of its priority."""
+        inst = self.prefills[p]
+        if inst.current is not job or job.pause_at != t:
+            return
+        job.pause_at = -1.0
+        if not inst.queue or -inst.queue[0][0] <= job.priority:
+            return
+        job.left_s = job.done_at - t
+        job.runs.append((job.prefill_start if not job.runs else job.compute_from, t))
+        job.done_at = -1.0
+        inst.current = None
+        inst.push_back(job)
+        while inst.queue and not self._start(p, inst.pop(), t):
+            pass
+
+    def _resume(self, p: int, job: Job, t: float) -> None:
+        """Resume a paused batch line's prefill on `p` at `t`."""
+        inst = self.prefills[p]
+        job.compute_from = t
+        job.done_at = t + job.left_s
+        job.left_s = 0.0
+        inst.current = job
+        inst.busy_until = job.done_at
+        self._push(job.done_at, _PREFILL_DONE, p, job)
 
     def _start(self, p: int, job: Job, t: float) -> bool:
-        """Start `job` on prefill `p` at `t`; False if it had timed out instead."""
+        """Start `job` on prefill `p` at `t` (resume it, when paused); False if it
+        had timed out instead."""
         inst = self.prefills[p]
+        if job.left_s > 0.0:
+            self._resume(p, job, t)
+            return True
         item = job.item
         if t - item.arrival > self.params.request_timeout_s:
             job.fate = "timed_out"
@@ -629,14 +696,21 @@ class Simulation:
             work = cost.load_s(local, bs, "dram", remote=False) if local else 0.0
             if pulled:
                 work += cost.load_s(pulled, bs, "dram", remote=True)
-            work += cost.prefill_s(new, cached)
+            compute = cost.prefill_s(new, cached)
+            work += compute
+            if job.line >= 0 and new > self.params.chunk_tokens:
+                job.chunk_s = compute * self.params.chunk_tokens / new
         jitter = self.params.jitter
         if jitter:
-            work *= 1.0 + jitter * (2.0 * self.rng.random() - 1.0)
+            scale = 1.0 + jitter * (2.0 * self.rng.random() - 1.0)
+            work *= scale
+            job.chunk_s *= scale
         job.prefill_start = t
         job.prefill_s = work
         job.reused_local = local
         job.reused_remote = pulled
+        job.compute_from = t + work - job.chunk_s * new / self.params.chunk_tokens
+        job.done_at = t + work
         inst.current = job
         inst.busy_until = t + work
         self._push(t + work, _PREFILL_DONE, p, job)
