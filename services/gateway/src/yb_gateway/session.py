@@ -392,6 +392,7 @@ class RequestSession:
             priority=self.prepared.priority,
             attempt=attempt,
             generated_tokens=len(self.received) if attempt else 0,
+            preemptible=self.prepared.batch,
         )
         # A piggybacked decision names the decode instance as its prefill instance too:
         # it takes the job on its prefill job subject, exactly as a prefill would.

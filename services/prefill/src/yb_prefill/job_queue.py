@@ -3,7 +3,9 @@ how a job gets into it (`take_job`).
 
 One engine runs one job at a time, so the order of this queue is the order in which
 requests get their first token: a high-priority request that arrives behind a
-hundred low-priority ones waits only for the job already running.
+hundred low-priority ones waits only for the job already running, and, when that is
+a batch line's (`PrefillJob.preemptible`), only for the chunk it is computing: the
+job pauses there and resumes after it (`yb_prefill.preemption`).
 """
 
 from __future__ import annotations

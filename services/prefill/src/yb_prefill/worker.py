@@ -22,6 +22,12 @@ carried data (the first stream of each group waits for the first of the group
 before; the others of a group, for their group's first: see `_compute_and_stream`):
 meanwhile it computes, and what it computes waits.
 
+A batch line's job (`PrefillJob.preemptible`) computing alone is the exception to
+"one group at a time": it computes a chunk per engine call and, between two chunks,
+pauses for a queued job of a higher priority, which starts meanwhile; it resumes once
+that has left the engine (`preemption.py`). Every other job, once started, computes
+to its end (the stage of a prefill group, `stage.py`, never pauses its jobs).
+
 Whatever ends a job early gives back what it held: the decode reservation, and its
 pages here (its full blocks stay cached, the new ones are uploaded to the host's
 kvstore in the background).
@@ -67,6 +73,7 @@ from yb_prefill.batching import ComputeBatch, Outcome, take_group
 from yb_prefill.decode_link import DecodeLink
 from yb_prefill.failure import JobOwner
 from yb_prefill.job_queue import JobQueue, Liveness, QueuedJob, refusal, take_job
+from yb_prefill.preemption import EngineTurn, Pauses
 from yb_prefill.prefix_cache import PrefixCache
 from yb_prefill.prompt_logprobs import PromptScorer
 from yb_prefill.reuse import Prefix, PrefixLoader
@@ -162,6 +169,11 @@ class PrefillMetrics:
             registry=registry,
             buckets=(1, 2, 4, 8, 16, 32, 64),
         )
+        self.preemptions = Counter(
+            "yb_prefill_preemptions_total",
+            "Pauses of a batch line's compute between two chunks for a job of a higher priority",
+            registry=registry,
+        )
         self.cached = Gauge(
             "yb_prefill_engine_cache_blocks",
             "Blocks kept in the engine's own pages",
@@ -232,6 +244,8 @@ class PrefillWorker(JobOwner, Worker):
         self._prompt_logprobs: dict[int, list[pr.TokenLogprob]] = {}
         self._scorers: dict[int, PromptScorer] = {}
         self.liveness = Liveness()
+        # The preemptible jobs paused between two chunks (`preemption.py`).
+        self._pauses = Pauses(self.liveness)
         self._draining = False
         # While it drains: where its `InstanceDraining` is in the log (0: refuse all).
         self._drain_seq = 0
@@ -295,6 +309,7 @@ class PrefillWorker(JobOwner, Worker):
 
     def on_cancel(self, request_id: str, reason: str) -> None:
         self.liveness.cancel(request_id, reason)
+        self._pauses.wake(request_id)
 
     # --- intake ---------------------------------------------------------------------
 
@@ -320,12 +335,25 @@ class PrefillWorker(JobOwner, Worker):
         the pages for the head's whole prompt or nothing else to wait for (the pages
         of jobs still finishing, and of uploads in flight, come back when they end: a
         job that could have them must not fail for want of them;
-        `_must_wait_for_pages`). Cancelled (shutdown), it cancels every job started,
-        which fails it."""
+        `_must_wait_for_pages`). A job paused between two chunks (`preemption.py`)
+        has left the engine; it gets it back, before anything else starts, once the
+        queue's head no longer goes first (`_outranks`) or it has paused long
+        enough (`preemption.MAX_PAUSED_S`). Cancelled (shutdown), it cancels every
+        job started, which fails it."""
         limit = MAX_FINISHING * self.pcfg.batch_jobs
         loop = asyncio.get_running_loop()
         try:
             while True:
+                pauses = self._pauses
+                if pauses and (pauses.top_overdue() or not self._outranks(pauses.top_priority())):
+                    left = pauses.resume()
+                    if left is not None:
+                        self.gauges.batch.set(1)
+                        try:
+                            await asyncio.wait({left})
+                        finally:
+                            self.gauges.batch.set(0)
+                    continue
                 if len(self._jobs) >= limit:
                     await asyncio.wait(self._jobs, return_when=asyncio.FIRST_COMPLETED)
                     continue
@@ -342,11 +370,11 @@ class PrefillWorker(JobOwner, Worker):
                     batch = ComputeBatch([q.job for q in group], self._run_batch)
                 computing: list[asyncio.Future[None]] = []
                 for queued in group:
-                    left_engine: asyncio.Future[None] = loop.create_future()
-                    computing.append(left_engine)
+                    turn = EngineTurn(loop)
+                    computing.append(turn.left)
                     if batch is not None:
                         self._batch_of[id(queued.job)] = batch
-                    task = asyncio.create_task(self._run_job(queued, left_engine))
+                    task = asyncio.create_task(self._run_job(queued, turn))
                     self._jobs.add(task)
                     task.add_done_callback(self._jobs.discard)
                 self.gauges.batch.set(size)
@@ -360,6 +388,17 @@ class PrefillWorker(JobOwner, Worker):
             for task in jobs:
                 task.cancel()
             await asyncio.gather(*jobs, return_exceptions=True)
+
+    def _outranks(self, priority: int) -> bool:
+        """Whether the queue's head goes before a paused job of `priority` (or one
+        that would pause): it has a higher priority and can start at once (room for
+        one more job, and the pages for its whole prompt)."""
+        heads = self._queue.head(1)
+        if not heads or heads[0].job.priority <= priority:
+            return False
+        needed = self.engine.cache.pages_for(len(heads[0].job.token_ids))
+        limit = MAX_FINISHING * self.pcfg.batch_jobs
+        return len(self._jobs) < limit and needed <= self.cache.room
 
     def _take_group(self, max_jobs: int) -> int:
         """How many jobs from the queue's head start together (`take_group`): alone
@@ -403,13 +442,13 @@ class PrefillWorker(JobOwner, Worker):
         finally:
             released.cancel()
 
-    async def _run_job(self, queued: QueuedJob, left_engine: asyncio.Future[None]) -> None:
-        """One job to its end; `left_engine` is resolved once it no longer needs the
-        engine (its compute ended, or the job did)."""
+    async def _run_job(self, queued: QueuedJob, turn: EngineTurn) -> None:
+        """One job to its end; its `turn` is left once it no longer needs the engine
+        (its compute ended or paused, or the job ended)."""
         job = queued.job
         try:
             with bind_request(job.request_id):
-                await self._run(queued, left_engine)
+                await self._run(queued, turn)
         except asyncio.CancelledError:
             await self._fail(job, pr.JobFailed("prefill instance shutting down"))
             raise
@@ -418,9 +457,9 @@ class PrefillWorker(JobOwner, Worker):
                 batch.leave(job)
             self._prompt_logprobs.pop(id(job), None)
             self._scorers.pop(id(job), None)
-            _resolve(left_engine)
+            turn.leave()
 
-    async def _run(self, queued: QueuedJob, left_engine: asyncio.Future[None]) -> None:
+    async def _run(self, queued: QueuedJob, turn: EngineTurn) -> None:
         """One job, traced, with its outcome counted and a failure reported.
 
         Its span is a child of the gateway's hand-off (the context came with the
@@ -450,7 +489,7 @@ class PrefillWorker(JobOwner, Worker):
                 _tracer.start_span("prefill queue wait", start_time=queued_ns).end()
             started = time.monotonic()
             try:
-                await self._prefill(job, span, left_engine)
+                await self._prefill(job, span, turn)
             except pr.JobFailed as exc:
                 self.metrics.jobs.labels("failed").inc()
                 await self._fail(job, exc)
@@ -481,9 +520,7 @@ class PrefillWorker(JobOwner, Worker):
 
     # --- one job's phases -----------------------------------------------------------
 
-    async def _prefill(
-        self, job: pr.PrefillJob, span: trace.Span, left_engine: asyncio.Future[None]
-    ) -> None:
+    async def _prefill(self, job: pr.PrefillJob, span: trace.Span, turn: EngineTurn) -> None:
         """Reserve on decode, load the prefix, compute and stream, hand over."""
         self.liveness.check(job)
         t_start = time.monotonic()
@@ -506,7 +543,7 @@ class PrefillWorker(JobOwner, Worker):
         cached_tokens = prefix.reused_blocks * self.engine.cache.block_size
         try:
             computed = await self._compute_and_stream(
-                job, reserving, prefix, cached_tokens, transfer_deadline, span, left_engine
+                job, reserving, prefix, cached_tokens, transfer_deadline, span, turn
             )
         except PrefixLoadFailed as exc:
             # Computed on while it landed, and it did not land: the job cannot stand.
@@ -643,14 +680,14 @@ class PrefillWorker(JobOwner, Worker):
         cached_tokens: int,
         deadline_s: float,
         span: trace.Span,
-        left_engine: asyncio.Future[None],
+        turn: EngineTurn,
     ) -> _Computed:
         """Phase 3: compute the rest with layer-wise streaming (the loaded prefix
         first; nothing leaves before the reservation is there), then commit. A
         failure, the reservation's included, aborts the stream and gives the decode
         reservation back; either way the pages are kept (once computed: their KV is
         valid even if the commit failed) or freed after (once the engine thread is
-        done with them). `left_engine` is resolved when the compute has ended: the
+        done with them). The `turn` is left when the compute has ended (or paused): the
         commit no longer needs the engine. A decode instance that takes the hand-over
         on the commit (`KVReserved.handover_on_commit`) gets it there: the request is
         then decode's once the commit is acknowledged."""
@@ -675,9 +712,11 @@ class PrefillWorker(JobOwner, Worker):
             try:
                 ready = prefix.arrivals.wait_layer if prefix.arrivals is not None else None
                 computing = asyncio.ensure_future(
-                    self._compute_traced(job, prefix.block_table, cached_tokens, streamer, ready)
+                    self._compute_traced(
+                        job, prefix.block_table, cached_tokens, streamer, turn, ready
+                    )
                 )
-                computing.add_done_callback(lambda _: _resolve(left_engine))
+                computing.add_done_callback(lambda _: turn.leave())
                 try:
                     reserved = await reserving
                     if before is not None and not before.flowing.done():
@@ -870,6 +909,7 @@ class PrefillWorker(JobOwner, Worker):
         pages: list[int],
         cached: int,
         streamer: LayerStreamer,
+        turn: EngineTurn,
         ready: LayerReady | None = None,
     ) -> list[Sampled]:
         """`_compute_with_holds` in the `prefill compute` span."""
@@ -881,7 +921,7 @@ class PrefillWorker(JobOwner, Worker):
                         "yb.chunk_size": self.pcfg.chunk_size,
                     }
                 )
-            return await self._compute_with_holds(job, pages, cached, streamer, ready)
+            return await self._compute_with_holds(job, pages, cached, streamer, turn, ready)
 
     async def _compute_with_holds(
         self,
@@ -889,26 +929,67 @@ class PrefillWorker(JobOwner, Worker):
         pages: list[int],
         cached: int,
         streamer: LayerStreamer,
+        turn: EngineTurn,
         ready: LayerReady | None = None,
     ) -> list[Sampled]:
-        """`_compute` on the engine thread; with failpoint `prefill.chunk` armed at k,
-        in two calls (chunks before k, then the rest: the same chunk boundaries) with
-        the hold between them, so the engine thread is never the one that waits (but
-        on a prefix still landing: `ready`, before each layer of the first chunk)."""
+        """`_compute` on the engine thread, in several calls at chunk boundaries (the
+        same boundaries as one call's: the same KV, the same first token) where
+        something may happen between two chunks, so the engine thread is never the
+        one that waits (but on a prefix still landing: `ready`, before each layer of
+        the first chunk): with failpoint `prefill.chunk` armed at k, its hold before
+        chunk k; for a preemptible job computing alone, a call per chunk and a pause
+        between two for a job of a higher priority (`_yield_engine`)."""
         batch = self._batch_of.get(id(job))
         if batch is not None:
             return await batch.compute(job, (job, pages, cached, streamer))
+        n, chunk = len(job.token_ids), self.pcfg.chunk_size
         k = self.failpoints.count("prefill.chunk")
-        split = cached + k * self.pcfg.chunk_size if k is not None else len(job.token_ids)
-        if split < len(job.token_ids):
-            if split > cached:
+        hold = cached + k * chunk if k is not None else n
+        stops = set(range(cached + chunk, n, chunk)) if job.preemptible else set()
+        if hold < n:
+            stops.add(hold)
+        for stop in sorted(stops):
+            if stop > cached:
                 await self.engine.call(
-                    self._compute_part, job, pages, cached, split, streamer, ready
+                    self._compute_part, job, pages, cached, stop, streamer, ready
                 )
-                cached, ready = split, None
-            await self.failpoint(job, "prefill.chunk")
-            self.liveness.check(job)
+                cached, ready = stop, None
+            if stop == hold:
+                await self.failpoint(job, "prefill.chunk")
+                self.liveness.check(job)
+            if job.preemptible:
+                await self._yield_engine(job, turn, cached)
         return await self.engine.call(self._compute, job, pages, cached, streamer, ready)
+
+    async def _yield_engine(self, job: pr.PrefillJob, turn: EngineTurn, computed: int) -> None:
+        """Between two chunks of a preemptible job (`computed`: the prompt's tokens
+        whose KV it has): pause while the queue's head outranks it (`_outranks`) and
+        the work started ahead of it computes; what it holds stays held, its deadline
+        and a cancel end the pause (and the job: `liveness.check`). A job that has
+        paused `preemption.MAX_PAUSED_S` in all pauses no more."""
+        if not turn.may_pause() or not self._outranks(job.priority):
+            return
+        head = self._queue.head(1)[0].job
+        self.metrics.preemptions.inc()
+        log.info(
+            "prefill_paused",
+            computed_tokens=computed,
+            prompt_tokens=len(job.token_ids),
+            priority=job.priority,
+            for_request=head.request_id,
+            for_priority=head.priority,
+        )
+        paused_at = time.monotonic()
+        resumed = await self._pauses.pause(job, turn)
+        self.liveness.check(job)
+        if not resumed:  # only a cancel or the deadline wakes it: checked above
+            raise pr.JobFailed("prefill ended while paused", status=500)
+        log.info(
+            "prefill_resumed",
+            computed_tokens=computed,
+            paused_s=round(time.monotonic() - paused_at, 4),
+            paused_total_s=round(turn.paused_s, 4),
+        )
 
     def _compute_part(
         self,
@@ -1033,12 +1114,6 @@ def _prefix_attributes(job: pr.PrefillJob, prefix: Prefix) -> dict[str, Attribut
     for tier, tokens in prefix.tokens_by_tier.items():
         attributes[f"yb.reused_tokens.{tier}"] = tokens
     return attributes
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    """Resolve `future` unless it is already."""
-    if not future.done():
-        future.set_result(None)
 
 
 def _engine_barrier() -> None:
