@@ -44,6 +44,7 @@ BEFORE_VERSIONS: dict[str, Any] = {
     "decode_now_floor": False,
     "retention": False,
     "decode_kv_peak": False,
+    "pending_by_priority": False,
     "batch_preemption": False,
 }
 
@@ -78,8 +79,9 @@ def test_a_record_without_a_version_decodes_as_version_0() -> None:
 def test_every_switch_is_a_setting_and_old_logs_keep_their_values() -> None:
     fields = {f.name: f for f in msgspec.structs.fields(ConductorConfig)}
     assert absent_means(0) == BEFORE_VERSIONS
-    # Version 1 logs were recorded by engines that never paused a batch line.
-    assert absent_means(1) == {"batch_preemption": False}
+    # Version 1 logs: engines never paused a batch line, and no pending prefix
+    # counted while a lower priority was placed.
+    assert absent_means(1) == {"pending_by_priority": False, "batch_preemption": False}
     for switch in SWITCHES:
         assert switch.name in fields, switch.name
         assert type(switch.old) is type(fields[switch.name].default), switch.name

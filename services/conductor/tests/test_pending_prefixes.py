@@ -1,8 +1,9 @@
 """Pending prefixes: a prefix that a queued or running prefill is computing counts as
 held by its instance for the requests placed behind it there, so a burst of requests
 sharing a cold prefix queues behind its first prefill instead of computing it again
-elsewhere; the index forgets it when that prefill ends or its request leaves; a
-snapshot carries it; a log recorded without the setting replays without it."""
+elsewhere; a request counts only on the prefills it does not overtake; the index
+forgets it when that prefill ends or its request leaves; a snapshot carries it; a
+log recorded without the setting replays without it."""
 
 from __future__ import annotations
 
@@ -73,15 +74,49 @@ def test_the_index_forgets_a_prefix_when_its_prefill_ends_or_its_request_leaves(
     assert state.pending_prefixes == {} and state.pending_lengths(PREFIX) == {}
 
 
-def test_a_higher_priority_request_does_not_count_on_a_queue_it_overtakes(
+def test_a_higher_priority_request_counts_on_a_prefill_running_ahead_of_it(
     crafted: Any,
 ) -> None:
     c = crafted(pending_prefixes=True)
     _first_running(c)
-    # Engines run their queues by priority: b (priority 1) could overtake work placed
-    # at 0, so it does not count on what that work computes.
+    # a's prefill runs, and is no batch line's: b (priority 1) cannot overtake it.
     b = _scheduled(c.at(1.3).admit("b", PREFIX + QUESTION, priority=1))
-    assert (b.prefill_instance, b.reused_blocks) == ("p-1", 0)
+    assert (b.prefill_instance, b.reused_blocks) == ("p-0", 50)
+    assert replay(c.records).divergences == []
+
+
+def test_a_higher_priority_request_does_not_count_on_a_queued_prefill_it_overtakes(
+    crafted: Any,
+) -> None:
+    c = crafted(pending_prefixes=True)
+    c.hosts(1)
+    _scheduled(c.admit("x", keys(50, base=9000)))
+    c.progress("x", "p-0", "prefill_started")
+    a = _scheduled(c.at(1.1).admit("a", PREFIX))
+    assert a.prefill_instance == "p-0"  # queued behind x
+    # Engines run their queues by priority: b (priority 1) overtakes a, queued at
+    # 0, so it does not count on what a computes; c (priority 0) runs behind both,
+    # and counts on b's whole chain.
+    b = _scheduled(c.at(1.2).admit("b", PREFIX + QUESTION, priority=1))
+    assert b.reused_blocks == 0
+    d = _scheduled(c.at(1.3).admit("c", PREFIX + QUESTION))
+    assert d.reused_blocks == 53
+    assert replay(c.records).divergences == []
+
+
+def test_a_lower_priority_placed_elsewhere_leaves_the_rule_to_the_others(crafted: Any) -> None:
+    # A batch line (priority -1) placed anywhere no longer takes pending prefixes away
+    # from every request of a higher priority; a version-1 log replays without them.
+    for by_priority, reused in ((True, 50), (False, 0)):
+        c = crafted(pending_prefixes=True, pending_by_priority=by_priority)
+        c.hosts(3)
+        _scheduled(c.admit("line", keys(4, base=9000), priority=-1))
+        c.progress("line", "p-0", "prefill_started")
+        a = _scheduled(c.at(1.1).admit("a", PREFIX))
+        c.progress("a", a.prefill_instance, "prefill_started")
+        b = _scheduled(c.at(1.3).admit("b", PREFIX + QUESTION))
+        assert b.reused_blocks == reused, by_priority
+        assert replay(c.records).divergences == []
 
 
 def test_a_snapshot_carries_the_pending_prefixes(crafted: Any) -> None:

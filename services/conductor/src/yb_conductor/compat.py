@@ -29,7 +29,7 @@ from typing import Final
 
 #: The behaviour version a conductor of this software decides by. 1 is the first
 #: version recorded; the switches that predate versions retired at 1. 2: batch
-#: lines' prefills are pre-empted.
+#: lines' prefills are pre-empted, and pending prefixes count by priority.
 BEHAVIOUR_VERSION: Final = 2
 #: The version of a record that carries none (written before versions existed).
 UNVERSIONED: Final = 0
@@ -153,6 +153,13 @@ SWITCHES: Final[tuple[Switch, ...]] = (
         "A decode instance is judged by the budget of every request there at once, "
         "not by the projected peak of what they hold (`decode_placement`, "
         "`state.ClusterState.held_blocks_now`).",
+    ),
+    Switch(
+        "pending_by_priority",
+        False,
+        2,
+        "No pending prefix counts for any request while one of a lower priority is "
+        "placed (`prefill_placement.PrefillPlanner.view`).",
     ),
     Switch(
         "batch_preemption",

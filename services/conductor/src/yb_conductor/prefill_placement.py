@@ -419,10 +419,16 @@ class PrefillPlanner:
                     host_best[inst.host] = src
             elif inst.role == "prefill":
                 engines[inst.instance_id] = src
-        if pending and (
-            not self.priority_order or request.priority <= state.priorities_placed()[0]
-        ):
-            for instance_id, blocks in state.pending_lengths(keys).items():
+        # A request overtakes the queued prefills of a lower priority: what they
+        # compute is not there in time for it (`pending_by_priority`).
+        floor: int | None = None
+        if pending and self.priority_order and request.priority > state.priorities_placed()[0]:
+            if state.cfg.pending_by_priority:
+                floor = request.priority
+            else:
+                pending = False
+        if pending:
+            for instance_id, blocks in state.pending_lengths(keys, floor).items():
                 inst = instances.get(instance_id)
                 if inst is None or not inst.alive or inst.stages:
                     continue

@@ -864,9 +864,11 @@ class ClusterState:
             if not rids:
                 del self.pending_prefixes[keys[0]]
 
-    def pending_lengths(self, keys: list[int]) -> dict[str, int]:
+    def pending_lengths(self, keys: list[int], floor: int | None = None) -> dict[str, int]:
         """Per prefill instance, how many leading `keys` the prefills queued or running
-        there will have computed when they end (`pending_prefixes`)."""
+        there will have computed when they end (`pending_prefixes`). With `floor`,
+        only those a request of that priority runs behind: of a priority at or above
+        it, or running and not to be paused (`Placement.preemptible`)."""
         if not keys:
             return {}
         rids = self.pending_prefixes.get(keys[0])
@@ -876,10 +878,20 @@ class ClusterState:
         placements = self.placements
         for rid in rids:
             p = placements[rid]
+            if floor is not None and p.priority < floor and not self._runs_ahead(p):
+                continue
             n = _common_prefix(keys, p.pending_keys)
             if n > lengths.get(p.prefill_instance, 0):
                 lengths[p.prefill_instance] = n
         return lengths
+
+    def _runs_ahead(self, placement: Placement) -> bool:
+        """Whether `placement`'s prefill runs before anything placed after it: it
+        heads its instance's queue and cannot be paused."""
+        if placement.preemptible:
+            return False
+        inst = self.instances.get(placement.prefill_instance)
+        return inst is not None and next(iter(inst.prefill_queue), None) == placement.request_id
 
     def _prefill_finished(self, placement: Placement, at: float) -> None:
         self._drop_pending(placement)

@@ -496,7 +496,13 @@ class ConductorConfig(_Section):
     (priced as a load from the host's DRAM, planned from the engine's page cache), so
     requests sharing a cold prefix queue behind its first prefill rather than compute
     it again elsewhere; off, only stored blocks count (how logs recorded before the
-    setting replay).
+    setting replay). A pending prefix counts only for requests that will not overtake
+    its prefill: with `pending_by_priority` (the default), one of a priority at or
+    below the prefill's (a request of a higher priority counts it only while that
+    prefill runs and cannot be paused); off, no pending prefix counts for any request
+    while a request of a lower priority is placed anywhere (how logs recorded before
+    behaviour version 2 replay), so a single batch line took the rule away from every
+    interactive request.
     `decode_now_floor` (the default): under `predicted` admission, a request is
     also refused when the batch decoding now, with it added, would miss its TBT
     SLO (the `early` test): the prediction for the end of its prefill counts only
@@ -610,6 +616,7 @@ class ConductorConfig(_Section):
     prefix_load_overlap: bool = True
     learn_from_cut_short: bool = False
     pending_prefixes: bool = True
+    pending_by_priority: bool = True
     decode_now_floor: bool = True
     retention: bool = False
     retention_drop_below: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
