@@ -94,6 +94,19 @@ SUMMARIES: dict[str, str] = {
         "engines share the machine's cores: an added instance adds no compute here, so "
         "the TTFT figures show the step, not what a grown pool buys."
     ),
+    "batch_live": (
+        "The Batch API live, through `yb up` (the default model, its default shape, SLOs "
+        "TTFT 2 s and TBT 0.5 s): a batch of 500 short chat lines (16 tokens each) "
+        "uploaded and created with the official `openai` client beside an open-loop "
+        "interactive load from `yb bench`'s client (Poisson arrivals at 0.5 requests/s, "
+        "64-token prompts, 16 tokens each), the same load measured alone before it, "
+        "beside the batch, and alone again after it (the machine's drift). The "
+        "interactive TTFT and TBT of each phase, the batch's completion time, whether "
+        "every line was answered exactly once in the output file, and how often the "
+        "conductor held a line back (`batch_held`) from the cluster's log. Every engine "
+        "shares the machine's cores, so a batch line admitted to idle engine time still "
+        "takes CPU from the interactive requests computed beside it."
+    ),
     "cpp": (
         "Chunked pipeline parallelism at the engine level: time to first token of a long "
         "prompt over a group of stage processes (each holding only its layers, one torch "
@@ -970,6 +983,82 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         ),
         ("drained_all_down", "whether every drained instance was down before the deadline"),
         ("instances_at_end", "engines serving at the planner's last decision"),
+        ("run_wall_s", "seconds the whole benchmark took"),
+    ],
+    "batch_live": [
+        ("model", "the model served"),
+        ("lines", "lines in the batch (`--lines`)"),
+        ("batch_max_tokens", "`max_tokens` of every batch line"),
+        ("requests_per_phase", "interactive requests sent in each phase"),
+        ("rate", "interactive requests a second (Poisson arrivals, the same in each phase)"),
+        ("prompt_tokens", "tokens per interactive prompt (none shared)"),
+        ("output_tokens", "tokens each interactive request asks for"),
+        ("ttft_slo_s", "the gateway's TTFT SLO, seconds"),
+        ("tbt_slo_s", "the gateway's TBT SLO, seconds"),
+        (
+            r"ttft_(p50|p90)_s_(alone|with_batch|after)",
+            "{0} time to first token, s, of the interactive requests of the phase `{1}`, as "
+            "the client measured it",
+        ),
+        (
+            r"tbt_p90_s_(alone|with_batch|after)",
+            "90th percentile of every gap between streamed tokens, s, in the phase `{0}`",
+        ),
+        (
+            r"goodput_(alone|with_batch|after)",
+            "share of the phase `{0}`'s requests completed within both SLOs (TBT at each "
+            "request's 90th percentile gap)",
+        ),
+        (r"requests_ok_(alone|with_batch|after)", "requests of the phase `{0}` completed"),
+        (
+            r"requests_failed_(alone|with_batch|after)",
+            "requests of the phase `{0}` that failed, refused or timed out",
+        ),
+        (r"failed_kinds_(alone|with_batch|after)", "how those ended (empty: none)"),
+        (
+            r"load_average_1m_(alone|with_batch|after)",
+            "the machine's 1-minute load average when the phase `{0}` started",
+        ),
+        ("ttft_p90_ratio", "`ttft_p90_s_with_batch` over `ttft_p90_s_alone`"),
+        ("batch_status", "the batch's status at the end"),
+        (
+            "batch_completion_s",
+            "seconds from `batches.create` to the first `batches.retrieve` that saw "
+            "`completed` (polled every 0.5 s)",
+        ),
+        ("batch_lines_per_s", "lines over `batch_completion_s`"),
+        (r"batch_counts_(total|completed|failed)", "the batch's `request_counts.{0}`"),
+        (
+            "batch_completed_during_load",
+            "lines done when the last interactive request beside the batch ended",
+        ),
+        (
+            "batch_outlived_load",
+            "whether the batch was still running then (so all of `with_batch` ran beside it)",
+        ),
+        ("output_lines", "lines in the output file"),
+        ("output_custom_ids", "distinct `custom_id`s in the output file"),
+        ("output_duplicates", "output lines beyond the first for a `custom_id`"),
+        ("output_not_200", "output lines without a 200 response, or with an error"),
+        ("missing_custom_ids", "lines in neither the output nor the error file"),
+        ("error_lines", "lines in the error file"),
+        ("error_codes", "their error codes, with counts (empty: none)"),
+        (
+            "answered_exactly_once",
+            "every line in the output file exactly once, answered 200; none in the error file",
+        ),
+        ("batch_completion_tokens_mean", "mean `completion_tokens` of the batch's answers"),
+        ("batch_admissions", "batch lines the gateway sent to the conductor, every try"),
+        (
+            "batch_held",
+            "of them, refused `batch_held` (interactive traffic used the capacity; tried "
+            "again with a back-off)",
+        ),
+        ("batch_held_during_load", "of those, while the interactive load beside it ran"),
+        ("batch_other_rejections", "batch tries refused for any other reason"),
+        ("batch_runs", "batch tries scheduled (more than the lines: a line ran twice)"),
+        ("batch_runs_during_load", "of them, while the interactive load beside it ran"),
+        ("interactive_rejected", "interactive requests the conductor refused"),
         ("run_wall_s", "seconds the whole benchmark took"),
     ],
     "e2e_reuse": [

@@ -62,6 +62,7 @@ BENCHMARKS = (
     "sim_retention",
     "sim_elastic",
     "elastic_live",
+    "batch_live",
     "families",
     "hf_backend",
     "tensor_parallel",
