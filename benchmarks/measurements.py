@@ -83,6 +83,16 @@ SUMMARIES: dict[str, str] = {
         "paper's engine model, instances up 60 s after the decision to add them. "
         "Simulated in virtual time: the same code gives the same figures on any machine."
     ),
+    "sim_batch": (
+        "Batch lines filling idle capacity in `yb sim`: interactive traffic at 0.5x, 1x "
+        "and 1.5x of the cluster's capacity on Mooncake's synthetic trace and the "
+        "conversation workload (the paper's engine model, 8 prefill + 8 decode), alone, "
+        "beside a backlog of Batch API lines held back by the conductor unless they fit "
+        "in idle capacity (`idle`), and beside the same backlog sent as ordinary `flex` "
+        "requests (`naive`); in both, prefill engines pause a line's prefill at its next "
+        "512-token chunk for interactive work. Simulated in virtual time: the same code "
+        "gives the same figures on any machine."
+    ),
     "elastic_live": (
         "Elastic pools live: `yb up --elastic --max-instances 4` (the tiny model, 1 prefill "
         "+ 1 decode to start; the planner every 5 s over a 30 s window, 10 s ahead, "
@@ -392,6 +402,52 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         (
             r"(\w+?)_((?:threshold|forecast|forecast_tuned)_from_\w+)_start",
             "the split the elastic run starts at (`{0}`, `{1}`)",
+        ),
+    ],
+    "sim_batch": [
+        ("profile", "the engine model"),
+        ("window_s", "seconds from the backlog's start to its lines' deadline"),
+        ("limit", "interactive requests kept (0: every one of the trace)"),
+        (
+            r"(\w+?)_x(\d+(?:_\d+)?)_(none|idle|naive)_goodput_rps",
+            "interactive requests a second finished within both SLOs (`{0}`, load {1}x, "
+            "`{2}`)",
+        ),
+        (
+            r"(\w+?)_x(\d+(?:_\d+)?)_(none|idle|naive)_ttft_p90_s",
+            "p90 time to first token of the interactive requests, s (`{0}`, {1}x, `{2}`)",
+        ),
+        (
+            r"(\w+?)_x(\d+(?:_\d+)?)_(none|idle|naive)_slo_attainment",
+            "share of interactive requests within both SLOs (`{0}`, {1}x, `{2}`)",
+        ),
+        (
+            r"(\w+?)_x(\d+(?:_\d+)?)_(idle|naive)_goodput_vs_none",
+            "interactive goodput over the same run without the backlog (`{0}`, {1}x, "
+            "`{2}`; goal for `idle` >= 0.99)",
+        ),
+        (
+            r"(\w+?)_x(\d+(?:_\d+)?)_(idle|naive)_ttft_p90_vs_none",
+            "interactive TTFT p90 over the same run without the backlog (`{0}`, {1}x, "
+            "`{2}`; goal for `idle` <= 1.01)",
+        ),
+        (r"(\w+?)_x(\d+(?:_\d+)?)_(idle|naive)_lines", "batch lines in the backlog (`{0}`, {1}x)"),
+        (
+            r"(\w+?)_x(\d+(?:_\d+)?)_(idle|naive)_lines_completed",
+            "lines finished inside their window (`{0}`, {1}x, `{2}`)",
+        ),
+        (
+            r"(\w+?)_x(\d+(?:_\d+)?)_(idle|naive)_lines_timed_out",
+            "lines refused until their deadline (`{0}`, {1}x, `{2}`)",
+        ),
+        (
+            r"(\w+?)_x(\d+(?:_\d+)?)_(idle|naive)_idle_used",
+            "share of the idle prefill instance-seconds over the interactive window the "
+            "lines' prefills took (`{0}`, {1}x, `{2}`; goal at 0.5x >= 0.8)",
+        ),
+        (
+            r"(\w+?)_x(\d+(?:_\d+)?)_(idle|naive)_batch_makespan_s",
+            "when the last line finished inside the window, s (`{0}`, {1}x, `{2}`)",
         ),
     ],
     "sim_retention": [

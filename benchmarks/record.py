@@ -61,6 +61,7 @@ BENCHMARKS = (
     "sim_tp",
     "sim_retention",
     "sim_elastic",
+    "sim_batch",
     "elastic_live",
     "batch_live",
     "families",

@@ -20,9 +20,8 @@ Ways, at each load:
   prefill engines pausing a line's prefill between chunks for interactive work
   (`batch_preemption`, the default). The backlog is `FILL` times the lines whose
   prefills alone would fill every prefill instance over the interactive window (at
-  the cost model's mean prefill of the trace's prompts), at most `MAX_LINES` (the
-  conversation workload's short prompts would ask for ~20,000: its lines are held
-  back by decode long before that);
+  the cost model's mean prefill of the trace's prompts), at most `MAX_LINES`, of
+  which `CONCURRENCY` are tried or run at once;
 - `naive`: the same backlog with `batch_idle_only=false`, each line decided as any
   request of its tier (`flex`: priority -1, a TTFT SLO four times the default's).
 
@@ -69,10 +68,12 @@ WORKLOADS = ("synthetic", "multi-turn")
 #: Each workload's speedup at 1x its capacity (module docstring).
 UNIT_SPEEDUP = {"synthetic": 3.152, "multi-turn": 1.0}
 LOADS = (0.5, 1.0, 1.5)
-#: The backlog (module docstring) and its window.
+#: The backlog (module docstring), its window, and the lines tried or run at once
+#: (the gateways' `batch_concurrency` together: 32 gateways at the default 8).
 FILL = 1.25
-MAX_LINES = 3000
+MAX_LINES = 30000
 WINDOW_S = 3600.0
+CONCURRENCY = 256
 WAYS: tuple[tuple[str, bool | None], ...] = (("none", None), ("idle", True), ("naive", False))
 
 
@@ -110,7 +111,12 @@ def run(workload: str, limit: int, find: bool) -> list[Run]:
             at = params
             settings = {}
             if idle_only is not None:
-                at = msgspec.structs.replace(params, batch_lines=lines, batch_window_s=WINDOW_S)
+                at = msgspec.structs.replace(
+                    params,
+                    batch_lines=lines,
+                    batch_window_s=WINDOW_S,
+                    batch_concurrency=CONCURRENCY,
+                )
                 settings = {"batch_idle_only": idle_only}
             sim = Simulation(items, at, cost, policy=PAPER_POLICY, label=way, settings=settings)
             result = sim.run()

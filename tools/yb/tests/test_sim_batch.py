@@ -1,6 +1,6 @@
 """`yb sim` with a batch backlog (`yb_tools.sim.batch`): lines fill an idle cluster,
 are held back and retried under interactive load without changing the interactive
-figures, hurt interactive TTFT less than the naive way (`batch_idle_only=false`),
+figures, slow interactive decoding less than the naive way (`batch_idle_only=false`),
 and the log of such a run replays; a line's prefill pauses at a chunk boundary for an
 interactive request (`batch_preemption`), which the conductor prices.
 
@@ -100,14 +100,17 @@ def test_held_back_lines_are_retried_and_interactive_figures_hold(
     assert idle.slo_attainment >= none.slo_attainment - 0.01
 
 
-def test_naive_way_hurts_interactive_ttft_more(
+def test_naive_way_slows_interactive_decoding_more(
     runs: dict[str, tuple[PolicyResult, Simulation]],
 ) -> None:
+    none, _ = runs["none"]
     idle, _ = runs["idle"]
     naive, sim = runs["naive"]
     assert sim.batch_result is not None and sim.batch_result.completed > 0
-    assert naive.ttft_p90_s > idle.ttft_p90_s
-    assert naive.goodput_rps < idle.goodput_rps
+    # Pre-empted at 512-token chunks, neither way's lines move the interactive TTFT
+    # p90 here; sent as ordinary flex requests, they crowd the decode batches more.
+    assert idle.ttft_p90_s == naive.ttft_p90_s == none.ttft_p90_s
+    assert naive.tbt_p90_s > idle.tbt_p90_s >= none.tbt_p90_s
 
 
 def test_a_run_with_a_backlog_replays(items: list[TraceItem]) -> None:
@@ -121,7 +124,7 @@ def _preemption_run(preempt: bool) -> tuple[Simulation, float, float]:
     """One 4,096-token batch line on one prefill instance, and an interactive
     request of the same length arriving a third of the way into the line's
     prefill, in chunks of 512 tokens: (the run, the line's compute, one chunk)."""
-    params = SimParams(prefill=1, decode=1, chunk_tokens=512, batch_lines=1)
+    params = SimParams(prefill=1, decode=1, preempt_tokens=512, batch_lines=1)
     params = msgspec.structs.replace(params, batch_window_s=600.0)
     bs = block_size_for(params, COST)
     compute = COST.prefill_s(4096)
@@ -184,3 +187,23 @@ def test_without_preemption_the_interactive_request_waits_for_the_whole_line() -
     assert job.prefill_start == pytest.approx(compute)
     assert line.prefill_end == pytest.approx(compute)
     assert _queue_priced(sim) == pytest.approx(compute - job.item.arrival)
+
+
+def test_at_most_batch_concurrency_lines_are_in_flight_at_once() -> None:
+    params = msgspec.structs.replace(
+        PARAMS, batch_lines=12, batch_window_s=600.0, batch_concurrency=3
+    )
+    sim = _run([], params)
+    batch = sim.batch_result
+    assert batch is not None and batch.completed == 12
+    # Each line from its first try to its end; never more than 3 overlap.
+    spans = []
+    for line in sim.batch_lines:
+        first = line.jobs[0].item.arrival
+        spans.append((first, line.end))
+    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    running = peak = 0
+    for _, step in edges:
+        running += step
+        peak = max(peak, running)
+    assert peak == 3

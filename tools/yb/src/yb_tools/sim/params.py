@@ -49,8 +49,9 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     extra layers) and cuts prompts into chunks of `chunk_tokens`. A group's stages
     keep their hosts; what the group computes goes into its first stage's host pool.
     A whole-model instance pauses a batch line's prefill at a boundary of its
-    `chunk_tokens` chunks for work of a higher priority (with the conductor's
-    `batch_preemption`, the default); a group never pauses one.
+    `preempt_tokens` chunks (512, the engines' `prefill.chunk_size`) for work of a
+    higher priority (with the conductor's `batch_preemption`, the default); a group
+    never pauses one.
 
     `piggyback`: the decode instances take prompts into their batch (the conductor
     sends one there when its TTFT is lower than through the prefill pool); each then
@@ -86,8 +87,10 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     draining included: it holds its devices).
 
     `batch_lines`: a backlog of that many Batch API lines queued at t = 0, each due
-    `batch_window_s` later (`yb_tools.sim.batch`); the run's figures stay those of
-    the interactive requests, the backlog's are `Simulation.batch_result`.
+    `batch_window_s` later (`yb_tools.sim.batch`), at most `batch_concurrency` of
+    them tried or run at once (the gateways' `batch_concurrency` together; 0: all);
+    the run's figures stay those of the interactive requests, the backlog's are
+    `Simulation.batch_result`.
     """
 
     prefill: int = 8
@@ -114,6 +117,7 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     prefill_groups: list[int] = msgspec.field(default_factory=list)
     piggyback: bool = False
     chunk_tokens: int = 2048
+    preempt_tokens: int = 512
     model_layers: int = 80
     prefill_tp: int = 0
     decode_tp: int = 0
@@ -122,6 +126,7 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     start_s: float = 60.0
     batch_lines: int = 0
     batch_window_s: float = 3600.0
+    batch_concurrency: int = 0
 
     def degrees(self, cost: CostModel) -> tuple[int, int]:
         """The prefill and decode instances' tensor-parallel degrees under `cost`."""
@@ -145,7 +150,10 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("a tensor-parallel degree is a count of devices, 1 or more")
 
     def check_groups(self) -> None:
-        """ValueError when `prefill_groups` does not fit the cluster."""
+        """ValueError when `prefill_groups` does not fit the cluster (or chunks of
+        less than a token pause batch lines)."""
+        if self.preempt_tokens < 1:
+            raise ValueError("preempt_tokens must be at least 1")
         if not self.prefill_groups:
             return
         if any(size < 2 for size in self.prefill_groups):

@@ -32,6 +32,7 @@ import heapq
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -235,6 +236,8 @@ class Simulation:
         )
         self.batch_jobs: list[Job] = []
         self.batch_waiting = 0
+        # Lines not started yet: a worker slot (`batch_concurrency`) frees for each.
+        self.batch_queue: deque[BatchLine] = deque(self.batch_lines)
         self.batch_slo = ev.Slo(ttft_s=params.ttft_slo_s * FLEX_TTFT_FACTOR, tbt_s=params.tbt_slo_s)
         self.batch_result: BatchResult | None = None
         # A generator of its own: a backlog must not shift the run's other draws.
@@ -281,9 +284,9 @@ class Simulation:
             self._push(self.params.report_interval_s, _REPORT, 0, None)
         if self.params.sample_interval_s > 0:
             self._push(0.0, _SAMPLE, 0, None)
-        for line in self.batch_lines:
-            self.batch_waiting += 1
-            self._push(0.0, _BATCH_TRY, line.index, None)
+        slots = self.params.batch_concurrency or len(self.batch_lines)
+        for _ in range(min(slots, len(self.batch_lines))):
+            self._next_line(0.0)
         while True:
             arrival = items[i].arrival if i < n else math.inf
             # A batch line's try waits for the interactive arrivals of its instant: it
@@ -370,10 +373,19 @@ class Simulation:
             run_end=self.last_exit,
         )
 
-    def _left(self, t: float) -> None:
-        """A request left the system at `t` (finished, rejected or cancelled)."""
+    def _left(self, t: float, job: Job) -> None:
+        """A request left the system at `t` (finished, rejected or cancelled); a batch
+        line's try that ended other than refused ends its line."""
         self.open -= 1
         self.last_exit = t
+        if job.line >= 0 and job.fate != "rejected":
+            self._next_line(t)
+
+    def _next_line(self, t: float) -> None:
+        """A worker slot is free at `t`: the next line not started yet is tried."""
+        if self.batch_queue:
+            self.batch_waiting += 1
+            self._push(t, _BATCH_TRY, self.batch_queue.popleft().index, None)
 
     def _busy(self) -> bool:
         return self.arrived < len(self.items) or self.open > 0 or self.batch_waiting > 0
@@ -501,6 +513,7 @@ class Simulation:
         """Try `line` again at `t` (a request of its own), unless it is due."""
         if t >= line.deadline:
             line.fate, line.end = "timed_out", t
+            self._next_line(t)
             return
         job = Job(
             line.try_item(t, len(self.items) + len(self.batch_jobs)), priority=-1, line=line.index
@@ -520,6 +533,7 @@ class Simulation:
             self._push(t + wait, _BATCH_TRY, line.index, None)
         else:
             line.fate, line.end = "timed_out", t
+            self._next_line(t)
 
     def _arrive(self, job: Job, t: float) -> None:
         item = job.item
@@ -556,7 +570,7 @@ class Simulation:
                 self.decisions += 1
                 job.fate = "rejected"
                 job.reason = out.reason
-                self._left(t)
+                self._left(t, job)
                 if batch:
                     self._batch_refused(job, out.retry_after_s, t)
             elif isinstance(out, ev.ReplicationPlanned):
@@ -638,7 +652,7 @@ class Simulation:
         if t - item.arrival > self.params.request_timeout_s:
             job.fate = "timed_out"
             job.reason = "timeout: prefill not started in time"
-            self._left(t)
+            self._left(t, job)
             self.emit(ev.RequestCancelled(time=t, request_id=item.request_id, reason="timeout"))
             return False
         if self.params.decode_admission != "queue":
@@ -698,8 +712,8 @@ class Simulation:
                 work += cost.load_s(pulled, bs, "dram", remote=True)
             compute = cost.prefill_s(new, cached)
             work += compute
-            if job.line >= 0 and new > self.params.chunk_tokens:
-                job.chunk_s = compute * self.params.chunk_tokens / new
+            if job.line >= 0 and new > self.params.preempt_tokens:
+                job.chunk_s = compute * self.params.preempt_tokens / new
         jitter = self.params.jitter
         if jitter:
             scale = 1.0 + jitter * (2.0 * self.rng.random() - 1.0)
@@ -709,7 +723,7 @@ class Simulation:
         job.prefill_s = work
         job.reused_local = local
         job.reused_remote = pulled
-        job.compute_from = t + work - job.chunk_s * new / self.params.chunk_tokens
+        job.compute_from = t + work - job.chunk_s * new / self.params.preempt_tokens
         job.done_at = t + work
         inst.current = job
         inst.busy_until = t + work
@@ -810,7 +824,7 @@ class Simulation:
         """The decode instance refused `job` (its prefill, if any, wasted)."""
         job.fate = "decode_rejected"
         job.reason = refusal
-        self._left(t)
+        self._left(t, job)
         self.emit(
             ev.RequestFinished(
                 time=t, request_id=job.item.request_id, instance_id=d.instance_id,
@@ -829,7 +843,7 @@ class Simulation:
     def _finished(self, job: Job, d: SimDecode, t: float) -> None:
         item = job.item
         job.fate = "completed"
-        self._left(t)
+        self._left(t, job)
         self.emit(
             ev.RequestFinished(
                 time=t, request_id=item.request_id, instance_id=d.instance_id,
@@ -846,7 +860,7 @@ class Simulation:
         item = job.item
         job.fate = "kv_exhausted"
         job.reason = f"kv_exhausted: after {job.generated} of {item.output_tokens} tokens"
-        self._left(t)
+        self._left(t, job)
         gaps = job.generated - 1
         start = job.parked_at if job.parked_at >= 0 else job.join_time
         self.emit(
