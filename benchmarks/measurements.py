@@ -409,45 +409,48 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         ("window_s", "seconds from the backlog's start to its lines' deadline"),
         ("limit", "interactive requests kept (0: every one of the trace)"),
         (
-            r"(\w+?)_x(\d+(?:_\d+)?)_(none|idle|naive)_goodput_rps",
-            "interactive requests a second finished within both SLOs (`{0}`, load {1}x, "
-            "`{2}`)",
+            r"(\w+?)_x(\d+)_(\d+)_(none|idle|naive)_goodput_rps",
+            "interactive requests a second finished within both SLOs (`{0}`, load {1}.{2}x, "
+            "`{3}`)",
         ),
         (
-            r"(\w+?)_x(\d+(?:_\d+)?)_(none|idle|naive)_ttft_p90_s",
-            "p90 time to first token of the interactive requests, s (`{0}`, {1}x, `{2}`)",
+            r"(\w+?)_x(\d+)_(\d+)_(none|idle|naive)_ttft_p90_s",
+            "p90 time to first token of the interactive requests, s (`{0}`, {1}.{2}x, `{3}`)",
         ),
         (
-            r"(\w+?)_x(\d+(?:_\d+)?)_(none|idle|naive)_slo_attainment",
-            "share of interactive requests within both SLOs (`{0}`, {1}x, `{2}`)",
+            r"(\w+?)_x(\d+)_(\d+)_(none|idle|naive)_slo_attainment",
+            "share of interactive requests within both SLOs (`{0}`, {1}.{2}x, `{3}`)",
         ),
         (
-            r"(\w+?)_x(\d+(?:_\d+)?)_(idle|naive)_goodput_vs_none",
-            "interactive goodput over the same run without the backlog (`{0}`, {1}x, "
-            "`{2}`; goal for `idle` >= 0.99)",
+            r"(\w+?)_x(\d+)_(\d+)_(idle|naive)_goodput_change",
+            "interactive goodput against the same run without the backlog, a signed "
+            "fraction (`{0}`, {1}.{2}x, `{3}`; goal for `idle` >= -0.01)",
         ),
         (
-            r"(\w+?)_x(\d+(?:_\d+)?)_(idle|naive)_ttft_p90_vs_none",
-            "interactive TTFT p90 over the same run without the backlog (`{0}`, {1}x, "
-            "`{2}`; goal for `idle` <= 1.01)",
-        ),
-        (r"(\w+?)_x(\d+(?:_\d+)?)_(idle|naive)_lines", "batch lines in the backlog (`{0}`, {1}x)"),
-        (
-            r"(\w+?)_x(\d+(?:_\d+)?)_(idle|naive)_lines_completed",
-            "lines finished inside their window (`{0}`, {1}x, `{2}`)",
+            r"(\w+?)_x(\d+)_(\d+)_(idle|naive)_ttft_p90_change",
+            "interactive TTFT p90 against the same run without the backlog, a signed "
+            "fraction (`{0}`, {1}.{2}x, `{3}`; goal for `idle` <= 0.01)",
         ),
         (
-            r"(\w+?)_x(\d+(?:_\d+)?)_(idle|naive)_lines_timed_out",
-            "lines refused until their deadline (`{0}`, {1}x, `{2}`)",
+            r"(\w+?)_x(\d+)_(\d+)_(idle|naive)_lines",
+            "batch lines in the backlog (`{0}`, {1}.{2}x, `{3}`)",
         ),
         (
-            r"(\w+?)_x(\d+(?:_\d+)?)_(idle|naive)_idle_used",
+            r"(\w+?)_x(\d+)_(\d+)_(idle|naive)_lines_completed",
+            "lines finished inside their window (`{0}`, {1}.{2}x, `{3}`)",
+        ),
+        (
+            r"(\w+?)_x(\d+)_(\d+)_(idle|naive)_lines_timed_out",
+            "lines refused until their deadline (`{0}`, {1}.{2}x, `{3}`)",
+        ),
+        (
+            r"(\w+?)_x(\d+)_(\d+)_(idle|naive)_idle_used",
             "share of the idle prefill instance-seconds over the interactive window the "
-            "lines' prefills took (`{0}`, {1}x, `{2}`; goal at 0.5x >= 0.8)",
+            "lines' prefills took (`{0}`, {1}.{2}x, `{3}`; goal at 0.5x >= 0.8)",
         ),
         (
-            r"(\w+?)_x(\d+(?:_\d+)?)_(idle|naive)_batch_makespan_s",
-            "when the last line finished inside the window, s (`{0}`, {1}x, `{2}`)",
+            r"(\w+?)_x(\d+)_(\d+)_(idle|naive)_batch_makespan_s",
+            "when the last line finished inside the window, s (`{0}`, {1}.{2}x, `{3}`)",
         ),
     ],
     "sim_retention": [

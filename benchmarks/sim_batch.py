@@ -26,11 +26,11 @@ Ways, at each load:
   request of its tier (`flex`: priority -1, a TTFT SLO four times the default's).
 
 Figures, per workload `<w>_` and load `x<m>_` and way: the interactive requests'
-`goodput_rps`, `ttft_p90_s` and `slo_attainment`; with a backlog, `goodput_vs_none`
-and `ttft_p90_vs_none` (ratios, goal within 1% for `idle`), `lines_completed` (in
-their window), `lines_timed_out`, `idle_used` (the share of the idle prefill
-instance-seconds over the interactive window the lines' prefills took, goal >= 0.8
-at 0.5x) and `batch_makespan_s`. `--limit N` keeps the first N interactive requests
+`goodput_rps`, `ttft_p90_s` and `slo_attainment`; with a backlog, `goodput_change`
+and `ttft_p90_change` (against `none`, signed fractions, goal within 0.01 for
+`idle`), `lines` and `lines_completed` (in their window), `lines_timed_out`,
+`idle_used` (the share of the idle prefill instance-seconds over the interactive
+window the lines' prefills took, goal >= 0.8 at 0.5x) and `batch_makespan_s`. `--limit N` keeps the first N interactive requests
 (and a backlog of N lines), for a smoke run. Simulated in virtual time with fixed
 seeds: the same code gives the same figures on any machine.
 """
@@ -183,8 +183,8 @@ def figures_of(runs: list[Run], limit: int) -> dict[str, float | int | str]:
         b = r.batch
         if b is None:
             continue
-        figures[f"{k}_goodput_vs_none"] = round(_ratio(res.goodput_rps, none.goodput_rps), 4)
-        figures[f"{k}_ttft_p90_vs_none"] = round(_ratio(res.ttft_p90_s, none.ttft_p90_s), 4)
+        figures[f"{k}_goodput_change"] = round(_ratio(res.goodput_rps, none.goodput_rps) - 1, 4)
+        figures[f"{k}_ttft_p90_change"] = round(_ratio(res.ttft_p90_s, none.ttft_p90_s) - 1, 4)
         figures[f"{k}_lines"] = b.lines
         figures[f"{k}_lines_completed"] = b.completed
         figures[f"{k}_lines_timed_out"] = b.timed_out
