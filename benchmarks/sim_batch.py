@@ -30,8 +30,9 @@ Figures, per workload `<w>_` and load `x<m>_` and way: the interactive requests'
 and `ttft_p90_change` (against `none`, signed fractions, goal within 0.01 for
 `idle`), `lines` and `lines_completed` (in their window), `lines_timed_out`,
 `idle_used` (the share of the idle prefill instance-seconds over the interactive
-window the lines' prefills took, goal >= 0.8 at 0.5x) and `batch_makespan_s`. `--limit N` keeps the first N interactive requests
-(and a backlog of N lines), for a smoke run. Simulated in virtual time with fixed
+window the lines' prefills took, goal >= 0.8 at 0.5x) and `batch_makespan_s`.
+`--limit N` keeps the first N interactive requests (and a backlog of N lines), for a
+smoke run. Simulated in virtual time with fixed
 seeds: the same code gives the same figures on any machine.
 """
 
