@@ -410,8 +410,7 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         ("limit", "interactive requests kept (0: every one of the trace)"),
         (
             r"(\w+?)_x(\d+)_(\d+)_(none|idle|naive)_goodput_rps",
-            "interactive requests a second finished within both SLOs (`{0}`, load {1}.{2}x, "
-            "`{3}`)",
+            "interactive requests a second finished within both SLOs (`{0}`, load {1}.{2}x, `{3}`)",
         ),
         (
             r"(\w+?)_x(\d+)_(\d+)_(none|idle|naive)_ttft_p90_s",
