@@ -62,7 +62,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -72,11 +71,12 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from cluster_log import export_log
 from figures import emit
 from openai import AsyncOpenAI
 from openai.types import Batch
 
-from yb_conductor.replay import LogRecord, read_log
+from yb_conductor.replay import LogRecord
 from yb_core import events as ev
 from yb_core.stats import percentile
 from yb_testkit.fixtures import LocalCluster
@@ -84,7 +84,6 @@ from yb_tools.bench.client import BenchClient, RequestResult
 from yb_tools.bench.report import Slo, meets_slo
 from yb_tools.bench.runner import LoadRunner
 from yb_tools.bench.workloads import Limits, RequestSpec, SharedPrefix, shared_prefix_requests
-from yb_tools.natsserver import env_without_proxies
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 TOPICS = (
@@ -264,23 +263,6 @@ async def measure(
     finally:
         await openai.close()
     return phases, run, info.model
-
-
-def export_log(cluster: LocalCluster, path: Path) -> list[LogRecord]:
-    """The cluster's log, as `yb replay --export` writes it, read back."""
-    done = subprocess.run(
-        [
-            *(sys.executable, "-m", "yb_tools.cli", "replay"),
-            *("--data-dir", str(cluster.data_dir), "--export", str(path)),
-        ],
-        env=env_without_proxies(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"yb replay --export failed: {done.stderr.strip()}")
-    return read_log(path)
 
 
 def phase_figures(args: argparse.Namespace, name: str, phase: Phase) -> dict[str, Any]:

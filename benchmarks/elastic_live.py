@@ -51,7 +51,6 @@ import asyncio
 import contextlib
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,16 +59,16 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from cluster_log import export_log
 from figures import emit
 
-from yb_conductor.replay import LogRecord, read_log
+from yb_conductor.replay import LogRecord
 from yb_core import events as ev
 from yb_core.stats import percentile
 from yb_testkit.fixtures import LocalCluster
 from yb_tools.bench.client import BenchClient, RequestResult
 from yb_tools.bench.runner import LoadRunner
 from yb_tools.bench.workloads import Limits, RequestSpec, SharedPrefix, shared_prefix_requests
-from yb_tools.natsserver import env_without_proxies
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_INSTANCES = 4
@@ -159,23 +158,6 @@ async def load(
         return results, started
     finally:
         await client.close()
-
-
-def export_log(cluster: LocalCluster, path: Path) -> list[LogRecord]:
-    """The cluster's log, as `yb replay --export` writes it, read back."""
-    done = subprocess.run(
-        [
-            *(sys.executable, "-m", "yb_tools.cli", "replay"),
-            *("--data-dir", str(cluster.data_dir), "--export", str(path)),
-        ],
-        env=env_without_proxies(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"yb replay --export failed: {done.stderr.strip()}")
-    return read_log(path)
 
 
 def drained_and_down(records: list[LogRecord], after: float) -> tuple[set[str], set[str]]:
