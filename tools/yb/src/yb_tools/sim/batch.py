@@ -3,11 +3,12 @@
 `SimParams.batch_lines` lines are queued at t = 0, due `batch_window_s` later (their
 `batch_deadline`), and taken in order by `SimParams.batch_concurrency` worker slots
 (0: one per line), as the gateways' batch workers take them: a slot tries its line
-until the line ends, then takes the next. Each line's prompt and output lengths are those of an interactive
-request of the trace drawn at random (seeded by `SimParams.seed`), with a prompt of
-its own (fresh block keys: a line shares no prefix with anything else). A line is
-of the built-in `flex` tier, as the gateway's batch worker sends it: priority -1,
-TTFT SLO `FLEX_TTFT_FACTOR` times the run's, the run's TBT SLO.
+until the line ends, then takes the next. Each line's prompt and output lengths are
+those of an interactive request of the trace drawn at random (seeded by
+`SimParams.seed`), with a prompt of its own (fresh block keys: a line shares no prefix
+with anything else). A line is of the built-in `flex` tier, as the gateway's batch
+worker sends it: priority -1, TTFT SLO `FLEX_TTFT_FACTOR` times the run's, the run's
+TBT SLO.
 
 Each try of a line is a request of its own (`cmpl-<batch>-<line>-<try>`, as the
 gateway names them). A refused try (`RequestRejected`: `batch_held` under the
