@@ -20,6 +20,7 @@ from yb_conductor.policy import placement_policy
 from yb_conductor.replay import replay
 from yb_core import events as ev
 from yb_core.config import FLEX_TTFT_FACTOR, GatewayConfig, ServiceTier
+from yb_tools.cli.explain import describe_request, render
 
 TIERS = ("priority", "default", "flex")
 
@@ -112,3 +113,23 @@ def test_the_explanation_carries_the_tier_limits(crafted: Any) -> None:
         assert d.explain.ttft_limit_s == pytest.approx(tiers[name].ttft_slo_s * factor)
         assert d.explain.tbt_limit_s == pytest.approx(tiers[name].tbt_slo_s * factor)
     assert not replay(c.records).divergences
+
+
+def test_yb_explain_names_the_tier_and_a_batch_lines_due_time(crafted: Any) -> None:
+    c = crafted()
+    c.hosts(1)
+    tiers = _tiers(ttft_slo_s=2.0, tbt_slo_s=0.05)
+    request = _request("flex", tiers["flex"])
+    request.request_id = "r-flex"
+    d = c.feed(request)[0]
+    assert isinstance(d, ev.RequestScheduled)
+    (admitted,) = [
+        r.event
+        for r in c.records
+        if isinstance(r.event, ev.RequestAdmitted) and r.event.request_id == "r-flex"
+    ]
+    text = render(1, d, admitted)
+    flex_ttft = 2.0 * FLEX_TTFT_FACTOR
+    assert f"tier flex (priority -1; SLO TTFT {flex_ttft:g}s, TBT 0.05s)" in text
+    line = msgspec.structs.replace(admitted, batch=True, batch_deadline=admitted.time + 3600)
+    assert describe_request(line).endswith("; a Batch API line, due in 3600s")

@@ -34,8 +34,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the decision as JSON")
 
 
-def render(seq: int, decision: ev.Decision) -> str:
-    """The decision and its explanation as text tables."""
+def render(seq: int, decision: ev.Decision, admitted: ev.RequestAdmitted | None = None) -> str:
+    """The decision and its explanation as text tables; with its admission, the
+    request's tier and priority, and whether it is a batch line."""
     lines = []
     x = decision.explain
     est = decision.estimates
@@ -61,6 +62,8 @@ def render(seq: int, decision: ev.Decision) -> str:
             f"  reason: {decision.reason}; Retry-After {decision.retry_after_s:g}s"
         )
     lines.append(head)
+    if admitted is not None:
+        lines.append(f"  {describe_request(admitted)}")
     lines.append(
         f"  estimates: TTFT {est.ttft_s:.4f}s = queue {est.queue_s:.4f} + transfer "
         f"{est.transfer_s:.4f} + prefill {est.prefill_s:.4f}; TBT {est.tbt_s:.4f}s "
@@ -106,6 +109,20 @@ def render(seq: int, decision: ev.Decision) -> str:
                 f"{mark} {d.instance_id:<16} {d.batch:>9} {d.predicted_batch:>9} {d.tbt_s:>8.4f}"
             )
     return "\n".join(lines)
+
+
+def describe_request(admitted: ev.RequestAdmitted) -> str:
+    """What the admission says of the request: its tier, priority and SLO, and, for a
+    batch line, when it is due."""
+    tier = admitted.service_tier or "default"
+    text = (
+        f"tier {tier} (priority {admitted.priority}; SLO TTFT {admitted.slo.ttft_s:g}s, "
+        f"TBT {admitted.slo.tbt_s:g}s)"
+    )
+    if admitted.batch:
+        due = max(0.0, admitted.batch_deadline - admitted.time) if admitted.batch_deadline else 0
+        text += f"; a Batch API line, due in {due:.0f}s"
+    return text
 
 
 def render_plan(seq: int, plan: ev.PoolPlanned) -> str:
@@ -182,5 +199,13 @@ def run(cfg: YbConfig, args: argparse.Namespace) -> int:
             return 1
         if full is not None:
             decision = full
-    print(to_json(decision) if args.json else render(seq, decision))
+    admitted = next(
+        (
+            r.event
+            for r in records
+            if r.seq == decision.admitted_seq and isinstance(r.event, ev.RequestAdmitted)
+        ),
+        None,
+    )
+    print(to_json(decision) if args.json else render(seq, decision, admitted))
     return 0
