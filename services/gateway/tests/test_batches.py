@@ -21,6 +21,9 @@ from gateway_testkit import MODEL, Cluster, GatewayFactory, client_for, error_of
 from yb_core.bus import Bus
 from yb_gateway.batch_lines import BatchLine, ParsedInput, parse_input
 from yb_gateway.batch_store import BatchError, BatchObject, BatchStore, FileObject, LineResult
+from yb_gateway.batches import RETRY_MAX_S, retry_wait_s
+from yb_gateway.errors import rejected
+from yb_gateway.runner import RunResult
 from yb_gateway.service import GatewayService
 from yb_testkit.fixtures import AuthNats
 
@@ -104,6 +107,18 @@ async def file_lines(client: httpx.AsyncClient, file_id: str | None) -> list[dic
 
 
 # --- reading the input ---------------------------------------------------------------
+
+
+def test_a_refused_line_waits_its_back_off_no_less_than_retry_after_jittered() -> None:
+    # The refusal's Retry-After reaches the worker.
+    result = RunResult.of_error("r", rejected("batch_held: held back", 2.4))
+    assert (result.status, result.retry_after_s) == (429, 3.0)
+    # The back-off, or the Retry-After when longer, at most RETRY_MAX_S; then half of
+    # it fixed and half drawn.
+    assert retry_wait_s(0.5, 0.0, 0.0) == 0.25
+    assert retry_wait_s(0.5, 0.0, 1.0) == 0.5
+    assert retry_wait_s(0.5, result.retry_after_s, 0.0) == 1.5
+    assert retry_wait_s(4.0, 30.0, 1.0) == RETRY_MAX_S
 
 
 def test_bad_lines_are_refused_one_by_one_and_the_rest_run() -> None:

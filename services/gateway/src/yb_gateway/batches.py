@@ -17,11 +17,12 @@ Working on a batch (`_BatchRun`):
    (`RequestRunner.run`, as a batch line), at most `batch_concurrency` lines at once in
    this gateway, each within `batch_line_timeout_s` and the batch's window (its
    deadline, which the conductor is told). A 429 or 503 is retried with a back-off
-   until then: the conductor refuses a batch line (`batch_held`) while interactive
-   traffic uses the capacity it would take, and a line held back is neither a result
-   nor a failure until its deadline passes. A line's result is recorded (KV
-   `create`: once, whoever ran it) before it counts as done; the batch's
-   `request_counts` follow every `batch_poll_s`.
+   (`retry_wait_s`: doubling from 0.5 s to 10 s, no less than the refusal's
+   Retry-After, jittered) until then: the conductor refuses a batch line
+   (`batch_held`) while interactive traffic uses the capacity it would take, and a
+   line held back is neither a result nor a failure until its deadline passes. A
+   line's result is recorded (KV `create`: once, whoever ran it) before it counts as
+   done; the batch's `request_counts` follow every `batch_poll_s`.
 3. Finalize: `finalizing`, the output and error files written in input order, then
    `completed` (or `cancelled` / `expired`, the lines never run going to the error
    file with `batch_cancelled` / `batch_expired`).
@@ -42,6 +43,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -89,6 +91,15 @@ RETRIED = frozenset({429, 503})
 #: The back-off between retries of one line: first and longest wait.
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 10.0
+
+
+def retry_wait_s(delay: float, retry_after_s: float, spread: float) -> float:
+    """How long a refused line waits before its next try: the back-off `delay`, no
+    less than the refusal's Retry-After, at most `RETRY_MAX_S`, times
+    `0.5 + spread / 2` (`spread` in [0, 1): "equal jitter", so that lines refused
+    together do not all come back at the same instant)."""
+    return min(RETRY_MAX_S, max(delay, retry_after_s)) * (0.5 + 0.5 * spread)
+
 
 #: How long a batch whose work failed (a bug) is left alone before it is tried again.
 FAILED_BATCH_PAUSE_S = 30.0
@@ -441,8 +452,9 @@ class _BatchRun:
             if answer.status in RETRIED:
                 if self.worker.draining:
                     return None
-                if deadline - time.monotonic() > delay:
-                    await asyncio.sleep(delay)
+                wait = retry_wait_s(delay, answer.retry_after_s, random.random())
+                if deadline - time.monotonic() > wait:
+                    await asyncio.sleep(wait)
                     delay = min(RETRY_MAX_S, delay * 2)
                     continue
                 # Refused until its deadline: it timed out, as docs/batch.md says.

@@ -106,16 +106,20 @@ DEFAULT_RUN = RunOptions()
 @dataclass(frozen=True, slots=True)
 class RunResult:
     """What a request without a connection got: the status code, its request id and
-    the JSON body (the completion, or an OpenAI error object)."""
+    the JSON body (the completion, or an OpenAI error object), and the seconds a
+    refusal asked to wait before trying again (its Retry-After; 0 without one)."""
 
     status: int
     request_id: str
     body: bytes
+    retry_after_s: float = 0.0
 
     @classmethod
     def of_error(cls, request_id: str, error: ApiError) -> RunResult:
         """The result that carries `error`."""
-        return cls(error.status, request_id, _json.encode(error.body()))
+        retry_after = error.headers.get("Retry-After", "")
+        wait = float(retry_after) if retry_after.isdigit() else 0.0
+        return cls(error.status, request_id, _json.encode(error.body()), wait)
 
 
 @dataclass(eq=False)

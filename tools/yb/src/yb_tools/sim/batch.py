@@ -16,9 +16,10 @@ conductor's idle-only rule, any refusal under `batch_idle_only=false`; the gatew
 retries both, 429 and 503) is tried again after the worker's back-off, `RETRY_FIRST_S`
 doubling up to `RETRY_MAX_S` (and no less than the refusal's `retry_after_s`, at
 most `RETRY_MAX_S`), while its deadline is further away than the wait; otherwise the
-line `timed_out`. Unlike the gateway's worker, each wait is jittered (half of it
-drawn at random, seeded): lines queued together would otherwise all retry at the
-same instants, and only the first few of each herd find room. A try the conductor
+line `timed_out`. As in the gateway's worker (`yb_gateway.batches.retry_wait_s`),
+each wait is jittered (half of it drawn at random, here seeded): lines queued
+together would otherwise all retry at the same instants, and only the first few of
+each herd find room. A try the conductor
 placed runs to its end; the line is `completed` (its last token by the deadline),
 `late` (after it), or `failed` (a decode instance refused or cut it short, or its
 prefill never started in time).
