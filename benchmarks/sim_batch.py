@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,18 +135,24 @@ def backlog_size(items: list[TraceItem], params: SimParams, cost: CostModel) -> 
     return min(MAX_LINES, math.ceil(FILL * params.prefill * window / mean_s))
 
 
+def with_baseline(runs: list[Run]) -> Iterator[tuple[Run, PolicyResult]]:
+    """Each run with the result of its workload and load without a backlog (the
+    `none` run, which comes first)."""
+    base: dict[tuple[str, float], PolicyResult] = {}
+    for r in runs:
+        if r.way == "none":
+            base[(r.workload, r.load)] = r.result
+        yield r, base[(r.workload, r.load)]
+
+
 def table(runs: list[Run]) -> str:
     lines = [
         "| workload | load | way | goodput req/s | vs none | TTFT p90 s | vs none "
         "| SLO attainment | lines done | timed out | idle used | makespan s |",
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    base: dict[tuple[str, float], PolicyResult] = {}
-    for r in runs:
+    for r, none in with_baseline(runs):
         res = r.result
-        if r.way == "none":
-            base[(r.workload, r.load)] = res
-        none = base[(r.workload, r.load)]
         b = r.batch
         batch = (
             f"{b.completed}/{b.lines} | {b.timed_out} | {b.idle_used:.1%} | {b.makespan_s:.0f}"
@@ -171,12 +178,8 @@ def figures_of(runs: list[Run], limit: int) -> dict[str, float | int | str]:
         "window_s": WINDOW_S,
         "limit": limit,
     }
-    base: dict[tuple[str, float], PolicyResult] = {}
-    for r in runs:
+    for r, none in with_baseline(runs):
         res = r.result
-        if r.way == "none":
-            base[(r.workload, r.load)] = res
-        none = base[(r.workload, r.load)]
         k = f"{r.workload.replace('-', '_')}_x{str(r.load).replace('.', '_')}_{r.way}"
         figures[f"{k}_goodput_rps"] = round(res.goodput_rps, 4)
         figures[f"{k}_ttft_p90_s"] = round(res.ttft_p90_s, 3)

@@ -381,14 +381,20 @@
       ctx.strokeStyle = "#1d2330";
       ctx.lineWidth = 2;
       ctx.strokeRect(x - 3, row.y + 1, 6, row.h - 3);
-      ctx.setLineDash([4, 3]);
-      ctx.lineWidth = 1;
-      ctx.beginPath();
-      ctx.moveTo(x, AXIS);
-      ctx.lineTo(x, totalHeight);
-      ctx.stroke();
-      ctx.setLineDash([]);
+      dashedRule(x);
     }
+  }
+
+  // A dashed rule down the whole chart at `x`, in the current stroke colour: where a
+  // selected decision happened.
+  function dashedRule(x) {
+    ctx.setLineDash([4, 3]);
+    ctx.lineWidth = 1;
+    ctx.beginPath();
+    ctx.moveTo(x, AXIS);
+    ctx.lineTo(x, totalHeight);
+    ctx.stroke();
+    ctx.setLineDash([]);
   }
 
   function arrow(xa, ya, xb, yb, color, lineWidth) {
@@ -480,13 +486,7 @@
     const s = spans[selected];
     const xa = xOf(r[R.admitted]);
     ctx.strokeStyle = "#1d2330";
-    ctx.setLineDash([4, 3]);
-    ctx.lineWidth = 1;
-    ctx.beginPath();
-    ctx.moveTo(xa, AXIS);
-    ctx.lineTo(xa, totalHeight);
-    ctx.stroke();
-    ctx.setLineDash([]);
+    dashedRule(xa);
     const box = boxOf(selected);
     if (box) {
       ctx.strokeStyle = "#1d2330";
