@@ -89,9 +89,9 @@ SUMMARIES: dict[str, str] = {
         "conversation workload (the paper's engine model, 8 prefill + 8 decode), alone, "
         "beside a backlog of Batch API lines held back by the conductor unless they fit "
         "in idle capacity (`idle`), and beside the same backlog sent as ordinary `flex` "
-        "requests (`naive`); in both, prefill engines pause a line's prefill at its next "
-        "512-token chunk for interactive work. Simulated in virtual time: the same code "
-        "gives the same figures on any machine."
+        "requests (`naive`); in both, prefill engines pause a line's prefill once the "
+        "layer in progress ends (one 80th of a 512-token chunk) for interactive work. "
+        "Simulated in virtual time: the same code gives the same figures on any machine."
     ),
     "elastic_live": (
         "Elastic pools live: `yb up --elastic --max-instances 4` (the tiny model, 1 prefill "

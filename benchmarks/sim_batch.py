@@ -17,7 +17,7 @@ Ways, at each load:
 - `none`: the interactive trace alone;
 - `idle`: plus a backlog of batch lines queued at t = 0 and due `WINDOW_S` later
   (`yb_tools.sim.batch`), the conductor's idle-only rule on (the default), and
-  prefill engines pausing a line's prefill between chunks for interactive work
+  prefill engines pausing a line's prefill between two layers for interactive work
   (`batch_preemption`, the default). The backlog is `FILL` times the lines whose
   prefills alone would fill every prefill instance over the interactive window (at
   the cost model's mean prefill of the trace's prompts), at most `MAX_LINES`, of

@@ -1,12 +1,14 @@
-"""A batch line's prefill yields the engine between its chunks to a job of a higher
+"""A batch line's prefill yields the engine within a layer to a job of a higher
 priority: real prefill and decode services, a real bus, UCX and the tiny model.
 
 The gateway is played by hand. A long preemptible job (priority -1, a batch line's)
 is parked between its first and second chunk (failpoint `prefill.chunk`), so the
-other jobs are provably queued behind it while it computes; released, it pauses
-there for a queued job of a higher priority, and only for one. What the engine
-computed, and in which order, is read off the engine's own calls (`Calls`, which
-wraps the real runner's `prefill`): the outcome holds by construction, not by timing.
+other jobs are provably queued behind it while it computes; released, its engine
+call holds after the first layer of its second chunk for a queued job of a higher
+priority, and only for one, which computes inside it. What the engine computed, and
+in which order, is read off the engine's own calls (`Calls`, which wraps the real
+runner's `prefill` and notes where each call begins and ends): the outcome holds by
+construction, not by timing.
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ LONG = [10 + (i * 7) % 200 for i in range(5 * CHUNK)]
 #: One chunk each, of different lengths (the engine's calls tell them apart by it).
 SHORT = [20 + i for i in range(20)]
 SHORTER = [30 + i for i in range(12)]
-#: Each of LONG's chunks as the engine computes them split: (prompt so far, cached).
-LONG_CHUNKS = [(end, end - CHUNK) for end in range(CHUNK, len(LONG) + 1, CHUNK)]
+#: The batch line's calls when it is parked after its first chunk: that chunk, then
+#: the rest (prompt so far, cached).
+FIRST, REST = (CHUNK, 0), (len(LONG), CHUNK)
 SAMPLING = pr.SamplingParams(
     max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1
 )
@@ -166,23 +169,30 @@ def info_logs() -> Iterator[list[MutableMapping[str, Any]]]:
 
 
 class Calls:
-    """The engine's `prefill` calls, in the order it ran them: (prompt so far, tokens
-    cached), from the real runner, which it still runs."""
+    """The engine's `prefill` calls, from the real runner, which it still runs: where
+    each begins and ends ("begin"/"end", prompt so far, tokens cached), in the order
+    the engine thread got there. A call that computes inside another's hold begins
+    and ends between the other's begin and end."""
 
     def __init__(self, worker: PrefillWorker) -> None:
         runner = worker.engine.runner
         real = runner.prefill
         self._lock = threading.Lock()
-        self._seen: list[tuple[int, int]] = []
+        self._seen: list[tuple[str, int, int]] = []
 
         def prefill(token_ids: Sequence[int], *args: Any, **kwargs: Any) -> Any:
+            call = (len(token_ids), kwargs.get("num_cached_tokens", 0))
             with self._lock:
-                self._seen.append((len(token_ids), kwargs.get("num_cached_tokens", 0)))
-            return real(token_ids, *args, **kwargs)
+                self._seen.append(("begin", *call))
+            try:
+                return real(token_ids, *args, **kwargs)
+            finally:
+                with self._lock:
+                    self._seen.append(("end", *call))
 
         runner.prefill = prefill  # type: ignore[method-assign]
 
-    def since(self, start: int) -> list[tuple[int, int]]:
+    def since(self, start: int) -> list[tuple[str, int, int]]:
         with self._lock:
             return self._seen[start:]
 
@@ -268,7 +278,7 @@ async def start(
     return worker
 
 
-async def test_a_batch_line_pauses_between_chunks_for_a_higher_priority_job(
+async def test_a_batch_line_holds_within_a_layer_for_a_higher_priority_job(
     nats_config: NatsConfig, bus: Bus, tmp_path: Path
 ) -> None:
     gate = Gate(tmp_path / "gate")
@@ -280,7 +290,7 @@ async def test_a_batch_line_pauses_between_chunks_for_a_higher_priority_job(
         alone = Job(bus, LONG, priority=-1, preemptible=False, pair="plain")
         await alone.send()
         expected = outcome(await alone.stream())
-        assert plain_calls.since(0) == [(len(LONG), 0)]
+        assert plain_calls.since(0) == [("begin", len(LONG), 0), ("end", len(LONG), 0)]
         assert len(expected[0]) == 4 and len(expected[2]) == len(LONG) - 1
 
         worker = await start(stack, nats_config, gate)
@@ -296,16 +306,26 @@ async def test_a_batch_line_pauses_between_chunks_for_a_higher_priority_job(
             first = outcome(await interactive.stream())
             paused = outcome(await batch.stream())
 
-        # The interactive job computed between the batch line's first and second
-        # chunks, and the batch line's outcome is the one it gets unpaused.
-        assert calls.since(0) == [LONG_CHUNKS[0], (len(SHORT), 0), *LONG_CHUNKS[1:]]
+        # The interactive job computed inside the batch line's second call, held
+        # after the first layer of its second chunk, and the batch line's outcome is
+        # the one it gets unpaused.
+        short = (len(SHORT), 0)
+        assert calls.since(0) == [
+            ("begin", *FIRST),
+            ("end", *FIRST),
+            ("begin", *REST),
+            ("begin", *short),
+            ("end", *short),
+            ("end", *REST),
+        ]
         assert_same_outcome(paused, expected)
         assert len(first[0]) == 4
         assert preemptions(worker) == 1
         said = [e for e in logs if e["event"] in ("prefill_paused", "prefill_resumed")]
         assert [e["event"] for e in said] == ["prefill_paused", "prefill_resumed"], said
         assert said[0]["for_request"] == interactive.request_id
-        assert said[0]["computed_tokens"] == said[1]["computed_tokens"] == CHUNK
+        for e in said:
+            assert (e["layer"], e["computing"]) == (0, f"{CHUNK}..{2 * CHUNK}"), e
         await pages_back(worker)
 
 
@@ -329,7 +349,11 @@ async def test_a_batch_line_does_not_pause_for_equal_or_lower_priorities(
         for job in (batch, equal, lower):
             outcome(await job.stream())
 
-        assert calls.since(0) == [*LONG_CHUNKS, (len(SHORT), 0), (len(SHORTER), 0)]
+        assert calls.since(0) == [
+            (edge, *call)
+            for call in (FIRST, REST, (len(SHORT), 0), (len(SHORTER), 0))
+            for edge in ("begin", "end")
+        ]
         assert preemptions(worker) == 0
         await pages_back(worker)
 
@@ -365,8 +389,17 @@ async def test_a_paused_batch_line_cancelled_ends_cleanly(
 
         gate.release("prefill.load", interactive)
         outcome(await interactive.stream())
-        # The batch line computed its first chunk only.
-        assert calls.since(0) == [LONG_CHUNKS[0], (len(SHORT), 0)]
+        # The batch line's second call ended where it was held, and the interactive
+        # job computed after it.
+        short = (len(SHORT), 0)
+        assert calls.since(0) == [
+            ("begin", *FIRST),
+            ("end", *FIRST),
+            ("begin", *REST),
+            ("end", *REST),
+            ("begin", *short),
+            ("end", *short),
+        ]
         await pages_back(worker)
 
 

@@ -9,11 +9,14 @@ two KV heads are held by two ranks each).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ import torch
 from yb_engine import DecodeSeq, ModelRunner, PagedKVCache, PrefillSeq
 from yb_engine.architecture import ArchConfig
 from yb_engine.loader import load_model
+from yb_engine.pausing import EnginePause, Loan, PauseAbandoned
 from yb_engine.runner import PrefillChunk
 from yb_engine.tensor_parallel import Shard, check_degree, head_cuts, merge_cuts, owner_ranks
 from yb_engine.tp_instance import (
@@ -169,6 +173,58 @@ def test_a_rank_that_stops_answering_fails_the_instance_at_the_collective_deadli
             runner.decode([DecodeSeq([0, 1], 9, 4)])
     finally:
         os.kill(stopped, signal.SIGCONT)
+        ranks.close()
+
+
+async def test_a_held_call_holds_every_rank_at_the_same_layer(tmp_path: Path) -> None:
+    """A holdable prefill held after its first layer: a second prefill computes inside
+    it on every rank, then it goes on; both give the one process's logits. Then one
+    abandoned where it is held: every rank ends it, and the instance computes on."""
+    path = build_checkpoint("llama", tmp_path / "ckpt")
+    arch = load_model(path).config
+    gen = torch.Generator().manual_seed(7)
+    long: list[int] = torch.randint(3, arch.vocab, (24,), generator=gen).tolist()
+    short: list[int] = torch.randint(3, arch.vocab, (9,), generator=gen).tolist()
+    one = ModelRunner(load_model(path), PagedKVCache(arch, PAGES, BLOCK))
+    want_long = one.prefill(long, list(range(0, 3)), chunk_size=8)
+    want_short = one.prefill(short, list(range(3, 5)))
+    runner, _, ranks = start(path, 2)
+    engine = ThreadPoolExecutor(max_workers=1)  # rank 0's engine thread
+    loans: list[Loan] = []
+    loop = asyncio.get_running_loop()
+
+    def submit(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        return (
+            loans[-1].submit(loop, fn, args) if loans else loop.run_in_executor(engine, fn, *args)
+        )
+
+    def pause() -> EnginePause:
+        made = EnginePause(loop, loans.append, lambda loan: loans.remove(loan))
+        made.wanted = True
+        return made
+
+    try:
+        async with asyncio.timeout(120):
+            held = pause()
+            line = submit(lambda: runner.prefill(long, list(range(0, 3)), chunk_size=8, hold=held))
+            assert await asyncio.shield(held.held) == (0, 0, 8)
+            got_short = await submit(runner.prefill, short, list(range(3, 5)))
+            held.resume()
+            got_long = await line
+            assert rel_err(got_long, want_long) <= TOL
+            assert rel_err(got_short, want_short) <= TOL
+
+            held = pause()
+            line = submit(lambda: runner.prefill(long, list(range(5, 8)), hold=held))
+            await asyncio.shield(held.held)
+            held.abandon()
+            with pytest.raises(PauseAbandoned):
+                await line
+            got_short = await submit(runner.prefill, short, list(range(3, 5)))
+            assert rel_err(got_short, want_short) <= TOL
+        assert ranks._lost is None
+    finally:
+        engine.shutdown(wait=True)
         ranks.close()
 
 

@@ -1,7 +1,7 @@
 """`yb sim` with a batch backlog (`yb_tools.sim.batch`): lines fill an idle cluster,
 are held back and retried under interactive load without changing the interactive
 figures, slow interactive decoding less than the naive way (`batch_idle_only=false`),
-and the log of such a run replays; a line's prefill pauses at a chunk boundary for an
+and the log of such a run replays; a line's prefill pauses at a layer boundary for an
 interactive request (`batch_preemption`), which the conductor prices.
 
 200 requests of Mooncake's synthetic trace at half speed on 2 prefill + 2 decode
@@ -107,7 +107,7 @@ def test_naive_way_slows_interactive_decoding_more(
     idle, _ = runs["idle"]
     naive, sim = runs["naive"]
     assert sim.batch_result is not None and sim.batch_result.completed > 0
-    # Pre-empted at 512-token chunks, neither way's lines move the interactive TTFT
+    # Pre-empted between two layers, neither way's lines move the interactive TTFT
     # p90 here; sent as ordinary flex requests, they crowd the decode batches more.
     assert idle.ttft_p90_s == naive.ttft_p90_s == none.ttft_p90_s
     assert naive.tbt_p90_s > idle.tbt_p90_s >= none.tbt_p90_s
@@ -123,8 +123,9 @@ def test_a_run_with_a_backlog_replays(items: list[TraceItem]) -> None:
 def _preemption_run(preempt: bool) -> tuple[Simulation, float, float]:
     """One 4,096-token batch line on one prefill instance, and an interactive
     request of the same length arriving a third of the way into the line's
-    prefill, in chunks of 512 tokens: (the run, the line's compute, one chunk)."""
-    params = SimParams(prefill=1, decode=1, preempt_tokens=512, batch_lines=1)
+    prefill, in engine chunks of 512 tokens of a model of 80 layers: (the run, the
+    line's compute, one layer of one chunk)."""
+    params = SimParams(prefill=1, decode=1, preempt_tokens=512, model_layers=80, batch_lines=1)
     params = msgspec.structs.replace(params, batch_window_s=600.0)
     bs = block_size_for(params, COST)
     compute = COST.prefill_s(4096)
@@ -145,7 +146,7 @@ def _preemption_run(preempt: bool) -> tuple[Simulation, float, float]:
         settings={"batch_preemption": preempt},
     )
     sim.run()
-    return sim, compute, compute * 512 / 4096
+    return sim, compute, compute * 512 / 4096 / 80
 
 
 def _queue_priced(sim: Simulation) -> float:
@@ -159,16 +160,18 @@ def _queue_priced(sim: Simulation) -> float:
     return decision.estimates.queue_s
 
 
-def test_a_batch_lines_prefill_pauses_at_its_next_chunk_for_an_interactive_request() -> None:
-    sim, compute, chunk = _preemption_run(True)
+def test_a_batch_lines_prefill_pauses_at_its_next_layer_for_an_interactive_request() -> None:
+    sim, compute, step = _preemption_run(True)
     (line,) = sim.batch_jobs
     (job,) = sim.jobs
     assert line.fate == job.fate == "completed"
-    # The interactive prefill starts at the line's next chunk boundary (the third),
-    # not at its end; the line pauses there and resumes when it ends.
-    assert job.prefill_start == pytest.approx(3 * chunk)
-    assert job.prefill_start - job.item.arrival <= chunk
-    assert line.runs == [(0.0, pytest.approx(3 * chunk))]
+    # The interactive prefill starts once the layer the line is computing ends (its
+    # 214th step: 640 in all, the request arriving after a third of them), not at
+    # the end of its chunk or of its prefill; the line pauses there and resumes when
+    # it ends.
+    assert job.prefill_start == pytest.approx(214 * step)
+    assert 0 <= job.prefill_start - job.item.arrival <= step
+    assert line.runs == [(0.0, pytest.approx(214 * step))]
     assert line.prefill_end == pytest.approx(compute + job.prefill_s)
     # The prefill time it took is its own compute, not its pause.
     spans = line.busy_spans()

@@ -51,6 +51,7 @@ class JobQueue:
         self._heap: list[tuple[int, int, QueuedJob]] = []
         self._arrivals = itertools.count()
         self._nonempty = asyncio.Event()
+        self._put: asyncio.Future[None] | None = None
         self.queued_tokens = 0
 
     def qsize(self) -> int:
@@ -71,7 +72,16 @@ class JobQueue:
         heapq.heappush(self._heap, entry)
         self.queued_tokens += len(queued.job.token_ids)
         self._nonempty.set()
+        if self._put is not None and not self._put.done():
+            self._put.set_result(None)
         return sum(1 for other in self._heap if other[:2] <= entry[:2])
+
+    def next_put(self) -> asyncio.Future[None]:
+        """A future that resolves at the next `put_nowait` (shared by its waiters:
+        stop waiting on it, do not cancel it)."""
+        if self._put is None or self._put.done():
+            self._put = asyncio.get_running_loop().create_future()
+        return self._put
 
     def get_nowait(self) -> QueuedJob:
         """The next job; IndexError when none waits."""

@@ -1,14 +1,18 @@
-"""A batch line's prefill yields the engine to more urgent work between its chunks.
+"""A batch line's prefill yields the engine to more urgent work within a layer.
 
 A job marked `PrefillJob.preemptible` (a line of the OpenAI Batch API) that computes
-alone computes its uncached suffix one chunk per engine call: the same chunks as one
-call, so the same KV and the same first token. Between two chunks it pauses when the
-queue's head has a higher priority and could start at once (the engine has the
-pages for its prompt, and room for one more job). Paused, it counts as having left
-the engine (`EngineTurn.left`), so the queue loop starts the head's group; it
-resumes once the work started ahead of it has left the engine and no job of a
-higher priority than its own waits (`Pauses`). The last job paused resumes first: it
-paused for a job of a higher priority than its own, which is what started after it.
+alone pauses when the queue's head has a higher priority and could start at once
+(the engine has the pages for its prompt, and room for one more job). On an engine
+of one device its engine call holds after the layer it is computing
+(`yb_engine.pausing`): a layer of a chunk, not the whole chunk, is what the urgent
+job waits for. On a tensor-parallel engine, whose ranks compute each forward in
+step, it computes one chunk per engine call instead (the same chunks as one call:
+the same KV and the same first token) and pauses between two. Paused, it counts as
+having left the engine (`EngineTurn.left`), so the queue loop starts the head's
+group; it resumes once the work started ahead of it has left the engine and no job
+of a higher priority than its own waits (`Pauses`), and goes on exactly where it
+stopped. The last job paused resumes first: it paused for a job of a higher
+priority than its own, which is what started after it.
 
 A paused job holds what it held: its pages, its decode reservation (which lasts
 until the request's deadline, so decode never gives it up before the job itself
@@ -70,7 +74,7 @@ class _Paused:
 
 
 class Pauses:
-    """The jobs paused between two chunks, the last paused on top."""
+    """The jobs paused, the last paused on top."""
 
     def __init__(self, liveness: Liveness) -> None:
         self._liveness = liveness

@@ -23,10 +23,12 @@ before; the others of a group, for their group's first: see `_compute_and_stream
 meanwhile it computes, and what it computes waits.
 
 A batch line's job (`PrefillJob.preemptible`) computing alone is the exception to
-"one group at a time": it computes a chunk per engine call and, between two chunks,
-pauses for a queued job of a higher priority, which starts meanwhile; it resumes once
-that has left the engine (`preemption.py`). Every other job, once started, computes
-to its end (the stage of a prefill group, `stage.py`, never pauses its jobs).
+"one group at a time": when a job of a higher priority is queued, its engine call
+holds between two layers (`yb_engine.pausing`; on a tensor-parallel engine every
+rank holds at the same layer) and the other job starts meanwhile, computing on the
+same engine thread; the line goes on from the next layer once that has left the
+engine (`preemption.py`). Every other job, once started, computes to its end (the
+stage of a prefill group, `stage.py`, never pauses its jobs).
 
 Whatever ends a job early gives back what it held: the decode reservation, and its
 pages here (its full blocks stay cached, the new ones are uploaded to the host's
@@ -37,8 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from nats.aio.msg import Msg
 from opentelemetry import trace
@@ -67,6 +70,7 @@ from yb_dataplane.worker import Capacity, Worker, WorkerContext, decided_before
 from yb_engine.choice_sampling import Sampled, sample_first_tokens
 from yb_engine.host import EngineGauges, EngineHost
 from yb_engine.kv_cache import OutOfPages
+from yb_engine.pausing import EnginePause
 from yb_engine.runner import LayerReady, PrefillSeq, RowLogits
 from yb_engine.tensor_parallel import transfer_cuts
 from yb_prefill.batching import ComputeBatch, Outcome, take_group
@@ -90,6 +94,10 @@ MAX_QUEUE = 256
 #: while the next group computes: the queue starts no job while `MAX_FINISHING` times
 #: `batch_jobs` jobs are started and not ended.
 MAX_FINISHING = 4
+#: How often a preemptible job's compute looks again whether the queue's head
+#: outranks it, besides at each new job (the head may be waiting for pages).
+PAUSE_CHECK_S = 0.01
+T = TypeVar("T")
 
 #: A job's compute on the engine thread: (job, its pages, tokens cached, its stream).
 _Part = tuple[pr.PrefillJob, list[int], int, LayerStreamer]
@@ -171,7 +179,8 @@ class PrefillMetrics:
         )
         self.preemptions = Counter(
             "yb_prefill_preemptions_total",
-            "Pauses of a batch line's compute between two chunks for a job of a higher priority",
+            "Pauses of a batch line's compute for a job of a higher priority (between two "
+            "layers; two chunks on a tensor-parallel engine)",
             registry=registry,
         )
         self.cached = Gauge(
@@ -244,7 +253,7 @@ class PrefillWorker(JobOwner, Worker):
         self._prompt_logprobs: dict[int, list[pr.TokenLogprob]] = {}
         self._scorers: dict[int, PromptScorer] = {}
         self.liveness = Liveness()
-        # The preemptible jobs paused between two chunks (`preemption.py`).
+        # The preemptible jobs paused (`preemption.py`).
         self._pauses = Pauses(self.liveness)
         self._draining = False
         # While it drains: where its `InstanceDraining` is in the log (0: refuse all).
@@ -335,7 +344,7 @@ class PrefillWorker(JobOwner, Worker):
         the pages for the head's whole prompt or nothing else to wait for (the pages
         of jobs still finishing, and of uploads in flight, come back when they end: a
         job that could have them must not fail for want of them;
-        `_must_wait_for_pages`). A job paused between two chunks (`preemption.py`)
+        `_must_wait_for_pages`). A paused job (`preemption.py`)
         has left the engine; it gets it back, before anything else starts, once the
         queue's head no longer goes first (`_outranks`) or it has paused long
         enough (`preemption.MAX_PAUSED_S`). Cancelled (shutdown), it cancels every
@@ -932,52 +941,82 @@ class PrefillWorker(JobOwner, Worker):
         turn: EngineTurn,
         ready: LayerReady | None = None,
     ) -> list[Sampled]:
-        """`_compute` on the engine thread, in several calls at chunk boundaries (the
-        same boundaries as one call's: the same KV, the same first token) where
-        something may happen between two chunks, so the engine thread is never the
-        one that waits (but on a prefix still landing: `ready`, before each layer of
-        the first chunk): with failpoint `prefill.chunk` armed at k, its hold before
-        chunk k; for a preemptible job computing alone, a call per chunk and a pause
-        between two for a job of a higher priority (`_yield_engine`)."""
+        """`_compute` on the engine thread. With failpoint `prefill.chunk` armed at k,
+        in two calls cut at chunk k's start (a chunk boundary of one call: the same KV,
+        the same first token), holding between them on the event loop, so the engine
+        thread is never the one that waits on a test. A preemptible job's calls may
+        hold between two layers (`_engine_compute`), lending the engine thread to more
+        urgent work meanwhile."""
         batch = self._batch_of.get(id(job))
         if batch is not None:
             return await batch.compute(job, (job, pages, cached, streamer))
         n, chunk = len(job.token_ids), self.pcfg.chunk_size
         k = self.failpoints.count("prefill.chunk")
         hold = cached + k * chunk if k is not None else n
-        stops = set(range(cached + chunk, n, chunk)) if job.preemptible else set()
         if hold < n:
-            stops.add(hold)
-        for stop in sorted(stops):
-            if stop > cached:
-                await self.engine.call(
-                    self._compute_part, job, pages, cached, stop, streamer, ready
-                )
-                cached, ready = stop, None
-            if stop == hold:
-                await self.failpoint(job, "prefill.chunk")
-                self.liveness.check(job)
-            if job.preemptible:
-                await self._yield_engine(job, turn, cached)
-        return await self.engine.call(self._compute, job, pages, cached, streamer, ready)
+            await self._engine_compute(
+                job, turn, self._compute_part, job, pages, cached, hold, streamer, ready
+            )
+            cached, ready = hold, None
+            await self.failpoint(job, "prefill.chunk")
+            self.liveness.check(job)
+        return await self._engine_compute(
+            job, turn, self._compute, job, pages, cached, streamer, ready
+        )
 
-    async def _yield_engine(self, job: pr.PrefillJob, turn: EngineTurn, computed: int) -> None:
-        """Between two chunks of a preemptible job (`computed`: the prompt's tokens
-        whose KV it has): pause while the queue's head outranks it (`_outranks`) and
-        the work started ahead of it computes; what it holds stays held, its deadline
-        and a cancel end the pause (and the job: `liveness.check`). A job that has
-        paused `preemption.MAX_PAUSED_S` in all pauses no more."""
-        if not turn.may_pause() or not self._outranks(job.priority):
-            return
-        head = self._queue.head(1)[0].job
+    async def _engine_compute(
+        self, job: pr.PrefillJob, turn: EngineTurn, fn: Callable[..., T], *args: Any
+    ) -> T:
+        """`fn(*args, pause)` on the engine thread. A preemptible job's call gets an
+        `EnginePause`: whenever the queue's head outranks the job (`_outranks`,
+        looked at on each new job and every `PAUSE_CHECK_S`), the call holds after
+        the layer it is computing and the job sits out (`_sit_out`) while the head
+        computes on the same thread; then it goes on from the next layer. Every
+        other call gets no pause (None)."""
+        if not job.preemptible:
+            return await self.engine.call(fn, *args, None)
+        pause = self.engine.pause_point()
+        pause.wanted = turn.may_pause() and self._outranks(job.priority)
+        call = self.engine.submit(fn, *args, pause)
+        try:
+            while not call.done():
+                waits: set[asyncio.Future[Any]] = {call, pause.held, self._queue.next_put()}
+                await asyncio.wait(
+                    waits,
+                    timeout=PAUSE_CHECK_S,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if pause.held.done() and not call.done():
+                    layer, start, end = pause.held.result()
+                    await self._sit_out(job, turn, f"{start}..{end}", layer)
+                    pause.resume()
+                pause.wanted = turn.may_pause() and self._outranks(job.priority)
+            return call.result()
+        finally:
+            # Ended early (the job failed while it sat out, or was cancelled): the
+            # call ends at its next layer boundary; its error is the job's already.
+            pause.abandon()
+            call.add_done_callback(_retrieved)
+
+    async def _sit_out(
+        self, job: pr.PrefillJob, turn: EngineTurn, computing: str, layer: int | None = None
+    ) -> None:
+        """A preemptible job pauses (`computing`: the prompt positions it is computing,
+        or has computed; `layer`: the layer it holds after, when it holds inside a
+        call) while the queue's head outranks it and the work started ahead of it
+        computes; what it holds stays held, and its deadline and a cancel end the
+        pause and the job (`liveness.check` raises). It sits out at most
+        `preemption.MAX_PAUSED_S` in all (`EngineTurn.may_pause`)."""
+        head = self._queue.head(1)
         self.metrics.preemptions.inc()
         log.info(
             "prefill_paused",
-            computed_tokens=computed,
+            computing=computing,
+            layer=layer,
             prompt_tokens=len(job.token_ids),
             priority=job.priority,
-            for_request=head.request_id,
-            for_priority=head.priority,
+            for_request=head[0].job.request_id if head else None,
+            for_priority=head[0].job.priority if head else None,
         )
         paused_at = time.monotonic()
         resumed = await self._pauses.pause(job, turn)
@@ -986,7 +1025,8 @@ class PrefillWorker(JobOwner, Worker):
             raise pr.JobFailed("prefill ended while paused", status=500)
         log.info(
             "prefill_resumed",
-            computed_tokens=computed,
+            computing=computing,
+            layer=layer,
             paused_s=round(time.monotonic() - paused_at, 4),
             paused_total_s=round(turn.paused_s, 4),
         )
@@ -999,6 +1039,7 @@ class PrefillWorker(JobOwner, Worker):
         end: int,
         streamer: LayerStreamer,
         ready: LayerReady | None = None,
+        pause: EnginePause | None = None,
     ) -> None:
         """Engine thread: compute the KV of tokens [num_cached_tokens, end) only (and
         keep their logits rows when the prompt's logprobs are asked for)."""
@@ -1010,6 +1051,7 @@ class PrefillWorker(JobOwner, Worker):
             layer_hook=streamer.on_layer,
             row_logits=self._scorer(job),
             layer_ready=ready,
+            hold=pause,
         )
 
     def _compute(
@@ -1019,11 +1061,13 @@ class PrefillWorker(JobOwner, Worker):
         num_cached_tokens: int,
         streamer: LayerStreamer,
         ready: LayerReady | None = None,
+        pause: EnginePause | None = None,
     ) -> list[Sampled]:
         """Engine thread: run the prefill over the uncached suffix, sample each choice's
         first token (with the code the decode batcher samples with). A job that asks
         for its prompt's logprobs computes every row's logits (its whole prompt: it
-        reused nothing) and reads them from those."""
+        reused nothing) and reads them from those. With `pause`, the call may hold
+        between two layers (`_engine_compute`)."""
         score = self._scorer(job)
         logits = self.engine.runner.prefill(
             job.token_ids,
@@ -1033,6 +1077,7 @@ class PrefillWorker(JobOwner, Worker):
             layer_hook=streamer.on_layer,
             row_logits=score,
             layer_ready=ready,
+            hold=pause,
         )
         if score is not None:
             self._prompt_logprobs[id(job)] = self._scorers.pop(id(job)).entries
@@ -1114,6 +1159,13 @@ def _prefix_attributes(job: pr.PrefillJob, prefix: Prefix) -> dict[str, Attribut
     for tier, tokens in prefix.tokens_by_tier.items():
         attributes[f"yb.reused_tokens.{tier}"] = tokens
     return attributes
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Read a finished future's exception, so that one nobody awaits any more (a call
+    abandoned with its job) is not reported as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _engine_barrier() -> None:

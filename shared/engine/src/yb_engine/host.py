@@ -4,11 +4,17 @@ Torch work must not run on the event loop (it would stall heartbeats, NATS pings
 UCX progress), and the runner's cache and allocator are not thread-safe, so every
 model call and every page allocation goes through `EngineHost.call`, which runs it on
 a single dedicated thread in submission order.
+
+A call may lend that thread out from inside itself (`EnginePause`, `yb_engine.pausing`):
+held at a layer boundary, it runs what is submitted meanwhile, then goes on with its
+own state where it stopped. That is how a prefill pauses a batch line's forward pass
+for an interactive prompt without waiting for the end of its chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -18,6 +24,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from yb_core.config import EngineConfig, YbConfig
 from yb_core.telemetry import get_logger
 from yb_engine.models import load_engine_model, load_engine_stage
+from yb_engine.pausing import EnginePause, Loan
 
 if TYPE_CHECKING:
     import torch
@@ -101,6 +108,10 @@ class EngineHost:
         self.runner = runner
         self.kv = kv
         self.ranks = ranks
+        # The engine thread lent out by calls held at a layer boundary, innermost last
+        # (`EnginePause`): while any is, what is submitted runs in the innermost.
+        self._loans: list[Loan] = []
+        self._loans_lock = threading.Lock()
 
     @property
     def tensor_parallel(self) -> int:
@@ -150,12 +161,39 @@ class EngineHost:
 
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Queue `fn(*args)` on the engine thread; the future of its result (no task
-        of its own: cancelling the future does not stop a call already running)."""
-        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        of its own: cancelling the future does not stop a call already running).
+        While a call is held at a layer boundary, the thread runs it there."""
+        loop = asyncio.get_running_loop()
+        with self._loans_lock:
+            if self._loans:
+                return self._loans[-1].submit(loop, fn, args)
+        return loop.run_in_executor(self._executor, fn, *args)
+
+    def pause_point(self) -> EnginePause:
+        """A pause for one prefill call (`ModelRunner.prefill`'s `hold`): event loop
+        only. On a tensor-parallel instance every rank holds with rank 0
+        (`TensorParallelRunner.holding_hook`)."""
+        return EnginePause(asyncio.get_running_loop(), self._lend, self._take_back)
+
+    def _lend(self, loan: Loan) -> None:
+        """Engine thread: a held call lends the thread; submissions go to `loan`."""
+        with self._loans_lock:
+            self._loans.append(loan)
+
+    def _take_back(self, loan: Loan) -> None:
+        """Event loop: `loan` ends; submissions go where they went before it."""
+        with self._loans_lock:
+            if loan in self._loans:
+                self._loans.remove(loan)
 
     def close(self) -> None:
         """Stop the engine thread after the work already submitted, and the other
-        ranks of a tensor-parallel instance."""
+        ranks of a tensor-parallel instance. A call held at a layer boundary is
+        abandoned (its hook raises), so the thread is not left waiting."""
+        with self._loans_lock:
+            loans, self._loans = self._loans, []
+        for loan in loans:
+            loan.end(abandon=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.ranks is not None:
             self.ranks.close()

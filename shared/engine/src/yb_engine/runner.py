@@ -27,6 +27,7 @@ from yb_engine.attention import AttentionBackend, host_ints, select_backend
 from yb_engine.decoder import Chunk, Decoder, Keep, LayerHook, LayerReady, Step
 from yb_engine.kv_cache import PagedKVCache
 from yb_engine.loader import LoadedModel
+from yb_engine.pausing import EnginePause
 from yb_engine.tensor_parallel import TPGroup
 
 __all__ = [
@@ -163,6 +164,7 @@ class ModelRunner:
         all_logits: bool = False,
         row_logits: RowLogits | None = None,
         layer_ready: LayerReady | None = None,
+        hold: EnginePause | None = None,
     ) -> torch.Tensor:
         """Compute the KV of `token_ids[num_cached_tokens:]` and the next-token logits.
 
@@ -184,11 +186,14 @@ class ModelRunner:
         `row_logits(start, rows)` instead hands over each chunk's rows as they are
         computed (`rows` follow tokens `start ..`), so no more than one chunk's logits
         is ever held (a long prompt's `[n, vocab]` float32 would not fit), and the
-        call returns the last row only.
+        call returns the last row only. With `hold`, the call may hold after any layer
+        (after `layer_hook` ran) and lend the engine thread meanwhile
+        (`yb_engine.pausing`); it raises `PauseAbandoned` where it is abandoned.
         """
         self.check_prefill(
             token_ids, block_table, num_cached_tokens, chunk_size, all_logits, row_logits
         )
+        layer_hook = self.holding_hook(layer_hook, hold)
         n = len(token_ids)
         block_size = self.cache.block_size
         with torch.inference_mode():
@@ -218,6 +223,19 @@ class ModelRunner:
             if all_logits:
                 return torch.cat(rows) if len(rows) > 1 else rows[0]
             return decoder.logits(hidden[-1:])[0]
+
+    def holding_hook(self, hook: LayerHook | None, hold: EnginePause | None) -> LayerHook | None:
+        """`hook`, then `hold`'s decision at the same layer boundary (once the layer's
+        KV went out: what is held was computed)."""
+        if hold is None:
+            return hook
+
+        def at_layer(layer: int, start: int, end: int) -> None:
+            if hook is not None:
+                hook(layer, start, end)
+            hold.at_layer(layer, start, end)
+
+        return at_layer
 
     def check_prefill(
         self,

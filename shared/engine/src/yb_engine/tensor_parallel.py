@@ -200,6 +200,12 @@ class TPGroup:
         self.pg.allreduce([t]).wait()
         return t
 
+    def agree(self, value: int) -> int:
+        """Rank 0's `value` on every rank (the others pass 0): what a holdable call
+        does at a layer boundary (`yb_engine.pausing`), decided once for all."""
+        t = torch.tensor([value if self.rank == 0 else 0], dtype=torch.int32)
+        return int(self.all_reduce(t).item())
+
     def embed(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Embeddings `[T, hidden]` of `ids` from the vocabulary rows this rank holds
         (`rows`, its share): its own rows, zeros for the others', summed."""

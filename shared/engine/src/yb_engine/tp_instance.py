@@ -59,6 +59,7 @@ from yb_engine.architecture import ArchConfig
 from yb_engine.kv_cache import PagedKVCache
 from yb_engine.kv_quant import storage_dtype
 from yb_engine.loader import LoadedModel
+from yb_engine.pausing import GO, HOLD, EnginePause, PauseAbandoned
 from yb_engine.runner import (
     DecodeSeq,
     LayerHook,
@@ -131,6 +132,10 @@ class PrefillCall(msgspec.Struct, frozen=True, tag="prefill"):
     #: Which logits rank 0 asked for: each kind computes (and gathers) a different
     #: number of times, and every rank must meet in every gather.
     logits: Literal["last", "all", "rows"]
+    #: Whether the call may hold between two layers (`yb_engine.pausing`): then every
+    #: rank meets rank 0's decision after each layer (`TPGroup.agree`); held, it
+    #: computes the calls that come meanwhile, until `ResumeCall` or `AbandonCall`.
+    holdable: bool = False
 
 
 class PrefillBatchCall(msgspec.Struct, frozen=True, tag="prefill_batch"):
@@ -150,7 +155,17 @@ class StopCall(msgspec.Struct, frozen=True, tag="stop"):
     pass
 
 
-RankCall = PrefillCall | PrefillBatchCall | DecodeCall | MixedCall | StopCall
+class ResumeCall(msgspec.Struct, frozen=True, tag="resume"):
+    """The innermost held call goes on from the next layer."""
+
+
+class AbandonCall(msgspec.Struct, frozen=True, tag="abandon"):
+    """The innermost held call ends where it is held."""
+
+
+RankCall = (
+    PrefillCall | PrefillBatchCall | DecodeCall | MixedCall | StopCall | ResumeCall | AbandonCall
+)
 
 _HEADER = struct.Struct("<I")
 _encoder = msgspec.msgpack.Encoder()
@@ -459,6 +474,7 @@ class TensorParallelRunner(ModelRunner):
         all_logits: bool = False,
         row_logits: RowLogits | None = None,
         layer_ready: LayerReady | None = None,
+        hold: EnginePause | None = None,
     ) -> torch.Tensor:
         if layer_ready is not None:
             # The other ranks read their pages without waiting on rank 0's arrivals.
@@ -470,7 +486,14 @@ class TensorParallelRunner(ModelRunner):
             "all" if all_logits else "rows" if row_logits is not None else "last"
         )
         self.ranks.send(
-            PrefillCall(list(token_ids), list(block_table), num_cached_tokens, chunk_size, kind)
+            PrefillCall(
+                list(token_ids),
+                list(block_table),
+                num_cached_tokens,
+                chunk_size,
+                kind,
+                holdable=hold is not None,
+            )
         )
         return self._together(
             lambda: super(TensorParallelRunner, self).prefill(
@@ -481,8 +504,34 @@ class TensorParallelRunner(ModelRunner):
                 layer_hook,
                 all_logits=all_logits,
                 row_logits=row_logits,
+                hold=hold,
             )
         )
+
+    def holding_hook(self, hook: LayerHook | None, hold: EnginePause | None) -> LayerHook | None:
+        """After each layer (and `hook`), every rank meets rank 0's decision
+        (`TPGroup.agree`): all go on, all hold, or all end the call. Held, rank 0
+        lends its engine thread; the calls it makes meanwhile reach the other ranks,
+        which compute them inside their own held call, and its `ResumeCall` or
+        `AbandonCall` ends their hold where it ends rank 0's."""
+        if hold is None:
+            return hook
+        tp = self.decoder.tp
+        assert tp is not None
+
+        def at_layer(layer: int, start: int, end: int) -> None:
+            if hook is not None:
+                hook(layer, start, end)
+            step = tp.agree(hold.decide())
+            if step == HOLD:
+                resumed = hold.hold(layer, start, end)
+                self.ranks.send(ResumeCall() if resumed else AbandonCall())
+                if resumed:
+                    return
+            if step != GO:
+                raise PauseAbandoned(f"abandoned after layer {layer}")
+
+        return at_layer
 
     def prefill_batch(self, seqs: Sequence[PrefillSeq]) -> torch.Tensor:
         if not seqs:

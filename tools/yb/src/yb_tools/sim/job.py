@@ -29,12 +29,13 @@ class Job:
     (`kv_exhausted`; 0 otherwise). `line`: the batch line (`yb_tools.sim.batch`) this
     is a try of (-1: an interactive request).
 
-    A batch line's prefill can be paused between chunks (`Simulation._pause`): `done_at`
-    is when the run in progress ends (-1 while paused or not started), `left_s` the work
-    a paused prefill has left, `chunk_s` one chunk of its compute and `compute_from`
-    when the compute of the run in progress began (its chunk boundaries count from
-    there), `pause_at` the boundary it pauses at (-1: none); `runs` the spans it ran
-    before its last run, for the prefill time it took (`busy_spans`).
+    A batch line's prefill can be paused between two layers (`Simulation._pause`):
+    `done_at` is when the run in progress ends (-1 while paused or not started),
+    `left_s` the work a paused prefill has left, `step_s` one layer of one engine chunk
+    of its compute (how far apart the points it may pause at are) and `compute_from`
+    when the compute of the run in progress began (its steps count from there),
+    `pause_at` the boundary it pauses at (-1: none); `runs` the spans it ran before its
+    last run, for the prefill time it took (`busy_spans`).
     """
 
     item: TraceItem
@@ -62,7 +63,7 @@ class Job:
     line: int = -1
     done_at: float = -1.0
     left_s: float = 0.0
-    chunk_s: float = 0.0
+    step_s: float = 0.0
     compute_from: float = 0.0
     pause_at: float = -1.0
     runs: list[tuple[float, float]] = field(default_factory=list)

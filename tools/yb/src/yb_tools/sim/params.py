@@ -48,10 +48,11 @@ class SimParams(msgspec.Struct, kw_only=True, frozen=True):
     Each group splits `model_layers` as evenly as it can (earlier stages take the
     extra layers) and cuts prompts into chunks of `chunk_tokens`. A group's stages
     keep their hosts; what the group computes goes into its first stage's host pool.
-    A whole-model instance pauses a batch line's prefill at a boundary of its
-    `preempt_tokens` chunks (512, the engines' `prefill.chunk_size`) for work of a
-    higher priority (with the conductor's `batch_preemption`, the default); a group
-    never pauses one.
+    A whole-model instance pauses a batch line's prefill for work of a higher
+    priority (with the conductor's `batch_preemption`, the default) once the layer it
+    is computing ends, as the engines hold a call between two layers: one
+    `model_layers`-th of a chunk of `preempt_tokens` (512, the engines'
+    `prefill.chunk_size`) later at most. A group never pauses one.
 
     `piggyback`: the decode instances take prompts into their batch (the conductor
     sends one there when its TTFT is lower than through the prefill pool); each then

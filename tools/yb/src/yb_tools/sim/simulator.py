@@ -597,24 +597,24 @@ class Simulation:
 
     def _pause_later(self, p: int, t: float) -> None:
         """Work of a higher priority than the batch line prefilling on `p` waits: the
-        line pauses at its next chunk boundary, after at least one chunk of its run
-        (when it would not end first)."""
+        line pauses once the layer it is computing ends (its next step), after at
+        least one step of its run (when it would not end first)."""
         inst = self.prefills[p]
         job = inst.current
-        if not self.preempt or job is None or job.line < 0 or job.chunk_s <= 0.0:
+        if not self.preempt or job is None or job.line < 0 or job.step_s <= 0.0:
             return
         if not inst.queue or -inst.queue[0][0] <= job.priority:
             return
         if job.pause_at >= t:
             return  # paused at the next boundary already
-        chunks = max(1, math.ceil((t - job.compute_from) / job.chunk_s - 1e-9))
-        at = job.compute_from + chunks * job.chunk_s
+        steps = max(1, math.ceil((t - job.compute_from) / job.step_s - 1e-9))
+        at = job.compute_from + steps * job.step_s
         if at < job.done_at - 1e-9:
             job.pause_at = at
             self._push(at, _PAUSE, p, job)
 
     def _pause(self, p: int, job: Job, t: float) -> None:
-        """Pause `job` (a batch line's prefill) on `p` at a chunk boundary, if work
+        """Pause `job` (a batch line's prefill) on `p` at a layer boundary, if work
         of a higher priority still waits, and start that work; the line keeps its
         place ahead of the rest of its priority."""
         inst = self.prefills[p]
@@ -712,18 +712,20 @@ class Simulation:
                 work += cost.load_s(pulled, bs, "dram", remote=True)
             compute = cost.prefill_s(new, cached)
             work += compute
-            if job.line >= 0 and new > self.params.preempt_tokens:
-                job.chunk_s = compute * self.params.preempt_tokens / new
+            if job.line >= 0 and new > 0:
+                # One layer of one engine chunk: how far apart the points it may
+                # hold at are.
+                chunk = min(new, self.params.preempt_tokens)
+                job.step_s = compute * chunk / new / self.params.model_layers
         jitter = self.params.jitter
-        if jitter:
-            scale = 1.0 + jitter * (2.0 * self.rng.random() - 1.0)
-            work *= scale
-            job.chunk_s *= scale
+        scale = 1.0 + jitter * (2.0 * self.rng.random() - 1.0) if jitter else 1.0
+        work *= scale
+        job.step_s *= scale
         job.prefill_start = t
         job.prefill_s = work
         job.reused_local = local
         job.reused_remote = pulled
-        job.compute_from = t + work - job.chunk_s * new / self.params.preempt_tokens
+        job.compute_from = t + work - (compute * scale if job.step_s > 0.0 else 0.0)
         job.done_at = t + work
         inst.current = job
         inst.busy_until = t + work
