@@ -22,6 +22,7 @@ from yb_engine import (
     new_generator,
     tiny_random_model,
 )
+from yb_engine import batcher as batcher_module
 from yb_text.detokenize import IncrementalDetokenizer, StopStringFilter
 
 BLOCK = 4  # small pages, so decoding crosses page boundaries often
@@ -42,12 +43,20 @@ class Engine:
         self.runner = ModelRunner(model, self.cache)
         self.batcher = DecodeBatcher(self.runner, self.alloc, model.tokenizer, max_batch)
 
-    def add(self, rid: str, ids: list[int], params: SamplingParams) -> int:
+    def add(
+        self,
+        rid: str,
+        ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        preemptible: bool = False,
+    ) -> int:
         """Prefill like the prefill engine does, then hand the request to the batcher."""
         pages = self.alloc.allocate(self.cache.pages_for(len(ids)))
         logits = self.runner.prefill(ids, pages)
         first = Sampler().sample(logits[None], [params], [new_generator(params)])[0]
-        self.batcher.add(rid, ids, pages, first, params)
+        self.batcher.add(rid, ids, pages, first, params, priority=priority, preemptible=preemptible)
         return first
 
     def run(self) -> dict[str, list[TokenOutput]]:
@@ -118,6 +127,76 @@ def test_batch_with_waiting_requests_equals_solo_runs(model: LoadedModel) -> Non
     batched = engine.run()
     for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         assert tokens(batched[f"r{i}"]) == tokens(solo(model, ids, p)), f"request r{i}"
+    assert engine.alloc.num_used == 0
+
+
+def test_a_preemptible_request_gives_its_slot_to_a_higher_priority(model: LoadedModel) -> None:
+    """Two batch lines fill the batch; an interactive request takes the newest one's
+    slot at once, which waits with its KV and goes on once a slot frees: every
+    request's tokens are its solo run's. A request of the lines' own priority, or one
+    not pre-emptible, takes no slot."""
+    engine = Engine(model, max_batch=2)
+    now = [0.0]
+    engine.batcher.clock = lambda: now[0]
+    long = msgspec.structs.replace(GREEDY, max_tokens=12)
+    lines = {f"line{i}": prompt(9 + i, 40 + i) for i in range(2)}
+    for rid, ids in lines.items():
+        engine.add(rid, ids, long, priority=-1, preemptible=True)
+    out: dict[str, list[TokenOutput]] = {}
+
+    def step() -> None:
+        for o in engine.batcher.step():
+            out.setdefault(o.request_id, []).append(o)
+
+    for _ in range(3):
+        step()
+    same = prompt(7, 50)
+    engine.add("same", same, GREEDY, priority=-1)  # the lines' priority: waits
+    step()
+    assert engine.batcher.num_waiting == 1 and engine.batcher.preemptions == 0
+    chat = prompt(5, 51)
+    engine.add("chat", chat, GREEDY)
+    before = {rid: len(tokens(out.get(rid, []))) for rid in lines}
+    step()
+    # The newest line gave its slot up and made no progress; the other ran.
+    assert engine.batcher.preemptions == 1
+    assert len(tokens(out["line1"])) == before["line1"]
+    assert len(tokens(out["line0"])) == before["line0"] + 1
+    assert tokens(out["chat"])
+    while engine.batcher.has_work():
+        step()
+    for rid, ids, p in [*((r, i, long) for r, i in lines.items()), ("chat", chat, GREEDY)]:
+        assert tokens(out[rid]) == tokens(solo(model, ids, p)), rid
+    assert tokens(out["same"]) == tokens(solo(model, same, GREEDY))
+    assert engine.alloc.num_used == 0
+
+
+def test_a_preemptible_request_paused_long_enough_pauses_no_more(model: LoadedModel) -> None:
+    engine = Engine(model, max_batch=1)
+    now = [0.0]
+    engine.batcher.clock = lambda: now[0]
+    line = prompt(9, 60)
+    engine.add(
+        "line", line, msgspec.structs.replace(GREEDY, max_tokens=40), preemptible=True, priority=-1
+    )
+    engine.batcher.step()
+    engine.add("chat0", prompt(5, 61), msgspec.structs.replace(GREEDY, max_tokens=40))
+    engine.batcher.step()
+    assert engine.batcher.preemptions == 1 and engine.batcher.num_waiting == 1
+    now[0] = batcher_module.MAX_PAUSED_S
+    # Overdue: it takes the next slot ahead of a request of a higher priority, and
+    # then keeps it.
+    engine.batcher.abort("chat0")
+    engine.add("chat1", prompt(5, 62), GREEDY)
+    outs = engine.batcher.step()
+    assert any(o.request_id == "line" and o.token_id is not None for o in outs)
+    engine.add("chat2", prompt(5, 63), GREEDY)
+    engine.batcher.step()
+    assert engine.batcher.preemptions == 1
+    assert engine.batcher.num_running == 1 and engine.batcher.num_waiting == 2
+    for rid in ("line", "chat1", "chat2"):
+        engine.batcher.abort(rid)
+    engine.batcher.step()
     assert engine.alloc.num_used == 0
 
 

@@ -203,6 +203,12 @@ class DecodeMetrics:
             "Reservations that found too few pages free and waited for some to free",
             registry=registry,
         )
+        self.preemptions = Counter(
+            "yb_decode_preemptions_total",
+            "Batch lines that gave their batch slot up to a waiting request of a higher "
+            "priority (their KV stays in their pages)",
+            registry=registry,
+        )
         self.puts = Counter(
             "yb_decode_block_puts_total",
             "Piggybacked prompts' blocks put into the host's kvstore, by outcome",
@@ -795,6 +801,7 @@ class DecodeWorker(Worker):
                     generated_tokens=reserve.generated_tokens,
                     priority=reserve.priority,
                     copy_pages=pending.copy_pages,
+                    preemptible=reserve.preemptible,
                 )
             )
         except ValueError as exc:
@@ -902,8 +909,10 @@ class DecodeWorker(Worker):
                 self._work.clear()
                 continue
             self._expire_streams()
+            preempted = batcher.preemptions
             outputs, kept = await self.engine.call(_step, batcher)
             self.metrics.step.observe(batcher.last_step_seconds)
+            self.metrics.preemptions.inc(batcher.preemptions - preempted)
             self.gauges.batch.set(batcher.num_running)
             self.gauges.queue.set(batcher.num_waiting + batcher.num_prefilling)
             if kept:

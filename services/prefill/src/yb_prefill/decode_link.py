@@ -67,6 +67,7 @@ class DecodeLink:
             generated_tokens=job.generated_tokens,
             head_cuts=head_cuts or [],
             wait_s=max(0.0, timeout_s - RESERVE_REPLY_MARGIN_S),
+            preemptible=job.preemptible,
         )
         reply = await self.reserve(decode_id, reserve, timeout_s)
         found = (reply.num_pages, reply.num_layers, reply.page_nbytes, reply.block_size)

@@ -277,6 +277,9 @@ class ReserveKV(_Msg, tag="reserve_kv"):
     generated_tokens: int = 0
     head_cuts: list[int] = msgspec.field(default_factory=list)
     wait_s: float = 0.0
+    #: As on `PrefillJob`: a line of the Batch API, whose decoding gives its batch
+    #: slot up to a waiting request of a higher priority (`yb_engine.batcher`).
+    preemptible: bool = False
 
 
 class KVReserved(_Msg, tag="kv_reserved"):

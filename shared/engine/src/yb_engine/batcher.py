@@ -19,6 +19,13 @@ Policy decisions, stated once:
   `priority` first, then first in first out, with their KV parked in their pages
   (their first token is reported anyway, so time to first token does not depend on a
   free slot).
+- **Pre-emptible requests** (`add(preemptible=True)`: a line of the Batch API) give
+  their slot up to a waiting request of a higher priority: the running one of lowest
+  priority, the newest among those, goes back to waiting with its KV in its pages,
+  and takes a slot again as any waiting request does, continuing where it stopped.
+  One paused `MAX_PAUSED_S` in all is not paused again, and waits ahead of every
+  other for the next slot: its client (a gateway) would otherwise stop waiting for
+  its next token (`gateway.token_idle_timeout_s`).
 - **Running out of KV pages.** A choice that needs a new page when none is free does
   not wait (a decode engine cannot make room by recomputing, and waiting requests that
   hold pages could deadlock each other). The running choice of lowest priority, the
@@ -60,7 +67,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -75,6 +82,9 @@ from yb_engine.sampling import Sampler
 from yb_text.detokenize import IncrementalDetokenizer, StopStringFilter
 
 FinishReason = Literal["stop", "length", "abort", "kv_exhausted"]
+
+#: A pre-emptible request's pauses, in all, after which it pauses no more.
+MAX_PAUSED_S = 30.0
 
 
 class TokenOutput(msgspec.Struct, frozen=True, gc=False):
@@ -116,6 +126,14 @@ class _Request:
     first_logprob: TokenLogprob | None
     num_generated: int = 1  # the first token, sampled by prefill, counts
     first_reported: bool = False
+    preemptible: bool = False
+    paused_s: float = 0.0  # in pauses that ended
+    paused_since: float | None = None  # the pause under way
+
+    def paused_for(self, now: float) -> float:
+        """Seconds paused in all, the pause under way included."""
+        since = self.paused_since
+        return self.paused_s + (now - since if since is not None else 0.0)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -242,10 +260,11 @@ class DecodeBatcher:
         tbt_slo_s: float | None = None,
         max_chunk_tokens: int = 512,
         step_time: StepTimeModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`tbt_slo_s` bounds the prompt chunk of a step while requests run (None: no
         bound); `max_chunk_tokens` bounds it always; `step_time` is the step-time model
-        (a fresh one by default)."""
+        (a fresh one by default); `clock` times pre-emptible requests' pauses."""
         if max_batch_size <= 0:
             raise ValueError("max_batch_size must be positive")
         if tbt_slo_s is not None and tbt_slo_s <= 0:
@@ -279,6 +298,9 @@ class DecodeBatcher:
         # Prompts being computed inside the decode steps, by request id.
         self._prompts: dict[str, _Prompt] = {}
         self.last_step_seconds = 0.0
+        self.clock = clock
+        #: Pre-emptible requests paused so far (`_give_way`).
+        self.preemptions = 0
 
     # -- introspection ----------------------------------------------------------------
 
@@ -385,6 +407,7 @@ class DecodeBatcher:
         generated_tokens: int = 0,
         priority: int = 0,
         copy_pages: list[int] | None = None,
+        preemptible: bool = False,
     ) -> None:
         """Take over a prefilled request: its prompt KV is in `block_table`'s pages.
 
@@ -392,7 +415,8 @@ class DecodeBatcher:
         None), `first_logprobs` their logprobs when asked. The last `generated_tokens`
         of `prompt_token_ids` are output the client already has. `copy_pages` are the
         pages set aside for the choices' copies of the last prompt page
-        (`copies_needed`; allocated here when None).
+        (`copies_needed`; allocated here when None). A `preemptible` request gives
+        its slot up to a waiting request of a higher priority (module docstring).
 
         From here on the batcher owns all those pages (and frees them when the
         request ends). On a ValueError nothing is taken over.
@@ -443,6 +467,7 @@ class DecodeBatcher:
                 last_token=first,
                 first_logprob=first_logprobs[i] if first_logprobs else None,
                 num_generated=generated_tokens + 1,
+                preemptible=preemptible,
             )
             self._requests[req.key] = req
             self._waiting.append(req)
@@ -626,11 +651,7 @@ class DecodeBatcher:
         started = time.perf_counter()
         outputs, self._pending = self._pending, []
         self._report_first_tokens(outputs)
-        if self._waiting and len(self._running) < self.max_batch_size:
-            self._waiting.sort(key=lambda r: (-r.priority, r.order))
-            free = self.max_batch_size - len(self._running)
-            self._running += self._waiting[:free]
-            del self._waiting[:free]
+        self._admit_waiting()
         batch = self._reserve_pages(outputs)
         seqs = [DecodeSeq(r.block_table, r.next_position, r.last_token) for r in batch]
         prompt = self._next_prompt()
@@ -653,6 +674,52 @@ class DecodeBatcher:
         fed = len(batch) + (len(chunk.token_ids) if chunk is not None else 0)
         self.step_time.observe(fed, self.last_step_seconds)
         return outputs
+
+    def _admit_waiting(self) -> None:
+        """Fill the free slots from the waiting requests: pre-emptible ones overdue
+        for a slot first, then higher priority, then first come; pre-emptible running
+        ones give way first to the waiting of a higher priority (`_give_way`)."""
+        if not self._waiting:
+            return
+        now = self.clock()
+
+        def rank(r: _Request) -> tuple[bool, int, int]:
+            overdue = r.preemptible and r.paused_for(now) >= MAX_PAUSED_S
+            return (not overdue, -r.priority, r.order)
+
+        self._waiting.sort(key=rank)
+        self._give_way(now)
+        free = self.max_batch_size - len(self._running)
+        if free <= 0:
+            return
+        admitted, self._waiting = self._waiting[:free], self._waiting[free:]
+        for req in admitted:
+            if req.paused_since is not None:
+                req.paused_s += now - req.paused_since
+                req.paused_since = None
+        self._running += admitted
+
+    def _give_way(self, now: float) -> None:
+        """The waiting requests that the free slots leave out take the slots of
+        running pre-emptible requests of a lower priority (not yet paused
+        `MAX_PAUSED_S`): the lowest priority, the newest among those, goes back to
+        waiting, its KV kept in its pages."""
+        free = self.max_batch_size - len(self._running)
+        for waiting in self._waiting[max(free, 0) :]:
+            victims = [
+                r
+                for r in self._running
+                if r.preemptible
+                and r.priority < waiting.priority
+                and r.paused_for(now) < MAX_PAUSED_S
+            ]
+            if not victims:
+                return
+            victim = max(victims, key=lambda r: (-r.priority, r.order))
+            self._running.remove(victim)
+            victim.paused_since = now
+            self._waiting.append(victim)
+            self.preemptions += 1
 
     def _report_first_tokens(self, outputs: list[TokenOutput]) -> None:
         for req in list(self._requests.values()):
