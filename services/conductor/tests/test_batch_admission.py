@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import pytest
 
 from yb_conductor.policy import placement_policy
 from yb_conductor.replay import replay
@@ -166,3 +167,40 @@ def test_off_a_batch_line_is_decided_as_any_request_of_its_tier(crafted: Any) ->
     assert isinstance(d, ev.RequestScheduled), d
     assert d.explain is not None and "batch line" not in d.explain.reason
     assert not replay(c.records).divergences
+
+
+def test_a_replanned_line_runs_as_its_tier_and_still_gives_way(crafted: Any) -> None:
+    """A line re-planned after its engine failed is decided as an interactive request
+    (it is not held back: it runs already), and its prefill running on an instance
+    is still priced as pre-emptible: a request of a higher priority does not wait for
+    it. A re-plan that does not say `batch` (a log of schema version 5) is priced as
+    any running prefill."""
+    for batch, queue_s in ((True, 0.0), (False, 0.451)):
+        c = crafted()
+        c.hosts(1)
+        c.admit("busy", keys(30, base=100))  # interactive work queued: lines are held
+        replan = ev.RequestReplanned(
+            request_id="line-0",
+            gateway_id="g",
+            attempt=1,
+            reason="prefill engine failed",
+            model="",
+            block_size=16,
+            block_hashes=keys(30, base=500_000),
+            prompt_tokens=30 * 16 + 1,
+            max_tokens=10,
+            priority=-1,
+            slo=ev.Slo(ttft_s=40.0, tbt_s=1.0),
+            service_tier="flex",
+            batch=batch,
+        )
+        (decision,) = [o for o in c.feed(replan) if isinstance(o, ev.Decision)]
+        assert isinstance(decision, ev.RequestScheduled), decision
+        c.progress("busy", "p-0", "prefill_started")
+        c.progress("busy", "p-0", "prefill_done")
+        c.finish("busy", "d-0")
+        c.at(1.0).progress("line-0", "p-0", "prefill_started")
+        urgent = c.at(1.03).admit("urgent", keys(2, base=900), priority=1)
+        assert isinstance(urgent, ev.RequestScheduled)
+        assert urgent.estimates.queue_s == pytest.approx(queue_s), batch
+        assert not replay(c.records).divergences

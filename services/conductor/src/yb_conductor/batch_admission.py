@@ -2,13 +2,13 @@
 
 A batch line (`RequestAdmitted.batch`, a line of the Batch API) is due by its
 `batch_deadline`, hours away, and has no TTFT or TBT objective of its own. What it
-must not do is slow interactive requests. A prefill engine pauses a line's prefill
-between chunks while work of a higher priority waits (`PrefillJob.preemptible`,
-priced by `batch_preemption`), but not for work of the line's own priority (the
-`flex` tier), and a request that has started decoding stays in its batch to the end
-(parking a decoding line is not done). So a line is admitted only where the
-conductor's own predictions show room, on the instances the policy chose for it
-(`ConductorConfig.batch_*`):
+must not do is slow interactive requests. A prefill engine holds a line's prefill
+between two layers while work of a higher priority waits (`PrefillJob.preemptible`,
+priced by `batch_preemption`), and a decode engine gives a decoding line's batch slot
+to a waiting request of a higher priority, but neither makes way for work of the
+line's own priority (the `flex` tier), and a decoding line shares each step of the
+batch it is in. So a line is admitted only where the conductor's own predictions show
+room, on the instances the policy chose for it (`ConductorConfig.batch_*`):
 
 - **prefill**: its predicted queue wait there is at most `batch_max_queue_s`. When
   the policy's pick (say an instance holding its prefix) has a queue, the evaluated

@@ -198,7 +198,8 @@ class PendingAdmission(msgspec.Struct, kw_only=True, gc=False):
     keys: list[int] = msgspec.field(default_factory=list)
     # 0 for an admission, k for the k-th re-plan.
     attempt: int = 0
-    # A line of the Batch API (`RequestAdmitted.batch`).
+    # A line of the Batch API (`RequestAdmitted.batch`, `RequestReplanned.batch`): its
+    # prefill is pre-emptible.
     batch: bool = False
 
 
@@ -579,6 +580,7 @@ class ClusterState:
             block_size=event.block_size,
             keys=event.block_hashes,
             attempt=event.attempt,
+            batch=event.batch,
         )
 
     @contextlib.contextmanager

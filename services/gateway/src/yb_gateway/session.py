@@ -582,6 +582,7 @@ class RequestSession:
             slo=prepared.tier.slo,
             deadline=time.time() + max(0.0, self._deadline - time.monotonic()),
             service_tier=prepared.tier.name,
+            batch=prepared.batch,
         )
         log.info(
             "request_replanned",

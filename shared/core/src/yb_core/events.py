@@ -19,7 +19,7 @@ import msgspec
 
 from yb_core.kv_spec import KVCacheSpec
 
-SCHEMA_VERSION: Final = 5
+SCHEMA_VERSION: Final = 6
 
 Role = Literal["prefill", "decode", "kvstore", "conductor", "gateway"]
 Tier = Literal["engine", "dram", "ssd"]
@@ -230,6 +230,12 @@ class RequestReplanned(Event, tag="request_replanned"):
     after this one. `failed_instance` is the engine that failed (declared down, or
     whose failure ended the attempt): the new plan avoids it. Everything else is
     what an admission says, so that the decision needs nothing but the log.
+
+    `batch`: the request is a line of the Batch API. It is decided as an interactive
+    request of its tier (it runs already: the idle-only rule does not hold it back,
+    and `as_admission` does not carry it), but its prefill still gives way to a
+    higher priority as a line's does, which the conductor prices
+    (`Placement.preemptible`). Absent before schema version 6.
     """
 
     request_id: str
@@ -248,6 +254,7 @@ class RequestReplanned(Event, tag="request_replanned"):
     slo: Slo = msgspec.field(default_factory=Slo)
     deadline: float = 0.0
     service_tier: str = ""
+    batch: bool = False
 
     def as_admission(self) -> RequestAdmitted:
         """The admission a placement policy decides on: this request as it stands."""
