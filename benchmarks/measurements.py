@@ -431,6 +431,25 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
             "fraction (`{0}`, {1}.{2}x, `{3}`; goal for `idle` <= 0.01)",
         ),
         (
+            r"(\w+?)_x(\d+)_(\d+)_idle_seeds",
+            "jitter seeds the `idle` way was repeated with, each job within 0.1% of the cost "
+            "model's time (`{0}`, {1}.{2}x)",
+        ),
+        (
+            r"(\w+?)_x(\d+)_(\d+)_idle_ttft_p90_change_mean",
+            "mean over those seeds of each one's TTFT p90 change against its own run "
+            "without the backlog (`{0}`, {1}.{2}x; goal <= 0.01)",
+        ),
+        (
+            r"(\w+?)_x(\d+)_(\d+)_idle_ttft_p90_change_sd",
+            "its standard deviation over the seeds (`{0}`, {1}.{2}x)",
+        ),
+        (
+            r"(\w+?)_x(\d+)_(\d+)_idle_goodput_change_mean",
+            "mean over those seeds of each one's goodput change against its own run "
+            "without the backlog (`{0}`, {1}.{2}x; goal >= -0.01)",
+        ),
+        (
             r"(\w+?)_x(\d+)_(\d+)_(idle|naive)_lines",
             "batch lines in the backlog (`{0}`, {1}.{2}x, `{3}`)",
         ),

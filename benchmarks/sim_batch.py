@@ -31,6 +31,14 @@ and `ttft_p90_change` (against `none`, signed fractions, goal within 0.01 for
 `idle`), `lines` and `lines_completed` (in their window), `lines_timed_out`,
 `idle_used` (the share of the idle prefill instance-seconds over the interactive
 window the lines' prefills took, goal >= 0.8 at 0.5x) and `batch_makespan_s`.
+The runs above are one exact replay each. A queue at its limit is chaotic: the
+synthetic trace's TTFT p90 at 0.5x moves by about 2% between runs whose engines
+differ by 0.1% in speed. So each load's `none` and `idle` runs are also repeated
+with `--seeds` (5) jitter seeds, every job's time drawn within `JITTER` (0.1%) of the
+cost model's, and `<w>_x<m>_idle_ttft_p90_change_mean`, `_sd` and
+`goodput_change_mean` are the mean and standard deviation over those seeds of each
+seed's change against its own `none` run.
+
 `--limit N` keeps the first N interactive requests (and a backlog of N lines), for a
 smoke run. Simulated in virtual time with fixed
 seeds: the same code gives the same figures on any machine.
@@ -40,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -77,6 +86,9 @@ MAX_LINES = 30000
 WINDOW_S = 3600.0
 CONCURRENCY = 256
 WAYS: tuple[tuple[str, bool | None], ...] = (("none", None), ("idle", True), ("naive", False))
+#: Each job's time is drawn within this fraction of the cost model's in the seeded
+#: repeats (module docstring).
+JITTER = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,31 +112,68 @@ def unit_speedup(workload: str, records: list[TraceRecord], params: SimParams) -
     return report.policies[specs[0].label].speedup
 
 
-def run(workload: str, limit: int, find: bool) -> list[Run]:
+@dataclass(frozen=True, slots=True)
+class Load:
+    """One workload at one load: its requests and its backlog."""
+
+    workload: str
+    load: float
+    items: list[TraceItem]
+    lines: int
+    cost: CostModel
+
+    def run(self, way: str, idle_only: bool | None, params: SimParams) -> Run:
+        """The interactive trace alone (`idle_only` None), or beside the backlog."""
+        settings = {}
+        if idle_only is not None:
+            params = msgspec.structs.replace(
+                params,
+                batch_lines=self.lines,
+                batch_window_s=WINDOW_S,
+                batch_concurrency=CONCURRENCY,
+            )
+            settings = {"batch_idle_only": idle_only}
+        sim = Simulation(
+            self.items, params, self.cost, policy=PAPER_POLICY, label=way, settings=settings
+        )
+        return Run(self.workload, self.load, way, sim.run(), sim.batch_result)
+
+
+@dataclass(frozen=True, slots=True)
+class Seeded:
+    """Each jitter seed's change of the `idle` way against its own `none` run."""
+
+    workload: str
+    load: float
+    ttft_p90_changes: list[float]
+    goodput_changes: list[float]
+
+
+def run(workload: str, limit: int, find: bool, seeds: int) -> tuple[list[Run], list[Seeded]]:
     params = SimParams(profile=PROFILE)
     cost = resolve_cost(params)
     records = records_of(workload, limit)
     unit = unit_speedup(workload, records, params) if find else UNIT_SPEEDUP[workload]
-    out = []
+    out, seeded = [], []
     for load in LOADS:
         items = workload_from(records, block_size=block_size_for(params, cost), speedup=unit * load)
         lines = limit if limit > 0 else backlog_size(items, params, cost)
+
+        at_load = Load(workload, load, items, lines, cost)
         for way, idle_only in WAYS:
-            at = params
-            settings = {}
-            if idle_only is not None:
-                at = msgspec.structs.replace(
-                    params,
-                    batch_lines=lines,
-                    batch_window_s=WINDOW_S,
-                    batch_concurrency=CONCURRENCY,
-                )
-                settings = {"batch_idle_only": idle_only}
-            sim = Simulation(items, at, cost, policy=PAPER_POLICY, label=way, settings=settings)
-            result = sim.run()
-            out.append(Run(workload, load, way, result, sim.batch_result))
+            out.append(at_load.run(way, idle_only, params))
             print(f"{workload} x{load:g} {way}: done", file=sys.stderr)
-    return out
+        ttft, goodput = [], []
+        for seed in range(1, seeds + 1):
+            at = msgspec.structs.replace(params, jitter=JITTER, seed=seed)
+            none = at_load.run("none", None, at).result
+            idle = at_load.run("idle", True, at).result
+            ttft.append(_ratio(idle.ttft_p90_s, none.ttft_p90_s) - 1)
+            goodput.append(_ratio(idle.goodput_rps, none.goodput_rps) - 1)
+        if seeds:
+            seeded.append(Seeded(workload, load, ttft, goodput))
+            print(f"{workload} x{load:g} {seeds} jitter seeds: done", file=sys.stderr)
+    return out, seeded
 
 
 def backlog_size(items: list[TraceItem], params: SimParams, cost: CostModel) -> int:
@@ -172,12 +221,36 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else 0.0
 
 
-def figures_of(runs: list[Run], limit: int) -> dict[str, float | int | str]:
+def seeded_table(seeded: list[Seeded]) -> str:
+    lines = [
+        "| workload | load | seeds | `idle` TTFT p90 change, mean | sd | goodput change, mean |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for s in seeded:
+        lines.append(
+            f"| {s.workload} | {s.load:g}x | {len(s.ttft_p90_changes)} "
+            f"| {statistics.mean(s.ttft_p90_changes):+.2%} | {_sd(s.ttft_p90_changes):.2%} "
+            f"| {statistics.mean(s.goodput_changes):+.2%} |"
+        )
+    return "\n".join(lines)
+
+
+def _sd(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def figures_of(runs: list[Run], seeded: list[Seeded], limit: int) -> dict[str, float | int | str]:
     figures: dict[str, float | int | str] = {
         "profile": PROFILE,
         "window_s": WINDOW_S,
         "limit": limit,
     }
+    for s in seeded:
+        k = f"{s.workload.replace('-', '_')}_x{str(s.load).replace('.', '_')}_idle"
+        figures[f"{k}_seeds"] = len(s.ttft_p90_changes)
+        figures[f"{k}_ttft_p90_change_mean"] = round(statistics.mean(s.ttft_p90_changes), 4)
+        figures[f"{k}_ttft_p90_change_sd"] = round(_sd(s.ttft_p90_changes), 4)
+        figures[f"{k}_goodput_change_mean"] = round(statistics.mean(s.goodput_changes), 4)
     for r, none in with_baseline(runs):
         res = r.result
         k = f"{r.workload.replace('-', '_')}_x{str(r.load).replace('.', '_')}_{r.way}"
@@ -206,10 +279,21 @@ def main() -> int:
     parser.add_argument(
         "--find-capacity", action="store_true", help="search each workload's 1x speedup"
     )
+    parser.add_argument(
+        "--seeds", type=int, default=5, help="jitter seeds of the repeated none/idle runs"
+    )
     args = parser.parse_args()
-    runs = [r for w in WORKLOADS for r in run(w, args.limit, args.find_capacity)]
+    runs: list[Run] = []
+    seeded: list[Seeded] = []
+    for workload in WORKLOADS:
+        exact, repeated = run(workload, args.limit, args.find_capacity, args.seeds)
+        runs += exact
+        seeded += repeated
     print(table(runs))
-    emit(figures_of(runs, args.limit), args.json, decimals=4)
+    if seeded:
+        print()
+        print(seeded_table(seeded))
+    emit(figures_of(runs, seeded, args.limit), args.json, decimals=4)
     return 0
 
 
