@@ -15,11 +15,9 @@ Ways:
 - `P<p>/D<d>`: every static split of the budget, held the whole run (the best one,
   most goodput, is what a user with hindsight would pick: `best_static`);
 - `threshold`: the HorizontalPodAutoscaler's rule on each pool's utilisation
-  (`planner_rule=threshold`);
-- `forecast`: the planner with its default settings;
-- `forecast_tuned`: the planner at `planner_utilization` 0.9 and
-  `planner_down_after_s` 120 (the hour-long day is 24 times faster than a real one,
-  so the default wait before shrinking is long for it).
+  (`planner_rule=threshold`), as Kubernetes ships it: a decision every 15 s and a
+  scale-down stabilisation window of 300 s;
+- `forecast`: the planner with its default settings.
 
 The elastic runs start at `START` and may hold up to the budget: the day at 2 + 2
 (its night), the phase change at an even split and at the best static split (the
@@ -66,10 +64,12 @@ START: dict[str, tuple[tuple[str, tuple[int, int] | None], ...]] = {
     "daily": (("night", (2, 2)),),
     "phase-change": (("even", (4, 4)), ("best", None)),
 }
+#: The HorizontalPodAutoscaler's own defaults: its sync period and its scale-down
+#: stabilisation window.
+HPA = {"planner_interval_s": 15.0, "planner_down_after_s": 300.0}
 ELASTIC: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("threshold", {"planner_rule": "threshold"}),
+    ("threshold", {"planner_rule": "threshold", **HPA}),
     ("forecast", {}),
-    ("forecast_tuned", {"planner_utilization": 0.9, "planner_down_after_s": 120.0}),
 )
 
 

@@ -46,6 +46,9 @@ BEFORE_VERSIONS: dict[str, Any] = {
     "decode_kv_peak": False,
     "pending_by_priority": False,
     "batch_preemption": False,
+    "planner_rate_sigmas": 0.0,
+    "planner_balanced_share": False,
+    "planner_decode_trend": False,
 }
 
 
@@ -81,7 +84,19 @@ def test_every_switch_is_a_setting_and_old_logs_keep_their_values() -> None:
     assert absent_means(0) == BEFORE_VERSIONS
     # Version 1 logs: engines never paused a batch line, and no pending prefix
     # counted while a lower priority was placed.
-    assert absent_means(1) == {"pending_by_priority": False, "batch_preemption": False}
+    planner_v2 = {
+        "planner_rate_sigmas": 0.0,
+        "planner_balanced_share": False,
+        "planner_decode_trend": False,
+    }
+    assert absent_means(1) == {
+        "pending_by_priority": False,
+        "batch_preemption": False,
+        **planner_v2,
+    }
+    # Version 2 logs: the planner sized with a fixed utilisation, shared the budget
+    # in proportion, and held the decode pool's occupancy of the moment.
+    assert absent_means(2) == planner_v2
     for switch in SWITCHES:
         assert switch.name in fields, switch.name
         assert type(switch.old) is type(fields[switch.name].default), switch.name

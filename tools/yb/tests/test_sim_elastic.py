@@ -163,3 +163,37 @@ def test_a_conductor_restored_from_a_snapshot_plans_as_one_that_read_everything(
     got += [out for r in records[cut:] for out in tail.apply(r.seq, r.event)]
     assert got == expected
     assert tail.divergences == whole.divergences == []
+
+
+def test_at_a_change_to_long_answers_the_decode_pool_grows_sooner_than_version_2s() -> None:
+    # Version 2's planner (the switches' old values) against today's, on the
+    # fixture's phase change (long prompts for 180 s, then long answers).
+    cost = resolve_cost(PARAMS)
+    items = workload_from(
+        generate("phase-change:phase_s=180,rate=6"), block_size=block_size_for(PARAMS, cost)
+    )
+    version_2 = {
+        "planner_rate_sigmas": 0.0,
+        "planner_balanced_share": False,
+        "planner_decode_trend": False,
+    }
+    grown: dict[str, tuple[float, float]] = {}
+    goodput: dict[str, float] = {}
+    for name, settings in (("today", PLANNER), ("version 2", {**PLANNER, **version_2})):
+        sim = Simulation(items, PARAMS, cost, policy="mooncake", settings=settings)
+        goodput[name] = sim.run().goodput_rps
+        decode = [
+            (p.time, next(s.target for s in p.pools if s.role == "decode"))
+            for p in sim.plans
+            if p.time >= 180.0
+        ]
+        # When the decode pool's target first grew, and when it first reached 3.
+        grown[name] = (
+            next(t for t, target in decode if target >= 2),
+            next(t for t, target in decode if target >= 3),
+        )
+    # The occupancy a start time ahead, and a split that loads the busier pool
+    # least: a plan sooner to the first decode instance, and to the third.
+    assert grown["today"][0] < grown["version 2"][0]
+    assert grown["today"][1] < grown["version 2"][1]
+    assert goodput["today"] > goodput["version 2"]

@@ -29,8 +29,10 @@ from typing import Final
 
 #: The behaviour version a conductor of this software decides by. 1 is the first
 #: version recorded; the switches that predate versions retired at 1. 2: batch
-#: lines' prefills are pre-empted, and pending prefixes count by priority.
-BEHAVIOUR_VERSION: Final = 2
+#: lines' prefills are pre-empted, and pending prefixes count by priority. 3: the
+#: planner's margin is its forecast's noise, an over-budget split loads the busier
+#: pool least, and the decode pool is sized for its occupancy a start time ahead.
+BEHAVIOUR_VERSION: Final = 3
 #: The version of a record that carries none (written before versions existed).
 UNVERSIONED: Final = 0
 
@@ -168,6 +170,26 @@ SWITCHES: Final[tuple[Switch, ...]] = (
         "A batch line's prefill that runs is never overtaken, as before engines paused "
         "it for work of a higher priority (`prefill_placement.overtaken_s`, "
         "`state.ClusterState._overtake`).",
+    ),
+    Switch(
+        "planner_rate_sigmas",
+        0.0,
+        3,
+        "The forecast rule runs each instance at `planner_utilization` instead of "
+        "adding a margin for the forecast's noise (`planner.Planner._forecast_needs`).",
+    ),
+    Switch(
+        "planner_balanced_share",
+        False,
+        3,
+        "Over budget, the pools share it in proportion to their needs, rounded (`planner._share`).",
+    ),
+    Switch(
+        "planner_decode_trend",
+        False,
+        3,
+        "The decode pool holds the requests decoding now, not as many as they will "
+        "be a start time ahead (`planner.Planner._forecast_needs`).",
     ),
 )
 

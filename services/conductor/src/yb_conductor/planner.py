@@ -21,17 +21,27 @@ Two rules size the pools (`planner_rule`):
   trend between the halves (once the planner has seen a whole window), but never
   below that recent rate: a pool sized for a falling forecast would miss its SLO if
   the fall does not come.
-- Prefill: the forecast prefill seconds per second, over the utilisation an
-  instance may run at. That is `planner_utilization`, or lower where a queue would
-  break the TTFT SLO (an M/D/1 queue's mean wait, rho / (2 (1 - rho)) service
-  times, plus the service, must fit in the SLO). At least enough instances to work
-  off the queued prefill work within the TTFT SLO.
-- Decode: the forecast output tokens per second, over what one instance generates
-  at `planner_utilization` of the largest batch that keeps the TBT SLO and fits its
-  KV (the cost model's step time at the window's mean context). At least enough
-  instances to hold the requests decoding or waiting now in such batches: when
-  outputs grow longer, the batches fill minutes before the longer outputs finish
-  and show in the window's mean.
+- The margin: the pools are sized for the forecast rate r plus
+  `planner_rate_sigmas` standard deviations of a Poisson count over the span T the
+  pool covers alone (until the next plan, and an instance it adds is up:
+  `planner_interval_s + planner_lead_s`), r + z sqrt(r / T). The noise, and so the
+  margin, is a larger share of a smaller load. Each instance then runs as busy as
+  its SLO allows (below). With `planner_rate_sigmas` = 0 (how conductors before
+  behaviour version 3 sized), no such margin: each instance runs at
+  `planner_utilization` of that.
+- Prefill: the prefill seconds per second of that rate, over the utilisation an
+  instance may run at: the one at which an M/D/1 queue's mean wait, rho / (2 (1 -
+  rho)) service times, plus the service, fits in the TTFT SLO. At least enough
+  instances to work off the queued prefill work within the TTFT SLO.
+- Decode: the output tokens per second of that rate, over what one instance
+  generates at the largest batch that keeps the TBT SLO and fits its KV (the cost
+  model's step time at the window's mean context). At least enough instances to
+  hold, in such batches, the requests decoding or waiting now as they will be when
+  an instance added now is up: their number grown along its growth over the last
+  `planner_lead_s` for another `planner_lead_s`, by at most every arrival staying
+  (`planner_decode_trend`; off: their number now). When outputs grow longer, the
+  batches fill minutes before the longer outputs finish and show in the window's
+  mean, and an instance asked for once they are full comes a start time late.
 
 `threshold` is what Kubernetes users run today, for comparison: each pool's
 utilisation from its load reports over the window (prefill: the share of reports
@@ -43,10 +53,15 @@ Both then apply the same limits.
 - Hysteresis: a pool grows at once, but shrinks only to the largest size it needed
   over the last `planner_down_after_s` (as the HorizontalPodAutoscaler's scale-down
   stabilisation window does). A load that dips for a moment does not drain an
-  instance that the next minute needs again; instances take minutes to start.
+  instance that the next minute needs again; instances take minutes to start. Its
+  default is the start time: kept idle as long as starting it again would take, an
+  instance wastes at most twice what the best choice in hindsight would (the
+  ski-rental rule).
 - Minimums: `planner_min_prefill` and `planner_min_decode`.
 - A budget: `planner_max_instances` in all (0: the instances up when the planner
-  first ran). Over budget, the pools share it in proportion to their needs.
+  first ran). Over budget, the split that loads the busier pool least (its need
+  over its instances), then the other (`planner_balanced_share`; off: in proportion
+  to their needs, rounded).
 - Actions: a pool short of its target takes instances from one over its target by
   moving them (a drain, then a restart in the other role, on the same device), and
   else adds what the budget allows; a pool over its target drains the instances
@@ -123,6 +138,9 @@ class Planner(msgspec.Struct, kw_only=True):
     up: dict[str, ev.PoolRole] = msgspec.field(default_factory=dict)
     # (time, needed instances) per role over `planner_down_after_s` (hysteresis).
     needs: dict[ev.PoolRole, list[tuple[float, int]]] = msgspec.field(default_factory=_no_needs)
+    # (time, requests decoding or waiting in the decode pool) at each plan over the
+    # last `planner_lead_s`, and the last one before (`planner_decode_trend`).
+    decoding: list[tuple[float, int]] = msgspec.field(default_factory=list)
     first_seen: float = -1.0
     first_plan: float = -1.0
     next_at: float = 0.0
@@ -223,10 +241,12 @@ class Planner(msgspec.Struct, kw_only=True):
             self.budget = cfg.planner_max_instances or sum(counts.values()) + sum(starting.values())
         budget = self.budget
         forecast = self._forecast(cfg, now)
+        holding = _holding(state)
         if cfg.planner_rule == "threshold":
             needed = self._threshold_needs(cfg, now, counts)
         else:
-            needed = self._forecast_needs(cfg, state, cost, forecast)
+            needed = self._forecast_needs(cfg, state, cost, forecast, holding)
+        self.decoding.append((now, holding))
         minimum: dict[ev.PoolRole, int] = {
             "prefill": cfg.planner_min_prefill,
             "decode": cfg.planner_min_decode,
@@ -234,7 +254,7 @@ class Planner(msgspec.Struct, kw_only=True):
         want = {role: max(minimum[role], math.ceil(needed[role] - 1e-9)) for role in ROLES}
         held: dict[ev.PoolRole, str] = {role: "" for role in ROLES}
         if want["prefill"] + want["decode"] > budget:
-            want = _share(budget, needed, minimum)
+            want = _share(budget, needed, minimum, balanced=cfg.planner_balanced_share)
             held = {role: "budget" for role in ROLES}
         fitted = dict(want)
         settled = now - self.first_plan >= cfg.planner_down_after_s
@@ -290,6 +310,10 @@ class Planner(msgspec.Struct, kw_only=True):
         _drop_before(self.reports, horizon, lambda r: r[0])
         for history in self.needs.values():
             _drop_before(history, now - cfg.planner_down_after_s, lambda n: n[0])
+        # Keep the last sample at least `planner_lead_s` old: the growth is measured
+        # from it.
+        while len(self.decoding) > 1 and self.decoding[1][0] <= now - cfg.planner_lead_s:
+            del self.decoding[0]
         timeout = now - cfg.planner_start_timeout_s
         self.starting = [p for p in self.starting if p.decided_at >= timeout]
         for instance_id in [i for i, p in self.draining.items() if i not in self.up]:
@@ -342,6 +366,7 @@ class Planner(msgspec.Struct, kw_only=True):
         state: ClusterState,
         cost: CostModel,
         forecast: ev.PoolForecast,
+        holding: int,
     ) -> dict[ev.PoolRole, float]:
         arrivals = self.arrivals
         if not arrivals or forecast.arrival_rate <= 0.0:
@@ -360,12 +385,20 @@ class Planner(msgspec.Struct, kw_only=True):
         # for the loosest would fail the others.
         ttft_slo = min((a.ttft_slo_s for a in mix if a.ttft_slo_s > 0), default=0.0)
         tbt_slo = min((a.tbt_slo_s for a in mix if a.tbt_slo_s > 0), default=0.0)
-        rho = cfg.planner_utilization
+        rate, rho = forecast.forecast_rate, cfg.planner_utilization
+        if cfg.planner_rate_sigmas > 0.0:
+            # The margin is the forecast's own noise, not a fixed share of each
+            # instance: the pool absorbs, with no help, the arrivals until the next
+            # plan and an instance it adds then is up. Their count is Poisson, so
+            # `planner_rate_sigmas` standard deviations over that span.
+            span_s = cfg.planner_interval_s + cfg.planner_lead_s
+            rate += cfg.planner_rate_sigmas * math.sqrt(rate / span_s)
+            rho = 1.0
         if ttft_slo > service_s > 0.0:
             # Mean wait of an M/D/1 queue at utilisation rho: rho / (2 (1 - rho)) services.
             k = ttft_slo / service_s - 1.0
             rho = min(rho, 2.0 * k / (1.0 + 2.0 * k))
-        prefill = forecast.forecast_rate * service_s / rho
+        prefill = rate * service_s / rho
         # What is queued already must also drain within the TTFT SLO.
         backlog_s = sum(
             i.prefill_work_s for i in state.instances.values() if i.alive and i.role == "prefill"
@@ -375,16 +408,23 @@ class Planner(msgspec.Struct, kw_only=True):
         output = forecast.output_tokens or float(state.expected_output(0) or 1)
         context = forecast.prompt_tokens + output / 2.0
         batch, step_s = _decode_batch(state, cost, context, tbt_slo)
-        per_instance = cfg.planner_utilization * batch / step_s if step_s > 0.0 else math.inf
-        decode = forecast.forecast_rate * output / per_instance
+        # An instance runs the largest batch within the TBT SLO and its KV: the
+        # batch's step time holds the SLO, so no other cap than the margin's.
+        busy = cfg.planner_utilization if cfg.planner_rate_sigmas <= 0.0 else 1.0
+        per_instance = busy * batch / step_s if step_s > 0.0 else math.inf
+        decode = rate * output / per_instance
         # The requests decoding now, against the batch an instance runs: a change of
         # output length shows here long before in the outputs of finished requests.
-        holding = sum(
-            r.running_requests + r.queued_requests
-            for i in state.instances.values()
-            if i.alive and i.role == "decode" and (r := i.last_report) is not None
-        )
-        decode = max(decode, holding / (cfg.planner_utilization * batch))
+        ahead = float(holding)
+        now = state.now
+        if cfg.planner_decode_trend and self.decoding and self.decoding[0][0] < now:
+            # And as they will be when an instance added now is up: the pool grows
+            # along its growth over the last `planner_lead_s`, by at most every
+            # arrival staying.
+            since, before = self.decoding[0]
+            growth = min(max(0.0, (holding - before) / (now - since)), forecast.forecast_rate)
+            ahead += growth * cfg.planner_lead_s
+        decode = max(decode, ahead / (busy * batch))
         return {"prefill": prefill, "decode": decode}
 
     def _threshold_needs(
@@ -529,15 +569,46 @@ def _decode_batch(
     return lo, cost.tbt_s(lo, int(lo * context))
 
 
+def _holding(state: ClusterState) -> int:
+    """The requests decoding or waiting on the live decode instances, by their last
+    load reports."""
+    return sum(
+        r.running_requests + r.queued_requests
+        for i in state.instances.values()
+        if i.alive and i.role == "decode" and (r := i.last_report) is not None
+    )
+
+
 def _share(
-    budget: int, needed: dict[ev.PoolRole, float], minimum: dict[ev.PoolRole, int]
+    budget: int,
+    needed: dict[ev.PoolRole, float],
+    minimum: dict[ev.PoolRole, int],
+    *,
+    balanced: bool = True,
 ) -> dict[ev.PoolRole, int]:
-    """`budget` instances split between the pools in proportion to their needs, each
-    at least its minimum."""
+    """`budget` instances split between the pools, each at least its minimum.
+
+    `balanced`: the split whose busier pool is least loaded (its need over its
+    instances), then the other pool least loaded, then the split nearest the
+    proportional one. Otherwise (`planner_balanced_share` off): in proportion to
+    the needs, rounded, which can leave the busier pool short of an instance the
+    other needs less (needs 6.0 and 1.2: 7 and 1, where 6 and 2 load neither past
+    its need).
+    """
     total = needed["prefill"] + needed["decode"]
     share = needed["prefill"] / total if total > 0 else 0.5
     prefill = round(budget * share)
     prefill = max(minimum["prefill"], min(prefill, budget - minimum["decode"]))
+    if balanced:
+        splits = range(minimum["prefill"], budget - minimum["decode"] + 1)
+        if splits:
+            proportional = budget * share
+
+            def key(p: int) -> tuple[float, float, float]:
+                loads = sorted((needed["prefill"] / p, needed["decode"] / (budget - p)))
+                return (loads[1], loads[0], abs(p - proportional))
+
+            prefill = min(splits, key=key)
     return {"prefill": prefill, "decode": budget - prefill}
 
 

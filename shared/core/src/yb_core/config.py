@@ -549,15 +549,25 @@ class ConductorConfig(_Section):
     The planner (`planner`, off by default; `yb up --elastic` turns it on) sizes the
     prefill and decode pools from the log (`yb_conductor.planner`; `planner_rule`
     `forecast` prices the forecast load with the cost model, `threshold` is the
-    utilisation rule Kubernetes' autoscaler applies, for comparison): every
-    `planner_interval_s` it forecasts the load `planner_lead_s` ahead (about how long
-    an instance takes to start) from the last `planner_window_s`, sizes each pool to
-    run at `planner_utilization` of what the cost model says an instance serves
-    within the SLOs, keeps at least `planner_min_prefill` and `planner_min_decode`
-    and at most `planner_max_instances` in all (0: as many as are up), and shrinks a
-    pool only after it has needed fewer for `planner_down_after_s`. An instance it
-    adds and that is not up within `planner_start_timeout_s` is counted as never
-    coming.
+    utilisation rule Kubernetes' autoscaler applies, for comparison, with
+    `planner_utilization` as its target): every `planner_interval_s` (5 s: engines
+    report every second, and the period adds to every reaction's delay) it forecasts
+    the load `planner_lead_s` ahead (about how long an instance takes to start) from
+    the last `planner_window_s`, adds `planner_rate_sigmas` Poisson standard
+    deviations of the arrivals over the next period and start (the forecast's noise;
+    0: none, and each instance runs at `planner_utilization` instead), sizes each
+    pool to what the cost model says an instance serves within the SLOs (the decode
+    pool at least to hold the requests decoding as they will be a start time ahead,
+    along their growth: `planner_decode_trend`), keeps at least
+    `planner_min_prefill` and `planner_min_decode` and at most
+    `planner_max_instances` in all (0: as many as are up; over it, the split that
+    loads the busier pool least, `planner_balanced_share`, else in proportion to the
+    needs), and shrinks a pool only after it has needed fewer for
+    `planner_down_after_s` (60 s: as long as an instance takes to start, the
+    break-even wait). An instance it adds and that is not up within
+    `planner_start_timeout_s` is counted as never coming. `planner_rate_sigmas`,
+    `planner_balanced_share` and `planner_decode_trend` read as off in a log recorded
+    before behaviour version 3.
 
     Batch lines (`RequestAdmitted.batch`: a line of the Batch API, which has a
     completion deadline and no TTFT or TBT objective of its own) use only the capacity
@@ -623,15 +633,18 @@ class ConductorConfig(_Section):
     decode_kv_peak: bool = True
     planner: bool = False
     planner_rule: Literal["forecast", "threshold"] = "forecast"
-    planner_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 15.0
+    planner_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     planner_window_s: Annotated[float, msgspec.Meta(gt=0)] = 180.0
     planner_lead_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
     planner_max_instances: Annotated[int, msgspec.Meta(ge=0)] = 0
     planner_min_prefill: Annotated[int, msgspec.Meta(ge=1)] = 1
     planner_min_decode: Annotated[int, msgspec.Meta(ge=1)] = 1
     planner_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.8
-    planner_down_after_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+    planner_down_after_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
     planner_start_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    planner_balanced_share: bool = True
+    planner_decode_trend: bool = True
+    planner_rate_sigmas: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     batch_idle_only: bool = True
     batch_max_queue_s: Annotated[float, msgspec.Meta(ge=0)] = 0.05
     batch_tbt_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.8
