@@ -371,36 +371,36 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
         ("budget", "instances the pools may hold in all"),
         (r"(\w+?)_best_static", "the static split with the most goodput (`{0}`)"),
         (
-            r"(\w+?)_(p\d+_d\d+|(?:threshold|forecast|forecast_tuned)_from_\w+)_goodput_rps",
+            r"(\w+?)_(p\d+_d\d+|(?:threshold|forecast)_from_\w+)_goodput_rps",
             "requests a second finished within both SLOs (`{0}`, `{1}`)",
         ),
         (
-            r"(\w+?)_(p\d+_d\d+|(?:threshold|forecast|forecast_tuned)_from_\w+)_instance_hours",
+            r"(\w+?)_(p\d+_d\d+|(?:threshold|forecast)_from_\w+)_instance_hours",
             "engine instance-hours held, starting and draining included (`{0}`, `{1}`)",
         ),
         (
-            r"(\w+?)_(p\d+_d\d+|(?:threshold|forecast|forecast_tuned)_from_\w+)_slo_attainment",
+            r"(\w+?)_(p\d+_d\d+|(?:threshold|forecast)_from_\w+)_slo_attainment",
             "share of requests within both SLOs (`{0}`, `{1}`)",
         ),
         (
-            r"(\w+?)_(p\d+_d\d+|(?:threshold|forecast|forecast_tuned)_from_\w+)_ttft_p90_s",
+            r"(\w+?)_(p\d+_d\d+|(?:threshold|forecast)_from_\w+)_ttft_p90_s",
             "p90 time to first token, s (`{0}`, `{1}`)",
         ),
         (
-            r"(\w+?)_((?:threshold|forecast|forecast_tuned)_from_\w+)_actions",
+            r"(\w+?)_((?:threshold|forecast)_from_\w+)_actions",
             "pool actions carried out: adds, drains, moves (`{0}`, `{1}`)",
         ),
         (
-            r"(\w+?)_((?:threshold|forecast|forecast_tuned)_from_\w+)_goodput_vs_best",
+            r"(\w+?)_((?:threshold|forecast)_from_\w+)_goodput_vs_best",
             "goodput over the best static split's (`{0}`, `{1}`; goal on `daily` >= 0.97)",
         ),
         (
-            r"(\w+?)_((?:threshold|forecast|forecast_tuned)_from_\w+)_hours_saved_vs_best",
+            r"(\w+?)_((?:threshold|forecast)_from_\w+)_hours_saved_vs_best",
             "1 - instance-hours over the best static split's (`{0}`, `{1}`; goal on "
             "`daily` >= 0.25)",
         ),
         (
-            r"(\w+?)_((?:threshold|forecast|forecast_tuned)_from_\w+)_start",
+            r"(\w+?)_((?:threshold|forecast)_from_\w+)_start",
             "the split the elastic run starts at (`{0}`, `{1}`)",
         ),
     ],
