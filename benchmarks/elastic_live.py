@@ -8,7 +8,7 @@
 It starts `yb up --elastic --max-instances 4` with the tiny model, 1 prefill and 1
 decode instance, the planner told to plan for a short run (every 5 s of log time, over
 a window of 30 s, 10 s ahead, shrinking a pool once it has needed fewer for 30 s; its
-its margin, `planner_rate_sigmas`, is the default), and the gateway's SLOs at TTFT 2 s and TBT
+margin, `planner_rate_sigmas`, is the default), and the gateway's SLOs at TTFT 2 s and TBT
 0.5 s. Then `yb bench`'s client (`yb_tools.bench`, open loop, seeded Poisson arrivals,
 prompts of `--prompt-tokens` with no shared prefix, `--output-tokens` each) sends
 a load step: `--low-rate` requests/s for `--low-s`, `--high-rate` for `--high-s`, and
