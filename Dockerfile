@@ -79,6 +79,18 @@ COPY services/kvstore /app/services/kvstore
 RUN pip install /app/shared/core /app/shared/dataplane /app/services/kvstore \
     && if [ -n "${EXTRA_PACKAGES}" ]; then pip install ${EXTRA_PACKAGES}; fi
 
+# The planner's actuator for compose (docker-compose.elastic.yml, `--target
+# planner-actuator`): the yb tool's code without the dependencies it declares (the
+# engines', torch included). The actuator runs on the contracts (core) and httpx, the
+# Docker Engine API's client; the build fails here if it imports anything else.
+FROM base AS planner-actuator
+COPY tools/yb /app/tools/yb
+RUN pip install /app/shared/core "httpx>=0.27" \
+    && pip install --no-deps /app/tools/yb \
+    && python -m yb_tools.compose_actuator --help > /dev/null
+# Root: it talks to the Docker daemon's socket, which is root's (and root's on the host).
+ENTRYPOINT ["python", "-m", "yb_tools.compose_actuator"]
+
 # torch in the environment, in a stage of its own so that the wheels offered to pip
 # stay out of the images (a copied layer cannot be removed later).
 FROM base AS torch

@@ -1,5 +1,6 @@
-"""docker-compose.yml (and its three-node NATS variant, docker-compose.cluster.yml) and
-the one Dockerfile are checked here because no Docker engine runs on CI machines.
+"""docker-compose.yml (with its three-node NATS variant, docker-compose.cluster.yml, and
+its elastic variant, docker-compose.elastic.yml) and the one Dockerfile are checked here
+because no Docker engine runs on CI machines.
 
 The checks are what `docker compose up --build` would trip over first: build arguments
 that name a service the Dockerfile has a stage for, entry points that name real modules,
@@ -867,3 +868,158 @@ def test_observability_datasources_and_spans_reach_the_profiles_services() -> No
     grafana = OBSERVABILITY["grafana"]
     assert _env(grafana, raw=True)["GF_SECURITY_ADMIN_PASSWORD"] == "${YB_GRAFANA_ADMIN_PASSWORD:-}"
     assert "exit 2" in " ".join(grafana["command"])
+
+
+# --- elastic pools (docker-compose.elastic.yml) ----------------------------------------
+
+ELASTIC_FILE = ROOT / "docker-compose.elastic.yml"
+ELASTIC_OVERRIDE = yaml.safe_load(ELASTIC_FILE.read_text())
+ELASTIC_SERVICES: dict[str, Any] = {
+    name: _merge_service(SERVICES.get(name, {}), service)
+    for name, service in ELASTIC_OVERRIDE["services"].items()
+}
+ACTUATOR_STAGE = "planner-actuator"
+
+
+def _planner_fields() -> dict[str, Any]:
+    """The conductor's `planner*` settings and their defaults."""
+    from yb_core.config import ConductorConfig
+
+    defaults = ConductorConfig()
+    return {
+        name: getattr(defaults, name)
+        for name in ConductorConfig.__struct_fields__
+        if name.startswith("planner")
+    }
+
+
+def _set_env(service: dict[str, Any]) -> dict[str, str]:
+    """A service's environment as compose passes it with nothing set in the shell: a
+    variable without a value (taken from the shell) is left out."""
+    raw = service.get("environment") or {}
+    return {k: v for k, v in _env(service).items() if raw[k] is not None}
+
+
+def test_elastic_variant_turns_the_planner_on_with_every_setting_passed_through() -> None:
+    conductor = ELASTIC_SERVICES["conductor"]
+    actuator = ELASTIC_SERVICES["planner-actuator"]
+    raw = conductor["environment"]
+    planner = {k: v for k, v in raw.items() if k.startswith("YB_CONDUCTOR__PLANNER")}
+    fields = {f"YB_CONDUCTOR__{name.upper()}" for name in _planner_fields()}
+    assert set(planner) == fields, "every planner setting is passed through, no other"
+    assert planner.pop("YB_CONDUCTOR__PLANNER") == "true"
+    # The budget: 0 ("as many as are up") is no budget an actuator can keep.
+    budget = planner.pop("YB_CONDUCTOR__PLANNER_MAX_INSTANCES")
+    assert budget == "${YB_CONDUCTOR__PLANNER_MAX_INSTANCES:-5}"
+    # The others come from the shell where set there: the configuration's defaults.
+    assert all(value is None for value in planner.values()), planner
+    cfg = load_config(env=_set_env(conductor))
+    assert cfg.conductor.planner and cfg.conductor.planner_max_instances > len(ENGINES)
+    defaults = _planner_fields()
+    for name, default in defaults.items():
+        if name not in ("planner", "planner_max_instances"):
+            assert getattr(cfg.conductor, name) == default, name
+    # Set in the shell, a setting reaches the planner.
+    shell = {**_set_env(conductor), "YB_CONDUCTOR__PLANNER_INTERVAL_S": "5"}
+    assert load_config(env=shell).conductor.planner_interval_s == 5.0
+    # The actuator reads the same budget and start timeout as the planner.
+    assert load_config(env=_set_env(actuator)).conductor == cfg.conductor
+    assert actuator["environment"].keys() >= fields
+    # The base file's conductor keeps the planner off.
+    assert not load_config(env=_env(SERVICES["conductor"])).conductor.planner
+
+
+def test_elastic_actuator_service_reaches_docker_and_nats_as_admin() -> None:
+    actuator = ELASTIC_SERVICES["planner-actuator"]
+    assert "/var/run/docker.sock:/var/run/docker.sock" in actuator["volumes"]
+    assert actuator["restart"] == "unless-stopped"
+    assert "planner-actuator.alive" in " ".join(actuator["healthcheck"]["test"])
+    env = _set_env(actuator)
+    assert env["YB_NATS__USER"] == "admin"
+    password = REQUIRED_VAR.fullmatch(env["YB_NATS__PASSWORD"])
+    assert password and password.group(1) == password_env_var("admin")
+    assert load_config(env=env).nats.url == load_config(env=_env(SERVICES["conductor"])).nats.url
+    # It reads the project's engines when it starts: they exist by then.
+    depends = actuator["depends_on"]
+    assert depends["nats"]["condition"] == "service_healthy"
+    for name in ENGINES:
+        assert depends[name]["condition"] == "service_started", name
+    # Built here, from its own stage, not pulled.
+    build = actuator["build"]
+    assert build["target"] == ACTUATOR_STAGE and build["network"] == "host"
+    assert actuator["image"] == f"yuebing-{ACTUATOR_STAGE}"
+    assert set(build["args"]) <= {"BASE_IMAGE", "SERVICE"}
+    assert build["args"]["BASE_IMAGE"] == COMPOSE["x-build-args"]["BASE_IMAGE"]
+
+
+def test_elastic_actuator_image_has_no_torch_or_ucx() -> None:
+    _, stages = _parse_dockerfile(DOCKERFILE)
+    by_name = {s.name: s for s in stages}
+    stage = by_name[ACTUATOR_STAGE]
+    assert stage.parent == "base"
+    chain = [*by_name["base"].instructions, *stage.instructions]
+    assert not any(k == "COPY" and rest.startswith("--from=") for k, rest in chain)
+    copies = {
+        rest.split()[1]: ROOT / rest.split()[0]
+        for k, rest in chain
+        if k == "COPY" and not rest.startswith("--")
+    }
+    local: dict[str, bool] = {}
+    remote: set[str] = set()
+    for keyword, rest in stage.instructions:
+        if keyword != "RUN":
+            continue
+        for command in rest.split("&&"):
+            words = shlex.split(command)
+            if words[:2] != ["pip", "install"]:
+                continue
+            for requirement in (w for w in words[2:] if not w.startswith("-")):
+                if requirement.startswith("/"):
+                    local[str(_project(copies[requirement])["name"])] = "--no-deps" not in words
+                else:
+                    remote.add(str(canonicalize_name(Requirement(requirement).name)))
+    # The contracts with their dependencies; the yb tool without its own (the engines').
+    assert local == {"yuebing-core": True, "yuebing-tools": False}
+    assert "httpx" in remote
+    closure = remote | {
+        str(canonicalize_name(Requirement(d).name))
+        for d in _project(ROOT / "shared" / "core").get("dependencies", [])
+    }
+    assert not [n for n in closure if n.startswith(HEAVY)], closure
+    # Its entry point is the actuator's module, checked at build time.
+    assert ("ENTRYPOINT", '["python", "-m", "yb_tools.compose_actuator"]') in stage.instructions
+    assert any("python -m yb_tools.compose_actuator --help" in r for _, r in stage.instructions)
+
+
+def test_elastic_nats_grants_let_engines_take_any_instance_id() -> None:
+    from yb_tools.compose_actuator.nats_grants import render_elastic_authorization
+
+    nats = ELASTIC_SERVICES["nats"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in nats["volumes"]}
+    assert mounts["/etc/nats/nats-auth.conf"] == "./deploy/nats-auth-elastic.conf"
+    assert mounts["/data"] == "nats-data"  # the rest of the base file's mounts stay
+    conf = (ROOT / "deploy" / "nats-auth-elastic.conf").read_text()
+    assert conf == render_elastic_authorization(COMPOSE), (
+        "deploy/nats-auth-elastic.conf is stale: python -m yb_tools.compose_actuator.nats_grants "
+        "docker-compose.yml > deploy/nats-auth-elastic.conf"
+    )
+    prefill = conf.split('user: "prefill"')[1].split('user: "decode"')[0]
+    assert '"yb.ev.instance.*.*"' in prefill and "prefill-0" not in prefill
+    conductor = conf.split('user: "conductor"')[1].split('user: "gateway"')[0]
+    assert '"yb.ev.instance.*.conductor-0"' in conductor
+
+
+def test_the_real_nats_server_accepts_the_elastic_grants(tmp_path: Path) -> None:
+    (tmp_path / "nats.conf").write_text((ROOT / "deploy" / "nats.conf").read_text())
+    grants = (ROOT / "deploy" / "nats-auth-elastic.conf").read_text()
+    (tmp_path / "nats-auth.conf").write_text(grants)
+    env = {**os.environ, **{password_env_var(u): f"pw-{u}" for u in USERS}}
+    check = subprocess.run(
+        [nats_server_binary(), "-c", "nats.conf", "-t"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr

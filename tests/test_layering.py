@@ -413,3 +413,39 @@ def test_gateway_and_conductor_start_without_torch_or_ucx(package: str) -> None:
     )
     assert run.returncode == 0, run.stderr
     assert "--instance-id" in run.stdout
+
+
+# --- the compose actuator's image ------------------------------------------------------
+
+#: What the planner-actuator image (the Dockerfile's `planner-actuator` stage) lacks:
+#: every first-party package but core and the yb tool, and the heavy libraries.
+NOT_IN_ACTUATOR_IMAGE = (
+    *sorted(set(ALLOWED) - {CORE, TOOLS}),
+    *sorted(HEAVY_MODULES),
+)
+
+
+def test_the_compose_actuator_starts_with_core_and_the_yb_tool_alone() -> None:
+    blocked = BLOCKER.replace('("torch", "ucxx")', repr(NOT_IN_ACTUATOR_IMAGE))
+    assert blocked != BLOCKER
+    code = textwrap.dedent(
+        """
+        sys.argv = ["yb_tools.compose_actuator", "--help"]
+        try:
+            runpy.run_module("yb_tools.compose_actuator", run_name="__main__", alter_sys=True)
+        except SystemExit as exc:
+            assert exc.code == 0, exc.code
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+        assert not loaded, loaded
+        assert "yb_tools.compose_actuator.actuator" in sys.modules
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", blocked + code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "--max-instances" in run.stdout
