@@ -43,7 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from yb_core import events as ev
 from yb_tools.cli.cluster_watch import Announced, PlannedAction, WentDown
@@ -281,6 +281,29 @@ class PoolBook:
         return [StartEngine(role, instance_id, index, why)]
 
 
+_PLURAL = {"process": "processes", "container": "containers"}
+
+
+def no_start_line(
+    step: Claimed | Waiting | Skipped, max_instances: int, unit: Literal["process", "container"]
+) -> str:
+    """What an actuator says of a step that starts nothing; `unit` is what it runs an
+    engine in."""
+    match step:
+        case Claimed(role=role, on_way=on_way, why=why):
+            return (
+                f"planner: {why} {role} -> no new {unit}: {', '.join(on_way)} "
+                "on its way (not up when the planner decided)"
+            )
+        case Waiting(role=role, why=why):
+            return (
+                f"planner: {why} {role} -> waiting: {max_instances} engine {_PLURAL[unit]} "
+                "at most (--max-instances); it starts once one is gone"
+            )
+        case Skipped(reason=reason):
+            return f"planner: {reason}"
+
+
 @dataclass
 class _Drain:
     """A drained engine's process until it is reaped."""
@@ -343,18 +366,8 @@ class ElasticPools:
                     self._start(step)
                 case DrainEngine():
                     self._drain(step)
-                case Claimed(role=role, on_way=on_way, why=why):
-                    self.say(
-                        f"planner: {why} {role} -> no new process: {', '.join(on_way)} "
-                        "on its way (not up when the planner decided)"
-                    )
-                case Waiting(role=role, why=why):
-                    self.say(
-                        f"planner: {why} {role} -> waiting: {self.book.max_instances} engine "
-                        "processes run (--max-instances); it starts once one exits"
-                    )
-                case Skipped(reason=reason):
-                    self.say(f"planner: {reason}")
+                case Claimed() | Waiting() | Skipped():
+                    self.say(no_start_line(step, self.book.max_instances, "process"))
 
     def _start(self, step: StartEngine) -> None:
         from yb_tools.cli.launcher import ProcessSpec

@@ -48,6 +48,7 @@ from yb_tools.cli.elastic import (
     StartEngine,
     Step,
     Waiting,
+    no_start_line,
 )
 from yb_tools.compose_actuator.clone import (
     ADDED_BY_LABEL,
@@ -256,18 +257,8 @@ class ComposeActuator:
                     await self._start(step)
                 case DrainEngine():
                     self._drain(step)
-                case Claimed(role=role, on_way=on_way, why=why):
-                    self.say(
-                        f"planner: {why} {role} -> no new container: {', '.join(on_way)} "
-                        "on its way (not up when the planner decided)"
-                    )
-                case Waiting(role=role, why=why):
-                    self.say(
-                        f"planner: {why} {role} -> waiting: {self.settings.max_instances} "
-                        "engine containers exist (--max-instances); it starts once one is gone"
-                    )
-                case Skipped(reason=reason):
-                    self.say(f"planner: {reason}")
+                case Claimed() | Waiting() | Skipped():
+                    self.say(no_start_line(step, self.settings.max_instances, "container"))
 
     async def _start(self, step: StartEngine) -> None:
         assert self.book is not None and self._view is not None
