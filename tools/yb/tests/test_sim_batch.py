@@ -176,7 +176,7 @@ def test_a_batch_lines_prefill_pauses_at_its_next_layer_for_an_interactive_reque
     # The prefill time it took is its own compute, not its pause.
     spans = line.busy_spans()
     assert sum(end - start for start, end in spans) == pytest.approx(line.prefill_s)
-    # The conductor priced the pause (the chunk in progress is not priced), and the
+    # The conductor priced the pause (the layer in progress is not priced), and the
     # log replays.
     assert _queue_priced(sim) == 0.0
     assert sim.records is not None and replay(sim.records).divergences == []

@@ -180,7 +180,7 @@ class Placement(msgspec.Struct, kw_only=True):
     # The prompt's usable prefix blocks while its prefill runs on a prefill instance
     # (`pending_prefixes`): after it, the instance holds them.
     pending_keys: list[int] = msgspec.field(default_factory=list)
-    # A batch line's prefill, which its engine pauses between chunks for work of a
+    # A batch line's prefill, which its engine pauses between two layers for work of a
     # higher priority (`batch_preemption`); `paused`: work started ahead of it while
     # it ran, so its duration says nothing of the engine's speed.
     preemptible: bool = False

@@ -584,7 +584,7 @@ class ConductorConfig(_Section):
     prompts arriving meanwhile, so a line never makes an interactive request wait for
     pages); otherwise it is refused (`batch_held`) and its gateway tries again later.
     Off, a batch line is decided as any request of its tier (for comparisons). A prefill
-    engine pauses a batch line's prefill between chunks while work of a higher priority
+    engine pauses a batch line's prefill between layers while work of a higher priority
     waits (`PrefillJob.preemptible`), so with `batch_preemption` (the default) a request
     of a higher priority is priced and queued ahead of a batch line's prefill running
     there, not behind it. A log recorded before batch lines has none, so these settings

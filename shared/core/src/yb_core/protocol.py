@@ -104,8 +104,8 @@ class PrefillJob(_Msg, tag="prefill_job"):
     #: The last `generated_tokens` of `token_ids` are output the client already has
     #: (a re-plan continues the request): sampling resumes after them.
     generated_tokens: int = 0
-    #: A batch line's job (OpenAI Batch API): the engine may pause its compute
-    #: between two chunks for a queued job of a higher priority, and resume it after;
+    #: A batch line's job (OpenAI Batch API): the engine may hold its compute
+    #: between two layers for a queued job of a higher priority, and resume it after;
     #: what it holds (its pages, its decode reservation, its stream) stays held.
     preemptible: bool = False
 

@@ -1,7 +1,7 @@
 """A prefill instance as the simulator plays it: one job at a time, by priority.
 
 Like the real engine it runs its queue by priority (larger first), then arrival, never
-preempting the job it runs but a batch line's, which pauses between chunks for work of a
+preempting the job it runs but a batch line's, which pauses between layers for work of a
 higher priority (`Simulation._pause`) and then runs before the rest of its priority;
 with one priority everywhere that is arrival order. It reuses the longest prefix its own
 host's pool holds, pulls from another host's pool what the conductor's plan names (when

@@ -242,7 +242,7 @@ class Simulation:
         self.batch_result: BatchResult | None = None
         # A generator of its own: a backlog must not shift the run's other draws.
         self.batch_rng = random.Random(f"batch-retry:{params.seed}")
-        # Prefill engines pause a batch line's prefill between chunks for work of a
+        # Prefill engines pause a batch line's prefill between layers for work of a
         # higher priority, as the real ones do, when the conductor prices it so.
         self.preempt = self.cfg.batch_preemption
 
