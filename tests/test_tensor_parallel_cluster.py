@@ -107,8 +107,15 @@ def test_a_lost_rank_takes_its_instance_down_and_nothing_is_lost(served: Served)
     if served.prefill_tp != 2:
         pytest.skip("run once, on the cluster whose prefill instances have two ranks")
     cluster = served.cluster
-    pids = cluster.refresh_pids()
     victim = "prefill-0"
+    # The cluster is ready once one instance of each role serves: the victim may
+    # still be loading (a rank killed then fails its start, not its service).
+    wait_until(
+        lambda: any(up.instance_id == victim for up in events_of(read_log(cluster), ev.InstanceUp)),
+        120.0,
+        f"{victim} announced itself",
+    )
+    pids = cluster.refresh_pids()
     ranks = _children(pids[victim])
     assert len(ranks) == 1, ranks  # rank 1 of 2
     os.kill(ranks[0], signal.SIGKILL)
