@@ -1,49 +1,28 @@
 """`EnginePause`: a call held at a layer boundary runs what is submitted meanwhile on
-its own thread, then goes on, or ends when abandoned. A plain one-thread executor
-stands for the engine thread (`EngineHost` routes submissions to a loan exactly as
-`lend`/`take_back` do here); each "layer" notes itself, so the order of the work is
+its own thread, then goes on, or ends when abandoned. `EngineThread` is the engine
+thread `EngineHost` runs on; each "layer" notes itself, so the order of the work is
 read from what ran, not from timing."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
 
-from yb_engine.pausing import EnginePause, Loan, PauseAbandoned
+from yb_engine.pausing import EnginePause, EngineThread, PauseAbandoned
 
 DEADLINE_S = 30.0
 
 
-class Thread:
-    """One engine thread and its loans, as `EngineHost` keeps them."""
+class Thread(EngineThread):
+    """The engine thread as `EngineHost` keeps it, whose "forwards" note each layer."""
 
     def __init__(self) -> None:
-        self.executor = ThreadPoolExecutor(max_workers=1)
-        self.loans: list[Loan] = []
-        self.lock = threading.Lock()
+        super().__init__(ThreadPoolExecutor(max_workers=1))
         self.ran: list[str] = []
         self.threads: set[int] = set()
-
-    def lend(self, loan: Loan) -> None:
-        with self.lock:
-            self.loans.append(loan)
-
-    def take_back(self, loan: Loan) -> None:
-        with self.lock:
-            if loan in self.loans:
-                self.loans.remove(loan)
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-        loop = asyncio.get_running_loop()
-        with self.lock:
-            if self.loans:
-                return self.loans[-1].submit(loop, fn, args)
-        return loop.run_in_executor(self.executor, fn, *args)
 
     def layers(self, name: str, n: int, pause: EnginePause | None) -> str:
         """A "forward" of `n` layers, each noted, with `pause` as its layer hook."""
@@ -57,8 +36,7 @@ class Thread:
 
 async def test_a_held_call_runs_what_is_submitted_then_goes_on() -> None:
     thread = Thread()
-    loop = asyncio.get_running_loop()
-    pause = EnginePause(loop, thread.lend, thread.take_back)
+    pause = thread.pause_point()
     pause.wanted = True  # before it starts: it holds after its first layer
     line = thread.submit(thread.layers, "line", 3, pause)
     async with asyncio.timeout(DEADLINE_S):
@@ -71,14 +49,13 @@ async def test_a_held_call_runs_what_is_submitted_then_goes_on() -> None:
     assert thread.ran == ["line0", "urgent0", "urgent1", "line1", "line2"]
     assert len(thread.threads) == 1  # the urgent work ran on the held call's thread
     # Taken back: what is submitted now goes to the executor again.
-    assert not thread.loans
+    assert not thread._loans
     assert await asyncio.wait_for(thread.submit(lambda: "after"), DEADLINE_S) == "after"
 
 
 async def test_an_abandoned_hold_ends_its_call_and_errors_reach_their_waiters() -> None:
     thread = Thread()
-    loop = asyncio.get_running_loop()
-    pause = EnginePause(loop, thread.lend, thread.take_back)
+    pause = thread.pause_point()
     pause.wanted = True
     line = thread.submit(thread.layers, "line", 3, pause)
     async with asyncio.timeout(DEADLINE_S):
@@ -98,8 +75,7 @@ async def test_an_abandoned_hold_ends_its_call_and_errors_reach_their_waiters() 
 
 async def test_abandoned_before_it_holds_the_call_ends_at_its_next_layer() -> None:
     thread = Thread()
-    loop = asyncio.get_running_loop()
-    pause = EnginePause(loop, thread.lend, thread.take_back)
+    pause = thread.pause_point()
     started = threading.Event()
     go = threading.Event()
 

@@ -13,10 +13,9 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ import torch
 from yb_engine import DecodeSeq, ModelRunner, PagedKVCache, PrefillSeq
 from yb_engine.architecture import ArchConfig
 from yb_engine.loader import load_model
-from yb_engine.pausing import EnginePause, Loan, PauseAbandoned
+from yb_engine.pausing import EnginePause, EngineThread, PauseAbandoned
 from yb_engine.runner import PrefillChunk
 from yb_engine.tensor_parallel import Shard, check_degree, head_cuts, merge_cuts, owner_ranks
 from yb_engine.tp_instance import (
@@ -189,17 +188,11 @@ async def test_a_held_call_holds_every_rank_at_the_same_layer(tmp_path: Path) ->
     want_long = one.prefill(long, list(range(0, 3)), chunk_size=8)
     want_short = one.prefill(short, list(range(3, 5)))
     runner, _, ranks = start(path, 2)
-    engine = ThreadPoolExecutor(max_workers=1)  # rank 0's engine thread
-    loans: list[Loan] = []
-    loop = asyncio.get_running_loop()
-
-    def submit(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-        return (
-            loans[-1].submit(loop, fn, args) if loans else loop.run_in_executor(engine, fn, *args)
-        )
+    engine = EngineThread(ThreadPoolExecutor(max_workers=1))  # rank 0's engine thread
+    submit = engine.submit
 
     def pause() -> EnginePause:
-        made = EnginePause(loop, loans.append, lambda loan: loans.remove(loan))
+        made = engine.pause_point()
         made.wanted = True
         return made
 
@@ -224,7 +217,8 @@ async def test_a_held_call_holds_every_rank_at_the_same_layer(tmp_path: Path) ->
             assert rel_err(got_short, want_short) <= TOL
         assert ranks._lost is None
     finally:
-        engine.shutdown(wait=True)
+        engine.close()
+        engine.executor.shutdown(wait=True)
         ranks.close()
 
 

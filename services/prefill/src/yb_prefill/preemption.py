@@ -2,12 +2,10 @@
 
 A job marked `PrefillJob.preemptible` (a line of the OpenAI Batch API) that computes
 alone pauses when the queue's head has a higher priority and could start at once
-(the engine has the pages for its prompt, and room for one more job). On an engine
-of one device its engine call holds after the layer it is computing
-(`yb_engine.pausing`): a layer of a chunk, not the whole chunk, is what the urgent
-job waits for. On a tensor-parallel engine, whose ranks compute each forward in
-step, it computes one chunk per engine call instead (the same chunks as one call:
-the same KV and the same first token) and pauses between two. Paused, it counts as
+(the engine has the pages for its prompt, and room for one more job). Its engine
+call holds after the layer it is computing (`yb_engine.pausing`; on a
+tensor-parallel engine every rank holds at that layer): a layer of a chunk, not the
+whole chunk, is what the urgent job waits for. Paused, it counts as
 having left the engine (`EngineTurn.left`), so the queue loop starts the head's
 group; it resumes once the work started ahead of it has left the engine and no job
 of a higher priority than its own waits (`Pauses`), and goes on exactly where it

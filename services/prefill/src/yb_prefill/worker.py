@@ -179,8 +179,7 @@ class PrefillMetrics:
         )
         self.preemptions = Counter(
             "yb_prefill_preemptions_total",
-            "Pauses of a batch line's compute for a job of a higher priority (between two "
-            "layers; two chunks on a tensor-parallel engine)",
+            "Pauses of a batch line's compute between two layers for a job of a higher priority",
             registry=registry,
         )
         self.cached = Gauge(

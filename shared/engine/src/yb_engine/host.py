@@ -14,7 +14,6 @@ for an interactive prompt without waiting for the end of its chunk.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -24,7 +23,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from yb_core.config import EngineConfig, YbConfig
 from yb_core.telemetry import get_logger
 from yb_engine.models import load_engine_model, load_engine_stage
-from yb_engine.pausing import EnginePause, Loan
+from yb_engine.pausing import EnginePause, EngineThread
 
 if TYPE_CHECKING:
     import torch
@@ -101,17 +100,13 @@ class EngineHost:
         kv: KVSizing,
         ranks: TPInstance | None = None,
     ) -> None:
-        self._executor = executor
+        self._thread = EngineThread(executor)
         self.model = model
         self.cache = cache
         self.allocator = allocator
         self.runner = runner
         self.kv = kv
         self.ranks = ranks
-        # The engine thread lent out by calls held at a layer boundary, innermost last
-        # (`EnginePause`): while any is, what is submitted runs in the innermost.
-        self._loans: list[Loan] = []
-        self._loans_lock = threading.Lock()
 
     @property
     def tensor_parallel(self) -> int:
@@ -163,38 +158,19 @@ class EngineHost:
         """Queue `fn(*args)` on the engine thread; the future of its result (no task
         of its own: cancelling the future does not stop a call already running).
         While a call is held at a layer boundary, the thread runs it there."""
-        loop = asyncio.get_running_loop()
-        with self._loans_lock:
-            if self._loans:
-                return self._loans[-1].submit(loop, fn, args)
-        return loop.run_in_executor(self._executor, fn, *args)
+        return self._thread.submit(fn, *args)
 
     def pause_point(self) -> EnginePause:
         """A pause for one prefill call (`ModelRunner.prefill`'s `hold`): event loop
         only. On a tensor-parallel instance every rank holds with rank 0
         (`TensorParallelRunner.holding_hook`)."""
-        return EnginePause(asyncio.get_running_loop(), self._lend, self._take_back)
-
-    def _lend(self, loan: Loan) -> None:
-        """Engine thread: a held call lends the thread; submissions go to `loan`."""
-        with self._loans_lock:
-            self._loans.append(loan)
-
-    def _take_back(self, loan: Loan) -> None:
-        """Event loop: `loan` ends; submissions go where they went before it."""
-        with self._loans_lock:
-            if loan in self._loans:
-                self._loans.remove(loan)
+        return self._thread.pause_point()
 
     def close(self) -> None:
         """Stop the engine thread after the work already submitted, and the other
         ranks of a tensor-parallel instance. A call held at a layer boundary is
         abandoned (its hook raises), so the thread is not left waiting."""
-        with self._loans_lock:
-            loans, self._loans = self._loans, []
-        for loan in loans:
-            loan.end(abandon=True)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._thread.close()
         if self.ranks is not None:
             self.ranks.close()
 

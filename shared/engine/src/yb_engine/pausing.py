@@ -25,10 +25,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["ABANDON", "GO", "HOLD", "EnginePause", "Loan", "PauseAbandoned"]
+__all__ = ["ABANDON", "GO", "HOLD", "EnginePause", "EngineThread", "Loan", "PauseAbandoned"]
 
 #: What a held call does at a layer boundary (`EnginePause.decide`): the values every
 #: rank of a tensor-parallel instance agrees on.
@@ -178,3 +180,43 @@ class EnginePause:
             return
         self._loan = loan
         self.held.set_result(where)
+
+
+class EngineThread:
+    """One engine thread (`executor`, a single worker) that a held call may lend: while
+    any call holds (`EnginePause`), what is submitted runs in the innermost hold."""
+
+    def __init__(self, executor: ThreadPoolExecutor) -> None:
+        self.executor = executor
+        self._loans: list[Loan] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """Event loop: run `fn(*args)` on the thread; the future of its result."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._loans:
+                return self._loans[-1].submit(loop, fn, args)
+        return loop.run_in_executor(self.executor, fn, *args)
+
+    def pause_point(self) -> EnginePause:
+        """Event loop: a pause for one call's layer hook."""
+        return EnginePause(asyncio.get_running_loop(), self._lend, self._take_back)
+
+    def _lend(self, loan: Loan) -> None:  # the engine thread, holding
+        with self._lock:
+            self._loans.append(loan)
+
+    def _take_back(self, loan: Loan) -> None:  # event loop: the hold ends
+        with self._lock:
+            if loan in self._loans:
+                self._loans.remove(loan)
+
+    def close(self) -> None:
+        """Abandon every hold (its hook raises, so the thread is not left waiting),
+        then stop the thread after the work already submitted."""
+        with self._lock:
+            loans, self._loans = self._loans, []
+        for loan in loans:
+            loan.end(abandon=True)
+        self.executor.shutdown(wait=False, cancel_futures=True)
