@@ -49,6 +49,7 @@ BEFORE_VERSIONS: dict[str, Any] = {
     "planner_rate_sigmas": 0.0,
     "planner_balanced_share": False,
     "planner_decode_trend": False,
+    "retention_by_class": False,
 }
 
 
@@ -89,14 +90,19 @@ def test_every_switch_is_a_setting_and_old_logs_keep_their_values() -> None:
         "planner_balanced_share": False,
         "planner_decode_trend": False,
     }
+    retention_v3 = {"retention_by_class": False}
     assert absent_means(1) == {
         "pending_by_priority": False,
         "batch_preemption": False,
         **planner_v2,
+        **retention_v3,
     }
     # Version 2 logs: the planner sized with a fixed utilisation, shared the budget
     # in proportion, and held the decode pool's occupancy of the moment.
-    assert absent_means(2) == planner_v2
+    assert absent_means(2) == {**planner_v2, **retention_v3}
+    # Version 3 logs: retention predicted without a block's class.
+    assert absent_means(3) == retention_v3
+    assert absent_means(4) == {}
     for switch in SWITCHES:
         assert switch.name in fields, switch.name
         assert type(switch.old) is type(fields[switch.name].default), switch.name

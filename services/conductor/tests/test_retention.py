@@ -59,12 +59,38 @@ def shared_prefix_log(c: Crafted, requests: int) -> list[ev.RetentionPlanned]:
 
 def test_shared_prefix_is_kept_and_unique_tails_dropped(crafted: type[Crafted]) -> None:
     c = crafted(retention=True)
-    plans = shared_prefix_log(c, 8)
-    assert len(plans) == 8
+    plans = shared_prefix_log(c, 16)
+    assert len(plans) == 16
     assert all(p.instance_id == "kv-0" for p in plans)
     first = plans[0]
-    # Nothing learnt yet (a new block is reused half the time, no gap known): the
-    # whole chain is advised at interval 0, which is plain LRU.
+    # Nothing learnt yet (a class is reused half the time, no gap known): the whole
+    # chain is advised at interval 0, which is plain LRU.
+    assert first.drop == [] and first.reuse_s == [0.0] * 6
+    # The head's count grows by one a request up to 8, so until then each tail is of
+    # a class never seen: kept.
+    assert all(p.drop == [] for p in plans[:8])
+    last = plans[-1]
+    # From the 9th on, the tails after a head used 8 times or more are of a class
+    # whose uses were never followed by another: dropped first. The shared prefix is a
+    # class whose every use was followed by another: interval 0, plain LRU among such
+    # blocks.
+    assert last.drop == [1030, 1031]
+    assert last.reuse == SHARED
+    assert last.reuse_s == [0.0] * 4
+    assert "drop 2 block(s)" in last.reason
+    # The class of a block is its uses and its head's, each counted up to 8.
+    assert c.c.retention.blocks[SHARED[0]].cls == c.c.retention.blocks[SHARED[3]].cls
+    assert c.c.retention.blocks[1030].cls != c.c.retention.blocks[SHARED[0]].cls
+    assert replay(c.records).divergences == []
+
+
+def test_version_3_drops_new_blocks_by_the_share_of_all_new_blocks(
+    crafted: type[Crafted],
+) -> None:
+    # How a log recorded before behaviour version 4 decides (and replays).
+    c = crafted(retention=True, retention_by_class=False, retention_drop_below=0.5)
+    plans = shared_prefix_log(c, 8)
+    first = plans[0]
     assert first.drop == [] and first.reuse_s == [0.0] * 6
     last = plans[-1]
     # Seven tails were never asked for again: new blocks are dropped first, the shared
@@ -88,11 +114,12 @@ def test_a_chain_is_never_worth_less_than_its_tail(crafted: type[Crafted]) -> No
         beat(c)
         plans += advice(c.feed(_admission(f"r{i}", chain)))
     # The head's own mean gap is 90, then 90 + 0.3 * (1 - 90), then that + 0.3 * (1 -
-    # that): about 44.6 s; block 8's is 1 s. A block without its head is worthless, so
-    # the head is advised at 1 s too.
+    # that): about 44.6 s; block 8's is 1 s. Neither class has a history (reused half
+    # the time: log-odds 0), so each counts half its gap older: the head 22.3 s, block
+    # 8 0.5 s. A block without its head is worthless, so the head is advised at 0.5 s.
     assert c.c.retention.blocks[7].gap == pytest.approx(44.61, abs=0.01)
     assert plans[-1].reuse == [7, 8]
-    assert plans[-1].reuse_s == [1.0, 1.0]
+    assert plans[-1].reuse_s == [0.5, 0.5]
     assert replay(c.records).divergences == []
 
 

@@ -32,7 +32,8 @@ from typing import Final
 #: lines' prefills are pre-empted, and pending prefixes count by priority. 3: the
 #: planner's margin is its forecast's noise, an over-budget split loads the busier
 #: pool least, and the decode pool is sized for its occupancy a start time ahead.
-BEHAVIOUR_VERSION: Final = 3
+#: 4: retention predicts a block's reuse from its class.
+BEHAVIOUR_VERSION: Final = 4
 #: The version of a record that carries none (written before versions existed).
 UNVERSIONED: Final = 0
 
@@ -190,6 +191,13 @@ SWITCHES: Final[tuple[Switch, ...]] = (
         3,
         "The decode pool holds the requests decoding now, not as many as they will "
         "be a start time ahead (`planner.Planner._forecast_needs`).",
+    ),
+    Switch(
+        "retention_by_class",
+        False,
+        4,
+        "Retention predicts a block's reuse from its own gaps and, for a new block, "
+        "from all new blocks, without its class (`retention.Retention.interval`).",
     ),
 )
 

@@ -4,15 +4,23 @@ Each kvstore alone can only order its blocks by its own recency (LRU). The condu
 sees every request's chain, so for every block it knows how many requests used its
 prefix, when last and how long apart, and what share of the blocks that appear for
 the first time are ever asked for again. From that it predicts, for each block of a
-placed request, the time between its uses:
+placed request, the time between its uses, from:
 
-- a block used before: its own mean gap between uses (a shared system prompt asked
-  every few seconds is worth more than one asked every few minutes), shrunk towards
-  the mean gap of all blocks while it has few gaps to its name;
-- a new block: the mean time to a new block's first reuse over the share of new
-  blocks that get one; while that share is below `retention_drop_below`, a new
-  block is **dropped** first instead (the unique tails of prompts that share a
-  prefix: questions, documents);
+- its class: how many requests used it (up to 8) and how many used the head of its
+  chain (up to 8). For each class the log teaches the share of its uses that were
+  followed by another, and the mean time to it. The head's count tells a chain's
+  story: a conversation's blocks all follow its head, and the more turns it has
+  had, the likelier it is over; the unique questions after a shared system prompt
+  follow a head used hundreds of times, and are rarely asked again;
+- the time between its uses `g`: once it was reused, its own mean gap (a shared
+  system prompt asked every few seconds is worth more than one asked every few
+  minutes), shrunk towards the mean gap of all blocks while it has few gaps to its
+  name; a new block, its class's mean time to a reuse;
+- its interval is `g` times the log-odds against another use plus a half, and
+  never below zero: a block of a class used again three times in five (or more
+  often) keeps its own age, which is plain LRU among them, and the rarer its class
+  is reused, the older it counts. A new block of a class reused less often than
+  `retention_drop_below` is **dropped** first instead;
 - a block is worth at least any block after it in its chain (a block without its
   prefix is worthless): the intervals are a running minimum from the tail, so only
   a tail is ever dropped;
@@ -60,6 +68,16 @@ _GAP_ALPHA = 0.3
 # How quickly the mean time to a new block's first reuse follows each one (over many
 # blocks: a slow average).
 _LOG_ALPHA = 0.01
+# A class counts its blocks' uses up to this many, and its chain head's.
+_CLASS_USES = 8
+# A class's share of uses followed by another is learnt over about this many of its
+# uses (both counts are halved when the first passes twice this).
+_CLASS_WINDOW = 10_000
+# The log-odds against another use at which a block starts to count older than it
+# is (a share of 1 / (1 + e^-0.5), 0.62): blocks reused more often than that are
+# ordered by recency alone. Chosen on `benchmarks/sim_retention.py` over four jitter
+# and workload seeds; 0 and 1 were within a few points of it on every workload.
+_ODDS_OFFSET = 0.5
 # A block's own mean gap counts against every block's as this many gaps: a block
 # used a few times has a noisy mean (a conversation's think times are all alike,
 # however different the few seen), one used often has its own.
@@ -72,17 +90,20 @@ _NEEDED_SLACK_S = 5.0
 
 class BlockUses(msgspec.Struct, array_like=True, gc=False):
     """What the log showed of one block: requests that used it, the event time of
-    the latest, and the mean time between uses (0 until used twice)."""
+    the latest, the mean time between uses (0 until used twice), and its class at
+    the latest use (`_class`; -1 in statistics a version-3 conductor kept)."""
 
     uses: int
     last: float
     gap: float = 0.0
+    cls: int = -1
 
 
 class Retention(msgspec.Struct, kw_only=True):
     """Per-block use statistics; what the log taught of new blocks: how many
     appeared, how many of those were used a second time, and the mean time to it;
-    and the mean gap between uses of blocks used before."""
+    the mean gap between uses of blocks used before; and per class (`_class`), its
+    blocks' uses, how many of them were followed by another, and the mean time to it."""
 
     blocks: dict[int, BlockUses] = msgspec.field(default_factory=dict)
     first_seen: int = 0
@@ -90,21 +111,44 @@ class Retention(msgspec.Struct, kw_only=True):
     first_gap: float = 0.0
     reuse_gap: float = 0.0
     reuse_gaps: int = 0
+    class_uses: dict[int, int] = msgspec.field(default_factory=dict)
+    class_reused: dict[int, int] = msgspec.field(default_factory=dict)
+    class_gap: dict[int, float] = msgspec.field(default_factory=dict)
 
     def reuse_share(self) -> float:
         """The share of new blocks used again (a prior of one half)."""
         return (self.first_reused + 1) / (self.first_seen + 2)
 
+    def own_gap(self, seen: BlockUses) -> float:
+        """A reused block's mean gap between uses, shrunk towards every block's as if
+        that were `_PRIOR_GAPS` more gaps."""
+        gaps = seen.uses - 1
+        prior = _PRIOR_GAPS if self.reuse_gaps else 0.0
+        return (gaps * seen.gap + prior * self.reuse_gap) / (gaps + prior)
+
     def interval(self, seen: BlockUses) -> float:
-        """The predicted time between the block's uses: once it was reused, its own
-        mean gap, shrunk towards every block's as if that were `_PRIOR_GAPS` more
-        gaps; for a new block, the mean time to a first reuse over the share of new
-        blocks that get one."""
+        """Version 3's predicted time between the block's uses: once it was reused,
+        its own mean gap; for a new block, the mean time to a first reuse over the
+        share of new blocks that get one."""
         if seen.uses > 1:
-            gaps = seen.uses - 1
-            prior = _PRIOR_GAPS if self.reuse_gaps else 0.0
-            return (gaps * seen.gap + prior * self.reuse_gap) / (gaps + prior)
+            return self.own_gap(seen)
         return self.first_gap / self.reuse_share()
+
+    def class_share(self, seen: BlockUses) -> float:
+        """The share of its class's uses followed by another (a prior of one half)."""
+        cls = seen.cls
+        return (self.class_reused.get(cls, 0) + 1) / (self.class_uses.get(cls, 0) + 2)
+
+    def class_interval(self, seen: BlockUses) -> float:
+        """How much older than it is the block counts: the time between its uses (its
+        own once reused, else its class's) times the log-odds against another use
+        plus `_ODDS_OFFSET`, at least 0."""
+        share = self.class_share(seen)
+        if seen.uses > 1:
+            gap = self.own_gap(seen)
+        else:
+            gap = self.class_gap.get(seen.cls, self.reuse_gap or self.first_gap)
+        return gap * max(0.0, _ODDS_OFFSET + math.log((1.0 - share) / share))
 
     def observe(
         self,
@@ -122,6 +166,7 @@ class Retention(msgspec.Struct, kw_only=True):
             return []
         share = self.reuse_share()  # as it stood before this request
         uses = self._count(keys, state.now)
+        intervals = self._intervals(cfg, share, uses)
         needed = _needed(state, request, decision)
         wait = 2.0 * decision.estimates.ttft_s + _NEEDED_SLACK_S
         needed_s = round(min(cfg.request_timeout_s, wait), 3)
@@ -141,17 +186,6 @@ class Retention(msgspec.Struct, kw_only=True):
         if target is None:
             return out
         pulled = self._pulled(cfg, state, decision, target, keys)
-        # A block is worth at least what any block after it in the chain is worth (a
-        # block without its prefix is worthless): intervals are a running minimum from
-        # the tail, and only a tail is dropped.
-        new_kept = share >= cfg.retention_drop_below
-        intervals: list[float] = []
-        soonest = math.inf
-        for seen in reversed(uses):
-            if seen.uses > 1 or new_kept:
-                soonest = min(soonest, self.interval(seen))
-            intervals.append(soonest)
-        intervals.reverse()
         reuse: list[int] = []
         reuse_s: list[float] = []
         demote: list[int] = []
@@ -188,8 +222,12 @@ class Retention(msgspec.Struct, kw_only=True):
         """Fold one use of each key; their statistics after it, in chain order."""
         blocks = self.blocks
         out: list[BlockUses] = []
+        head = blocks.get(keys[0])
+        head_uses = 1 if head is None else head.uses + 1
         for key in keys:
             seen = blocks.pop(key, None)
+            if seen is not None and seen.cls >= 0:
+                self._class_reused(seen.cls, now - seen.last)
             if seen is None:
                 seen = BlockUses(1, now)
                 self.first_seen += 1
@@ -207,6 +245,7 @@ class Retention(msgspec.Struct, kw_only=True):
                     self.reuse_gap += alpha * (gap - self.reuse_gap)
                 seen.uses += 1
                 seen.last = now
+            seen.cls = _class(seen.uses, head_uses)
             blocks[key] = seen  # most recent last: the oldest is forgotten first
             out.append(seen)
         while len(blocks) > _MAX_TRACKED:
@@ -215,6 +254,45 @@ class Retention(msgspec.Struct, kw_only=True):
             self.first_seen //= 2
             self.first_reused //= 2
         return out
+
+    def _intervals(self, cfg: ConductorConfig, share: float, uses: list[BlockUses]) -> list[float]:
+        """Each block's advised interval in chain order (inf: drop first), from the
+        statistics as they stood before this request; then counts its uses by class.
+
+        A block is worth at least what any block after it in the chain is worth (a
+        block without its prefix is worthless): intervals are a running minimum from
+        the tail, and only a tail is dropped."""
+        new_kept = share >= cfg.retention_drop_below
+        by_class = cfg.retention_by_class
+        intervals: list[float] = []
+        soonest = math.inf
+        for seen in reversed(uses):
+            if by_class:
+                if seen.uses > 1 or self.class_share(seen) >= cfg.retention_drop_below:
+                    soonest = min(soonest, self.class_interval(seen))
+            elif seen.uses > 1 or new_kept:
+                soonest = min(soonest, self.interval(seen))
+            intervals.append(soonest)
+        intervals.reverse()
+        for seen in uses:
+            self._class_used(seen.cls)
+        return intervals
+
+    def _class_used(self, cls: int) -> None:
+        uses = self.class_uses[cls] = self.class_uses.get(cls, 0) + 1
+        if uses > 2 * _CLASS_WINDOW:
+            self.class_uses[cls] //= 2
+            self.class_reused[cls] = self.class_reused.get(cls, 0) // 2
+
+    def _class_reused(self, cls: int, gap: float) -> None:
+        """A use of class `cls` was followed by another, `gap` seconds later (the mean
+        gap: a plain mean at first, then a slow moving one)."""
+        reused = self.class_reused[cls] = self.class_reused.get(cls, 0) + 1
+        mean = self.class_gap.get(cls)
+        if mean is None:
+            self.class_gap[cls] = gap
+        else:
+            self.class_gap[cls] = mean + max(_LOG_ALPHA, 1.0 / reused) * (gap - mean)
 
     def _pulled(
         self,
@@ -237,6 +315,11 @@ class Retention(msgspec.Struct, kw_only=True):
         if end <= 0 or _hot(cfg, self.blocks.get(keys[end - 1])):
             return 0
         return end
+
+
+def _class(uses: int, head_uses: int) -> int:
+    """A block's class: its uses and its chain head's, each counted up to `_CLASS_USES`."""
+    return min(uses, _CLASS_USES) * (_CLASS_USES + 1) + min(head_uses, _CLASS_USES)
 
 
 def _hot(cfg: ConductorConfig, seen: BlockUses | None) -> bool:

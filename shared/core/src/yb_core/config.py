@@ -537,11 +537,15 @@ class ConductorConfig(_Section):
     Retention (`retention`, off by default): with each placement the conductor tells
     the kvstore that will hold the request's blocks how soon each is predicted to be
     used again, and which to let go first (`RetentionPlanned`,
-    `yb_conductor.retention`): a block used before, every its mean gap; a new block,
-    every the mean time to a first reuse over the share of new blocks reused, or,
-    while that share is below `retention_drop_below`, dropped first; a copy pulled
-    from another kvstore of a prefix that is not hot, demoted first; the blocks a
-    placed request will read, kept on every kvstore it reads them from until read.
+    `yb_conductor.retention`): from each block's class (its uses and its chain
+    head's), the share of that class's uses followed by another and the time to it,
+    a block counts older the less likely it is reused; a new block of a class reused
+    less often than `retention_drop_below`, dropped first; a copy pulled from another
+    kvstore of a prefix that is not hot, demoted first; the blocks a placed request
+    will read, kept on every kvstore it reads them from until read.
+    `retention_by_class` off (how logs recorded before behaviour version 4 replay),
+    a new block is dropped while the share of all new blocks reused is below
+    `retention_drop_below`, and a block's class is not asked.
     Off, each
     kvstore evicts by its own policy alone (how logs recorded before the setting
     replay).
@@ -629,7 +633,8 @@ class ConductorConfig(_Section):
     pending_by_priority: bool = True
     decode_now_floor: bool = True
     retention: bool = False
-    retention_drop_below: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
+    retention_by_class: bool = True
+    retention_drop_below: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.3
     decode_kv_peak: bool = True
     planner: bool = False
     planner_rule: Literal["forecast", "threshold"] = "forecast"
