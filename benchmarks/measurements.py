@@ -64,14 +64,17 @@ SUMMARIES: dict[str, str] = {
     ),
     "sim_retention": (
         "What the KV pool keeps, in `yb sim`: each kvstore's own LRU against the "
-        "conductor's retention advice (`RetentionPlanned`: blocks predicted to be reused "
-        "soon kept longer, new blocks of prompts whose tails are rarely reused dropped "
-        "first, copies demoted, the blocks a placed request will read kept until read), "
+        "conductor's retention advice (`RetentionPlanned`: blocks of a class rarely "
+        "reused, by their uses and their chain head's, counted older, new blocks of such "
+        "a class dropped first, copies demoted, the blocks a placed request will read "
+        "kept until read), "
         "against Belady's offline optimum (every kvstore evicts "
         "the block whose next use in the trace is farthest) as the limit, and the "
         "retention with hot-prefix replication; Mooncake's synthetic trace, "
         "conversations and shared system prompts, each host's pool cut until it "
-        "evicts, the paper's engine model, 8 prefill + 8 decode instances. Simulated in "
+        "evicts, the paper's engine model, 8 prefill + 8 decode instances; each also "
+        "over 4 jitter and workload seeds, since a queue at its limit moves a hit ratio "
+        "by a few points between runs whose engines differ by 0.1%. Simulated in "
         "virtual time: the same code gives the same figures on any machine."
     ),
     "sim_elastic": (
@@ -499,6 +502,15 @@ DESCRIPTIONS: dict[str, list[tuple[str, str]]] = {
             r"(\w+?)_(\d+)k_gap_closed",
             "share of Belady's hit-ratio gain over LRU that the retention reaches (`{0}`, "
             "{1}k tokens per host; empty: no gap)",
+        ),
+        (
+            r"(\w+?)_(\d+)k_seeds_gap_closed",
+            "the same over the jitter and workload seeds, of their mean hit ratios "
+            "(`{0}`, {1}k tokens per host)",
+        ),
+        (
+            r"(\w+?)_(\d+)k_seeds_gap_closed_(min|max)",
+            "the {2} of each seed's share of the gap closed (`{0}`, {1}k tokens per host)",
         ),
     ],
     "cpp": [

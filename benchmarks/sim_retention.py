@@ -15,11 +15,19 @@ recently used blocks), `retention` (the conductor's `RetentionPlanned` advice), 
 `belady` (every kvstore evicts the block whose next use in the trace is farthest: the
 limit); and `retention` once more with hot-prefix replication (`hot_replicas` 2).
 
+A queue at its limit is chaotic: a run whose engines differ by 0.1% can place many
+requests elsewhere and move a hit ratio by a few points. So each workload and pool
+is also played `--seeds` (4) more times, the lru, retention and Belady ways, with
+jitter seeds (every job's time drawn within `JITTER`, 0.1%, of the cost model's)
+and, for the generated workloads, the workload's seed too.
+
 Figures (flat), per workload and pool `<workload>_<pool k tokens>k_`: for each way
 `<way>_hit_ratio` (share of prefilled prompt tokens taken from the pool),
 `<way>_ttft_mean_s`, `<way>_ttft_p90_s`, `<way>_slo_attainment`, `<way>_rejected`; and
 `gap_closed`, the share of Belady's gain over LRU the retention reaches ((retention -
-lru) / (belady - lru); empty where Belady gains less than 0.001). Ways: `lru`, `retention`,
+lru) / (belady - lru); empty where Belady gains less than 0.001); over the seeds,
+`seeds_gap_closed` (the same of the seeds' mean hit ratios) and
+`seeds_gap_closed_min` / `_max` (of each seed's). Ways: `lru`, `retention`,
 `belady`, `replicated` (retention and replication). Simulated in virtual time with
 fixed seeds: the same code gives the same figures on any machine.
 """
@@ -28,8 +36,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import msgspec
 
 ROOT = Path(__file__).resolve().parents[1]
 # Runs from a checkout without installing the packages.
@@ -55,6 +65,10 @@ POOLS: dict[str, tuple[int, ...]] = {
     "multi-turn": (50_000, 25_000),
     "shared-prefix": (100_000, 50_000),
 }
+#: Each job's time is drawn within this fraction of the cost model's in the seeded runs.
+JITTER = 0.001
+#: The ways played again with each seed.
+SEEDED_WAYS = ("lru", "retention", "belady")
 # (label, retention mode, settings laid over the conductor's)
 WAYS: tuple[tuple[str, str, dict[str, int]], ...] = (
     ("lru", "lru", {}),
@@ -72,6 +86,8 @@ class Row:
     pool_tokens: int
     requests: int
     results: dict[str, PolicyResult]
+    # Per seed, each of `SEEDED_WAYS`' hit ratio.
+    seeded: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def key(self) -> str:
@@ -86,16 +102,32 @@ class Row:
             return None
         return (self.results["retention"].cache_hit_ratio - lru) / gap
 
+    def seeds_gap_closed(self) -> tuple[float, float, float] | None:
+        """Over the seeds: the gap closed of the mean hit ratios, and the least and
+        most of each seed's; None without seeds or a gap."""
+        if not self.seeded:
+            return None
+        mean = {w: sum(s[w] for s in self.seeded) / len(self.seeded) for w in SEEDED_WAYS}
+        gap = mean["belady"] - mean["lru"]
+        each = [
+            (s["retention"] - s["lru"]) / (s["belady"] - s["lru"])
+            for s in self.seeded
+            if s["belady"] - s["lru"] >= 0.001
+        ]
+        if gap < 0.001 or not each:
+            return None
+        return (mean["retention"] - mean["lru"]) / gap, min(each), max(each)
 
-def items_of(workload: str, block_size: int) -> list[TraceItem]:
-    """The workload's requests at the run's block size."""
+
+def items_of(workload: str, block_size: int, seed: int = 0) -> list[TraceItem]:
+    """The workload's requests at the run's block size (a generated one, of `seed`)."""
     if workload == "synthetic":
         return load_workload(TRACE, block_size=block_size)
-    return workload_from(generate(workload), block_size=block_size)
+    return workload_from(generate(workload, seed=seed), block_size=block_size)
 
 
-def run() -> list[Row]:
-    """Every workload, pool and way of the module docstring."""
+def run(seeds: int) -> list[Row]:
+    """Every workload, pool and way of the module docstring, and `seeds` seeds."""
     rows = []
     for workload, pools in POOLS.items():
         for pool in pools:
@@ -106,8 +138,15 @@ def run() -> list[Row]:
                 label: run_retention(items, params, cost, mode, settings=settings)
                 for label, mode, settings in WAYS
             }
-            rows.append(Row(workload, pool, len(items), results))
-            print(f"{rows[-1].key}: done", file=sys.stderr)
+            row = Row(workload, pool, len(items), results)
+            for seed in range(1, seeds + 1):
+                at = msgspec.structs.replace(params, jitter=JITTER, seed=seed)
+                seeded = items_of(workload, block_size_for(at, cost), seed)
+                row.seeded.append(
+                    {w: run_retention(seeded, at, cost, w).cache_hit_ratio for w in SEEDED_WAYS}
+                )
+            rows.append(row)
+            print(f"{row.key}: done", file=sys.stderr)
     return rows
 
 
@@ -117,18 +156,20 @@ def table(rows: list[Row]) -> str:
     lines = [
         "| workload | pool/host | "
         + " | ".join(f"hit {label}" for label in labels)
-        + " | gap closed | "
+        + " | gap closed | over seeds (least-most) | "
         + " | ".join(f"TTFT {label} mean / p90 s" for label in labels)
         + " |",
-        "| --- | ---: | " + " | ".join("---:" for _ in labels * 2) + " | ---: |",
+        "| --- | ---: | " + " | ".join("---:" for _ in labels * 2) + " | ---: | ---: |",
     ]
     for row in rows:
         r = row.results
         closed = row.gap_closed()
+        over = row.seeds_gap_closed()
+        seeded = "-" if over is None else f"{over[0]:.0%} ({over[1]:.0%}-{over[2]:.0%})"
         lines.append(
             f"| {row.workload} | {row.pool_tokens // 1000}k | "
             + " | ".join(f"{r[label].cache_hit_ratio:.3f}" for label in labels)
-            + f" | {'-' if closed is None else f'{closed:.0%}'} | "
+            + f" | {'-' if closed is None else f'{closed:.0%}'} | {seeded} | "
             + " | ".join(
                 f"{r[label].ttft_mean_s:.2f} / {r[label].ttft_p90_s:.2f}" for label in labels
             )
@@ -151,14 +192,23 @@ def figures_of(rows: list[Row]) -> dict[str, float | int | str]:
             figures[f"{k}_{label}_rejected"] = result.rejected
         closed = row.gap_closed()
         figures[f"{k}_gap_closed"] = "" if closed is None else round(closed, 3)
+        over = row.seeds_gap_closed()
+        if row.seeded:
+            for name, value in zip(("", "_min", "_max"), over or ("", "", ""), strict=True):
+                figures[f"{k}_seeds_gap_closed{name}"] = (
+                    value if isinstance(value, str) else round(value, 3)
+                )
     return figures
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the flat figures here")
+    parser.add_argument(
+        "--seeds", type=int, default=4, help="jitter (and workload) seeds played again (4)"
+    )
     args = parser.parse_args()
-    rows = run()
+    rows = run(args.seeds)
     print(table(rows))
     print()
     emit(figures_of(rows), args.json, decimals=3)
