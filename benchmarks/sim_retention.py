@@ -194,10 +194,8 @@ def figures_of(rows: list[Row]) -> dict[str, float | int | str]:
         figures[f"{k}_gap_closed"] = "" if closed is None else round(closed, 3)
         over = row.seeds_gap_closed()
         if row.seeded:
-            for name, value in zip(("", "_min", "_max"), over or ("", "", ""), strict=True):
-                figures[f"{k}_seeds_gap_closed{name}"] = (
-                    value if isinstance(value, str) else round(value, 3)
-                )
+            for i, name in enumerate(("", "_min", "_max")):
+                figures[f"{k}_seeds_gap_closed{name}"] = "" if over is None else round(over[i], 3)
     return figures
 
 

@@ -142,7 +142,9 @@ def test_predictions_are_published_with_decisions(crafted: Any) -> None:
             max_tokens=4,
         )
     )
-    decision, prediction = outputs
+    # Then the retention advice for the kvstore that will hold the blocks.
+    decision, prediction, *advice = outputs
+    assert all(isinstance(a, ev.RetentionPlanned) for a in advice)
     assert isinstance(decision, ev.RequestScheduled)
     assert isinstance(prediction, ev.LoadPrediction)
     assert prediction.request_id == "r" and prediction.instance_id == decision.decode_instance
@@ -150,7 +152,9 @@ def test_predictions_are_published_with_decisions(crafted: Any) -> None:
     assert prediction.predicted_batch == decision.estimates.decode_batch == 1
     early = crafted(admission="early")
     early.hosts(1)
-    assert len(early.feed(_request("r", keys(2)))) == 1
+    outputs = early.feed(_request("r", keys(2)))
+    assert not any(isinstance(o, ev.LoadPrediction) for o in outputs)
+    assert isinstance(outputs[0], ev.RequestScheduled)
 
 
 def test_expected_decode_time_is_learned_from_completions(crafted: Any) -> None:

@@ -205,7 +205,7 @@ def test_windows_select_the_admissions_they_name(records: list[LogRecord]) -> No
 def test_what_if_decisions_are_a_second_conductors(records: list[LogRecord]) -> None:
     overrides = {"policy": "least-loaded"}
     whole = what_if(records, overrides).what_if.decisions
-    report = build_report(records, Window(since_s=12, for_s=8), overrides=overrides)
+    report = build_report(records, Window(since_s=12, for_s=20), overrides=overrides)
     assert report.meta.what_if == "policy=least-loaded"
     assert report.requests
     rows = report.requests

@@ -534,7 +534,7 @@ class ConductorConfig(_Section):
     go to the `snapshot_bucket` object store every `snapshot_every_events` events;
     the active conductor holds a lease of `lease_ttl_s` in `<snapshot_bucket>_lease`.
 
-    Retention (`retention`, off by default): with each placement the conductor tells
+    Retention (`retention`, on by default): with each placement the conductor tells
     the kvstore that will hold the request's blocks how soon each is predicted to be
     used again, and which to let go first (`RetentionPlanned`,
     `yb_conductor.retention`): from each block's class (its uses and its chain
@@ -632,7 +632,7 @@ class ConductorConfig(_Section):
     pending_prefixes: bool = True
     pending_by_priority: bool = True
     decode_now_floor: bool = True
-    retention: bool = False
+    retention: bool = True
     retention_by_class: bool = True
     retention_drop_below: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.3
     decode_kv_peak: bool = True

@@ -573,12 +573,12 @@ class RetentionPlanned(Event, tag="retention_planned"):
     go first (`yb_conductor.retention`).
 
     Decided with the placement of `request_id`, from what the conductor has seen of
-    each block's prefix (how many requests used it, how long apart, what share of new
-    blocks are ever used again) and of where copies are. `reuse`: blocks expected to
-    be used again, each about `reuse_s` seconds (the same position) after its last
-    use; the store evicts first the block whose next use is farthest, taking the
-    larger of that interval and the time since its last use (for an unmarked block,
-    that time alone: LRU). `demote`: copies of a prefix another kvstore holds, first
+    each block's prefix (how many requests used it and its chain's head, how long
+    apart, what share of such blocks are used again) and of where copies are.
+    `reuse`: blocks expected to be used again, each to count `reuse_s` seconds (the
+    same position) older than it is: the later and the less likely its next use, the
+    more. The store evicts the oldest so counted first (an unmarked block counts its
+    own age: LRU). `demote`: copies of a prefix another kvstore holds, first
     to leave DRAM (to SSD where there is one). `drop`: no reuse predicted: the first
     to leave, dropped rather than written to SSD. A block not held yet (the request's
     own, stored when its prefill ends) takes the advice when it arrives. The store
