@@ -123,6 +123,24 @@ def test_a_chain_is_never_worth_less_than_its_tail(crafted: type[Crafted]) -> No
     assert replay(c.records).divergences == []
 
 
+def test_a_chain_that_repeats_a_block_is_advised(crafted: type[Crafted]) -> None:
+    # Traces may name one block twice in a prompt: each time it is no reuse of its
+    # class, and no share may reach 1 (its log-odds would be undefined).
+    c = crafted(retention=True)
+    c.hosts(1)
+    chain = [5, 6, 5, 6, 5, 7]
+    for i in range(30):
+        c.at(10.0 + i)
+        beat(c)
+        plans = advice(c.feed(_admission(f"r{i}", chain)))
+        assert plans and all(s >= 0.0 for p in plans for s in p.reuse_s)
+    retention = c.c.retention
+    for cls, uses in retention.class_uses.items():
+        assert retention.class_reused.get(cls, 0) <= uses
+    assert retention.class_share(retention.blocks[5]) < 1.0
+    assert replay(c.records).divergences == []
+
+
 def test_a_copy_pulled_from_another_kvstore_is_demoted(crafted: type[Crafted]) -> None:
     c = crafted(retention=True, prefix_stickiness=0.0)
     c.hosts(2)

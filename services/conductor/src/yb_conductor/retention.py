@@ -135,9 +135,10 @@ class Retention(msgspec.Struct, kw_only=True):
         return self.first_gap / self.reuse_share()
 
     def class_share(self, seen: BlockUses) -> float:
-        """The share of its class's uses followed by another (a prior of one half)."""
-        cls = seen.cls
-        return (self.class_reused.get(cls, 0) + 1) / (self.class_uses.get(cls, 0) + 2)
+        """The share of its class's uses followed by another (a prior of one half),
+        below 1: a use counted before the counts were halved may be followed after."""
+        uses = self.class_uses.get(seen.cls, 0)
+        return (min(self.class_reused.get(seen.cls, 0), uses) + 1) / (uses + 2)
 
     def class_interval(self, seen: BlockUses) -> float:
         """How much older than it is the block counts: the time between its uses (its
@@ -224,10 +225,12 @@ class Retention(msgspec.Struct, kw_only=True):
         out: list[BlockUses] = []
         head = blocks.get(keys[0])
         head_uses = 1 if head is None else head.uses + 1
+        here: set[int] = set()  # a key twice in one chain is not a reuse of its class
         for key in keys:
             seen = blocks.pop(key, None)
-            if seen is not None and seen.cls >= 0:
+            if seen is not None and seen.cls >= 0 and key not in here:
                 self._class_reused(seen.cls, now - seen.last)
+            here.add(key)
             if seen is None:
                 seen = BlockUses(1, now)
                 self.first_seen += 1
