@@ -12,6 +12,7 @@ from conftest import BS, Crafted
 from yb_conductor import snapshot
 from yb_conductor.conductor import Conductor
 from yb_conductor.replay import LogRecord, NondeterminismError, replay
+from yb_conductor.retention import BlockUses, Retention
 from yb_conductor.settings import configured_event
 from yb_core import events as ev
 from yb_core.config import ConductorConfig
@@ -139,6 +140,15 @@ def test_a_chain_that_repeats_a_block_is_advised(crafted: type[Crafted]) -> None
         assert retention.class_reused.get(cls, 0) <= uses
     assert retention.class_share(retention.blocks[5]) < 1.0
     assert replay(c.records).divergences == []
+
+
+def test_a_class_halved_while_its_uses_were_pending_stays_below_one() -> None:
+    # After a class's counts are halved, uses counted before may still be followed by
+    # another: more reuses than uses. Its share stays below 1, its interval defined.
+    retention = Retention(class_uses={10: 5}, class_reused={10: 9}, class_gap={10: 4.0})
+    seen = BlockUses(uses=1, last=0.0, cls=10)
+    assert retention.class_share(seen) == 6 / 7
+    assert retention.class_interval(seen) == 0.0  # reused more than 62% of the time
 
 
 def test_a_copy_pulled_from_another_kvstore_is_demoted(crafted: type[Crafted]) -> None:
