@@ -162,14 +162,27 @@ def test_prefill_and_kvstores_killed_come_back_and_serve(
     # four-block prompt twice, the second time from the pool.
     prompt = tiny_prompt(7, 4 * 64 + 10)
     first = complete(cluster, prompt)
+    # A request completes before its prefill's blocks are in the log (the store is
+    # announced once written): ask again only once they are.
+    (admitted,) = [
+        e for e in events_of(read_log(cluster), ev.RequestAdmitted) if e.request_id == first["id"]
+    ]
+    wanted = set(admitted.block_hashes[:4])
+
+    def pooled() -> bool:
+        stored = set()
+        for e in events_of(read_log(cluster), ev.BlockStored):
+            if e.instance_id.startswith("kvstore-"):
+                stored.update(e.block_hashes)
+        return wanted <= stored
+
+    wait_until(pooled, ACT_S, "the first request's blocks in a kvstore")
     again = complete(cluster, prompt)
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
 
-    def reused() -> bool:
-        decision = decision_of(cluster, again["id"], timeout_s=ACT_S)
-        return isinstance(decision, ev.RequestScheduled) and decision.reused_blocks >= 4
-
-    wait_until(reused, ACT_S, "the second request's decision to reuse the first's blocks")
+    # The second request's decision reuses the first's blocks (shown whole if not).
+    decision = decision_of(cluster, again["id"], timeout_s=ACT_S)
+    assert isinstance(decision, ev.RequestScheduled) and decision.reused_blocks >= 4, decision
 
 
 def test_nats_killed_is_restarted_and_the_cluster_serves_again(
