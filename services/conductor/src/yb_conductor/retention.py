@@ -17,9 +17,9 @@ placed request, the time between its uses, from:
   minutes), shrunk towards the mean gap of all blocks while it has few gaps to its
   name; a new block, its class's mean time to a reuse;
 - its interval is `g` times the log-odds against another use plus a half, and
-  never below zero: a block of a class used again three times in five (or more
-  often) keeps its own age, which is plain LRU among them, and the rarer its class
-  is reused, the older it counts. A new block of a class reused less often than
+  never below zero: a block of a class used again more than 62% of the time keeps
+  its own age, which is plain LRU among them, and the rarer its class is reused,
+  the older it counts. A new block of a class reused less often than
   `retention_drop_below` is **dropped** first instead;
 - a block is worth at least any block after it in its chain (a block without its
   prefix is worthless): the intervals are a running minimum from the tail, so only
