@@ -41,6 +41,7 @@ from yb_testkit.faults import (
     read_log,
     record,
     tiny_prompt,
+    wait_every_engine_up,
     wait_until,
 )
 from yb_testkit.fixtures import LocalCluster
@@ -78,6 +79,8 @@ def replanning(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Local
     )
     cluster.start(timeout_s=300)
     try:
+        # The tests kill one engine of two and re-plan onto the other.
+        wait_every_engine_up(cluster)
         yield cluster, gate
     finally:
         gate.release_everything()

@@ -49,6 +49,7 @@ from yb_testkit.faults import (
     long_stream_body,
     read_log,
     tiny_prompt,
+    wait_every_engine_up,
     wait_until,
 )
 from yb_testkit.fixtures import LocalCluster, pid_alive
@@ -85,16 +86,11 @@ def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Local
     )
     cluster.start(timeout_s=300)
     try:
-        # Ready means one engine of each role is up; the tests kill one of two and
-        # re-plan onto the other, so wait until every instance has announced itself.
-        everyone = {i for i in cluster.pids if i.startswith(("prefill-", "decode-", "kvstore-"))}
-        assert len(everyone) == 6, cluster.pids
-
-        def all_up() -> bool:
-            up = {e.instance_id for e in events_of(read_log(cluster), ev.InstanceUp)}
-            return everyone <= up
-
-        wait_until(all_up, 120, "every instance to announce itself")
+        # The tests kill one engine of two and re-plan onto the other.
+        assert (
+            len([i for i in cluster.pids if i.startswith(("prefill-", "decode-", "kvstore-"))]) == 6
+        )
+        wait_every_engine_up(cluster)
         yield cluster, gate
     finally:
         gate.release_everything()

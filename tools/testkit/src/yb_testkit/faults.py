@@ -259,6 +259,19 @@ def events_of(log: list[LoggedEvent], kind: type[Any] | UnionType) -> Iterator[A
     return (item.event for item in log if isinstance(item.event, kind))
 
 
+def wait_every_engine_up(cluster: LocalCluster, timeout_s: float = 120.0) -> None:
+    """Wait until every prefill, decode and kvstore instance of `cluster` has announced
+    itself (`InstanceUp`). `start()` returns once one engine of each role serves: a
+    test that kills one of two and expects its work to move to the other needs both."""
+    engines = {i for i in cluster.pids if i.startswith(("prefill-", "decode-", "kvstore-"))}
+
+    def all_up() -> bool:
+        up = {e.instance_id for e in events_of(read_log(cluster), ev.InstanceUp)}
+        return engines <= up
+
+    wait_until(all_up, timeout_s, f"every engine to announce itself ({', '.join(sorted(engines))})")
+
+
 def decisions_per_admission(log: list[LoggedEvent]) -> dict[str, list[str]]:
     """Every admitted request id, and every re-plan of one (`<id>#<attempt>`) -> the
     kinds of the decisions logged for it."""
