@@ -12,14 +12,16 @@ added, so one always serves. Streamed requests run from the start until the add 
 seen: every one is answered 200 and ends with `[DONE]`.
 
 What is checked is what the log and the processes say: the `PoolPlanned` with the
-add, the new instance's `InstanceUp` (a new id, `prefill-1`); the decision to drain
-(or move) an instance, its `InstanceDraining` and `InstanceDown`, and its process
-gone; the pools at their targets at the end; `yb up` saying what it did; never more
-than 4 engine processes in cluster.json.
+add, the `InstanceUp` of the instance `yb up` says it started for it (a new id,
+`prefill-1`; the second prefill instance, started seconds later, may announce itself
+first); the decision to drain (or move) an instance, its `InstanceDraining` and
+`InstanceDown`, and its process gone; the pools at their targets at the end; `yb up`
+saying what it did; never more than 4 engine processes in cluster.json.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +38,8 @@ MAX_INSTANCES = 4
 #: Each wait's own deadline: an instance of the tiny model starts in seconds.
 ACT_S = 60.0
 ENGINE_PREFIXES = ("prefill-", "decode-")
+#: `yb up`'s line for a process it started for an add: the new instance's id.
+ADD_STARTED = re.compile(r"\[yb\] planner: add (?:prefill|decode) -> started (\S+) \(")
 
 pytestmark = [pytest.mark.timeout(300, func_only=True), pytest.mark.slow]
 
@@ -141,17 +145,27 @@ def test_the_launcher_adds_and_drains_as_the_planner_decides(elastic: LocalClust
     assert initial == {"prefill-0", "decode-0", "decode-1"}
     load = Load(cluster)
     try:
-        # The add: decided by the planner, carried out by `yb up`, announced by a new id.
-        def added(log: list[LoggedEvent]) -> bool:
-            adds = _actions(log, "add")
-            return bool(adds) and bool(_up_after(log, adds[0][1].role, initial, adds[0][0].time))
+        # The add: decided by the planner, carried out by `yb up` (its line names the
+        # process it started), announced by that new id. The first process started is
+        # the add's, not the first to come up: the second prefill instance, started
+        # seconds later, may announce itself first.
+        def first_started(log: list[LoggedEvent]) -> str | None:
+            """The id of the first process `yb up` started for an add, once it is up."""
+            ids = ADD_STARTED.findall(cluster.output())
+            ups = {e.instance_id for e in events_of(log, ev.InstanceUp)}
+            return ids[0] if ids and ids[0] in ups else None
 
-        log = _wait(added, "an add and the new instance's InstanceUp", cluster)
+        log = _wait(
+            lambda log: bool(_actions(log, "add")) and first_started(log) is not None,
+            "an add and the new instance's InstanceUp",
+            cluster,
+        )
         decision, action = _actions(log, "add")[0]
         assert action.role == "prefill"  # the minimum of 3 asked for it
         assert decision.max_instances == MAX_INSTANCES
-        (new,) = _up_after(log, "prefill", initial, decision.time)[:1]
+        new = first_started(log)
         assert new == "prefill-1"
+        assert _up_after(log, "prefill", initial, decision.time).count(new) == 1
         assert "[yb] planner: add prefill -> started prefill-1 (host-0" in cluster.output()
     finally:
         clients = load.stop()
