@@ -22,7 +22,7 @@ import msgspec
 import pytest
 
 from yb_core import events as ev
-from yb_tools.cli.cluster_watch import Announced, PlannedAction
+from yb_tools.cli.cluster_watch import Announced, PlannedAction, WentDown
 from yb_tools.compose_actuator.actuator import (
     ActuatorSettings,
     ComposeActuator,
@@ -411,3 +411,93 @@ async def test_a_failed_stop_keeps_the_slot_of_a_container_still_running() -> No
     # A drain of an instance no container runs is said, and changes nothing.
     await actuator.handle(book, planned(101.0, "drain", "prefill", "prefill-9"))
     assert "not an engine" in said[-1]
+
+
+# --- reconciling with what Docker runs ------------------------------------------------
+
+
+async def test_a_container_removed_by_hand_frees_its_slot_at_the_second_check() -> None:
+    docker = compose_project()
+    actuator, said = await actuator_on(docker, max_instances=3)
+    book = actuator.book
+    assert book is not None
+    await actuator.handle(book, planned(100.0, "add", "prefill"))
+    assert "waiting" in said[-1]
+    # decode-0's container is removed outside the planner.
+    (decode,) = (c for c in docker.containers.values() if c["Config"]["Cmd"][-1] == "decode-0")
+    del docker.containers[decode["Id"]]
+    await actuator.reconcile(book)
+    assert "decode-0" in book.engines, "one check is not enough: it may be restarting"
+    assert docker.running() == ["prefill-0", "prefill-1"]
+    await actuator.reconcile(book)
+    assert "decode-0" not in book.engines
+    assert any("decode-0 has had no running container at two checks" in line for line in said)
+    # The waiting add takes the freed slot.
+    assert docker.running() == ["prefill-0", "prefill-1", "prefill-2"]
+    assert "started prefill-2" in said[-1]
+
+
+async def test_a_container_back_before_the_second_check_keeps_its_slot() -> None:
+    docker = compose_project()
+    actuator, said = await actuator_on(docker, max_instances=3)
+    book = actuator.book
+    assert book is not None
+    (decode,) = (c for c in docker.containers.values() if c["Config"]["Cmd"][-1] == "decode-0")
+    decode["State"] = {**decode["State"], "Status": "exited", "Running": False}
+    await actuator.reconcile(book)
+    decode["State"] = {**decode["State"], "Status": "running", "Running": True}
+    await actuator.reconcile(book)
+    await actuator.reconcile(book)
+    assert "decode-0" in book.engines
+    assert not any("no running container" in line for line in said)
+
+
+async def test_an_engine_started_outside_the_planner_is_adopted_and_counted() -> None:
+    docker = compose_project()
+    actuator, said = await actuator_on(docker, max_instances=4)
+    book = actuator.book
+    assert book is not None
+    # As `docker compose up --scale` or a hand would: a decode container the actuator
+    # did not make.
+    extra = container_like(RECORDED, "decode-5", "decode")
+    docker.containers[extra["Id"]] = extra
+    await actuator.reconcile(book)
+    assert book.engines["decode-5"] == "decode"
+    assert said[-1] == (
+        f"planner: found decode-5 (container {PROJECT}_decode-5_1), not started by the "
+        "planner: it counts against the cap"
+    )
+    # It took the last slot: an add waits, and a later decode id counts on past it.
+    await actuator.handle(book, planned(100.0, "add", "prefill"))
+    assert "waiting" in said[-1] and len(docker.running()) == 4
+    await actuator.handle(book, planned(101.0, "drain", "decode", "decode-5"))
+    await drained(actuator)
+    assert docker.running() == ["decode-0", "prefill-0", "prefill-1", "prefill-2"]
+    await actuator.handle(book, planned(102.0, "move", "decode", "prefill-2"))
+    await drained(actuator)
+    assert docker.running() == ["decode-0", "decode-6", "prefill-0", "prefill-1"]
+    # Adopted over the cap: said, and nothing starts until the pools are back under it.
+    for instance_id in ("decode-7", "decode-8"):
+        extra = container_like(RECORDED, instance_id, "decode")
+        docker.containers[extra["Id"]] = extra
+    await actuator.reconcile(book)
+    assert said[-1].endswith("it counts against the cap, 2 over it")
+    await actuator.handle(book, planned(103.0, "add", "prefill"))
+    assert "waiting" in said[-1] and len(docker.running()) == 6
+
+
+async def test_an_id_the_log_named_is_not_used_again() -> None:
+    """An actuator restarted after it drained prefill-2 finds no container of it, but
+    the log's `InstanceUp` names it: the next prefill is prefill-3."""
+    docker = compose_project()
+    actuator, _ = await actuator_on(docker, max_instances=4)
+    book = actuator.book
+    assert book is not None
+    await actuator.handle(book, Announced("prefill-2", "prefill"))
+    await actuator.handle(book, WentDown("prefill-2"))
+    await actuator.handle(book, WentDown("decode-4"))  # down before the restart
+    await actuator.handle(book, planned(100.0, "add", "prefill"))
+    assert docker.running() == ["decode-0", "prefill-0", "prefill-1", "prefill-3"]
+    await actuator.handle(book, planned(101.0, "move", "decode", "prefill-3"))
+    await drained(actuator)
+    assert docker.running() == ["decode-0", "decode-5", "prefill-0", "prefill-1"]

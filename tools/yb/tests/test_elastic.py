@@ -89,6 +89,18 @@ def test_added_instances_get_ids_never_used_before() -> None:
     assert book.apply(_add("prefill", 5.0)) == [StartEngine("prefill", "prefill-2", 2, "add")]
 
 
+def test_ids_the_log_named_are_never_used_again() -> None:
+    """A launcher started again on a log that names instances of an earlier run (or
+    of a run before a restart): new ids count on past them, even those gone."""
+    book = _book(4)
+    book.announced(Announced("prefill-6", "prefill"))
+    book.went_down(WentDown("prefill-6"))
+    book.went_down(WentDown("decode-3"))  # down before this book was made
+    book.announced(Announced("other-9", "decode"))  # not `<role>-<k>`: no effect
+    assert book.apply(_add("prefill", 1.0)) == [StartEngine("prefill", "prefill-7", 7, "add")]
+    assert book.apply(_add("decode", 1.0, index=1)) == [StartEngine("decode", "decode-4", 4, "add")]
+
+
 def test_an_action_is_applied_once() -> None:
     book = _book()
     first = _add("decode", 7.5, index=0)

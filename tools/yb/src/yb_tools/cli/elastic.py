@@ -143,14 +143,15 @@ class PoolBook:
     """What the actuator holds and may do: pure bookkeeping, no processes.
 
     `engines` are the engine processes the launcher holds (running, restarting or
-    draining) by id, with their role; never more than `max_instances`. Ids are
-    `<role>-<k>`, k counting on from the highest the cluster started with, so none is
-    ever used twice. Feed it the log in order (`announced`, `went_down`, `apply`: each
-    planned action once, by its key); `gone` when a drained process has exited (or
-    one was given up on). `expected` mirrors the planner's starting instances, so a
-    process starts only for a start no instance on its way fills (module docstring).
-    A drain's slot frees only at `gone`, and only then does a move start its
-    instance in the other role.
+    draining) by id, with their role; never more than `max_instances` (but for
+    engines found running that it did not start: `adopt`). Ids are `<role>-<k>`, k
+    counting on past the highest the cluster started with and the highest the log
+    named, so none is ever used twice. Feed it the log in order (`announced`,
+    `went_down`, `apply`: each planned action once, by its key); `gone` when a
+    drained process has exited (or one was given up on). `expected` mirrors the
+    planner's starting instances, so a process starts only for a start no instance
+    on its way fills (module docstring). A drain's slot frees only at `gone`, and only
+    then does a move start its instance in the other role.
     """
 
     def __init__(
@@ -173,10 +174,22 @@ class PoolBook:
         self.waiting: deque[Waiting] = deque()
         self._applied: set[tuple[float, int]] = set()
         self._next: dict[ev.PoolRole, int] = {"prefill": 0, "decode": 0}
-        for instance_id, role in engines.items():
-            stem, _, number = instance_id.rpartition("-")
-            if stem == role and number.isdigit():
-                self._next[role] = max(self._next[role], int(number) + 1)
+        for instance_id in engines:
+            self._reserve(instance_id)
+
+    def _reserve(self, instance_id: str) -> None:
+        """An id in use or used before (`<role>-<k>`): new ids count on past it."""
+        stem, _, number = instance_id.rpartition("-")
+        if stem in self._next and number.isdigit():
+            role: ev.PoolRole = "prefill" if stem == "prefill" else "decode"
+            self._next[role] = max(self._next[role], int(number) + 1)
+
+    def adopt(self, instance_id: str, role: ev.PoolRole) -> None:
+        """An engine found running that the book did not hold (started outside the
+        planner): it counts against the cap from now on, and its id is never reused.
+        It may take the book over the cap; nothing starts until it is back under."""
+        self.engines[instance_id] = role
+        self._reserve(instance_id)
 
     def on_way(self, role: ev.PoolRole) -> list[str]:
         """The engines of `role` the launcher holds that are not up (starting, or
@@ -197,6 +210,7 @@ class PoolBook:
         """An engine's `InstanceUp`: one that was not up fills a start of its role."""
         if self.up.get(notice.instance_id) == notice.role:
             return []  # seen up already (the planner counts it once too)
+        self._reserve(notice.instance_id)
         self.up[notice.instance_id] = notice.role
         for i, (role, _) in enumerate(self.expected):
             if role == notice.role:
@@ -207,6 +221,7 @@ class PoolBook:
     def went_down(self, notice: WentDown) -> list[Step]:
         """An `InstanceDown`: an engine of the launcher's that is not draining is on its
         way again (being restarted)."""
+        self._reserve(notice.instance_id)
         if self.up.pop(notice.instance_id, None) is None:
             return []
         return self._prune()

@@ -19,10 +19,17 @@ an action that cannot be carried out is reported as skipped, with Docker's reaso
 The log is read as `ClusterWatcher.pool_log` reads it for `yb up` (the same subjects,
 `cluster_watch.POOL_LOG`, and the same items), by an asyncio task of this process
 rather than the launcher's thread. Instance events are taken from the log's start, so
-that an actuator restarted beside a running cluster knows which engines are up;
-actions only from its own start on (one decided while it was down is not carried
-out: the planner counts it as starting until `planner_start_timeout_s`, then asks
-again).
+that an actuator restarted beside a running cluster knows which engines are up and
+which ids were used (a new id counts on past every one the log named); actions only
+from its own start on (one decided while it was down is not carried out: the planner
+counts it as starting until `planner_start_timeout_s`, then asks again).
+
+Every `RECONCILE_S` it compares its book with the containers Docker lists for the
+project (`reconcile`): an engine container it did not start (`docker compose up`
+again, `--scale`, by hand) is adopted and counts against the cap; an engine of the
+book that no live container runs at two checks in a row (removed, or stopped, by
+hand) frees its slot. Two checks, so that a container between Docker's restarts is
+not taken for gone.
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ from yb_tools.compose_actuator.docker_api import ContainerInspect, DockerApi, Do
 
 #: How often the main loop wakes without news (to check its reader, mark itself alive).
 TICK_S = 1.0
+#: How often the book is compared with the containers Docker runs (`reconcile`).
+RECONCILE_S = 10.0
 #: Containers Docker lists as these still hold a slot.
 LIVE_STATES = ("created", "running", "restarting", "paused")
 
@@ -184,6 +193,8 @@ class ComposeActuator:
         self._containers: dict[str, str] = {}  # instance id -> container id
         self._started: dict[str, float] = {}  # instance id -> monotonic, until it is up
         self._drains: dict[str, asyncio.Task[None]] = {}
+        # Engines of the book that no live container ran at the last `reconcile`.
+        self._missing: set[str] = set()
 
     async def prepare(self) -> PoolBook:
         """Read the project's containers and open the book with its engines."""
@@ -212,12 +223,19 @@ class ComposeActuator:
         reader = asyncio.create_task(
             follow_pool_log(bus, since, self._inbox.put_nowait), name="actuator-pool-log"
         )
+        next_check = self.clock() + RECONCILE_S
         try:
             while True:
                 if reader.done():
                     reader.result()  # re-raises what ended it
                     raise RuntimeError("the pool log's reader ended")
                 self._mark_alive(bus)
+                if self.clock() >= next_check:
+                    next_check = self.clock() + RECONCILE_S
+                    try:
+                        await self.reconcile(book)
+                    except DockerError as exc:
+                        self.say(f"planner: could not compare the book with Docker: {exc}")
                 try:
                     item = await asyncio.wait_for(self._inbox.get(), TICK_S)
                 except TimeoutError:
@@ -249,6 +267,34 @@ class ComposeActuator:
                 await self.carry(book.apply(item))
             case Gone(instance_id=instance_id):
                 await self.carry(book.gone(instance_id))
+
+    async def reconcile(self, book: PoolBook) -> None:
+        """Compare the book with the project's live engine containers (module
+        docstring). Draining engines are their drains' to settle."""
+        view = await view_project(self.docker, self.settings.project)
+        for instance_id, (engine, _) in sorted(view.engines.items()):
+            if instance_id in book.draining:
+                continue
+            self._containers[instance_id] = engine.container_id  # recreated by compose
+            if instance_id in book.engines:
+                continue
+            book.adopt(instance_id, engine.role)
+            over = len(book.engines) - book.max_instances
+            self.say(
+                f"planner: found {instance_id} (container {engine.name}), not started by "
+                "the planner: it counts against the cap" + (f", {over} over it" if over > 0 else "")
+            )
+        missing = {i for i in book.engines if i not in view.engines and i not in book.draining}
+        for instance_id in sorted(missing & self._missing):
+            self.say(
+                f"planner: {instance_id} has had no running container at two checks "
+                f"{RECONCILE_S:g}s apart (removed or stopped outside the planner): its slot "
+                "is free"
+            )
+            self._containers.pop(instance_id, None)
+            self._started.pop(instance_id, None)
+            await self.carry(book.gone(instance_id))
+        self._missing = missing - self._missing
 
     async def carry(self, steps: list[Step]) -> None:
         for step in steps:
