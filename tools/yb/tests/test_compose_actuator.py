@@ -23,6 +23,7 @@ import pytest
 
 from yb_core import events as ev
 from yb_tools.cli.cluster_watch import Announced, PlannedAction, WentDown
+from yb_tools.cli.elastic import PoolBook
 from yb_tools.compose_actuator.actuator import (
     ActuatorSettings,
     ComposeActuator,
@@ -284,6 +285,13 @@ class RecordedDocker:
         }
         return httpx.Response(201, json={"Id": container_id, "Warnings": []})
 
+    def of(self, instance_id: str) -> dict[str, Any]:
+        """The container that runs `instance_id`."""
+        (found,) = (
+            c for c in self.containers.values() if instance_id_of(c["Config"]["Cmd"]) == instance_id
+        )
+        return found
+
     def running(self) -> list[str]:
         return sorted(
             instance_id_of(c["Config"]["Cmd"]) or ""
@@ -312,13 +320,15 @@ def planned(
 
 async def actuator_on(
     docker: RecordedDocker, max_instances: int
-) -> tuple[ComposeActuator, list[str]]:
+) -> tuple[ComposeActuator, PoolBook, list[str]]:
+    """An actuator on `docker`'s project, its book, and what it said; the compose
+    file's engines have announced themselves."""
     said: list[str] = []
     actuator = ComposeActuator(docker.api(), ActuatorSettings(PROJECT, max_instances), said.append)
     book = await actuator.prepare()
     for instance_id in ("prefill-0", "prefill-1", "decode-0"):
         await actuator.handle(book, Announced(instance_id, book.engines[instance_id]))
-    return actuator, said
+    return actuator, book, said
 
 
 async def drained(actuator: ComposeActuator) -> None:
@@ -333,9 +343,8 @@ async def drained(actuator: ComposeActuator) -> None:
 
 async def test_an_add_creates_a_clone_and_a_drain_stops_and_removes_it() -> None:
     docker = compose_project()
-    actuator, said = await actuator_on(docker, max_instances=4)
-    book = actuator.book
-    assert book is not None and sorted(book.engines) == ["decode-0", "prefill-0", "prefill-1"]
+    actuator, book, said = await actuator_on(docker, max_instances=4)
+    assert sorted(book.engines) == ["decode-0", "prefill-0", "prefill-1"]
     await actuator.handle(book, planned(100.0, "add", "prefill"))
     assert docker.running() == ["decode-0", "prefill-0", "prefill-1", "prefill-2"]
     created = [c for c in docker.calls if c.startswith("POST /containers/create")]
@@ -357,9 +366,7 @@ async def test_an_add_creates_a_clone_and_a_drain_stops_and_removes_it() -> None
 
 async def test_a_move_drains_then_starts_in_the_other_role() -> None:
     docker = compose_project()
-    actuator, said = await actuator_on(docker, max_instances=3)
-    book = actuator.book
-    assert book is not None
+    actuator, book, said = await actuator_on(docker, max_instances=3)
     # As if compose had made prefill-1's container after the actuator started: found
     # by the instance id in its command.
     del actuator._containers["prefill-1"]
@@ -367,9 +374,7 @@ async def test_a_move_drains_then_starts_in_the_other_role() -> None:
     assert not any(c.startswith("POST /containers/create") for c in docker.calls)
     await drained(actuator)
     assert docker.running() == ["decode-0", "decode-1", "prefill-0"]
-    decode = next(
-        c for c in docker.containers.values() if instance_id_of(c["Config"]["Cmd"]) == "decode-1"
-    )
+    decode = docker.of("decode-1")
     # Cloned from the decode container, as the next container of its service.
     assert decode["Config"]["Labels"][SERVICE_LABEL] == "decode-0"
     assert decode["Config"]["Labels"][NUMBER_LABEL] == "2"
@@ -380,9 +385,7 @@ async def test_a_move_drains_then_starts_in_the_other_role() -> None:
 async def test_a_failed_create_is_reported_skipped_and_frees_its_slot() -> None:
     docker = compose_project()
     docker.fail["create"] = (404, "No such image: yuebing-prefill:latest")
-    actuator, said = await actuator_on(docker, max_instances=4)
-    book = actuator.book
-    assert book is not None
+    actuator, book, said = await actuator_on(docker, max_instances=4)
     await actuator.handle(book, planned(100.0, "add", "prefill"))
     assert said[-1] == (
         f"planner: add prefill -> skipped: prefill-2: create container {PROJECT}_prefill-2: "
@@ -398,9 +401,7 @@ async def test_a_failed_create_is_reported_skipped_and_frees_its_slot() -> None:
 async def test_a_failed_stop_keeps_the_slot_of_a_container_still_running() -> None:
     docker = compose_project()
     docker.fail["stop"] = (500, "cannot kill container: permission denied")
-    actuator, said = await actuator_on(docker, max_instances=3)
-    book = actuator.book
-    assert book is not None
+    actuator, book, said = await actuator_on(docker, max_instances=3)
     await actuator.handle(book, planned(100.0, "move", "decode", "prefill-1"))
     await drained(actuator)
     assert said[-1].startswith("planner: move prefill-1 to decode -> failed: stop container ")
@@ -418,14 +419,11 @@ async def test_a_failed_stop_keeps_the_slot_of_a_container_still_running() -> No
 
 async def test_a_container_removed_by_hand_frees_its_slot_at_the_second_check() -> None:
     docker = compose_project()
-    actuator, said = await actuator_on(docker, max_instances=3)
-    book = actuator.book
-    assert book is not None
+    actuator, book, said = await actuator_on(docker, max_instances=3)
     await actuator.handle(book, planned(100.0, "add", "prefill"))
     assert "waiting" in said[-1]
     # decode-0's container is removed outside the planner.
-    (decode,) = (c for c in docker.containers.values() if c["Config"]["Cmd"][-1] == "decode-0")
-    del docker.containers[decode["Id"]]
+    del docker.containers[docker.of("decode-0")["Id"]]
     await actuator.reconcile(book)
     assert "decode-0" in book.engines, "one check is not enough: it may be restarting"
     assert docker.running() == ["prefill-0", "prefill-1"]
@@ -439,10 +437,8 @@ async def test_a_container_removed_by_hand_frees_its_slot_at_the_second_check() 
 
 async def test_a_container_back_before_the_second_check_keeps_its_slot() -> None:
     docker = compose_project()
-    actuator, said = await actuator_on(docker, max_instances=3)
-    book = actuator.book
-    assert book is not None
-    (decode,) = (c for c in docker.containers.values() if c["Config"]["Cmd"][-1] == "decode-0")
+    actuator, book, said = await actuator_on(docker, max_instances=3)
+    decode = docker.of("decode-0")
     decode["State"] = {**decode["State"], "Status": "exited", "Running": False}
     await actuator.reconcile(book)
     decode["State"] = {**decode["State"], "Status": "running", "Running": True}
@@ -454,9 +450,7 @@ async def test_a_container_back_before_the_second_check_keeps_its_slot() -> None
 
 async def test_an_engine_started_outside_the_planner_is_adopted_and_counted() -> None:
     docker = compose_project()
-    actuator, said = await actuator_on(docker, max_instances=4)
-    book = actuator.book
-    assert book is not None
+    actuator, book, said = await actuator_on(docker, max_instances=4)
     # As `docker compose up --scale` or a hand would: a decode container the actuator
     # did not make.
     extra = container_like(RECORDED, "decode-5", "decode")
@@ -490,9 +484,7 @@ async def test_an_id_the_log_named_is_not_used_again() -> None:
     """An actuator restarted after it drained prefill-2 finds no container of it, but
     the log's `InstanceUp` names it: the next prefill is prefill-3."""
     docker = compose_project()
-    actuator, _ = await actuator_on(docker, max_instances=4)
-    book = actuator.book
-    assert book is not None
+    actuator, book, _ = await actuator_on(docker, max_instances=4)
     await actuator.handle(book, Announced("prefill-2", "prefill"))
     await actuator.handle(book, WentDown("prefill-2"))
     await actuator.handle(book, WentDown("decode-4"))  # down before the restart
