@@ -1,6 +1,7 @@
 """The compose actuator without a Docker engine: the clone of a recorded `docker
 inspect` into a create request, its names, labels and aliases, Docker's errors, and
-the actuator carrying out the planner's actions against recorded answers.
+the actuator carrying out the planner's actions against recorded answers; how it
+reads the log, from a real nats-server.
 
 The fixture (data/docker_inspect_prefill.json) is `GET /containers/{id}/json` of the
 `prefill-0` container of a `docker-compose up` (compose 1.29, Docker 20.10), its
@@ -10,9 +11,12 @@ secrets replaced. deploy/compose-smoke.sh runs the actuator on a real engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
+import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qs
@@ -22,12 +26,18 @@ import msgspec
 import pytest
 
 from yb_core import events as ev
+from yb_core.bus import Bus
+from yb_core.config import NatsConfig
 from yb_tools.cli.cluster_watch import Announced, PlannedAction, WentDown
 from yb_tools.cli.elastic import PoolBook
 from yb_tools.compose_actuator.actuator import (
+    ActuatorItem,
     ActuatorSettings,
+    CaughtUp,
     ComposeActuator,
     Gone,
+    Missed,
+    follow_pool_log,
     logical_host,
 )
 from yb_tools.compose_actuator.clone import (
@@ -319,14 +329,16 @@ def planned(
 
 
 async def actuator_on(
-    docker: RecordedDocker, max_instances: int
+    docker: RecordedDocker,
+    max_instances: int,
+    announced: tuple[str, ...] = ("prefill-0", "prefill-1", "decode-0"),
 ) -> tuple[ComposeActuator, PoolBook, list[str]]:
-    """An actuator on `docker`'s project, its book, and what it said; the compose
-    file's engines have announced themselves."""
+    """An actuator on `docker`'s project, its book, and what it said; the engines
+    `announced` have announced themselves."""
     said: list[str] = []
     actuator = ComposeActuator(docker.api(), ActuatorSettings(PROJECT, max_instances), said.append)
     book = await actuator.prepare()
-    for instance_id in ("prefill-0", "prefill-1", "decode-0"):
+    for instance_id in announced:
         await actuator.handle(book, Announced(instance_id, book.engines[instance_id]))
     return actuator, book, said
 
@@ -493,3 +505,113 @@ async def test_an_id_the_log_named_is_not_used_again() -> None:
     await actuator.handle(book, planned(101.0, "move", "decode", "prefill-3"))
     await drained(actuator)
     assert docker.running() == ["decode-0", "decode-5", "prefill-0", "prefill-1"]
+
+
+# --- what was decided before it started -----------------------------------------------
+
+
+async def test_what_was_decided_before_it_started_is_carried_out_once_caught_up() -> None:
+    """An actuator restarted after the planner decided a drain and an add that no
+    actuator carried out (and an add that one did: prefill-1 came up after it)."""
+    docker = compose_project()
+    actuator, book, said = await actuator_on(docker, 4, announced=("prefill-0", "decode-0"))
+    before = time.time() - 60.0
+    history = [
+        Missed(planned(before, "add", "prefill")),
+        Announced("prefill-1", "prefill"),
+        Missed(planned(before + 10.0, "drain", "prefill", "prefill-0")),
+        Missed(planned(before + 11.0, "add", "decode")),
+    ]
+    for item in history:
+        await actuator.handle(book, item)
+    assert docker.running() == ["decode-0", "prefill-0", "prefill-1"], "nothing before"
+    await actuator.handle(book, CaughtUp())
+    await drained(actuator)
+    assert docker.running() == ["decode-0", "decode-1", "prefill-1"]
+    assert any("caught up with the log" in line for line in said)
+    assert any("catch-up start decode -> started decode-1" in line for line in said)
+    assert any("prefill-0 drained: exited with code 0" in line for line in said)
+
+
+async def test_the_log_is_read_from_its_start_and_caught_up_once(nats_config: NatsConfig) -> None:
+    """`follow_pool_log` on a real nats-server: the decisions made before `since` come
+    as `Missed`, then `CaughtUp` once, then what is decided after."""
+    since = time.time()
+    add = ev.PoolAction(action="add", role="decode")
+    drain = ev.PoolAction(action="drain", role="prefill", instance_id="prefill-1")
+    got: list[ActuatorItem] = []
+    bus = await Bus.connect(nats_config, "test")
+    try:
+        await bus.ensure_stream()
+        await bus.publish(_up("prefill-1", "prefill", since - 90.0))
+        await bus.publish(_planned(since - 60.0, add, drain))
+        await bus.publish(ev.InstanceDown(instance_id="prefill-1", time=since - 50.0))
+        async with _following(bus, since, got):
+            await _until(lambda: CaughtUp() in got)
+            await bus.publish(_planned(since + 1.0, add))
+            await _until(lambda: len(got) == 6)
+    finally:
+        await bus.close()
+    assert got == [
+        Announced("prefill-1", "prefill"),
+        Missed(PlannedAction(since - 60.0, 0, add)),
+        Missed(PlannedAction(since - 60.0, 1, drain)),
+        WentDown("prefill-1"),
+        CaughtUp(),
+        PlannedAction(since + 1.0, 0, add),
+    ]
+
+
+async def test_a_decision_after_its_start_ends_the_history_at_once(
+    nats_config: NatsConfig,
+) -> None:
+    """The history is over at the first decision made after `since`, however many
+    events the reader still has behind it."""
+    since = time.time()
+    add = ev.PoolAction(action="add", role="decode")
+    got: list[ActuatorItem] = []
+    bus = await Bus.connect(nats_config, "test")
+    try:
+        await bus.ensure_stream()
+        await bus.publish(_planned(since - 60.0, add))
+        await bus.publish(_planned(since + 1.0, add))
+        await bus.publish(_up("decode-3", "decode", since + 2.0))
+        async with _following(bus, since, got):
+            await _until(lambda: len(got) == 4)
+    finally:
+        await bus.close()
+    assert got == [
+        Missed(PlannedAction(since - 60.0, 0, add)),
+        CaughtUp(),
+        PlannedAction(since + 1.0, 0, add),
+        Announced("decode-3", "decode"),
+    ]
+
+
+def _planned(at: float, *actions: ev.PoolAction) -> ev.PoolPlanned:
+    return ev.PoolPlanned(
+        time=at, planner_id="conductor-0", forecast=ev.PoolForecast(), pools=[], actions=[*actions]
+    )
+
+
+def _up(instance_id: str, role: ev.Role, at: float) -> ev.InstanceUp:
+    return ev.InstanceUp(instance_id=instance_id, role=role, host="host-0", time=at)
+
+
+@contextlib.asynccontextmanager
+async def _following(bus: Bus, since: float, got: list[ActuatorItem]) -> AsyncIterator[None]:
+    """`follow_pool_log` into `got` while the block runs."""
+    reader = asyncio.create_task(follow_pool_log(bus, since, got.append))
+    try:
+        yield
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+
+
+async def _until(check: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)

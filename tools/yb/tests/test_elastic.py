@@ -101,6 +101,51 @@ def test_ids_the_log_named_are_never_used_again() -> None:
     assert book.apply(_add("decode", 1.0, index=1)) == [StartEngine("decode", "decode-4", 4, "add")]
 
 
+def test_missed_actions_are_counted_then_carried_out_at_catch_up() -> None:
+    """What an actuator that was down reads from the log's history: nothing is done
+    until the history is read; then what the planner still counts on."""
+    # Docker runs these now; decode-0 ran, and was drained and removed.
+    book = PoolBook(4, {"prefill-0": "prefill", "prefill-1": "prefill", "decode-1": "decode"})
+    for instance_id, role in [("prefill-0", "prefill"), ("decode-0", "decode")]:
+        book.announced(Announced(instance_id, role))
+    book.announced(Announced("decode-1", "decode"))
+    book.missed(_add("prefill", 10.0))  # filled: prefill-1 came up after it
+    book.announced(Announced("prefill-1", "prefill"))
+    book.missed(_drain("decode-0", 11.0))  # carried out: decode-0 went down
+    book.went_down(WentDown("decode-0"))
+    book.missed(_move("decode-1", "prefill", 12.0))  # never carried out
+    book.missed(_add("decode", 13.0))  # never carried out
+    book.missed(_add("decode", 13.0))  # read again: counted once
+    assert book.catch_up(now=20.0) == [
+        DrainEngine("decode-1", "prefill"),
+        StartEngine("decode", "decode-2", 2, "catch-up start"),
+    ]
+    # The move's instance starts once its drain is over, and nothing more.
+    assert book.gone("decode-1") == [StartEngine("prefill", "prefill-2", 2, "move decode-1")]
+    assert book.catch_up(now=21.0) == []
+
+
+def test_a_missed_start_the_planner_forgot_is_not_carried_out() -> None:
+    book = _book(4)
+    book.missed(_add("decode", 10.0))
+    book.missed(_drain("decode-7", 10.0))  # no engine of the book
+    assert book.catch_up(now=10.0 + book.start_timeout_s + 1.0) == []
+
+
+def test_a_start_a_move_will_make_is_not_waited_for_twice() -> None:
+    """At the cap, a move and an add of one role: when an instance of that role is
+    on its way from elsewhere (restarting), it fills one start, and the move's is
+    the one left: the add's wait ends."""
+    book = _book(3, {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode"})
+    assert book.apply(_move("prefill-1", "decode", 1.0)) == [DrainEngine("prefill-1", "decode")]
+    (waiting,) = book.apply(_add("decode", 2.0))
+    assert isinstance(waiting, Waiting)
+    (skipped,) = book.went_down(WentDown("decode-0"))
+    assert isinstance(skipped, Skipped) and "no longer waiting" in skipped.reason
+    assert book.announced(Announced("decode-0", "decode")) == []
+    assert book.gone("prefill-1") == [StartEngine("decode", "decode-1", 1, "move prefill-1")]
+
+
 def test_an_action_is_applied_once() -> None:
     book = _book()
     first = _add("decode", 7.5, index=0)

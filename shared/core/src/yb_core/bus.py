@@ -122,6 +122,10 @@ class LoggedEvent:
     headers: Mapping[str, str]
     #: What it takes in the stream, near enough (payload, subject and headers).
     size: int = 0
+    #: Events of the reader's subjects after this one in the log when it was
+    #: delivered (0: the reader had caught up with the log); None when not read
+    #: through a consumer.
+    pending: int | None = None
 
     @property
     def log_seq(self) -> int:
@@ -984,7 +988,11 @@ def _decode_logged(msg: Msg) -> LoggedEvent | None:
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         log.warning("undecodable_event", subject=msg.subject, error=str(exc))
         return None
-    seq = int(msg.metadata.sequence.stream) if msg.reply else 0
+    metadata = msg.metadata if msg.reply else None
+    seq = int(metadata.sequence.stream) if metadata is not None else 0
+    pending = int(metadata.num_pending) if metadata is not None else None
     headers = dict(msg.headers or {})
     size = len(msg.data) + len(msg.subject) + sum(len(k) + len(v) + 4 for k, v in headers.items())
-    return LoggedEvent(seq=seq, subject=msg.subject, event=event, headers=headers, size=size)
+    return LoggedEvent(
+        seq=seq, subject=msg.subject, event=event, headers=headers, size=size, pending=pending
+    )

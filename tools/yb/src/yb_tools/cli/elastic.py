@@ -151,7 +151,9 @@ class PoolBook:
     drained process has exited (or one was given up on). `expected` mirrors the
     planner's starting instances, so a process starts only for a start no instance
     on its way fills (module docstring). A drain's slot frees only at `gone`, and only
-    then does a move start its instance in the other role.
+    then does a move start its instance in the other role. An actuator that reads the
+    log's history (the compose actuator, restarted) feeds the actions decided before
+    it started to `missed`, then calls `catch_up` once.
     """
 
     def __init__(
@@ -172,6 +174,9 @@ class PoolBook:
         self.up: dict[str, ev.PoolRole] = {}
         self.expected: list[tuple[ev.PoolRole, float]] = []
         self.waiting: deque[Waiting] = deque()
+        # Drains (and moves: the role they come back in) decided while no actuator
+        # ran, that the planner still counts on: carried out at `catch_up`.
+        self.missed_drains: dict[str, ev.PoolRole | None] = {}
         self._applied: set[tuple[float, int]] = set()
         self._next: dict[ev.PoolRole, int] = {"prefill": 0, "decode": 0}
         for instance_id in engines:
@@ -201,10 +206,13 @@ class PoolBook:
         ]
 
     def short(self, role: ev.PoolRole) -> int:
-        """Starts of `role` the planner expects that nothing fills yet."""
+        """Starts of `role` the planner expects that nothing fills yet: not an
+        instance on its way, a start waiting for room, or a move's, which starts
+        once its drain is over."""
         expected = sum(1 for r, _ in self.expected if r == role)
         waiting = sum(1 for w in self.waiting if w.role == role)
-        return expected - len(self.on_way(role)) - waiting
+        moving = sum(1 for then in self.draining.values() if then == role)
+        return expected - len(self.on_way(role)) - waiting - moving
 
     def announced(self, notice: Announced) -> list[Step]:
         """An engine's `InstanceUp`: one that was not up fills a start of its role."""
@@ -222,6 +230,7 @@ class PoolBook:
         """An `InstanceDown`: an engine of the launcher's that is not draining is on its
         way again (being restarted)."""
         self._reserve(notice.instance_id)
+        self.missed_drains.pop(notice.instance_id, None)  # the planner's drain is over
         if self.up.pop(notice.instance_id, None) is None:
             return []
         return self._prune()
@@ -229,28 +238,66 @@ class PoolBook:
     def apply(self, planned: PlannedAction) -> list[Step]:
         """The steps that carry out one planned action (none when it was applied
         already)."""
-        if planned.key in self._applied:
+        if not self._count(planned):
             return []
+        steps = self._prune()
+        action = planned.action
+        if action.action == "add":
+            return steps + self._deliver(action.role, "add")
+        then = action.role if action.action == "move" else None
+        return steps + self._drain(action.instance_id, then, action.action)
+
+    def missed(self, planned: PlannedAction) -> None:
+        """An action decided while no actuator ran, read from the log's history: the
+        book counts it as the planner does (its start as expected, its drain as
+        outstanding until the instance goes down), and carries out nothing until
+        `catch_up`, once the whole history is read."""
+        if not self._count(planned):
+            return
+        action = planned.action
+        if action.action in ("drain", "move"):
+            self.missed_drains[action.instance_id] = (
+                action.role if action.action == "move" else None
+            )
+
+    def catch_up(self, now: float) -> list[Step]:
+        """The history is read (at `now`, the log's clock): carry out what the
+        planner still counts on. A missed drain of an engine the book holds that has
+        not gone down since; then each start the planner expects that nothing fills
+        (an instance that came up, or is on its way, fills a start as it does for the
+        planner; one decided over `start_timeout_s` ago is forgotten)."""
+        horizon = now - self.start_timeout_s
+        self.expected = [(r, at) for r, at in self.expected if at >= horizon]
+        steps: list[Step] = self._prune()
+        missed, self.missed_drains = self.missed_drains, {}
+        for instance_id, then in missed.items():
+            if instance_id in self.engines and instance_id not in self.draining:
+                steps += self._drain(instance_id, then, "move" if then else "drain")
+        for role in ("prefill", "decode"):
+            while self.short(role) > 0:
+                steps += self._deliver(role, "catch-up start")
+        return steps
+
+    def _count(self, planned: PlannedAction) -> bool:
+        """Count a planned action once (False: counted already); an add or a move is
+        a start the planner expects from then on."""
+        if planned.key in self._applied:
+            return False
         self._applied.add(planned.key)
         # The planner forgets starts older than its timeout when it plans.
         horizon = planned.time - self.start_timeout_s
         self.expected = [(r, at) for r, at in self.expected if at >= horizon]
-        steps = self._prune()
-        action = planned.action
-        if action.action in ("add", "move"):
-            self.expected.append((action.role, planned.time))
-        if action.action == "add":
-            return steps + self._deliver(action.role, "add")
-        instance_id = action.instance_id
+        if planned.action.action in ("add", "move"):
+            self.expected.append((planned.action.role, planned.time))
+        return True
+
+    def _drain(self, instance_id: str, then: ev.PoolRole | None, verb: str) -> list[Step]:
         if instance_id not in self.engines:
-            reason = f"{action.action} {instance_id}: not an engine `yb up` runs; skipped"
-            return [*steps, Skipped(reason)]
+            return [Skipped(f"{verb} {instance_id}: not an engine `yb up` runs; skipped")]
         if instance_id in self.draining:
-            reason = f"{action.action} {instance_id}: draining already; skipped"
-            return [*steps, Skipped(reason)]
-        then = action.role if action.action == "move" else None
+            return [Skipped(f"{verb} {instance_id}: draining already; skipped")]
         self.draining[instance_id] = then
-        return [*steps, DrainEngine(instance_id, then)]
+        return [DrainEngine(instance_id, then)]
 
     def gone(self, instance_id: str) -> list[Step]:
         """`instance_id`'s process has exited for good (drained, or given up on): its

@@ -18,11 +18,15 @@ an action that cannot be carried out is reported as skipped, with Docker's reaso
 
 The log is read as `ClusterWatcher.pool_log` reads it for `yb up` (the same subjects,
 `cluster_watch.POOL_LOG`, and the same items), by an asyncio task of this process
-rather than the launcher's thread. Instance events are taken from the log's start, so
-that an actuator restarted beside a running cluster knows which engines are up and
-which ids were used (a new id counts on past every one the log named); actions only
-from its own start on (one decided while it was down is not carried out: the planner
-counts it as starting until `planner_start_timeout_s`, then asks again).
+rather than the launcher's thread, from the log's start, so that an actuator
+restarted beside a running cluster knows which engines are up and which ids were
+used (a new id counts on past every one the log named). An action decided before it
+started is counted as the planner counts it (`PoolBook.missed`); once the history is
+read (`CaughtUp`), what the planner still counts on is carried out
+(`PoolBook.catch_up`): a drain of an engine that still runs and has not gone down
+since, and each start the planner expects that no instance up or on its way fills.
+So a restart of the actuator (or one that was down) neither repeats what was done
+nor leaves the planner waiting for what was not.
 
 Every `RECONCILE_S` it compares its book with the containers Docker lists for the
 project (`reconcile`): an engine container it did not start (`docker compose up`
@@ -86,6 +90,21 @@ class Gone:
 
 
 @dataclass(frozen=True, slots=True)
+class Missed:
+    """An action of a `PoolPlanned` made before the actuator started."""
+
+    planned: PlannedAction
+
+
+@dataclass(frozen=True, slots=True)
+class CaughtUp:
+    """The log's history is read: what comes next was decided while it runs."""
+
+
+ActuatorItem = PoolLogItem | Missed | CaughtUp | Gone
+
+
+@dataclass(frozen=True, slots=True)
 class ActuatorSettings:
     """`project`: the compose project; `max_instances`: the most engine containers at
     once; `start_timeout_s`: the planner's `planner_start_timeout_s`;
@@ -144,29 +163,42 @@ def logical_host(hosts: list[str], index: int, fallback: str) -> str:
     return hosts[index % len(hosts)] if hosts else fallback
 
 
-async def follow_pool_log(bus: Bus, since: float, put: Callable[[PoolLogItem], None]) -> None:
-    """Hand every `InstanceUp` of an engine and every `InstanceDown` (from the log's
-    start), and every action of each `PoolPlanned` made at or after `since` (wall
-    clock), to `put`, in log order. Runs until cancelled."""
+async def follow_pool_log(bus: Bus, since: float, put: Callable[[ActuatorItem], None]) -> None:
+    """Hand every `InstanceUp` of an engine and every `InstanceDown`, and every action
+    of each `PoolPlanned`, from the log's start, to `put`, in log order: an action
+    decided before `since` (wall clock) as `Missed`. `CaughtUp` once, when the
+    history is read: after the first event the reader had no more behind, or before
+    the first action decided at or after `since`. Runs until cancelled."""
     reader = None
     while reader is None:
         try:
             reader = await bus.read_ordered(POOL_LOG)
         except (BusError, nats.js.errors.NotFoundError):
             await asyncio.sleep(TICK_S)  # no service has created the log yet
+    caught_up = False
     try:
         while True:
             item = await reader.next(timeout_s=TICK_S)
-            match item.event if item is not None else None:
-                case ev.PoolPlanned(actions=actions) as planned if planned.time >= since:
+            if item is None:
+                continue
+            match item.event:
+                case ev.PoolPlanned(actions=actions) as planned:
+                    live = planned.time >= since
+                    if live and not caught_up:
+                        caught_up = True
+                        put(CaughtUp())
                     for index, action in enumerate(actions):
-                        put(PlannedAction(planned.time, index, action))
+                        decided = PlannedAction(planned.time, index, action)
+                        put(decided if live else Missed(decided))
                 case ev.InstanceUp(role="prefill" | "decode" as role) as up:
                     put(Announced(up.instance_id, role))
                 case ev.InstanceDown() as down:
                     put(WentDown(down.instance_id))
                 case _:
                     pass
+            if item.pending == 0 and not caught_up:
+                caught_up = True
+                put(CaughtUp())
     finally:
         await reader.close()
 
@@ -189,7 +221,7 @@ class ComposeActuator:
         self.clock = clock
         self.book: PoolBook | None = None
         self._view: ProjectView | None = None
-        self._inbox: asyncio.Queue[PoolLogItem | Gone] = asyncio.Queue()
+        self._inbox: asyncio.Queue[ActuatorItem] = asyncio.Queue()
         self._containers: dict[str, str] = {}  # instance id -> container id
         self._started: dict[str, float] = {}  # instance id -> monotonic, until it is up
         self._drains: dict[str, asyncio.Task[None]] = {}
@@ -248,9 +280,19 @@ class ComposeActuator:
             await asyncio.gather(*pending, return_exceptions=True)
             await bus.close()
 
-    async def handle(self, book: PoolBook, item: PoolLogItem | Gone) -> None:
+    async def handle(self, book: PoolBook, item: ActuatorItem) -> None:
         """One item of the log (or a finished drain): the book's steps, carried out."""
         match item:
+            case Missed(planned=planned):
+                book.missed(planned)
+            case CaughtUp():
+                steps = book.catch_up(time.time())
+                if steps:
+                    self.say(
+                        "planner: caught up with the log; carrying out what the planner "
+                        "decided before the actuator started and still counts on"
+                    )
+                await self.carry(steps)
             case Announced(instance_id=instance_id):
                 started = self._started.pop(instance_id, None)
                 if started is not None:
