@@ -447,6 +447,23 @@ async def test_a_container_removed_by_hand_frees_its_slot_at_the_second_check() 
     assert "started prefill-2" in said[-1]
 
 
+async def test_a_start_claimed_by_a_container_stopped_by_hand_is_made_when_it_is_gone() -> None:
+    """decode-0 stopped by hand: its `InstanceDown` makes it an engine on its way (it
+    may be restarting), which an add of its role waits for; once the checks find it
+    gone, the add starts its own container."""
+    docker = compose_project()
+    actuator, book, said = await actuator_on(docker, max_instances=4)
+    decode = docker.of("decode-0")
+    decode["State"] = {**decode["State"], "Status": "exited", "Running": False}
+    await actuator.handle(book, WentDown("decode-0"))
+    await actuator.handle(book, planned(time.time(), "add", "decode"))
+    assert "no new container: decode-0 on its way" in said[-1]
+    await actuator.reconcile(book)
+    await actuator.reconcile(book)
+    assert "add (decode-0 gone) decode -> started decode-1" in said[-1]
+    assert docker.running() == ["decode-1", "prefill-0", "prefill-1"]
+
+
 async def test_a_container_back_before_the_second_check_keeps_its_slot() -> None:
     docker = compose_project()
     actuator, book, said = await actuator_on(docker, max_instances=3)

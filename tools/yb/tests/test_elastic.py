@@ -146,6 +146,26 @@ def test_a_start_a_move_will_make_is_not_waited_for_twice() -> None:
     assert book.gone("prefill-1") == [StartEngine("decode", "decode-1", 1, "move prefill-1")]
 
 
+def test_a_start_claimed_by_an_engine_that_is_gone_is_made() -> None:
+    """An add claimed by an engine on its way (down, being restarted) that never
+    comes back (given up on, its container removed): the start is made then."""
+    book = _book(3)
+    book.went_down(WentDown("decode-0"))
+    (claimed,) = book.apply(_add("decode", 1.0))
+    assert claimed == Claimed("decode", ("decode-0",), "add")
+    assert book.gone("decode-0", refill=True) == [
+        StartEngine("decode", "decode-1", 1, "add (decode-0 gone)")
+    ]
+    # One that is up and goes fills nothing: no start the planner does not expect.
+    assert book.gone("prefill-0", refill=True) == []
+    # Without `refill` (a process given up on, a start that failed) the start waits
+    # for the planner to ask again.
+    book = _book(3)
+    book.went_down(WentDown("decode-0"))
+    book.apply(_add("decode", 1.0))
+    assert book.gone("decode-0") == []
+
+
 def test_an_action_is_applied_once() -> None:
     book = _book()
     first = _add("decode", 7.5, index=0)

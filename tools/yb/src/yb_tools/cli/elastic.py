@@ -299,12 +299,16 @@ class PoolBook:
         self.draining[instance_id] = then
         return [DrainEngine(instance_id, then)]
 
-    def gone(self, instance_id: str) -> list[Step]:
+    def gone(self, instance_id: str, refill: bool = False) -> list[Step]:
         """`instance_id`'s process has exited for good (drained, or given up on): its
         slot is free. A move starts its instance in the other role there; then
-        waiting starts take what room is left."""
-        if self.engines.pop(instance_id, None) is None:
+        waiting starts take what room is left. With `refill` (an engine removed
+        outside the planner, not one that failed), the starts of its role that it
+        was to fill, on its way, are made."""
+        role = self.engines.pop(instance_id, None)
+        if role is None:
             return []
+        drained = instance_id in self.draining
         then = self.draining.pop(instance_id, None)
         steps: list[Step] = []
         if then is not None:
@@ -312,6 +316,9 @@ class PoolBook:
         while self.waiting and len(self.engines) < self.max_instances:
             waiting = self.waiting.popleft()
             steps += self._start(waiting.role, waiting.why)
+        if refill and not drained:
+            while self.short(role) > 0:
+                steps += self._deliver(role, f"add ({instance_id} gone)")
         return steps
 
     def _deliver(self, role: ev.PoolRole, why: str) -> list[Step]:

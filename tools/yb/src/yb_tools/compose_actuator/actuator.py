@@ -32,8 +32,9 @@ Every `RECONCILE_S` it compares its book with the containers Docker lists for th
 project (`reconcile`): an engine container it did not start (`docker compose up`
 again, `--scale`, by hand) is adopted and counts against the cap; an engine of the
 book that no live container runs at two checks in a row (removed, or stopped, by
-hand) frees its slot. Two checks, so that a container between Docker's restarts is
-not taken for gone.
+hand) frees its slot, and a start it was to fill (one that went down is on its way,
+as if restarting) is made. Two checks, so that a container between Docker's
+restarts is not taken for gone.
 """
 
 from __future__ import annotations
@@ -335,7 +336,7 @@ class ComposeActuator:
             )
             self._containers.pop(instance_id, None)
             self._started.pop(instance_id, None)
-            await self.carry(book.gone(instance_id))
+            await self.carry(book.gone(instance_id, refill=True))
         self._missing = missing - self._missing
 
     async def carry(self, steps: list[Step]) -> None:
