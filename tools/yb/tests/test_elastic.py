@@ -247,7 +247,7 @@ def test_a_move_drains_then_starts_in_the_other_role_once_the_process_exited() -
 def test_drains_of_unknown_or_draining_instances_are_skipped() -> None:
     book = _book()
     assert book.apply(_drain("decode-7", 1.0)) == [
-        Skipped("drain decode-7: not an engine `yb up` runs; skipped")
+        Skipped("drain decode-7: not an engine this actuator runs; skipped")
     ]
     assert book.apply(_drain("decode-0", 2.0)) == [DrainEngine("decode-0")]
     assert book.apply(_move("decode-0", "prefill", 3.0)) == [

@@ -293,7 +293,7 @@ class PoolBook:
 
     def _drain(self, instance_id: str, then: ev.PoolRole | None, verb: str) -> list[Step]:
         if instance_id not in self.engines:
-            return [Skipped(f"{verb} {instance_id}: not an engine `yb up` runs; skipped")]
+            return [Skipped(f"{verb} {instance_id}: not an engine this actuator runs; skipped")]
         if instance_id in self.draining:
             return [Skipped(f"{verb} {instance_id}: draining already; skipped")]
         self.draining[instance_id] = then
