@@ -1055,11 +1055,15 @@ def test_a_blackhole_between_prefill_and_decode_costs_transfers_not_instances(
             recovered_s = time.monotonic() - healed
     assert recovered_s, f"decode-0 answered nothing after the heal: {failed_after_heal}"
     downs = [
-        i.event.instance_id
+        f"{i.event.instance_id} ({i.event.reason})"
         for i in mh.log()
         if i.seq > log_end and isinstance(i.event, ev.InstanceDown)
     ]
-    assert not downs, f"a blackhole got instances declared down: {downs}"
+    assert not downs, (
+        f"a blackhole got instances declared down: {downs}, "
+        f"{time.monotonic() - blackholed:.1f}s after it began, {time.monotonic() - healed:.1f}s "
+        f"after the heal\n{_logs(Path(mh.cluster.cfg.data_dir))}"
+    )
     first_failure = next((m for s, m, _ in seen["decode-0"] if s != 200), "")
     mh.record(
         f"blackhole_{direction}",
