@@ -93,7 +93,13 @@ TEXT_GOOD = [f"text-{i}" for i in range(5)]
 TEXT_FILE = "\n".join([*(_text(c) for c in TEXT_GOOD), _chat("wrong-endpoint")]).encode()
 
 
-def _wait(client: OpenAI, batch_id: str, statuses: set[str], timeout_s: float = 120) -> Batch:
+def _wait(
+    client: OpenAI,
+    cluster: LocalCluster,
+    batch_id: str,
+    statuses: set[str],
+    timeout_s: float = 120,
+) -> Batch:
     deadline = time.monotonic() + timeout_s
     while True:
         batch = client.batches.retrieve(batch_id)
@@ -101,8 +107,24 @@ def _wait(client: OpenAI, batch_id: str, statuses: set[str], timeout_s: float = 
             return batch
         assert batch.status not in ("failed", "expired"), batch
         if time.monotonic() > deadline:
-            pytest.fail(f"batch {batch_id} still {batch.status} after {timeout_s}s: {batch}")
+            pytest.fail(
+                f"batch {batch_id} still {batch.status} after {timeout_s}s: {batch}\n"
+                f"the gateway's log of it, and its warnings:\n{_worker_log(cluster, batch_id)}"
+            )
         time.sleep(0.25)
+
+
+def _worker_log(cluster: LocalCluster, batch_id: str) -> str:
+    """What the gateway logged about a batch (its lines' admissions left out), and
+    every warning and error it logged."""
+    lines = [
+        line
+        for line in cluster.instance_log("gateway-0").splitlines()
+        if (batch_id in line and '"request_admitting"' not in line)
+        or '"level": "warning"' in line
+        or '"level": "error"' in line
+    ]
+    return "\n".join(lines[-60:])
 
 
 def _jsonl(client: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
@@ -110,7 +132,9 @@ def _jsonl(client: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
 
 
-def test_batches_of_chat_and_text_lines_with_bad_lines(client: OpenAI) -> None:
+def test_batches_of_chat_and_text_lines_with_bad_lines(
+    client: OpenAI, cluster: LocalCluster
+) -> None:
     chat_file = client.files.create(file=("chat.jsonl", CHAT_FILE), purpose="batch")
     assert (chat_file.object, chat_file.purpose, chat_file.bytes) == (
         "file",
@@ -130,8 +154,8 @@ def test_batches_of_chat_and_text_lines_with_bad_lines(client: OpenAI) -> None:
     )
     assert chat.status == "validating" and chat.metadata == {"suite": "batch"}
 
-    chat = _wait(client, chat.id, {"completed"})
-    text = _wait(client, text.id, {"completed"})
+    chat = _wait(client, cluster, chat.id, {"completed"})
+    text = _wait(client, cluster, text.id, {"completed"})
     assert chat.request_counts is not None and text.request_counts is not None
     assert chat.request_counts.model_dump() == {"total": 14, "completed": 10, "failed": 4}
     assert text.request_counts.model_dump() == {"total": 6, "completed": 5, "failed": 1}
@@ -167,7 +191,7 @@ def test_batches_of_chat_and_text_lines_with_bad_lines(client: OpenAI) -> None:
         input_file_id=chat_file.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
     assert client.batches.cancel(again.id).status in ("cancelling", "cancelled")
-    again = _wait(client, again.id, {"cancelled"})
+    again = _wait(client, cluster, again.id, {"cancelled"})
     counts = again.request_counts
     assert counts is not None and counts.total == 14
     assert counts.completed + counts.failed == counts.total

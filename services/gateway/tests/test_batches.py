@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import msgspec
 import nats.errors
+import nats.js.errors
 import pytest
 from gateway_testkit import MODEL, Cluster, GatewayFactory, client_for, error_of
 
@@ -404,13 +405,16 @@ async def test_lines_cut_off_by_a_stop_run_again_and_are_answered_once(
 async def test_a_batch_leased_by_another_gateway_waits_for_its_lease(
     gateway_factory: GatewayFactory, cluster: Cluster, bus: Bus
 ) -> None:
-    """Two gateways never both work on a batch: while another holds the lease (here
-    one that died holding it), the batch waits; once the lease expires unrenewed, a
-    live gateway takes it and runs it."""
+    """Two gateways never both work on a batch: while another holds the lease, the
+    batch waits; once that one dies (stops renewing), the lease expires and a live
+    gateway takes it and runs it.
+
+    The test is the other gateway. Each renewal of its lease succeeds only if nobody
+    took the lease since the one before, so the status read between two successful
+    renewals was read while the lease was held, however slowly this machine runs."""
     del cluster
-    store = await BatchStore.open(
-        bus.jetstream, BUCKET, replicas=1, lease_ttl_s=BATCH["batch_lease_ttl_s"], timeout_s=5
-    )
+    ttl_s = 10.0
+    store = await BatchStore.open(bus.jetstream, BUCKET, replicas=1, lease_ttl_s=ttl_s, timeout_s=5)
     data = jsonl(chat_line("only"))
     now = int(time.time())
     await store.put_file(
@@ -420,7 +424,9 @@ async def test_a_batch_leased_by_another_gateway_waits_for_its_lease(
         data,
     )
     batch_id = "batch_0123abcd"
-    assert await store.acquire_lease(batch_id, "gateway-dead:1")
+    holder = "gateway-dead:1"
+    revision = await store.acquire_lease(batch_id, holder)
+    assert revision
     await store.create_batch(
         BatchObject(
             id=batch_id,
@@ -432,14 +438,61 @@ async def test_a_batch_leased_by_another_gateway_waits_for_its_lease(
             expires_at=now + 24 * 3600,
         )
     )
-    taken = time.monotonic()
-    gw = await gateway_factory(**BATCH)
+    gw = await gateway_factory(**{**BATCH, "batch_lease_ttl_s": ttl_s})
     async with client_for(gw) as client:
-        await asyncio.sleep(1.0)
-        assert (await client.get(f"/v1/batches/{batch_id}")).json()["status"] == "validating"
-        done = await wait_status(client, batch_id, {"completed"})
-    assert time.monotonic() - taken >= BATCH["batch_lease_ttl_s"] * 0.9
+        for _ in range(8):  # some 8 of the gateway's looks for batches, 0.2 s apart
+            await asyncio.sleep(BATCH["batch_poll_s"])
+            status = (await client.get(f"/v1/batches/{batch_id}")).json()["status"]
+            last_renewal = time.monotonic()
+            revision = await store.renew_lease(batch_id, holder, revision)
+            assert status == "validating"
+        # The holder dies here: its lease expires `ttl_s` after its last renewal.
+        done = await wait_status(client, batch_id, {"completed"}, timeout_s=ttl_s + 30)
+    assert time.monotonic() - last_renewal >= ttl_s * 0.9
     assert done["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
+
+
+# --- the store ---------------------------------------------------------------------
+
+
+async def test_a_file_whose_chunks_are_gone_is_an_error_not_a_wait(bus: Bus) -> None:
+    """A file read takes each chunk within the request timeout and checks size and
+    digest: a file whose chunks were purged (its record says it has bytes) raises at
+    once, as a JetStream error the worker retries; nats-py's own `get` would wait for
+    the chunks forever."""
+    store = await BatchStore.open(bus.jetstream, BUCKET, replicas=1, lease_ttl_s=5, timeout_s=2)
+    data = b"y" * 200_000  # two chunks
+    for file_id in ("file-kept", "file-lost"):
+        record = FileObject(
+            id=file_id, bytes=len(data), created_at=1, filename="f", purpose="batch"
+        )
+        await store.put_file(record, data)
+    assert await store.file_bytes("file-kept") == data
+    nuid = (await store._files.get_info("file-lost")).nuid
+    await bus.jetstream.purge_stream(f"OBJ_{BUCKET}_files", subject=f"$O.{BUCKET}_files.C.{nuid}")
+    with pytest.raises(nats.js.errors.DigestMismatchError):
+        await asyncio.wait_for(store.file_bytes("file-lost"), 10)
+    assert await store.file_bytes("file-kept") == data
+    assert await store.file_bytes("file-never") is None
+
+
+async def test_a_renewal_whose_answer_was_lost_keeps_the_lease(bus: Bus) -> None:
+    """A renewal stored by JetStream but timed out on the way back leaves the holder
+    a revision behind: its next renewal still keeps the lease it holds, and a lease
+    another gateway took (or nobody holds) is lost."""
+    store = await BatchStore.open(bus.jetstream, BUCKET, replicas=1, lease_ttl_s=5, timeout_s=2)
+    taken = await store.acquire_lease("batch_a", "gateway-0:1")
+    await store.renew_lease("batch_a", "gateway-0:1", taken)  # its answer "lost"
+    renewed = await store.renew_lease("batch_a", "gateway-0:1", taken)
+    assert renewed > taken
+    with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
+        await store.renew_lease("batch_a", "gateway-1:1", taken)
+    await store.release_lease("batch_a", renewed)
+    with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
+        await store.renew_lease("batch_a", "gateway-0:1", renewed)
+    assert await store.acquire_lease("batch_a", "gateway-1:1")
+    with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
+        await store.renew_lease("batch_a", "gateway-0:1", renewed)
 
 
 # --- permissions ---------------------------------------------------------------------

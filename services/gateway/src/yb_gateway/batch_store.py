@@ -21,14 +21,16 @@ A file's bytes are stored before its record, so a listed file can always be read
 
 from __future__ import annotations
 
+import base64
 import contextlib
-import io
-from collections.abc import Callable
+import hashlib
+from collections.abc import AsyncGenerator, Callable
 from typing import Literal
 
 import msgspec
 import nats.errors
 import nats.js.errors
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
@@ -179,6 +181,7 @@ class BatchStore:
         self._js = js
         self._meta_bucket = bucket
         self._lines_bucket = f"{bucket}_lines"
+        self._files_bucket = f"{bucket}_files"
         self._meta = meta
         self._lines = lines
         self._leases = leases
@@ -218,13 +221,34 @@ class BatchStore:
         return None if raw is None else _file_decoder.decode(raw[0])
 
     async def file_bytes(self, file_id: str) -> bytes | None:
-        """A file's bytes; None if they are gone."""
-        out = io.BytesIO()
+        """A file's bytes; None if they are gone.
+
+        The chunks are read here, not through `ObjectStore.get`: that one waits for
+        each chunk without a deadline, so a stalled delivery (its ordered consumer
+        failing to recreate itself) would hold its caller forever. Here every chunk
+        comes within the request timeout or the read raises `TimeoutError`.
+        """
         try:
-            await self._files.get(file_id, writeinto=out)
+            info = await self._files.get_info(file_id)
         except (nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError):
             return None
-        return out.getvalue()
+        if not info.size:
+            return b""
+        digest = hashlib.sha256()
+        out = bytearray()
+        chunks = f"$O.{self._files_bucket}.C.{info.nuid}"
+        async with contextlib.aclosing(
+            self._replay(chunks, f"OBJ_{self._files_bucket}", api.DeliverPolicy.ALL)
+        ) as messages:
+            async for msg in messages:
+                out += msg.data
+                digest.update(msg.data)
+        # The digest is recorded as "SHA-256=<url-safe base64>".
+        recorded = (info.digest or "").partition("=")[2].rstrip("=")
+        read = base64.urlsafe_b64encode(digest.digest()).decode().rstrip("=")
+        if len(out) != info.size or read != recorded:
+            raise nats.js.errors.DigestMismatchError
+        return bytes(out)
 
     async def delete_file(self, file_id: str) -> bool:
         """Delete a file's record and bytes; False if there was no such file."""
@@ -327,8 +351,18 @@ class BatchStore:
 
     async def renew_lease(self, batch_id: str, holder: str, revision: int) -> int:
         """Extend a held lease: its new revision. Raises `KeyWrongLastSequenceError`
-        if it was lost (it expired and someone else took it)."""
-        return int(await self._leases.update(batch_id, holder.encode(), last=revision))
+        if it was lost (it expired and someone else took it, or nobody holds it).
+
+        A renewal whose answer was lost (a timeout) may still have been stored: the
+        lease is then at a revision its holder never heard of, and is still its own
+        when the entry names it (`holder` is unique to one gateway process)."""
+        try:
+            return int(await self._leases.update(batch_id, holder.encode(), last=revision))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            current = await self._get(self._leases, batch_id)
+            if current is None or current[0] != holder.encode():
+                raise
+            return int(await self._leases.update(batch_id, holder.encode(), last=current[1]))
 
     async def release_lease(self, batch_id: str, revision: int) -> None:
         """Give a lease up (if still ours), so another gateway may take it at once."""
@@ -349,31 +383,45 @@ class BatchStore:
 
         Not through `KeyValue.watch`: its "no more values" marker can come before
         the values (when the server has sent them all before the watcher asked how
-        many were pending), and a read would then find nothing. Here the consumer's
-        own count says how many values there are: those delivered plus those pending
-        when it is asked, each value saying how many follow it.
+        many were pending), and a read would then find nothing.
         """
-        config = api.ConsumerConfig(
-            deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT, inactive_threshold=60.0
-        )
+        values: list[bytes] = []
+        async with contextlib.aclosing(
+            self._replay(
+                f"$KV.{bucket}.{pattern}", f"KV_{bucket}", api.DeliverPolicy.LAST_PER_SUBJECT
+            )
+        ) as messages:
+            async for msg in messages:
+                if msg.data and (msg.headers or {}).get(KV_OPERATION) is None:
+                    values.append(msg.data)
+        return values
+
+    async def _replay(
+        self, subject: str, stream: str, policy: api.DeliverPolicy
+    ) -> AsyncGenerator[Msg, None]:
+        """The messages of `stream` on `subject` as a consumer delivering by `policy`
+        finds them now, each within the request timeout (else `TimeoutError`).
+
+        The consumer's own count says when they are all read: those delivered plus
+        those pending when it is asked, each message saying how many follow it.
+        """
+        config = api.ConsumerConfig(deliver_policy=policy, inactive_threshold=60.0)
         sub = await self._js.subscribe(
-            f"$KV.{bucket}.{pattern}",
-            stream=f"KV_{bucket}",
+            subject,
+            stream=stream,
             ordered_consumer=True,
             config=config,
             pending_msgs_limit=1_000_000,
         )
-        values: list[bytes] = []
         try:
             info = await sub.consumer_info()
             if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
-                return values
+                return
             while True:
                 msg = await sub.next_msg(timeout=self._timeout_s)
-                if msg.data and (msg.headers or {}).get(KV_OPERATION) is None:
-                    values.append(msg.data)
+                yield msg
                 if msg.metadata.num_pending == 0:
-                    return values
+                    return
         finally:
             with contextlib.suppress(*JS_ERRORS):
                 await sub.unsubscribe()

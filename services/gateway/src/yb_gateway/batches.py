@@ -232,8 +232,9 @@ class BatchWorker:
 
     async def _keep_lease(self, store: BatchStore, batch_id: str, lease: list[int]) -> None:
         """Renew the lease every third of its ttl; raise `_LeaseLost` once it is gone
-        (another gateway holds it), or once two renewals in a row failed for want of
-        JetStream (it may expire before a third)."""
+        (another gateway holds it), or once a renewal failed for want of JetStream
+        two thirds of the ttl after the last one stored (the entry may expire before
+        the next try)."""
         ttl_s = self.cfg.gateway.batch_lease_ttl_s
         renewed = time.monotonic()
         while True:
