@@ -55,14 +55,15 @@ def make_config(
     max_model_len: int = 256,
     **gateway: Any,
 ) -> YbConfig:
-    """Gateway settings with short deadlines, so failure paths are quick to test."""
+    """Gateway settings for a test. Its deadlines are long, so that no happy path
+    depends on how fast this machine runs; a test of a deadline sets that one short."""
     settings: dict[str, Any] = {
         "api_keys": [API_KEY],
         "port": free_port(),
-        "decision_timeout_s": 2.0,
-        "job_timeout_s": 1.0,
-        "first_token_timeout_s": 2.0,
-        "token_idle_timeout_s": 2.0,
+        "decision_timeout_s": 30.0,
+        "job_timeout_s": 30.0,
+        "first_token_timeout_s": 30.0,
+        "token_idle_timeout_s": 30.0,
         "max_max_tokens": 512,
         "max_body_bytes": 64 * 1024,
         **gateway,
@@ -284,7 +285,9 @@ class Engine:
     Resends (`resend`): `answer` publishes again what was streamed from the asked
     chunk on, as decode does; `forget` answers that it holds nothing; `silent` does
     not listen (nobody answers). `lose` names chunks streamed but never published;
-    `pause_before` holds the stream before that chunk until `resume` is set.
+    `pause_before` holds the stream before that chunk until `resume` is set, and
+    `hold_from` holds every job from that one on (counted from 0) before its first
+    chunk, until `resume` is set.
     """
 
     bus: Bus
@@ -296,6 +299,7 @@ class Engine:
     resend: str = "answer"  # answer | forget | silent
     lose: set[int] = field(default_factory=set)
     pause_before: int = -1
+    hold_from: int = -1
     resume: asyncio.Event = field(default_factory=asyncio.Event)
     jobs: list[protocol.PrefillJob] = field(default_factory=list)
     asked: list[protocol.ResendTokens] = field(default_factory=list)
@@ -346,14 +350,17 @@ class Engine:
         await msg.respond(
             protocol.encode(protocol.JobAccepted(request_id=job.request_id, instance_id=PREFILL_ID))
         )
-        task = asyncio.create_task(self._stream(job))
+        held = 0 <= self.hold_from < len(self.jobs)
+        task = asyncio.create_task(self._stream(job, held=held))
         self._streams.add(task)
         task.add_done_callback(self._streams.discard)
 
-    async def _stream(self, job: protocol.PrefillJob) -> None:
+    async def _stream(self, job: protocol.PrefillJob, *, held: bool = False) -> None:
         sent: list[protocol.TokenChunk] = []
         done = [False]
         self.streamed[job.request_id] = (job.token_subject, sent, done)
+        if held:
+            await self.resume.wait()
         for chunk in self.script(job):
             if chunk.seq == self.pause_before:
                 await self.resume.wait()

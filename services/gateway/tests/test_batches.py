@@ -17,7 +17,7 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import pytest
-from gateway_testkit import MODEL, Cluster, GatewayFactory, client_for, error_of
+from gateway_testkit import MODEL, Cluster, GatewayFactory, client_for, error_of, wait_for
 
 from yb_core.bus import Bus
 from yb_gateway.batch_lines import BatchLine, ParsedInput, parse_input
@@ -30,9 +30,10 @@ from yb_testkit.fixtures import AuthNats
 
 pytestmark = pytest.mark.timeout(120)
 
-# Short enough that a test does not wait for the worker; the lease long enough that a
-# paused test process does not lose it.
-BATCH: dict[str, Any] = {"batch_poll_s": 0.2, "batch_lease_ttl_s": 3.0, "batch_concurrency": 2}
+# The poll short enough that a test does not wait for the worker; the lease long
+# enough that no pause of this process on a busy machine loses it (a stopping gateway
+# gives its leases up, so the next one does not wait for them).
+BATCH: dict[str, Any] = {"batch_poll_s": 0.2, "batch_lease_ttl_s": 30.0, "batch_concurrency": 2}
 BUCKET = "yb_batches"
 
 
@@ -316,7 +317,9 @@ async def test_a_line_held_back_until_its_deadline_times_out(
     """Refused every time (the interactive load never goes), the line ends at its
     deadline with `line_timeout` in the error file, not with the last 429."""
     cluster.conductor.hold_batch = 10**6
-    gw = await gateway_factory(**BATCH, batch_line_timeout_s=2.0)
+    # Far longer than a try and its back-off (at most 1 s after a Retry-After of 1 s),
+    # so the line is tried again before its deadline however slowly this machine runs.
+    gw = await gateway_factory(**BATCH, batch_line_timeout_s=8.0)
     async with client_for(gw) as client:
         file_id = (await upload(client, jsonl(chat_line("never")))).json()["id"]
         batch_id = (await create_batch(client, file_id)).json()["id"]
@@ -336,7 +339,9 @@ async def test_a_batch_survives_the_restart_of_its_gateway(
     """Stopped after some lines are recorded, the gateway finishes the lines it runs
     and gives the batch up; a new gateway on the same NATS completes it. Every line
     is in the output once, and each was admitted once, across both gateways."""
-    cluster.engine.delay_s = 0.1  # about 0.7 s a line, two at a time
+    # The engine holds the 5th job on: 4 lines are answered, 2 more are in flight
+    # when the stop begins, and they finish once it has begun.
+    cluster.engine.hold_from = 4
     first = await gateway_factory(**BATCH)
     count = 12
     ids = [f"line-{i}" for i in range(count)]
@@ -345,12 +350,15 @@ async def test_a_batch_survives_the_restart_of_its_gateway(
         batch_id = (await create_batch(client, file_id)).json()["id"]
 
     deadline = time.monotonic() + 30
-    while len(await recorded_lines(bus, batch_id)) < 3:
-        assert time.monotonic() < deadline, "no line was recorded"
+    while len(await recorded_lines(bus, batch_id)) < 4 or len(cluster.engine.jobs) < 6:
+        assert time.monotonic() < deadline, "4 lines were not recorded, 2 more taken"
         await asyncio.sleep(0.05)
-    await first.stop()
+    stopping = asyncio.create_task(first.stop())
+    await wait_for(lambda: first.batch_worker.draining, 30, "the gateway to start stopping")
+    cluster.engine.resume.set()
+    await stopping
     after_stop = await recorded_lines(bus, batch_id)
-    assert 3 <= len(after_stop) < count  # stopped in the middle, by construction
+    assert len(after_stop) == 6  # the 4 answered, and the 2 in flight finished
 
     second: GatewayService = await gateway_factory(**BATCH)
     async with client_for(second) as client:

@@ -165,11 +165,13 @@ async def test_a_job_refused_by_a_draining_engine_is_re_planned_not_failed(
 
 
 async def test_prefill_silent_is_503_at_the_job_timeout(
-    client: httpx.AsyncClient, cluster: Cluster, bus: Bus
+    gateway_factory: GatewayFactory, cluster: Cluster, bus: Bus
 ) -> None:
+    gw = await gateway_factory(job_timeout_s=1.0)
     events = await bus.read_ordered("yb.ev.req.>", new_only=True)
     cluster.engine.reply = "silent"
-    response = await client.post("/v1/chat/completions", json=CHAT)
+    async with client_for(gw) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT)
     error = error_of(response, 503)
     # The hand-off's own deadline ended it (job_timeout_s), not a later one.
     assert error["code"] == "no_engine" and "did not take the job" in error["message"]

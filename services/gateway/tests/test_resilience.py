@@ -117,9 +117,13 @@ async def test_client_leaving_a_non_streaming_request_cancels_it(
         for i in range(200)
     ]
     cancelled = await bus.read_ordered("yb.ev.req.request_cancelled", new_only=True)
-    with contextlib.suppress(TimeoutError):
-        # Cancelling the call drops its connection, as a client that gives up does.
-        await asyncio.wait_for(client.post("/v1/chat/completions", json=CHAT), timeout=0.5)
+    call = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+    # Given up once the engine streams (200 chunks, 0.05 s apart: far from done).
+    await wait_for(lambda: bool(cluster.engine.jobs), 30, "the job to reach the engine")
+    # Cancelling the call drops its connection, as a client that gives up does.
+    call.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await call
     event = await next_event(cancelled, ev.RequestCancelled)
     assert event.reason == "client disconnected"
     assert event.request_id == cluster.engine.jobs[0].request_id

@@ -47,6 +47,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
             "YB_PREFILL__NUM_KV_PAGES": str(PAGES),
             "YB_PREFILL__PREFIX_CACHE_PAGES": "0",
             "YB_PREFILL__STORE_BLOCKS": "true",
+            # A put to a stopped kvstore waits this long: far longer than a test
+            # holds them stopped, however slowly this machine runs.
+            "YB_PREFILL__TRANSFER_TIMEOUT_S": "600",
         },
     )
     cluster.start(timeout_s=300)

@@ -1,10 +1,12 @@
 """The other process of the transport's process tests; holds no tests itself.
 
 Run as a script: `python test_transport_helpers.py sender|receiver '<json spec>'`. The
-process speaks to its parent through stdout lines (`posting N`, `sent N`,
+process speaks to its parent through stdout lines (`ready`, `posting N`, `sent N`,
 `committed`, `address HOST:PORT`, `error TYPE MESSAGE`), which the tests wait for
-before killing, stopping or checking it. Buffer contents derive from (seed, index),
-so the parent knows what must arrive without any bytes crossing the pipe.
+before killing, stopping or checking it; a sender asked to (`wait_for_go`) connects,
+says `ready` and sends nothing until a line comes on its stdin. Buffer contents
+derive from (seed, index), so the parent knows what must arrive without any bytes
+crossing the pipe.
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ async def run_sender(spec: dict[str, Any]) -> None:
     # handshake, and a busy host can take longer.
     sender = KVSender(connect_timeout_s=20.0, after_checksum=announce)
     try:
+        if spec.get("wait_for_go"):
+            # Started, imported and connected: the parent starts its clock only now.
+            if not await sender.preconnect(peer):
+                say("error PeerUnreachable pre-connect failed")
+                raise SystemExit(1)
+            say("ready")
+            await asyncio.to_thread(sys.stdin.readline)
         for segment_no, indices in enumerate(spec["segments"]):
             items = [(i, payload(seed, i, sizes[i], pattern)) for i in indices]
             await sender.send(peer, request_id, items, deadline_s=deadline_s)

@@ -54,10 +54,17 @@ class Peer:
             str(HELPER),
             role,
             json.dumps(spec),
+            stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             env=None if env is None else {**os.environ, **env},
         )
         return cls(proc)
+
+    async def go(self) -> None:
+        """Let a sender started with `wait_for_go` (and `ready`) send."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"go\n")
+        await self.proc.stdin.drain()
 
     async def expect(self, prefix: str, timeout: float = 20.0) -> str:
         """The next line starting with `prefix`; fails on EOF, timeout or an error line."""
@@ -182,19 +189,22 @@ async def test_sender_killed_mid_transfer_fails_fast_and_receiver_carries_on(
 async def test_silent_sender_hits_the_deadline(receiver: KVReceiver) -> None:
     sizes = [4096] * 4
     dest = [np.zeros(4096, dtype=np.uint8) for _ in sizes]
-    # Long enough for the helper process to start and send its first segment on a
+    # Long enough for the helper, connected already, to send its first segment on a
     # busy machine; the silence that follows is what must hit it.
     deadline_s = 8.0
-    reservation = receiver.reserve("silent", dest, deadline_s=deadline_s)
     spec = {
         "peer": str(receiver.address),
         "request_id": "silent",
         "sizes": sizes,
         "segments": [[0, 1], [2, 3]],
         "pause_after": 0,
+        "wait_for_go": True,
     }
     peer = await Peer.start("sender", spec)
     try:
+        await peer.expect("ready", timeout=60)  # started, imported, connected
+        reservation = receiver.reserve("silent", dest, deadline_s=deadline_s)
+        await peer.go()
         await peer.expect("paused")
         peer.proc.send_signal(signal.SIGSTOP)  # alive, connected, and silent
         # The deadline ends it (TransferTimeout), not a broken connection: the

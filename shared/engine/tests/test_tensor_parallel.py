@@ -159,10 +159,12 @@ def test_a_rank_that_stops_answering_fails_the_instance_at_the_collective_deadli
     tmp_path: Path,
 ) -> None:
     path = build_checkpoint("llama", tmp_path / "ckpt")
+    # The short deadline bounds every collective, so none runs before the stop: a
+    # healthy call could miss it on a busy machine. A decode of unwritten pages fails
+    # on the stopped rank all the same.
     runner, _, ranks = start_tp(path, 2, pages=PAGES, block_size=BLOCK, timeout_s=2.0)
     stopped = ranks._procs[0].pid
     try:
-        runner.prefill(list(range(3, 12)), [0, 1])
         os.kill(stopped, signal.SIGSTOP)  # alive, but it never reaches the all-reduce
         with pytest.raises(RankLost, match="failed"):
             runner.decode([DecodeSeq([0, 1], 9, 4)])
