@@ -63,8 +63,8 @@ class Client:
         data = block_bytes(key)
         rid = PutId(key, LAYERS, CHUNK).request_id()
         items = [(i, data[i * CHUNK : (i + 1) * CHUNK]) for i in range(LAYERS)]
-        await self.sender.send(store, rid, items, deadline_s=5)
-        await self.sender.commit(store, rid, deadline_s=5)
+        await self.sender.send(store, rid, items, deadline_s=DEADLINE_S)
+        await self.sender.commit(store, rid, deadline_s=DEADLINE_S)
 
     async def fetch(
         self, store: PeerAddress, keys: list[int], layers: range = range(LAYERS)
@@ -77,14 +77,14 @@ class Client:
             for layer in layers
         ]
         rid = fetch_request_id(f"fetch.{uuid.uuid4().hex[:8]}", LAYERS, layers)
-        res = self.receiver.reserve(rid, bufs, deadline_s=5)
+        res = self.receiver.reserve(rid, bufs, deadline_s=DEADLINE_S)
         try:
             await self.sender.request_fetch(
                 store,
                 rid,
                 [key_text(k) for k in keys],
                 reply_to=self.receiver.address,
-                deadline_s=5,
+                deadline_s=DEADLINE_S,
                 breaks=res.breaks(),
             )
             await res.wait_committed()

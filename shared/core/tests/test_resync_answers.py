@@ -14,7 +14,7 @@ from yb_core.block_events import BlockEventPublisher, BlockLog, inventory_messag
 from yb_core.bus import Bus
 
 
-async def _inventories(bus: Bus, want: int, timeout_s: float = 10.0) -> list[int]:
+async def _inventories(bus: Bus, want: int, timeout_s: float = 60.0) -> list[int]:
     """Stream sequences of the inventories in the log, once `want` are there (or the
     deadline passed), read up to a marker published after them."""
     loop = asyncio.get_running_loop()

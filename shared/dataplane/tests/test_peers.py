@@ -45,8 +45,8 @@ async def test_a_worker_is_known_while_an_instance_that_announced_it_is_up() -> 
 @pytest.mark.asyncio
 async def test_a_hello_may_overtake_the_announcement_it_waits_for() -> None:
     peers = directory()
-    waiting = asyncio.create_task(peers.knows_worker(b"late", timeout_s=2))
-    found = asyncio.create_task(peers.wait_for("kvstore-1", timeout_s=2))
+    waiting = asyncio.create_task(peers.knows_worker(b"late", timeout_s=60))
+    found = asyncio.create_task(peers.wait_for("kvstore-1", timeout_s=60))
     await asyncio.sleep(0.05)
     assert not waiting.done() and not found.done()
     peers.apply(up("kvstore-1", b"late"))

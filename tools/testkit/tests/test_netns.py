@@ -29,9 +29,11 @@ SERVE = (
     "while (b := c.recv(65536)): d += b\n"
     "c.sendall(d); c.close()"
 )
+# The connect's short timeout is what a cut link hits; once connected, the echo has
+# all the time a busy machine may take.
 SEND = (
     "import socket, sys; c = socket.create_connection((sys.argv[1], 7000), timeout=2); "
-    "c.sendall(b'x' * 200000); c.shutdown(socket.SHUT_WR); n = 0\n"
+    "c.settimeout(30); c.sendall(b'x' * 200000); c.shutdown(socket.SHUT_WR); n = 0\n"
     "while (b := c.recv(65536)): n += len(b)\n"
     "print(n)"
 )
@@ -69,7 +71,7 @@ def _echo(source: Host, target: Host) -> int:
                 source.command(sys.executable, "-c", SEND, target.address),
                 capture_output=True,
                 text=True,
-                timeout=10,
+                timeout=60,
             )
             if done.returncode == 0:
                 return int(done.stdout)

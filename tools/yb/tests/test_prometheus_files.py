@@ -167,7 +167,9 @@ async def test_watcher_tells_who_announced_and_publishes_verdicts(
     started = time.time()
     running = {"prefill-0": started, "gateway-0": started}
     await bus.publish(up(GATEWAY, at=started - 60))  # an earlier process's
-    watcher = ClusterWatcher(nats_config, tmp_path / "targets.json", lambda: dict(running))
+    watcher = ClusterWatcher(
+        nats_config, tmp_path / "targets.json", lambda: dict(running), verdict_timeout_s=WAIT_S
+    )
     watcher.start()
     try:
         await bus.publish(up(PREFILL, at=time.time()))
@@ -211,7 +213,7 @@ async def test_watcher_confirms_an_announcement_from_the_log_itself(
         )
         await bus.publish(up(decode, at=time.time()))
         confirm = watcher.confirm_announced
-        assert await asyncio.to_thread(confirm, "decode-0", started)
+        assert await asyncio.to_thread(confirm, "decode-0", started, WAIT_S)
         # An announcement older than the process is an earlier process's; none at all.
         assert not await asyncio.to_thread(confirm, "decode-0", time.time() + 60)
         assert not await asyncio.to_thread(confirm, "decode-9", started)

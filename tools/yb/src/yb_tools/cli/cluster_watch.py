@@ -97,7 +97,8 @@ class ClusterWatcher:
     `running()` is the launcher's live children (instance id -> start, wall clock);
     `targets_path` the file_sd file it keeps current. `pool_log_since` (wall
     clock; None: not followed) follows the planner's decisions and the instance
-    events made from then on (`pool_log`).
+    events made from then on (`pool_log`). `verdict_timeout_s` bounds the publish of
+    one verdict (`declare_down`).
     """
 
     def __init__(
@@ -107,8 +108,10 @@ class ClusterWatcher:
         running: Callable[[], Mapping[str, float]],
         *,
         pool_log_since: float | None = None,
+        verdict_timeout_s: float = _VERDICT_TIMEOUT_S,
     ) -> None:
         self._nats = nats
+        self._verdict_timeout_s = verdict_timeout_s
         self.path = targets_path
         self._running = running
         self._pool_since = pool_log_since
@@ -199,7 +202,7 @@ class ClusterWatcher:
 
     async def _publish(self, bus: Bus, verdict: ev.InstanceDown) -> None:
         try:
-            await bus.publish(verdict, timeout_s=_VERDICT_TIMEOUT_S)
+            await bus.publish(verdict, timeout_s=self._verdict_timeout_s)
         except BusError as exc:
             log.warning("verdict_not_published", instance_id=verdict.instance_id, why=str(exc))
 
