@@ -115,7 +115,9 @@ async def test_a_failed_preconnect_is_logged_and_the_first_send_connects(
     gone_address = await gone.start()
     await gone.close()
     peers = PeerDirectory(cast(Any, None))
-    sender = KVSender(connect_timeout_s=0.5)
+    # The production default: the pre-connect to the gone peer waits it out, and the
+    # lazy connect to the live one below must fit in it (a handshake takes ~0.2 s).
+    sender = KVSender(connect_timeout_s=3.0)
     tasks = Tasks()
     try:
         PreConnector(peers, sender, of_roles({"decode"}), "prefill-0", tasks.spawn).start()
