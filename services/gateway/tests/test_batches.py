@@ -484,6 +484,26 @@ async def test_a_file_whose_chunks_are_gone_is_an_error_not_a_wait(bus: Bus) -> 
     assert await store.file_bytes("file-never") is None
 
 
+async def test_reads_leave_no_consumer_behind(bus: Bus) -> None:
+    """Every read of a bucket deletes its consumer: the server refuses new consumers
+    on a stream past its limit, so reads left for the server to expire would make a
+    burst of them (a client listing batches in a loop) fail."""
+    store = await BatchStore.open(bus.jetstream, BUCKET, replicas=1, lease_ttl_s=5, timeout_s=5)
+    data = b"z" * 1000
+    record = FileObject(id="file-a", bytes=len(data), created_at=1, filename="a", purpose="batch")
+    await store.put_file(record, data)
+    line = LineResult(index=0, id="batch_req_a_0", custom_id="c", status_code=200)
+    await store.record_line("batch_a", line)
+    for _ in range(3):
+        assert [f.id for f in await store.list_files()] == ["file-a"]
+        assert await store.list_batches() == []
+        assert list(await store.line_results("batch_a")) == [0]
+        assert await store.file_bytes("file-a") == data
+    for stream in (f"KV_{BUCKET}", f"KV_{BUCKET}_lines", f"OBJ_{BUCKET}_files"):
+        info = await bus.jetstream.stream_info(stream)
+        assert info.state.consumer_count == 0, (stream, info.state.consumer_count)
+
+
 async def test_a_renewal_whose_answer_was_lost_keeps_the_lease(bus: Bus) -> None:
     """A renewal stored by JetStream but timed out on the way back leaves the holder
     a revision behind: its next renewal still keeps the lease it holds, and a lease

@@ -46,6 +46,9 @@ CAS_ATTEMPTS = 32
 #: The header of a KV delete or purge marker (nats-py's `kv.KV_OP`).
 KV_OPERATION = "KV-Operation"
 
+#: How long the server keeps a reading consumer that lost its subscriber (`_replay`).
+CONSUMER_IDLE_S = 5.0
+
 #: What a failed JetStream call raises.
 JS_ERRORS = (nats.errors.Error, OSError, TimeoutError)
 
@@ -404,8 +407,15 @@ class BatchStore:
 
         The consumer's own count says when they are all read: those delivered plus
         those pending when it is asked, each message saying how many follow it.
+
+        The consumer is deleted once read. The server keeps an ephemeral consumer
+        until it has had no subscriber for its inactive threshold, and refuses a new
+        one past its limit (1,000 on a stream in nats-server 2.15): reads left to
+        expire would pile up there, and a burst of them (a client listing batches in
+        a loop) would make every read fail. The threshold is the backstop for one the
+        ordered consumer re-created under another name.
         """
-        config = api.ConsumerConfig(deliver_policy=policy, inactive_threshold=60.0)
+        config = api.ConsumerConfig(deliver_policy=policy, inactive_threshold=CONSUMER_IDLE_S)
         sub = await self._js.subscribe(
             subject,
             stream=stream,
@@ -413,8 +423,10 @@ class BatchStore:
             config=config,
             pending_msgs_limit=1_000_000,
         )
+        name: str | None = None
         try:
             info = await sub.consumer_info()
+            name = info.name
             if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
                 return
             while True:
@@ -425,6 +437,9 @@ class BatchStore:
         finally:
             with contextlib.suppress(*JS_ERRORS):
                 await sub.unsubscribe()
+            if name is not None:
+                with contextlib.suppress(*JS_ERRORS):
+                    await self._js.delete_consumer(stream, name)
 
 
 async def _key_value(
