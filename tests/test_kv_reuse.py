@@ -37,7 +37,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         "tiny-random",
         "--model-name",
         "tiny",
-        env={"YB_CONDUCTOR__HEARTBEAT_TIMEOUT_S": "3"},
+        # Short enough to wait for once (the SIGSTOPped instance), long enough that no
+        # instance starved for a few seconds on a busy machine is declared dead.
+        env={"YB_CONDUCTOR__HEARTBEAT_TIMEOUT_S": "10"},
     )
     cluster.start(timeout_s=300)
     try:
