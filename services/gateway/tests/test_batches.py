@@ -431,6 +431,8 @@ async def test_a_batch_leased_by_another_gateway_waits_for_its_lease(
         ),
         data,
     )
+    # The gateway runs before the lease is taken, so no slow start can outlast it.
+    gw = await gateway_factory(**{**BATCH, "batch_lease_ttl_s": ttl_s})
     batch_id = "batch_0123abcd"
     holder = "gateway-dead:1"
     revision = await store.acquire_lease(batch_id, holder)
@@ -446,7 +448,6 @@ async def test_a_batch_leased_by_another_gateway_waits_for_its_lease(
             expires_at=now + 24 * 3600,
         )
     )
-    gw = await gateway_factory(**{**BATCH, "batch_lease_ttl_s": ttl_s})
     async with client_for(gw) as client:
         for _ in range(8):  # some 8 of the gateway's looks for batches, 0.2 s apart
             await asyncio.sleep(BATCH["batch_poll_s"])
@@ -476,7 +477,7 @@ async def test_a_file_whose_chunks_are_gone_is_an_error_not_a_wait(bus: Bus) -> 
         )
         await store.put_file(record, data)
     assert await store.file_bytes("file-kept") == data
-    nuid = (await store._files.get_info("file-lost")).nuid
+    nuid = (await (await bus.jetstream.object_store(f"{BUCKET}_files")).get_info("file-lost")).nuid
     await bus.jetstream.purge_stream(f"OBJ_{BUCKET}_files", subject=f"$O.{BUCKET}_files.C.{nuid}")
     with pytest.raises(nats.js.errors.DigestMismatchError):
         await asyncio.wait_for(store.file_bytes("file-lost"), 10)
